@@ -1,0 +1,104 @@
+"""Where a node keeps its state and what it may hold: paths under ``DSEC_HOME`` and capacity.
+
+Everything a node writes lives under one directory (default ``/var/lib/dsec``), so tests can
+run an isolated node by pointing ``DSEC_HOME`` at a temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["NodeConfig", "default_home"]
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("DSEC_HOME", "/var/lib/dsec"))
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 30
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A node's paths and admission limits. ``overcommit`` multiplies CPU and memory capacity."""
+
+    home: Path = field(default_factory=default_home)
+    cpu_overcommit: float = 50.0  # sandboxes are idle most of the time (DSec: >50x)
+    memory_overcommit: float = 1.0  # memory must stay resident: no overcommit by default
+    max_sandboxes: int = 4096
+    # Sandboxes map container root to host uid ``uid_base``; the range is ``uid_size`` wide.
+    uid_base: int = 100000
+    uid_size: int = 65536
+    layer_linger: float = 0.0  # seconds a layer stays mounted after its last user leaves
+
+    @classmethod
+    def from_env(cls) -> "NodeConfig":
+        kw = {}
+        if "DSEC_CPU_OVERCOMMIT" in os.environ:
+            kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
+        if "DSEC_MEMORY_OVERCOMMIT" in os.environ:
+            kw["memory_overcommit"] = float(os.environ["DSEC_MEMORY_OVERCOMMIT"])
+        if "DSEC_MAX_SANDBOXES" in os.environ:
+            kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
+        if "DSEC_LAYER_LINGER" in os.environ:
+            kw["layer_linger"] = float(os.environ["DSEC_LAYER_LINGER"])
+        return cls(**kw)
+
+    # --- capacity -------------------------------------------------------------------------
+    @property
+    def cpu_capacity(self) -> float:
+        return (os.cpu_count() or 1) * self.cpu_overcommit
+
+    @property
+    def memory_capacity(self) -> int:
+        return int(_mem_total() * self.memory_overcommit)
+
+    # --- paths ----------------------------------------------------------------------------
+    @property
+    def layer_dir(self) -> Path:
+        """Content-addressed EROFS images and their name@version refs."""
+        return self.home / "layers"
+
+    @property
+    def catalog_dir(self) -> Path:
+        return self.home / "catalogs"
+
+    @property
+    def mount_dir(self) -> Path:
+        """Shared, reference-counted mounts of layers (one per layer per node)."""
+        return self.home / "mnt"
+
+    @property
+    def sandbox_dir(self) -> Path:
+        """One directory per sandbox: state.json, upper/, work/, rootfs/, agent.sock."""
+        return self.home / "sandboxes"
+
+    @property
+    def run_dir(self) -> Path:
+        """Daemon socket, pid file, runc state."""
+        return self.home / "run"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.run_dir / "dsecd.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "dsecd.log"
+
+    @property
+    def bin_dir(self) -> Path:
+        """Built helper binaries (the in-sandbox agent)."""
+        return self.home / "bin"
+
+    def ensure_dirs(self) -> None:
+        for d in (self.layer_dir, self.catalog_dir, self.mount_dir, self.sandbox_dir, self.run_dir,
+                  self.bin_dir):
+            d.mkdir(parents=True, exist_ok=True)

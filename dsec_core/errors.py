@@ -1,0 +1,217 @@
+"""The one error tree of dsec: catch ``DsecError`` to catch everything we raise on purpose.
+
+Each subclass keeps its context (sandbox id, command, exit code, stderr, ...) as attributes and
+in its message. Errors cross the node daemon's HTTP API by name (``to_wire``/``from_wire``), so
+a client raises the same class the daemon raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "DsecError",
+    "NotFound",
+    "UnknownSandbox",
+    "UnknownLayer",
+    "UnknownBackend",
+    "UnknownEnvironment",
+    "UnknownSession",
+    "UnknownSource",
+    "InvalidSpec",
+    "CatalogInvalid",
+    "LayerBuildError",
+    "LayerExists",
+    "BackendUnavailable",
+    "AdmissionRejected",
+    "SandboxError",
+    "SandboxNotRunning",
+    "ExecTimeout",
+    "CommandFailed",
+    "SandboxPathError",
+    "SessionClosed",
+    "MountError",
+    "NodeUnavailable",
+    "ToolError",
+    "error_from_wire",
+]
+
+
+class DsecError(Exception):
+    """Root of every error dsec raises on purpose; anything else is a bug."""
+
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+        for key, value in context.items():
+            setattr(self, key, value)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__name__,
+            "message": self.message,
+            "context": {k: v for k, v in self.context.items() if _jsonable(v)},
+        }
+
+
+def _jsonable(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, dict))
+
+
+class NotFound(DsecError):
+    """Something named does not exist; the message lists what does."""
+
+    http_status = 404
+
+    def __init__(self, message: str, *, name: str = "", known: list[str] | None = None, **ctx: Any):
+        known = list(known or [])
+        if known and "known:" not in message:
+            shown = ", ".join(known[:20]) + (" ..." if len(known) > 20 else "")
+            message = f"{message} (known: {shown})"
+        elif not known and "known:" not in message and name:
+            message = f"{message} (none known)"
+        super().__init__(message, name=name, known=known, **ctx)
+
+
+class UnknownSandbox(NotFound):
+    """No sandbox with that id on this node."""
+
+
+class UnknownLayer(NotFound):
+    """No layer with that ``name@version`` or digest in any layer source."""
+
+
+class UnknownBackend(NotFound):
+    """No backend plugin registered under that name."""
+
+
+class UnknownEnvironment(NotFound):
+    """No catalog environment (or task) with that name."""
+
+
+class UnknownSession(NotFound):
+    """No shell session with that id in the sandbox."""
+
+
+class UnknownSource(NotFound):
+    """A layer source scheme no plugin handles."""
+
+
+class InvalidSpec(DsecError):
+    """A request or spec is malformed: wrong type, bad size string, conflicting fields."""
+
+    http_status = 400
+
+
+class CatalogInvalid(InvalidSpec):
+    """A catalog document fails its schema; ``path`` is the JSON path of the fault."""
+
+
+class LayerBuildError(DsecError):
+    """Building an EROFS layer failed (bad source, mkfs.erofs error, docker export error)."""
+
+
+class LayerExists(DsecError):
+    """``name@version`` already names a different layer; versions are immutable."""
+
+    http_status = 409
+
+
+class ToolError(DsecError):
+    """An external program (runc, mkfs.erofs, debootstrap, docker) failed.
+
+    Carries ``command``, ``exit_code``, ``stdout`` and ``stderr`` like python-on-whales does.
+    """
+
+    def __init__(self, message: str, *, command: list[str] | None = None, exit_code: int | None = None,
+                 stdout: str = "", stderr: str = "", **ctx: Any):
+        tail = (stderr or stdout or "").strip()[-2000:]
+        full = message
+        if command:
+            full += f"\n  command: {' '.join(command)}\n  exit code: {exit_code}"
+        if tail:
+            full += f"\n  stderr: {tail}"
+        super().__init__(full, command=command or [], exit_code=exit_code, stdout=stdout,
+                         stderr=stderr, **ctx)
+
+
+class BackendUnavailable(DsecError):
+    """The backend exists but cannot run here (missing runtime, kernel feature, ...)."""
+
+    http_status = 503
+
+
+class AdmissionRejected(DsecError):
+    """The node refuses the request: it would exceed the node's capacity."""
+
+    http_status = 429
+
+
+class SandboxError(DsecError):
+    """A sandbox operation failed inside or around the sandbox."""
+
+    http_status = 500
+
+
+class SandboxNotRunning(SandboxError):
+    """The sandbox exists in the records but its processes are gone."""
+
+    http_status = 409
+
+
+class ExecTimeout(SandboxError):
+    """A command ran past its timeout; its whole process tree was killed."""
+
+    http_status = 504
+
+
+class CommandFailed(SandboxError):
+    """``ExecResult.check()`` found a non-zero exit code."""
+
+    http_status = 500
+
+
+class SandboxPathError(SandboxError):
+    """A file operation inside the sandbox failed (no such file, is a directory, ...)."""
+
+    http_status = 400
+
+
+class SessionClosed(SandboxError):
+    """The shell session ended (its shell exited or was killed after a timeout)."""
+
+    http_status = 410
+
+
+class MountError(DsecError):
+    """A mount(2)-family call failed while composing layers."""
+
+
+class NodeUnavailable(DsecError):
+    """The node daemon cannot be reached or started."""
+
+    http_status = 503
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_from_wire(payload: dict[str, Any]) -> DsecError:
+    """Rebuild the typed error a daemon sent; unknown names become a plain ``DsecError``."""
+    by_name = {c.__name__: c for c in _all_subclasses(DsecError)}
+    cls = by_name.get(payload.get("type", ""), DsecError)
+    err = cls.__new__(cls)
+    context = dict(payload.get("context") or {})
+    DsecError.__init__(err, payload.get("message", "unknown error"), **context)
+    return err

@@ -1,0 +1,242 @@
+"""Small immutable records for specs and results; every public API takes and returns these.
+
+Each record converts to and from plain JSON (``to_dict``/``from_dict``) for the daemon's HTTP
+API and the on-disk state; nothing else passes dicts around.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import CommandFailed, ExecTimeout, InvalidSpec
+
+__all__ = [
+    "LAYER_KINDS",
+    "LayerRef",
+    "LayerInfo",
+    "Limits",
+    "SandboxSpec",
+    "SandboxInfo",
+    "ExecResult",
+    "FileEntry",
+    "parse_size",
+]
+
+LAYER_KINDS = ("base", "workspace", "toolkit")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str | None, what: str = "size") -> int | None:
+    """``"512M"``, ``"2GiB"``, ``1048576`` -> bytes (binary units); ``None`` stays ``None``."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and value < 0:
+            raise InvalidSpec(f"{what} must not be negative: {value}", field=what)
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise InvalidSpec(f"{what}: cannot read {value!r} as a size (try 512M, 2G or bytes)", field=what)
+
+
+class _Record:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - names
+        if unknown:
+            raise InvalidSpec(f"{cls.__name__}: unknown field(s) {sorted(unknown)}; "
+                              f"known: {sorted(names)}", fields=sorted(unknown))
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise InvalidSpec(f"{cls.__name__}: {e}") from e
+
+
+@dataclass(frozen=True)
+class LayerRef(_Record):
+    """A layer named ``name@version``; ``version`` may be omitted to mean the newest."""
+
+    name: str
+    version: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerRef":
+        name, _, version = text.partition("@")
+        if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise InvalidSpec(f"bad layer reference {text!r}: expected name@version", ref=text)
+        if version and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", version):
+            raise InvalidSpec(f"bad layer version in {text!r}", ref=text)
+        return cls(name, version or None)
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}" if self.version else self.name
+
+
+@dataclass(frozen=True)
+class LayerInfo(_Record):
+    """A built layer in a store: a read-only EROFS image addressed by its sha256 digest."""
+
+    name: str
+    version: str
+    kind: str
+    digest: str  # "sha256:<hex>"
+    size: int
+    created: float = 0.0
+    source: str = ""  # what it was built from, for humans
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class Limits(_Record):
+    """Resource limits of one sandbox; ``memory`` in bytes, ``cpu`` in cores."""
+
+    cpu: float = 1.0
+    memory: int = 512 << 20
+    pids: int = 512
+    disk: int | None = None  # reserved: writable-layer quota (not enforced yet)
+
+    def __post_init__(self) -> None:
+        if not (0 < float(self.cpu) <= 1024):
+            raise InvalidSpec(f"cpu must be in (0, 1024] cores, got {self.cpu}", field="cpu")
+        if int(self.memory) < (8 << 20):
+            raise InvalidSpec(f"memory must be at least 8M, got {self.memory}", field="memory")
+        if int(self.pids) < 8:
+            raise InvalidSpec(f"pids must be at least 8, got {self.pids}", field="pids")
+
+
+@dataclass(frozen=True)
+class SandboxSpec(_Record):
+    """What a create request asks for.
+
+    Either ``environment`` (a catalog entry: base + workspaces + toolkits) or explicit ``layers``
+    (``name@version`` strings, top first: toolkits, workspaces, then the base last).
+    """
+
+    environment: str | None = None
+    layers: tuple[str, ...] = ()
+    backend: str = "container"
+    cpu: float = 1.0
+    memory: int | str = "512M"
+    pids: int = 512
+    ttl: float | None = 3600.0  # seconds; None: lives until killed
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    network: str = "none"  # "none": loopback only; policies come from security plugins
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "env", dict(self.env))
+        object.__setattr__(self, "labels", dict(self.labels))
+        if not self.environment and not self.layers:
+            raise InvalidSpec("a sandbox needs an environment or at least one layer")
+        if self.ttl is not None and self.ttl <= 0:
+            raise InvalidSpec(f"ttl must be positive seconds or None, got {self.ttl}", field="ttl")
+        for ref in self.layers:
+            LayerRef.parse(ref)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(cpu=float(self.cpu), memory=parse_size(self.memory, "memory") or 0,
+                      pids=int(self.pids))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["layers"] = list(self.layers)
+        return d
+
+
+@dataclass(frozen=True)
+class SandboxInfo(_Record):
+    """A sandbox as the node sees it."""
+
+    id: str
+    backend: str
+    state: str  # "running" | "dead"
+    created: float
+    expires: float | None
+    layers: tuple[str, ...]  # name@version, top first
+    environment: str | None
+    limits: Mapping[str, Any]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    pid: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["layers"] = list(self.layers)
+        return d
+
+
+@dataclass(frozen=True)
+class ExecResult(_Record):
+    """What one command did: exit code, captured output (capped), time, and why it stopped."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration: float  # seconds
+    truncated: bool = False  # output went past the per-call cap and the rest was dropped
+    timed_out: bool = False  # the process tree was killed at the timeout
+    command: str = ""
+    sandbox_id: str = ""
+
+    @property
+    def text(self) -> str:
+        """stdout decoded as UTF-8 (undecodable bytes replaced)."""
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def check(self) -> "ExecResult":
+        """Return self if the command succeeded; raise ``ExecTimeout`` or ``CommandFailed``."""
+        ctx = dict(sandbox_id=self.sandbox_id, command=self.command, exit_code=self.exit_code,
+                   stderr=self.stderr.decode("utf-8", "replace")[-2000:])
+        if self.timed_out:
+            raise ExecTimeout(f"sandbox {self.sandbox_id}: {self.command!r} timed out after "
+                              f"{self.duration:.1f}s", **ctx)
+        if self.exit_code != 0:
+            raise CommandFailed(f"sandbox {self.sandbox_id}: {self.command!r} exited "
+                                f"{self.exit_code}: {ctx['stderr'].strip()[-500:]}", **ctx)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["stdout"] = base64.b64encode(self.stdout).decode()
+        d["stderr"] = base64.b64encode(self.stderr).decode()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ExecResult":
+        data = dict(data)
+        data["stdout"] = base64.b64decode(data.get("stdout", ""))
+        data["stderr"] = base64.b64decode(data.get("stderr", ""))
+        return super().from_dict(data)
+
+
+@dataclass(frozen=True)
+class FileEntry(_Record):
+    """One directory entry inside a sandbox."""
+
+    name: str
+    type: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+    mode: int
+    mtime: float

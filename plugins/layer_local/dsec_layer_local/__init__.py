@@ -1,0 +1,1 @@
+"""dsec layer source plugin: the node's local content-addressed layer store."""
