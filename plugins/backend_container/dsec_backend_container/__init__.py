@@ -1,1 +1,13 @@
-"""dsec container backend plugin: sandboxes under runc with user, pid, mount, net, ipc and uts namespaces."""
+"""dsec container backend plugin: sandboxes under runc with user, pid, mount, net, ipc and uts
+namespaces, cgroup limits, masked /proc paths, no-new-privileges and a small capability set."""
+
+from dsec_core.hookspecs import hookimpl
+
+from .runc import ContainerBackend
+
+__all__ = ["ContainerBackend"]
+
+
+@hookimpl
+def dsec_register_backends(register):
+    register(ContainerBackend)
