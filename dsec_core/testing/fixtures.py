@@ -1,0 +1,195 @@
+"""pytest fixtures for testing dsec and its plugins against a real, isolated node daemon.
+
+Loaded as a pytest plugin (entry point ``pytest11: dsec``), so a third-party plugin's tests get
+the same fixtures ours use: ``dsec_node`` (a daemon in a private ``DSEC_HOME``), ``dsec_client``,
+``kit_layer`` (a small busybox base layer) and ``sandboxes`` (creates sandboxes and kills every
+one of them at teardown).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from ..client import Client
+from ..config import NodeConfig
+from ..errors import DsecError
+from ..records import LayerInfo, SandboxSpec
+
+__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers"]
+
+BUSYBOX = "/bin/busybox"
+
+
+def make_busybox_rootfs(root: Path) -> Path:
+    """A minimal root filesystem: static busybox with all its applets, and the usual dirs."""
+    if not Path(BUSYBOX).exists():
+        pytest.skip("busybox-static is not installed (apt-get install busybox-static)")
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "tmp", "proc", "sys", "dev",
+              "var/tmp", "home"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run([BUSYBOX, "--list-full"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    for applet in applets:
+        link = root / applet
+        if not link.exists() and not link.is_symlink():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to("/bin/busybox")
+    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
+                                         "nobody:x:65534:65534:nobody:/:/bin/false\n")
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    return root
+
+
+def leftovers(home: Path) -> dict[str, list[str]]:
+    """What a node under ``home`` left behind: mounts, cgroups, sandbox dirs, processes."""
+    prefix = os.fspath(home)
+    mounts = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mp = line.split()[4]
+            if mp.startswith(prefix):
+                mounts.append(mp)
+    sdir = home / "sandboxes"
+    dirs = sorted(p.name for p in sdir.iterdir()) if sdir.exists() else []
+    cgroups = []
+    for hier in Path("/sys/fs/cgroup").iterdir():
+        for sid in dirs:
+            if (hier / "dsec" / sid).exists():
+                cgroups.append(os.fspath(hier / "dsec" / sid))
+    procs = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if prefix.encode() in cmd and b"dsec_core.node.daemon" not in cmd:
+            procs.append(f"{pid}: {cmd.replace(b'\0', b' ').decode(errors='replace')}")
+    return {"mounts": mounts, "sandbox_dirs": dirs, "cgroups": cgroups, "processes": procs}
+
+
+@dataclass
+class KitNode:
+    """A node daemon in a private ``DSEC_HOME`` with a busybox base layer ``kit-base@1``."""
+
+    home: Path
+    config: NodeConfig
+    layer: LayerInfo
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, home: Path) -> "KitNode":
+        from ..layers.build import build_layer
+        from ..layers.store import LayerStore
+        from ..node.daemon import ensure_daemon
+
+        config = NodeConfig(home=home)
+        config.ensure_dirs()
+        store = LayerStore(config.layer_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
+            layer = build_layer(rootfs, name="kit-base", version="1", kind="base", store=store)
+        old = os.environ.get("DSEC_HOME")
+        os.environ["DSEC_HOME"] = os.fspath(home)
+        try:
+            ensure_daemon(config)
+        finally:
+            if old is None:
+                os.environ.pop("DSEC_HOME", None)
+            else:
+                os.environ["DSEC_HOME"] = old
+        return cls(home=home, config=config, layer=layer)
+
+    def client(self) -> Client:
+        return Client(os.fspath(self.config.socket_path))
+
+    def stop(self) -> None:
+        from ..node.daemon import stop_daemon
+
+        try:
+            with self.client() as c:
+                for info in c.list():
+                    try:
+                        c.kill(info.id)
+                    except DsecError:
+                        pass
+        except DsecError:
+            pass
+        stop_daemon(self.config)
+
+
+class SandboxRecorder:
+    """Creates sandboxes for a test and remembers them, so teardown can kill every one."""
+
+    def __init__(self, client: Client, default_spec: dict[str, Any]) -> None:
+        self.client = client
+        self.default_spec = default_spec
+        self.created: list[str] = []
+
+    def spec(self, **kw: Any) -> SandboxSpec:
+        return SandboxSpec(**{**self.default_spec, **kw})
+
+    def create(self, **kw: Any):
+        sb = self.client.create(self.spec(**kw))
+        self.created.append(sb.id)
+        return sb
+
+    def create_many(self, n: int, **kw: Any):
+        sbs = self.client.create_many(self.spec(**kw), n)
+        self.created.extend(sb.id for sb in sbs)
+        return sbs
+
+    def cleanup(self) -> None:
+        for sid in self.created:
+            try:
+                self.client.kill(sid)
+            except DsecError:
+                pass
+
+
+@pytest.fixture(scope="session")
+def dsec_node() -> Iterator[KitNode]:
+    """A real node daemon in a temporary DSEC_HOME, shared by the test session."""
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    home = Path(tempfile.mkdtemp(prefix="dsec-kit-"))
+    node = KitNode.start(home)
+    try:
+        yield node
+    finally:
+        node.stop()
+        left = leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
+        assert not any(left.values()), f"the node left things behind: {left}"
+
+
+@pytest.fixture
+def dsec_client(dsec_node: KitNode) -> Iterator[Client]:
+    with dsec_node.client() as client:
+        yield client
+
+
+@pytest.fixture
+def sandboxes(dsec_client: Client, dsec_node: KitNode, request) -> Iterator[SandboxRecorder]:
+    """Create sandboxes with ``sandboxes.create(**spec)``; all are killed at teardown.
+
+    The default spec uses the kit's busybox layer and the test class's ``backend_name``.
+    """
+    backend = getattr(request.instance, "backend_name", None) or "container"
+    rec = SandboxRecorder(dsec_client, {"layers": (dsec_node.layer.ref,), "backend": backend,
+                                        "cpu": 1.0, "memory": "256M", "pids": 256, "ttl": 600})
+    try:
+        yield rec
+    finally:
+        rec.cleanup()
