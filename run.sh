@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine: installs what dsec needs (idempotently, and
+# fast when already done), then runs the main job or the tests.
+#
+#   sudo bash run.sh demo     # dsec demo on the embedded single-node default
+#   sudo bash run.sh test     # the test suite
+#   sudo bash run.sh setup    # only the set-up
+#   sudo bash run.sh bench    # bench/create.py --quick
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+venv="$here/.venv"
+stamp_dir="$venv/.dsec-stamps"
+
+APT_PACKAGES=(runc erofs-utils debootstrap busybox-static gcc libc6-dev python3-venv
+              util-linux iproute2 docker.io ca-certificates)
+
+log() { printf '\033[1m[dsec setup]\033[0m %s\n' "$*" >&2; }
+
+need_root() {
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "run.sh: dsec needs root (mounts, cgroups, runc); run it with sudo" >&2
+        exit 1
+    fi
+}
+
+setup_apt() {
+    local missing=()
+    for p in "${APT_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "installing Debian packages: ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -q >/dev/null
+        apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+}
+
+setup_python() {
+    local py="${PYTHON:-python3}"
+    if [ ! -x "$venv/bin/python" ]; then
+        log "creating the Python environment in .venv"
+        "$py" -m venv "$venv"
+    fi
+    mkdir -p "$stamp_dir"
+    # Reinstall only when a project file changed.
+    local sum
+    sum=$(cat pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -c1-16)
+    if [ ! -f "$stamp_dir/pip-$sum" ]; then
+        log "installing dsec and its plugins into .venv"
+        "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
+        local plugins=()
+        for d in plugins/*/; do plugins+=(-e "$d"); done
+        "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
+        "$venv/bin/python" -c "import dsec, dsec_backend_container, dsec_layer_local" \
+            || { echo "run.sh: the Python install failed" >&2; exit 1; }
+        rm -f "$stamp_dir"/pip-*
+        touch "$stamp_dir/pip-$sum"
+    fi
+}
+
+setup() {
+    need_root
+    setup_apt
+    setup_python
+}
+
+cmd="${1:-demo}"
+shift || true
+case "$cmd" in
+    setup)
+        setup
+        ;;
+    demo)
+        setup
+        exec "$venv/bin/dsec" demo "$@"
+        ;;
+    test)
+        setup
+        # The suite's end-to-end demo test keeps its built catalog here between runs.
+        export DSEC_TEST_HOME="${DSEC_TEST_HOME:-/var/lib/dsec-test}"
+        DSEC_HOME="$DSEC_TEST_HOME" "$venv/bin/dsec" catalog build
+        set +e
+        "$venv/bin/pytest" -q -p no:cacheprovider "$@"
+        rc=$?
+        set -e
+        [ "$rc" -eq 5 ] && { echo "run.sh: no tests ran" >&2; exit 1; }
+        exit "$rc"
+        ;;
+    bench)
+        setup
+        exec "$venv/bin/python" bench/create.py --quick "$@"
+        ;;
+    *)
+        echo "usage: run.sh [setup|demo|test|bench] [args...]" >&2
+        exit 2
+        ;;
+esac
