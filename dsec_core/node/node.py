@@ -93,8 +93,10 @@ class Node:
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.userns = UserNamespaceHandle(self.idmap)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
+        # The local store answers first; other sources in plugin order (issue: configurable).
+        classes = sorted(self.registry.layer_sources.values(), key=lambda c: c.scheme != "local")
         self.layer_sources = [cls(os.fspath(cfg.layer_dir)) if cls.scheme == "local" else cls()
-                              for cls in self.registry.layer_sources.values()]
+                              for cls in classes]
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
@@ -278,6 +280,8 @@ class Node:
         for info in sb.layers:
             self.mounts.release(info.digest)
         shutil.rmtree(sb.rt.dir, ignore_errors=True)
+        for policy in sb.backend.security_policies:
+            policy.released(sb.rt)
 
     # --- inside the sandbox ---------------------------------------------------------------
     def agent(self, sid: str) -> AgentClient:

@@ -1,0 +1,203 @@
+"""The node as a whole: bad input, failure paths that must leave nothing, and restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import dsec
+from dsec_core.config import NodeConfig
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.store import LayerStore
+from dsec_core.node.daemon import daemon_pid, ensure_daemon, stop_daemon
+from dsec_core.testing import KitNode, leftovers, make_busybox_rootfs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _assert_clean(home: Path, sandbox_id: str | None = None) -> None:
+    left = leftovers(home)
+    if sandbox_id is None:
+        assert left["sandbox_dirs"] == [], left
+        assert [m for m in left["mounts"] if "/sandboxes/" in m] == [], left
+        assert left["cgroups"] == [] and left["processes"] == [], left
+    else:
+        assert sandbox_id not in left["sandbox_dirs"]
+        assert not [m for m in left["mounts"] if sandbox_id in m]
+
+
+# --- bad input gets typed errors and leaves nothing ------------------------------------------
+
+def test_unknown_layer_names_known(sandboxes, dsec_node):
+    with pytest.raises(dsec.UnknownLayer) as e:
+        sandboxes.create(layers=("no-such-layer@1",))
+    assert "no-such-layer@1" in str(e.value) and "kit-base@1" in str(e.value)
+    _assert_clean(dsec_node.home)
+
+
+def test_unknown_backend_names_known(sandboxes, dsec_node):
+    with pytest.raises(dsec.UnknownBackend) as e:
+        sandboxes.create(backend="warp-drive")
+    assert "warp-drive" in str(e.value) and "container" in str(e.value)
+
+
+def test_unknown_environment(sandboxes):
+    with pytest.raises(dsec.UnknownEnvironment) as e:
+        sandboxes.create(layers=(), environment="no-such-env")
+    assert "no-such-env" in str(e.value)
+
+
+def test_unknown_sandbox(dsec_client):
+    with pytest.raises(dsec.UnknownSandbox):
+        dsec_client.exec("deadbeef0000", "true")
+    with pytest.raises(dsec.UnknownSandbox):
+        dsec_client.kill("deadbeef0000")
+
+
+def test_invalid_spec_is_typed():
+    with pytest.raises(dsec.InvalidSpec):
+        dsec.SandboxSpec(layers=("kit-base@1",), memory="lots")
+    with pytest.raises(dsec.InvalidSpec):
+        dsec.SandboxSpec(layers=("kit-base@1",), memory="1M").limits
+    with pytest.raises(dsec.InvalidSpec):
+        dsec.SandboxSpec()
+
+
+def test_admission_rejects_beyond_capacity(sandboxes, dsec_node):
+    with pytest.raises(dsec.AdmissionRejected) as e:
+        sandboxes.create(memory="4T")
+    assert "memory" in str(e.value)
+    with pytest.raises(dsec.AdmissionRejected):
+        sandboxes.create(cpu=1000)
+    _assert_clean(dsec_node.home)
+
+
+def test_corrupt_layer_image_fails_cleanly(sandboxes, dsec_node, tmp_path):
+    junk = tmp_path / "junk.erofs"
+    junk.write_bytes(os.urandom(1 << 16))
+    LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1", kind="base")
+    with pytest.raises(dsec.MountError):
+        sandboxes.create(layers=("junk@1",))
+    _assert_clean(dsec_node.home)
+    assert not list(dsec_node.config.mount_dir.iterdir())
+
+
+def test_runtime_failure_fails_cleanly(sandboxes, dsec_node, tmp_path):
+    # A layer whose /.dsec is a file: runc cannot mount the agent there and fails to start.
+    rootfs = tmp_path / "bad"
+    rootfs.mkdir()
+    (rootfs / ".dsec").write_text("in the way")
+    store = LayerStore(dsec_node.config.layer_dir)
+    build_layer(rootfs, name="blocker", version="1", kind="toolkit", store=store)
+    with pytest.raises(dsec.DsecError) as e:
+        sandboxes.create(layers=("blocker@1", dsec_node.layer.ref))
+    assert "runc" in str(e.value)
+    _assert_clean(dsec_node.home)
+    assert not list((dsec_node.config.run_dir / "runc").iterdir())
+
+
+# --- the SDK ---------------------------------------------------------------------------------
+
+def test_async_client_same_methods():
+    sync = {n for n in dir(dsec.Client) if not n.startswith("_")}
+    asyn = {n for n in dir(dsec.AsyncClient) if not n.startswith("_")}
+    assert sync == asyn
+
+
+async def test_async_client_end_to_end(dsec_node):
+    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+        sbs = await client.create_many(layers=(dsec_node.layer.ref,), n=3, memory="64M")
+        try:
+            results = await asyncio.gather(*(sb.exec(["echo", sb.id]) for sb in sbs))
+            assert [r.stdout for r in results] == [f"{sb.id}\n".encode() for sb in sbs]
+            async with await sbs[0].session() as ses:
+                await ses.exec("cd /tmp")
+                assert (await ses.exec("pwd")).stdout == b"/tmp\n"
+            await sbs[0].write_file("/tmp/f", "text")
+            assert await sbs[0].read_file("/tmp/f") == b"text"
+        finally:
+            await asyncio.gather(*(sb.kill() for sb in sbs))
+    _assert_clean(dsec_node.home)
+
+
+def test_sandbox_context_manager_kills(dsec_client, dsec_node):
+    with dsec_client.create(layers=(dsec_node.layer.ref,), memory="64M") as sb:
+        assert sb.exec("echo hi").text == "hi\n"
+    with pytest.raises(dsec.UnknownSandbox):
+        dsec_client.get(sb.id)
+
+
+# --- restarts: sandboxes outlive the daemon and are re-adopted -------------------------------
+
+@pytest.fixture
+def private_node():
+    """A node of its own, for tests that stop and restart the daemon."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    home = Path(tempfile.mkdtemp(prefix="dsec-restart-"))
+    node = KitNode.start(home)
+    try:
+        yield node
+    finally:
+        if daemon_pid(node.config) is None:
+            ensure_daemon(node.config)
+        node.stop()
+        left = leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
+        assert not any(left.values()), left
+
+
+@pytest.mark.parametrize("how", ["stop", "sigkill"])
+def test_daemon_restart_readopts(private_node, how):
+    cfg = private_node.config
+    with private_node.client() as c:
+        keep = c.create(layers=(private_node.layer.ref,), memory="64M")
+        short = c.create(layers=(private_node.layer.ref,), memory="64M", ttl=2)
+        keep.write_file("/root/state", b"before restart")
+        keep.exec("sleep 3000 > /dev/null 2>&1 &").check()
+        init_pid = keep.info.pid
+    old = daemon_pid(cfg)
+    if how == "stop":
+        stop_daemon(cfg)
+    else:
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while _alive(old) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert _alive(init_pid), "sandbox died with its daemon"
+    time.sleep(2.5)  # the short one's ttl passes while no daemon runs
+    ensure_daemon(cfg)
+    with private_node.client() as c:
+        ids = {i.id for i in c.list()}
+        assert keep.id in ids and short.id not in ids
+        again = c.get(keep.id)
+        assert again.read_file("/root/state") == b"before restart"
+        assert b"sleep 3000" in again.exec("ps").stdout
+        again.kill()
+    _assert_clean(private_node.home)
+
+
+def test_sandboxes_outlive_client_process(private_node):
+    code = ("import dsec, sys; c = dsec.Client(sys.argv[1]); "
+            "sb = c.create(layers=(sys.argv[2],), memory='64M'); print(sb.id)")
+    out = subprocess.run([sys.executable, "-c", code, os.fspath(private_node.config.socket_path),
+                          private_node.layer.ref], capture_output=True, text=True, check=True)
+    sid = out.stdout.strip()
+    with private_node.client() as c:
+        assert c.exec(sid, "echo here").stdout == b"here\n"
+        c.kill(sid)
