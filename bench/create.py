@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Sandbox creation and exec latency: dsec against docker, on the same base image, in one run.
+
+dsec: create -> first exec (`true`) -> kill, through the SDK and the node daemon.
+docker: `docker run --rm --network none IMAGE true`, the image imported from the same EROFS
+base layer into a dockerd this script starts if none runs. Both at concurrency 1 and 8.
+Then exec of `true` in a running sandbox against `docker exec`.
+
+    python bench/create.py [--quick] [--image debian-python@12]
+
+--quick uses a busybox base layer (built on the fly) and fewer rounds; it takes under a minute.
+The last line printed is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import dsec
+from dsec_core.config import NodeConfig
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.store import LayerStore
+from dsec_core.node.daemon import ensure_daemon
+from dsec_core.node.mounts import mount_erofs_file, unmount
+from dsec_core.testing import make_busybox_rootfs
+
+DOCKER_SOCK = "/run/dsec-bench-docker.sock"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, int(round(q / 100 * (len(values) - 1)))))
+    return values[k]
+
+
+# --- docker side ------------------------------------------------------------------------------
+
+class Docker:
+    """A docker CLI bound to a dockerd we can rely on (started here if needed)."""
+
+    def __init__(self) -> None:
+        self.cli = shutil.which("docker", path="/usr/bin") or shutil.which("docker")
+        if not self.cli or not shutil.which("dockerd"):
+            raise SystemExit("bench: docker.io is not installed (apt-get install docker.io)")
+        self.host = None
+        self.proc = None
+        if self._works(None):
+            return
+        self.host = f"unix://{DOCKER_SOCK}"
+        if not self._works(self.host):
+            # No bridge and no iptables: the benchmark's containers get no network at all.
+            self.proc = subprocess.Popen(
+                ["dockerd", "--host", self.host, "--bridge=none", "--iptables=false",
+                 "--ip-masq=false", "--pidfile", "/run/dsec-bench-docker.pid",
+                 "--data-root", "/var/lib/dsec-bench-docker"],
+                stdout=subprocess.DEVNULL, stderr=open("/tmp/dsec-bench-dockerd.log", "wb"))
+            deadline = time.monotonic() + 60
+            while not self._works(self.host):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise SystemExit("bench: dockerd did not start; see /tmp/dsec-bench-dockerd.log")
+                time.sleep(0.2)
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.cli, *(["-H", self.host] if self.host else []), *args]
+
+    def _works(self, host: str | None) -> bool:
+        cmd = [self.cli, *(["-H", host] if host else []), "version", "--format", "{{.Server.Version}}"]
+        return subprocess.run(cmd, capture_output=True).returncode == 0
+
+    def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args), capture_output=True, input=input)
+
+    def import_layer(self, image: Path, tag: str) -> None:
+        if self.run("image", "inspect", tag).returncode == 0:
+            return
+        with tempfile.TemporaryDirectory() as mnt:
+            mount_erofs_file(image, Path(mnt), None)
+            try:
+                tar = subprocess.Popen(["tar", "-C", mnt, "-c", "."], stdout=subprocess.PIPE)
+                imp = subprocess.run(self.argv("import", "-", tag), stdin=tar.stdout,
+                                     capture_output=True)
+                tar.wait()
+            finally:
+                unmount(mnt)
+        if imp.returncode != 0:
+            raise SystemExit(f"bench: docker import failed: {imp.stderr.decode()}")
+
+    def close(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def docker_run_once(docker: Docker, tag: str) -> float:
+    t = time.perf_counter()
+    r = docker.run("run", "--rm", "--network", "none", tag, "true")
+    if r.returncode != 0:
+        raise SystemExit(f"bench: docker run failed: {r.stderr.decode()}")
+    return time.perf_counter() - t
+
+
+def docker_rounds(docker: Docker, tag: str, n: int, conc: int) -> tuple[list[float], float]:
+    t = time.perf_counter()
+    with ThreadPoolExecutor(conc) as pool:
+        lat = list(pool.map(lambda _: docker_run_once(docker, tag), range(n)))
+    return lat, n / (time.perf_counter() - t)
+
+
+def docker_exec(docker: Docker, tag: str, n: int) -> list[float]:
+    cid = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000").stdout.decode().strip()
+    try:
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            docker.run("exec", cid, "true")
+            lat.append(time.perf_counter() - t)
+        return lat
+    finally:
+        docker.run("rm", "-f", cid)
+
+
+# --- dsec side --------------------------------------------------------------------------------
+
+async def dsec_once(client: dsec.AsyncClient, layer: str) -> float:
+    t = time.perf_counter()
+    sb = await client.create(layers=(layer,), memory="128M", cpu=0.5, ttl=120)
+    try:
+        r = await sb.exec(["true"])
+        if r.exit_code != 0:
+            raise SystemExit(f"bench: exec in sandbox failed: {r.stderr!r}")
+    finally:
+        await sb.kill()
+    return time.perf_counter() - t
+
+
+async def dsec_rounds(address: str, layer: str, n: int, conc: int) -> tuple[list[float], float]:
+    async with dsec.AsyncClient(address) as client:
+        await dsec_once(client, layer)  # warm the layer mount and connection pool
+        sem = asyncio.Semaphore(conc)
+
+        async def one() -> float:
+            async with sem:
+                return await dsec_once(client, layer)
+
+        t = time.perf_counter()
+        lat = await asyncio.gather(*(one() for _ in range(n)))
+        return list(lat), n / (time.perf_counter() - t)
+
+
+def dsec_exec(address: str, layer: str, n: int) -> list[float]:
+    with dsec.Client(address) as client, client.create(layers=(layer,), memory="128M") as sb:
+        sb.exec(["true"])
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            sb.exec(["true"])
+            lat.append(time.perf_counter() - t)
+        return lat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="busybox base, few rounds (< 1 min)")
+    ap.add_argument("--image", default=None, help="base layer name@version "
+                    "(default: debian-python@12 from the default catalog; busybox with --quick)")
+    ap.add_argument("--rounds", type=int, default=None)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench: needs root")
+    n = args.rounds or (24 if args.quick else 200)
+    n_docker = max(8, n // 3) if args.quick else max(16, n // 4)
+
+    config = NodeConfig.from_env()
+    config.ensure_dirs()
+    store = LayerStore(config.layer_dir)
+    ref = args.image or ("bench-busybox@1" if args.quick else "debian-python@12")
+    if ref == "bench-busybox@1":
+        try:
+            info = store.resolve(ref)
+        except dsec.UnknownLayer:
+            with tempfile.TemporaryDirectory() as tmp:
+                rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
+                info = build_layer(rootfs, name="bench-busybox", version="1", kind="base",
+                                   store=store)
+    else:
+        if ref == "debian-python@12":
+            from dsec_core.demo import default_catalog_path, ensure_catalog
+            ensure_catalog(default_catalog_path(), config)
+        info = store.resolve(ref)
+    ensure_daemon(config)
+    address = os.fspath(config.socket_path)
+
+    docker = Docker()
+    tag = f"dsec-bench:{info.digest.split(':')[1][:12]}"
+    try:
+        docker.import_layer(store.image_path(info), tag)
+        docker_run_once(docker, tag)  # warm
+        d1, _ = docker_rounds(docker, tag, max(5, n_docker // 2), 1)
+        d8, d8_rate = docker_rounds(docker, tag, n_docker, 8)
+        dexec = docker_exec(docker, tag, max(10, n // 2))
+    finally:
+        docker.close()
+
+    s1, s1_rate = asyncio.run(dsec_rounds(address, ref, n, 1))
+    s8, s8_rate = asyncio.run(dsec_rounds(address, ref, n * 2, 8))
+    sexec = dsec_exec(address, ref, max(50, n))
+
+    ms = lambda v: round(v * 1000, 2)  # noqa: E731
+    fig = {
+        "image": ref,
+        "quick": args.quick,
+        "dsec_p50_ms": ms(statistics.median(s1)),
+        "dsec_p99_ms": ms(pct(s1, 99)),
+        "dsec_per_s_c1": round(s1_rate, 1),
+        "dsec_c8_p50_ms": ms(statistics.median(s8)),
+        "dsec_c8_p99_ms": ms(pct(s8, 99)),
+        "dsec_per_s_c8": round(s8_rate, 1),
+        "docker_p50_ms": ms(statistics.median(d1)),
+        "docker_p99_ms": ms(pct(d1, 99)),
+        "docker_c8_p50_ms": ms(statistics.median(d8)),
+        "docker_per_s_c8": round(d8_rate, 1),
+        "ratio_vs_docker_c8": round(s8_rate / d8_rate, 2),
+        "ratio_vs_docker_p50": round(statistics.median(d1) / statistics.median(s1), 2),
+        "dsec_exec_p50_ms": ms(statistics.median(sexec)),
+        "dsec_exec_p99_ms": ms(pct(sexec, 99)),
+        "docker_exec_p50_ms": ms(statistics.median(dexec)),
+        "rounds": n,
+    }
+    rows = [
+        ("create+exec+kill, c=1", f"{fig['dsec_p50_ms']} / {fig['dsec_p99_ms']} ms",
+         f"{fig['docker_p50_ms']} / {fig['docker_p99_ms']} ms", f"{fig['ratio_vs_docker_p50']}x"),
+        ("throughput, c=8", f"{fig['dsec_per_s_c8']}/s", f"{fig['docker_per_s_c8']}/s",
+         f"{fig['ratio_vs_docker_c8']}x"),
+        ("latency at c=8 (p50/p99)", f"{fig['dsec_c8_p50_ms']} / {fig['dsec_c8_p99_ms']} ms",
+         f"{fig['docker_c8_p50_ms']} ms", ""),
+        ("exec `true` (p50)", f"{fig['dsec_exec_p50_ms']} ms", f"{fig['docker_exec_p50_ms']} ms",
+         f"{round(fig['docker_exec_p50_ms'] / fig['dsec_exec_p50_ms'], 1)}x"),
+    ]
+    print(f"\nimage {ref}, {n} dsec rounds (x2 at c=8), {n_docker} docker rounds\n")
+    print(f"{'measure':28} {'dsec':>22} {'docker':>22} {'dsec advantage':>15}")
+    for name, a, b, c in rows:
+        print(f"{name:28} {a:>22} {b:>22} {c:>15}")
+    print("targets: ratio_vs_docker_c8 >= 10, dsec_p50_ms <= 40, dsec_exec_p50_ms <= 10\n")
+    print(json.dumps(fig))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
