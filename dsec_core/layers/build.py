@@ -1,0 +1,314 @@
+"""Building read-only EROFS layers from a directory, a tar archive or a docker image.
+
+Images are made with ``mkfs.erofs -zlz4hc`` and a fixed UUID, and the superblock's build time
+is zeroed afterwards, so the same tree always gives the same bytes and thus the same digest.
+All scratch work happens in the store's ``tmp/`` and is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import subprocess
+import tarfile
+import uuid
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..errors import LayerBuildError, ToolError
+from ..records import LayerInfo, LayerRef
+from .store import LayerStore, check_kind
+
+__all__ = [
+    "build_layer",
+    "build_tree",
+    "make_image",
+    "extract_tar",
+    "export_docker_image",
+    "run_tool",
+    "remove_tree",
+    "LAYER_UUID",
+    "Progress",
+]
+
+Progress = Callable[[str, "float | None"], None]
+
+# One UUID for every layer: a random one would make each build of the same tree unique.
+LAYER_UUID = str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/dsec/layers"))
+
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def _noop(stage: str, fraction: float | None) -> None:
+    pass
+
+
+def run_tool(command: Sequence[str], what: str, *, env: dict[str, str] | None = None,
+             timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run an external program; a non-zero exit raises ``ToolError`` with its output."""
+    command = [str(c) for c in command]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, errors="replace", env=env,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as e:
+        raise ToolError(f"{what}: {command[0]} is not installed", command=command) from e
+    except subprocess.TimeoutExpired as e:
+        raise ToolError(f"{what}: timed out after {timeout}s", command=command,
+                        stderr=str(e.stderr or "")) from e
+    if proc.returncode != 0:
+        raise ToolError(f"{what} failed", command=command, exit_code=proc.returncode,
+                        stdout=proc.stdout, stderr=proc.stderr)
+    return proc
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1].encode().decode("unicode_escape") for line in f]
+    return [p for p in points if p.startswith(prefix) or p == prefix[:-1]]
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf`` that first detaches mounts inside (debootstrap mounts /proc in its target).
+
+    Deleting through a live /proc or /sys mount would be a disaster, so we refuse to go on
+    if anything stays mounted.
+    """
+    if not os.path.lexists(path):
+        return
+    for point in sorted(_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+    left = _mounts_under(path)
+    if left:
+        raise LayerBuildError(f"cannot remove {path}: still mounted: {', '.join(left)}", path=str(path))
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+# --- EROFS images --------------------------------------------------------------------------
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _crc32c(data: bytes, crc: int = 0xFFFFFFFF) -> int:
+    """CRC32C as erofs uses it for the superblock: seed ~0, no final inversion."""
+    for b in data:
+        crc = _CRC32C[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc
+
+
+_SB_OFFSET = 1024
+_EROFS_MAGIC = 0xE0F5E1E2
+_SB_CHKSUM = 0x1
+
+
+def _zero_build_time(image: Path) -> None:
+    """Set the superblock's build time to 0 and fix its checksum.
+
+    erofs-utils 1.5 can fix the build time only together with every file's mtime (``-T``),
+    and real mtimes matter: Python's .pyc files check them. With ``force-inode-extended`` every
+    inode carries its own mtime, so the build time is not read for anything else.
+    """
+    with open(image, "r+b") as f:
+        head = bytearray(f.read(_SB_OFFSET + 4096))
+        magic, _, compat, blkszbits = struct.unpack_from("<IIIB", head, _SB_OFFSET)
+        if magic != _EROFS_MAGIC:
+            raise LayerBuildError(f"{image} is not an EROFS image", path=str(image))
+        struct.pack_into("<QI", head, _SB_OFFSET + 24, 0, 0)
+        if compat & _SB_CHKSUM:
+            end = max(1 << blkszbits, _SB_OFFSET + 128)
+            struct.pack_into("<I", head, _SB_OFFSET + 4, 0)
+            struct.pack_into("<I", head, _SB_OFFSET + 4, _crc32c(bytes(head[_SB_OFFSET:end])))
+        f.seek(0)
+        f.write(head)
+
+
+def make_image(tree: Path, image: Path, *, all_root: bool, timestamp: int | None = None,
+               progress: Progress | None = None) -> Path:
+    """Make an lz4hc-compressed EROFS image of ``tree``, reproducibly.
+
+    ``all_root`` makes every file owned by root; ``timestamp`` gives every file that mtime
+    (else per-file mtimes are kept).
+    """
+    progress = progress or _noop
+    cmd = ["mkfs.erofs", "-zlz4hc", f"-U{LAYER_UUID}", "--quiet"]
+    if timestamp is not None:
+        cmd.append(f"-T{int(timestamp)}")
+    else:
+        cmd.append("-Eforce-inode-extended")
+    if all_root:
+        cmd.append("--all-root")
+    progress("mkfs", None)
+    run_tool([*cmd, str(image), str(tree)], "mkfs.erofs")
+    if timestamp is None:
+        _zero_build_time(image)
+    progress("mkfs", 1.0)
+    return image
+
+
+# --- tar and docker sources ----------------------------------------------------------------
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _member_check(root: str):
+    """A tarfile extraction filter: keep owners and modes, refuse anything that leaves ``root``.
+
+    It runs just before each member is written, so symlinks made by earlier members count:
+    ``link -> /etc`` followed by ``link/passwd`` is refused. Symlinks themselves may point
+    anywhere; they are resolved inside the sandbox, not here.
+    """
+
+    def check(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+        name = member.name
+        if name.startswith("/") or os.path.isabs(name):
+            raise LayerBuildError(f"tar member {name!r} has an absolute path", member=name)
+        target = os.path.join(root, name)
+        if member.issym() or member.islnk():
+            # A link replaces what is there; only the directory it lands in must be ours.
+            real = os.path.join(os.path.realpath(os.path.dirname(target)), os.path.basename(target))
+        else:
+            real = os.path.realpath(target)
+        if not _inside(real, root) or not _inside(os.path.normpath(target), root):
+            raise LayerBuildError(f"tar member {name!r} would be written outside the layer",
+                                  member=name)
+        if member.islnk():
+            if os.path.isabs(member.linkname):
+                raise LayerBuildError(f"tar hard link {name!r} -> {member.linkname!r} is absolute",
+                                      member=name)
+            if not _inside(os.path.realpath(os.path.join(root, member.linkname)), root):
+                raise LayerBuildError(f"tar hard link {name!r} -> {member.linkname!r} leaves the "
+                                      "layer", member=name)
+        if member.ischr() or member.isblk():
+            top = os.path.normpath(name).split("/", 1)[0]
+            if top != "dev":
+                raise LayerBuildError(f"tar member {name!r} is a device node outside /dev",
+                                      member=name)
+        return member
+
+    return check
+
+
+def extract_tar(archive: Path, dest: Path, progress: Progress | None = None) -> Path:
+    """Unpack a .tar/.tar.gz into ``dest`` safely, keeping numeric owners and modes."""
+    progress = progress or _noop
+    dest.mkdir(parents=True, exist_ok=True)
+    dest.chmod(0o755)  # the image's root directory, unless the archive has a "." entry
+    root = os.path.realpath(dest)
+    check = _member_check(root)
+    size = max(archive.stat().st_size, 1)
+    try:
+        with open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r:*") as tar:
+            def filtered(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
+                progress("extract", min(raw.tell() / size, 1.0))
+                return check(member, path)
+
+            tar.extractall(root, numeric_owner=True, filter=filtered)
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise LayerBuildError(f"cannot unpack {archive}: {e}", path=str(archive)) from e
+    progress("extract", 1.0)
+    return dest
+
+
+def export_docker_image(image: str, output: Path, progress: Progress | None = None) -> Path:
+    """Write the filesystem of docker ``image`` to a tar via a created (never started) container.
+
+    The container is removed whatever happens.
+    """
+    from python_on_whales import DockerClient
+    from python_on_whales.exceptions import DockerException
+
+    progress = progress or _noop
+    docker = DockerClient()
+    container = None
+    try:
+        progress("docker export", None)
+        # The command is never run; it only lets images without CMD be created.
+        container = docker.container.create(image, ["/bin/true"])
+        docker.container.export(container, output)
+    except DockerException as e:
+        raise ToolError(f"exporting docker image {image!r} failed",
+                        command=list(e.docker_command or []), exit_code=e.return_code,
+                        stdout=e.stdout or "", stderr=e.stderr or "") from e
+    finally:
+        if container is not None:
+            with contextlib.suppress(DockerException):
+                docker.container.remove(container, force=True, volumes=True)
+    progress("docker export", 1.0)
+    return output
+
+
+# --- layers --------------------------------------------------------------------------------
+
+def build_tree(tree: Path, *, name: str, version: str | None, kind: str, store: LayerStore,
+               all_root: bool, timestamp: int | None = None, source: str = "",
+               progress: Progress | None = None) -> LayerInfo:
+    """Make an image of a prepared directory tree and add it to ``store``."""
+    with store.scratch("image-") as scratch:
+        image = make_image(tree, scratch / "layer.erofs", all_root=all_root, timestamp=timestamp,
+                           progress=progress)
+        return store.add(image, name=name, version=version, kind=kind, source=source,
+                         progress=progress)
+
+
+def _source_kind(source: str | Path) -> str:
+    text = str(source)
+    if text.startswith("docker:"):
+        return "docker"
+    path = Path(text)
+    if path.is_dir():
+        return "dir"
+    if path.is_file() and text.endswith(_TAR_SUFFIXES):
+        return "tar"
+    if not path.exists():
+        raise LayerBuildError(f"layer source {text!r} does not exist (expected a directory, "
+                              "a .tar/.tar.gz/.tgz file or docker:IMAGE)", source=text)
+    raise LayerBuildError(f"layer source {text!r} is neither a directory nor a .tar/.tar.gz/.tgz "
+                          "file (or docker:IMAGE)", source=text)
+
+
+def build_layer(source: str | Path, *, name: str, version: str | None = None, kind: str,
+                store: LayerStore, progress: Progress | None = None,
+                all_root: bool | None = None) -> LayerInfo:
+    """Build an EROFS layer from a directory, a .tar/.tar.gz/.tgz file or ``docker:IMAGE``.
+
+    Directory sources are owned by root inside the sandbox unless ``all_root=False``; tar and
+    docker sources keep their owners. ``version`` defaults to the first 12 hex digits of the
+    image digest. ``progress(stage, fraction)`` is called as the build goes (fraction None:
+    unknown).
+    """
+    check_kind(kind)
+    LayerRef.parse(f"{name}@{version}" if version else name)
+    what = _source_kind(source)
+    text = str(source)
+    if what == "dir":
+        tree = Path(source).resolve()
+        return build_tree(tree, name=name, version=version, kind=kind, store=store,
+                          all_root=True if all_root is None else all_root, source=text,
+                          progress=progress)
+    with store.scratch() as scratch:
+        if what == "docker":
+            archive = export_docker_image(text.removeprefix("docker:"), scratch / "image.tar",
+                                          progress)
+        else:
+            archive = Path(source).resolve()
+        tree = extract_tar(archive, scratch / "rootfs", progress)
+        if what == "docker":
+            archive.unlink()  # halve the scratch space needed
+        return build_tree(tree, name=name, version=version, kind=kind, store=store,
+                          all_root=bool(all_root), source=text, progress=progress)
