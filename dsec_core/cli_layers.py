@@ -1,0 +1,188 @@
+"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build and check catalogs.
+
+Stores live under ``$DSEC_HOME`` (``NodeConfig.from_env()``). A ``DsecError`` propagates to the
+main CLI, which prints ``Error: ...`` and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .catalog import CatalogStore, build_catalog, load_catalog
+from .config import NodeConfig
+from .layers.build import build_layer
+from .layers.store import LayerStore
+from .records import LAYER_KINDS, LayerInfo
+
+__all__ = ["layer", "catalog", "default_catalog_file"]
+
+
+def default_catalog_file() -> Path:
+    """The catalog shipped with the repository: ``catalog/default.yaml``."""
+    return Path(__file__).resolve().parent.parent / "catalog" / "default.yaml"
+
+
+def _stores() -> tuple[NodeConfig, LayerStore, CatalogStore]:
+    config = NodeConfig.from_env()
+    return config, LayerStore(config.layer_dir), CatalogStore(config.catalog_dir)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@contextmanager
+def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
+    """A ``progress(stage, fraction)`` callback drawing one rich bar per layer being built.
+
+    Stages look like ``"name@version: stage"``; a plain stage belongs to one unnamed bar.
+    """
+    console = Console(stderr=True)
+    bars: dict[str, TaskID] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=False, disable=not console.is_terminal) as progress:
+
+        def update(stage: str, fraction: float | None) -> None:
+            owner, sep, what = stage.partition(": ")
+            if not sep:
+                owner, what = "", stage
+            if owner not in bars:
+                bars[owner] = progress.add_task(owner or "layer", total=1.0)
+            label = f"{owner} {what}".strip()
+            if fraction is None:
+                progress.update(bars[owner], description=label, total=None)
+            else:
+                progress.update(bars[owner], description=label, total=1.0, completed=fraction)
+
+        yield update
+        for task in bars.values():
+            progress.update(task, total=1.0, completed=1.0)
+
+
+def _layer_row(info: LayerInfo) -> list[str]:
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created))
+    return [info.ref, info.kind, _size(info.size), info.digest[:19], created, info.source]
+
+
+# --- dsec layer ----------------------------------------------------------------------------
+
+@click.group()
+def layer() -> None:
+    """Build, list and remove read-only EROFS layers in the local store."""
+
+
+@layer.command("build")
+@click.argument("source")
+@click.option("--name", required=True, help="Layer name.")
+@click.option("--version", default=None, help="Layer version (default: 12 hex digits of the digest).")
+@click.option("--kind", required=True, type=click.Choice(LAYER_KINDS), help="What the layer is for.")
+@click.option("--keep-owners/--all-root", default=None,
+              help="Keep file owners, or make root own everything (default: all-root for "
+                   "directories, keep for tar and docker sources).")
+def layer_build(source: str, name: str, version: str | None, kind: str,
+                keep_owners: bool | None) -> None:
+    """Build a layer from SOURCE: a directory, a .tar/.tar.gz/.tgz file or docker:IMAGE."""
+    _, store, _ = _stores()
+    all_root = None if keep_owners is None else not keep_owners
+    with _progress_bars() as progress:
+        info = build_layer(source, name=name, version=version, kind=kind, store=store,
+                           progress=lambda stage, f: progress(f"{name}: {stage}", f),
+                           all_root=all_root)
+    click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
+
+
+@layer.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print the layers as JSON.")
+def layer_ls(as_json: bool) -> None:
+    """List the layers in the local store."""
+    _, store, _ = _stores()
+    infos = store.list()
+    if as_json:
+        click.echo(json.dumps([i.to_dict() for i in infos], indent=2))
+        return
+    table = Table("layer", "kind", "size", "digest", "created", "source")
+    for info in infos:
+        table.add_row(*_layer_row(info))
+    Console().print(table)
+
+
+@layer.command("rm")
+@click.argument("ref")
+def layer_rm(ref: str) -> None:
+    """Remove layer REF (name@version); its image goes when no other ref uses it."""
+    _, store, _ = _stores()
+    info = store.remove(ref)
+    click.echo(f"removed {info.ref} ({info.digest[:19]})")
+
+
+# --- dsec catalog --------------------------------------------------------------------------
+
+@click.group()
+def catalog() -> None:
+    """Build, list and check catalogs of layers, environments and tasks."""
+
+
+@catalog.command("build")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+def catalog_build(file: str | None) -> None:
+    """Build the missing layers of catalog FILE (default: the shipped catalog) and register it."""
+    _, layers, catalogs = _stores()
+    path = Path(file) if file else default_catalog_file()
+    cat = load_catalog(path, store=layers)
+    had = {i.ref for i in layers.list()}
+    started = time.monotonic()
+    with _progress_bars() as progress:
+        infos = build_catalog(cat, layers, catalogs, progress)
+    for info in infos:
+        state = "present" if info.ref in had else "built"
+        click.echo(f"{state:8} {info.ref:32} {info.kind:9} {_size(info.size):>10}  {info.digest[:19]}")
+    click.echo(f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
+               f"({time.monotonic() - started:.1f}s)")
+
+
+@catalog.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print environments and tasks as JSON.")
+def catalog_ls(as_json: bool) -> None:
+    """List the environments and tasks of the built catalogs."""
+    _, _, catalogs = _stores()
+    envs, tasks = catalogs.environments(), catalogs.tasks()
+    if as_json:
+        click.echo(json.dumps({
+            "environments": [{**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
+                             for e in envs],
+            "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
+        }, indent=2))
+        return
+    console = Console()
+    table = Table("environment", "catalog", "layers (top first)", "workdir", title="environments")
+    for e in envs:
+        table.add_row(e.name, e.catalog, ", ".join(e.layer_refs()), e.workdir)
+    console.print(table)
+    table = Table("task", "environment", "reward", "expect", "command", title="tasks")
+    for t in tasks:
+        table.add_row(t.name, t.environment, t.reward, "-" if t.expect is None else f"{t.expect:g}",
+                      t.command)
+    console.print(table)
+
+
+@catalog.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False))
+def catalog_validate(file: str) -> None:
+    """Check catalog FILE against the schema and for missing layers, without building."""
+    _, layers, _ = _stores()
+    cat = load_catalog(file, store=layers)
+    click.echo(f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
+               f"{len(cat.environments)} environments, {len(cat.tasks)} tasks")
