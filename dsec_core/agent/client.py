@@ -1,0 +1,311 @@
+"""``AgentClient``: the asyncio client of one sandbox's ``dsec-agent`` over its unix socket.
+
+Wire protocol (the full table is at the top of ``dsec-agent.c``): one request and one response
+per connection. Each is a header frame ``u32le n`` + ``n`` bytes of fields, every field
+``u8 klen, key, u32le vlen, value`` (keys repeat for lists, numbers are ASCII decimal), followed
+by ``body_len`` raw bytes (stdin, file data, or stdout++stderr). Unix connects cost microseconds,
+so there is no connection pooling; a cancelled call closes its connection and the agent kills
+the command it was running. Bodies over 8 MiB are split into several offset reads/writes
+because the agent refuses frames over 16 MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import socket
+import struct
+from typing import Any, Mapping, Sequence
+
+from ..errors import (
+    InvalidSpec,
+    SandboxError,
+    SandboxNotRunning,
+    SandboxPathError,
+    SessionClosed,
+    UnknownSession,
+)
+from ..records import ExecResult, FileEntry
+
+__all__ = ["AgentClient", "MAX_FRAME", "CHUNK"]
+
+MAX_FRAME = 16 << 20  # the agent refuses headers and bodies above this
+CHUNK = 8 << 20  # file transfers are split into pieces of this size
+
+_TYPES = {b"f": "file", b"d": "dir", b"l": "symlink", b"o": "other"}
+_Fields = dict[str, list[bytes]]
+
+
+def _encode(fields: Sequence[tuple[str, Any]]) -> bytes:
+    parts = []
+    for key, value in fields:
+        k = key.encode()
+        if isinstance(value, bool):
+            value = int(value)
+        v = value if isinstance(value, bytes) else str(value).encode("utf-8", "surrogateescape")
+        if b"\0" in v:
+            raise InvalidSpec(f"{key} must not contain NUL bytes", field=key)
+        parts.append(struct.pack("<B", len(k)) + k + struct.pack("<I", len(v)) + v)
+    payload = b"".join(parts)
+    if len(payload) > MAX_FRAME:
+        raise InvalidSpec(f"request header of {len(payload)} bytes is over the agent's "
+                          f"{MAX_FRAME} byte limit (command or env too large)")
+    return struct.pack("<I", len(payload)) + payload
+
+
+def _decode(payload: bytes) -> _Fields:
+    out: _Fields = {}
+    i, n = 0, len(payload)
+    while i < n:
+        kl = payload[i]
+        key = payload[i + 1:i + 1 + kl].decode()
+        i += 1 + kl
+        (vl,) = struct.unpack_from("<I", payload, i)
+        i += 4
+        out.setdefault(key, []).append(payload[i:i + vl])
+        i += vl
+    return out
+
+
+def _one(fields: _Fields, key: str, default: bytes = b"") -> bytes:
+    values = fields.get(key)
+    return values[0] if values else default
+
+
+def _num(fields: _Fields, key: str, default: int = 0) -> int:
+    value = _one(fields, key)
+    return int(value) if value else default
+
+
+def _entry(value: bytes) -> FileEntry:
+    kind, size, mode, sec, nsec, name = value.split(b" ", 5)
+    return FileEntry(name=os.fsdecode(name), type=_TYPES.get(kind, "other"), size=int(size),
+                     mode=int(mode), mtime=int(sec) + int(nsec) / 1e9)
+
+
+def _env_fields(env: Mapping[str, str] | None) -> list[tuple[str, str]]:
+    fields = []
+    for key, value in (env or {}).items():
+        if not key or "=" in key:
+            raise InvalidSpec(f"bad environment variable name {key!r}", field="env")
+        fields.append(("env", f"{key}={value}"))
+    return fields
+
+
+class AgentClient:
+    """Talks to one sandbox's agent; every method is a coroutine and safe to run concurrently."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], sandbox_id: str = "") -> None:
+        self.socket_path = str(socket_path)
+        self.sandbox_id = sandbox_id
+
+    def __repr__(self) -> str:
+        return f"AgentClient({self.socket_path!r}, sandbox_id={self.sandbox_id!r})"
+
+    # --- transport ---------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"sandbox {self.sandbox_id}" if self.sandbox_id else f"agent {self.socket_path}"
+
+    def _gone(self, why: object) -> SandboxNotRunning:
+        return SandboxNotRunning(f"{self._where()}: the agent is not reachable ({why})",
+                                 sandbox_id=self.sandbox_id, socket=self.socket_path)
+
+    async def _call(self, fields: Sequence[tuple[str, Any]], body: bytes = b"") -> tuple[_Fields, bytes]:
+        if len(body) > MAX_FRAME:
+            raise InvalidSpec(f"request body of {len(body)} bytes is over the agent's "
+                              f"{MAX_FRAME} byte limit")
+        fields = list(fields)
+        if body:
+            fields.append(("body_len", len(body)))
+        header = _encode(fields)
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            try:
+                await loop.sock_connect(sock, self.socket_path)
+            except OSError as e:
+                raise self._gone(e.strerror or e) from e
+            try:
+                await loop.sock_sendall(sock, header)
+                if body:
+                    await loop.sock_sendall(sock, body)
+                (hlen,) = struct.unpack("<I", await self._recv(loop, sock, 4))
+                reply = _decode(await self._recv(loop, sock, hlen))
+                rbody = await self._recv(loop, sock, _num(reply, "body_len"))
+            except (OSError, EOFError) as e:
+                raise self._gone(getattr(e, "strerror", None) or e) from e
+        finally:
+            sock.close()
+        if "error" in reply:
+            raise self._error(reply)
+        return reply, rbody
+
+    @staticmethod
+    async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = await loop.sock_recv_into(sock, view[got:])
+            if k == 0:
+                raise EOFError("the agent closed the connection mid-reply")
+            got += k
+        return bytes(buf)
+
+    def _error(self, reply: _Fields) -> Exception:
+        kind = _one(reply, "error").decode()
+        message = _one(reply, "message").decode("utf-8", "replace")
+        where, sid = self._where(), self.sandbox_id
+        if kind == "path":
+            path = os.fsdecode(_one(reply, "path"))
+            code = _num(reply, "errno")
+            return SandboxPathError(f"{where}: {path}: {message}", path=path, errno=code,
+                                    sandbox_id=sid)
+        if kind == "unknown_session":
+            known = [s.decode() for s in reply.get("session", [])]
+            name = message.rpartition(" ")[2]
+            return UnknownSession(f"{where}: {message}", name=name, known=known, sandbox_id=sid)
+        if kind == "session_closed":
+            return SessionClosed(f"{where}: {message}", sandbox_id=sid)
+        if kind == "bad_request":
+            return InvalidSpec(f"{where}: agent refused the request: {message}", sandbox_id=sid)
+        return SandboxError(f"{where}: agent error: {message}", sandbox_id=sid)
+
+    def _result(self, reply: _Fields, body: bytes, command: str) -> ExecResult:
+        n = _num(reply, "stdout_len")
+        return ExecResult(exit_code=_num(reply, "exit_code"), stdout=body[:n], stderr=body[n:],
+                          duration=_num(reply, "duration_us") / 1e6,
+                          truncated=bool(_num(reply, "truncated")),
+                          timed_out=bool(_num(reply, "timed_out")),
+                          command=command, sandbox_id=self.sandbox_id)
+
+    @staticmethod
+    def _timeout_ms(timeout: float | None) -> int:
+        if timeout is None:
+            return 0
+        if timeout <= 0:
+            raise InvalidSpec(f"timeout must be positive seconds or None, got {timeout}",
+                              field="timeout")
+        return max(1, int(timeout * 1000))
+
+    # --- API ---------------------------------------------------------------------------------
+    async def ping(self) -> dict[str, Any]:
+        """The agent's pid (in its pid namespace), version and number of open sessions."""
+        reply, _ = await self._call([("op", "ping")])
+        return {"pid": _num(reply, "pid"), "version": _one(reply, "version").decode(),
+                "sessions": _num(reply, "sessions")}
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                   cwd: str | None = None, env: Mapping[str, str] | None = None,
+                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+        """Run a command: a string through ``/bin/sh -c``, a list directly (PATH lookup).
+
+        ``env`` is merged over PATH/HOME/LANG defaults; ``stdin`` None means /dev/null. Output
+        past ``max_output`` bytes per stream is dropped (``truncated``); at ``timeout`` the whole
+        process tree is killed (``timed_out``, exit code 137).
+        """
+        if isinstance(cmd, str):
+            argv, command = ["/bin/sh", "-c", cmd], cmd
+        else:
+            argv = [os.fspath(a) for a in cmd]
+            if not argv:
+                raise InvalidSpec("exec needs a non-empty command")
+            command = shlex.join(argv)
+        fields: list[tuple[str, Any]] = [("op", "exec")]
+        fields += [("arg", a) for a in argv]
+        fields += _env_fields(env)
+        fields += [("cwd", cwd or "/"), ("timeout_ms", self._timeout_ms(timeout)),
+                   ("max_output", max(0, int(max_output)))]
+        if stdin is not None:
+            fields.append(("stdin", 1))
+        reply, body = await self._call(fields, bytes(stdin or b""))
+        return self._result(reply, body, command)
+
+    async def session_open(self, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+                           shell: str | None = None) -> str:
+        """Start a persistent shell (bash if present, else sh); returns the session id."""
+        fields: list[tuple[str, Any]] = [("op", "session_open"), ("cwd", cwd or "/")]
+        fields += _env_fields(env)
+        if shell:
+            fields.append(("shell", shell))
+        reply, _ = await self._call(fields)
+        return _one(reply, "session").decode()
+
+    async def session_exec(self, session_id: str, cmd: str, *, timeout: float | None = None,
+                           stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+        """Run ``cmd`` in the session's shell; cwd, variables and functions persist.
+
+        Calls on one session run one at a time in arrival order. A timeout kills the command's
+        processes; if the shell itself does not come back within a second it is killed and the
+        session is over (later calls raise ``SessionClosed``), as after ``exit``.
+        """
+        fields: list[tuple[str, Any]] = [
+            ("op", "session_exec"), ("session", session_id), ("cmd", cmd),
+            ("timeout_ms", self._timeout_ms(timeout)), ("max_output", max(0, int(max_output)))]
+        if stdin is not None:
+            fields.append(("stdin", 1))
+        reply, body = await self._call(fields, bytes(stdin or b""))
+        return self._result(reply, body, cmd)
+
+    async def session_close(self, session_id: str) -> None:
+        """Kill the session's shell and everything it started."""
+        await self._call([("op", "session_close"), ("session", session_id)])
+
+    async def sessions(self) -> list[str]:
+        """Ids of the sessions whose shells are still running."""
+        reply, _ = await self._call([("op", "sessions")])
+        return [s.decode() for s in reply.get("session", [])]
+
+    async def read_file(self, path: str | os.PathLike[str], offset: int = 0, length: int = -1) -> bytes:
+        """Up to ``length`` bytes (-1: to the end) from ``offset``."""
+        path = os.fspath(path)
+        if offset < 0:
+            raise InvalidSpec(f"offset must not be negative: {offset}", field="offset")
+        parts, pos, left = [], offset, length
+        while True:  # at least one request, so a bad path raises even for length 0
+            want = CHUNK if left < 0 else min(CHUNK, left)
+            reply, data = await self._call([("op", "read"), ("path", path), ("offset", pos),
+                                            ("length", want)])
+            parts.append(data)
+            pos += len(data)
+            if left > 0:
+                left -= len(data)
+            if left == 0 or _num(reply, "eof") or len(data) < want:
+                break
+        return b"".join(parts)
+
+    async def write_file(self, path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644,
+                         offset: int = 0, truncate: bool = True, make_parents: bool = True) -> None:
+        """Write ``data`` at ``offset``; ``truncate`` cuts the file at ``offset`` first.
+
+        ``mode`` applies to a file this call creates (exactly, ignoring the umask); missing
+        parent directories are made 0755 when ``make_parents``.
+        """
+        path = os.fspath(path)
+        if offset < 0:
+            raise InvalidSpec(f"offset must not be negative: {offset}", field="offset")
+        view = memoryview(data)
+        pos, first = 0, True
+        while first or pos < len(view):
+            piece = bytes(view[pos:pos + CHUNK])
+            await self._call([("op", "write"), ("path", path), ("mode", mode),
+                              ("offset", offset + pos), ("truncate", truncate and first),
+                              ("parents", make_parents and first)], piece)
+            pos += len(piece)
+            first = False
+
+    async def list_dir(self, path: str | os.PathLike[str]) -> list[FileEntry]:
+        """Entries of a directory (lstat, without . and ..), sorted by name."""
+        reply, _ = await self._call([("op", "list"), ("path", os.fspath(path))])
+        return sorted((_entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
+
+    async def stat(self, path: str | os.PathLike[str]) -> FileEntry:
+        """lstat of one path (a symlink is reported as a symlink)."""
+        reply, _ = await self._call([("op", "stat"), ("path", os.fspath(path))])
+        return _entry(_one(reply, "entry"))
+
+    async def remove(self, path: str | os.PathLike[str], recursive: bool = False) -> None:
+        """Remove a file, symlink or empty directory; ``recursive`` removes a tree."""
+        await self._call([("op", "remove"), ("path", os.fspath(path)), ("recursive", recursive)])

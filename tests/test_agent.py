@@ -1,0 +1,588 @@
+"""The in-sandbox agent, run for real as a host process on a socket the test binds.
+
+Each test gets a fresh agent and a unique marker; commands that must die carry the marker in
+their arguments (``sleep 1000.<marker>``), and teardown fails if any such process survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import dsec_core.agent as agent_mod
+from dsec_core.agent import ensure_agent
+from dsec_core.agent.client import AgentClient
+from dsec_core.errors import (
+    BackendUnavailable,
+    InvalidSpec,
+    SandboxNotRunning,
+    SandboxPathError,
+    SessionClosed,
+    ToolError,
+    UnknownSession,
+)
+
+
+# --- helpers -------------------------------------------------------------------------------
+def procs_with(token: str) -> list[int]:
+    """Pids of live processes whose command line contains ``token``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if token.encode() in cmdline and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, state) for every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def descendants(root: int) -> list[int]:
+    table = proc_table()
+    out, frontier = [], {root}
+    while frontier:
+        kids = {p for p, (pp, _) in table.items() if pp in frontier}
+        out.extend(kids)
+        frontier = kids
+    return out
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+async def wait_until(predicate, timeout: float = 3.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+@dataclass
+class Agent:
+    client: AgentClient
+    proc: subprocess.Popen
+    binary: Path
+    socket_path: Path
+    marker: str  # "1000.<digits>": a sleep argument no other test uses
+
+    def pids(self) -> list[int]:
+        """The agent's main process and every handler (processes running the agent binary)."""
+        own = [self.proc.pid]
+        for pid in descendants(self.proc.pid):
+            try:
+                if os.readlink(f"/proc/{pid}/exe") == str(self.binary):
+                    own.append(pid)
+            except OSError:
+                pass
+        return own
+
+
+def start_agent(binary: Path, sock_dir: Path) -> tuple[subprocess.Popen, Path]:
+    path = sock_dir / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(128)
+    try:
+        proc = subprocess.Popen([str(binary), "--fd", str(listener.fileno())],
+                                pass_fds=[listener.fileno()])
+    finally:
+        listener.close()  # the agent has its own copy; connections queue until it accepts
+    return proc, path
+
+
+def stop_agent(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def agent_bin(tmp_path_factory) -> Path:
+    return ensure_agent(tmp_path_factory.mktemp("agent-bin"))
+
+
+@pytest.fixture
+def agent(agent_bin):
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))  # short: sun_path is 108 bytes
+    proc, path = start_agent(agent_bin, sock_dir)
+    marker = f"1000.{int.from_bytes(os.urandom(4), 'big'):010d}"
+    a = Agent(AgentClient(path, sandbox_id="t1"), proc, agent_bin, path, marker)
+    try:
+        yield a
+    finally:
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        leftovers = procs_with(marker)
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        assert not leftovers, f"processes outlived the agent: {leftovers}"
+
+
+# --- building ------------------------------------------------------------------------------
+def test_ensure_agent_builds_once(agent_bin, tmp_path):
+    assert agent_bin.name.startswith("dsec-agent-") and len(agent_bin.name) == len("dsec-agent-") + 12
+    assert os.access(agent_bin, os.X_OK)
+    assert ensure_agent(agent_bin.parent) == agent_bin
+    assert not [p for p in agent_bin.parent.iterdir() if p.name.endswith(".tmp")]
+    out = subprocess.run([str(agent_bin), "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("dsec-agent ")
+
+
+def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
+    bad = tmp_path / "dsec-agent.c"
+    bad.write_text("int main(void) { return undefined_thing; }\n")
+    monkeypatch.setattr(agent_mod, "AGENT_SOURCE", bad)
+    with pytest.raises(ToolError) as info:
+        ensure_agent(tmp_path / "bin")
+    assert info.value.exit_code != 0 and "undefined_thing" in info.value.stderr
+    assert "gcc" in info.value.command[0] or "cc" in info.value.command[0]
+    assert not list((tmp_path / "bin").iterdir())  # no temp file left behind
+    monkeypatch.setattr(agent_mod.shutil, "which", lambda name: None)
+    with pytest.raises(BackendUnavailable):
+        ensure_agent(tmp_path / "bin2")
+
+
+# --- exec ----------------------------------------------------------------------------------
+async def test_ping(agent):
+    info = await agent.client.ping()
+    assert info["pid"] == agent.proc.pid and info["version"] and info["sessions"] == 0
+
+
+async def test_exec_string_argv_env_cwd(agent):
+    c = agent.client
+    r = await c.exec("echo out; echo err >&2; pwd")
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"out\n/\n", b"err\n")
+    assert r.command == "echo out; echo err >&2; pwd" and r.sandbox_id == "t1"
+    assert 0 < r.duration < 5 and not r.truncated and not r.timed_out
+    r = await c.exec(["printf", "%s|", "a b", "'q'", "$HOME"])
+    assert r.stdout == b"a b|'q'|$HOME|"
+    assert r.command == "printf '%s|' 'a b' ''\"'\"'q'\"'\"'' '$HOME'"
+    env = dict(line.split("=", 1) for line in (await c.exec(["env"])).text.splitlines())
+    assert env == {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                   "HOME": "/root", "LANG": "C.UTF-8"}
+    r = await c.exec("echo $HOME $FOO $LANG", env={"FOO": "bar baz", "HOME": "/tmp"})
+    assert r.stdout == b"/tmp bar baz C.UTF-8\n"
+    assert (await c.exec(["pwd"], cwd="/tmp")).stdout == b"/tmp\n"
+
+
+async def test_exec_exit_codes(agent, tmp_path):
+    c = agent.client
+    assert (await c.exec("exit 7")).exit_code == 7
+    r = await c.exec(["no-such-command-xyz"])
+    assert r.exit_code == 127 and b"no-such-command-xyz" in r.stderr
+    assert (await c.exec("no-such-command-xyz")).exit_code == 127
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    r = await c.exec([str(script)])
+    assert r.exit_code == 126 and b"Permission denied" in r.stderr
+    assert (await c.exec("kill -TERM $$")).exit_code == 128 + signal.SIGTERM
+    assert (await c.exec("kill -KILL $$")).exit_code == 137
+    with pytest.raises(SandboxPathError) as info:
+        await c.exec(["true"], cwd="/no/such/dir")
+    assert info.value.path == "/no/such/dir" and info.value.errno == errno.ENOENT
+    assert str(info.value) == "sandbox t1: /no/such/dir: No such file or directory"
+
+
+async def test_exec_stdin(agent):
+    c = agent.client
+    data = os.urandom(4 << 20)  # far more than a pipe holds: needs writing while reading
+    r = await c.exec(["cat"], stdin=data, max_output=8 << 20)
+    assert r.stdout == data and r.exit_code == 0
+    r = await c.exec("wc -c; cat >&2", stdin=b"abc")
+    assert r.stdout.split() == [b"3"] and r.stderr == b""
+    start = time.monotonic()
+    r = await c.exec(["cat"], timeout=5)  # None: /dev/null, so cat ends at once
+    assert r.stdout == b"" and not r.timed_out and time.monotonic() - start < 2
+    assert (await c.exec(["cat"], stdin=b"")).stdout == b""
+    r = await c.exec("head -c 10", stdin=data)  # stops reading early: no deadlock, no error
+    assert r.stdout == data[:10] and r.exit_code == 0
+
+
+async def test_output_cap_and_timeout_keep_memory_small(agent):
+    c = agent.client
+    task = asyncio.create_task(c.exec(["yes"], timeout=1.5, max_output=1000))
+    await asyncio.sleep(1.0)
+    rss = {pid: rss_kib(pid) for pid in agent.pids()}
+    start = time.monotonic()
+    r = await task
+    assert time.monotonic() - start < 1.5  # returns right after the 1.5 s timeout
+    assert r.truncated and r.timed_out and r.exit_code == 137
+    assert r.stdout == b"y\n" * 500
+    print(f"\nagent RSS while `yes` runs (KiB): {rss}")
+    assert len(rss) >= 2 and max(rss.values()) < 16 << 10, rss  # KiB: output is dropped, not kept
+    r = await c.exec("head -c 300000 /dev/zero; head -c 5000 /dev/zero >&2", max_output=1000)
+    assert r.truncated and not r.timed_out and r.exit_code == 0
+    assert (len(r.stdout), len(r.stderr)) == (1000, 1000)
+    r = await c.exec("printf 12345", max_output=5)
+    assert r.stdout == b"12345" and not r.truncated
+
+
+async def test_timeout_kills_the_whole_tree(agent):
+    m = agent.marker
+    start = time.monotonic()
+    r = await agent.client.exec(
+        f"setsid sleep {m} & (sleep {m} &); sh -c 'sleep {m} & exec sleep {m}' & echo started; "
+        f"sleep {m}", timeout=0.5)
+    assert time.monotonic() - start < 2.5
+    assert r.timed_out and r.exit_code == 137 and r.stdout == b"started\n"
+    assert procs_with(m) == []
+
+
+async def test_background_processes_do_not_hold_exec(agent):
+    m = agent.marker
+    start = time.monotonic()
+    r = await agent.client.exec(f"sleep {m} & echo bg")
+    assert r.exit_code == 0 and r.stdout == b"bg\n" and time.monotonic() - start < 1
+    assert len(procs_with(m)) == 1  # allowed to keep running; the teardown checks it dies with the agent
+
+
+async def test_concurrent_execs_run_in_parallel(agent):
+    start = time.monotonic()
+    results = await asyncio.gather(*(agent.client.exec(["sleep", "0.5"]) for _ in range(8)))
+    assert all(r.exit_code == 0 for r in results)
+    assert time.monotonic() - start < 2.0
+
+
+async def test_cancelled_call_kills_its_command(agent):
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(agent.client.exec(f"sleep {agent.marker}"), 0.3)
+    assert await wait_until(lambda: not procs_with(agent.marker))
+
+
+async def test_commands_cannot_reach_agent_fds(agent):
+    c = agent.client
+    r = await c.exec("ls /proc/$$/fd; :")  # the shell's own fds, listed by a child
+    assert r.stdout.split() == [b"0", b"1", b"2"]
+    sid = await c.session_open()
+    r = await c.session_exec(sid, "sh -c 'ls /proc/$$/fd; :'")
+    assert r.stdout.split() == [b"0", b"1", b"2"]
+    r = await c.session_exec(sid, "echo forged >&3")  # the marker pipe is closed for commands
+    assert r.exit_code != 0
+    assert (await c.session_exec(sid, "echo still here")).stdout == b"still here\n"
+
+
+async def test_zombies_are_reaped(agent):
+    await agent.client.exec("(sleep 0.2 &); true")
+    await asyncio.sleep(0.6)
+    table = proc_table()
+    zombies = [p for p, (pp, st) in table.items() if pp == agent.proc.pid and st == "Z"]
+    assert zombies == []
+
+
+async def test_exec_roundtrip_latency(agent):
+    c = agent.client
+    for _ in range(5):
+        await c.exec(["true"])
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        r = await c.exec(["true"])
+        times.append(time.perf_counter() - start)
+        assert r.exit_code == 0
+    median = statistics.median(times)
+    print(f"\nexec(['true']) round trip: median {median * 1000:.2f} ms, "
+          f"max {max(times) * 1000:.2f} ms")
+    assert median < 0.010
+
+
+# --- agent lifecycle and transport ---------------------------------------------------------
+async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "a.sock"))
+    listener.listen(8)
+    fd = listener.fileno()
+    proc = subprocess.Popen(["/bin/bash", "-c", f'exec "$0" 3<&{fd} {fd}<&-', str(agent_bin)],
+                            pass_fds=[fd])
+    listener.close()
+    try:
+        info = await AgentClient(sock_dir / "a.sock").ping()
+        assert info["pid"] == proc.pid
+    finally:
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    bad = subprocess.run([str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL,
+                         capture_output=True, timeout=5)
+    assert bad.returncode == 2 and b"not a listening socket" in bad.stderr
+
+
+async def test_agent_gone_raises_sandbox_not_running(agent, tmp_path):
+    with pytest.raises(SandboxNotRunning):
+        await AgentClient(tmp_path / "nothing.sock", sandbox_id="x").ping()
+    sid = await agent.client.session_open()
+    await agent.client.session_exec(sid, "true")
+    busy = asyncio.create_task(agent.client.exec(["sleep", "30"]))
+    await asyncio.sleep(0.2)
+    children = descendants(agent.proc.pid)
+    assert len(children) >= 3  # the shell, the exec handler and its sleep
+    agent.proc.kill()
+    agent.proc.wait()
+    with pytest.raises(SandboxNotRunning):
+        await busy
+    with pytest.raises(SandboxNotRunning) as info:
+        await agent.client.exec(["true"])
+    assert info.value.sandbox_id == "t1"
+
+    def all_gone() -> bool:  # shells, handlers and their commands die with the agent
+        table = proc_table()
+        return not [p for p in children if p in table and table[p][1] != "Z"]
+    assert await wait_until(all_gone)
+
+
+async def test_oversize_frames_are_refused(agent):
+    async def raw(data: bytes) -> dict[str, bytes]:
+        reader, writer = await asyncio.open_unix_connection(str(agent.socket_path))
+        writer.write(data)
+        await writer.drain()
+        (n,) = struct.unpack("<I", await reader.readexactly(4))
+        payload = await reader.readexactly(n)
+        writer.close()
+        fields, i = {}, 0
+        while i < n:
+            kl = payload[i]
+            key = payload[i + 1:i + 1 + kl].decode()
+            (vl,) = struct.unpack_from("<I", payload, i + 1 + kl)
+            fields[key] = payload[i + 5 + kl:i + 5 + kl + vl]
+            i += 5 + kl + vl
+        return fields
+
+    before = rss_kib(agent.proc.pid)
+    reply = await raw(struct.pack("<I", 1 << 30))  # claims a 1 GiB header
+    assert reply["error"] == b"bad_request" and b"limit" in reply["message"]
+    body = b"\x02op\x04\x00\x00\x00ping\x08body_len\x09\x00\x00\x00999999999"
+    reply = await raw(struct.pack("<I", len(body)) + body)
+    assert reply["error"] == b"bad_request"
+    reply = await raw(struct.pack("<I", 3) + b"\x05ab")  # truncated field
+    assert reply["error"] == b"bad_request"
+    assert rss_kib(agent.proc.pid) - before < 4096
+    assert (await agent.client.ping())["pid"] == agent.proc.pid
+    with pytest.raises(InvalidSpec):
+        await agent.client.exec(["cat"], stdin=b"x" * ((16 << 20) + 1))
+
+
+# --- sessions ------------------------------------------------------------------------------
+async def test_session_state_persists(agent):
+    c = agent.client
+    sid = await c.session_open(env={"GREETING": "hello"})
+    other = await c.session_open(cwd="/tmp")
+    assert sorted(await c.sessions()) == sorted([sid, other])
+    for cmd in ["cd /tmp", "X=5", "f() { echo fn$1; }", "export Y=7"]:
+        r = await c.session_exec(sid, cmd)
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"", b"")
+    r = await c.session_exec(sid, "pwd; echo $X; f 1; sh -c 'echo $Y $GREETING'")
+    assert r.stdout == b"/tmp\n5\nfn1\n7 hello\n" and r.command.startswith("pwd;")
+    assert (await c.session_exec(other, "pwd; echo x${X}x")).stdout == b"/tmp\nxx\n"
+    assert (await c.session_exec(sid, "false")).exit_code == 1
+    assert (await c.session_exec(sid, "(exit 42)")).exit_code == 42
+    assert (await c.session_exec(sid, "printf 'no newline'")).stdout == b"no newline"
+    assert (await c.session_exec(sid, "echo err >&2")).stderr == b"err\n"
+    r = await c.session_exec(sid, "cat; echo", stdin=b"in\x00put")
+    assert r.stdout == b"in\x00put\n"
+    start = time.monotonic()
+    assert (await c.session_exec(sid, "cat")).stdout == b""  # /dev/null, not the control pipe
+    assert time.monotonic() - start < 2
+    assert (await c.session_exec(sid, "echo 'unterminated")).exit_code != 0
+    assert (await c.session_exec(sid, "echo $X")).stdout == b"5\n"
+    r = await c.session_exec(sid, "yes | head -c 100000", max_output=1000)
+    assert r.truncated and len(r.stdout) == 1000
+    with pytest.raises(SandboxPathError):
+        await c.session_open(cwd="/no/such/dir")
+    with pytest.raises(UnknownSession) as info:
+        await c.session_exec("nope", "true")
+    assert sorted(info.value.known) == sorted([sid, other])
+
+
+async def test_session_exit_closes_it(agent):
+    c = agent.client
+    sid = await c.session_open()
+    r = await c.session_exec(sid, "echo bye; exit 3")
+    assert r.exit_code == 3 and r.stdout == b"bye\n" and not r.timed_out
+    with pytest.raises(SessionClosed):
+        await c.session_exec(sid, "true")
+    assert sid not in await c.sessions()
+    await c.session_close(sid)
+    with pytest.raises(UnknownSession):
+        await c.session_exec(sid, "true")
+    with pytest.raises(UnknownSession):
+        await c.session_close(sid)
+
+
+async def test_session_timeout_kills_children_and_keeps_shell(agent):
+    c, m = agent.client, agent.marker
+    sid = await c.session_open()
+    await c.session_exec(sid, "X=kept")
+    start = time.monotonic()
+    r = await c.session_exec(sid, f"setsid sleep {m} & (sleep {m} &); echo going; sleep {m}",
+                             timeout=0.5)
+    assert time.monotonic() - start < 2
+    assert r.timed_out and r.exit_code == 137 and r.stdout == b"going\n"
+    assert procs_with(m) == []
+    assert (await c.session_exec(sid, "echo $X")).stdout == b"kept\n"
+
+
+async def test_session_stuck_shell_is_killed(agent):
+    c = agent.client
+    sid = await c.session_open()
+    start = time.monotonic()
+    r = await c.session_exec(sid, "while :; do :; done", timeout=0.3)
+    assert r.timed_out and r.exit_code == 137 and time.monotonic() - start < 3
+    with pytest.raises(SessionClosed):
+        await c.session_exec(sid, "true")
+
+
+async def test_session_timeout_in_a_loop_of_children_keeps_shell(agent):
+    c, m = agent.client, agent.marker
+    sid = await c.session_open()
+    r = await c.session_exec(sid, f"for i in 1 2 3 4; do sleep {m}; done; echo loop-done",
+                             timeout=0.3)
+    assert r.timed_out and r.stdout == b"loop-done\n" and procs_with(m) == []
+    assert (await c.session_exec(sid, "echo alive")).stdout == b"alive\n"
+
+
+async def test_session_commands_are_serialized(agent, tmp_path):
+    c = agent.client
+    sid = await c.session_open()
+    log = tmp_path / "order"
+    tasks = []
+    for n in range(3):
+        tasks.append(asyncio.create_task(c.session_exec(
+            sid, f"echo start {n} >> {log}; sleep 0.2; echo end {n} >> {log}; echo {n}")))
+        await asyncio.sleep(0.03)
+    start = time.monotonic()
+    results = await asyncio.gather(*tasks)
+    assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
+    assert log.read_text().split("\n")[:-1] == [f"{w} {n}" for n in range(3) for w in ("start", "end")]
+    assert time.monotonic() - start > 0.45
+
+
+async def test_session_close_kills_descendants(agent):
+    c, m = agent.client, agent.marker
+    sid = await c.session_open()
+    await c.session_exec(sid, f"setsid sleep {m} & sleep {m} &")
+    assert len(procs_with(m)) == 2
+    await c.session_close(sid)
+    assert await wait_until(lambda: not procs_with(m))
+    assert await c.sessions() == []
+    with pytest.raises(UnknownSession):
+        await c.session_exec(sid, "true")
+
+
+# --- files ---------------------------------------------------------------------------------
+async def test_file_operations(agent, tmp_path):
+    c = agent.client
+    base = tmp_path / "files"
+    f = base / "a" / "b" / "c.txt"
+    await c.write_file(f, b"hello world", mode=0o600)
+    assert f.read_bytes() == b"hello world" and (f.stat().st_mode & 0o777) == 0o600
+    assert (base / "a").stat().st_mode & 0o777 == 0o755
+    assert await c.read_file(f) == b"hello world"
+    assert await c.read_file(f, offset=6) == b"world"
+    assert await c.read_file(f, offset=2, length=3) == b"llo"
+    assert await c.read_file(f, offset=100) == b""
+    assert await c.read_file(f, length=0) == b""
+    await c.write_file(f, b"W", offset=6, truncate=False)
+    assert f.read_bytes() == b"hello World"
+    await c.write_file(f, b"!", offset=5)  # truncate cuts at the offset
+    assert f.read_bytes() == b"hello!"
+    await c.write_file(f, b"")
+    assert f.read_bytes() == b""
+    with pytest.raises(SandboxPathError) as info:
+        await c.write_file(base / "new" / "x", b"x", make_parents=False)
+    assert info.value.errno == errno.ENOENT
+
+    (base / "dir").mkdir()
+    os.symlink("a/b/c.txt", base / "link")
+    (base / "sp ace\nname").write_bytes(b"12345")
+    entries = {e.name: e for e in await c.list_dir(base)}
+    assert set(entries) == {"a", "dir", "link", "sp ace\nname"}
+    assert (entries["a"].type, entries["dir"].type, entries["link"].type) == ("dir", "dir", "symlink")
+    e = entries["sp ace\nname"]
+    assert (e.type, e.size) == ("file", 5)
+    assert abs(e.mtime - (base / "sp ace\nname").stat().st_mtime) < 1e-3
+    st = await c.stat(base / "link")
+    assert (st.name, st.type) == ("link", "symlink")
+    st = await c.stat(f)
+    assert (st.name, st.type, st.size, st.mode) == ("c.txt", "file", 0, 0o600)
+    assert (await c.stat("/")).type == "dir"
+    dev = await c.stat("/dev/null")
+    assert dev.type == "other"
+
+    with pytest.raises(SandboxPathError):
+        await c.read_file("/etc/nope", length=0)
+    with pytest.raises(SandboxPathError) as info:
+        await c.read_file("/etc/nope")
+    err = info.value
+    assert (err.path, err.errno, err.sandbox_id) == ("/etc/nope", errno.ENOENT, "t1")
+    assert str(err) == "sandbox t1: /etc/nope: No such file or directory"
+    for call, code in [(c.read_file(base), errno.EISDIR), (c.list_dir(f), errno.ENOTDIR),
+                       (c.write_file(f / "x", b""), errno.ENOTDIR), (c.stat(base / "gone"), errno.ENOENT),
+                       (c.remove(base / "a"), errno.ENOTEMPTY), (c.remove(base / "gone"), errno.ENOENT)]:
+        with pytest.raises(SandboxPathError) as info:
+            await call
+        assert info.value.errno == code
+
+    await c.remove(base / "link")
+    assert f.exists() and not (base / "link").exists()
+    await c.remove(base / "dir")
+    await c.remove(base / "a", recursive=True)
+    assert sorted(os.listdir(base)) == ["sp ace\nname"]
+
+
+async def test_large_file_roundtrip_is_chunked(agent, tmp_path):
+    c = agent.client
+    data = os.urandom(20 << 20)
+    path = tmp_path / "big.bin"
+    await c.write_file(path, data)
+    assert path.stat().st_size == len(data)
+    assert await c.read_file(path) == data
+    assert await c.read_file(path, offset=7 << 20, length=3 << 20) == data[7 << 20:10 << 20]
+    assert await c.read_file(path, offset=(20 << 20) - 5) == data[-5:]
+    await c.write_file(path, data[:9 << 20], offset=1, truncate=False)
+    assert path.read_bytes() == data[:1] + data[:9 << 20] + data[(9 << 20) + 1:]
