@@ -208,7 +208,8 @@ def _invalid(where: str, path: Sequence[Any], message: str) -> CatalogInvalid:
 
 
 def _schema_fault(error: jsonschema.ValidationError) -> tuple[list[Any], str]:
-    """Point at the field itself where jsonschema points at the object holding it."""
+    """Point at the field itself where jsonschema points at the object holding it, and say
+    what was expected where the schema has an ``x-message`` for it."""
     path = list(error.absolute_path)
     if error.validator == "required":
         m = re.match(r"^'(.+)' is a required property$", error.message)
@@ -220,6 +221,15 @@ def _schema_fault(error: jsonschema.ValidationError) -> tuple[list[Any], str]:
         if extra:
             return [*path, extra[0]], (f"unknown field {extra[0]!r}; expected one of "
                                        f"{', '.join(sorted(allowed))}")
+    if error.validator == "dependentRequired" and isinstance(error.instance, dict):
+        for key, needs in error.validator_value.items():
+            if key in error.instance and any(n not in error.instance for n in needs):
+                return [*path, key], f"{key!r} needs {', '.join(map(repr, needs))} too"
+    hint = error.schema.get("x-message") if isinstance(error.schema, dict) else None
+    if hint and error.validator == "pattern":
+        return path, f"{error.instance!r}: {hint}"
+    if hint and error.validator in ("anyOf", "oneOf", "not"):
+        return path, hint
     return path, error.message
 
 

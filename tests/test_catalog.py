@@ -1,0 +1,573 @@
+"""Catalogs (schema and meaning checks, building, the node's CatalogStore), rewards and the CLI."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from dsec_core.catalog import (
+    CatalogStore,
+    Environment,
+    Task,
+    build_catalog,
+    catalog_schema,
+    load_catalog,
+    parse_catalog,
+)
+from dsec_core.cli_layers import catalog as catalog_cli
+from dsec_core.cli_layers import default_catalog_file
+from dsec_core.cli_layers import layer as layer_cli
+from dsec_core.errors import CatalogInvalid, InvalidSpec, SandboxPathError, UnknownEnvironment
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.recipes import debian_mirror
+from dsec_core.layers.store import LayerStore
+from dsec_core.records import ExecResult
+from dsec_core.rewards import compute_reward, junit_pass_rate
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
+                                reason="needs root and mkfs.erofs")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("DSEC_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def stores(home) -> tuple[LayerStore, CatalogStore]:
+    return LayerStore(home / "layers"), CatalogStore(home / "catalogs")
+
+
+def small_catalog() -> dict:
+    """A catalog of dir-only layers: builds in well under a second."""
+    return {
+        "name": "small",
+        "layers": [
+            {"name": "mini-base", "version": "1", "kind": "base", "source": {"dir": "base"}},
+            {"name": "task-hello", "version": "1", "kind": "workspace",
+             "source": {"dir": "hello", "to": "/workspace/hello"}},
+            {"name": "tools", "version": 2, "kind": "toolkit", "source": {"dir": "tools"}},
+        ],
+        "environments": [
+            {"name": "plain", "base": "mini-base@1"},
+            {"name": "hello", "base": "mini-base@1", "workspaces": ["task-hello@1"],
+             "toolkits": ["tools@2"], "env": {"LANG": "C.UTF-8"}, "workdir": "/workspace/hello"},
+        ],
+        "tasks": [
+            {"name": "hello", "environment": "hello", "command": "sh hello.sh",
+             "reward": "exit_code", "timeout": 5, "expect": 1.0},
+            {"name": "hello-tests", "environment": "hello", "command": "pytest --junitxml=/tmp/r.xml",
+             "reward": "pass_rate", "report": "/tmp/r.xml", "expect": 0.5},
+        ],
+    }
+
+
+@pytest.fixture
+def catalog_dir(tmp_path) -> Path:
+    root = tmp_path / "cat"
+    (root / "base/bin").mkdir(parents=True)
+    (root / "base/bin/true").write_text("#!/bin/sh\n")
+    (root / "hello").mkdir()
+    (root / "hello/hello.sh").write_text("echo hello\n")
+    (root / "tools").mkdir()
+    (root / "tools/tool").write_text("tool\n")
+    return root
+
+
+def write_catalog(catalog_dir: Path, doc: dict, name: str = "catalog.yaml") -> Path:
+    path = catalog_dir / name
+    path.write_text(json.dumps(doc) if name.endswith(".json") else yaml.safe_dump(doc))
+    return path
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def test_schema_is_draft_2020_12_and_shipped_as_package_data():
+    import jsonschema
+
+    schema = catalog_schema()
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    jsonschema.Draft202012Validator.check_schema(schema)
+    package_copy = REPO / "dsec_core" / "catalog_schema.json"
+    assert json.loads(package_copy.read_text()) == schema
+
+
+def test_load_small_catalog(catalog_dir):
+    cat = load_catalog(write_catalog(catalog_dir, small_catalog()))
+    assert cat.name == "small" and cat.path == str(catalog_dir / "catalog.yaml")
+    assert [r.ref for r in cat.layers] == ["mini-base@1", "task-hello@1", "tools@2"]
+    assert cat.layers[1].dir_path == catalog_dir / "hello" and cat.layers[1].to == "/workspace/hello"
+    env = cat.environment("hello")
+    assert env == Environment(name="hello", base="mini-base@1", workspaces=("task-hello@1",),
+                              toolkits=("tools@2",), env={"LANG": "C.UTF-8"},
+                              workdir="/workspace/hello", catalog="small")
+    assert env.layer_refs() == ["tools@2", "task-hello@1", "mini-base@1"]
+    assert cat.environment("plain").layer_refs() == ["mini-base@1"]
+    task = cat.task("hello-tests")
+    assert task == Task(name="hello-tests", environment="hello",
+                        command="pytest --junitxml=/tmp/r.xml", reward="pass_rate", timeout=60.0,
+                        expect=0.5, report="/tmp/r.xml", catalog="small")
+    with pytest.raises(UnknownEnvironment, match="plain, hello"):
+        cat.environment("nope")
+
+
+def test_json_catalogs_load_too(catalog_dir):
+    cat = load_catalog(write_catalog(catalog_dir, small_catalog(), "catalog.json"))
+    assert cat.to_document()["environments"][1]["toolkits"] == ["tools@2"]
+    again = parse_catalog(cat.to_document(), root=catalog_dir)
+    assert again.environments == cat.environments and again.tasks == cat.tasks
+    assert again.layers == cat.layers
+
+
+def test_default_catalog():
+    cat = load_catalog(default_catalog_file())
+    assert cat.name == "default"
+    assert [r.ref for r in cat.layers][:2] == ["debian-python@12", "dsec-toolkit@1"]
+    base = cat.layers[0]
+    assert base.kind == "base" and base.debootstrap.suite == "bookworm"
+    assert base.debootstrap.variant == "minbase" and "python3" in base.debootstrap.include
+    toolkit = cat.layers[1]
+    assert toolkit.dir == "toolkit" and toolkit.pip.packages[0].startswith("pytest")
+    assert (toolkit.dir_path / "usr/local/bin/dsec-judge").stat().st_mode & 0o111
+    expected = {"sum-pairs": 1.0, "fizzbuzz": 1.0, "reverse-words": 0.0,
+                "balanced-brackets": 0.0, "textstats": 0.75}
+    assert {t.name: t.expect for t in cat.tasks} == expected
+    for task in cat.tasks:
+        env = cat.environment(task.environment)
+        assert env.layer_refs() == ["dsec-toolkit@1", f"task-{task.name}@1", "debian-python@12"]
+        assert env.workdir == f"/workspace/{task.name}"
+    assert cat.task("textstats").reward == "pass_rate" and cat.task("textstats").report
+    assert {t.reward for t in cat.tasks if t.name != "textstats"} == {"exit_code"}
+
+
+def _set(doc: dict, path: list, value) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    if value is _DELETE:
+        del doc[path[-1]]
+    else:
+        doc[path[-1]] = value
+
+
+_DELETE = object()
+
+SCHEMA_FAULTS = [
+    # (what is wrong, where to change it, new value, JSON path reported, words in the message)
+    ("no name", ["name"], _DELETE, "$.name", "required"),
+    ("bad name", ["name"], "no spaces please", "$.name", "a name is letters"),
+    ("missing base", ["environments", 1, "base"], _DELETE, "$.environments[1].base", "required"),
+    ("unversioned base", ["environments", 1, "base"], "mini-base", "$.environments[1].base",
+     "'mini-base': expected a layer as name@version"),
+    ("workspace not a list", ["environments", 1, "workspaces"], "task-hello@1",
+     "$.environments[1].workspaces", "not of type 'array'"),
+    ("unknown env field", ["environments", 0, "image"], "x", "$.environments[0].image",
+     "unknown field 'image'"),
+    ("bad env var", ["environments", 1, "env"], {"1BAD": "x"}, "$.environments[1].env",
+     "'1BAD': not a valid environment variable name"),
+    ("relative workdir", ["environments", 1, "workdir"], "workspace", "$.environments[1].workdir",
+     "expected an absolute path"),
+    ("unknown reward", ["tasks", 0, "reward"], "accuracy", "$.tasks[0].reward", "is not one of"),
+    ("negative timeout", ["tasks", 0, "timeout"], -1, "$.tasks[0].timeout", "less than or equal"),
+    ("pass_rate without report", ["tasks", 1, "report"], _DELETE, "$.tasks[1].report", "required"),
+    ("expect above 1", ["tasks", 1, "expect"], 1.5, "$.tasks[1].expect", "greater than"),
+    ("bad kind", ["layers", 0, "kind"], "os", "$.layers[0].kind", "is not one of"),
+    ("float version", ["layers", 0, "version"], 1.5, "$.layers[0].version",
+     "a version is a string"),
+    ("two root filesystems", ["layers", 0, "source"], {"tar": "x.tar", "docker": "busybox"},
+     "$.layers[0].source", "one root filesystem: debootstrap, tar or docker"),
+    ("to without dir", ["layers", 2, "source"], {"pip": {"packages": ["x"]}, "to": "/x"},
+     "$.layers[2].source.to", "'to' needs 'dir' too"),
+    ("empty source", ["layers", 2, "source"], {}, "$.layers[2].source",
+     "needs at least one of dir, tar, docker, debootstrap, pip"),
+    ("layers not a list", ["layers"], {"name": "x"}, "$.layers", "not of type 'array'"),
+]
+
+
+@pytest.mark.parametrize("what,where,value,path,words", SCHEMA_FAULTS,
+                         ids=[f[0] for f in SCHEMA_FAULTS])
+def test_schema_faults_name_their_json_path(catalog_dir, what, where, value, path, words):
+    doc = small_catalog()
+    _set(doc, where, value)
+    file = write_catalog(catalog_dir, doc)
+    with pytest.raises(CatalogInvalid) as e:
+        load_catalog(file)
+    assert e.value.path == path, str(e.value)
+    assert f"{file}: {path}: " in str(e.value)
+    assert words in str(e.value)
+
+
+MEANING_FAULTS = [
+    ("duplicate environment", lambda d: d["environments"].append(copy.deepcopy(d["environments"][0])),
+     "$.environments[2].name", "duplicate name 'plain' (also $.environments[0])"),
+    ("duplicate task", lambda d: d["tasks"].append(copy.deepcopy(d["tasks"][1])),
+     "$.tasks[2].name", "duplicate name 'hello-tests'"),
+    ("duplicate layer", lambda d: d["layers"].append(copy.deepcopy(d["layers"][1])),
+     "$.layers[3].version", "duplicate layer task-hello@1"),
+    ("task in unknown environment", lambda d: d["tasks"][0].update(environment="helo"),
+     "$.tasks[0].environment", "unknown environment 'helo' (known: plain, hello)"),
+    ("missing layer", lambda d: d["environments"][1].update(workspaces=["task-bye@1"]),
+     "$.environments[1].workspaces[0]",
+     "layer task-bye@1 is neither a layer of this catalog nor in the store (known: mini-base@1,"
+     " task-hello@1, tools@2)"),
+    ("wrong kind", lambda d: d["environments"][1].update(toolkits=["task-hello@1"]),
+     "$.environments[1].toolkits[0]", "task-hello@1 is a workspace layer, not a toolkit layer"),
+    ("missing dir", lambda d: d["layers"][2]["source"].update(dir="tool"),
+     "$.layers[2].source.dir", "does not exist"),
+    ("exit_code expect 0.5", lambda d: d["tasks"][0].update(expect=0.5),
+     "$.tasks[0].expect", "0.0 or 1.0"),
+]
+
+
+@pytest.mark.parametrize("what,change,path,words", MEANING_FAULTS,
+                         ids=[f[0] for f in MEANING_FAULTS])
+def test_meaning_faults_name_their_json_path(catalog_dir, what, change, path, words):
+    doc = small_catalog()
+    change(doc)
+    with pytest.raises(CatalogInvalid) as e:
+        load_catalog(write_catalog(catalog_dir, doc))
+    assert e.value.path == path, str(e.value)
+    assert words in str(e.value)
+
+
+def test_unreadable_files(tmp_path):
+    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
+    with pytest.raises(CatalogInvalid, match="not valid YAML") as e:
+        load_catalog(tmp_path / "bad.yaml")
+    assert e.value.path == "$"
+    with pytest.raises(CatalogInvalid, match="cannot read"):
+        load_catalog(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(CatalogInvalid, match=r"\$: .*not of type 'object'"):
+        load_catalog(tmp_path / "list.yaml")
+
+
+@needs_root
+def test_environment_may_name_a_layer_already_in_the_store(catalog_dir, stores):
+    layers, _ = stores
+    doc = small_catalog()
+    doc["environments"][1]["workspaces"] = ["prebuilt@3"]
+    file = write_catalog(catalog_dir, doc)
+    with pytest.raises(CatalogInvalid, match="prebuilt@3 is neither"):
+        load_catalog(file, store=layers)
+    build_layer(catalog_dir / "hello", name="prebuilt", version="3", kind="workspace",
+                store=layers)
+    cat = load_catalog(file, store=layers)
+    assert cat.environment("hello").workspaces == ("prebuilt@3",)
+    with pytest.raises(CatalogInvalid):
+        load_catalog(file)  # without the store it is still missing
+
+
+# --- building and the catalog store --------------------------------------------------------
+
+@needs_root
+def test_build_catalog_builds_missing_layers_and_registers_it(catalog_dir, stores):
+    layers, catalogs = stores
+    cat = load_catalog(write_catalog(catalog_dir, small_catalog()))
+    stages = []
+    infos = build_catalog(cat, layers, catalogs, lambda s, f: stages.append(s))
+    assert [i.ref for i in infos] == ["mini-base@1", "task-hello@1", "tools@2"]
+    assert [i.kind for i in infos] == ["base", "workspace", "toolkit"]
+    assert "task-hello@1: mkfs" in stages
+    assert infos[1].source == "dir hello -> /workspace/hello"
+    assert (catalogs.root / "small.json").exists()
+    assert [e.name for e in catalogs.environments()] == ["plain", "hello"]
+    assert catalogs.environment("hello") == cat.environment("hello")
+    assert catalogs.task("hello") == cat.task("hello")
+    assert [t.name for t in catalogs.tasks()] == ["hello", "hello-tests"]
+    assert [c.name for c in catalogs.catalogs()] == ["small"]
+    with pytest.raises(UnknownEnvironment, match="known: hello, plain"):
+        catalogs.environment("nope")
+    with pytest.raises(UnknownEnvironment, match="known: hello, hello-tests"):
+        catalogs.task("nope")
+
+    # Built again: nothing rebuilt, same layers.
+    stages.clear()
+    assert build_catalog(cat, layers, catalogs, lambda s, f: stages.append(s)) == infos
+    assert stages == []
+
+    # dir recipes are stamped with one mtime: another store gets the same digests.
+    time.sleep(1.1)
+    for path in catalog_dir.rglob("*"):
+        os.utime(path)
+    other = LayerStore(catalogs.root.parent / "other-layers")
+    again = build_catalog(cat, other, CatalogStore(catalogs.root.parent / "other"))
+    assert [i.digest for i in again] == [i.digest for i in infos]
+
+
+@needs_root
+def test_saved_catalogs_survive_their_sources(catalog_dir, stores):
+    layers, catalogs = stores
+    cat = load_catalog(write_catalog(catalog_dir, small_catalog()))
+    build_catalog(cat, layers, catalogs)
+    shutil.rmtree(catalog_dir)
+    assert catalogs.environment("hello").layer_refs() == ["tools@2", "task-hello@1", "mini-base@1"]
+
+
+def test_empty_catalog_store(tmp_path):
+    catalogs = CatalogStore(tmp_path / "none")
+    assert catalogs.catalogs() == [] and catalogs.environments() == []
+    with pytest.raises(UnknownEnvironment, match="none known"):
+        catalogs.environment("x")
+
+
+@needs_root
+def test_pip_recipe_writes_scripts_for_the_image_python(tmp_path, stores):
+    """Uses PyPI: a small pure-Python package with a console script."""
+    layers, _ = stores
+    doc = {"name": "piptest", "layers": [{"name": "pyflakes", "version": "1", "kind": "toolkit",
+                                         "source": {"pip": {"packages": ["pyflakes==3.2.0"]}}}]}
+    cat = parse_catalog(doc, root=tmp_path)
+    from dsec_core.layers.recipes import build_recipe
+
+    info = build_recipe(cat.layers[0], layers)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layers.image_path(info)), str(mnt)],
+                   check=True)
+    try:
+        script = (mnt / "usr/local/bin/pyflakes").read_text()
+        assert script.startswith("#!/usr/bin/python3\n") and "from pyflakes.api import main" in script
+        assert os.access(mnt / "usr/local/bin/pyflakes", os.X_OK)
+        site = mnt / "usr/local/lib/python3.11/dist-packages"
+        assert (site / "pyflakes/__init__.py").exists()
+        assert not (site / "bin").exists() and not list(site.rglob("*.pyc"))
+        assert (mnt / "usr/local/bin").stat().st_uid == 0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+# --- the Debian mirror ---------------------------------------------------------------------
+
+def test_debian_mirror_from_apt_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv("DSEC_DEBIAN_MIRROR", raising=False)
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    assert debian_mirror(apt) == "http://deb.debian.org/debian"
+    (apt / "sources.list.d/debian.sources").write_text(
+        "Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\n"
+        "Suites: bookworm-security\nComponents: main\n\n"
+        "Types: deb deb-src\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+        "Components: main\n\n"
+        "Enabled: no\nTypes: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\n")
+    (apt / "sources.list.d/other.list").write_text(
+        "deb [signed-by=/x.gpg] https://packages.example/apt cloud-sdk main\n")
+    assert debian_mirror(apt) == "http://mirror.example/debian/"
+    (apt / "sources.list").write_text("# old style\ndeb http://old.example/debian bookworm main\n")
+    assert debian_mirror(apt) == "http://old.example/debian"  # read first, like apt does
+    monkeypatch.setenv("DSEC_DEBIAN_MIRROR", "http://override.example/debian")
+    assert debian_mirror(apt) == "http://override.example/debian"
+
+
+# --- rewards -------------------------------------------------------------------------------
+
+def _result(exit_code: int = 0, timed_out: bool = False) -> ExecResult:
+    return ExecResult(exit_code=exit_code, stdout=b"", stderr=b"", duration=0.1,
+                      timed_out=timed_out)
+
+
+def test_exit_code_reward():
+    task = Task(name="t", environment="e", command="true", reward="exit_code")
+    assert compute_reward(task, _result(0)) == 1.0
+    assert compute_reward(task, _result(1)) == 0.0
+    assert compute_reward(task, _result(0, timed_out=True)) == 0.0
+    with pytest.raises(InvalidSpec, match="unknown reward"):
+        compute_reward(Task(name="t", environment="e", command="x", reward="vibes"), _result())
+
+
+@pytest.fixture(scope="module")
+def junit_report(tmp_path_factory) -> bytes:
+    """A real JUnit XML report: pytest run on the host over 3 passing, 1 failing, 1 skipped."""
+    work = tmp_path_factory.mktemp("junit")
+    (work / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_a(): assert 1\n"
+        "def test_b(): assert 2 > 1\n"
+        "def test_c(): assert 'x'\n"
+        "def test_d(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='not today')\n"
+        "def test_e(): pass\n")
+    report = work / "report.xml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={report}", "test_sample.py"], cwd=work,
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return report.read_bytes()
+
+
+def test_pass_rate_reward_from_real_junit_xml(junit_report):
+    task = Task(name="t", environment="e", command="pytest", reward="pass_rate",
+                report="/tmp/report.xml")
+    seen = []
+
+    def read_file(path: str) -> bytes:
+        seen.append(path)
+        return junit_report
+
+    # 3 of 5: the skipped test counts as not passed, so skipping never pays.
+    assert compute_reward(task, _result(1), read_file) == pytest.approx(0.6)
+    assert seen == ["/tmp/report.xml"]
+    assert junit_pass_rate(junit_report) == pytest.approx(0.6)
+
+
+def test_pass_rate_is_zero_when_the_report_is_missing_or_broken(junit_report):
+    task = Task(name="t", environment="e", command="pytest", reward="pass_rate", report="/r.xml")
+
+    def missing(path: str) -> bytes:
+        raise SandboxPathError(f"no such file: {path}", path=path)
+
+    assert compute_reward(task, _result(0), missing) == 0.0
+    assert compute_reward(task, _result(0), None) == 0.0
+    assert compute_reward(task, _result(0), lambda p: b"<testsuite><testcase") == 0.0
+    assert compute_reward(task, _result(0), lambda p: b"not xml at all") == 0.0
+    assert compute_reward(task, _result(0), lambda p: b'<testsuite tests="0"/>') == 0.0
+    assert compute_reward(task, _result(0, timed_out=True), lambda p: junit_report) == 0.0
+    forged = b'<testsuite tests="1" failures="0"><testcase name="a"><failure/></testcase></testsuite>'
+    assert compute_reward(task, _result(0), lambda p: forged) == 0.0  # cases are counted
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+@needs_root
+def test_cli_layer_build_ls_rm(tmp_path, home):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    runner = CliRunner()
+    result = runner.invoke(layer_cli, ["build", str(src), "--name", "ws", "--version", "1",
+                                       "--kind", "workspace"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ws@1 workspace ")
+    result = runner.invoke(layer_cli, ["ls", "--json"])
+    assert result.exit_code == 0
+    listed = json.loads(result.output)
+    assert [(i["name"], i["version"], i["kind"]) for i in listed] == [("ws", "1", "workspace")]
+    assert listed[0]["digest"].startswith("sha256:")
+    assert "ws@1" in runner.invoke(layer_cli, ["ls"]).output
+    result = runner.invoke(layer_cli, ["rm", "ws@1"])
+    assert result.exit_code == 0 and "removed ws@1" in result.output
+    assert json.loads(runner.invoke(layer_cli, ["ls", "--json"]).output) == []
+    result = runner.invoke(layer_cli, ["rm", "ws@1"])
+    assert result.exit_code == 1 and "unknown layer" in str(result.exception)
+
+
+@needs_root
+def test_cli_catalog_build_ls_validate(catalog_dir, home):
+    runner = CliRunner()
+    file = write_catalog(catalog_dir, small_catalog())
+    result = runner.invoke(catalog_cli, ["validate", str(file)])
+    assert result.exit_code == 0 and "ok: catalog small" in result.output
+    result = runner.invoke(catalog_cli, ["build", str(file)])
+    assert result.exit_code == 0, result.output
+    assert "built    task-hello@1" in result.output
+    result = runner.invoke(catalog_cli, ["build", str(file)])
+    assert "present  task-hello@1" in result.output
+    result = runner.invoke(catalog_cli, ["ls", "--json"])
+    listed = json.loads(result.output)
+    assert [e["name"] for e in listed["environments"]] == ["plain", "hello"]
+    assert listed["environments"][1]["layers"] == ["tools@2", "task-hello@1", "mini-base@1"]
+    assert [(t["name"], t["reward"]) for t in listed["tasks"]] == [("hello", "exit_code"),
+                                                                   ("hello-tests", "pass_rate")]
+    assert "hello-tests" in runner.invoke(catalog_cli, ["ls"]).output
+
+
+def test_cli_validate_reports_faults_without_traceback(catalog_dir, home, capsys):
+    doc = small_catalog()
+    del doc["environments"][1]["base"]
+    file = write_catalog(catalog_dir, doc)
+    result = CliRunner().invoke(catalog_cli, ["validate", str(file)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, CatalogInvalid)  # left to the main CLI to print
+    assert "Traceback" not in result.output
+    assert CliRunner().invoke(catalog_cli, ["validate", str(default_catalog_file())]).exit_code == 0
+
+    try:
+        from dsec_core.cli import main
+    except ImportError:
+        pytest.skip("the main dsec CLI is not there yet")
+    with pytest.raises(SystemExit) as e:
+        main(["catalog", "validate", str(file)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and "$.environments[1].base" in err
+    assert "Traceback" not in err
+
+
+# --- the real default catalog (debootstrap, PyPI; about a minute) --------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
+    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), flags,
+                   data.encode() if data else None):
+        raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
+
+
+@pytest.fixture(scope="session")
+def default_catalog_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("default-catalog")
+    layers, catalogs = LayerStore(home / "layers"), CatalogStore(home / "catalogs")
+    cat = load_catalog(default_catalog_file())
+    infos = build_catalog(cat, layers, catalogs)
+    return cat, layers, catalogs, infos
+
+
+@pytest.mark.slow
+@needs_root
+def test_default_catalog_builds_and_every_task_earns_its_expected_reward(default_catalog_home,
+                                                                         tmp_path):
+    cat, layers, catalogs, infos = default_catalog_home
+    assert {i.ref for i in infos} == {r.ref for r in cat.layers}
+    assert list(layers.tmp_dir.iterdir()) == []
+    mounts: list[Path] = []
+
+    def mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
+        target.mkdir(parents=True, exist_ok=True)
+        _mount(source, target, fstype, flags, data)
+        mounts.append(target)
+
+    try:
+        lowers = {}
+        for info in infos:
+            lowers[info.ref] = tmp_path / "layers" / info.ref
+            mount(str(layers.image_path(info)), lowers[info.ref], "erofs", 1)
+        base = lowers["debian-python@12"]
+        assert os.access(base / "usr/bin/python3", os.X_OK) and os.access(base / "bin/bash", os.X_OK)
+        assert list((base / "var/lib/apt/lists").iterdir()) == []
+        for task in catalogs.tasks():
+            env = catalogs.environment(task.environment)
+            root, upper, work = (tmp_path / task.name / d for d in ("root", "upper", "work"))
+            upper.mkdir(parents=True)
+            work.mkdir()
+            lowerdir = ":".join(str(lowers[ref]) for ref in env.layer_refs())
+            mount("overlay", root, "overlay", 0,
+                  f"lowerdir={lowerdir},upperdir={upper},workdir={work}")
+            started = time.monotonic()
+            proc = subprocess.run([shutil.which("chroot") or "/usr/sbin/chroot", str(root), "/bin/bash", "-c",
+                                   f"cd {env.workdir} && {task.command}"],
+                                  capture_output=True, timeout=task.timeout,
+                                  env={"PATH": "/usr/local/bin:/usr/bin:/bin", **env.env})
+            result = ExecResult(exit_code=proc.returncode, stdout=proc.stdout,
+                                stderr=proc.stderr, duration=time.monotonic() - started)
+            reward = compute_reward(task, result,
+                                    lambda p: (root / p.lstrip("/")).read_bytes())
+            assert reward == pytest.approx(task.expect), (task.name, proc.stdout, proc.stderr)
+    finally:
+        for target in reversed(mounts):
+            _libc.umount2(str(target).encode(), 0)
+    assert not [line for line in open("/proc/self/mounts") if str(tmp_path) in line]
