@@ -15,7 +15,6 @@ from typing import Callable, Iterator
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from .catalog import CatalogStore, build_catalog, load_catalog
 from .config import NodeConfig
@@ -72,9 +71,10 @@ def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
             progress.update(task, total=1.0, completed=1.0)
 
 
-def _layer_row(info: LayerInfo) -> list[str]:
+def _layer_line(info: LayerInfo) -> str:
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created))
-    return [info.ref, info.kind, _size(info.size), info.digest[:19], created, info.source]
+    return (f"{info.ref:<32} {info.kind:<9} {_size(info.size):>10}  "
+            f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {info.source}")
 
 
 # --- dsec layer ----------------------------------------------------------------------------
@@ -113,10 +113,9 @@ def layer_ls(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([i.to_dict() for i in infos], indent=2))
         return
-    table = Table("layer", "kind", "size", "digest", "created", "source")
+    click.echo(f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  SOURCE")
     for info in infos:
-        table.add_row(*_layer_row(info))
-    Console().print(table)
+        click.echo(_layer_line(info))
 
 
 @layer.command("rm")
@@ -166,16 +165,14 @@ def catalog_ls(as_json: bool) -> None:
             "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
         }, indent=2))
         return
-    console = Console()
-    table = Table("environment", "catalog", "layers (top first)", "workdir", title="environments")
+    click.echo(f"{'ENVIRONMENT':<24} {'CATALOG':<12} {'WORKDIR':<28} LAYERS (top first)")
     for e in envs:
-        table.add_row(e.name, e.catalog, ", ".join(e.layer_refs()), e.workdir)
-    console.print(table)
-    table = Table("task", "environment", "reward", "expect", "command", title="tasks")
+        click.echo(f"{e.name:<24} {e.catalog:<12} {e.workdir:<28} {', '.join(e.layer_refs())}")
+    click.echo()
+    click.echo(f"{'TASK':<24} {'ENVIRONMENT':<24} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
     for t in tasks:
-        table.add_row(t.name, t.environment, t.reward, "-" if t.expect is None else f"{t.expect:g}",
-                      t.command)
-    console.print(table)
+        expect = "-" if t.expect is None else f"{t.expect:g}"
+        click.echo(f"{t.name:<24} {t.environment:<24} {t.reward:<10} {expect:>6}  {t.command}")
 
 
 @catalog.command("validate")

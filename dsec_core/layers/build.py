@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import struct
 import subprocess
 import tarfile
@@ -19,7 +18,7 @@ from typing import Callable, Sequence
 
 from ..errors import LayerBuildError, ToolError
 from ..records import LayerInfo, LayerRef
-from .store import LayerStore, check_kind
+from .store import LayerStore, check_kind, remove_tree
 
 __all__ = [
     "build_layer",
@@ -28,7 +27,6 @@ __all__ = [
     "extract_tar",
     "export_docker_image",
     "run_tool",
-    "remove_tree",
     "LAYER_UUID",
     "Progress",
 ]
@@ -61,32 +59,6 @@ def run_tool(command: Sequence[str], what: str, *, env: dict[str, str] | None = 
         raise ToolError(f"{what} failed", command=command, exit_code=proc.returncode,
                         stdout=proc.stdout, stderr=proc.stderr)
     return proc
-
-
-def _mounts_under(path: Path) -> list[str]:
-    prefix = str(path).rstrip("/") + "/"
-    with open("/proc/self/mounts") as f:
-        points = [line.split()[1].encode().decode("unicode_escape") for line in f]
-    return [p for p in points if p.startswith(prefix) or p == prefix[:-1]]
-
-
-def remove_tree(path: Path) -> None:
-    """``rm -rf`` that first detaches mounts inside (debootstrap mounts /proc in its target).
-
-    Deleting through a live /proc or /sys mount would be a disaster, so we refuse to go on
-    if anything stays mounted.
-    """
-    if not os.path.lexists(path):
-        return
-    for point in sorted(_mounts_under(path), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True)
-    left = _mounts_under(path)
-    if left:
-        raise LayerBuildError(f"cannot remove {path}: still mounted: {', '.join(left)}", path=str(path))
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 # --- EROFS images --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import InvalidSpec, LayerBuildError
+from ..errors import InvalidSpec, LayerBuildError, LayerExists
 from ..records import LayerInfo
 from .build import build_tree, export_docker_image, extract_tar, run_tool
 from .store import LayerStore, check_kind
@@ -337,6 +337,12 @@ def build_recipe(recipe: LayerRecipe, store: LayerStore,
         if recipe.pip is not None:
             _pip_install(recipe.pip, tree, progress)
         plain = not (recipe.debootstrap or recipe.tar or recipe.docker)
-        return build_tree(tree, name=recipe.name, version=recipe.version, kind=recipe.kind,
-                          store=store, all_root=plain, timestamp=RECIPE_EPOCH if plain else None,
-                          source=recipe.describe(), progress=progress)
+        try:
+            return build_tree(tree, name=recipe.name, version=recipe.version, kind=recipe.kind,
+                              store=store, all_root=plain,
+                              timestamp=RECIPE_EPOCH if plain else None,
+                              source=recipe.describe(), progress=progress)
+        except LayerExists:
+            # Another build of the same recipe finished first (debootstrap is not
+            # reproducible, so the digests differ); versions are immutable, so take that one.
+            return store.resolve(recipe.ref)

@@ -18,16 +18,18 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import InvalidSpec, LayerExists, UnknownLayer
+from ..errors import InvalidSpec, LayerBuildError, LayerExists, UnknownLayer
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
 
-__all__ = ["LayerStore", "file_digest", "check_kind"]
+__all__ = ["LayerStore", "file_digest", "check_kind", "remove_tree"]
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -64,6 +66,35 @@ def _hex(digest: str) -> str:
         raise InvalidSpec(f"bad layer digest {digest!r}: expected sha256:<64 hex digits>",
                           digest=digest)
     return hexpart
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        # /proc/mounts writes space, tab, newline and backslash as octal escapes.
+        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[1])
+                  for line in f]
+    return [p for p in points if p.startswith(prefix) or p == prefix[:-1]]
+
+
+def remove_tree(path: Path) -> None:
+    """``rm -rf`` that first detaches mounts inside (debootstrap mounts /proc in its target).
+
+    Deleting through a live /proc or /sys mount would be a disaster, so it refuses to go on
+    if anything stays mounted.
+    """
+    if not os.path.lexists(path):
+        return
+    for point in sorted(_mounts_under(path), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+    left = _mounts_under(path)
+    if left:
+        raise LayerBuildError(f"cannot remove {path}: still mounted: {', '.join(left)}",
+                              path=str(path))
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -124,8 +155,6 @@ class LayerStore:
     @contextlib.contextmanager
     def scratch(self, prefix: str = "build-") -> Iterator[Path]:
         """A temporary directory in ``tmp/``, removed on exit whatever happened inside."""
-        from .build import remove_tree  # build imports this module; keep the cycle lazy
-
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         path = Path(tempfile.mkdtemp(prefix=prefix, dir=self.tmp_dir))
         try:
@@ -157,8 +186,7 @@ class LayerStore:
 
     def resolve(self, ref: LayerRef | str) -> LayerInfo:
         """The layer ``ref`` names; an unversioned ref means the newest (by created time)."""
-        if isinstance(ref, str):
-            ref = LayerRef.parse(ref)
+        ref = LayerRef.parse(str(ref))  # also re-checks a LayerRef built without parse()
         versions = self._versions(ref.name)
         if ref.version is None:
             if versions:
@@ -256,8 +284,7 @@ class LayerStore:
         An unversioned ref is accepted only when the name has exactly one version, so a typo
         cannot delete the newest of several.
         """
-        if isinstance(ref, str):
-            ref = LayerRef.parse(ref)
+        ref = LayerRef.parse(str(ref))
         with self._locked():
             if ref.version is None:
                 versions = self._versions(ref.name)
