@@ -15,14 +15,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jsonschema
 import yaml
 
 from .errors import CatalogInvalid, DsecError, UnknownEnvironment, UnknownLayer
 from .layers.recipes import Debootstrap, LayerRecipe, PipInstall, build_recipe
-from .layers.store import LayerStore
+from .layers.store import LayerStore, Progress
 from .records import LayerInfo, LayerRef
 
 __all__ = [
@@ -39,8 +39,6 @@ __all__ = [
     "catalog_schema",
     "REWARDS",
 ]
-
-Progress = Callable[[str, "float | None"], None]
 
 REWARDS = ("exit_code", "pass_rate")
 

@@ -14,11 +14,11 @@ import subprocess
 import tarfile
 import uuid
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..errors import LayerBuildError, ToolError
 from ..records import LayerInfo, LayerRef
-from .store import LayerStore, check_kind, remove_tree
+from .store import LayerStore, Progress, check_kind
 
 __all__ = [
     "build_layer",
@@ -30,8 +30,6 @@ __all__ = [
     "LAYER_UUID",
     "Progress",
 ]
-
-Progress = Callable[[str, "float | None"], None]
 
 # One UUID for every layer: a random one would make each build of the same tree unique.
 LAYER_UUID = str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/dsec/layers"))

@@ -15,12 +15,12 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
-from ..errors import InvalidSpec, LayerBuildError, LayerExists
+from ..errors import InvalidSpec, LayerBuildError, LayerExists, ToolError
 from ..records import LayerInfo
 from .build import build_tree, export_docker_image, extract_tar, run_tool
-from .store import LayerStore, check_kind
+from .store import LayerStore, Progress, check_kind
 
 __all__ = [
     "Debootstrap",
@@ -30,8 +30,6 @@ __all__ = [
     "debian_mirror",
     "RECIPE_EPOCH",
 ]
-
-Progress = Callable[[str, "float | None"], None]
 
 # 1980-01-01: the reproducible-builds habit (zip and wheels cannot go earlier).
 RECIPE_EPOCH = 315532800
@@ -207,7 +205,16 @@ def _debootstrap(spec: Debootstrap, target: Path, progress: Progress) -> None:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive",
                PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     progress("debootstrap", None)
-    run_tool(cmd, f"debootstrap {spec.suite} from {mirror}", env=env, timeout=3600)
+    try:
+        run_tool(cmd, f"debootstrap {spec.suite} from {mirror}", env=env, timeout=3600)
+    except ToolError as e:
+        # debootstrap says little on stderr; its log in the target says why.
+        log = target / "debootstrap" / "debootstrap.log"
+        if not log.is_file():
+            raise
+        raise ToolError(f"debootstrap {spec.suite} from {mirror} failed", command=e.command,
+                        exit_code=e.exit_code, stdout=e.stdout,
+                        stderr=(e.stderr + "\n" + log.read_text(errors="replace")[-3000:])) from e
     _slim_rootfs(target)
     progress("debootstrap", 1.0)
 

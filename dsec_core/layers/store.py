@@ -29,8 +29,9 @@ from typing import Callable, Iterator
 from ..errors import InvalidSpec, LayerBuildError, LayerExists, UnknownLayer
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
 
-__all__ = ["LayerStore", "file_digest", "check_kind", "remove_tree"]
+__all__ = ["LayerStore", "Progress", "file_digest", "check_kind", "remove_tree"]
 
+#: ``progress(stage, fraction)``: what a build is doing; fraction in [0, 1] or None if unknown.
 Progress = Callable[[str, "float | None"], None]
 
 _CHUNK = 1 << 20
