@@ -102,3 +102,8 @@ class NodeConfig:
         for d in (self.layer_dir, self.catalog_dir, self.mount_dir, self.sandbox_dir, self.run_dir,
                   self.bin_dir):
             d.mkdir(parents=True, exist_ok=True)
+        # Root in a sandbox is an unprivileged host uid; runc, inside the sandbox's user
+        # namespace, must still traverse to the sandbox's rootfs and to the agent binary.
+        for d in (self.home, self.sandbox_dir, self.mount_dir, self.bin_dir):
+            if d.stat().st_mode & 0o111 != 0o111:
+                os.chmod(d, d.stat().st_mode | 0o111)

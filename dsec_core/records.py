@@ -147,6 +147,7 @@ class SandboxSpec(_Record):
             raise InvalidSpec(f"ttl must be positive seconds or None, got {self.ttl}", field="ttl")
         for ref in self.layers:
             LayerRef.parse(ref)
+        self.limits  # noqa: B018 - reject bad sizes and limits at construction
 
     @property
     def limits(self) -> Limits:

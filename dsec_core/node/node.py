@@ -231,7 +231,8 @@ class Node:
     def _arm_ttl(self, sb: Sandbox) -> None:
         loop = asyncio.get_running_loop()
         delay = max(0.0, (sb.expires or 0) - time.time())
-        sb.ttl_handle = loop.call_later(delay, self._spawn, self.kill(sb.rt.id, reason="ttl"))
+        sid = sb.rt.id
+        sb.ttl_handle = loop.call_later(delay, lambda: self._spawn(self.kill(sid, reason="ttl")))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

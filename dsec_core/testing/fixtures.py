@@ -75,7 +75,8 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         except OSError:
             continue
         if prefix.encode() in cmd and b"dsec_core.node.daemon" not in cmd:
-            procs.append(f"{pid}: {cmd.replace(b'\0', b' ').decode(errors='replace')}")
+            shown = cmd.replace(b"\0", b" ").decode(errors="replace")
+            procs.append(f"{pid}: {shown}")
     return {"mounts": mounts, "sandbox_dirs": dirs, "cgroups": cgroups, "processes": procs}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -62,6 +63,8 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
     env.update(rt.spec.env)
     idmap = [{"containerID": 0, "hostID": rt.idmap.host_base, "size": rt.idmap.size}]
     caps = list(CAPABILITIES)
+    # A user namespace cannot raise the hard limit above the daemon's own.
+    nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -71,7 +74,7 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
             "noNewPrivileges": True,
             "oomScoreAdj": 500,
         },
