@@ -163,7 +163,7 @@ def serve(config: NodeConfig | None = None) -> None:
             log.info("node daemon stopped; %d sandboxes left running", len(node.sandboxes))
 
     app = make_app(node, lifespan=lifespan)
-    loop = "uvloop" if _has("uvloop") else "asyncio"
+    loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
     http = "httptools" if _has("httptools") else "h11"
     server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), loop=loop, http=http,
                                            log_level="warning", access_log=False,

@@ -168,6 +168,7 @@ class Node:
                 f"{cfg.memory_capacity >> 20} MiB left", reason="memory")
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        t0 = time.perf_counter()
         backend = self.backend(spec.backend)
         limits = spec.limits
         self._admit(spec)
@@ -191,6 +192,7 @@ class Node:
         self._write_state(sb)
         overlay = OverlayStack(sdir)
         taken: list[str] = []
+        t_prep = time.perf_counter()
         try:
             mounts = []
             for source, info in sources:
@@ -199,10 +201,17 @@ class Node:
                 mounts.append(self.mounts.acquire(info.digest, image))
                 taken.append(info.digest)
             sb.rt = rt = replace(rt, layer_mounts=tuple(mounts))
+            t_layers = time.perf_counter()
             overlay.mount(mounts, owner=self.idmap.host_base)
+            t_overlay = time.perf_counter()
             sb.backend_state = await backend.start(rt)
+            t_start = time.perf_counter()
             sb.status = "running"
             self._write_state(sb)
+            log.debug("created %s: prepare %.1f ms, layers %.1f ms, overlay %.1f ms, "
+                      "backend %.1f ms, total %.1f ms", sid, 1e3 * (t_prep - t0),
+                      1e3 * (t_layers - t_prep), 1e3 * (t_overlay - t_layers),
+                      1e3 * (t_start - t_overlay), 1e3 * (time.perf_counter() - t0))
         except BaseException:
             self.sandboxes.pop(sid, None)
             await asyncio.shield(self._undo_create(overlay, taken, sdir))

@@ -1,0 +1,54 @@
+"""The main job end to end: ``dsec demo`` on the embedded default, with the real default catalog
+(debootstrap base), a daemon it starts itself, and nothing left behind afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsec_core.catalog import load_catalog
+from dsec_core.config import NodeConfig
+from dsec_core.demo import default_catalog_path
+from dsec_core.node.daemon import daemon_pid, stop_daemon
+from dsec_core.testing import leftovers
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
+
+
+@pytest.fixture
+def demo_home():
+    # A persistent home so the debootstrap base is built once per machine, not per run;
+    # run.sh test builds it before the suite starts.
+    home = Path(os.environ.get("DSEC_TEST_HOME", "/var/lib/dsec-test"))
+    config = NodeConfig(home=home)
+    if daemon_pid(config):
+        stop_daemon(config)
+    yield config
+    if daemon_pid(config):
+        stop_daemon(config)
+    left = leftovers(home)
+    assert not any(left.values()), left
+
+
+def test_demo_runs_every_task_and_scores_them(demo_home):
+    env = dict(os.environ, DSEC_HOME=os.fspath(demo_home.home))
+    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "demo", "--json"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dsec demo rollouts" in out.stdout
+    results = json.loads(out.stdout[out.stdout.index("[\n"):])
+    tasks = load_catalog(default_catalog_path()).tasks
+    assert {r["task"] for r in results} == {t.name for t in tasks}
+    for r in results:
+        assert r["ok"], r
+    rewards = {r["reward"] for r in results}
+    assert 1.0 in rewards and 0.0 in rewards  # right and wrong programs told apart
+    assert any(0 < r["reward"] < 1 for r in results)  # a partial pass rate from JUnit XML
+    # the demo's sandboxes are all gone; the daemon it started stays up (embedded default)
+    assert daemon_pid(demo_home) is not None
+    assert leftovers(demo_home.home)["sandbox_dirs"] == []
