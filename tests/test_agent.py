@@ -105,7 +105,12 @@ class Agent:
     proc: subprocess.Popen
     binary: Path
     socket_path: Path
-    marker: str  # "1000.<digits>": a sleep argument no other test uses
+    marker: str  # "1000.<token>": a sleep argument no other test uses
+
+    @property
+    def token(self) -> str:
+        """The marker's digits: teardown fails if any process still mentions them."""
+        return self.marker.partition(".")[2]
 
     def pids(self) -> list[int]:
         """The agent's main process and every handler (processes running the agent binary)."""
@@ -158,7 +163,7 @@ def agent(agent_bin):
     finally:
         stop_agent(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
-        leftovers = procs_with(marker)
+        leftovers = procs_with(a.token)
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
         assert not leftovers, f"processes outlived the agent: {leftovers}"
@@ -280,7 +285,8 @@ async def test_background_processes_do_not_hold_exec(agent):
     start = time.monotonic()
     r = await agent.client.exec(f"sleep {m} & echo bg")
     assert r.exit_code == 0 and r.stdout == b"bg\n" and time.monotonic() - start < 1
-    assert len(procs_with(m)) == 1  # allowed to keep running; the teardown checks it dies with the agent
+    # allowed to keep running; the fixture's teardown checks it dies with the agent
+    assert await wait_until(lambda: len(procs_with(m)) == 1)
 
 
 async def test_concurrent_execs_run_in_parallel(agent):
@@ -436,7 +442,7 @@ async def test_session_state_persists(agent):
         await c.session_open(cwd="/no/such/dir")
     with pytest.raises(UnknownSession) as info:
         await c.session_exec("nope", "true")
-    assert sorted(info.value.known) == sorted([sid, other])
+    assert info.value.name == "nope" and sorted(info.value.known) == sorted([sid, other])
 
 
 async def test_session_exit_closes_it(agent):
@@ -465,6 +471,22 @@ async def test_session_timeout_kills_children_and_keeps_shell(agent):
     assert r.timed_out and r.exit_code == 137 and r.stdout == b"going\n"
     assert procs_with(m) == []
     assert (await c.session_exec(sid, "echo $X")).stdout == b"kept\n"
+
+
+async def test_session_timeout_spares_earlier_background_jobs(agent):
+    c, m = agent.client, agent.marker
+    server = f"1001.{agent.token}"
+    sid = await c.session_open()
+    # a "server" from an earlier command that keeps forking workers; the loop ends (and the
+    # server with it) as soon as one of its sleeps is killed
+    await c.session_exec(sid, f"sh -c 'while sleep 0.05; do :; done' {server} &")
+    assert await wait_until(lambda: len(procs_with(server)) == 1)
+    r = await c.session_exec(sid, f"sleep {m} & sleep {m}", timeout=0.3)
+    assert r.timed_out and procs_with(m) == []
+    await asyncio.sleep(0.2)
+    assert len(procs_with(server)) == 1  # it and its workers were spared
+    await c.session_close(sid)
+    assert await wait_until(lambda: not procs_with(server))
 
 
 async def test_session_stuck_shell_is_killed(agent):
@@ -506,7 +528,7 @@ async def test_session_close_kills_descendants(agent):
     c, m = agent.client, agent.marker
     sid = await c.session_open()
     await c.session_exec(sid, f"setsid sleep {m} & sleep {m} &")
-    assert len(procs_with(m)) == 2
+    assert await wait_until(lambda: len(procs_with(m)) == 2)  # both have exec'd sleep
     await c.session_close(sid)
     assert await wait_until(lambda: not procs_with(m))
     assert await c.sessions() == []

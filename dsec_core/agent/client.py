@@ -28,10 +28,14 @@ from ..errors import (
 )
 from ..records import ExecResult, FileEntry
 
-__all__ = ["AgentClient", "MAX_FRAME", "CHUNK"]
+__all__ = ["AgentClient", "MAX_FRAME", "MAX_OUTPUT", "CHUNK"]
 
 MAX_FRAME = 16 << 20  # the agent refuses headers and bodies above this
 CHUNK = 8 << 20  # file transfers are split into pieces of this size
+MAX_OUTPUT = 16 << 20  # the agent keeps at most this much of each output stream
+#: a call with a timeout gives up this long after it (the agent's own kill and grace
+#: steps take a few seconds at most), so a frozen agent cannot hang the caller forever
+_TIMEOUT_SLACK = 15.0
 
 _TYPES = {b"f": "file", b"d": "dir", b"l": "symlink", b"o": "other"}
 _Fields = dict[str, list[bytes]]
@@ -111,7 +115,18 @@ class AgentClient:
         return SandboxNotRunning(f"{self._where()}: the agent is not reachable ({why})",
                                  sandbox_id=self.sandbox_id, socket=self.socket_path)
 
-    async def _call(self, fields: Sequence[tuple[str, Any]], body: bytes = b"") -> tuple[_Fields, bytes]:
+    async def _call(self, fields: Sequence[tuple[str, Any]], body: bytes = b"",
+                    timeout: float | None = None) -> tuple[_Fields, bytes]:
+        if timeout is None:
+            return await self._roundtrip(fields, body)
+        try:
+            return await asyncio.wait_for(self._roundtrip(fields, body), timeout + _TIMEOUT_SLACK)
+        except asyncio.TimeoutError:
+            # wait_for closed our connection, which tells the agent to kill the command
+            raise SandboxError(f"{self._where()}: the agent did not answer within "
+                               f"{timeout + _TIMEOUT_SLACK:.0f}s", sandbox_id=self.sandbox_id) from None
+
+    async def _roundtrip(self, fields: Sequence[tuple[str, Any]], body: bytes) -> tuple[_Fields, bytes]:
         if len(body) > MAX_FRAME:
             raise InvalidSpec(f"request body of {len(body)} bytes is over the agent's "
                               f"{MAX_FRAME} byte limit")
@@ -165,7 +180,7 @@ class AgentClient:
                                     sandbox_id=sid)
         if kind == "unknown_session":
             known = [s.decode() for s in reply.get("session", [])]
-            name = message.rpartition(" ")[2]
+            name = _one(reply, "name").decode()
             return UnknownSession(f"{where}: {message}", name=name, known=known, sandbox_id=sid)
         if kind == "session_closed":
             return SessionClosed(f"{where}: {message}", sandbox_id=sid)
@@ -202,9 +217,11 @@ class AgentClient:
                    stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
         """Run a command: a string through ``/bin/sh -c``, a list directly (PATH lookup).
 
-        ``env`` is merged over PATH/HOME/LANG defaults; ``stdin`` None means /dev/null. Output
-        past ``max_output`` bytes per stream is dropped (``truncated``); at ``timeout`` the whole
-        process tree is killed (``timed_out``, exit code 137).
+        ``env`` is merged over PATH/HOME/LANG defaults; ``cwd`` defaults to ``/``; ``stdin``
+        None means /dev/null. A missing command gives exit code 127, a non-executable one 126,
+        death by signal N 128+N. Output past ``max_output`` bytes per stream (at most 16 MiB) is
+        dropped (``truncated``); at ``timeout`` the whole process tree is killed (``timed_out``,
+        exit code 137). Background processes left by a normal exit keep running.
         """
         if isinstance(cmd, str):
             argv, command = ["/bin/sh", "-c", cmd], cmd
@@ -220,7 +237,7 @@ class AgentClient:
                    ("max_output", max(0, int(max_output)))]
         if stdin is not None:
             fields.append(("stdin", 1))
-        reply, body = await self._call(fields, bytes(stdin or b""))
+        reply, body = await self._call(fields, bytes(stdin or b""), timeout)
         return self._result(reply, body, command)
 
     async def session_open(self, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
@@ -246,7 +263,7 @@ class AgentClient:
             ("timeout_ms", self._timeout_ms(timeout)), ("max_output", max(0, int(max_output)))]
         if stdin is not None:
             fields.append(("stdin", 1))
-        reply, body = await self._call(fields, bytes(stdin or b""))
+        reply, body = await self._call(fields, bytes(stdin or b""), timeout)
         return self._result(reply, body, cmd)
 
     async def session_close(self, session_id: str) -> None:
@@ -297,7 +314,10 @@ class AgentClient:
             first = False
 
     async def list_dir(self, path: str | os.PathLike[str]) -> list[FileEntry]:
-        """Entries of a directory (lstat, without . and ..), sorted by name."""
+        """Entries of a directory (lstat, without . and ..), sorted by name.
+
+        ``mode`` is the permission bits (``st_mode & 0o7777``); the kind is in ``type``.
+        """
         reply, _ = await self._call([("op", "list"), ("path", os.fspath(path))])
         return sorted((_entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
 

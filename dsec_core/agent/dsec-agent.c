@@ -30,7 +30,7 @@
  *   op=remove path, recursive                 -> (ok)
  * entry = "<t> <size> <mode> <mtime_s> <mtime_ns> <name>", t in f d l o (file dir symlink other),
  *         mode = permission bits (st_mode & 07777) in decimal; name runs to the end of the value.
- * Errors: error=<kind> message=<text> [path=] [errno=] [session=...]; kinds: path,
+ * Errors: error=<kind> message=<text> [path=] [errno=] [name= session=...]; kinds: path,
  *         unknown_session, session_closed, bad_request, internal.
  * Closing (or half-closing) the connection before the response cancels the request: the
  * command's process tree is killed. In sessions fd 3 is reserved (the end-marker pipe).
@@ -57,7 +57,10 @@
  * queues requests for a busy session and starts them in order. The shell is a subreaper so
  * daemons started in a session stay its descendants and die on timeout or close. When a shell
  * exits, main reaps it and writes the wait status into the session's status pipe, which is how
- * the running handler learns e.g. that `exit 3` returned 3.
+ * the running handler learns e.g. that `exit 3` returned 3. A session command's timeout kills
+ * only the processes that command started (the shell's descendants minus a snapshot taken just
+ * before it, with their subtrees), so a server started in the background by an earlier command
+ * keeps running, workers included.
  *
  * Every descriptor the agent opens is O_CLOEXEC (including the inherited listening socket), so
  * commands cannot reach the control socket, session pipes or another request's connection.
@@ -529,8 +532,15 @@ static int proc_list(struct pinfo **out)
     return n;
 }
 
-/* Live (non-zombie) descendants of root, from one /proc scan. */
-static int descendants(pid_t root, pid_t **out)
+static int pid_cmp(const void *a, const void *b)
+{
+    pid_t x = *(const pid_t *)a, y = *(const pid_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Live (non-zombie) descendants of root, from one /proc scan, leaving out the nspare pids in
+ * spare (sorted) and everything below them. */
+static int descendants_except(pid_t root, const pid_t *spare, int nspare, pid_t **out)
 {
     struct pinfo *p;
     int n = proc_list(&p), cnt = 0;
@@ -546,6 +556,10 @@ static int descendants(pid_t root, pid_t **out)
                 break;
             }
             chain[len++] = cur;
+            if (nspare && bsearch(&p[cur].pid, spare, nspare, sizeof(pid_t), pid_cmp)) {
+                verdict = -1;
+                break;
+            }
             if (p[cur].ppid == root) {
                 verdict = 1;
                 break;
@@ -571,9 +585,12 @@ static int descendants(pid_t root, pid_t **out)
     return cnt;
 }
 
-/* SIGKILL every live descendant of root until none is left (bounded). With reap, also collect
- * our own dead children so they stop showing up. */
-static void kill_descendants(pid_t root, int reap)
+static int descendants(pid_t root, pid_t **out) { return descendants_except(root, NULL, 0, out); }
+
+/* SIGKILL every live descendant of root until none is left (bounded), sparing the nspare
+ * pids in spare (sorted) and their subtrees. With reap, also collect our own dead children
+ * so they stop showing up. */
+static void kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare)
 {
     long long end = now_ms() + KILL_BUDGET_MS;
     for (;;) {
@@ -581,7 +598,7 @@ static void kill_descendants(pid_t root, int reap)
             while (waitpid(-1, NULL, WNOHANG) > 0) {
             }
         pid_t *pids;
-        int n = descendants(root, &pids);
+        int n = descendants_except(root, spare, nspare, &pids);
         for (int i = 0; i < n; i++)
             kill(pids[i], SIGKILL);
         free(pids);
@@ -590,6 +607,8 @@ static void kill_descendants(pid_t root, int reap)
         usleep(1000);
     }
 }
+
+static void kill_descendants(pid_t root, int reap) { kill_tree_except(root, reap, NULL, 0); }
 
 /* ---------------------------------------------------------------- paths */
 
@@ -1263,6 +1282,11 @@ static void op_session_exec(int conn, struct req *r, struct session *s)
         break;
     }
 
+    /* what already runs under the shell (servers started by earlier commands) survives this
+     * command's timeout; only what this command started is killed */
+    pid_t *before;
+    int nbefore = descendants(s->shell, &before);
+
     char nonce[33], line[1024];
     make_nonce(nonce);
     int ll = snprintf(line, sizeof line,
@@ -1279,7 +1303,7 @@ static void op_session_exec(int conn, struct req *r, struct session *s)
     long long tick = -1; /* phase 1: re-kill new children (a loop of sleeps) every 50 ms */
     while (!got_marker && !shell_dead) {
         if (phase == 1 && now_ms() >= tick) {
-            kill_descendants(s->shell, 0);
+            kill_tree_except(s->shell, 0, before, nbefore);
             tick = now_ms() + 50;
         }
         struct pollfd p[5] = {
@@ -1301,12 +1325,13 @@ static void op_session_exec(int conn, struct req *r, struct session *s)
                 timed_out = 1;
             if (phase == 0) {
                 /* kill what the command started; the shell itself should come back */
-                kill_descendants(s->shell, 0);
+                kill_tree_except(s->shell, 0, before, nbefore);
                 phase = 1;
                 tick = now_ms() + 50;
                 deadline = now_ms() + SHELL_GRACE_MS;
             } else if (rc == 0 && phase == 1) {
-                /* the shell is stuck in a builtin (while :; do :; done): end the session */
+                /* the shell is stuck in a builtin (while :; do :; done): end the session,
+                 * and like session_close take everything it started with it */
                 kill_descendants(s->shell, 0);
                 kill(s->shell, SIGKILL);
                 phase = 2;
@@ -1493,6 +1518,7 @@ static void send_unknown_session(int fd, const char *id)
     char msg[128];
     snprintf(msg, sizeof msg, "no session %.40s", id ? id : "");
     resp_str(&h, "message", msg);
+    resp_str(&h, "name", id ? id : "");
     for (struct session *s = g_sessions; s; s = s->next)
         if (!s->removed && !s->closed)
             resp_str(&h, "session", s->id);
