@@ -19,7 +19,7 @@
  *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> exit_code, duration_us, truncated, timed_out,
  *                                                stdout_len; body = stdout ++ stderr
- *   op=session_open  cwd, env..., shell       -> session
+ *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died
  *   op=session_close session                  -> (ok)
