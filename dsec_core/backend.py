@@ -33,7 +33,8 @@ class SandboxRuntime:
     id: str
     spec: SandboxSpec
     limits: Limits
-    dir: Path  # the sandbox's private directory on the node
+    dir: Path  # the sandbox's runtime directory (tmpfs): the OCI bundle, sockets, state
+    data_dir: Path  # the sandbox's directory on local disk: its writable layer
     rootfs: Path  # composed overlay (layers + writable upper), already mounted
     agent_socket: Path  # listening unix socket the agent must serve (bound by the daemon)
     agent_binary: Path  # static dsec-agent to run inside as init

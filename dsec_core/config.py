@@ -77,13 +77,22 @@ class NodeConfig:
 
     @property
     def sandbox_dir(self) -> Path:
-        """One directory per sandbox: state.json, upper/, work/, rootfs/, agent.sock."""
+        """One directory per sandbox on local disk: its writable layer (upper/, work/)."""
         return self.home / "sandboxes"
 
     @property
     def run_dir(self) -> Path:
-        """Daemon socket, pid file, runc state."""
+        """Runtime state on a tmpfs the node mounts: daemon socket and pid file, runc state,
+        and per sandbox its bundle (config.json, state.json, agent.sock, rootfs mount point).
+        Kept off the disk because a create/kill cycle makes and removes a dozen inodes there;
+        it survives daemon restarts (what re-adoption needs) but not reboots, which the
+        sandboxes do not survive either."""
         return self.home / "run"
+
+    @property
+    def runtime_dir(self) -> Path:
+        """Per-sandbox runtime directories, under ``run_dir``."""
+        return self.run_dir / "sandboxes"
 
     @property
     def socket_path(self) -> Path:
@@ -100,10 +109,11 @@ class NodeConfig:
 
     def ensure_dirs(self) -> None:
         for d in (self.layer_dir, self.catalog_dir, self.mount_dir, self.sandbox_dir, self.run_dir,
-                  self.bin_dir):
+                  self.bin_dir, self.runtime_dir):
             d.mkdir(parents=True, exist_ok=True)
         # Root in a sandbox is an unprivileged host uid; runc, inside the sandbox's user
         # namespace, must still traverse to the sandbox's rootfs and to the agent binary.
-        for d in (self.home, self.sandbox_dir, self.mount_dir, self.bin_dir):
+        for d in (self.home, self.sandbox_dir, self.mount_dir, self.bin_dir, self.run_dir,
+                  self.runtime_dir):
             if d.stat().st_mode & 0o111 != 0o111:
                 os.chmod(d, d.stat().st_mode | 0o111)

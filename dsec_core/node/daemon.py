@@ -6,7 +6,6 @@ stopping it leaves them running, and the next daemon re-adopts them.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import logging
@@ -70,7 +69,7 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
         raise NodeUnavailable(f"no node daemon at {config.socket_path}, and starting one needs "
                               "root (mounts, cgroups, runc); run `sudo dsec node start`")
     config.ensure_dirs()
-    with open(config.run_dir / "start.lock", "w") as lock:
+    with open(config.home / ".start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one starter at a time
         info = ping(config)
         if info:
@@ -87,6 +86,9 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
             if info:
                 return info
             if proc.poll() is not None:
+                info = ping(config, timeout=1.0)  # lost a race to another starter?
+                if info:
+                    return info
                 raise NodeUnavailable(f"the node daemon exited with {proc.returncode} while "
                                       f"starting:\n{_log_tail(config.log_path)}",
                                       log=os.fspath(config.log_path))
@@ -124,8 +126,11 @@ def serve(config: NodeConfig | None = None) -> None:
     from .api import make_app
     from .node import Node
 
+    from .mounts import ensure_tmpfs
+
     config = config or NodeConfig.from_env()
     config.ensure_dirs()
+    ensure_tmpfs(config.run_dir)
     logging.basicConfig(level=os.environ.get("DSEC_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     pid_fd = os.open(config.run_dir / "dsecd.pid", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -159,8 +164,14 @@ def serve(config: NodeConfig | None = None) -> None:
         try:
             yield
         finally:
-            await node.close(kill_all=False)
+            await node.close(kill_all=False, release_runtime=False)
             log.info("node daemon stopped; %d sandboxes left running", len(node.sandboxes))
+            # uvicorn re-raises the stop signal after shutdown, so this is our last word.
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            # Detach the runtime tmpfs while still holding the pid-file lock, so whoever waits
+            # for the daemon to stop finds it gone too; it is freed when our fds close.
+            node.release_runtime(lazy=True)
 
     app = make_app(node, lifespan=lifespan)
     loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
@@ -171,8 +182,7 @@ def serve(config: NodeConfig | None = None) -> None:
     try:
         server.run()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        sock.close()
         os.close(pid_fd)
     if not server.started:
         sys.exit(1)

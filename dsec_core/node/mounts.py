@@ -21,7 +21,8 @@ from typing import Iterable
 from ..backend import IdMap
 from ..errors import MountError
 
-__all__ = ["MountCache", "OverlayStack", "UserNamespaceHandle", "mounted_under", "unmount"]
+__all__ = ["MountCache", "OverlayStack", "UserNamespaceHandle", "mounted_under", "unmount",
+           "ensure_tmpfs"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -43,6 +44,8 @@ MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_IDMAP = 0x100000
 MNT_DETACH = 2
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
 
 
 class _MountAttr(ctypes.Structure):
@@ -116,10 +119,11 @@ def mount_erofs_file(image: Path, target: Path, userns: UserNamespaceHandle | No
         os.close(mnt)
 
 
-def unmount(target: Path | str, *, lazy_fallback: bool = True) -> None:
-    """Unmount ``target``; if it stays busy, detach it (it goes once its last user does)."""
+def unmount(target: Path | str, *, lazy_fallback: bool = True, lazy: bool = False) -> None:
+    """Unmount ``target``; if it stays busy, detach it (it goes once its last user does).
+    ``lazy`` detaches at once."""
     path = os.fsencode(target)
-    for attempt in range(20):
+    for attempt in range(0 if lazy else 20):
         if _libc.umount2(path, 0) == 0:
             return
         err = ctypes.get_errno()
@@ -135,6 +139,16 @@ def unmount(target: Path | str, *, lazy_fallback: bool = True) -> None:
         return
     raise MountError(f"umount {os.fspath(target)}: {os.strerror(err)}", errno=err,
                      target=os.fspath(target))
+
+
+def ensure_tmpfs(target: Path, mode: int = 0o711, size: str = "256m") -> None:
+    """Mount a private tmpfs at ``target`` unless one is already there."""
+    target.mkdir(parents=True, exist_ok=True)
+    if os.path.ismount(target):
+        return
+    opts = f"mode={mode:o},size={size}".encode()
+    ret = _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    _check(ret, "tmpfs mount at", target)
 
 
 def mounted_under(prefix: Path) -> list[Path]:
@@ -268,17 +282,17 @@ def _rmdir_quiet(path: Path) -> None:
 class OverlayStack:
     """A sandbox's root filesystem: read-only layer mounts under a writable upper directory."""
 
-    def __init__(self, sandbox_dir: Path) -> None:
-        self.upper = sandbox_dir / "upper"
-        self.work = sandbox_dir / "work"
-        self.rootfs = sandbox_dir / "rootfs"
+    def __init__(self, data_dir: Path, rootfs: Path) -> None:
+        self.upper = data_dir / "upper"
+        self.work = data_dir / "work"
+        self.rootfs = rootfs
 
     def mount(self, lowers: list[Path], owner: int) -> Path:
         """Mount ``lowers`` (top first) with a fresh upper owned by host uid ``owner``."""
         if not lowers:
             raise MountError("an overlay needs at least one layer")
         for d in (self.upper, self.work, self.rootfs):
-            d.mkdir(exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True)
         os.chown(self.upper, owner, owner)
         os.chown(self.work, owner, owner)
         # Relative lowerdirs would keep the option string short, but mount(2) resolves them

@@ -29,7 +29,8 @@ from ..layers.source import LayerSource
 from ..errors import (AdmissionRejected, DsecError, SandboxNotRunning,
                       UnknownLayer, UnknownSandbox)
 from ..records import ExecResult, FileEntry, LayerInfo, LayerRef, SandboxInfo, SandboxSpec
-from .mounts import MountCache, OverlayStack, UserNamespaceHandle, mounted_under, unmount
+from .mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
+                     mounted_under, unmount)
 
 __all__ = ["Node"]
 
@@ -90,6 +91,8 @@ class Node:
     async def open(self) -> None:
         cfg = self.config
         cfg.ensure_dirs()
+        ensure_tmpfs(cfg.run_dir)
+        cfg.runtime_dir.mkdir(mode=0o711, exist_ok=True)
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.userns = UserNamespaceHandle(self.idmap)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
@@ -100,7 +103,9 @@ class Node:
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
-    async def close(self, kill_all: bool = False) -> None:
+    async def close(self, kill_all: bool = False, release_runtime: bool = True) -> None:
+        """Stop serving. Sandboxes keep running unless ``kill_all``; with none left and
+        ``release_runtime``, the runtime tmpfs goes too (the daemon does that itself, last)."""
         if self._watch:
             self._watch.cancel()
         if kill_all:
@@ -115,6 +120,13 @@ class Node:
             self.mounts.close()
         if self.userns:
             self.userns.close()
+        if release_runtime:
+            self.release_runtime()
+
+    def release_runtime(self, lazy: bool = False) -> None:
+        """Unmount the runtime tmpfs if no sandbox needs it any more."""
+        if not self.sandboxes and os.path.ismount(self.config.run_dir):
+            unmount(self.config.run_dir, lazy=lazy)
 
     def backend(self, name: str) -> Backend:
         be = self._backends.get(name)
@@ -180,20 +192,21 @@ class Node:
             workdir = spec.workdir if spec.workdir != "/" else (environment.workdir or "/")
             spec = SandboxSpec(**{**spec.to_dict(), "env": env, "workdir": workdir})
         sid = secrets.token_hex(6)
-        sdir = self.config.sandbox_dir / sid
-        sdir.mkdir(parents=True)
-        rt = SandboxRuntime(id=sid, spec=spec, limits=limits, dir=sdir, rootfs=sdir / "rootfs",
-                            agent_socket=sdir / "agent.sock", agent_binary=self.agent_binary,
-                            idmap=self.idmap)
+        sdir = self.config.runtime_dir / sid
+        ddir = self.config.sandbox_dir / sid
+        sdir.mkdir(mode=0o711)
+        rt = SandboxRuntime(id=sid, spec=spec, limits=limits, dir=sdir, data_dir=ddir,
+                            rootfs=sdir / "rootfs", agent_socket=sdir / "agent.sock",
+                            agent_binary=self.agent_binary, idmap=self.idmap)
         now = time.time()
         sb = Sandbox(rt=rt, backend=backend, layers=layers, created=now,
                      expires=now + spec.ttl if spec.ttl else None)
         self.sandboxes[sid] = sb  # counted by admission from here on
-        self._write_state(sb)
-        overlay = OverlayStack(sdir)
+        overlay = OverlayStack(ddir, rt.rootfs)
         taken: list[str] = []
         t_prep = time.perf_counter()
         try:
+            self._write_state(sb)  # first, so a crash from here on leaves a trace to clean
             mounts = []
             for source, info in sources:
                 image = source.image_path(info) if source.scheme == "local" else \
@@ -214,19 +227,25 @@ class Node:
                       1e3 * (t_start - t_overlay), 1e3 * (time.perf_counter() - t0))
         except BaseException:
             self.sandboxes.pop(sid, None)
-            await asyncio.shield(self._undo_create(overlay, taken, sdir))
+            await asyncio.shield(self._undo_create(overlay, taken, rt))
             raise
         if sb.expires:
             self._arm_ttl(sb)
         return sb.info()
 
-    async def _undo_create(self, overlay: OverlayStack, taken: list[str], sdir: Path) -> None:
+    async def _undo_create(self, overlay: OverlayStack, taken: list[str],
+                           rt: SandboxRuntime) -> None:
         try:
             overlay.unmount()
         finally:
             for digest in taken:
                 self.mounts.release(digest)
-            shutil.rmtree(sdir, ignore_errors=True)
+            self._remove_dirs(rt)
+
+    @staticmethod
+    def _remove_dirs(rt: SandboxRuntime) -> None:
+        shutil.rmtree(rt.data_dir, ignore_errors=True)
+        shutil.rmtree(rt.dir, ignore_errors=True)
 
     async def create_many_settled(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | DsecError]:
         """Create ``n`` sandboxes concurrently; each slot holds its sandbox or its typed error."""
@@ -286,10 +305,10 @@ class Node:
     async def _teardown(self, sb: Sandbox) -> None:
         """Stop the backend, unmount, release layers, delete the sandbox directory."""
         await sb.backend.stop(sb.rt, sb.backend_state)
-        OverlayStack(sb.rt.dir).unmount()
+        OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
         for info in sb.layers:
             self.mounts.release(info.digest)
-        shutil.rmtree(sb.rt.dir, ignore_errors=True)
+        self._remove_dirs(sb.rt)
         for policy in sb.backend.security_policies:
             policy.released(sb.rt)
 
@@ -356,8 +375,8 @@ class Node:
     async def _adopt(self) -> None:
         """Take over sandboxes a previous daemon left running; clean up the rest."""
         in_use: dict[str, int] = {}
-        for sdir in sorted(self.config.sandbox_dir.iterdir()) if \
-                self.config.sandbox_dir.exists() else []:
+        runtime = self.config.runtime_dir
+        for sdir in sorted(runtime.iterdir()) if runtime.exists() else []:
             try:
                 sb = self._load(sdir)
             except Exception as e:  # unreadable state: nothing to adopt, only to clean
@@ -376,6 +395,10 @@ class Node:
                 except DsecError as e:
                     log.warning("stopping %s: %s", sb.rt.id, e)
                 await self._scrub_dir(sdir)
+        # Writable layers with no runtime state (after a reboot, or a crash mid-create).
+        for ddir in sorted(self.config.sandbox_dir.iterdir()):
+            if ddir.name not in self.sandboxes:
+                await self._scrub_dir(ddir)
         self.mounts.adopt(in_use)
         for sb in self.sandboxes.values():
             if sb.expires:
@@ -388,7 +411,7 @@ class Node:
         layers = [LayerInfo.from_dict(d) for d in doc["layers"]]
         idmap = IdMap(*doc["idmap"])
         rt = SandboxRuntime(id=doc["id"], spec=spec, limits=spec.limits, dir=sdir,
-                            rootfs=sdir / "rootfs", agent_socket=sdir / "agent.sock",
+                            data_dir=self.config.sandbox_dir / doc["id"], rootfs=sdir / "rootfs", agent_socket=sdir / "agent.sock",
                             agent_binary=self.agent_binary, idmap=idmap,
                             layer_mounts=tuple(self.mounts.path_for(i.digest) for i in layers))
         return Sandbox(rt=rt, backend=backend, layers=layers, created=doc["created"],

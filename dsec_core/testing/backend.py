@@ -177,7 +177,7 @@ class BackendConformance:
         uid_map = sb.exec("cat /proc/self/uid_map").stdout.split()
         assert uid_map[0] == b"0" and uid_map[1] != b"0"
         sb.exec("echo x > /root/owned").check()
-        upper = dsec_node.config.sandbox_dir / sb.id / "upper" / "root" / "owned"
+        upper = dsec_node.config.sandbox_dir / sb.id / "upper" / "root" / "owned"  # on disk
         assert upper.stat().st_uid == int(uid_map[1])
         assert b"NoNewPrivs:\t1" in sb.exec("cat /proc/self/status").stdout
         # mknod and raw sockets are not in the capability set

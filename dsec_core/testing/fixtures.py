@@ -59,8 +59,8 @@ def leftovers(home: Path) -> dict[str, list[str]]:
             mp = line.split()[4]
             if mp.startswith(prefix):
                 mounts.append(mp)
-    sdir = home / "sandboxes"
-    dirs = sorted(p.name for p in sdir.iterdir()) if sdir.exists() else []
+    dirs = sorted({p.name for sdir in (home / "sandboxes", home / "run" / "sandboxes")
+                   if sdir.exists() for p in sdir.iterdir()})
     cgroups = []
     for hier in Path("/sys/fs/cgroup").iterdir():
         for sid in dirs:
