@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import httpx
-
 from .config import NodeConfig
 from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
 from .records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec
+from .transport import AsyncUnixTransport, Response, TransportError, TransportTimeout, UnixTransport
 
 __all__ = ["Client", "AsyncClient", "Sandbox", "AsyncSandbox", "Session", "AsyncSession"]
 
@@ -34,7 +33,7 @@ class _Call:
     content: bytes | None = None
     params: Mapping[str, Any] | None = None
     timeout: float | None = 60.0
-    parse: Callable[[httpx.Response], Any] = lambda r: r.json()
+    parse: Callable[[Response], Any] = lambda r: r.json()
     exec_timeout: float | None = None  # a client-side read timeout here means ExecTimeout
 
 
@@ -71,7 +70,7 @@ class _Calls:
 
     @staticmethod
     def create(spec: SandboxSpec, count: int = 1) -> _Call:
-        def parse(r: httpx.Response) -> tuple[list[SandboxInfo], list[DsecError]]:
+        def parse(r: Response) -> tuple[list[SandboxInfo], list[DsecError]]:
             data = r.json()
             return ([SandboxInfo.from_dict(d) for d in data["sandboxes"]],
                     [error_from_wire(e) for e in data.get("errors", [])])
@@ -162,7 +161,7 @@ def _write_chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
         yield off, data[off:off + CHUNK]
 
 
-def _check_response(call: _Call, r: httpx.Response) -> Any:
+def _check_response(call: _Call, r: Response) -> Any:
     if r.status_code >= 400:
         try:
             payload = r.json()["error"]
@@ -173,8 +172,8 @@ def _check_response(call: _Call, r: httpx.Response) -> Any:
     return call.parse(r)
 
 
-def _transport_error(call: _Call, e: httpx.HTTPError, address: str) -> DsecError:
-    if isinstance(e, httpx.ReadTimeout) and call.exec_timeout is not None:
+def _transport_error(call: _Call, e: TransportError, address: str) -> DsecError:
+    if isinstance(e, TransportTimeout) and call.exec_timeout is not None:
         return ExecTimeout(f"no answer from the node within {call.exec_timeout}s + grace",
                            timeout=call.exec_timeout)
     return NodeUnavailable(f"node daemon at {address}: {type(e).__name__}: {e}", address=address)
@@ -199,8 +198,7 @@ class Client:
 
     def __init__(self, address: str | None = None, *, autostart: bool = True) -> None:
         self.address = _resolve_address(address, autostart)
-        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.address),
-                                  base_url="http://dsec", timeout=60.0)
+        self._http = UnixTransport(self.address)
 
     def __enter__(self) -> "Client":
         return self
@@ -215,7 +213,7 @@ class Client:
         try:
             r = self._http.request(call.method, call.path, json=call.json, content=call.content,
                                    params=call.params, timeout=call.timeout)
-        except httpx.HTTPError as e:
+        except TransportError as e:
             raise _transport_error(call, e, self.address) from e
         return _check_response(call, r)
 
@@ -312,9 +310,7 @@ class AsyncClient:
 
     def __init__(self, address: str | None = None, *, autostart: bool = True) -> None:
         self.address = _resolve_address(address, autostart)
-        self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.address),
-                                       base_url="http://dsec", timeout=60.0,
-                                       limits=httpx.Limits(max_connections=256))
+        self._http = AsyncUnixTransport(self.address)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -330,7 +326,7 @@ class AsyncClient:
             r = await self._http.request(call.method, call.path, json=call.json,
                                          content=call.content, params=call.params,
                                          timeout=call.timeout)
-        except httpx.HTTPError as e:
+        except TransportError as e:
             raise _transport_error(call, e, self.address) from e
         return _check_response(call, r)
 

@@ -6,6 +6,7 @@ run an isolated node by pointing ``DSEC_HOME`` at a temporary directory.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ def default_home() -> Path:
     return Path(os.environ.get("DSEC_HOME", "/var/lib/dsec"))
 
 
+@functools.lru_cache(maxsize=1)
 def _mem_total() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -36,7 +38,9 @@ class NodeConfig:
     # Sandboxes map container root to host uid ``uid_base``; the range is ``uid_size`` wide.
     uid_base: int = 100000
     uid_size: int = 65536
-    layer_linger: float = 0.0  # seconds a layer stays mounted after its last user leaves
+    # Seconds a layer stays mounted after its last user leaves: bursts of the same
+    # environment then pay for one mount, not one per sandbox.
+    layer_linger: float = 10.0
 
     @classmethod
     def from_env(cls) -> "NodeConfig":

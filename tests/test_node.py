@@ -90,11 +90,12 @@ def test_admission_rejects_beyond_capacity(sandboxes, dsec_node):
 def test_corrupt_layer_image_fails_cleanly(sandboxes, dsec_node, tmp_path):
     junk = tmp_path / "junk.erofs"
     junk.write_bytes(os.urandom(1 << 16))
-    LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1", kind="base")
+    info = LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1",
+                                                       kind="base")
     with pytest.raises(dsec.MountError):
         sandboxes.create(layers=("junk@1",))
     _assert_clean(dsec_node.home)
-    assert not list(dsec_node.config.mount_dir.iterdir())
+    assert not (dsec_node.config.mount_dir / info.digest.split(":")[1][:32]).exists()
 
 
 def test_runtime_failure_fails_cleanly(sandboxes, dsec_node, tmp_path):

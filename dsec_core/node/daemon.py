@@ -17,10 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from ..config import NodeConfig
 from ..errors import NodeUnavailable
+from ..transport import UnixTransport
 
 __all__ = ["serve", "ensure_daemon", "daemon_pid", "stop_daemon", "ping"]
 
@@ -31,13 +30,14 @@ def ping(config: NodeConfig, timeout: float = 2.0) -> dict | None:
     """The daemon's ``/v1/node`` answer, or None if no daemon answers on the socket."""
     if not config.socket_path.exists():
         return None
+    transport = UnixTransport(os.fspath(config.socket_path))
     try:
-        transport = httpx.HTTPTransport(uds=os.fspath(config.socket_path))
-        with httpx.Client(transport=transport, base_url="http://dsec", timeout=timeout) as c:
-            r = c.get("/v1/node")
-            return r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, OSError, ValueError):
+        r = transport.request("GET", "/v1/node", timeout=timeout)
+        return r.json() if r.status_code == 200 else None
+    except (OSError, ValueError):
         return None
+    finally:
+        transport.close()
 
 
 def daemon_pid(config: NodeConfig) -> int | None:

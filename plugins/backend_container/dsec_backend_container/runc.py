@@ -188,9 +188,6 @@ class ContainerBackend(Backend):
         await self._cleanup(rt, state)
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
-        # runc may have left a half-made container (failed start): its init is then a child
-        # waiting in runc init, found through the cgroup.
-        await _kill_cgroup(rt.id)
         await _remove_cgroups(rt.id)
         shutil.rmtree(self.state_root / rt.id, ignore_errors=True)
 
@@ -277,47 +274,50 @@ async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
         os.close(pidfd)
 
 
-def _cgroup_dirs(sandbox_id: str) -> list[Path]:
-    dirs = []
-    for hier in CGROUP_ROOT.iterdir():
-        d = hier / CGROUP_PARENT / sandbox_id
-        if d.is_dir():
-            dirs.append(d)
-    return dirs
+def _hierarchies() -> list[Path]:
+    return [h for h in CGROUP_ROOT.iterdir() if not h.is_symlink()]
 
 
-async def _kill_cgroup(sandbox_id: str) -> None:
-    """SIGKILL whatever is still in the sandbox's cgroups (a failed start can leave runc init)."""
-    for _ in range(100):
-        pids: set[int] = set()
-        for d in _cgroup_dirs(sandbox_id):
-            try:
-                pids.update(int(p) for p in (d / "cgroup.procs").read_text().split())
-            except OSError:
-                pass
-        if not pids:
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        await asyncio.sleep(0.01)
-    raise SandboxError(f"sandbox {sandbox_id}: processes survive SIGKILL", sandbox_id=sandbox_id)
+_HIERARCHIES = _hierarchies()
+
+
+def _procs(d: Path) -> set[int]:
+    try:
+        return {int(p) for p in (d / "cgroup.procs").read_text().split()}
+    except OSError:
+        return set()
 
 
 async def _remove_cgroups(sandbox_id: str) -> None:
-    for d in _cgroup_dirs(sandbox_id):
-        for attempt in range(50):
+    """Remove the sandbox's cgroups, killing anything still inside (a failed start can leave
+    runc init there). The common case is one rmdir per hierarchy."""
+    busy = []
+    for hier in _HIERARCHIES:
+        d = hier / CGROUP_PARENT / sandbox_id
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            busy.append(d)
+    for attempt in range(100):
+        if not busy:
+            return
+        for d in busy:
+            for pid in _procs(d):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        await asyncio.sleep(0.002 * min(attempt + 1, 10))  # EBUSY while the last task exits
+        still = []
+        for d in busy:
             try:
                 d.rmdir()
-                break
             except FileNotFoundError:
-                break
+                pass
             except OSError:
-                # EBUSY while the last task is still exiting
-                await asyncio.sleep(0.005 * (attempt + 1))
-        else:
-            raise SandboxError(f"sandbox {sandbox_id}: cannot remove cgroup {d}",
-                               sandbox_id=sandbox_id, cgroup=os.fspath(d))
-
+                still.append(d)
+        busy = still
+    raise SandboxError(f"sandbox {sandbox_id}: cannot remove cgroups {busy}",
+                       sandbox_id=sandbox_id, cgroups=[os.fspath(d) for d in busy])

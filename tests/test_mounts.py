@@ -1,0 +1,121 @@
+"""Layer mounts: one shared, idmapped, reference-counted mount per layer; overlays on top."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec_core.backend import IdMap
+from dsec_core.errors import MountError
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.store import LayerStore
+from dsec_core.node.mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
+                                   mounted_under, unmount)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.fixture
+def layer(tmp_path):
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "hello").write_text("hi\n")
+    store = LayerStore(tmp_path / "store")
+    info = build_layer(src, name="t", version="1", kind="base", store=store)
+    return info, store.image_path(info)
+
+
+@pytest.fixture
+def userns():
+    handle = UserNamespaceHandle(IdMap(100000, 65536))
+    yield handle
+    handle.close()
+
+
+def _mounted(path: Path) -> bool:
+    return os.path.ismount(path)
+
+
+def test_shared_idmapped_refcounted(tmp_path, layer, userns):
+    info, image = layer
+    cache = MountCache(tmp_path / "mnt", userns, linger=0)
+    a = cache.acquire(info.digest, image)
+    b = cache.acquire(info.digest, image)
+    assert a == b and _mounted(a)
+    assert len(mounted_under(tmp_path / "mnt")) == 1  # one mount serves both users
+    assert (a / "etc" / "hello").read_text() == "hi\n"
+    assert (a / "etc" / "hello").stat().st_uid == 100000  # root in the image, idmapped
+    with pytest.raises(OSError):
+        (a / "etc" / "new").write_text("x")  # read-only
+    cache.release(info.digest)
+    assert _mounted(a)
+    cache.release(info.digest)
+    assert not _mounted(a) and not a.exists()
+
+
+def test_linger_keeps_mount_until_sweep(tmp_path, layer, userns):
+    info, image = layer
+    cache = MountCache(tmp_path / "mnt", userns, linger=0.2)
+    path = cache.acquire(info.digest, image)
+    cache.release(info.digest)
+    assert _mounted(path)
+    cache.sweep()
+    assert _mounted(path)  # not idle long enough yet
+    assert cache.acquire(info.digest, image) == path  # reused while lingering
+    cache.release(info.digest)
+    time.sleep(0.25)
+    cache.sweep()
+    assert not _mounted(path)
+
+
+def test_adopt_after_restart(tmp_path, layer, userns):
+    info, image = layer
+    first = MountCache(tmp_path / "mnt", userns, linger=0)
+    path = first.acquire(info.digest, image)
+    # a new daemon: one sandbox still uses the layer
+    second = MountCache(tmp_path / "mnt", userns, linger=0)
+    second.adopt({info.digest: 1})
+    assert second.refcounts() == {info.digest: 1} and _mounted(path)
+    second.release(info.digest)
+    assert not _mounted(path)
+    # and a mount nobody uses is removed on adoption
+    path = first.acquire(info.digest, image)
+    third = MountCache(tmp_path / "mnt", userns, linger=0)
+    third.adopt({})
+    assert not _mounted(path)
+
+
+def test_bad_image_is_typed_and_leaves_nothing(tmp_path, userns):
+    junk = tmp_path / "junk.erofs"
+    junk.write_bytes(b"\0" * 8192)
+    cache = MountCache(tmp_path / "mnt", userns)
+    with pytest.raises(MountError):
+        cache.acquire("sha256:" + "0" * 64, junk)
+    assert list((tmp_path / "mnt").iterdir()) == []
+
+
+def test_overlay_writes_go_to_upper(tmp_path, layer, userns):
+    info, image = layer
+    cache = MountCache(tmp_path / "mnt", userns)
+    lower = cache.acquire(info.digest, image)
+    stack = OverlayStack(tmp_path / "data", tmp_path / "run" / "rootfs")
+    root = stack.mount([lower], owner=100000)
+    try:
+        (root / "etc" / "hello").write_text("changed\n")
+        assert (tmp_path / "data" / "upper" / "etc" / "hello").read_text() == "changed\n"
+        assert (lower / "etc" / "hello").read_text() == "hi\n"  # the layer is untouched
+    finally:
+        stack.unmount()
+        cache.release(info.digest)
+    assert mounted_under(tmp_path) == []
+
+
+def test_tmpfs_is_idempotent(tmp_path):
+    ensure_tmpfs(tmp_path / "run")
+    ensure_tmpfs(tmp_path / "run")
+    assert len(mounted_under(tmp_path)) == 1
+    unmount(tmp_path / "run")
+    assert mounted_under(tmp_path) == []
