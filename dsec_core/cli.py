@@ -15,7 +15,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from . import __version__
 from .config import NodeConfig
@@ -168,8 +168,9 @@ def sandbox_ls(as_json) -> None:
     if as_json:
         _dump([i.to_dict() for i in infos])
         return
-    table = Table("id", "state", "backend", "environment / layers", "cpu", "memory", "age",
+    table = Table("state", "backend", "environment / layers", "cpu", "memory", "age",
                   "expires in")
+    table.columns.insert(0, Column("id", no_wrap=True))
     now = time.time()
     for i in infos:
         table.add_row(i.id, i.state, i.backend, i.environment or ",".join(i.layers),
