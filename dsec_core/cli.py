@@ -61,7 +61,7 @@ def plugins_cmd(as_json: bool) -> None:
     if as_json:
         _dump({"plugins": descs, **provided})
         return
-    table = Table("plugin", "version", "distribution", "hooks")
+    table = Table("plugin", "version", "distribution", Column("hooks", overflow="fold"))
     for d in descs:
         table.add_row(d["name"], str(d["version"]), str(d["distribution"]), ", ".join(d["hooks"]))
     console.print(table)
