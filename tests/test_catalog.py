@@ -41,13 +41,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    home = tmp_path / "home"
-    monkeypatch.setenv("DSEC_HOME", str(home))
-    return home
-
-
-@pytest.fixture
 def stores(home) -> tuple[LayerStore, CatalogStore]:
     return LayerStore(home / "layers"), CatalogStore(home / "catalogs")
 

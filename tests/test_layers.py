@@ -37,13 +37,6 @@ def _mounts_below(prefix: Path) -> list[str]:
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    home = tmp_path / "home"
-    monkeypatch.setenv("DSEC_HOME", str(home))
-    return home
-
-
-@pytest.fixture
 def store(home) -> LayerStore:
     return LayerStore(home / "layers")
 

@@ -4,22 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 import dsec
-from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.daemon import daemon_pid, ensure_daemon, stop_daemon
-from dsec_core.testing import KitNode, leftovers, make_busybox_rootfs
+from dsec_core.testing import leftovers, running_kit_node
 
 
 def _alive(pid: int) -> bool:
@@ -150,17 +147,8 @@ def private_node():
     """A node of its own, for tests that stop and restart the daemon."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    home = Path(tempfile.mkdtemp(prefix="dsec-restart-"))
-    node = KitNode.start(home)
-    try:
+    with running_kit_node("dsec-restart-") as node:
         yield node
-    finally:
-        if daemon_pid(node.config) is None:
-            ensure_daemon(node.config)
-        node.stop()
-        left = leftovers(home)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not any(left.values()), left
 
 
 @pytest.mark.parametrize("how", ["stop", "sigkill"])

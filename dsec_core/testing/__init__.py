@@ -5,6 +5,7 @@
 """
 
 from .backend import BackendConformance
-from .fixtures import KitNode, SandboxRecorder, leftovers, make_busybox_rootfs
+from .fixtures import KitNode, SandboxRecorder, leftovers, make_busybox_rootfs, running_kit_node
 
-__all__ = ["BackendConformance", "KitNode", "SandboxRecorder", "leftovers", "make_busybox_rootfs"]
+__all__ = ["BackendConformance", "KitNode", "SandboxRecorder", "leftovers", "make_busybox_rootfs",
+           "running_kit_node"]

@@ -8,6 +8,7 @@ one of them at teardown).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from ..config import NodeConfig
 from ..errors import DsecError
 from ..records import LayerInfo, SandboxSpec
 
-__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers"]
+__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node"]
 
 BUSYBOX = "/bin/busybox"
 
@@ -116,8 +117,11 @@ class KitNode:
         return Client(os.fspath(self.config.socket_path))
 
     def stop(self) -> None:
-        from ..node.daemon import stop_daemon
+        """Kill every sandbox and stop the daemon (starting it first if a test stopped it)."""
+        from ..node.daemon import daemon_pid, ensure_daemon, stop_daemon
 
+        if daemon_pid(self.config) is None:
+            ensure_daemon(self.config)
         try:
             with self.client() as c:
                 for info in c.list():
@@ -159,12 +163,11 @@ class SandboxRecorder:
                 pass
 
 
-@pytest.fixture(scope="session")
-def dsec_node() -> Iterator[KitNode]:
-    """A real node daemon in a temporary DSEC_HOME, shared by the test session."""
-    if os.geteuid() != 0:
-        pytest.skip("a dsec node needs root")
-    home = Path(tempfile.mkdtemp(prefix="dsec-kit-"))
+@contextlib.contextmanager
+def running_kit_node(prefix: str = "dsec-kit-") -> Iterator[KitNode]:
+    """A ``KitNode`` in a fresh temporary home; on exit everything is stopped and removed, and
+    anything the node left behind (mounts, cgroups, dirs, processes) fails the caller."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
     node = KitNode.start(home)
     try:
         yield node
@@ -173,6 +176,15 @@ def dsec_node() -> Iterator[KitNode]:
         left = leftovers(home)
         shutil.rmtree(home, ignore_errors=True)
         assert not any(left.values()), f"the node left things behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def dsec_node() -> Iterator[KitNode]:
+    """A real node daemon in a temporary DSEC_HOME, shared by the test session."""
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    with running_kit_node() as node:
+        yield node
 
 
 @pytest.fixture
