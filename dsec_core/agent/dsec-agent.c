@@ -128,6 +128,19 @@ static void logmsg(const char *fmt, ...)
     if (write(2, line, n) < 0) { /* nowhere left to complain */ }
 }
 
+/* Commands go first when the sandbox hits its memory limit: the agent is the sandbox's init, and
+ * if the OOM killer picked it the whole sandbox would die. Raising one's own score needs no
+ * privilege. */
+static void prefer_for_oom_kill(void)
+{
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, "1000", 4) < 0) {
+        }
+        close(fd);
+    }
+}
+
 static void die_oom(void)
 {
     logmsg("out of memory");
@@ -811,6 +824,7 @@ static void op_exec(int conn, struct req *r)
         setsid();
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         reset_child_signals();
+        prefer_for_oom_kill();
         int fds[3] = {inp[0], outp[1], errp[1]};
         if (place_fds(fds, 3) < 0)
             _exit(126);
@@ -1606,6 +1620,7 @@ static void op_session_open(int fd, struct req *r)
          * session_close can find and kill them */
         prctl(PR_SET_CHILD_SUBREAPER, 1);
         reset_child_signals();
+        prefer_for_oom_kill();
         int e[2] = {1, 0};
         if (chdir(cwd) < 0) {
             e[1] = errno;

@@ -208,6 +208,9 @@ class BackendConformance:
         r = sb.exec("dd if=/dev/zero of=/dev/null bs=200M count=1", timeout=30)
         assert r.exit_code != 0  # killed by the OOM killer, not allowed 200M
         assert sb.exec("echo survived").stdout == b"survived\n"
+        # commands, not the sandbox's init, are what the OOM killer takes first
+        assert sb.exec("cat /proc/self/oom_score_adj").stdout == b"1000\n"
+        assert sb.exec("cat /proc/1/oom_score_adj").stdout.strip() != b"1000"
 
     def test_pids_limit(self, sandboxes, dsec_node):
         self._need(dsec_node, "cgroups")
