@@ -190,3 +190,15 @@ def test_sandboxes_outlive_client_process(private_node):
     with private_node.client() as c:
         assert c.exec(sid, "echo here").stdout == b"here\n"
         c.kill(sid)
+
+
+def test_create_many_is_all_or_nothing(dsec_client, dsec_node):
+    # Each fits alone; together they exceed the node's memory, so some are rejected and the
+    # SDK removes the ones that were made.
+    per = dsec_node.config.memory_capacity // 3 + (64 << 20)
+    before = {i.id for i in dsec_client.list()}
+    with pytest.raises(dsec.AdmissionRejected):
+        dsec_client.create_many(layers=(dsec_node.layer.ref,), memory=per, n=3)
+    assert {i.id for i in dsec_client.list()} == before
+    if not before:
+        _assert_clean(dsec_node.home)
