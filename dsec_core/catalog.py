@@ -299,12 +299,15 @@ def _check_layers(environments: Sequence[Environment], recipes: Sequence[LayerRe
 
 
 def parse_catalog(doc: Any, *, where: str = "<catalog>", root: Path | str = ".",
-                  store: LayerStore | None = None, check_sources: bool = True) -> Catalog:
+                  store: LayerStore | None = None, check_sources: bool = True,
+                  check_layers: bool = True) -> Catalog:
     """Check a catalog document (schema, then meaning) and make the records.
 
     Relative recipe paths start at ``root``; ``check_sources`` checks that they exist.
     Environments may name layers of this catalog or, if ``store`` is given, layers already in
-    it. ``where`` names the document in error messages.
+    it; ``check_layers=False`` skips that (a saved catalog was checked when it was saved, and
+    the node resolves layers against all its sources at create time). ``where`` names the
+    document in error messages.
     """
     _validate_schema(doc, where)
     root = Path(root)
@@ -318,7 +321,8 @@ def parse_catalog(doc: Any, *, where: str = "<catalog>", root: Path | str = ".",
         for e in doc.get("environments", [])
     ]
     _unique(environments, "environments", where)
-    _check_layers(environments, recipes, store, where)
+    if check_layers:
+        _check_layers(environments, recipes, store, where)
     tasks = [
         Task(name=t["name"], environment=t["environment"], command=t["command"],
              reward=t["reward"], timeout=float(t.get("timeout", 60.0)),
@@ -371,6 +375,9 @@ class CatalogStore:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        # file -> (stat identity, parsed catalog): the node looks environments up on every
+        # create, and schema validation costs more than the rest of the lookup.
+        self._parsed: dict[Path, tuple[tuple[int, int, int], Catalog]] = {}
 
     def __repr__(self) -> str:
         return f"CatalogStore({str(self.root)!r})"
@@ -395,6 +402,12 @@ class CatalogStore:
         out = []
         for file in sorted(self.root.glob("*.json")) if self.root.is_dir() else []:
             try:
+                st = file.stat()
+                key = (st.st_ino, st.st_size, st.st_mtime_ns)
+                hit = self._parsed.get(file)
+                if hit and hit[0] == key:
+                    out.append(hit[1])
+                    continue
                 record = json.loads(file.read_text())
             except FileNotFoundError:
                 continue
@@ -402,8 +415,11 @@ class CatalogStore:
                 raise CatalogInvalid(f"{file}: not valid JSON: {e}", path="$", file=str(file))
             # Built catalogs no longer need their sources: the layers are in the store.
             catalog = parse_catalog(record["catalog"], where=str(file),
-                                    root=record.get("root", "."), check_sources=False)
-            out.append(Catalog(**{**_fields(catalog), "path": record.get("path", "")}))
+                                    root=record.get("root", "."), check_sources=False,
+                                    check_layers=False)
+            catalog = Catalog(**{**_fields(catalog), "path": record.get("path", "")})
+            self._parsed[file] = (key, catalog)
+            out.append(catalog)
         return out
 
     def environments(self) -> list[Environment]:

@@ -121,8 +121,9 @@ class Limits(_Record):
 class SandboxSpec(_Record):
     """What a create request asks for.
 
-    Either ``environment`` (a catalog entry: base + workspaces + toolkits) or explicit ``layers``
-    (``name@version`` strings, top first: toolkits, workspaces, then the base last).
+    An ``environment`` (a catalog entry: base + workspaces + toolkits), explicit ``layers``
+    (``name@version`` strings, top first: toolkits, workspaces, then the base last), or both:
+    explicit layers then stack on top of the environment's.
     """
 
     environment: str | None = None

@@ -564,3 +564,20 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(default
         for target in reversed(mounts):
             _libc.umount2(str(target).encode(), 0)
     assert not [line for line in open("/proc/self/mounts") if str(tmp_path) in line]
+
+
+def test_catalog_store_sees_a_resaved_catalog(tmp_path):
+    from dsec_core.catalog import parse_catalog
+
+    def doc(workdir):
+        return {"name": "c", "layers": [], "environments": [
+            {"name": "e", "base": "somewhere@1", "workdir": workdir}]}
+
+    store = CatalogStore(tmp_path / "catalogs")
+    store.save(parse_catalog(doc("/one"), check_layers=False))
+    assert store.environment("e").workdir == "/one"
+    assert store.environment("e").workdir == "/one"  # served from the parsed cache
+    store.save(parse_catalog(doc("/two"), check_layers=False))
+    assert store.environment("e").workdir == "/two"
+    # a saved catalog may name layers that live in another source: checked at create time
+    assert store.environment("e").base == "somewhere@1"

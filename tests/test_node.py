@@ -202,3 +202,21 @@ def test_create_many_is_all_or_nothing(dsec_client, dsec_node):
     assert {i.id for i in dsec_client.list()} == before
     if not before:
         _assert_clean(dsec_node.home)
+
+
+def test_explicit_layers_stack_on_an_environment(dsec_client, dsec_node, tmp_path):
+    from dsec_core.catalog import CatalogStore, parse_catalog
+
+    extra = tmp_path / "extra"
+    (extra / "opt").mkdir(parents=True)
+    (extra / "opt" / "tool").write_text("extra layer\n")
+    store = LayerStore(dsec_node.config.layer_dir)
+    build_layer(extra, name="extra-tool", version="1", kind="toolkit", store=store)
+    catalog = parse_catalog({"name": "kit", "layers": [], "environments": [
+        {"name": "kit-env", "base": dsec_node.layer.ref, "env": {"FROM_ENV": "yes"}}]},
+        where="test", root=tmp_path, store=store)
+    CatalogStore(dsec_node.config.catalog_dir).save(catalog)
+    with dsec_client.create(environment="kit-env", layers=("extra-tool@1",),
+                            memory="64M") as sb:
+        assert sb.info.layers == ("extra-tool@1", dsec_node.layer.ref)
+        assert sb.exec("cat /opt/tool; echo $FROM_ENV").stdout == b"extra layer\nyes\n"

@@ -2,8 +2,8 @@
 
 A create resolves layers, takes shared layer mounts, stacks an overlay, and asks a backend to
 start the sandbox; each step is undone if a later one fails. Every sandbox's state is written
-to ``<sandbox dir>/state.json`` so a restarted daemon re-adopts what is still running and
-cleans up what is not.
+to ``$DSEC_HOME/run/sandboxes/<id>/state.json`` (a tmpfs) so a restarted daemon re-adopts what
+is still running and cleans up what is not.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from ..agent.client import AgentClient
 from ..backend import Backend, IdMap, SandboxRuntime
 from ..catalog import CatalogStore
 from ..config import NodeConfig
+from ..errors import AdmissionRejected, DsecError, SandboxNotRunning, UnknownLayer, UnknownSandbox
 from ..layers.source import LayerSource
-from ..errors import (AdmissionRejected, DsecError, SandboxNotRunning,
-                      UnknownLayer, UnknownSandbox)
 from ..records import ExecResult, FileEntry, LayerInfo, LayerRef, SandboxInfo, SandboxSpec
 from .mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
                      mounted_under, unmount)
@@ -85,6 +84,7 @@ class Node:
         self._watch: asyncio.Task | None = None
         self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
+        self.catalogs = CatalogStore(self.config.catalog_dir)
         self.agent_binary: Path | None = None
 
     # --- life of the node -----------------------------------------------------------------
@@ -138,14 +138,8 @@ class Node:
         return be
 
     # --- layers ---------------------------------------------------------------------------
-    def _catalog(self) -> CatalogStore:
-        return CatalogStore(self.config.catalog_dir)
-
-    def resolve_layers(self, spec: SandboxSpec) -> list[tuple[LayerSource, LayerInfo]]:
-        """Top-first (source, layer) list for a spec: its environment's, then its ``layers``."""
-        refs: list[str] = list(spec.layers)
-        if spec.environment:
-            refs = list(self._catalog().environment(spec.environment).layer_refs()) + refs
+    def resolve_layers(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
+        """(source, layer) for each ``name@version``, from the first source that has it."""
         out = []
         for text in refs:
             ref = LayerRef.parse(text)
@@ -184,13 +178,15 @@ class Node:
         backend = self.backend(spec.backend)
         limits = spec.limits
         self._admit(spec)
-        sources = self.resolve_layers(spec)
-        layers = [info for _, info in sources]
+        refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
-            environment = self._catalog().environment(spec.environment)
+            environment = self.catalogs.environment(spec.environment)
+            refs += environment.layer_refs()
             env = {**dict(environment.env or {}), **spec.env}
             workdir = spec.workdir if spec.workdir != "/" else (environment.workdir or "/")
             spec = SandboxSpec(**{**spec.to_dict(), "env": env, "workdir": workdir})
+        sources = self.resolve_layers(refs)
+        layers = [info for _, info in sources]
         sid = secrets.token_hex(6)
         sdir = self.config.runtime_dir / sid
         ddir = self.config.sandbox_dir / sid
