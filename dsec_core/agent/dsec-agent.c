@@ -764,25 +764,40 @@ static int place_fds(const int *src, int n)
     return 0;
 }
 
-static void op_exec(int conn, struct req *r)
+/* The options exec and session_exec share. Returns -1 (bad request) if a number is malformed
+ * or a body comes without stdin=1; max_output is clamped to [0, MAX_OUTPUT]. */
+struct run_opts {
+    long long timeout_ms, maxo, has_stdin, body_len;
+};
+
+static int read_run_opts(struct req *r, struct run_opts *o)
 {
     int bad = 0;
+    o->timeout_ms = req_num(r, "timeout_ms", 0, &bad);
+    o->maxo = req_num(r, "max_output", 1 << 20, &bad);
+    o->has_stdin = req_num(r, "stdin", 0, &bad);
+    o->body_len = req_num(r, "body_len", 0, &bad);
+    if (o->maxo < 0)
+        o->maxo = 0;
+    if (o->maxo > MAX_OUTPUT)
+        o->maxo = MAX_OUTPUT;
+    return bad || (!o->has_stdin && o->body_len) ? -1 : 0;
+}
+
+static void op_exec(int conn, struct req *r)
+{
+    struct run_opts o;
+    int bad = read_run_opts(r, &o);
+    long long timeout_ms = o.timeout_ms, maxo = o.maxo, has_stdin = o.has_stdin,
+              body_len = o.body_len;
     int argc = req_count(r, "arg");
-    long long timeout_ms = req_num(r, "timeout_ms", 0, &bad);
-    long long maxo = req_num(r, "max_output", 1 << 20, &bad);
-    long long has_stdin = req_num(r, "stdin", 0, &bad);
-    long long body_len = req_num(r, "body_len", 0, &bad);
     const char *cwd = req_get(r, "cwd");
     if (!cwd || !*cwd)
         cwd = "/";
-    if (bad || argc == 0 || (!has_stdin && body_len)) {
+    if (bad || argc == 0) {
         send_error(conn, "bad_request", NULL, 0, "exec needs arg fields and numeric options");
         return;
     }
-    if (maxo < 0)
-        maxo = 0;
-    if (maxo > MAX_OUTPUT)
-        maxo = MAX_OUTPUT;
     char **argv = xcalloc(argc + 1, sizeof(char *));
     for (int i = 0, k = 0; i < r->n; i++)
         if (strcmp(r->key[i], "arg") == 0)
@@ -1222,20 +1237,15 @@ static int write_file_all(const char *path, const char *data, size_t n)
 /* Handler side of a session command. The shell's wait status arrives on st_r if it dies. */
 static void op_session_exec(int conn, struct req *r, struct session *s)
 {
-    int bad = 0;
+    struct run_opts o;
+    int bad = read_run_opts(r, &o);
+    long long timeout_ms = o.timeout_ms, maxo = o.maxo, has_stdin = o.has_stdin,
+              body_len = o.body_len;
     const char *cmd = req_get(r, "cmd");
-    long long timeout_ms = req_num(r, "timeout_ms", 0, &bad);
-    long long maxo = req_num(r, "max_output", 1 << 20, &bad);
-    long long has_stdin = req_num(r, "stdin", 0, &bad);
-    long long body_len = req_num(r, "body_len", 0, &bad);
-    if (!cmd || bad || (!has_stdin && body_len)) {
+    if (!cmd || bad) {
         send_error(conn, "bad_request", NULL, 0, "session_exec needs cmd and numeric options");
         return;
     }
-    if (maxo < 0)
-        maxo = 0;
-    if (maxo > MAX_OUTPUT)
-        maxo = MAX_OUTPUT;
     char cpath[300], ipath[300];
     snprintf(cpath, sizeof cpath, "%s/c%u", s->dir, s->seq);
     snprintf(ipath, sizeof ipath, "/dev/null");
