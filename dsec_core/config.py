@@ -41,6 +41,8 @@ class NodeConfig:
     # Seconds a layer stays mounted after its last user leaves: bursts of the same
     # environment then pay for one mount, not one per sandbox.
     layer_linger: float = 10.0
+    # Where layers come from, in order (URLs; see dsec_core.layers.source).
+    layer_sources: tuple[str, ...] = ("local",)
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
@@ -53,6 +55,9 @@ class NodeConfig:
             kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
         if "DSEC_LAYER_LINGER" in os.environ:
             kw["layer_linger"] = float(os.environ["DSEC_LAYER_LINGER"])
+        if os.environ.get("DSEC_LAYER_SOURCES"):
+            kw["layer_sources"] = tuple(u.strip() for u in
+                                        os.environ["DSEC_LAYER_SOURCES"].split(",") if u.strip())
         return cls(**kw)
 
     # --- capacity -------------------------------------------------------------------------
@@ -69,6 +74,11 @@ class NodeConfig:
     def layer_dir(self) -> Path:
         """Content-addressed EROFS images and their name@version refs."""
         return self.home / "layers"
+
+    @property
+    def cache_dir(self) -> Path:
+        """Images fetched from remote layer sources, by digest."""
+        return self.home / "cache"
 
     @property
     def catalog_dir(self) -> Path:

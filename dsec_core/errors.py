@@ -22,6 +22,8 @@ __all__ = [
     "CatalogInvalid",
     "LayerBuildError",
     "LayerExists",
+    "LayerCorrupt",
+    "SourceUnavailable",
     "BackendUnavailable",
     "AdmissionRejected",
     "SandboxError",
@@ -121,6 +123,18 @@ class LayerExists(DsecError):
     """``name@version`` already names a different layer; versions are immutable."""
 
     http_status = 409
+
+
+class LayerCorrupt(DsecError):
+    """A fetched blob is truncated or does not match its digest; it never reaches a sandbox."""
+
+    http_status = 502
+
+
+class SourceUnavailable(DsecError):
+    """A layer source cannot be reached, or refuses our credentials; ``source`` names it."""
+
+    http_status = 503
 
 
 class ToolError(DsecError):

@@ -69,7 +69,7 @@ def node_with_plugin():
     plugins.reset()
     plugins.get_plugin_manager().register(PolicyAndSourcePlugin(), name="test_plugin")
     home = Path(tempfile.mkdtemp(prefix="dsec-inproc-"))
-    config = NodeConfig(home=home)
+    config = NodeConfig(home=home, layer_sources=("local", "elsewhere"))
     config.ensure_dirs()
     with tempfile.TemporaryDirectory() as tmp:
         rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")

@@ -25,9 +25,10 @@ from ..agent.client import AgentClient
 from ..backend import Backend, IdMap, SandboxRuntime
 from ..catalog import CatalogStore
 from ..config import NodeConfig
-from ..errors import AdmissionRejected, DsecError, SandboxNotRunning, UnknownLayer, UnknownSandbox
+from ..errors import AdmissionRejected, DsecError, SandboxNotRunning, UnknownSandbox
 from ..layers.source import LayerSource
-from ..records import ExecResult, FileEntry, LayerInfo, LayerRef, SandboxInfo, SandboxSpec
+from ..layers.sources import find_layer, node_sources
+from ..records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec
 from .mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
                      mounted_under, unmount)
 
@@ -96,10 +97,7 @@ class Node:
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.userns = UserNamespaceHandle(self.idmap)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
-        # The local store answers first; other sources in plugin order (issue: configurable).
-        classes = sorted(self.registry.layer_sources.values(), key=lambda c: c.scheme != "local")
-        self.layer_sources = [cls(os.fspath(cfg.layer_dir)) if cls.scheme == "local" else cls()
-                              for cls in classes]
+        self.layer_sources = node_sources(cfg)
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
@@ -140,18 +138,7 @@ class Node:
     # --- layers ---------------------------------------------------------------------------
     def resolve_layers(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
         """(source, layer) for each ``name@version``, from the first source that has it."""
-        out = []
-        for text in refs:
-            ref = LayerRef.parse(text)
-            for source in self.layer_sources:
-                info = source.resolve(ref)
-                if info is not None:
-                    out.append((source, info))
-                    break
-            else:
-                known = sorted({i.ref for s in self.layer_sources for i in s.list()})
-                raise UnknownLayer(f"unknown layer {text!r}", name=text, known=known)
-        return out
+        return [find_layer(self.layer_sources, text) for text in refs]
 
     # --- create ---------------------------------------------------------------------------
     def _admit(self, spec: SandboxSpec) -> None:

@@ -1,18 +1,19 @@
 """dsec layer source plugin: the node's local content-addressed layer store.
 
 Scheme ``local``; the location is the store's root directory (default: the node's
-``NodeConfig().layer_dir``, i.e. ``$DSEC_HOME/layers``).
+``NodeConfig().layer_dir``, i.e. ``$DSEC_HOME/layers``). Images are used in place.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from dsec_core.config import NodeConfig
-from dsec_core.errors import UnknownLayer
+from dsec_core.errors import UnknownEnvironment, UnknownLayer
 from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.source import LayerSource
-from dsec_core.layers.store import LayerStore
+from dsec_core.layers.store import LayerStore, _write_atomic
 from dsec_core.records import LayerInfo, LayerRef
 
 __all__ = ["LocalLayerSource"]
@@ -23,10 +24,14 @@ class LocalLayerSource(LayerSource):
 
     scheme = "local"
 
-    def __init__(self, location: str = "") -> None:
+    def __init__(self, location: str = "", *, cache_dir: Path | None = None) -> None:
         root = Path(location) if location else NodeConfig.from_env().layer_dir
-        super().__init__(str(root))
+        super().__init__(str(root), cache_dir=cache_dir)
         self.store = LayerStore(root)
+
+    @property
+    def url(self) -> str:
+        return f"local:{self.location}"
 
     def resolve(self, ref: LayerRef) -> LayerInfo | None:
         try:
@@ -39,6 +44,40 @@ class LocalLayerSource(LayerSource):
 
     def image_path(self, info: LayerInfo) -> Path:
         return self.store.image_path(info)
+
+    def push(self, info: LayerInfo, image: Path) -> bool:
+        if self.store.exists(info.ref) and self.store.resolve(info.ref).digest == info.digest:
+            return False
+        with self.store.scratch("push-") as tmp:
+            copy = tmp / "image.erofs"
+            shutil.copyfile(image, copy)  # add() moves its input into the store
+            added = self.store.add(copy, name=info.name, version=info.version, kind=info.kind,
+                                   source=info.source)
+        if added.digest != info.digest:
+            from dsec_core.errors import LayerCorrupt
+            self.store.remove(info.ref)
+            raise LayerCorrupt(f"{image} is not {info.digest}", digest=info.digest,
+                               source=self.url)
+        return True
+
+    def _catalog_file(self, name: str) -> Path:
+        return Path(self.location) / "published-catalogs" / f"{name}.json"
+
+    def put_catalog(self, name: str, document: dict) -> None:
+        import json
+        _write_atomic(self._catalog_file(name), json.dumps(document, indent=2).encode())
+
+    def get_catalog(self, name: str) -> dict:
+        import json
+        try:
+            return json.loads(self._catalog_file(name).read_text())
+        except FileNotFoundError:
+            raise UnknownEnvironment(f"{self.url}: no catalog {name!r}", name=name,
+                                     known=self.catalogs()) from None
+
+    def catalogs(self) -> list[str]:
+        d = Path(self.location) / "published-catalogs"
+        return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
 
 
 @hookimpl
