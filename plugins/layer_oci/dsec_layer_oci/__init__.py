@@ -1,0 +1,402 @@
+"""dsec layer source plugin: EROFS layers and catalogs as OCI artifacts in a container registry.
+
+``oci://HOST:PORT/optional/prefix?insecure=1`` (``insecure=1``: plain HTTP, for a loopback or
+lab registry). The layout, one OCI artifact per layer version and per catalog:
+
+- layer ``name@version``: repository ``<prefix>/<name>``, tag ``<version>`` (``+`` becomes
+  ``_``, tags cannot hold it); an image manifest whose only layer is the EROFS image, media type
+  ``application/vnd.erofs.layer.v1`` (its OCI digest is the layer's sha256 digest), the empty
+  config ``application/vnd.oci.empty.v1+json``, and annotations ``org.dsec.layer.{name,version,
+  kind,created,source}``.
+- catalog ``name``: repository ``<prefix>/catalogs/<name>``, tag ``latest``; one blob of media
+  type ``application/vnd.dsec.catalog.v1+json`` holding the catalog JSON.
+
+oras-py (``oras.provider.Registry``) builds the URLs and answers token/basic auth challenges;
+its ``do_request`` is replaced so that one request is one try with short timeouts (oras retries
+for half a minute) and transport errors become ``SourceUnavailable``. Credentials come from
+``DSEC_OCI_USERNAME``/``DSEC_OCI_PASSWORD`` or the docker config file oras reads. Blobs are
+fetched in ranges through ``fetch_verified``, so every byte is checked before anything mounts it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import time
+import urllib.parse
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import oras.auth
+import oras.container
+import oras.provider
+import requests
+
+from dsec_core.errors import (DsecError, InvalidSpec, LayerCorrupt, LayerExists,
+                              SourceUnavailable, UnknownEnvironment, UnknownLayer)
+from dsec_core.hookspecs import hookimpl
+from dsec_core.layers.source import LayerSource, fetch_verified
+from dsec_core.records import LayerInfo, LayerRef
+
+__all__ = ["OciLayerSource", "LAYER_MEDIA_TYPE", "CATALOG_MEDIA_TYPE", "ANNOTATION_PREFIX"]
+
+LAYER_MEDIA_TYPE = "application/vnd.erofs.layer.v1"
+CATALOG_MEDIA_TYPE = "application/vnd.dsec.catalog.v1+json"
+MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY_BLOB = b"{}"
+EMPTY_DIGEST = "sha256:" + hashlib.sha256(EMPTY_BLOB).hexdigest()
+ANNOTATION_PREFIX = "org.dsec.layer."
+CATALOG_ANNOTATION = "org.dsec.catalog.name"
+CATALOG_REPO = "catalogs"
+
+CONNECT_TIMEOUT = 3.0
+READ_TIMEOUT = 60.0
+
+# OCI distribution spec: one path component of a repository name, and a tag.
+_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def _digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _Registry(oras.provider.Registry):
+    """oras's registry client, with one try per request, timeouts, and errors mapped to ours."""
+
+    def __init__(self, hostname: str, *, insecure: bool, source: str) -> None:
+        super().__init__(hostname=hostname, insecure=insecure)
+        self.source = source
+        # oras's token auth calls the session directly, so the timeout goes on the session.
+        self.session.request = functools.partial(self.session.request,  # type: ignore[method-assign]
+                                                 timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
+        user, password = os.environ.get("DSEC_OCI_USERNAME"), os.environ.get("DSEC_OCI_PASSWORD")
+        if user and password:
+            self.auth.set_basic_auth(user, password)
+        else:
+            try:
+                self.auth.load_configs(self.container("x"))
+            except Exception:  # an unreadable docker config means anonymous, not a failure
+                pass
+
+    def container(self, name: str) -> oras.container.Container:
+        # With the host written first, a prefix such as "my.org/x" is not taken for a registry.
+        return oras.container.Container(f"{self.hostname}/{name}", registry=self.hostname)
+
+    def do_request(self, url: str, method: str = "GET", data: Any = None,
+                   headers: dict | None = None, json: dict | None = None,
+                   stream: bool = False) -> requests.Response:
+        headers = dict(headers or {})
+        headers.update(self.headers)
+        try:
+            if isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
+                headers.update(self.auth.get_auth_header())
+            response = self.session.request(method, url, data=data, json=json, headers=headers,
+                                            stream=stream, verify=self._tls_verify)
+            if response.status_code in (401, 403):
+                headers, changed = self.auth.authenticate_request(response, headers)
+                if changed:
+                    if hasattr(data, "seek"):
+                        data.seek(0)
+                    response = self.session.request(method, url, data=data, json=json,
+                                                    headers=headers, stream=stream,
+                                                    verify=self._tls_verify)
+        except requests.RequestException as e:
+            raise SourceUnavailable(f"{self.source}: cannot reach the registry ({method} {url}: "
+                                    f"{type(e).__name__})", source=self.source) from e
+        if response.status_code in (401, 403):
+            raise SourceUnavailable(f"{self.source}: the registry refused our credentials "
+                                    f"(HTTP {response.status_code} to {method} {url}); set "
+                                    "DSEC_OCI_USERNAME/DSEC_OCI_PASSWORD or docker login",
+                                    source=self.source, status=response.status_code)
+        return response
+
+
+class OciLayerSource(LayerSource):
+    """Layers and catalogs in an OCI registry (distribution, Harbor, Zot, GHCR, ...)."""
+
+    scheme = "oci"
+
+    def __init__(self, location: str = "", *, cache_dir: Path | None = None) -> None:
+        super().__init__(location, cache_dir=cache_dir)
+        parts = urllib.parse.urlsplit(f"//{location}")
+        if not parts.netloc:
+            raise InvalidSpec(f"oci layer source needs a registry host: oci://HOST:PORT/prefix, "
+                              f"got {self.url!r}")
+        query = urllib.parse.parse_qs(parts.query)
+        insecure = query.get("insecure", ["0"])[-1].lower() in ("1", "true", "yes")
+        self.host = parts.netloc
+        self.prefix = parts.path.strip("/")
+        for component in filter(None, self.prefix.split("/")):
+            if not _COMPONENT.fullmatch(component):
+                raise InvalidSpec(f"{self.url}: {component!r} cannot be part of an OCI "
+                                  "repository name (lowercase letters, digits, . _ -)")
+        self.base = f"{'http' if insecure else 'https'}://{self.host}"
+        self.client = _Registry(self.host, insecure=insecure, source=self.url)
+
+    # --- names ----------------------------------------------------------------------------
+    def _repo(self, *names: str) -> str:
+        return "/".join(p for p in (self.prefix, *names) if p)
+
+    @staticmethod
+    def _tag(version: str) -> str:
+        return version.replace("+", "_")
+
+    @staticmethod
+    def _representable(name: str, version: str | None = None) -> bool:
+        return bool(_COMPONENT.fullmatch(name)) and (
+            version is None or bool(_TAG.fullmatch(OciLayerSource._tag(version))))
+
+    # --- HTTP -----------------------------------------------------------------------------
+    def _request(self, method: str, url: str, *, ok: tuple[int, ...] = (200,),
+                 **kw: Any) -> requests.Response:
+        response = self.client.do_request(url, method, **kw)
+        if response.status_code not in ok:
+            raise SourceUnavailable(f"{self.url}: the registry answered HTTP "
+                                    f"{response.status_code} to {method} {url}: "
+                                    f"{response.text[:300].strip()}", source=self.url,
+                                    status=response.status_code)
+        return response
+
+    def _manifest(self, repo: str, tag: str) -> dict | None:
+        url = f"{self.client.prefix}://{self.client.container(f'{repo}:{tag}').manifest_url()}"
+        response = self._request("GET", url, ok=(200, 404),
+                                 headers={"Accept": MANIFEST_MEDIA_TYPE})
+        if response.status_code == 404:
+            return None
+        try:
+            return response.json()
+        except ValueError as e:
+            raise SourceUnavailable(f"{self.url}: manifest {repo}:{tag} is not JSON",
+                                    source=self.url) from e
+
+    def _paged(self, url: str, key: str) -> Iterator[str]:
+        """Items of a paginated list endpoint (``_catalog``, ``tags/list``); none on 404."""
+        while url:
+            response = self._request("GET", url, ok=(200, 404))
+            if response.status_code == 404:
+                return
+            yield from response.json().get(key) or []
+            link = response.links.get("next", {}).get("url")
+            url = urllib.parse.urljoin(self.base, link) if link else ""
+
+    def _repositories(self) -> list[str]:
+        return list(self._paged(f"{self.base}/v2/_catalog?n=1000", "repositories"))
+
+    def _tags(self, repo: str) -> list[str]:
+        url = f"{self.client.prefix}://{self.client.container(repo).tags_url()}"
+        return list(self._paged(url, "tags"))
+
+    def _blob_url(self, repo: str, digest: str) -> str:
+        return f"{self.client.prefix}://{self.client.container(repo).get_blob_url(digest)}"
+
+    def _blob_size(self, repo: str, digest: str) -> int | None:
+        response = self._request("HEAD", self._blob_url(repo, digest), ok=(200, 404))
+        if response.status_code == 404:
+            return None
+        return int(response.headers.get("Content-Length", -1))
+
+    def _read_range(self, repo: str, digest: str, offset: int, length: int) -> bytes:
+        response = self._request("GET", self._blob_url(repo, digest), ok=(200, 206, 416),
+                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        if response.status_code == 416:
+            return b""
+        if response.status_code == 200:  # a registry that ignores Range sends the whole blob
+            return response.content[offset:offset + length]
+        return response.content
+
+    def _upload(self, repo: str, digest: str, size: int, data: bytes | Path) -> None:
+        """Upload a blob unless the repository has it; the registry checks the digest."""
+        if self._blob_size(repo, digest) == size:
+            return
+        container = self.client.container(repo)
+        started = self._request("POST", f"{self.client.prefix}://{container.upload_blob_url()}",
+                                ok=(202,), headers={"Content-Length": "0"})
+        location = self.client._get_location(started, container)
+        if not location:
+            raise SourceUnavailable(f"{self.url}: the registry gave no upload location",
+                                    source=self.url)
+        sep = "&" if "?" in location else "?"
+        url = f"{location}{sep}digest={urllib.parse.quote(digest)}"
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        if isinstance(data, Path):
+            with open(data, "rb") as f:  # streamed: images can be gigabytes
+                response = self.client.do_request(url, "PUT", data=f, headers=headers)
+        else:
+            response = self.client.do_request(url, "PUT", data=data, headers=headers)
+        if response.status_code == 400 and "DIGEST_INVALID" in response.text:
+            raise LayerCorrupt(f"{self.url}: the registry says the upload does not match "
+                               f"{digest}", digest=digest, source=self.url)
+        if response.status_code != 201:
+            raise SourceUnavailable(f"{self.url}: uploading {digest} to {repo} failed: HTTP "
+                                    f"{response.status_code} {response.text[:300].strip()}",
+                                    source=self.url, status=response.status_code)
+
+    def _put_manifest(self, repo: str, tag: str, blob: dict, annotations: dict[str, str]) -> None:
+        self._upload(repo, EMPTY_DIGEST, len(EMPTY_BLOB), EMPTY_BLOB)
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_MEDIA_TYPE,
+            "artifactType": blob["mediaType"],
+            "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": EMPTY_DIGEST,
+                       "size": len(EMPTY_BLOB), "data": "e30="},
+            "layers": [blob],
+            "annotations": annotations,
+        }
+        container = self.client.container(f"{repo}:{tag}")
+        try:
+            response = self.client.upload_manifest(manifest, container)
+        except DsecError:
+            raise
+        except Exception as e:  # jsonschema's ValidationError: a bug in the manifest above
+            raise InvalidSpec(f"{self.url}: bad manifest for {repo}:{tag}: {e}") from e
+        if response.status_code != 201:
+            raise SourceUnavailable(f"{self.url}: storing manifest {repo}:{tag} failed: HTTP "
+                                    f"{response.status_code} {response.text[:300].strip()}",
+                                    source=self.url, status=response.status_code)
+
+    # --- layers ---------------------------------------------------------------------------
+    @staticmethod
+    def _info(manifest: dict | None) -> LayerInfo | None:
+        """The layer a manifest describes, or None if it is not a dsec layer artifact."""
+        if not manifest:
+            return None
+        layers = manifest.get("layers") or []
+        notes = manifest.get("annotations") or {}
+        if len(layers) != 1 or layers[0].get("mediaType") != LAYER_MEDIA_TYPE:
+            return None
+        try:
+            return LayerInfo(name=notes[ANNOTATION_PREFIX + "name"],
+                             version=notes[ANNOTATION_PREFIX + "version"],
+                             kind=notes[ANNOTATION_PREFIX + "kind"],
+                             digest=layers[0]["digest"], size=int(layers[0]["size"]),
+                             created=float(notes.get(ANNOTATION_PREFIX + "created", 0)),
+                             source=notes.get(ANNOTATION_PREFIX + "source", ""))
+        except (KeyError, ValueError, TypeError):
+            return None
+
+    def _layer(self, name: str, version: str) -> LayerInfo | None:
+        info = self._info(self._manifest(self._repo(name), self._tag(version)))
+        # Tags fold "+" into "_"; the annotation says which version this really is.
+        return info if info and info.name == name and info.version == version else None
+
+    def _versions(self, name: str) -> list[LayerInfo]:
+        repo = self._repo(name)
+        infos = (self._info(self._manifest(repo, tag)) for tag in self._tags(repo))
+        return [i for i in infos if i is not None and i.name == name]
+
+    def resolve(self, ref: LayerRef) -> LayerInfo | None:
+        if not self._representable(ref.name, ref.version):
+            return None
+        if ref.version:
+            return self._layer(ref.name, ref.version)
+        versions = self._versions(ref.name)
+        return max(versions, key=lambda i: i.created) if versions else None
+
+    def list(self) -> list[LayerInfo]:
+        start = f"{self.prefix}/" if self.prefix else ""
+        out = []
+        for repo in self._repositories():
+            rest = repo[len(start):]
+            if repo.startswith(start) and rest and "/" not in rest:
+                out.extend(self._versions(rest))
+        return sorted(out, key=lambda i: (i.name, i.created))
+
+    def image_path(self, info: LayerInfo) -> Path:
+        if self.cache_dir is None:
+            raise InvalidSpec(f"layer source {self.url} needs a cache directory to fetch into")
+        dest = self.cache_dir / f"{info.digest.split(':', 1)[-1]}.erofs"
+        if dest.exists():  # only fetch_verified puts files here, after checking them
+            return dest
+        repo = self._repo(info.name)
+        size = self._blob_size(repo, info.digest)
+        if size is None:
+            raise UnknownLayer(f"{self.url}: layer {info.ref} names blob {info.digest}, which "
+                               f"is missing from {repo}", name=info.ref)
+        if size != info.size:
+            raise LayerCorrupt(f"{self.url}: blob {info.digest} is {size} bytes, the layer "
+                               f"record says {info.size}", digest=info.digest, source=self.url)
+        return fetch_verified(lambda off, n: self._read_range(repo, info.digest, off, n),
+                              digest=info.digest, size=size, dest=dest, source=self.url)
+
+    def push(self, info: LayerInfo, image: Path) -> bool:
+        if not self._representable(info.name, info.version):
+            raise InvalidSpec(f"{self.url}: layer {info.ref} cannot be an OCI repository and "
+                              "tag (names: lowercase letters, digits, . _ -)", name=info.ref)
+        repo, tag = self._repo(info.name), self._tag(info.version)
+        manifest = self._manifest(repo, tag)
+        if manifest is not None:
+            existing = self._info(manifest)
+            if existing is None or (existing.name, existing.version) != (info.name, info.version):
+                raise LayerExists(f"{self.url}: {repo}:{tag} already holds something other "
+                                  f"than {info.ref}", name=info.ref)
+            if existing.digest != info.digest:
+                raise LayerExists(f"{self.url}: {info.ref} is already {existing.digest}, not "
+                                  f"{info.digest}; versions are immutable", name=info.ref)
+            return False
+        size = Path(image).stat().st_size
+        if size != info.size:
+            raise LayerCorrupt(f"{image} is {size} bytes, the layer record says {info.size}",
+                               digest=info.digest, source=str(image))
+        self._upload(repo, info.digest, size, Path(image))
+        created = info.created or time.time()
+        self._put_manifest(repo, tag, {
+            "mediaType": LAYER_MEDIA_TYPE, "digest": info.digest, "size": size,
+            "annotations": {"org.opencontainers.image.title": f"{info.name}-{info.version}.erofs"},
+        }, {
+            ANNOTATION_PREFIX + "name": info.name,
+            ANNOTATION_PREFIX + "version": info.version,
+            ANNOTATION_PREFIX + "kind": info.kind,
+            ANNOTATION_PREFIX + "created": repr(float(created)),
+            ANNOTATION_PREFIX + "source": info.source,
+            "org.opencontainers.image.created": _rfc3339(created),
+        })
+        return True
+
+    # --- catalogs -------------------------------------------------------------------------
+    def put_catalog(self, name: str, document: dict[str, Any]) -> None:
+        if not _COMPONENT.fullmatch(name):
+            raise InvalidSpec(f"{self.url}: catalog name {name!r} cannot be an OCI repository "
+                              "(lowercase letters, digits, . _ -)", name=name)
+        data = json.dumps(document, indent=2).encode()
+        digest = _digest_of(data)
+        repo = self._repo(CATALOG_REPO, name)
+        self._upload(repo, digest, len(data), data)
+        self._put_manifest(repo, "latest", {
+            "mediaType": CATALOG_MEDIA_TYPE, "digest": digest, "size": len(data),
+            "annotations": {"org.opencontainers.image.title": f"{name}.json"},
+        }, {CATALOG_ANNOTATION: name, "org.opencontainers.image.created": _rfc3339(time.time())})
+
+    def get_catalog(self, name: str) -> dict[str, Any]:
+        repo = self._repo(CATALOG_REPO, name)
+        manifest = self._manifest(repo, "latest") if _COMPONENT.fullmatch(name) else None
+        blobs = [b for b in (manifest or {}).get("layers") or []
+                 if b.get("mediaType") == CATALOG_MEDIA_TYPE]
+        if not blobs:
+            raise UnknownEnvironment(f"{self.url}: no catalog {name!r}", name=name,
+                                     known=self.catalogs())
+        digest = blobs[0]["digest"]
+        data = self._request("GET", self._blob_url(repo, digest)).content
+        if _digest_of(data) != digest:
+            raise LayerCorrupt(f"{self.url}: catalog {name!r} does not match its digest "
+                               f"{digest}", digest=digest, source=self.url)
+        return json.loads(data)
+
+    def catalogs(self) -> list[str]:
+        start = self._repo(CATALOG_REPO) + "/"
+        return sorted(r[len(start):] for r in self._repositories()
+                      if r.startswith(start) and "/" not in r[len(start):])
+
+
+@hookimpl
+def dsec_register_layer_sources(register):
+    register(OciLayerSource)
