@@ -183,3 +183,82 @@ def catalog_validate(file: str) -> None:
     cat = load_catalog(file, store=layers)
     click.echo(f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
                f"{len(cat.environments)} environments, {len(cat.tasks)} tasks")
+
+
+# --- distribution: layer sources --------------------------------------------------------------
+
+def _source(url: str):
+    from .layers.sources import open_source
+
+    return open_source(url, NodeConfig.from_env())
+
+
+@layer.command("push")
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--to", "url", required=True, help="Layer source URL (posix:/path, s3://..., oci://...).")
+def layer_push(refs: tuple[str, ...], url: str) -> None:
+    """Upload layers from this node's store to a layer source (already there: no-op)."""
+    from .layers.distribution import push_layer
+
+    _, store, _ = _stores()
+    dest = _source(url)
+    for ref in refs:
+        t = push_layer(ref, dest, store)
+        click.echo(f"{'pushed ' if t.moved else 'present'} {t.ref}  {_size(t.size)}  {t.digest[:19]}")
+
+
+@layer.command("pull")
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def layer_pull(refs: tuple[str, ...], url: str) -> None:
+    """Fetch layers into this node's store; every byte is checked against the layer's digest."""
+    from .layers.distribution import pull_layer
+
+    _, store, _ = _stores()
+    src = _source(url)
+    for ref in refs:
+        t = pull_layer(ref, src, store)
+        click.echo(f"{'pulled ' if t.moved else 'present'} {t.ref}  {_size(t.size)}  {t.digest[:19]}")
+
+
+@catalog.command("publish")
+@click.argument("catalog_ref")
+@click.option("--to", "url", required=True, help="Layer source URL.")
+def catalog_publish(catalog_ref: str, url: str) -> None:
+    """Publish a catalog (a built catalog's name, or a catalog file) and the layers it uses."""
+    from .layers.distribution import publish_catalog
+
+    _, store, catalogs = _stores()
+    path = Path(catalog_ref)
+    if path.suffix in (".yaml", ".yml", ".json") and path.exists():
+        cat = load_catalog(path, store=store)
+    else:
+        matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
+        if not matches:
+            from .errors import UnknownEnvironment
+            raise UnknownEnvironment(f"no built catalog {catalog_ref!r}", name=catalog_ref,
+                                     known=[c.name for c in catalogs.catalogs()])
+        cat = matches[0]
+    publish_catalog(cat, _source(url), store, report=click.echo)
+
+
+@catalog.command("pull")
+@click.argument("name")
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def catalog_pull(name: str, url: str) -> None:
+    """Fetch a published catalog and all its layers, and register it on this node."""
+    from .layers.distribution import pull_catalog
+
+    _, store, catalogs = _stores()
+    pull_catalog(name, _source(url), store, catalogs, report=click.echo)
+
+
+@catalog.command("remote-ls")
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def catalog_remote_ls(url: str) -> None:
+    """List the catalogs and layers a layer source holds."""
+    src = _source(url)
+    for name in src.catalogs():
+        click.echo(f"catalog  {name}")
+    for info in src.list():
+        click.echo(f"layer    {_layer_line(info)}")

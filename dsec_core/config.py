@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import InvalidSpec
+
 __all__ = ["NodeConfig", "default_home"]
 
 
@@ -131,3 +133,10 @@ class NodeConfig:
                   self.runtime_dir):
             if d.stat().st_mode & 0o111 != 0o111:
                 os.chmod(d, d.stat().st_mode | 0o111)
+        for d in self.home.resolve().parents:
+            if d.stat().st_mode & 0o001 == 0:
+                raise InvalidSpec(f"DSEC_HOME {self.home} is inside {d}, which others cannot "
+                                  "enter (mode {:o}); a sandbox's root is an unprivileged uid "
+                                  "and must reach its root filesystem there. Use another "
+                                  "DSEC_HOME or chmod o+x it.".format(d.stat().st_mode & 0o777),
+                                  path=str(d))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -76,8 +79,8 @@ def test_node_status(dsec_node):
     assert "running" in dsec(dsec_node, "node", "status").stdout.decode()
 
 
-def test_node_start_stop(tmp_path):
-    home = tmp_path / "home"
+def test_node_start_stop():
+    home = Path(tempfile.mkdtemp(prefix="dsec-cli-"))  # a sandbox's uid must enter DSEC_HOME
     env = dict(os.environ, DSEC_HOME=os.fspath(home))
 
     def run(*args):
@@ -94,3 +97,11 @@ def test_node_start_stop(tmp_path):
     assert "no node daemon" in run("node", "stop").stdout
     with open("/proc/self/mountinfo") as f:
         assert os.fspath(home) not in f.read()
+    shutil.rmtree(home)
+
+
+def test_unenterable_home_is_a_clear_error(tmp_path):
+    env = dict(os.environ, DSEC_HOME=os.fspath(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "node", "start"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Error: DSEC_HOME" in out.stderr and "Traceback" not in out.stderr
