@@ -230,6 +230,23 @@ def test_refused_credentials(tmp_path):
     assert reg.process.poll() is not None
 
 
+def test_basic_auth_registry(store, tmp_path, monkeypatch):
+    info = _layer(store, tmp_path, "ws", "secret\n")
+    with local_registry(auth=("dsec", "s3cret")) as reg:
+        _started.append(reg.process.pid)
+        url = f"{reg.address}/dsec?insecure=1"
+        monkeypatch.setenv("DSEC_OCI_USERNAME", "dsec")
+        monkeypatch.setenv("DSEC_OCI_PASSWORD", "wrong")
+        with pytest.raises(SourceUnavailable) as e:
+            OciLayerSource(url, cache_dir=tmp_path / "c").list()
+        assert "refused our credentials" in str(e.value)
+        monkeypatch.setenv("DSEC_OCI_PASSWORD", "s3cret")
+        src = OciLayerSource(url, cache_dir=tmp_path / "c")
+        assert src.push(info, store.image_path(info)) is True
+        assert src.list() == [info]
+        assert _sha256(src.image_path(info)) == info.digest
+
+
 def test_open_source_through_the_plugin_registry(registry, store, tmp_path):
     plugins.reset()
     try:

@@ -69,7 +69,20 @@ class LocalRegistry:
                 / hexd / "data")
 
 
-def _config(storage: Path, port: int, auth: str | None) -> dict:
+def _bcrypt(password: str) -> str:
+    """A bcrypt hash (cheapest cost: a test) for the htpasswd file, without a bcrypt package."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            import crypt
+        except ImportError as e:  # Python 3.13 dropped crypt
+            raise ToolError("htpasswd auth for the test registry needs the crypt module") from e
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
+
+
+def _config(storage: Path, port: int, auth: str | tuple[str, str] | None,
+            workdir: Path) -> dict:
     config: dict = {
         "version": 0.1,
         "log": {"level": "error", "accesslog": {"disabled": True}},
@@ -85,6 +98,11 @@ def _config(storage: Path, port: int, auth: str | None) -> dict:
         # client turns "credentials refused" into a clear error.
         config["auth"] = {"silly": {"realm": f"http://127.0.0.1:{port}/nowhere",
                                     "service": "dsec-test"}}
+    elif isinstance(auth, tuple):
+        user, password = auth
+        htpasswd = workdir / "htpasswd"
+        htpasswd.write_text(f"{user}:{_bcrypt(password)}\n")
+        config["auth"] = {"htpasswd": {"realm": "dsec-test", "path": str(htpasswd)}}
     elif auth is not None:
         raise ValueError(f"unknown registry auth mode {auth!r}")
     return config
@@ -101,10 +119,12 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def local_registry(*, auth: str | None = None, startup_timeout: float = 15.0) -> Iterator[LocalRegistry]:
+def local_registry(*, auth: str | tuple[str, str] | None = None,
+                   startup_timeout: float = 15.0) -> Iterator[LocalRegistry]:
     """Start ``docker-registry`` on a free 127.0.0.1 port; stop it and delete its data at exit.
 
-    ``auth="silly"`` makes it refuse requests that carry no credentials (HTTP 401).
+    ``auth="silly"`` makes it refuse requests that carry no credentials (HTTP 401);
+    ``auth=(user, password)`` makes it demand HTTP basic auth with that one account.
     """
     binary = registry_binary()
     if binary is None:
@@ -118,7 +138,7 @@ def local_registry(*, auth: str | None = None, startup_timeout: float = 15.0) ->
         port = free_port()
         # YAML is a superset of JSON, so the config needs no YAML library.
         config_file = workdir / "config.yml"
-        config_file.write_text(json.dumps(_config(storage, port, auth), indent=2))
+        config_file.write_text(json.dumps(_config(storage, port, auth, workdir), indent=2))
         log = open(workdir / "registry.log", "wb")
         try:
             command = [binary, "serve", str(config_file)]

@@ -76,9 +76,10 @@ class _Registry(oras.provider.Registry):
     def __init__(self, hostname: str, *, insecure: bool, source: str) -> None:
         super().__init__(hostname=hostname, insecure=insecure)
         self.source = source
+        self.basic_challenge = False  # set once the registry asked for basic auth
         # oras's token auth calls the session directly, so the timeout goes on the session.
-        self.session.request = functools.partial(self.session.request,  # type: ignore[method-assign]
-                                                 timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
+        self.session.request = functools.partial(  # type: ignore[method-assign]
+            self.session.request, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
         user, password = os.environ.get("DSEC_OCI_USERNAME"), os.environ.get("DSEC_OCI_PASSWORD")
         if user and password:
             self.auth.set_basic_auth(user, password)
@@ -98,12 +99,22 @@ class _Registry(oras.provider.Registry):
         headers = dict(headers or {})
         headers.update(self.headers)
         try:
-            if isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
+            basic = getattr(self.auth, "_basic_auth", None)
+            if self.basic_challenge and basic:
+                headers["Authorization"] = f"Basic {basic}"
+            elif isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
                 headers.update(self.auth.get_auth_header())
             response = self.session.request(method, url, data=data, json=json, headers=headers,
                                             stream=stream, verify=self._tls_verify)
             if response.status_code in (401, 403):
-                headers, changed = self.auth.authenticate_request(response, headers)
+                challenge = response.headers.get("Www-Authenticate", "")
+                if challenge.lower().startswith("basic") and basic:
+                    self.basic_challenge = True
+                    # An htpasswd registry wants the password itself, not a token for it.
+                    headers["Authorization"] = f"Basic {basic}"
+                    changed = True
+                else:
+                    headers, changed = self.auth.authenticate_request(response, headers)
                 if changed:
                     if hasattr(data, "seek"):
                         data.seek(0)
