@@ -14,7 +14,7 @@ venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
 APT_PACKAGES=(runc erofs-utils debootstrap busybox-static gcc libc6-dev python3-venv
-              util-linux iproute2 docker.io ca-certificates)
+              util-linux iproute2 docker.io docker-registry ca-certificates)
 
 log() { printf '\033[1m[dsec setup]\033[0m %s\n' "$*" >&2; }
 
@@ -34,7 +34,18 @@ setup_apt() {
         log "installing Debian packages: ${missing[*]}"
         export DEBIAN_FRONTEND=noninteractive
         apt-get update -q >/dev/null
-        apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+        # Packages like docker.io and docker-registry start services on install; dsec starts
+        # what it needs itself, bound to loopback, so keep the package scripts from doing so.
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+            chmod +x /usr/sbin/policy-rc.d
+            trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+            apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+            rm -f /usr/sbin/policy-rc.d
+            trap - EXIT
+        else
+            apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+        fi
     fi
 }
 
@@ -52,9 +63,14 @@ setup_python() {
         log "installing dsec and its plugins into .venv"
         "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
         local plugins=()
-        for d in plugins/*/; do plugins+=(-e "$d"); done
+        for d in plugins/*/; do
+            d="${d%/}"
+            # a plugin's own test needs (a local S3 server, ...) come with its [test] extra
+            if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
+            else plugins+=(-e "$d"); fi
+        done
         "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
-        "$venv/bin/python" -c "import dsec, dsec_backend_container, dsec_layer_local" \
+        "$venv/bin/python" -c "import dsec, dsec_backend_container, dsec_layer_local, dsec_layer_posix" \
             || { echo "run.sh: the Python install failed" >&2; exit 1; }
         rm -f "$stamp_dir"/pip-*
         touch "$stamp_dir/pip-$sum"
