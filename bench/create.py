@@ -197,8 +197,9 @@ def main() -> None:
                                    store=store)
     else:
         if ref == "debian-python@12":
-            from dsec_core.demo import default_catalog_path, ensure_catalog
-            ensure_catalog(default_catalog_path(), config)
+            from dsec_core.catalog import default_catalog_file
+            from dsec_core.demo import ensure_catalog
+            ensure_catalog(default_catalog_file(), config)
         info = store.resolve(ref)
     ensure_daemon(config)
     address = os.fspath(config.socket_path)

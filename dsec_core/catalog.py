@@ -298,6 +298,11 @@ def _check_layers(environments: Sequence[Environment], recipes: Sequence[LayerRe
                 raise _invalid(where, path, f"layer {ref} is a {kind} layer, not a {want} layer")
 
 
+def default_catalog_file() -> Path:
+    """The catalog shipped with the repository: ``catalog/default.yaml``."""
+    return Path(__file__).resolve().parent.parent / "catalog" / "default.yaml"
+
+
 def parse_catalog(doc: Any, *, where: str = "<catalog>", root: Path | str = ".",
                   store: LayerStore | None = None, check_sources: bool = True,
                   check_layers: bool = True) -> Catalog:

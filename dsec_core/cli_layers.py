@@ -16,18 +16,13 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from .catalog import CatalogStore, build_catalog, load_catalog
+from .catalog import CatalogStore, build_catalog, default_catalog_file, load_catalog
 from .config import NodeConfig
 from .layers.build import build_layer
 from .layers.store import LayerStore
 from .records import LAYER_KINDS, LayerInfo
 
 __all__ = ["layer", "catalog", "default_catalog_file"]
-
-
-def default_catalog_file() -> Path:
-    """The catalog shipped with the repository: ``catalog/default.yaml``."""
-    return Path(__file__).resolve().parent.parent / "catalog" / "default.yaml"
 
 
 def _stores() -> tuple[NodeConfig, LayerStore, CatalogStore]:

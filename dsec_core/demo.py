@@ -16,18 +16,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .catalog import CatalogStore, build_catalog, load_catalog
+from .catalog import CatalogStore, build_catalog, default_catalog_file, load_catalog
 from .client import AsyncClient, Client
 from .config import NodeConfig
 from .layers.store import LayerStore
 from .records import SandboxSpec
 from .rewards import compute_reward
 
-__all__ = ["run_demo", "default_catalog_path", "ensure_catalog"]
-
-
-def default_catalog_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "catalog" / "default.yaml"
+__all__ = ["run_demo", "ensure_catalog"]
 
 
 def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = None):
@@ -86,7 +82,7 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
 def run_demo(catalog_file: str | None = None, console: Console | None = None) -> list[dict]:
     console = console or Console()
     config = NodeConfig.from_env()
-    path = Path(catalog_file) if catalog_file else default_catalog_path()
+    path = Path(catalog_file) if catalog_file else default_catalog_file()
     catalog = ensure_catalog(path, config, console)
     Client().close()  # start the embedded node if none runs
 

@@ -22,11 +22,11 @@ from dsec_core.catalog import (
     Task,
     build_catalog,
     catalog_schema,
+    default_catalog_file,
     load_catalog,
     parse_catalog,
 )
 from dsec_core.cli_layers import catalog as catalog_cli
-from dsec_core.cli_layers import default_catalog_file
 from dsec_core.cli_layers import layer as layer_cli
 from dsec_core.errors import CatalogInvalid, InvalidSpec, SandboxPathError, UnknownEnvironment
 from dsec_core.layers.build import build_layer

@@ -13,7 +13,7 @@ import pytest
 
 from dsec_core.catalog import load_catalog
 from dsec_core.config import NodeConfig
-from dsec_core.demo import default_catalog_path
+from dsec_core.catalog import default_catalog_file
 from dsec_core.node.daemon import daemon_pid, stop_daemon
 from dsec_core.testing import leftovers
 
@@ -42,7 +42,7 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dsec demo rollouts" in out.stdout
     results = json.loads(out.stdout[out.stdout.index("[\n"):])
-    tasks = load_catalog(default_catalog_path()).tasks
+    tasks = load_catalog(default_catalog_file()).tasks
     assert {r["task"] for r in results} == {t.name for t in tasks}
     for r in results:
         assert r["ok"], r
