@@ -1,0 +1,283 @@
+"""Chunk index of a layer's data blob, and the node-wide content-addressed chunk cache.
+
+A data blob (``mkfs.erofs --blobdev``) is cut into fixed ``chunk_size`` pieces, each named by its
+sha256. The cache stores chunks as files named by that digest, so a chunk that appears in several
+layers is fetched and stored once per node, whichever layer touched it first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..errors import LayerCorrupt, SourceUnavailable
+
+__all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class ChunkIndex:
+    """The digests of a blob's ``chunk_size`` pieces; chunk i is bytes [i*cs, min(size, (i+1)*cs))."""
+
+    blob_digest: str
+    blob_size: int
+    chunk_size: int
+    chunks: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", tuple(self.chunks))
+        expected = -(-self.blob_size // self.chunk_size) if self.chunk_size > 0 else -1
+        if self.chunk_size <= 0 or len(self.chunks) != expected:
+            raise LayerCorrupt(f"chunk index of {self.blob_digest} lists {len(self.chunks)} chunks,"
+                               f" a {self.blob_size}-byte blob in {self.chunk_size}-byte chunks"
+                               f" has {expected}", digest=self.blob_digest)
+
+    @classmethod
+    def build(cls, blob_path: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> "ChunkIndex":
+        """Hash ``blob_path`` chunk by chunk (one pass, one chunk in memory at a time)."""
+        whole = hashlib.sha256()
+        chunks = []
+        size = 0
+        with open(blob_path, "rb") as f:
+            while True:
+                piece = f.read(chunk_size)
+                if not piece:
+                    break
+                whole.update(piece)
+                chunks.append("sha256:" + hashlib.sha256(piece).hexdigest())
+                size += len(piece)
+        return cls("sha256:" + whole.hexdigest(), size, chunk_size, tuple(chunks))
+
+    def chunk_range(self, i: int) -> tuple[int, int]:
+        """(offset, length) of chunk ``i`` in the blob."""
+        start = i * self.chunk_size
+        return start, min(self.blob_size, start + self.chunk_size) - start
+
+    def to_json(self) -> str:
+        return json.dumps({"blob_digest": self.blob_digest, "blob_size": self.blob_size,
+                           "chunk_size": self.chunk_size, "chunks": list(self.chunks)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ChunkIndex":
+        d = json.loads(text)
+        return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]))
+
+
+def _hex(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
+        raise LayerCorrupt(f"not a sha256 chunk digest: {digest!r}", digest=digest)
+    return hexpart
+
+
+class ChunkCache:
+    """Content-addressed chunks under ``root``, at most ``max_bytes`` of them, evicted LRU.
+
+    ``get`` returns a chunk's bytes, fetching it on a miss. Concurrent misses of one chunk share
+    a single fetch (single-flight). Fetched bytes are verified against the digest before they are
+    stored (temp file + rename); a failing or slow fetch raises ``SourceUnavailable`` and is not
+    remembered, so the next ``get`` tries the source again. Chunks being read are pinned and
+    never evicted. The cache is rebuilt from ``root`` on start, so it survives daemon restarts.
+    Thread-safe within one process; one process owns a root.
+    """
+
+    def __init__(self, root: Path | str, max_bytes: int, *, verify_hits: bool = True) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.verify_hits = verify_hits
+        self._lock = threading.Lock()
+        self._sizes: "OrderedDict[str, int]" = OrderedDict()  # hex digest -> size, LRU first
+        self._pins: dict[str, int] = {}
+        self._inflight: dict[str, Future] = {}
+        self.total_bytes = 0
+        self.fetches = 0  # fetches started, for tests and metrics
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # -- restart -------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                if sub.name.startswith(_TMP_PREFIX):
+                    sub.unlink(missing_ok=True)
+                continue
+            for f in sub.iterdir():
+                if f.name.startswith(_TMP_PREFIX):  # a store interrupted by a crash
+                    f.unlink(missing_ok=True)
+                    continue
+                try:
+                    _hex("sha256:" + f.name)
+                    st = f.stat()
+                except (LayerCorrupt, OSError):
+                    continue
+                found.append((st.st_mtime, f.name, st.st_size))
+        for _mtime, name, size in sorted(found):  # oldest access first
+            self._sizes[name] = size
+            self.total_bytes += size
+        with self._lock:
+            self._evict_locked()
+
+    # -- paths and pins ------------------------------------------------------------------------
+
+    def path_of(self, digest: str) -> Path:
+        h = _hex(digest)
+        return self.root / h[:2] / h
+
+    def __contains__(self, digest: str) -> bool:
+        with self._lock:
+            return _hex(digest) in self._sizes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    @contextmanager
+    def pin(self, digest: str) -> Iterator[None]:
+        """Keep ``digest`` from eviction for the duration (it may still be absent)."""
+        h = _hex(digest)
+        with self._lock:
+            self._pins[h] = self._pins.get(h, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                n = self._pins[h] - 1
+                if n:
+                    self._pins[h] = n
+                else:
+                    del self._pins[h]
+                self._evict_locked()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def get(self, digest: str, fetch: Callable[[], bytes], timeout: float = 30.0) -> bytes:
+        """The chunk ``digest``; on a miss ``fetch()`` it (once, however many callers wait)."""
+        h = _hex(digest)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.pin(digest):
+                data = self._read_hit(h)
+                if data is not None:
+                    return data
+                with self._lock:
+                    if h in self._sizes:  # stored between our look and now
+                        continue
+                    fut = self._inflight.get(h)
+                    if fut is None:
+                        fut = Future()
+                        self._inflight[h] = fut
+                        self.fetches += 1
+                        threading.Thread(target=self._run_fetch, args=(h, fetch, fut),
+                                         name=f"chunk-fetch-{h[:12]}", daemon=True).start()
+                remaining = deadline - time.monotonic()
+                try:
+                    return fut.result(timeout=max(0.0, remaining))
+                except TimeoutError:
+                    with self._lock:
+                        # Forget the stuck fetch so the next reader asks the source again.
+                        if self._inflight.get(h) is fut:
+                            del self._inflight[h]
+                    raise SourceUnavailable(f"fetching chunk {digest} took longer than {timeout}s",
+                                            digest=digest, timeout=timeout) from None
+
+    def _read_hit(self, h: str) -> bytes | None:
+        with self._lock:
+            if h not in self._sizes:
+                return None
+            self._sizes.move_to_end(h)
+        path = self.root / h[:2] / h
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = None
+        if data is not None and (not self.verify_hits or hashlib.sha256(data).hexdigest() == h):
+            try:
+                os.utime(path)  # access time for LRU order after a restart
+            except OSError:
+                pass
+            return data
+        with self._lock:  # missing or rotten on disk: drop it, the caller refetches
+            size = self._sizes.pop(h, None)
+            if size is not None:
+                self.total_bytes -= size
+        path.unlink(missing_ok=True)
+        return None
+
+    def _run_fetch(self, h: str, fetch: Callable[[], bytes], fut: Future) -> None:
+        try:
+            data = fetch()
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"fetch returned {type(data).__name__}, not bytes")
+            data = bytes(data)
+            got = hashlib.sha256(data).hexdigest()
+            if got != h:
+                raise LayerCorrupt(f"chunk sha256:{h} fetched as {len(data)} bytes with digest"
+                                   f" sha256:{got}", digest="sha256:" + h, got="sha256:" + got)
+            self._store(h, data)
+        except LayerCorrupt as e:
+            result: BaseException = e
+        except SourceUnavailable as e:
+            result = e
+        except Exception as e:  # the source's own errors
+            result = SourceUnavailable(f"fetching chunk sha256:{h} failed: {e}",
+                                       digest="sha256:" + h)
+            result.__cause__ = e
+        else:
+            result = None
+        with self._lock:
+            if self._inflight.get(h) is fut:
+                del self._inflight[h]
+        if result is None:
+            fut.set_result(data)
+        else:
+            fut.set_exception(result)
+
+    def _store(self, h: str, data: bytes) -> None:
+        d = self.root / h[:2]
+        d.mkdir(exist_ok=True)
+        tmp = d / f"{_TMP_PREFIX}{h}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, d / h)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            if h not in self._sizes:
+                self._sizes[h] = len(data)
+                self.total_bytes += len(data)
+            self._sizes.move_to_end(h)
+            self._evict_locked()
+
+    def _evict_locked(self) -> None:
+        if self.total_bytes <= self.max_bytes:
+            return
+        for h in list(self._sizes):
+            if self.total_bytes <= self.max_bytes:
+                break
+            if self._pins.get(h):
+                continue
+            size = self._sizes.pop(h)
+            self.total_bytes -= size
+            # Readers read a whole chunk under a pin, so unlinking an unpinned one hurts nobody.
+            try:
+                os.unlink(self.root / h[:2] / h)
+            except FileNotFoundError:
+                pass
