@@ -26,6 +26,13 @@ __all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 _TMP_PREFIX = ".tmp-"
+STUCK_GRACE = 0.2  # seconds a reader waits on a fetch that already ran past its timeout
+
+
+class _Fetch(Future):
+    """One in-flight fetch; ``stuck_until`` is set once it has outlived a reader's timeout."""
+
+    stuck_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -88,8 +95,10 @@ class ChunkCache:
 
     ``get`` returns a chunk's bytes, fetching it on a miss. Concurrent misses of one chunk share
     a single fetch (single-flight). Fetched bytes are verified against the digest before they are
-    stored (temp file + rename); a failing or slow fetch raises ``SourceUnavailable`` and is not
-    remembered, so the next ``get`` tries the source again. Chunks being read are pinned and
+    stored (temp file + rename); a failing or slow fetch raises ``SourceUnavailable`` and no
+    failure is remembered, so a later ``get`` tries the source again. A fetch that outlived its
+    timeout stays joinable: for one more ``timeout`` new readers wait on it only briefly
+    (``STUCK_GRACE``) rather than stacking timeouts, then a fresh fetch is started. Chunks being read are pinned and
     never evicted. The cache is rebuilt from ``root`` on start, so it survives daemon restarts.
     Thread-safe within one process; one process owns a root.
     """
@@ -101,7 +110,7 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._sizes: "OrderedDict[str, int]" = OrderedDict()  # hex digest -> size, LRU first
         self._pins: dict[str, int] = {}
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, _Fetch] = {}
         self.total_bytes = 0
         self.fetches = 0  # fetches started, for tests and metrics
         self.root.mkdir(parents=True, exist_ok=True)
@@ -178,20 +187,26 @@ class ChunkCache:
                     if h in self._sizes:  # stored between our look and now
                         continue
                     fut = self._inflight.get(h)
+                    if fut is not None and fut.stuck_until is not None \
+                            and time.monotonic() >= fut.stuck_until:
+                        fut = None  # backoff over: ask the source again, beside the stuck call
                     if fut is None:
-                        fut = Future()
+                        fut = _Fetch()
                         self._inflight[h] = fut
                         self.fetches += 1
                         threading.Thread(target=self._run_fetch, args=(h, fetch, fut),
                                          name=f"chunk-fetch-{h[:12]}", daemon=True).start()
-                remaining = deadline - time.monotonic()
+                    wait = max(0.0, deadline - time.monotonic())
+                    if fut.stuck_until is not None:
+                        # The kernel retries a failed read a few times; fail those fast
+                        # instead of stacking timeouts, yet catch a fetch that just finished.
+                        wait = min(wait, STUCK_GRACE)
                 try:
-                    return fut.result(timeout=max(0.0, remaining))
+                    return fut.result(timeout=wait)
                 except TimeoutError:
                     with self._lock:
-                        # Forget the stuck fetch so the next reader asks the source again.
-                        if self._inflight.get(h) is fut:
-                            del self._inflight[h]
+                        if fut.stuck_until is None:
+                            fut.stuck_until = time.monotonic() + timeout
                     raise SourceUnavailable(f"fetching chunk {digest} took longer than {timeout}s",
                                             digest=digest, timeout=timeout) from None
 
@@ -219,7 +234,7 @@ class ChunkCache:
         path.unlink(missing_ok=True)
         return None
 
-    def _run_fetch(self, h: str, fetch: Callable[[], bytes], fut: Future) -> None:
+    def _run_fetch(self, h: str, fetch: Callable[[], bytes], fut: _Fetch) -> None:
         try:
             data = fetch()
             if not isinstance(data, (bytes, bytearray, memoryview)):
