@@ -103,10 +103,17 @@ class ChunkCache:
     Thread-safe within one process; one process owns a root.
     """
 
-    def __init__(self, root: Path | str, max_bytes: int, *, verify_hits: bool = True) -> None:
+    def __init__(self, root: Path | str, max_bytes: int, *, verify_hits: bool = True,
+                 memory_bytes: int = 32 << 20) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.verify_hits = verify_hits
+        # The kernel asks for a chunk in readahead-sized pieces (128 KiB by default), so the
+        # last few verified chunks are kept in memory instead of re-reading and re-hashing a
+        # whole chunk file for every piece.
+        self.memory_bytes = memory_bytes
+        self._hot: "OrderedDict[str, bytes]" = OrderedDict()
+        self._hot_bytes = 0
         self._lock = threading.Lock()
         self._sizes: "OrderedDict[str, int]" = OrderedDict()  # hex digest -> size, LRU first
         self._pins: dict[str, int] = {}
@@ -210,11 +217,28 @@ class ChunkCache:
                     raise SourceUnavailable(f"fetching chunk {digest} took longer than {timeout}s",
                                             digest=digest, timeout=timeout) from None
 
+    def _remember(self, h: str, data: bytes) -> None:
+        if len(data) > self.memory_bytes:
+            return
+        with self._lock:
+            if h in self._hot:
+                self._hot.move_to_end(h)
+                return
+            self._hot[h] = data
+            self._hot_bytes += len(data)
+            while self._hot_bytes > self.memory_bytes:
+                _, old = self._hot.popitem(last=False)
+                self._hot_bytes -= len(old)
+
     def _read_hit(self, h: str) -> bytes | None:
         with self._lock:
             if h not in self._sizes:
                 return None
             self._sizes.move_to_end(h)
+            hot = self._hot.get(h)
+            if hot is not None:
+                self._hot.move_to_end(h)
+                return hot
         path = self.root / h[:2] / h
         try:
             with open(path, "rb") as f:
@@ -226,8 +250,12 @@ class ChunkCache:
                 os.utime(path)  # access time for LRU order after a restart
             except OSError:
                 pass
+            self._remember(h, data)
             return data
         with self._lock:  # missing or rotten on disk: drop it, the caller refetches
+            hot = self._hot.pop(h, None)
+            if hot is not None:
+                self._hot_bytes -= len(hot)
             size = self._sizes.pop(h, None)
             if size is not None:
                 self.total_bytes -= size
@@ -245,6 +273,7 @@ class ChunkCache:
                 raise LayerCorrupt(f"chunk sha256:{h} fetched as {len(data)} bytes with digest"
                                    f" sha256:{got}", digest="sha256:" + h, got="sha256:" + got)
             self._store(h, data)
+            self._remember(h, data)
         except LayerCorrupt as e:
             result: BaseException = e
         except SourceUnavailable as e:
@@ -291,6 +320,9 @@ class ChunkCache:
                 continue
             size = self._sizes.pop(h)
             self.total_bytes -= size
+            hot = self._hot.pop(h, None)
+            if hot is not None:
+                self._hot_bytes -= len(hot)
             # Readers read a whole chunk under a pin, so unlinking an unpinned one hurts nobody.
             try:
                 os.unlink(self.root / h[:2] / h)
