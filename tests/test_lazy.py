@@ -1,4 +1,4 @@
-"""On-demand layer loading: real EROFS layers whose data blob is served over FUSE from a chunk cache.
+"""On-demand layer loading: real EROFS layers, their data blob served over FUSE from a chunk cache.
 
 Each test builds layers with ``mkfs.erofs --blobdev``, serves the blob through ``FuseServer`` +
 ``LazyBlob`` from a counted "remote" copy, mounts the metadata image with ``device=`` pointing at
@@ -172,7 +172,8 @@ def layer(tmp_path) -> Layer:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _setup(lazy: Lazy, layer: Layer, tmp_path: Path, *, max_bytes: int = 256 * MiB,
@@ -466,3 +467,14 @@ def test_chunk_index_round_trip(layer):
     assert idx.chunks[0] == _digest(data[:MiB])
     with pytest.raises(LayerCorrupt):
         ChunkIndex(idx.blob_digest, idx.blob_size, idx.chunk_size, idx.chunks[:-1])
+
+
+def test_readahead_fetches_following_chunks_in_background(lazy, layer, tmp_path):
+    remote = lazy.remote(layer)
+    cache = ChunkCache(tmp_path / "cache", 256 * MiB)
+    blob = LazyBlob(layer.index, cache, remote.read_range, readahead=2)
+    assert blob.read(0, 10) == layer.blob.read_bytes()[:10]
+    for t in threading.enumerate():
+        if t.name.startswith("prefetch-chunk-"):
+            t.join(5)
+    assert [layer.index.chunks[i] in cache for i in range(4)] == [True, True, True, False]

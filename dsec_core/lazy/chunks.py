@@ -37,7 +37,10 @@ class _Fetch(Future):
 
 @dataclass(frozen=True)
 class ChunkIndex:
-    """The digests of a blob's ``chunk_size`` pieces; chunk i is bytes [i*cs, min(size, (i+1)*cs))."""
+    """The sha256 of each ``chunk_size`` piece of a blob.
+
+    Chunk i is bytes [i*chunk_size, min(blob_size, (i+1)*chunk_size)); the last one is shorter.
+    """
 
     blob_digest: str
     blob_size: int
@@ -98,9 +101,12 @@ class ChunkCache:
     stored (temp file + rename); a failing or slow fetch raises ``SourceUnavailable`` and no
     failure is remembered, so a later ``get`` tries the source again. A fetch that outlived its
     timeout stays joinable: for one more ``timeout`` new readers wait on it only briefly
-    (``STUCK_GRACE``) rather than stacking timeouts, then a fresh fetch is started. Chunks being read are pinned and
-    never evicted. The cache is rebuilt from ``root`` on start, so it survives daemon restarts.
-    Thread-safe within one process; one process owns a root.
+    (``STUCK_GRACE``) rather than stacking timeouts, then a fresh fetch is started.
+
+    Readers copy a chunk out under a pin, and eviction skips pinned chunks. Hits are re-verified
+    (``verify_hits``) so a chunk rotted on disk is dropped and refetched, never served. The cache
+    is rebuilt from ``root`` on start (sizes, LRU order from mtimes; temp files deleted), so it
+    survives daemon restarts. Thread-safe within one process; one process owns a root.
     """
 
     def __init__(self, root: Path | str, max_bytes: int, *, verify_hits: bool = True,

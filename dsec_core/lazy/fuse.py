@@ -441,7 +441,7 @@ def send_fuse_fd(sock: socket.socket, server: FuseServer) -> None:
 
 
 def recv_fuse_fd(sock: socket.socket) -> tuple[int, Path | None]:
-    """Receive a connection sent by ``send_fuse_fd``: (fd, mountpoint) for ``FuseServer.from_fd``."""
+    """Receive what ``send_fuse_fd`` sent: (fd, mountpoint), ready for ``FuseServer.from_fd``."""
     msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
     if not fds:
         raise MountError("no FUSE fd received")

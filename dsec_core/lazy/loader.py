@@ -7,11 +7,12 @@ chunks ahead of use (e.g. the ones a previous run of the same image touched).
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import LayerCorrupt
+from ..errors import DsecError, LayerCorrupt
 from ..node.mounts import (AT_FDCWD, FSCONFIG_CMD_CREATE, FSCONFIG_SET_STRING, FSMOUNT_CLOEXEC,
                            FSOPEN_CLOEXEC, MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
                            MOVE_MOUNT_F_EMPTY_PATH, SYS_FSCONFIG, SYS_FSMOUNT, SYS_FSOPEN,
@@ -26,14 +27,20 @@ class LazyBlob:
 
     ``read_range(offset, length)`` reads that many bytes of the blob from its source (a
     distributed filesystem, an object store, ...); it is only ever asked for whole chunks.
+    With ``readahead`` > 0 a read also starts background fetches of that many following chunks,
+    which hides source latency for sequential reads at the price of fetching a little more.
     """
 
     def __init__(self, index: ChunkIndex, cache: ChunkCache,
-                 read_range: Callable[[int, int], bytes], fetch_timeout: float = 30.0) -> None:
+                 read_range: Callable[[int, int], bytes], fetch_timeout: float = 30.0,
+                 *, readahead: int = 0) -> None:
         self.index = index
         self.cache = cache
         self.read_range = read_range
         self.fetch_timeout = fetch_timeout
+        self.readahead = readahead
+        self._ahead: set[int] = set()
+        self._ahead_lock = threading.Lock()
 
     @property
     def size(self) -> int:
@@ -64,7 +71,29 @@ class LazyBlob:
             data = self.chunk(i)
             base = i * cs
             parts.append(data[max(offset, base) - base:min(end, base + len(data)) - base])
+        if self.readahead:
+            self._read_ahead((end - 1) // cs + 1)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read_ahead(self, first: int) -> None:
+        for i in range(first, min(first + self.readahead, len(self.index.chunks))):
+            if self.index.chunks[i] in self.cache:
+                continue
+            with self._ahead_lock:
+                if i in self._ahead:
+                    continue
+                self._ahead.add(i)
+            threading.Thread(target=self._fetch_ahead, args=(i,), name=f"prefetch-chunk-{i}",
+                             daemon=True).start()
+
+    def _fetch_ahead(self, i: int) -> None:
+        try:
+            self.chunk(i)
+        except DsecError:
+            pass  # a real read of this chunk will retry and report the error
+        finally:
+            with self._ahead_lock:
+                self._ahead.discard(i)
 
 
 def prefetch(blob: LazyBlob, chunks: Iterable[int] | None = None, *, parallel: int = 4) -> int:
