@@ -22,11 +22,13 @@ from typing import Any, Iterator
 
 import pytest
 
-__all__ = ["S3Server", "running_s3_server", "free_port", "find_rclone", "s3_server"]
+__all__ = ["S3Server", "running_s3_server", "free_port", "find_rclone", "s3_server",
+           "DIR_CACHE_SECONDS"]
 
 ACCESS_KEY = "dsec-test-access"
 SECRET_KEY = "dsec-test-secret-0123456789"
 REGION = "us-east-1"
+DIR_CACHE_SECONDS = 1  # after changing data_dir directly, wait this long for the server to see it
 
 
 def free_port() -> int:
@@ -119,8 +121,9 @@ def running_s3_server(buckets: tuple[str, ...] = ("dsec",), *,
             cmd = [rclone, "serve", "s3", str(data),
                    "--addr", f"127.0.0.1:{port}",
                    "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
-                   # Tests change objects behind the server's back; never serve a stale listing.
-                   "--dir-cache-time", "0s", "--poll-interval", "0",
+                   # Tests change objects behind the server's back, so keep the listing cache
+                   # short (DIR_CACHE_SECONDS); 0s makes rclone 1.75 hang on some PUTs.
+                   "--dir-cache-time", f"{DIR_CACHE_SECONDS}s", "--poll-interval", "0",
                    "--vfs-cache-mode", "off",
                    "--config", str(root / "rclone.conf"), "--cache-dir", str(root / "cache"),
                    "--log-level", "NOTICE"]

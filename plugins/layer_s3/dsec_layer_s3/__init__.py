@@ -39,6 +39,7 @@ class S3LayerSource(BlobStoreSource):
     # Blobs above this size go up in parts of this size (S3 allows at most 10000 parts).
     multipart_threshold = 16 << 20
     multipart_chunksize = 16 << 20
+    list_page_size = 1000  # keys per list_objects_v2 request (1000 is S3's maximum)
 
     def __init__(self, location: str = "", *, cache_dir: Path | None = None) -> None:
         super().__init__(location, cache_dir=cache_dir)
@@ -185,7 +186,8 @@ class S3LayerSource(BlobStoreSource):
         out = []
         with self._edge():
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(prefix))
+                Bucket=self.bucket, Prefix=self._key(prefix),
+                PaginationConfig={"PageSize": self.list_page_size})
             for page in pages:
                 out.extend(obj["Key"][len(self.prefix):] for obj in page.get("Contents", []))
         return sorted(out)
