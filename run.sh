@@ -5,7 +5,7 @@
 #   sudo bash run.sh demo     # dsec demo on the embedded single-node default
 #   sudo bash run.sh test     # the test suite
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py --quick
+#   sudo bash run.sh bench    # bench/create.py --quick and bench/layers.py --quick
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -70,7 +70,9 @@ setup_python() {
             else plugins+=(-e "$d"); fi
         done
         "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
-        "$venv/bin/python" -c "import dsec, dsec_backend_container, dsec_layer_local, dsec_layer_posix" \
+        local modules="dsec"
+        for d in plugins/*/; do d="${d%/}"; modules+=",dsec_${d#plugins/}"; done
+        "$venv/bin/python" -c "import $modules" \
             || { echo "run.sh: the Python install failed" >&2; exit 1; }
         rm -f "$stamp_dir"/pip-*
         touch "$stamp_dir/pip-$sum"
@@ -107,7 +109,8 @@ case "$cmd" in
         ;;
     bench)
         setup
-        exec "$venv/bin/python" bench/create.py --quick "$@"
+        "$venv/bin/python" bench/create.py --quick "$@"
+        exec "$venv/bin/python" bench/layers.py --quick
         ;;
     *)
         echo "usage: run.sh [setup|demo|test|bench] [args...]" >&2
