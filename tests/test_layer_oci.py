@@ -21,6 +21,7 @@ from dsec_core.layers.sources import find_layer, open_source
 from dsec_core.layers.store import LayerStore
 from dsec_core.records import LayerInfo, LayerRef
 from dsec_core.testing.registry import free_port, local_registry, registry_binary
+from dsec_core.testing.sources import LayerSourceConformance
 
 dsec_layer_oci = pytest.importorskip("dsec_layer_oci",
                                      reason="pip install -e plugins/layer_oci first")
@@ -270,3 +271,25 @@ def test_no_registry_process_remains():
     for pid in _started:
         assert not Path(f"/proc/{pid}").exists() or \
             "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], f"registry {pid} survived"
+
+
+class TestOciConformance(LayerSourceConformance):
+    """The layer-source conformance kit against the real registry."""
+
+    @pytest.fixture
+    def source(self, registry, tmp_path):
+        self.registry = registry
+        return _source(registry, tmp_path)
+
+    def corrupt(self, source, digest, how):
+        blob = self.registry.blob_file(digest)
+        data = bytearray(blob.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            data = data[: len(data) // 2]
+        blob.write_bytes(bytes(data))
+
+    def unreachable(self, tmp_path):
+        return OciLayerSource(f"127.0.0.1:{free_port()}/dsec?insecure=1",
+                              cache_dir=tmp_path / "cache")

@@ -21,6 +21,8 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.distribution import publish_catalog, pull_catalog, pull_layer, push_layer
 from dsec_core.layers.sources import find_layer, open_source, split_url
 from dsec_core.layers.store import LayerStore
+from dsec_core.testing.sources import LayerSourceConformance
+from dsec_layer_posix import PosixLayerSource
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mkfs.erofs layers need root")
 
@@ -211,3 +213,25 @@ def test_home_in_an_unenterable_directory_is_refused(tmp_path):
     with pytest.raises(InvalidSpec) as e:
         NodeConfig(home=tmp_path / "home").ensure_dirs()
     assert "chmod o+x" in str(e.value)
+
+
+class TestPosixConformance(LayerSourceConformance):
+    """The layer-source conformance kit against a shared directory."""
+
+    @pytest.fixture
+    def source(self, tmp_path):
+        (tmp_path / "shared").mkdir()
+        return PosixLayerSource(str(tmp_path / "shared"), cache_dir=tmp_path / "cache")
+
+    def corrupt(self, source, digest, how):
+        blob = source.root / source.blob_key(digest)
+        data = bytearray(blob.read_bytes())
+        if how == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            data = data[: len(data) // 2]
+        os.chmod(blob, 0o644)
+        blob.write_bytes(bytes(data))
+
+    def unreachable(self, tmp_path):
+        return PosixLayerSource(str(tmp_path / "unmounted"), cache_dir=tmp_path / "cache")

@@ -21,6 +21,7 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.sources import find_layer, open_source
 from dsec_core.layers.store import LayerStore
 from dsec_core.records import LayerRef
+from dsec_core.testing.sources import LayerSourceConformance
 from dsec_core.testing.s3server import (DIR_CACHE_SECONDS, S3Server, free_port,
                                         running_s3_server)
 
@@ -283,3 +284,28 @@ def test_missing_bucket(server, node):
         src.resolve(LayerRef.parse("ws@1"))
     with pytest.raises(SourceUnavailable, match="does not exist"):
         src.put_catalog("x", {})
+
+
+@needs_root
+class TestS3Conformance(LayerSourceConformance):
+    """The layer-source conformance kit against the real S3 server."""
+
+    @pytest.fixture
+    def source(self, server, node, prefix):
+        self.server, self.prefix = server, prefix
+        return open_source(server.url("dsec", prefix), node)
+
+    def corrupt(self, source, digest, how):
+        key = f"{self.prefix}/{source.blob_key(digest)}"
+        data = bytearray(self.server.client().get_object(Bucket="dsec", Key=key)["Body"].read())
+        if how == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            data = data[: len(data) // 2]
+        # behind the server's back, as a failing disk would
+        (self.server.data_dir / "dsec" / key).write_bytes(bytes(data))
+        time.sleep(DIR_CACHE_SECONDS + 0.2)
+
+    def unreachable(self, tmp_path):
+        return open_source(f"s3://dsec?endpoint=http://127.0.0.1:{free_port()}",
+                           NodeConfig(home=tmp_path / "gone-node"))

@@ -1,0 +1,138 @@
+"""The layer-source conformance kit: every layer-source plugin subclasses ``LayerSourceConformance``.
+
+    class TestMySource(LayerSourceConformance):
+        @pytest.fixture
+        def source(self, tmp_path): ...            # a fresh, empty, writable source
+        def corrupt(self, source, digest, how): ...  # damage a stored blob ("flip"/"truncate")
+        def unreachable(self, tmp_path): ...       # a source whose server is not there
+
+The checks publish real EROFS layers and fetch them back: naming and versions, idempotent
+pushes, immutable versions, byte-for-byte verification (damaged or truncated blobs never reach
+the cache), catalogs, and fast typed failures when the source is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from ..errors import LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment
+from ..layers.build import build_layer
+from ..layers.source import LayerSource
+from ..layers.sources import find_layer
+from ..layers.store import LayerStore
+from ..records import LayerInfo, LayerRef
+
+__all__ = ["LayerSourceConformance"]
+
+UNREACHABLE_WITHIN = 10.0  # seconds a source that is gone may take to say so
+
+
+def _build(store: LayerStore, tmp: Path, name: str, version: str, payload: bytes) -> LayerInfo:
+    src = tmp / f"src-{name}-{version}-{hashlib.sha256(payload).hexdigest()[:8]}"
+    (src / "data").mkdir(parents=True)
+    (src / "data" / "payload.bin").write_bytes(payload)
+    (src / "data" / "small.txt").write_text(f"{name} {version}\n")
+    return build_layer(src, name=name, version=version, kind="workspace", store=store)
+
+
+class LayerSourceConformance:
+    """Behaviour every dsec layer source must show."""
+
+    # --- what a subclass provides ---------------------------------------------------------
+    @pytest.fixture
+    def source(self, tmp_path) -> LayerSource:
+        raise NotImplementedError("override the `source` fixture: a fresh, empty source")
+
+    def corrupt(self, source: LayerSource, digest: str, how: str) -> None:
+        """Damage the stored blob ``digest``: ``how`` is "flip" (one byte) or "truncate"."""
+        raise NotImplementedError
+
+    def unreachable(self, tmp_path: Path) -> LayerSource:
+        """A source of this kind whose server (or mount) is not there."""
+        raise NotImplementedError
+
+    # --- shared fixtures ------------------------------------------------------------------
+    @pytest.fixture
+    def store(self, tmp_path) -> LayerStore:
+        return LayerStore(tmp_path / "kit-store")
+
+    @pytest.fixture
+    def layer(self, store, tmp_path) -> LayerInfo:
+        # bigger than one fetch chunk would be slow to push everywhere; 3 MiB exercises ranges
+        return _build(store, tmp_path, "kit-ws", "1", bytes(range(256)) * 12288)
+
+    # --- checks ---------------------------------------------------------------------------
+    def test_push_then_resolve_and_list(self, source, store, layer, tmp_path):
+        assert source.push(layer, store.image_path(layer)) is True
+        newer = _build(store, tmp_path, "kit-ws", "2", b"second version")
+        time.sleep(0.01)
+        source.push(newer, store.image_path(newer))
+        assert source.resolve(LayerRef("kit-ws", "1")).digest == layer.digest
+        assert source.resolve(LayerRef("kit-ws")).version == "2"  # unversioned: newest
+        assert source.resolve(LayerRef("kit-absent", "1")) is None
+        assert {i.ref for i in source.list()} >= {"kit-ws@1", "kit-ws@2"}
+        got = source.resolve(LayerRef("kit-ws", "1"))
+        assert (got.kind, got.size) == (layer.kind, layer.size)
+
+    def test_pushing_again_is_a_noop_and_versions_are_immutable(self, source, store, layer,
+                                                                tmp_path):
+        source.push(layer, store.image_path(layer))
+        assert source.push(layer, store.image_path(layer)) is False
+        other_store = LayerStore(tmp_path / "other-store")
+        impostor = _build(other_store, tmp_path, "kit-ws", "1", b"not the same content")
+        with pytest.raises(LayerExists):
+            source.push(impostor, other_store.image_path(impostor))
+        assert source.resolve(LayerRef("kit-ws", "1")).digest == layer.digest
+
+    def test_fetch_is_verified_byte_for_byte(self, source, store, layer):
+        source.push(layer, store.image_path(layer))
+        info = source.resolve(LayerRef("kit-ws", "1"))
+        path = source.image_path(info)
+        data = Path(path).read_bytes()
+        assert "sha256:" + hashlib.sha256(data).hexdigest() == layer.digest
+        assert data == store.image_path(layer).read_bytes()
+
+    @pytest.mark.parametrize("how", ["flip", "truncate"])
+    def test_damaged_blob_never_reaches_the_cache(self, source, store, layer, how):
+        source.push(layer, store.image_path(layer))
+        self.corrupt(source, layer.digest, how)
+        info = source.resolve(LayerRef("kit-ws", "1"))
+        with pytest.raises(LayerCorrupt):
+            source.image_path(info)
+        if source.cache_dir is not None and source.cache_dir.exists():
+            assert [p for p in source.cache_dir.rglob("*") if p.is_file()] == []
+
+    def test_catalogs(self, source):
+        doc = {"name": "kit-catalog", "layers": [], "environments": [
+            {"name": "kit-env", "base": "kit-ws@1"}]}
+        source.put_catalog("kit-catalog", doc)
+        assert "kit-catalog" in source.catalogs()
+        assert source.get_catalog("kit-catalog") == doc
+        doc["environments"][0]["base"] = "kit-ws@2"
+        source.put_catalog("kit-catalog", doc)  # replaced, not duplicated
+        assert source.get_catalog("kit-catalog")["environments"][0]["base"] == "kit-ws@2"
+        with pytest.raises(UnknownEnvironment) as e:
+            source.get_catalog("kit-missing")
+        assert "kit-catalog" in str(e.value)
+
+    def test_first_source_holding_a_layer_wins(self, source, store, layer, tmp_path):
+        from dsec_layer_local import LocalLayerSource
+
+        local = LocalLayerSource(str(tmp_path / "kit-local"))
+        source.push(layer, store.image_path(layer))
+        assert find_layer([local, source], "kit-ws@1")[0] is source
+        local.push(layer, store.image_path(layer))
+        assert find_layer([local, source], "kit-ws@1")[0] is local
+
+    def test_a_source_that_is_gone_fails_fast_and_typed(self, tmp_path):
+        gone = self.unreachable(tmp_path)
+        for call in (gone.list, lambda: gone.resolve(LayerRef("kit-ws", "1")), gone.catalogs):
+            started = time.monotonic()
+            with pytest.raises(SourceUnavailable) as e:
+                call()
+            assert time.monotonic() - started < UNREACHABLE_WITHIN
+            assert e.value.source  # names the source
