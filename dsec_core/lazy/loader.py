@@ -6,17 +6,13 @@ chunks ahead of use (e.g. the ones a previous run of the same image touched).
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import DsecError, LayerCorrupt
-from ..node.mounts import (AT_FDCWD, FSCONFIG_CMD_CREATE, FSCONFIG_SET_STRING, FSMOUNT_CLOEXEC,
-                           FSOPEN_CLOEXEC, MOUNT_ATTR_NODEV, MOUNT_ATTR_RDONLY,
-                           MOVE_MOUNT_F_EMPTY_PATH, SYS_FSCONFIG, SYS_FSMOUNT, SYS_FSOPEN,
-                           SYS_MOVE_MOUNT, _check, _libc)
+from ..node.mounts import mount_erofs_file
 from .chunks import ChunkCache, ChunkIndex
 
 __all__ = ["LazyBlob", "prefetch", "mount_lazy_erofs"]
@@ -118,20 +114,4 @@ def mount_lazy_erofs(meta: Path | str, blob: Path | str, target: Path | str) -> 
 
     ``blob`` is typically a file of a ``FuseServer`` mount, so data reads become chunk fetches.
     """
-    fs = _check(_libc.syscall(SYS_FSOPEN, b"erofs", FSOPEN_CLOEXEC), "fsopen erofs for", meta)
-    try:
-        _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source",
-                             os.fsencode(meta), 0), "fsconfig source", meta)
-        _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"device",
-                             os.fsencode(blob), 0), "fsconfig device", blob)
-        _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0),
-               "mounting EROFS metadata image", meta)
-        mnt = _check(_libc.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC,
-                                   MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV), "fsmount", meta)
-    finally:
-        os.close(fs)
-    try:
-        _check(_libc.syscall(SYS_MOVE_MOUNT, mnt, b"", AT_FDCWD, os.fsencode(target),
-                             MOVE_MOUNT_F_EMPTY_PATH), "move_mount to", target)
-    finally:
-        os.close(mnt)
+    mount_erofs_file(Path(meta), Path(target), None, device=Path(blob))

@@ -96,12 +96,19 @@ class UserNamespaceHandle:
             self.fd = -1
 
 
-def mount_erofs_file(image: Path, target: Path, userns: UserNamespaceHandle | None) -> None:
-    """Mount an EROFS image file read-only at ``target``, idmapped through ``userns``."""
+def mount_erofs_file(image: Path, target: Path, userns: UserNamespaceHandle | None,
+                     device: Path | None = None) -> None:
+    """Mount an EROFS image file read-only at ``target``, idmapped through ``userns``.
+
+    With ``device``, ``image`` is a metadata image whose file data lives in that blob file (EROFS
+    multi-device; the blob may sit on the node's on-demand FUSE filesystem)."""
     fs = _check(_libc.syscall(SYS_FSOPEN, b"erofs", FSOPEN_CLOEXEC), "fsopen erofs for", image)
     try:
         _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source",
                              os.fsencode(image), 0), "fsconfig source", image)
+        if device is not None:
+            _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"device",
+                                 os.fsencode(device), 0), "fsconfig device", device)
         _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0),
                "mounting EROFS image (is it a valid EROFS image?)", image)
         mnt = _check(_libc.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC,
@@ -188,7 +195,9 @@ class MountCache:
     def path_for(self, digest: str) -> Path:
         return self.root / digest.split(":", 1)[-1][:32]
 
-    def acquire(self, digest: str, image: Path) -> Path:
+    def acquire(self, digest: str, image: Path, device: Path | None = None) -> Path:
+        """Mount layer ``digest`` from ``image`` (and its data ``device``, for on-demand
+        layers) unless it is mounted already; count one more user."""
         with self._lock:
             entry = self._entries.get(digest)
             if entry is None:
@@ -196,7 +205,7 @@ class MountCache:
                 target.mkdir(exist_ok=True)
                 if not os.path.ismount(target):
                     try:
-                        mount_erofs_file(image, target, self.userns)
+                        mount_erofs_file(image, target, self.userns, device)
                     except BaseException:
                         _rmdir_quiet(target)
                         raise
