@@ -6,24 +6,36 @@ source that has it. Sources are named by URL: ``local``, ``posix:/mnt/3fs/dsec``
 
 Key/value stores (a directory, an S3 bucket) share one layout and most of their code through
 ``BlobStoreSource``: ``blobs/sha256/<hex>`` (the image), ``refs/<name>/<version>.json`` (its
-``LayerInfo``), ``catalogs/<name>.json``. Every byte fetched is checked against the layer's
-sha256 before anything can mount it.
+``LayerInfo``), ``catalogs/<name>.json``, and for on-demand loading ``lazy/<layer hex>.json``
+(the layer's ``LazyForm``: its split metadata image and data blob, both also under ``blobs/``).
+Every byte fetched is checked against the layer's sha256 before anything can mount it; lazily
+read blob ranges are checked chunk by chunk by the node's ``ChunkCache``.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
-from ..errors import InvalidSpec, LayerCorrupt, UnknownLayer
+from ..errors import (DsecError, InvalidSpec, LayerBuildError, LayerCorrupt, SourceUnavailable,
+                      ToolError, UnknownLayer)
 from ..records import LayerInfo, LayerRef
 
-__all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "FETCH_CHUNK"]
+if TYPE_CHECKING:
+    from ..lazy.split import LazyForm
+
+__all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "split_for_publishing",
+           "FETCH_CHUNK"]
+
+log = logging.getLogger(__name__)
 
 FETCH_CHUNK = 8 << 20
 
@@ -58,6 +70,30 @@ class LayerSource(abc.ABC):
     @abc.abstractmethod
     def image_path(self, info: LayerInfo) -> Path:
         """A local path to the layer's EROFS image, fetched and verified first if needed."""
+
+    # --- on-demand loading -----------------------------------------------------------------
+    def lazy_form(self, info: LayerInfo) -> "LazyForm | None":
+        """The split form of ``info`` (metadata image + chunked data blob), or None if this
+        source offers the layer only as a whole image (the default)."""
+        return None
+
+    def fetch_meta(self, form: "LazyForm") -> Path:
+        """A local path to ``form``'s metadata image, fetched into ``cache_dir`` and verified."""
+        raise UnknownLayer(f"{self.url}: no lazy layers here (metadata {form.meta_digest})",
+                           digest=form.meta_digest)
+
+    def read_blob(self, digest: str, offset: int, length: int) -> bytes:
+        """Raw bytes [offset, offset+length) of stored blob ``digest`` (short at its end).
+
+        Not verified here: the node's ``ChunkCache`` checks every chunk against the index.
+        A missing blob is ``UnknownLayer``; a source that cannot answer, ``SourceUnavailable``.
+        """
+        raise UnknownLayer(f"{self.url}: no lazy layers here (blob {digest})", digest=digest)
+
+    def _meta_dest(self, form: "LazyForm") -> Path:
+        if self.cache_dir is None:
+            raise InvalidSpec(f"layer source {self.url} needs a cache directory to fetch into")
+        return self.cache_dir / f"{form.meta_digest.split(':', 1)[-1]}.meta.erofs"
 
     # --- publishing -----------------------------------------------------------------------
     def push(self, info: LayerInfo, image: Path) -> bool:
@@ -121,6 +157,32 @@ def fetch_verified(read_range: Callable[[int, int], bytes], *, digest: str, size
     return dest
 
 
+@contextlib.contextmanager
+def split_for_publishing(info: LayerInfo, image: Path,
+                         source: str) -> Iterator["tuple[LazyForm, Path, Path] | None"]:
+    """Split ``image`` (``split_image``) in a temporary directory, removed on exit.
+
+    Yields (form, meta path, blob path), or None if this host cannot split it (no root for
+    the mount, no mkfs.erofs): the lazy form is an optimisation, so the layer is then published
+    whole only, with a warning. An image that does not match ``info.digest`` is ``LayerCorrupt``.
+    """
+    from ..lazy.split import split_image
+
+    work = Path(tempfile.mkdtemp(prefix="dsec-split-"))
+    try:
+        try:
+            split = split_image(Path(image), work)
+        except (LayerBuildError, ToolError) as e:
+            log.warning("%s: publishing %s without its lazy form: %s", source, info.ref, e)
+            split = None
+        if split is not None and split[0].layer_digest != info.digest:
+            raise LayerCorrupt(f"{image} is {split[0].layer_digest}, the layer record says "
+                               f"{info.digest}", digest=info.digest, source=str(image))
+        yield split
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 class BlobStoreSource(LayerSource):
     """A source that is a store of keys: subclasses implement the five primitives below."""
 
@@ -149,6 +211,10 @@ class BlobStoreSource(LayerSource):
     @staticmethod
     def ref_key(name: str, version: str) -> str:
         return f"refs/{name}/{version}.json"
+
+    @staticmethod
+    def lazy_key(layer_digest: str) -> str:
+        return f"lazy/{layer_digest.split(':', 1)[-1]}.json"
 
     def _info(self, key: str) -> LayerInfo | None:
         try:
@@ -188,6 +254,64 @@ class BlobStoreSource(LayerSource):
         return fetch_verified(lambda off, n: self._read(key, off, n), digest=info.digest,
                               size=size, dest=dest, source=self.url)
 
+    # --- on-demand loading -----------------------------------------------------------------
+    def lazy_form(self, info: LayerInfo) -> "LazyForm | None":
+        from ..lazy.split import LazyForm
+        try:
+            text = self._read(self.lazy_key(info.digest))
+        except KeyError:
+            return None  # pushed before lazy forms existed, or by a host that could not split
+        form = LazyForm.from_json(text)
+        if form.layer_digest != info.digest:
+            raise LayerCorrupt(f"{self.url}: {self.lazy_key(info.digest)} describes "
+                               f"{form.layer_digest}, not {info.digest}", digest=info.digest,
+                               source=self.url)
+        return form
+
+    def fetch_meta(self, form: "LazyForm") -> Path:
+        dest = self._meta_dest(form)
+        if dest.exists():  # only fetch_verified puts files here, after checking them
+            return dest
+        key = self.blob_key(form.meta_digest)
+        size = self._size(key)
+        if size is None:
+            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} of layer "
+                               f"{form.layer_digest} is missing", digest=form.meta_digest)
+        if size != form.meta_size:
+            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
+                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
+                               source=self.url)
+        return fetch_verified(lambda off, n: self._read(key, off, n), digest=form.meta_digest,
+                              size=size, dest=dest, source=self.url)
+
+    def read_blob(self, digest: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            return self._read(self.blob_key(digest), offset, length)
+        except KeyError:
+            raise UnknownLayer(f"{self.url}: no blob {digest}", digest=digest) from None
+        except DsecError:
+            raise
+        except OSError as e:
+            raise SourceUnavailable(f"{self.url}: reading blob {digest} at {offset}+{length} "
+                                    f"failed: {e}", source=self.url, digest=digest) from e
+
+    def _push_lazy(self, info: LayerInfo, image: Path) -> None:
+        """Store the layer's split form unless it is there already (from any name@version)."""
+        if self._size(self.lazy_key(info.digest)) is not None:
+            return
+        with split_for_publishing(info, image, self.url) as split:
+            if split is None:
+                return
+            form, meta, blob = split
+            for digest, size, path in ((form.meta_digest, form.meta_size, meta),
+                                       (form.blob_digest, form.blob_size, blob)):
+                if self._size(self.blob_key(digest)) != size:
+                    self._write(self.blob_key(digest), path)
+            # Written last: a reader that finds the form finds both blobs.
+            self._write(self.lazy_key(info.digest), form.to_json().encode())
+
     # --- publishing -----------------------------------------------------------------------
     def push(self, info: LayerInfo, image: Path) -> bool:
         existing = self._info(self.ref_key(info.name, info.version))
@@ -200,6 +324,7 @@ class BlobStoreSource(LayerSource):
         key = self.blob_key(info.digest)
         if self._size(key) != info.size:
             self._write(key, image)
+        self._push_lazy(info, image)
         self._write(self.ref_key(info.name, info.version),
                     json.dumps(info.to_dict(), indent=2).encode())
         return True

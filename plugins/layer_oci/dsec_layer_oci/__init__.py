@@ -8,6 +8,15 @@ lab registry). The layout, one OCI artifact per layer version and per catalog:
   ``application/vnd.erofs.layer.v1`` (its OCI digest is the layer's sha256 digest), the empty
   config ``application/vnd.oci.empty.v1+json``, and annotations ``org.dsec.layer.{name,version,
   kind,created,source}``.
+- its lazy (split) form, for on-demand loading: same repository, tag ``lazy-<layer sha256 hex>``;
+  a manifest of three blobs: the metadata image ``application/vnd.erofs.meta.v1``, the chunked
+  data blob ``application/vnd.erofs.blob.v1`` and the ``LazyForm`` JSON (chunk index)
+  ``application/vnd.dsec.chunk-index.v1+json``, annotated ``org.dsec.layer.digest``. A second
+  tag rather than more blobs in the layer's manifest: the version manifest stays exactly what
+  older readers expect (one layer), and keying by content means two versions of the same image
+  share one lazy form, split and uploaded once. It is pushed before the version tag, so a
+  visible version has its lazy form if it ever will; layers pushed before lazy forms existed
+  (or by a host that could not split) have none and are fetched whole.
 - catalog ``name``: repository ``<prefix>/catalogs/<name>``, tag ``latest``; one blob of media
   type ``application/vnd.dsec.catalog.v1+json`` holding the catalog JSON.
 
@@ -15,7 +24,8 @@ oras-py (``oras.provider.Registry``) builds the URLs and answers token/basic aut
 its ``do_request`` is replaced so that one request is one try with short timeouts (oras retries
 for half a minute) and transport errors become ``SourceUnavailable``. Credentials come from
 ``DSEC_OCI_USERNAME``/``DSEC_OCI_PASSWORD`` or the docker config file oras reads. Blobs are
-fetched in ranges through ``fetch_verified``, so every byte is checked before anything mounts it.
+fetched in ranges through ``fetch_verified``, so every byte is checked before anything mounts it;
+lazily read data-blob ranges (``read_blob``, a Range GET) are checked per chunk by the node.
 """
 
 from __future__ import annotations
@@ -39,12 +49,18 @@ import requests
 from dsec_core.errors import (DsecError, InvalidSpec, LayerCorrupt, LayerExists,
                               SourceUnavailable, UnknownEnvironment, UnknownLayer)
 from dsec_core.hookspecs import hookimpl
-from dsec_core.layers.source import LayerSource, fetch_verified
+from dsec_core.layers.source import LayerSource, fetch_verified, split_for_publishing
+from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
 
-__all__ = ["OciLayerSource", "LAYER_MEDIA_TYPE", "CATALOG_MEDIA_TYPE", "ANNOTATION_PREFIX"]
+__all__ = ["OciLayerSource", "LAYER_MEDIA_TYPE", "META_MEDIA_TYPE", "BLOB_MEDIA_TYPE",
+           "CHUNK_INDEX_MEDIA_TYPE", "CATALOG_MEDIA_TYPE", "ANNOTATION_PREFIX"]
 
 LAYER_MEDIA_TYPE = "application/vnd.erofs.layer.v1"
+META_MEDIA_TYPE = "application/vnd.erofs.meta.v1"
+BLOB_MEDIA_TYPE = "application/vnd.erofs.blob.v1"
+CHUNK_INDEX_MEDIA_TYPE = "application/vnd.dsec.chunk-index.v1+json"
+LAZY_TAG_PREFIX = "lazy-"
 CATALOG_MEDIA_TYPE = "application/vnd.dsec.catalog.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
@@ -153,6 +169,9 @@ class OciLayerSource(LayerSource):
                                   "repository name (lowercase letters, digits, . _ -)")
         self.base = f"{'http' if insecure else 'https'}://{self.host}"
         self.client = _Registry(self.host, insecure=insecure, source=self.url)
+        # OCI blobs live in a repository, a LazyForm names only digests: remember which
+        # repository (and size) each lazy form's blobs came from (filled by lazy_form, push).
+        self._blob_repos: dict[str, tuple[str, int]] = {}
 
     # --- names ----------------------------------------------------------------------------
     def _repo(self, *names: str) -> str:
@@ -252,15 +271,16 @@ class OciLayerSource(LayerSource):
                                     f"{response.status_code} {response.text[:300].strip()}",
                                     source=self.url, status=response.status_code)
 
-    def _put_manifest(self, repo: str, tag: str, blob: dict, annotations: dict[str, str]) -> None:
+    def _put_manifest(self, repo: str, tag: str, blobs: list[dict],
+                      annotations: dict[str, str]) -> None:
         self._upload(repo, EMPTY_DIGEST, len(EMPTY_BLOB), EMPTY_BLOB)
         manifest = {
             "schemaVersion": 2,
             "mediaType": MANIFEST_MEDIA_TYPE,
-            "artifactType": blob["mediaType"],
+            "artifactType": blobs[0]["mediaType"],
             "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": EMPTY_DIGEST,
                        "size": len(EMPTY_BLOB), "data": "e30="},
-            "layers": [blob],
+            "layers": blobs,
             "annotations": annotations,
         }
         container = self.client.container(f"{repo}:{tag}")
@@ -359,11 +379,12 @@ class OciLayerSource(LayerSource):
             raise LayerCorrupt(f"{image} is {size} bytes, the layer record says {info.size}",
                                digest=info.digest, source=str(image))
         self._upload(repo, info.digest, size, Path(image))
+        self._push_lazy(repo, info, Path(image))
         created = info.created or time.time()
-        self._put_manifest(repo, tag, {
+        self._put_manifest(repo, tag, [{
             "mediaType": LAYER_MEDIA_TYPE, "digest": info.digest, "size": size,
             "annotations": {"org.opencontainers.image.title": f"{info.name}-{info.version}.erofs"},
-        }, {
+        }], {
             ANNOTATION_PREFIX + "name": info.name,
             ANNOTATION_PREFIX + "version": info.version,
             ANNOTATION_PREFIX + "kind": info.kind,
@@ -372,6 +393,123 @@ class OciLayerSource(LayerSource):
             "org.opencontainers.image.created": _rfc3339(created),
         })
         return True
+
+    @staticmethod
+    def _lazy_tag(layer_digest: str) -> str:
+        return LAZY_TAG_PREFIX + layer_digest.split(":", 1)[-1]
+
+    def _push_lazy(self, repo: str, info: LayerInfo, image: Path) -> None:
+        """Split the image and push its lazy form, unless ``repo`` has it already."""
+        tag = self._lazy_tag(info.digest)
+        if self._manifest(repo, tag) is not None:
+            return
+        with split_for_publishing(info, image, self.url) as split:
+            if split is None:
+                return
+            form, meta, blob = split
+            index = form.to_json().encode()
+            index_digest = _digest_of(index)
+            hexpart = info.digest.split(":", 1)[-1][:12]
+            self._upload(repo, form.meta_digest, form.meta_size, meta)
+            self._upload(repo, form.blob_digest, form.blob_size, blob)
+            self._upload(repo, index_digest, len(index), index)
+            self._put_manifest(repo, tag, [
+                {"mediaType": META_MEDIA_TYPE, "digest": form.meta_digest,
+                 "size": form.meta_size,
+                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.meta.erofs"}},
+                {"mediaType": BLOB_MEDIA_TYPE, "digest": form.blob_digest,
+                 "size": form.blob_size,
+                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.blob"}},
+                {"mediaType": CHUNK_INDEX_MEDIA_TYPE, "digest": index_digest,
+                 "size": len(index),
+                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.lazy.json"}},
+            ], {ANNOTATION_PREFIX + "digest": info.digest,
+                "org.opencontainers.image.created": _rfc3339(time.time())})
+            self._remember(repo, form)
+
+    # --- on-demand loading ----------------------------------------------------------------
+    def _remember(self, repo: str, form: LazyForm) -> None:
+        self._blob_repos[form.meta_digest] = (repo, form.meta_size)
+        self._blob_repos[form.blob_digest] = (repo, form.blob_size)
+
+    def _blob_repo(self, digest: str) -> tuple[str, int]:
+        try:
+            return self._blob_repos[digest]
+        except KeyError:
+            raise UnknownLayer(f"{self.url}: blob {digest} is not part of a lazy form this "
+                               "source has looked up (call lazy_form first)",
+                               digest=digest) from None
+
+    def lazy_form(self, info: LayerInfo) -> LazyForm | None:
+        if not self._representable(info.name, info.version):
+            return None
+        repo = self._repo(info.name)
+        manifest = self._manifest(repo, self._lazy_tag(info.digest))
+        if manifest is None:
+            return None  # pushed whole only
+        if (manifest.get("annotations") or {}).get(ANNOTATION_PREFIX + "digest") != info.digest:
+            raise LayerCorrupt(f"{self.url}: {repo}:{self._lazy_tag(info.digest)} is not the "
+                               f"lazy form of {info.digest}", digest=info.digest,
+                               source=self.url)
+        by_type: dict[str, dict] = {}
+        for b in manifest.get("layers") or []:
+            if isinstance(b, dict):
+                by_type.setdefault(str(b.get("mediaType")), b)
+        wanted = (META_MEDIA_TYPE, BLOB_MEDIA_TYPE, CHUNK_INDEX_MEDIA_TYPE)
+        if not all(t in by_type for t in wanted):
+            raise LayerCorrupt(f"{self.url}: the lazy form of {info.ref} lacks a metadata "
+                               "image, data blob or chunk index", digest=info.digest,
+                               source=self.url)
+        digest = by_type[CHUNK_INDEX_MEDIA_TYPE]["digest"]
+        response = self._request("GET", self._blob_url(repo, digest), ok=(200, 404))
+        if response.status_code == 404:
+            raise UnknownLayer(f"{self.url}: the chunk index {digest} of {info.ref} is missing "
+                               f"from {repo}", name=info.ref)
+        if _digest_of(response.content) != digest:
+            raise LayerCorrupt(f"{self.url}: the chunk index of {info.ref} does not match its "
+                               f"digest {digest}", digest=digest, source=self.url)
+        form = LazyForm.from_json(response.content)
+        meta, blob = by_type[META_MEDIA_TYPE], by_type[BLOB_MEDIA_TYPE]
+        if (form.layer_digest != info.digest or form.meta_digest != meta.get("digest")
+                or form.blob_digest != blob.get("digest")
+                or form.meta_size != meta.get("size") or form.blob_size != blob.get("size")):
+            raise LayerCorrupt(f"{self.url}: the lazy form of {info.ref} disagrees with its "
+                               "manifest", digest=info.digest, source=self.url)
+        self._remember(repo, form)
+        return form
+
+    def fetch_meta(self, form: LazyForm) -> Path:
+        dest = self._meta_dest(form)
+        if dest.exists():  # only fetch_verified puts files here, after checking them
+            return dest
+        repo, _ = self._blob_repo(form.meta_digest)
+        size = self._blob_size(repo, form.meta_digest)
+        if size is None:
+            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} is missing from "
+                               f"{repo}", digest=form.meta_digest)
+        if size != form.meta_size:
+            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
+                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
+                               source=self.url)
+        return fetch_verified(lambda off, n: self._read_range(repo, form.meta_digest, off, n),
+                              digest=form.meta_digest, size=size, dest=dest, source=self.url)
+
+    def read_blob(self, digest: str, offset: int, length: int) -> bytes:
+        repo, size = self._blob_repo(digest)
+        # Ranges are clamped to the blob: distribution answers a range running past the end
+        # with a Content-Length it then does not send.
+        length = min(length, size - offset)
+        if length <= 0 or offset < 0:
+            return b""
+        response = self._request("GET", self._blob_url(repo, digest), ok=(200, 206, 404, 416),
+                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        if response.status_code == 404:
+            raise UnknownLayer(f"{self.url}: no blob {digest} in {repo}", digest=digest)
+        if response.status_code == 416:
+            return b""
+        if response.status_code == 200:  # a registry that ignores Range sends the whole blob
+            return response.content[offset:offset + length]
+        return response.content
 
     # --- catalogs -------------------------------------------------------------------------
     def put_catalog(self, name: str, document: dict[str, Any]) -> None:
@@ -382,10 +520,10 @@ class OciLayerSource(LayerSource):
         digest = _digest_of(data)
         repo = self._repo(CATALOG_REPO, name)
         self._upload(repo, digest, len(data), data)
-        self._put_manifest(repo, "latest", {
+        self._put_manifest(repo, "latest", [{
             "mediaType": CATALOG_MEDIA_TYPE, "digest": digest, "size": len(data),
             "annotations": {"org.opencontainers.image.title": f"{name}.json"},
-        }, {CATALOG_ANNOTATION: name, "org.opencontainers.image.created": _rfc3339(time.time())})
+        }], {CATALOG_ANNOTATION: name, "org.opencontainers.image.created": _rfc3339(time.time())})
 
     def get_catalog(self, name: str) -> dict[str, Any]:
         repo = self._repo(CATALOG_REPO, name)

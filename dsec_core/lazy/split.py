@@ -1,0 +1,128 @@
+"""The lazy (split) form of a layer: a small EROFS metadata image plus a chunked data blob.
+
+A layer is built and distributed as one monolithic, compressed EROFS image. For on-demand
+loading a source also publishes its split form: ``mkfs.erofs --blobdev`` rewrites the image's
+tree into a metadata image (inodes, directories, chunk tables; fetched whole and verified) and
+a data blob (file contents in ``chunk_size`` chunks; read lazily, each chunk verified against
+the ``ChunkIndex``). ``LazyForm`` is the record that ties the three together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LayerBuildError, LayerCorrupt, MountError, ToolError
+from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex
+
+__all__ = ["LazyForm", "split_image", "LAZY_FORM_VERSION"]
+
+LAZY_FORM_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LazyForm:
+    """Where the split form of layer ``layer_digest`` lives: its metadata image (digest, size)
+    and its data blob (``index.blob_digest``/``blob_size``, one digest per chunk)."""
+
+    layer_digest: str
+    meta_digest: str
+    meta_size: int
+    index: ChunkIndex
+
+    @property
+    def blob_digest(self) -> str:
+        return self.index.blob_digest
+
+    @property
+    def blob_size(self) -> int:
+        return self.index.blob_size
+
+    def to_dict(self) -> dict:
+        return {"version": LAZY_FORM_VERSION, "layer_digest": self.layer_digest,
+                "meta_digest": self.meta_digest, "meta_size": self.meta_size,
+                "index": json.loads(self.index.to_json())}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "LazyForm":
+        """Parse ``to_json``'s output; anything malformed is ``LayerCorrupt``."""
+        try:
+            d = json.loads(text)
+            if d.get("version") != LAZY_FORM_VERSION:
+                raise ValueError(f"unknown lazy form version {d.get('version')!r}")
+            return cls(str(d["layer_digest"]), str(d["meta_digest"]), int(d["meta_size"]),
+                       ChunkIndex.from_json(json.dumps(d["index"])))
+        except LayerCorrupt:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LayerCorrupt(f"not a lazy layer form: {e}") from e
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            h.update(piece)
+    return "sha256:" + h.hexdigest()
+
+
+def split_image(image: Path, out_dir: Path,
+                chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[LazyForm, Path, Path]:
+    """Split monolithic EROFS ``image`` into ``out_dir/meta.erofs`` and ``out_dir/data.blob``.
+
+    The image is mounted read-only (file-backed) and ``mkfs.erofs --blobdev --chunksize``
+    rewrites its tree: owners, modes, mtimes and xattrs as in the image, file data
+    uncompressed (erofs-utils 1.5 cannot compress chunked files), identical chunks stored once.
+    Returns (form, meta path, blob path). Failures raise ``ToolError`` (mkfs.erofs) or
+    ``LayerBuildError`` (mounting); nothing is left mounted or half-written.
+    """
+    # Imported here: node.mounts pulls in the backend, which imports the layers package.
+    from ..layers.build import LAYER_UUID, _zero_build_time, run_tool
+    from ..node.mounts import mount_erofs_file, unmount
+
+    image, out_dir = Path(image), Path(out_dir)
+    if chunk_size < 4096 or chunk_size & (chunk_size - 1):
+        raise LayerBuildError(f"chunk size {chunk_size} is not a power of two >= 4096",
+                              chunk_size=chunk_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Everything is made in a private directory and renamed into place at the end, so a
+    # failure leaves out_dir as it was.
+    work = Path(tempfile.mkdtemp(prefix=".split-", dir=out_dir))
+    mnt, meta, blob = work / "mnt", work / "meta.erofs", work / "data.blob"
+    try:
+        mnt.mkdir()
+        try:
+            mount_erofs_file(image, mnt, None)
+        except MountError as e:
+            raise LayerBuildError(f"cannot mount {image} to split it: {e}",
+                                  path=str(image)) from e
+        try:
+            # Same UUID and per-file mtimes as build.make_image, so one image always splits
+            # into the same bytes (and every node that splits it agrees on the digests).
+            run_tool(["mkfs.erofs", f"-U{LAYER_UUID}", "--quiet", "-Eforce-inode-extended",
+                      f"--blobdev={blob}", f"--chunksize={chunk_size}", str(meta), str(mnt)],
+                     "mkfs.erofs (split)")
+        finally:
+            unmount(mnt)
+        _zero_build_time(meta)
+        index = ChunkIndex.build(blob, chunk_size)
+        form = LazyForm(layer_digest=_sha256_file(image), meta_digest=_sha256_file(meta),
+                        meta_size=meta.stat().st_size, index=index)
+        os.replace(meta, out_dir / meta.name)
+        os.replace(blob, out_dir / blob.name)
+    finally:
+        for leftover in (meta, blob):
+            leftover.unlink(missing_ok=True)
+        for d in (mnt, work):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+    return form, out_dir / "meta.erofs", out_dir / "data.blob"
