@@ -257,3 +257,16 @@ def catalog_remote_ls(url: str) -> None:
         click.echo(f"catalog  {name}")
     for info in src.list():
         click.echo(f"layer    {_layer_line(info)}")
+
+
+@layer.command("prefetch")
+@click.argument("refs", nargs=-1, required=True)
+def layer_prefetch(refs: tuple[str, ...]) -> None:
+    """Warm layers on the local node: every chunk of on-demand layers, whole remote images."""
+    from .client import Client
+
+    with Client() as client:
+        for row in client.prefetch(list(refs)):
+            extra = f" ({row['fetched']} of {row['chunks']} chunks fetched)" \
+                if row["mode"] == "on-demand" else ""
+            click.echo(f"{row['layer']}: {row['mode']} from {row['source']}{extra}")

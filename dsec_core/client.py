@@ -149,6 +149,11 @@ class _Calls:
                      parse=lambda r: FileEntry.from_dict(r.json()))
 
     @staticmethod
+    def prefetch(refs: Sequence[str]) -> _Call:
+        return _Call("POST", "/v1/layers/prefetch", json={"refs": list(refs)}, timeout=None,
+                     parse=lambda r: r.json()["layers"])
+
+    @staticmethod
     def layers() -> _Call:
         return _Call("GET", "/v1/layers",
                      parse=lambda r: [LayerInfo.from_dict(d) for d in r.json()["layers"]])
@@ -248,6 +253,10 @@ class Client:
 
     def layers(self) -> list[LayerInfo]:
         return self._call(_Calls.layers())
+
+    def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+        """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
+        return self._call(_Calls.prefetch(refs))
 
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = 300.0,
@@ -359,6 +368,9 @@ class AsyncClient:
 
     async def layers(self) -> list[LayerInfo]:
         return await self._call(_Calls.layers())
+
+    async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+        return await self._call(_Calls.prefetch(refs))
 
     async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *,
                    timeout: float | None = 300.0, cwd: str | None = None,

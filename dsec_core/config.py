@@ -45,6 +45,10 @@ class NodeConfig:
     layer_linger: float = 10.0
     # Where layers come from, in order (URLs; see dsec_core.layers.source).
     layer_sources: tuple[str, ...] = ("local",)
+    # Layers from sources that publish a lazy form are loaded on demand (chunks on first read)
+    ondemand: bool = True
+    chunk_cache_bytes: int = 10 << 30  # the node's shared chunk cache, LRU beyond this
+    fetch_timeout: float = 10.0  # a chunk fetch slower than this fails the read with EIO
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
@@ -57,6 +61,14 @@ class NodeConfig:
             kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
         if "DSEC_LAYER_LINGER" in os.environ:
             kw["layer_linger"] = float(os.environ["DSEC_LAYER_LINGER"])
+        if "DSEC_ONDEMAND" in os.environ:
+            kw["ondemand"] = os.environ["DSEC_ONDEMAND"] not in ("0", "false", "no", "")
+        if "DSEC_CHUNK_CACHE" in os.environ:
+            from .records import parse_size
+            kw["chunk_cache_bytes"] = parse_size(os.environ["DSEC_CHUNK_CACHE"],
+                                                 "DSEC_CHUNK_CACHE")
+        if "DSEC_FETCH_TIMEOUT" in os.environ:
+            kw["fetch_timeout"] = float(os.environ["DSEC_FETCH_TIMEOUT"])
         if os.environ.get("DSEC_LAYER_SOURCES"):
             kw["layer_sources"] = tuple(u.strip() for u in
                                         os.environ["DSEC_LAYER_SOURCES"].split(",") if u.strip())

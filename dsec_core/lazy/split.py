@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import LayerBuildError, LayerCorrupt, MountError, ToolError
+from ..errors import LayerBuildError, LayerCorrupt, MountError
 from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex
 
 __all__ = ["LazyForm", "split_image", "LAZY_FORM_VERSION"]

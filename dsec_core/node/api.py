@@ -157,6 +157,13 @@ def make_app(node: Node, lifespan=None) -> Starlette:
     async def stat(request: Request) -> Response:
         return _json((await node.stat(request.path_params["sid"], _path_param(request))).to_dict())
 
+    async def prefetch(request: Request) -> Response:
+        data = await _body(request)
+        refs = data.get("refs")
+        if not isinstance(refs, list) or not refs:
+            raise InvalidSpec("prefetch needs refs: a list of name@version")
+        return _json({"layers": await node.prefetch(refs)})
+
     async def layers(request: Request) -> Response:
         return _json({"layers": [i.to_dict() for s in node.layer_sources for i in s.list()]})
 
@@ -190,6 +197,7 @@ def make_app(node: Node, lifespan=None) -> Starlette:
         Route(sb + "/ls", list_dir),
         Route(sb + "/stat", stat),
         Route("/v1/layers", layers),
+        Route("/v1/layers/prefetch", prefetch, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={DsecError: on_dsec_error, Exception: on_other_error})

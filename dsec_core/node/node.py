@@ -29,6 +29,7 @@ from ..errors import AdmissionRejected, DsecError, SandboxNotRunning, UnknownSan
 from ..layers.source import LayerSource
 from ..layers.sources import find_layer, node_sources
 from ..records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec
+from .lazy import LazyLayers
 from .mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
                      mounted_under, unmount)
 
@@ -85,6 +86,7 @@ class Node:
         self._watch: asyncio.Task | None = None
         self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
+        self.lazy: LazyLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
         self.agent_binary: Path | None = None
 
@@ -97,6 +99,7 @@ class Node:
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.userns = UserNamespaceHandle(self.idmap)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
+        self.lazy = LazyLayers(cfg)
         self.layer_sources = node_sources(cfg)
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
@@ -116,6 +119,8 @@ class Node:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.mounts:
             self.mounts.close()
+        if self.lazy and not self.sandboxes:
+            self.lazy.close()  # after the layer mounts that read through it
         if self.userns:
             self.userns.close()
         if release_runtime:
@@ -192,9 +197,8 @@ class Node:
             self._write_state(sb)  # first, so a crash from here on leaves a trace to clean
             mounts = []
             for source, info in sources:
-                image = source.image_path(info) if source.scheme == "local" else \
-                    await asyncio.to_thread(source.image_path, info)
-                mounts.append(self.mounts.acquire(info.digest, image))
+                image, device = await self._layer_files(source, info)
+                mounts.append(self.mounts.acquire(info.digest, image, device))
                 taken.append(info.digest)
             sb.rt = rt = replace(rt, layer_mounts=tuple(mounts))
             t_layers = time.perf_counter()
@@ -215,6 +219,37 @@ class Node:
         if sb.expires:
             self._arm_ttl(sb)
         return sb.info()
+
+    async def _layer_files(self, source: LayerSource,
+                           info: LayerInfo) -> tuple[Path, Path | None]:
+        """What to mount for a layer: (image, None) for a whole image, or (metadata image,
+        data blob) to load it on demand."""
+        if source.scheme == "local":
+            return source.image_path(info), None
+        if self.config.ondemand:
+            prepared = await asyncio.to_thread(self.lazy.prepare, source, info)
+            if prepared is not None:
+                return prepared
+        return await asyncio.to_thread(source.image_path, info), None
+
+    async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+        """Warm layers on this node: every chunk of on-demand layers, whole remote images."""
+        out = []
+        for source, info in self.resolve_layers(refs):
+            if source.scheme == "local":
+                out.append({"layer": info.ref, "source": source.url, "fetched": 0,
+                            "mode": "local"})
+                continue
+            image, device = await self._layer_files(source, info)
+            if device is None:
+                out.append({"layer": info.ref, "source": source.url, "mode": "whole",
+                            "fetched": info.size})
+                continue
+            form = source.lazy_form(info)
+            n = await asyncio.to_thread(self.lazy.prefetch, form.index.blob_digest)
+            out.append({"layer": info.ref, "source": source.url, "mode": "on-demand",
+                        "fetched": n, "chunks": len(form.index.chunks)})
+        return out
 
     async def _undo_create(self, overlay: OverlayStack, taken: list[str],
                            rt: SandboxRuntime) -> None:

@@ -1,0 +1,114 @@
+"""On-demand layers end to end: a node mounts a layer from a shared source by its metadata and
+fetches data chunks only when a sandbox reads them."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec_core.config import NodeConfig
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.distribution import push_layer
+from dsec_core.layers.sources import open_source
+from dsec_core.layers.store import LayerStore
+from dsec_core.node.node import Node
+from dsec_core.records import SandboxSpec
+from dsec_core.testing import leftovers, make_busybox_rootfs
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """A shared source holding a base layer and a 12 MiB workspace, and a node that has
+    neither locally."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    staging = LayerStore(tmp_path / "staging")
+    build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="od-base", version="1",
+                kind="base", store=staging)
+    ws = tmp_path / "ws" / "workspace"
+    ws.mkdir(parents=True)
+    rng = random.Random(3)
+    for i in range(6):
+        (ws / f"big{i}.bin").write_bytes(rng.randbytes(2 << 20))
+    (ws / "small.txt").write_text("tiny file\n")
+    build_layer(tmp_path / "ws", name="od-ws", version="1", kind="workspace", store=staging)
+    dest = open_source(f"posix:{shared}")
+    for ref in ("od-base@1", "od-ws@1"):
+        push_layer(ref, dest, staging)
+    home = Path(tempfile.mkdtemp(prefix="dsec-ondemand-"))
+    config = NodeConfig(home=home, layer_sources=("local", f"posix:{shared}"),
+                        fetch_timeout=2.0)
+    yield config, shared
+    left = leftovers(home)
+    shutil.rmtree(home, ignore_errors=True)
+    assert not any(left.values()), left
+
+
+async def test_reads_fetch_only_what_they_touch(setup):
+    config, shared = setup
+    node = Node(config)
+    await node.open()
+    try:
+        sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
+        r = await node.exec(sb.id, "cat /workspace/small.txt")
+        assert r.stdout == b"tiny file\n"
+        cache = node.lazy.cache
+        ws_blob = [b for b in node.lazy.blobs.values() if b.index.blob_size > 10 << 20][0]
+        fetched_after_small = cache.fetches
+        assert fetched_after_small * ws_blob.index.chunk_size < ws_blob.index.blob_size / 4
+        r = await node.exec(sb.id, "md5sum /workspace/big3.bin")
+        assert r.exit_code == 0
+        assert cache.fetches > fetched_after_small
+
+        # a second sandbox reading the same file fetches nothing new
+        before = cache.fetches
+        other = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
+        r2 = await node.exec(other.id, "md5sum /workspace/big3.bin")
+        assert r2.stdout.split()[0] == r.stdout.split()[0]
+        assert cache.fetches == before
+
+        # the source goes away: an unread file fails with EIO in bounded time, never zeros
+        shutil.move(shared, shared.with_name("shared-away"))
+        started = time.monotonic()
+        r = await node.exec(sb.id, "cat /workspace/big5.bin > /dev/null", timeout=60)
+        assert r.exit_code != 0 and b"Input/output error" in r.stderr
+        assert time.monotonic() - started < 30
+        shutil.move(shared.with_name("shared-away"), shared)
+        r = await node.exec(sb.id, "md5sum /workspace/big5.bin")  # back: reads recover
+        assert r.exit_code == 0
+
+        # prefetch warms the rest
+        rows = await node.prefetch(["od-ws@1"])
+        assert rows[0]["mode"] == "on-demand"
+        before = cache.fetches
+        await node.exec(sb.id, "cat /workspace/*.bin > /dev/null")
+        assert cache.fetches == before
+        await node.kill(sb.id)
+        await node.kill(other.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_eager_mode_fetches_whole_images(setup):
+    config, shared = setup
+    from dataclasses import replace
+
+    node = Node(replace(config, ondemand=False))
+    await node.open()
+    try:
+        sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
+        assert (await node.exec(sb.id, "cat /workspace/small.txt")).stdout == b"tiny file\n"
+        assert node.lazy.server is None  # nothing went through the on-demand path
+        cached = [p for p in config.cache_dir.glob("*.erofs")]
+        assert len(cached) == 2
+        await node.kill(sb.id)
+    finally:
+        await node.close(kill_all=True)
