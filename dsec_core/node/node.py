@@ -83,6 +83,7 @@ class Node:
         self.sandboxes: dict[str, Sandbox] = {}
         self._backends: dict[str, Backend] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._watch: asyncio.Task | None = None
         self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
@@ -227,10 +228,20 @@ class Node:
         if source.scheme == "local":
             return source.image_path(info), None
         if self.config.ondemand:
-            prepared = await asyncio.to_thread(self.lazy.prepare, source, info)
+            prepared = await self._once(("lazy", info.digest), self.lazy.prepare, source, info)
             if prepared is not None:
                 return prepared
-        return await asyncio.to_thread(source.image_path, info), None
+        return await self._once(("image", info.digest), source.image_path, info), None
+
+    async def _once(self, key: tuple[str, str], fn, *args):
+        """Run blocking ``fn(*args)`` in a thread, once for all concurrent callers with the same
+        ``key``: a burst of sandboxes of one image fetches it once."""
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+        return await asyncio.shield(fut)
 
     async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
         """Warm layers on this node: every chunk of on-demand layers, whole remote images."""
