@@ -112,3 +112,44 @@ async def test_eager_mode_fetches_whole_images(setup):
         await node.kill(sb.id)
     finally:
         await node.close(kill_all=True)
+
+
+def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
+    import signal
+
+    from dsec_core.client import Client
+    from dsec_core.node.daemon import daemon_pid, ensure_daemon, stop_daemon
+
+    config, shared = setup
+    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
+    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
+    ensure_daemon(config)
+    try:
+        with Client(os.fspath(config.socket_path)) as client:
+            sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
+            first = sb.exec("md5sum /workspace/big0.bin").check().stdout
+            chunks_before = {p.name for p in (config.cache_dir / "chunks").rglob("*")
+                             if p.is_file()}
+            old = daemon_pid(config)
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{old}") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # the keeper holds the connection: the layer mount is still there
+            assert os.path.ismount(config.run_dir / "lazy")
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            again = client.get(sb.id)
+            assert again.exec("md5sum /workspace/big0.bin").check().stdout == first
+            again.exec("md5sum /workspace/big1.bin").check()  # chunks nobody had fetched
+            chunks_after = {p.name for p in (config.cache_dir / "chunks").rglob("*")
+                            if p.is_file()}
+            assert chunks_before <= chunks_after  # the cache survived as it was
+            again.kill()
+    finally:
+        if daemon_pid(config) is None:
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            for info in client.list():
+                client.kill(info.id)
+        stop_daemon(config)

@@ -8,23 +8,32 @@ a read of file data in any sandbox becomes, on a cache miss, one fetch of a whol
 (``$DSEC_HOME/cache/chunks``) is content-addressed, so a chunk shared by several layers is
 fetched and stored once, and bounded (LRU).
 
-Limitation for now: the FUSE connection lives in the daemon process, so sandboxes using
-on-demand layers read EIO (never wrong data) after the daemon dies, until a successor adopts
-the connection; the fd hand-over exists (``dsec_core.lazy.fuse``) but no keeper process holds
-it across restarts yet.
+The FUSE connection outlives the daemon: a keeper process (``dsec_core.lazy.keeper``) holds a
+copy of its fd, and each blob's source and layer are recorded under ``run/lazy-blobs``. A
+restarted daemon takes the fd from the keeper, registers the recorded blobs again and starts
+serving; the kernel re-sends the requests the dead daemon had taken, so a reader in a sandbox
+waits through the restart instead of failing, and the chunk cache on disk is reused as is.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 from ..config import NodeConfig
+from ..errors import DsecError, NodeUnavailable
 from ..lazy.chunks import ChunkCache
 from ..lazy.fuse import FuseServer
+from ..lazy.keeper import ask_keeper
 from ..lazy.loader import LazyBlob, prefetch
+from ..lazy.split import LazyForm
 from ..layers.source import LayerSource
+from ..layers.sources import open_source
 from ..records import LayerInfo
 
 __all__ = ["LazyLayers"]
@@ -38,19 +47,80 @@ class LazyLayers:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.mountpoint = config.run_dir / "lazy"
+        self.state_dir = config.run_dir / "lazy-blobs"
+        self.keeper_socket = config.run_dir / "lazy-keeper.sock"
         self.cache: ChunkCache | None = None
         self.server: FuseServer | None = None
         self.blobs: dict[str, LazyBlob] = {}  # by blob digest
+        self._keeper: subprocess.Popen | None = None
         self._lock = threading.Lock()
+
+    # --- the FUSE connection ----------------------------------------------------------------
+    def ensure_open(self) -> None:
+        with self._lock:
+            self._open()
 
     def _open(self) -> None:
         if self.server is not None:
             return
         self.cache = ChunkCache(self.config.cache_dir / "chunks", self.config.chunk_cache_bytes)
         self.mountpoint.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(exist_ok=True)
+        if self._adopt():
+            return
         server = FuseServer()
-        server.mount(self.mountpoint)
+        fd = server.mount(self.mountpoint)
         self.server = server
+        self._start_keeper(fd)
+
+    def _adopt(self) -> bool:
+        """Take over the connection a previous daemon left with the keeper, if any."""
+        if not self.keeper_socket.exists():
+            return False
+        try:
+            _, fds = ask_keeper(os.fspath(self.keeper_socket), b"GIVE")
+        except OSError:
+            self.keeper_socket.unlink(missing_ok=True)  # its keeper is gone with it
+            return False
+        if not fds:
+            return False
+        server = FuseServer.from_fd(fds[0], self.mountpoint)
+        for path in sorted(self.state_dir.glob("*.json")):
+            doc = json.loads(path.read_text())
+            try:
+                source = open_source(doc["source"], self.config)
+                self._register(server, source, LayerInfo.from_dict(doc["layer"]),
+                               LazyForm.from_json(doc["form"]))
+            except DsecError as e:  # the blob stays unregistered; its reads fail with ENOENT
+                log.error("cannot serve on-demand blob %s again: %s", path.stem, e)
+        server.start()  # re-sends what the dead daemon had taken
+        self.server = server
+        log.info("adopted the on-demand filesystem with %d blobs", len(self.blobs))
+        return True
+
+    def _start_keeper(self, fd: int) -> None:
+        self._keeper = subprocess.Popen(
+            [sys.executable, "-m", "dsec_core.lazy.keeper", "--fd", str(fd), "--socket",
+             os.fspath(self.keeper_socket), "--mountpoint", os.fspath(self.mountpoint)],
+            pass_fds=(fd,), start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if self._keeper.stdout.readline().strip() != b"ready":
+            self._keeper.kill()
+            self._keeper.wait()
+            raise NodeUnavailable("the on-demand loader's fd keeper did not start")
+        self._keeper.stdout.close()
+
+    # --- blobs ------------------------------------------------------------------------------
+    def _register(self, server: FuseServer, source: LayerSource, info: LayerInfo,
+                  form: LazyForm) -> None:
+        index = form.index
+        if index.blob_digest in self.blobs:
+            return
+        blob = LazyBlob(index, self.cache,
+                        lambda off, n: source.read_blob(index.blob_digest, off, n),
+                        self.config.fetch_timeout)
+        server.add_blob(index.blob_digest.split(":", 1)[-1], index.blob_size, blob.read)
+        self.blobs[index.blob_digest] = blob
 
     def prepare(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path] | None:
         """(metadata image, data blob path) for an on-demand mount of ``info``, or None if the
@@ -59,28 +129,38 @@ class LazyLayers:
         if form is None:
             return None
         meta = source.fetch_meta(form)
-        index = form.index
-        name = index.blob_digest.split(":", 1)[-1]
+        name = form.index.blob_digest.split(":", 1)[-1]
         with self._lock:
             self._open()
-            if index.blob_digest not in self.blobs:
-                blob = LazyBlob(index, self.cache,
-                                lambda off, n: source.read_blob(index.blob_digest, off, n),
-                                self.config.fetch_timeout)
-                self.server.add_blob(name, index.blob_size, blob.read)
-                self.blobs[index.blob_digest] = blob
+            if form.index.blob_digest not in self.blobs:
+                record = self.state_dir / f"{name}.json"
+                tmp = record.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"source": source.url, "layer": info.to_dict(),
+                                           "form": form.to_json()}))
+                os.replace(tmp, record)
+                self._register(self.server, source, info, form)
                 log.info("layer %s on demand: %d chunks of %d KiB from %s", info.ref,
-                         len(index.chunks), index.chunk_size >> 10, source.url)
+                         len(form.index.chunks), form.index.chunk_size >> 10, source.url)
         return meta, self.server.path_of(name)
 
     def prefetch(self, blob_digest: str) -> int:
         """Warm every chunk of a registered blob; returns how many were fetched."""
-        blob = self.blobs[blob_digest]
-        return prefetch(blob)
+        return prefetch(self.blobs[blob_digest])
 
     def close(self) -> None:
+        """Unmount the on-demand filesystem and let its keeper go (no sandbox uses it)."""
         with self._lock:
             if self.server is not None:
                 self.server.close()
                 self.server = None
+            if self.keeper_socket.exists():
+                try:
+                    ask_keeper(os.fspath(self.keeper_socket), b"EXIT")
+                except OSError:
+                    pass
+            if self._keeper is not None:
+                self._keeper.wait(timeout=10)
+                self._keeper = None
+            for path in self.state_dir.glob("*.json") if self.state_dir.exists() else []:
+                path.unlink()
             self.blobs.clear()

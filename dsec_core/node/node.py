@@ -101,6 +101,8 @@ class Node:
         self.userns = UserNamespaceHandle(self.idmap)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
         self.lazy = LazyLayers(cfg)
+        if self.lazy.keeper_socket.exists():  # a previous daemon served on-demand layers
+            await asyncio.to_thread(self.lazy.ensure_open)
         self.layer_sources = node_sources(cfg)
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
