@@ -237,3 +237,15 @@ class TestPosixConformance(LayerSourceConformance):
 
     def unreachable(self, tmp_path):
         return PosixLayerSource(str(tmp_path / "unmounted"), cache_dir=tmp_path / "cache")
+
+
+def test_chunk_size_of_published_lazy_forms(node, shared, tmp_path, monkeypatch):
+    a = LayerStore(tmp_path / "a")
+    info = _layer(a, tmp_path, "ws", "x" * 300_000)
+    dest = open_source(f"posix:{shared}", node)
+    monkeypatch.setenv("DSEC_CHUNK_SIZE", "256K")
+    push_layer("ws@1", dest, a)
+    assert dest.lazy_form(info).index.chunk_size == 256 << 10
+    monkeypatch.setenv("DSEC_CHUNK_SIZE", "100K")  # not a power of two
+    with pytest.raises(InvalidSpec):
+        push_layer("ws@1", open_source(f"posix:{tmp_path}", node), a)

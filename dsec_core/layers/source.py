@@ -157,6 +157,22 @@ def fetch_verified(read_range: Callable[[int, int], bytes], *, digest: str, size
     return dest
 
 
+def publish_chunk_size() -> int:
+    """Chunk size of published lazy forms: ``DSEC_CHUNK_SIZE`` (a power of two, 64K to 64M),
+    1 MiB by default. Nodes fetch data in chunks of this size."""
+    from ..lazy.chunks import DEFAULT_CHUNK_SIZE
+    from ..records import parse_size
+
+    text = os.environ.get("DSEC_CHUNK_SIZE")
+    if not text:
+        return DEFAULT_CHUNK_SIZE
+    size = parse_size(text, "DSEC_CHUNK_SIZE")
+    if size < (64 << 10) or size > (64 << 20) or size & (size - 1):
+        raise InvalidSpec(f"DSEC_CHUNK_SIZE must be a power of two from 64K to 64M, got {text}",
+                          field="DSEC_CHUNK_SIZE")
+    return size
+
+
 @contextlib.contextmanager
 def split_for_publishing(info: LayerInfo, image: Path,
                          source: str) -> Iterator["tuple[LazyForm, Path, Path] | None"]:
@@ -171,7 +187,7 @@ def split_for_publishing(info: LayerInfo, image: Path,
     work = Path(tempfile.mkdtemp(prefix="dsec-split-"))
     try:
         try:
-            split = split_image(Path(image), work)
+            split = split_image(Path(image), work, publish_chunk_size())
         except (LayerBuildError, ToolError) as e:
             log.warning("%s: publishing %s without its lazy form: %s", source, info.ref, e)
             split = None

@@ -128,6 +128,21 @@ class LayerSourceConformance:
         local.push(layer, store.image_path(layer))
         assert find_layer([local, source], "kit-ws@1")[0] is local
 
+    def test_lazy_form_is_published_and_readable_by_chunk(self, source, store, layer):
+        source.push(layer, store.image_path(layer))
+        info = source.resolve(LayerRef("kit-ws", "1"))
+        form = source.lazy_form(info)
+        if form is None:
+            pytest.skip(f"{type(source).__name__} publishes whole images only")
+        assert form.layer_digest == layer.digest
+        meta = Path(source.fetch_meta(form)).read_bytes()
+        assert "sha256:" + hashlib.sha256(meta).hexdigest() == form.meta_digest
+        index = form.index
+        for i in (0, len(index.chunks) - 1):  # first and last (short) chunk
+            offset, length = index.chunk_range(i)
+            data = source.read_blob(index.blob_digest, offset, length)
+            assert "sha256:" + hashlib.sha256(data).hexdigest() == index.chunks[i]
+
     def test_a_source_that_is_gone_fails_fast_and_typed(self, tmp_path):
         gone = self.unreachable(tmp_path)
         for call in (gone.list, lambda: gone.resolve(LayerRef("kit-ws", "1")), gone.catalogs):
