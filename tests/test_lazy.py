@@ -22,7 +22,8 @@ import pytest
 from dsec_core.errors import LayerCorrupt, SourceUnavailable
 from dsec_core.lazy import (ChunkCache, ChunkIndex, FuseServer, LazyBlob, mount_lazy_erofs,
                             prefetch, recv_fuse_fd, send_fuse_fd)
-from dsec_core.node.mounts import mounted_under, unmount
+from dsec_core.node.mounts import unmount
+from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
@@ -143,17 +144,11 @@ class Lazy:
 @pytest.fixture
 def lazy(tmp_path):
     rec = Lazy(tmp_path)
-    threads_before = set(threading.enumerate())
-    try:
-        yield rec
-    finally:
-        rec.teardown()
-    assert mounted_under(tmp_path) == []
-    with open("/proc/mounts") as f:
-        assert str(tmp_path) not in f.read()
-    leftover = [t for t in set(threading.enumerate()) - threads_before
-                if t.is_alive() and t.name.startswith(("fuse-", "prefetch"))]
-    assert leftover == []
+    with leaves_no_mounts_or_threads(tmp_path, "fuse-", "prefetch"):
+        try:
+            yield rec
+        finally:
+            rec.teardown()
 
 
 @pytest.fixture

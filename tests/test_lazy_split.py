@@ -22,6 +22,7 @@ from dsec_core.lazy import ChunkCache, FuseServer, LazyBlob, mount_lazy_erofs
 from dsec_core.lazy.split import LazyForm, split_image
 from dsec_core.node.mounts import mount_erofs_file, mounted_under, unmount
 from dsec_core.records import LayerInfo
+from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="mounting EROFS images needs root"),
@@ -76,17 +77,11 @@ class Mounts:
 @pytest.fixture
 def mounts(tmp_path):
     rec = Mounts(tmp_path)
-    threads_before = set(threading.enumerate())
-    try:
-        yield rec
-    finally:
-        rec.teardown()
-    assert mounted_under(tmp_path) == []
-    with open("/proc/mounts") as f:
-        assert str(tmp_path) not in f.read()
-    leftover = [t for t in set(threading.enumerate()) - threads_before
-                if t.is_alive() and t.name.startswith("fuse-")]
-    assert leftover == []
+    with leaves_no_mounts_or_threads(tmp_path, "fuse-"):
+        try:
+            yield rec
+        finally:
+            rec.teardown()
 
 
 def _make_tree(root: Path) -> Path:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +25,8 @@ from ..config import NodeConfig
 from ..errors import DsecError
 from ..records import LayerInfo, SandboxSpec
 
-__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node"]
+__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node",
+           "leaves_no_mounts_or_threads"]
 
 BUSYBOX = "/bin/busybox"
 
@@ -79,6 +81,22 @@ def leftovers(home: Path) -> dict[str, list[str]]:
             shown = cmd.replace(b"\0", b" ").decode(errors="replace")
             procs.append(f"{pid}: {shown}")
     return {"mounts": mounts, "sandbox_dirs": dirs, "cgroups": cgroups, "processes": procs}
+
+
+@contextlib.contextmanager
+def leaves_no_mounts_or_threads(tmp_path: Path, *thread_prefixes: str) -> Iterator[None]:
+    """Fail the test if, after the block, anything is mounted under ``tmp_path`` or a thread
+    whose name starts with one of ``thread_prefixes`` is still running."""
+    from ..node.mounts import mounted_under
+
+    before = set(threading.enumerate())
+    yield
+    assert mounted_under(tmp_path) == []
+    with open("/proc/mounts") as f:
+        assert str(tmp_path) not in f.read()
+    leftover = [t for t in set(threading.enumerate()) - before
+                if t.is_alive() and t.name.startswith(thread_prefixes)]
+    assert leftover == []
 
 
 @dataclass

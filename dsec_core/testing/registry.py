@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import ToolError
+from .procs import free_port, stop_process
 
 __all__ = ["LocalRegistry", "local_registry", "registry_binary", "free_port"]
 
@@ -35,13 +35,6 @@ def registry_binary() -> str | None:
     if found:
         return found
     return DEFAULT_BINARY if Path(DEFAULT_BINARY).is_file() else None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -157,11 +150,6 @@ def local_registry(*, auth: str | tuple[str, str] | None = None,
             time.sleep(0.05)
         yield reg
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from .procs import free_port, stop_process
+
 __all__ = ["S3Server", "running_s3_server", "free_port", "find_rclone", "s3_server",
            "DIR_CACHE_SECONDS"]
 
@@ -29,13 +31,6 @@ ACCESS_KEY = "dsec-test-access"
 SECRET_KEY = "dsec-test-secret-0123456789"
 REGION = "us-east-1"
 DIR_CACHE_SECONDS = 1  # after changing data_dir directly, wait this long for the server to see it
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing was listening on a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def find_rclone() -> str | None:
@@ -132,7 +127,7 @@ def running_s3_server(buckets: tuple[str, ...] = ("dsec",), *,
             log.close()
             if _wait_listening(port, proc, timeout):
                 break
-            _stop(proc)
+            stop_process(proc)
             proc = None
         if proc is None:
             raise RuntimeError("rclone serve s3 did not start:\n"
@@ -141,18 +136,8 @@ def running_s3_server(buckets: tuple[str, ...] = ("dsec",), *,
                        secret_key=SECRET_KEY, region=REGION, data_dir=data, pid=proc.pid)
     finally:
         if proc is not None:
-            _stop(proc)
+            stop_process(proc)
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
