@@ -69,7 +69,11 @@ setup_python() {
             if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
             else plugins+=(-e "$d"); fi
         done
-        "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" 2>&1 | grep -v '^WARNING: Location' || true
+        if ! "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
+            cat "$stamp_dir/pip.log" >&2
+            echo "run.sh: pip install failed" >&2
+            exit 1
+        fi
         local modules="dsec"
         for d in plugins/*/; do d="${d%/}"; modules+=",dsec_${d#plugins/}"; done
         "$venv/bin/python" -c "import $modules" \
