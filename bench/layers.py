@@ -141,7 +141,28 @@ async def _run_batch(node, catalog, rounds: int) -> tuple[float, float]:
     return ready, done
 
 
-def ablation_a(rounds: int) -> dict:
+class SourceLink:
+    """The node's share of the link to its layer store: ``mbps`` MB/s for all readers
+    together (a token bucket), or unlimited when ``mbps`` is 0."""
+
+    def __init__(self, mbps: float) -> None:
+        import threading
+
+        self.rate = mbps * 1e6
+        self.lock = threading.Lock()
+        self.free_at = time.monotonic()
+
+    def carry(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        with self.lock:
+            start = max(self.free_at, time.monotonic())
+            self.free_at = start + nbytes / self.rate
+            done = self.free_at
+        time.sleep(max(0.0, done - time.monotonic()))
+
+
+def ablation_a(rounds: int, mbps: float = 0.0) -> dict:
     from dataclasses import replace
 
     from dsec_core.catalog import (CatalogStore, default_catalog_file, parse_catalog)
@@ -180,6 +201,7 @@ def ablation_a(rounds: int) -> dict:
                 node = Node(config)
                 await node.open()
                 fetched = [0]
+                link = SourceLink(mbps)
                 for source in node.layer_sources:
                     if source.scheme == "oci":  # count every blob byte the registry sends
                         inner = source._request
@@ -188,6 +210,7 @@ def ablation_a(rounds: int) -> dict:
                             response = _inner(method, url, *a, **kw)
                             if method == "GET" and "/blobs/" in url:
                                 fetched[0] += len(response.content)
+                                link.carry(len(response.content))
                             return response
                         source._request = counting
                 try:
@@ -216,6 +239,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller workspace, fewer sandboxes")
     ap.add_argument("--sandboxes", type=int, default=None)
+    ap.add_argument("--source-mbps", type=float, default=None,
+                    help="also run (a) with the registry link limited to this many MB/s "
+                         "(default 100; 0 skips the limited run)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
@@ -246,7 +272,10 @@ def main() -> None:
         tar_runs = [run_tar(client, config, base, archive) for _ in range(n)]
         erofs_runs = [run_erofs(client, config, base, info.ref) for _ in range(n)]
 
-    a = ablation_a(rounds=1 if args.quick else 3)
+    rounds = 1 if args.quick else 3
+    a = ablation_a(rounds)
+    mbps = 100.0 if args.source_mbps is None else args.source_mbps
+    limited = ablation_a(rounds, mbps) if mbps else None
 
     tar_t = statistics.median(r[0] for r in tar_runs)
     erofs_t = statistics.median(r[0] for r in erofs_runs)
@@ -271,6 +300,10 @@ def main() -> None:
         "eager_vs_ondemand_time_ratio": a["eager_vs_ondemand_time_ratio"],
         "eager_vs_ondemand_write_ratio": a["eager_vs_ondemand_write_ratio"],
         "ablation_a": a,
+        "source_mbps_limited": mbps,
+        "eager_vs_ondemand_time_ratio_limited":
+            limited["eager_vs_ondemand_time_ratio"] if limited else None,
+        "ablation_a_limited": limited,
     }
     print(f"\n(a) {a['sandboxes']} sandboxes over {a['image_layers']} layers "
           f"({a['image_bytes'] / 1e6:.0f} MB of images, {a['lazy_form_bytes'] / 1e6:.0f} MB "
@@ -283,6 +316,13 @@ def main() -> None:
     print(f"on demand fetched {a['ondemand_fetch_fraction']:.1%} of the blobs; eager/on-demand "
           f"time {a['eager_vs_ondemand_time_ratio']}x, writes {a['eager_vs_ondemand_write_ratio']}x"
           " (targets: fraction <= 0.2; DSec: 1.71x faster, 57% fewer writes)")
+    if limited:
+        print(f"\n(a) again with the registry link limited to {mbps:.0f} MB/s for the node:")
+        for mode in ("eager", "ondemand"):
+            m = limited[mode]
+            print(f"{mode:10} {m['ready_s']:>8.2f}s {m['tasks_done_s']:>10.2f}s "
+                  f"{m['fetched_bytes'] / 1e6:>9.1f}MB {m['written_bytes'] / 1e6:>9.1f}MB")
+        print(f"eager/on-demand time {limited['eager_vs_ondemand_time_ratio']}x")
     print(f"\n(b) workspace: {files} files, {ws_bytes / 1e6:.1f} MB "
           f"({len(archive) / 1e6:.1f} MB tar.gz, {info.size / 1e6:.1f} MB EROFS); {n} sandboxes\n")
     print(f"{'(b) workspace delivery':30} {'ready p50':>12} {'written':>14}")
