@@ -95,6 +95,21 @@ class LayerSource(abc.ABC):
             raise InvalidSpec(f"layer source {self.url} needs a cache directory to fetch into")
         return self.cache_dir / f"{form.meta_digest.split(':', 1)[-1]}.meta.erofs"
 
+    def _fetch_meta_checked(self, form: "LazyForm", size: int | None,
+                            read_range: Callable[[int, int], bytes], where: str = "") -> Path:
+        """What every ``fetch_meta`` does once it knows the stored size and how to read it:
+        refuse a missing or wrongly sized metadata image, then fetch it verified."""
+        dest = self._meta_dest(form)
+        if size is None:
+            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} of layer "
+                               f"{form.layer_digest} is missing{where}", digest=form.meta_digest)
+        if size != form.meta_size:
+            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
+                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
+                               source=self.url)
+        return fetch_verified(read_range, digest=form.meta_digest, size=size, dest=dest,
+                              source=self.url)
+
     # --- publishing -----------------------------------------------------------------------
     def push(self, info: LayerInfo, image: Path) -> bool:
         """Publish a layer; False (and nothing done) if this source already has it."""
@@ -289,16 +304,8 @@ class BlobStoreSource(LayerSource):
         if dest.exists():  # only fetch_verified puts files here, after checking them
             return dest
         key = self.blob_key(form.meta_digest)
-        size = self._size(key)
-        if size is None:
-            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} of layer "
-                               f"{form.layer_digest} is missing", digest=form.meta_digest)
-        if size != form.meta_size:
-            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
-                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
-                               source=self.url)
-        return fetch_verified(lambda off, n: self._read(key, off, n), digest=form.meta_digest,
-                              size=size, dest=dest, source=self.url)
+        return self._fetch_meta_checked(form, self._size(key),
+                                        lambda off, n: self._read(key, off, n))
 
     def read_blob(self, digest: str, offset: int, length: int) -> bytes:
         if length <= 0:

@@ -483,16 +483,9 @@ class OciLayerSource(LayerSource):
         if dest.exists():  # only fetch_verified puts files here, after checking them
             return dest
         repo, _ = self._blob_repo(form.meta_digest)
-        size = self._blob_size(repo, form.meta_digest)
-        if size is None:
-            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} is missing from "
-                               f"{repo}", digest=form.meta_digest)
-        if size != form.meta_size:
-            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
-                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
-                               source=self.url)
-        return fetch_verified(lambda off, n: self._read_range(repo, form.meta_digest, off, n),
-                              digest=form.meta_digest, size=size, dest=dest, source=self.url)
+        return self._fetch_meta_checked(
+            form, self._blob_size(repo, form.meta_digest),
+            lambda off, n: self._read_range(repo, form.meta_digest, off, n), f" from {repo}")
 
     def read_blob(self, digest: str, offset: int, length: int) -> bytes:
         repo, size = self._blob_repo(digest)
