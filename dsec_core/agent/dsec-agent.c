@@ -764,6 +764,24 @@ static int place_fds(const int *src, int n)
     return 0;
 }
 
+/* The answer to exec and session_exec: result fields, then stdout ++ stderr as the body.
+ * session_closed < 0 leaves the field out (plain exec has no session). */
+static void send_run_result(int conn, int code, long long duration_us, int timed_out,
+                            const struct stream *so, const struct stream *se, int session_closed)
+{
+    struct buf h = {0};
+    resp_begin(&h);
+    resp_str(&h, "ok", "1");
+    resp_num(&h, "exit_code", code);
+    resp_num(&h, "duration_us", duration_us);
+    resp_num(&h, "truncated", so->truncated || se->truncated);
+    resp_num(&h, "timed_out", timed_out);
+    if (session_closed >= 0)
+        resp_num(&h, "session_closed", session_closed);
+    resp_num(&h, "stdout_len", (long long)so->b.len);
+    resp_send(conn, &h, so->b.p, so->b.len, se->b.p, se->b.len);
+}
+
 /* The options exec and session_exec share. Returns -1 (bad request) if a number is malformed
  * or a body comes without stdin=1; max_output is clamped to [0, MAX_OUTPUT]. */
 struct run_opts {
@@ -938,15 +956,7 @@ static void op_exec(int conn, struct req *r)
     int code = timed_out ? 128 + SIGKILL
                : WIFEXITED(status) ? WEXITSTATUS(status)
                : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
-    struct buf h = {0};
-    resp_begin(&h);
-    resp_str(&h, "ok", "1");
-    resp_num(&h, "exit_code", code);
-    resp_num(&h, "duration_us", t_end - t0);
-    resp_num(&h, "truncated", so.truncated || se.truncated);
-    resp_num(&h, "timed_out", timed_out);
-    resp_num(&h, "stdout_len", (long long)so.b.len);
-    resp_send(conn, &h, so.b.p, so.b.len, se.b.p, se.b.len);
+    send_run_result(conn, code, t_end - t0, timed_out, &so, &se, -1);
 }
 
 /* ---------------------------------------------------------------- files */
@@ -1427,16 +1437,7 @@ static void op_session_exec(int conn, struct req *r, struct session *s)
         unlink(ipath);
     if (gone)
         return;
-    struct buf h = {0};
-    resp_begin(&h);
-    resp_str(&h, "ok", "1");
-    resp_num(&h, "exit_code", code);
-    resp_num(&h, "duration_us", t_end - t0);
-    resp_num(&h, "truncated", so.truncated || se.truncated);
-    resp_num(&h, "timed_out", timed_out);
-    resp_num(&h, "session_closed", shell_dead || !got_marker);
-    resp_num(&h, "stdout_len", (long long)so.b.len);
-    resp_send(conn, &h, so.b.p, so.b.len, se.b.p, se.b.len);
+    send_run_result(conn, code, t_end - t0, timed_out, &so, &se, shell_dead || !got_marker);
 }
 
 /* ---------------------------------------------------------------- main-process side */
