@@ -182,6 +182,11 @@ def catalog_validate(file: str) -> None:
 
 # --- distribution: layer sources --------------------------------------------------------------
 
+def _transfer_line(verb: str, t) -> str:
+    """``pushed``/``pulled`` (or ``present`` when nothing moved), ref, size, short digest."""
+    return f"{verb if t.moved else 'present':7} {t.ref}  {_size(t.size)}  {t.digest[:19]}"
+
+
 def _source(url: str):
     from .layers.sources import open_source
 
@@ -199,7 +204,7 @@ def layer_push(refs: tuple[str, ...], url: str) -> None:
     dest = _source(url)
     for ref in refs:
         t = push_layer(ref, dest, store)
-        click.echo(f"{'pushed ' if t.moved else 'present'} {t.ref}  {_size(t.size)}  {t.digest[:19]}")
+        click.echo(_transfer_line("pushed", t))
 
 
 @layer.command("pull")
@@ -213,7 +218,7 @@ def layer_pull(refs: tuple[str, ...], url: str) -> None:
     src = _source(url)
     for ref in refs:
         t = pull_layer(ref, src, store)
-        click.echo(f"{'pulled ' if t.moved else 'present'} {t.ref}  {_size(t.size)}  {t.digest[:19]}")
+        click.echo(_transfer_line("pulled", t))
 
 
 @catalog.command("publish")
