@@ -184,7 +184,8 @@ def catalog_validate(file: str) -> None:
 
 def _transfer_line(verb: str, t) -> str:
     """``pushed``/``pulled`` (or ``present`` when nothing moved), ref, size, short digest."""
-    return f"{verb if t.moved else 'present':7} {t.ref}  {_size(t.size)}  {t.digest[:19]}"
+    order = "  (data in read-profile order)" if t.moved and t.profiled else ""
+    return f"{verb if t.moved else 'present':7} {t.ref}  {_size(t.size)}  {t.digest[:19]}{order}"
 
 
 def _source(url: str):
@@ -228,18 +229,40 @@ def catalog_publish(catalog_ref: str, url: str) -> None:
     """Publish a catalog (a built catalog's name, or a catalog file) and the layers it uses."""
     from .layers.distribution import publish_catalog
 
+    _, store, _ = _stores()
+    publish_catalog(_catalog_arg(catalog_ref), _source(url), store, report=click.echo)
+
+
+def _catalog_arg(catalog_ref: str):
+    """A catalog named on the command line: a catalog file, or a built catalog's name."""
     _, store, catalogs = _stores()
     path = Path(catalog_ref)
     if path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        cat = load_catalog(path, store=store)
-    else:
-        matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
-        if not matches:
-            from .errors import UnknownEnvironment
-            raise UnknownEnvironment(f"no built catalog {catalog_ref!r}", name=catalog_ref,
-                                     known=[c.name for c in catalogs.catalogs()])
-        cat = matches[0]
-    publish_catalog(cat, _source(url), store, report=click.echo)
+        return load_catalog(path, store=store)
+    matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
+    if not matches:
+        from .errors import UnknownEnvironment
+        raise UnknownEnvironment(f"no built catalog {catalog_ref!r}", name=catalog_ref,
+                                 known=[c.name for c in catalogs.catalogs()])
+    return matches[0]
+
+
+@catalog.command("profile")
+@click.argument("catalog_ref")
+@click.option("--task", "tasks", multiple=True, help="Run only this task (repeatable).")
+def catalog_profile(catalog_ref: str, tasks: tuple[str, ...]) -> None:
+    """Record what the catalog's tasks read of each layer, so publishing stores it first.
+
+    Runs each task once, one after another, on a private node that loads the layers on
+    demand, and saves a read profile with every layer read. `layer push` and `catalog
+    publish` then store those layers' data blobs in first-read order: a sandbox doing
+    similar work fetches a few consecutive chunks instead of one per scattered file.
+    """
+    from .layers.profile import profile_catalog
+
+    config, _, _ = _stores()
+    saved = profile_catalog(_catalog_arg(catalog_ref), config, tasks, report=click.echo)
+    click.echo(f"saved {len(saved)} read profile(s); publish to use them")
 
 
 @catalog.command("pull")

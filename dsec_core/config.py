@@ -49,6 +49,8 @@ class NodeConfig:
     ondemand: bool = True
     chunk_cache_bytes: int = 10 << 30  # the node's shared chunk cache, LRU beyond this
     fetch_timeout: float = 10.0  # a chunk fetch slower than this fails the read with EIO
+    # Record which pages of each on-demand blob are read, in order (``dsec catalog profile``)
+    trace_reads: bool = False
 
     @classmethod
     def from_env(cls) -> "NodeConfig":

@@ -32,12 +32,18 @@ class Transfer:
     digest: str
     size: int
     moved: bool  # False: the other side had it already
+    profiled: bool = False  # published with a read profile (data blob in read order)
 
 
 def push_layer(ref: str, dest: LayerSource, local: LayerStore) -> Transfer:
+    """Publish ``ref`` from ``local`` to ``dest``, with its read profile if it has one."""
     info = local.resolve(LayerRef.parse(ref))
-    moved = dest.push(info, local.image_path(info))
-    return Transfer(info.ref, info.digest, info.size, moved)
+    profile = local.load_profile(info)
+    if profile is None:  # keep sources that predate profiles working
+        moved = dest.push(info, local.image_path(info))
+    else:
+        moved = dest.push(info, local.image_path(info), profile=profile)
+    return Transfer(info.ref, info.digest, info.size, moved, profile is not None)
 
 
 def pull_layer(ref: str, src: LayerSource, local: LayerStore) -> Transfer:
@@ -93,7 +99,8 @@ def publish_catalog(catalog: Catalog, dest: LayerSource, local: LayerStore,
             t = Transfer(info.ref, info.digest, info.size, False)
         done.append(t)
         if report:
-            report(f"{'pushed' if t.moved else 'present'} {t.ref} {t.digest[:19]}")
+            order = " (data in read-profile order)" if t.moved and t.profiled else ""
+            report(f"{'pushed' if t.moved else 'present'} {t.ref} {t.digest[:19]}{order}")
     dest.put_catalog(catalog.name, catalog.to_document())
     if report:
         report(f"published catalog {catalog.name} to {dest.url}")

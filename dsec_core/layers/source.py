@@ -30,6 +30,7 @@ from ..errors import (DsecError, InvalidSpec, LayerBuildError, LayerCorrupt, Sou
 from ..records import LayerInfo, LayerRef
 
 if TYPE_CHECKING:
+    from ..lazy.layout import ReadProfile
     from ..lazy.split import LazyForm
 
 __all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "split_for_publishing",
@@ -111,8 +112,14 @@ class LayerSource(abc.ABC):
                               source=self.url)
 
     # --- publishing -----------------------------------------------------------------------
-    def push(self, info: LayerInfo, image: Path) -> bool:
-        """Publish a layer; False (and nothing done) if this source already has it."""
+    def push(self, info: LayerInfo, image: Path, *,
+             profile: "ReadProfile | None" = None) -> bool:
+        """Publish a layer; False (and nothing done) if this source already has it.
+
+        A source that publishes lazy forms passes ``profile`` (what a workload read of this
+        layer, ``lazy.layout``) to ``split_for_publishing`` so the data blob is stored in the
+        order it is read. Sources without lazy forms ignore it.
+        """
         raise InvalidSpec(f"layer source {self.url} is read-only")
 
     def put_catalog(self, name: str, document: dict[str, Any]) -> None:
@@ -189,15 +196,19 @@ def publish_chunk_size() -> int:
 
 
 @contextlib.contextmanager
-def split_for_publishing(info: LayerInfo, image: Path,
-                         source: str) -> Iterator["tuple[LazyForm, Path, Path] | None"]:
+def split_for_publishing(info: LayerInfo, image: Path, source: str,
+                         profile: "ReadProfile | None" = None,
+                         ) -> Iterator["tuple[LazyForm, Path, Path] | None"]:
     """Split ``image`` (``split_image``) in a temporary directory, removed on exit.
 
     Yields (form, meta path, blob path), or None if this host cannot split it (no root for
     the mount, no mkfs.erofs): the lazy form is an optimisation, so the layer is then published
     whole only, with a warning. An image that does not match ``info.digest`` is ``LayerCorrupt``.
+    With a read ``profile`` of this layer the data blob is stored in profile order
+    (``lazy.split.pack_split``); a profile recorded on another split (say, at another chunk
+    size) is ignored with a warning.
     """
-    from ..lazy.split import split_image
+    from ..lazy.split import pack_split, split_image
 
     work = Path(tempfile.mkdtemp(prefix="dsec-split-"))
     try:
@@ -209,6 +220,16 @@ def split_for_publishing(info: LayerInfo, image: Path,
         if split is not None and split[0].layer_digest != info.digest:
             raise LayerCorrupt(f"{image} is {split[0].layer_digest}, the layer record says "
                                f"{info.digest}", digest=info.digest, source=str(image))
+        if split is not None and profile is not None:
+            form, meta, blob = split
+            try:
+                if profile.layer_digest != info.digest:
+                    raise LayerCorrupt(f"the profile is of layer {profile.layer_digest}",
+                                       digest=profile.layer_digest)
+                form, blob = pack_split(form, blob, profile)
+                split = (form, meta, blob)
+            except LayerCorrupt as e:
+                log.warning("%s: publishing %s in its original order: %s", source, info.ref, e)
         yield split
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -320,11 +341,12 @@ class BlobStoreSource(LayerSource):
             raise SourceUnavailable(f"{self.url}: reading blob {digest} at {offset}+{length} "
                                     f"failed: {e}", source=self.url, digest=digest) from e
 
-    def _push_lazy(self, info: LayerInfo, image: Path) -> None:
+    def _push_lazy(self, info: LayerInfo, image: Path,
+                   profile: "ReadProfile | None" = None) -> None:
         """Store the layer's split form unless it is there already (from any name@version)."""
         if self._size(self.lazy_key(info.digest)) is not None:
             return
-        with split_for_publishing(info, image, self.url) as split:
+        with split_for_publishing(info, image, self.url, profile) as split:
             if split is None:
                 return
             form, meta, blob = split
@@ -336,7 +358,8 @@ class BlobStoreSource(LayerSource):
             self._write(self.lazy_key(info.digest), form.to_json().encode())
 
     # --- publishing -----------------------------------------------------------------------
-    def push(self, info: LayerInfo, image: Path) -> bool:
+    def push(self, info: LayerInfo, image: Path, *,
+             profile: "ReadProfile | None" = None) -> bool:
         existing = self._info(self.ref_key(info.name, info.version))
         if existing is not None:
             if existing.digest != info.digest:
@@ -347,7 +370,7 @@ class BlobStoreSource(LayerSource):
         key = self.blob_key(info.digest)
         if self._size(key) != info.size:
             self._write(key, image)
-        self._push_lazy(info, image)
+        self._push_lazy(info, image, profile)
         self._write(self.ref_key(info.name, info.version),
                     json.dumps(info.to_dict(), indent=2).encode())
         return True

@@ -24,10 +24,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..errors import InvalidSpec, LayerBuildError, LayerExists, UnknownLayer
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
+
+if TYPE_CHECKING:
+    from ..lazy.layout import ReadProfile
 
 __all__ = ["LayerStore", "Progress", "file_digest", "check_kind", "remove_tree"]
 
@@ -139,6 +142,27 @@ class LayerStore:
 
     def _blob(self, digest: str) -> Path:
         return self.blob_dir / f"{_hex(digest)}.erofs"
+
+    def profile_path(self, digest: str) -> Path:
+        """Where the read profile of layer ``digest`` is kept (``lazy.layout.ReadProfile``)."""
+        return self.root / "profiles" / f"{_hex(digest)}.json"
+
+    # --- read profiles ---------------------------------------------------------------------
+    def save_profile(self, profile: "ReadProfile") -> Path:
+        """Keep ``profile`` with its layer (replacing an older one); publishing uses it."""
+        self.by_digest(profile.layer_digest)  # UnknownLayer if the layer is not here
+        path = self.profile_path(profile.layer_digest)
+        _write_atomic(path, profile.to_json().encode())
+        return path
+
+    def load_profile(self, info: LayerInfo) -> "ReadProfile | None":
+        """The saved read profile of ``info``, or None. A damaged file is ``LayerCorrupt``."""
+        from ..lazy.layout import ReadProfile
+        try:
+            text = self.profile_path(info.digest).read_bytes()
+        except FileNotFoundError:
+            return None
+        return ReadProfile.from_json(text)
 
     def _ref_file(self, name: str, version: str) -> Path:
         return self.ref_dir / name / f"{version}.json"
@@ -299,4 +323,6 @@ class LayerStore:
             if not any(i.digest == info.digest for i in self.list()):
                 with contextlib.suppress(FileNotFoundError):
                     self._blob(info.digest).unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    self.profile_path(info.digest).unlink()
             return info

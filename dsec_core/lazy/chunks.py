@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from bisect import bisect_right
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -37,23 +38,58 @@ class _Fetch(Future):
 
 @dataclass(frozen=True)
 class ChunkIndex:
-    """The sha256 of each ``chunk_size`` piece of a blob.
+    """The sha256 of each ``chunk_size`` piece of a blob, and how the blob is laid out.
 
     Chunk i is bytes [i*chunk_size, min(blob_size, (i+1)*chunk_size)); the last one is shorter.
+    A blob stored in profile-guided order (``lazy.layout``) carries its ``layout``: extents
+    (logical offset, stored offset, length) mapping the blob the metadata image addresses
+    (``logical_digest``) onto the stored one (``blob_digest``). Without a layout both are one.
     """
 
     blob_digest: str
     blob_size: int
     chunk_size: int
     chunks: tuple[str, ...]
+    layout: tuple[tuple[int, int, int], ...] = ()
+    logical_digest: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", tuple(self.chunks))
+        object.__setattr__(self, "layout", tuple(tuple(map(int, e)) for e in self.layout))
         expected = -(-self.blob_size // self.chunk_size) if self.chunk_size > 0 else -1
         if self.chunk_size <= 0 or len(self.chunks) != expected:
             raise LayerCorrupt(f"chunk index of {self.blob_digest} lists {len(self.chunks)} chunks,"
                                f" a {self.blob_size}-byte blob in {self.chunk_size}-byte chunks"
                                f" has {expected}", digest=self.blob_digest)
+        if self.layout:
+            from .layout import check_layout
+            check_layout(self.layout, self.blob_size)
+            object.__setattr__(self, "layout", tuple(sorted(self.layout)))
+        if not self.logical_digest:
+            if self.layout:
+                raise LayerCorrupt(f"chunk index of {self.blob_digest} has a layout but no "
+                                   "logical digest", digest=self.blob_digest)
+            object.__setattr__(self, "logical_digest", self.blob_digest)
+        object.__setattr__(self, "_starts", [e[0] for e in self.layout])
+
+    def physical(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """Where logical bytes [offset, offset+length) are stored: (offset, length) pieces."""
+        if not self.layout:
+            return [(offset, length)]
+        end = offset + length
+        i = max(0, bisect_right(self._starts, offset) - 1)
+        out = []
+        while offset < end and i < len(self.layout):
+            logical, phys, n = self.layout[i]
+            take = min(end, logical + n) - offset
+            if take > 0:
+                if out and out[-1][0] + out[-1][1] == phys + offset - logical:
+                    out[-1] = (out[-1][0], out[-1][1] + take)
+                else:
+                    out.append((phys + offset - logical, take))
+                offset += take
+            i += 1
+        return out
 
     @classmethod
     def build(cls, blob_path: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> "ChunkIndex":
@@ -77,13 +113,18 @@ class ChunkIndex:
         return start, min(self.blob_size, start + self.chunk_size) - start
 
     def to_json(self) -> str:
-        return json.dumps({"blob_digest": self.blob_digest, "blob_size": self.blob_size,
-                           "chunk_size": self.chunk_size, "chunks": list(self.chunks)})
+        d = {"blob_digest": self.blob_digest, "blob_size": self.blob_size,
+             "chunk_size": self.chunk_size, "chunks": list(self.chunks)}
+        if self.layout:
+            d["logical_digest"] = self.logical_digest
+            d["layout"] = [list(e) for e in self.layout]
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ChunkIndex":
         d = json.loads(text)
-        return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]))
+        return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]),
+                   tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""))
 
 
 def _hex(digest: str) -> str:

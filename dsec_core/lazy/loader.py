@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 from ..errors import DsecError, LayerCorrupt
 from ..node.mounts import mount_erofs_file
 from .chunks import ChunkCache, ChunkIndex
+from .layout import AccessTrace
 
 __all__ = ["LazyBlob", "prefetch", "mount_lazy_erofs"]
 
@@ -29,8 +30,9 @@ class LazyBlob:
 
     def __init__(self, index: ChunkIndex, cache: ChunkCache,
                  read_range: Callable[[int, int], bytes], fetch_timeout: float = 30.0,
-                 *, readahead: int = 0) -> None:
+                 *, readahead: int = 0, trace: AccessTrace | None = None) -> None:
         self.index = index
+        self.trace = trace
         self.cache = cache
         self.read_range = read_range
         self.fetch_timeout = fetch_timeout
@@ -57,10 +59,22 @@ class LazyBlob:
         return self.cache.get(self.index.chunks[i], fetch, self.fetch_timeout)
 
     def read(self, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset+length) of the blob, short at its end."""
+        """Bytes [offset, offset+length) of the (logical) blob, short at its end.
+
+        With a profile-guided layout the logical range is gathered from where it is stored.
+        """
         end = min(offset + max(length, 0), self.index.blob_size)
         if offset < 0 or offset >= end:
             return b""
+        if self.trace is not None:
+            self.trace.touch(offset, end - offset)
+        pieces = self.index.physical(offset, end - offset)
+        if len(pieces) == 1:
+            return self._read_stored(*pieces[0])
+        return b"".join(self._read_stored(at, n) for at, n in pieces)
+
+    def _read_stored(self, offset: int, length: int) -> bytes:
+        end = offset + length
         cs = self.index.chunk_size
         parts = []
         for i in range(offset // cs, (end - 1) // cs + 1):

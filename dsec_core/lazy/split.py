@@ -15,13 +15,18 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import LayerBuildError, LayerCorrupt, MountError
 from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex
 
-__all__ = ["LazyForm", "split_image", "LAZY_FORM_VERSION"]
+if TYPE_CHECKING:
+    from .layout import ReadProfile
 
-LAZY_FORM_VERSION = 1
+__all__ = ["LazyForm", "split_image", "pack_split", "LAZY_FORM_VERSION"]
+
+LAZY_FORM_VERSION = 2  # 2: the chunk index may carry a profile-guided layout
+_READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,8 @@ class LazyForm:
         return self.index.blob_size
 
     def to_dict(self) -> dict:
-        return {"version": LAZY_FORM_VERSION, "layer_digest": self.layer_digest,
+        return {"version": LAZY_FORM_VERSION if self.index.layout else 1,
+                "layer_digest": self.layer_digest,
                 "meta_digest": self.meta_digest, "meta_size": self.meta_size,
                 "index": json.loads(self.index.to_json())}
 
@@ -55,7 +61,7 @@ class LazyForm:
         """Parse ``to_json``'s output; anything malformed is ``LayerCorrupt``."""
         try:
             d = json.loads(text)
-            if d.get("version") != LAZY_FORM_VERSION:
+            if d.get("version") not in _READABLE_VERSIONS:
                 raise ValueError(f"unknown lazy form version {d.get('version')!r}")
             return cls(str(d["layer_digest"]), str(d["meta_digest"]), int(d["meta_size"]),
                        ChunkIndex.from_json(json.dumps(d["index"])))
@@ -126,3 +132,26 @@ def split_image(image: Path, out_dir: Path,
             except OSError:
                 pass
     return form, out_dir / "meta.erofs", out_dir / "data.blob"
+
+
+def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[LazyForm, Path]:
+    """Rewrite ``blob`` (the data blob of ``form``) in the order ``profile`` read it.
+
+    Returns the form of the packed blob (its chunk index carries the layout; the metadata image
+    is unchanged) and the packed blob's path, next to ``blob``. A profile recorded on another
+    blob is ``LayerCorrupt``.
+    """
+    from .layout import plan_layout, write_packed
+
+    index = form.index
+    if (profile.blob_digest, profile.blob_size) != (index.logical_digest, index.blob_size):
+        raise LayerCorrupt(f"the read profile of {profile.layer_digest} was recorded on blob "
+                           f"{profile.blob_digest}, not {index.logical_digest}",
+                           digest=profile.blob_digest)
+    layout = plan_layout(index.blob_size, profile.ranges)
+    packed = Path(blob).with_name("packed.blob")
+    write_packed(blob, layout, packed)
+    stored = ChunkIndex.build(packed, index.chunk_size)
+    return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
+                     ChunkIndex(stored.blob_digest, stored.blob_size, stored.chunk_size,
+                                stored.chunks, layout, index.logical_digest)), packed)

@@ -30,6 +30,7 @@ from ..errors import DsecError, NodeUnavailable
 from ..lazy.chunks import ChunkCache
 from ..lazy.fuse import FuseServer
 from ..lazy.keeper import ask_keeper
+from ..lazy.layout import AccessTrace, ReadProfile
 from ..lazy.loader import LazyBlob, prefetch
 from ..lazy.split import LazyForm
 from ..layers.source import LayerSource
@@ -52,6 +53,7 @@ class LazyLayers:
         self.cache: ChunkCache | None = None
         self.server: FuseServer | None = None
         self.blobs: dict[str, LazyBlob] = {}  # by blob digest
+        self.layer_of: dict[str, str] = {}  # blob digest -> layer digest
         self._keeper: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -118,9 +120,22 @@ class LazyLayers:
             return
         blob = LazyBlob(index, self.cache,
                         lambda off, n: source.read_blob(index.blob_digest, off, n),
-                        self.config.fetch_timeout)
+                        self.config.fetch_timeout,
+                        trace=AccessTrace() if self.config.trace_reads else None)
         server.add_blob(index.blob_digest.split(":", 1)[-1], index.blob_size, blob.read)
         self.blobs[index.blob_digest] = blob
+        self.layer_of[index.blob_digest] = info.digest
+
+    def profiles(self, workload: str = "") -> list[ReadProfile]:
+        """What was read of each on-demand blob so far (``NodeConfig.trace_reads``), as read
+        profiles of the logical blobs; blobs nothing read are left out."""
+        out = []
+        for digest, blob in list(self.blobs.items()):
+            if blob.trace is None or not len(blob.trace):
+                continue
+            out.append(ReadProfile(self.layer_of[digest], blob.index.logical_digest,
+                                   blob.index.blob_size, tuple(blob.trace.ranges()), workload))
+        return out
 
     def prepare(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path] | None:
         """(metadata image, data blob path) for an on-demand mount of ``info``, or None if the
@@ -164,3 +179,4 @@ class LazyLayers:
             for path in self.state_dir.glob("*.json") if self.state_dir.exists() else []:
                 path.unlink()
             self.blobs.clear()
+            self.layer_of.clear()

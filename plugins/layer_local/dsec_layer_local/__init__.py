@@ -14,6 +14,7 @@ from dsec_core.errors import UnknownEnvironment, UnknownLayer
 from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.source import LayerSource
 from dsec_core.layers.store import LayerStore, _write_atomic
+from dsec_core.lazy.layout import ReadProfile
 from dsec_core.records import LayerInfo, LayerRef
 
 __all__ = ["LocalLayerSource"]
@@ -45,8 +46,10 @@ class LocalLayerSource(LayerSource):
     def image_path(self, info: LayerInfo) -> Path:
         return self.store.image_path(info)
 
-    def push(self, info: LayerInfo, image: Path) -> bool:
+    def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
         if self.store.exists(info.ref) and self.store.resolve(info.ref).digest == info.digest:
+            if profile is not None and profile.layer_digest == info.digest:
+                self.store.save_profile(profile)  # a profile travels with its layer
             return False
         with self.store.scratch("push-") as tmp:
             copy = tmp / "image.erofs"
@@ -58,6 +61,8 @@ class LocalLayerSource(LayerSource):
             self.store.remove(info.ref)
             raise LayerCorrupt(f"{image} is not {info.digest}", digest=info.digest,
                                source=self.url)
+        if profile is not None and profile.layer_digest == info.digest:
+            self.store.save_profile(profile)
         return True
 
     def _catalog_file(self, name: str) -> Path:

@@ -50,6 +50,7 @@ from dsec_core.errors import (DsecError, InvalidSpec, LayerCorrupt, LayerExists,
                               SourceUnavailable, UnknownEnvironment, UnknownLayer)
 from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.source import LayerSource, fetch_verified, split_for_publishing
+from dsec_core.lazy.layout import ReadProfile
 from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
 
@@ -359,7 +360,7 @@ class OciLayerSource(LayerSource):
         return fetch_verified(lambda off, n: self._read_range(repo, info.digest, off, n),
                               digest=info.digest, size=size, dest=dest, source=self.url)
 
-    def push(self, info: LayerInfo, image: Path) -> bool:
+    def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
         if not self._representable(info.name, info.version):
             raise InvalidSpec(f"{self.url}: layer {info.ref} cannot be an OCI repository and "
                               "tag (names: lowercase letters, digits, . _ -)", name=info.ref)
@@ -379,7 +380,7 @@ class OciLayerSource(LayerSource):
             raise LayerCorrupt(f"{image} is {size} bytes, the layer record says {info.size}",
                                digest=info.digest, source=str(image))
         self._upload(repo, info.digest, size, Path(image))
-        self._push_lazy(repo, info, Path(image))
+        self._push_lazy(repo, info, Path(image), profile)
         created = info.created or time.time()
         self._put_manifest(repo, tag, [{
             "mediaType": LAYER_MEDIA_TYPE, "digest": info.digest, "size": size,
@@ -398,12 +399,13 @@ class OciLayerSource(LayerSource):
     def _lazy_tag(layer_digest: str) -> str:
         return LAZY_TAG_PREFIX + layer_digest.split(":", 1)[-1]
 
-    def _push_lazy(self, repo: str, info: LayerInfo, image: Path) -> None:
+    def _push_lazy(self, repo: str, info: LayerInfo, image: Path,
+                   profile: ReadProfile | None = None) -> None:
         """Split the image and push its lazy form, unless ``repo`` has it already."""
         tag = self._lazy_tag(info.digest)
         if self._manifest(repo, tag) is not None:
             return
-        with split_for_publishing(info, image, self.url) as split:
+        with split_for_publishing(info, image, self.url, profile) as split:
             if split is None:
                 return
             form, meta, blob = split
