@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from dsec_core.lazy import ChunkCache, LazyBlob
 from dsec_core.lazy.chunks import ChunkIndex
 from dsec_core.lazy.layout import (AccessTrace, ReadProfile, check_layout, plan_layout,
                                    write_packed)
-from dsec_core.lazy.split import LazyForm, pack_split
+from dsec_core.lazy.split import LazyForm, compress_split, pack_split
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 PAGE = 4096
@@ -308,3 +309,87 @@ def test_profile_bad_input(tmp_path):
         assert not list(Path(tempfile.gettempdir()).glob("dsec-profile-*"))
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+# --- chunk compression ----------------------------------------------------------------------
+
+def _compressed(tmp_path, data: bytes, chunk: int = 64 << 10):
+    (tmp_path / "data.blob").write_bytes(data)
+    index = ChunkIndex.build(tmp_path / "data.blob", chunk)
+    form = LazyForm("sha256:" + "d" * 64, "sha256:" + "e" * 64, 10, index)
+    return index, compress_split(form, tmp_path / "data.blob")
+
+
+def test_compressed_chunks_read_back_and_shrink(tmp_path):
+    rng = random.Random(4)
+    text = b"".join(rng.choice((b"import os\n", b"def f(x):\n", b"    return x\n"))
+                    for _ in range(30_000))
+    data = text + rng.randbytes(200_000) + text[:77_777]  # compressible, random, compressible
+    index, (form, path) = _compressed(tmp_path, data)
+    stored = path.read_bytes()
+    assert form.index.compression == "zlib" and form.blob_size == len(stored) < len(data) / 2
+    assert form.index.blob_digest == "sha256:" + hashlib.sha256(stored).hexdigest()
+    assert form.index.chunks == index.chunks  # digests of what the cache keeps: uncompressed
+    assert form.index.logical_digest == index.blob_digest  # profiles still match
+    # random chunks do not shrink and are stored as they are
+    assert any(form.index.stored_range(i)[1] == form.index.chunk_range(i)[1]
+               for i in range(len(index.chunks)))
+    assert LazyForm.from_json(form.to_json()) == form
+    assert json.loads(form.to_json())["version"] == 2
+    blob = LazyBlob(form.index, ChunkCache(tmp_path / "cache", 1 << 30),
+                    lambda off, n: stored[off:off + n])
+    for off, n in ((0, 10), (100_000, 300_000), (len(data) - 5, 50), (0, len(data))):
+        assert blob.read(off, n) == data[off:off + n]
+    assert compress_split(form, path) == (form, path)  # already compressed: unchanged
+
+
+def test_damaged_compressed_chunks_are_layer_corrupt(tmp_path):
+    data = b"dsec " * 100_000
+    _, (form, path) = _compressed(tmp_path, data)
+    stored = bytearray(path.read_bytes())
+    index = form.index
+    off, n = index.stored_range(1)
+    piece = bytes(stored[off:off + n])
+    with pytest.raises(LayerCorrupt, match="expected"):
+        index.decode(1, piece[:-1])  # truncated
+    flipped = bytearray(piece)
+    flipped[len(flipped) // 2] ^= 0xFF
+    with pytest.raises(LayerCorrupt):
+        index.decode(1, bytes(flipped))
+    with pytest.raises(LayerCorrupt, match="wrong size"):  # inflates past the chunk: refused
+        index.decode(1, zlib.compress(b"x" * (index.chunk_size * 4), 9)[:n].ljust(n, b"\0"))
+    # through the cache, a damaged stored chunk never reaches a reader as data
+    stored[off + n // 2] ^= 0xFF
+    blob = LazyBlob(index, ChunkCache(tmp_path / "cache", 1 << 30),
+                    lambda o, k: bytes(stored[o:o + k]))
+    with pytest.raises(LayerCorrupt):
+        blob.read(index.chunk_range(1)[0], 10)
+    assert blob.read(0, 10) == data[:10]  # other chunks are fine
+
+
+def test_bad_compressed_indexes_are_layer_corrupt():
+    size, cs = PAGE * 4, PAGE * 2
+    chunks = ("sha256:" + "b" * 64, "sha256:" + "c" * 64)
+    kw = dict(logical_digest="sha256:" + "c" * 64)
+    ChunkIndex("sha256:" + "a" * 64, size, cs, chunks, compression="zlib",
+               stored=((0, 10), (10, 20)), **kw)  # fine
+    for compression, stored in (("zlib", ((0, 10), (11, 20))),  # gap
+                                ("zlib", ((0, 10),)),  # a chunk missing
+                                ("zlib", ((0, cs + 1), (cs + 1, 5))),  # bigger than the chunk
+                                ("lz77", ((0, 10), (10, 20))),  # unknown
+                                ("", ((0, 10), (10, 20)))):  # ranges but no compression
+        with pytest.raises(LayerCorrupt):
+            ChunkIndex("sha256:" + "a" * 64, size, cs, chunks, compression=compression,
+                       stored=stored, **kw)
+
+
+def test_publish_compression_setting(monkeypatch):
+    from dsec_core.errors import InvalidSpec
+    from dsec_core.layers.source import publish_compression
+    monkeypatch.delenv("DSEC_CHUNK_COMPRESSION", raising=False)
+    assert publish_compression() == "zlib"
+    monkeypatch.setenv("DSEC_CHUNK_COMPRESSION", "none")
+    assert publish_compression() == ""
+    monkeypatch.setenv("DSEC_CHUNK_COMPRESSION", "brotli")
+    with pytest.raises(InvalidSpec, match="DSEC_CHUNK_COMPRESSION"):
+        publish_compression()

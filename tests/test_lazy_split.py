@@ -19,7 +19,7 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.source import BlobStoreSource, LayerSource
 from dsec_core.layers.store import LayerStore
 from dsec_core.lazy import ChunkCache, FuseServer, LazyBlob, mount_lazy_erofs
-from dsec_core.lazy.split import LazyForm, split_image
+from dsec_core.lazy.split import LazyForm, compress_split, split_image
 from dsec_core.node.mounts import mount_erofs_file, mounted_under, unmount
 from dsec_core.records import LayerInfo
 from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
@@ -324,8 +324,11 @@ def harness(request, tmp_path, monkeypatch) -> Harness:
 
 @pytest.fixture(scope="module")
 def local_split(layer, tmp_path_factory) -> tuple[LazyForm, Path, Path]:
+    """What a source publishes for the layer: its split form, chunks compressed."""
     _info, image = layer
-    return split_image(image, tmp_path_factory.mktemp("local-split"))
+    form, meta, blob = split_image(image, tmp_path_factory.mktemp("local-split"))
+    form, blob = compress_split(form, blob)
+    return form, meta, blob
 
 
 def test_push_publishes_the_lazy_form_once(harness, layer, local_split, tmp_path):

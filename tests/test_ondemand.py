@@ -3,6 +3,7 @@ fetches data chunks only when a sandbox reads them."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -18,7 +19,7 @@ from dsec_core.layers.distribution import push_layer
 from dsec_core.layers.sources import open_source
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
-from dsec_core.records import SandboxSpec
+from dsec_core.records import LayerRef, SandboxSpec
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -39,6 +40,7 @@ def setup(tmp_path):
     for i in range(6):
         (ws / f"big{i}.bin").write_bytes(rng.randbytes(2 << 20))
     (ws / "small.txt").write_text("tiny file\n")
+    (ws / "text.txt").write_bytes(b"a line of text that compresses well\n" * 80_000)
     build_layer(tmp_path / "ws", name="od-ws", version="1", kind="workspace", store=staging)
     dest = open_source(f"posix:{shared}")
     for ref in ("od-base@1", "od-ws@1"):
@@ -93,6 +95,43 @@ async def test_reads_fetch_only_what_they_touch(setup):
         assert cache.fetches == before
         await node.kill(sb.id)
         await node.kill(other.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_damaged_compressed_chunk_gives_eio_not_garbage(setup):
+    """Published chunks are zlib-compressed; a stored chunk damaged at the source fails the
+    read in the sandbox, and the file reads right once the source is repaired."""
+    config, shared = setup
+    src = open_source(f"posix:{shared}")
+    form = src.lazy_form(src.resolve(LayerRef("od-ws", "1")))
+    index = form.index
+    assert index.compression == "zlib" and form.blob_size < index.blob_size
+    packed = [i for i in range(len(index.chunks))
+              if index.stored_range(i)[1] < index.chunk_range(i)[1]]
+    assert packed  # text.txt's chunks shrank
+    blob_file = shared / src.blob_key(index.blob_digest)
+    off, n = index.stored_range(packed[0])
+    with open(blob_file, "r+b") as f:
+        f.seek(off + n // 2)
+        byte = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    node = Node(config)
+    await node.open()
+    try:
+        sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
+        r = await node.exec(sb.id, "md5sum /workspace/*.txt", timeout=60)
+        assert r.exit_code != 0 and b"Input/output error" in r.stderr
+        assert index.chunks[packed[0]] not in node.lazy.cache
+        with open(blob_file, "r+b") as f:
+            f.seek(off + n // 2)
+            f.write(byte)
+        r = await node.exec(sb.id, "md5sum /workspace/text.txt")
+        assert r.exit_code == 0
+        want = hashlib.md5(b"a line of text that compresses well\n" * 80_000).hexdigest()
+        assert r.stdout.split()[0].decode() == want
+        await node.kill(sb.id)
     finally:
         await node.close(kill_all=True)
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..lazy.split import LazyForm
 
 __all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "split_for_publishing",
-           "FETCH_CHUNK"]
+           "FETCH_CHUNK", "publish_chunk_size", "publish_compression"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,18 @@ def publish_chunk_size() -> int:
     return size
 
 
+def publish_compression() -> str:
+    """How published data blobs are compressed, chunk by chunk: ``DSEC_CHUNK_COMPRESSION``,
+    ``zlib`` (default) or ``none``."""
+    text = os.environ.get("DSEC_CHUNK_COMPRESSION", "zlib").strip().lower()
+    if text in ("none", "off", "0", ""):
+        return ""
+    if text != "zlib":
+        raise InvalidSpec(f"DSEC_CHUNK_COMPRESSION must be zlib or none, got {text!r}",
+                          field="DSEC_CHUNK_COMPRESSION")
+    return text
+
+
 @contextlib.contextmanager
 def split_for_publishing(info: LayerInfo, image: Path, source: str,
                          profile: "ReadProfile | None" = None,
@@ -206,9 +218,11 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
     whole only, with a warning. An image that does not match ``info.digest`` is ``LayerCorrupt``.
     With a read ``profile`` of this layer the data blob is stored in profile order
     (``lazy.split.pack_split``); a profile recorded on another split (say, at another chunk
-    size) is ignored with a warning.
+    size) is ignored with a warning. Then each chunk is compressed (``publish_compression``).
     """
-    from ..lazy.split import pack_split, split_image
+    from ..lazy.split import compress_split, pack_split, split_image
+
+    compression = publish_compression()  # a bad setting fails before any work
 
     work = Path(tempfile.mkdtemp(prefix="dsec-split-"))
     try:
@@ -230,6 +244,10 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
                 split = (form, meta, blob)
             except LayerCorrupt as e:
                 log.warning("%s: publishing %s in its original order: %s", source, info.ref, e)
+        if split is not None and compression:
+            form, meta, blob = split
+            form, blob = compress_split(form, blob)
+            split = (form, meta, blob)
         yield split
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -351,7 +369,7 @@ class BlobStoreSource(LayerSource):
                 return
             form, meta, blob = split
             for digest, size, path in ((form.meta_digest, form.meta_size, meta),
-                                       (form.blob_digest, form.blob_size, blob)):
+                                       (form.blob_digest, form.index.stored_size, blob)):
                 if self._size(self.blob_key(digest)) != size:
                     self._write(self.blob_key(digest), path)
             # Written last: a reader that finds the form finds both blobs.

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+import zlib
 from bisect import bisect_right
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -26,6 +27,7 @@ from ..errors import LayerCorrupt, SourceUnavailable
 __all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+COMPRESSIONS = ("", "zlib")
 _TMP_PREFIX = ".tmp-"
 STUCK_GRACE = 0.2  # seconds a reader waits on a fetch that already ran past its timeout
 
@@ -44,6 +46,12 @@ class ChunkIndex:
     A blob stored in profile-guided order (``lazy.layout``) carries its ``layout``: extents
     (logical offset, stored offset, length) mapping the blob the metadata image addresses
     (``logical_digest``) onto the stored one (``blob_digest``). Without a layout both are one.
+
+    A blob stored compressed (``compression`` "zlib") is its chunks compressed one by one and
+    concatenated; ``stored`` gives each chunk's (offset, length) in it, and a chunk that did not
+    shrink is stored as is (its stored length equals its length). ``blob_digest`` and
+    ``stored_size`` are then those of the compressed object a source holds, while ``blob_size``,
+    the chunk digests and the cache stay uncompressed: identical chunks dedupe either way.
     """
 
     blob_digest: str
@@ -52,6 +60,8 @@ class ChunkIndex:
     chunks: tuple[str, ...]
     layout: tuple[tuple[int, int, int], ...] = ()
     logical_digest: str = ""
+    compression: str = ""
+    stored: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -65,12 +75,61 @@ class ChunkIndex:
             from .layout import check_layout
             check_layout(self.layout, self.blob_size)
             object.__setattr__(self, "layout", tuple(sorted(self.layout)))
+        object.__setattr__(self, "stored", tuple((int(o), int(n)) for o, n in self.stored))
+        if self.compression not in COMPRESSIONS:
+            raise LayerCorrupt(f"chunk index of {self.blob_digest}: unknown compression "
+                               f"{self.compression!r}", digest=self.blob_digest)
+        if self.compression:
+            at = 0
+            for i, (offset, n) in enumerate(self.stored):
+                if offset != at or not 0 < n <= self.chunk_range(i)[1]:
+                    at = -1
+                    break
+                at += n
+            if len(self.stored) != len(self.chunks) or at < 0:
+                raise LayerCorrupt(f"chunk index of {self.blob_digest}: stored chunk ranges do "
+                                   "not tile the blob", digest=self.blob_digest)
+        elif self.stored:
+            raise LayerCorrupt(f"chunk index of {self.blob_digest}: stored ranges without "
+                               "compression", digest=self.blob_digest)
         if not self.logical_digest:
-            if self.layout:
-                raise LayerCorrupt(f"chunk index of {self.blob_digest} has a layout but no "
-                                   "logical digest", digest=self.blob_digest)
+            if self.layout or self.compression:
+                raise LayerCorrupt(f"chunk index of {self.blob_digest} is laid out or "
+                                   "compressed but names no logical digest",
+                                   digest=self.blob_digest)
             object.__setattr__(self, "logical_digest", self.blob_digest)
         object.__setattr__(self, "_starts", [e[0] for e in self.layout])
+
+    @property
+    def stored_size(self) -> int:
+        """Size of the blob object a source holds (compressed, if it is)."""
+        return sum(n for _, n in self.stored) if self.compression else self.blob_size
+
+    def stored_range(self, i: int) -> tuple[int, int]:
+        """(offset, length) of chunk ``i`` in the stored blob."""
+        return self.stored[i] if self.compression else self.chunk_range(i)
+
+    def decode(self, i: int, data: bytes) -> bytes:
+        """Chunk ``i`` from its stored bytes: decompressed and length-checked, not yet hashed
+        (``ChunkCache`` does that). Short, overlong or undecodable data is ``LayerCorrupt``."""
+        length = self.chunk_range(i)[1]
+        stored = self.stored_range(i)[1]
+        if len(data) != stored:
+            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i}: source returned "
+                               f"{len(data)} bytes, expected {stored}", digest=self.blob_digest,
+                               chunk=i)
+        if stored == length:
+            return data
+        inflater = zlib.decompressobj()
+        try:
+            out = inflater.decompress(data, length + 1)
+        except zlib.error as e:
+            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} does not decompress: {e}",
+                               digest=self.blob_digest, chunk=i) from None
+        if len(out) != length or not inflater.eof:
+            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} decompresses to the wrong "
+                               "size", digest=self.blob_digest, chunk=i)
+        return out
 
     def physical(self, offset: int, length: int) -> list[tuple[int, int]]:
         """Where logical bytes [offset, offset+length) are stored: (offset, length) pieces."""
@@ -115,16 +174,21 @@ class ChunkIndex:
     def to_json(self) -> str:
         d = {"blob_digest": self.blob_digest, "blob_size": self.blob_size,
              "chunk_size": self.chunk_size, "chunks": list(self.chunks)}
-        if self.layout:
+        if self.layout or self.compression:
             d["logical_digest"] = self.logical_digest
+        if self.layout:
             d["layout"] = [list(e) for e in self.layout]
+        if self.compression:
+            d["compression"] = self.compression
+            d["stored"] = [list(r) for r in self.stored]
         return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "ChunkIndex":
         d = json.loads(text)
         return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]),
-                   tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""))
+                   tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""),
+                   d.get("compression", ""), tuple(tuple(r) for r in d.get("stored", ())))
 
 
 def _hex(digest: str) -> str:

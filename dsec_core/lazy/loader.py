@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..errors import DsecError, LayerCorrupt
+from ..errors import DsecError
 from ..node.mounts import mount_erofs_file
 from .chunks import ChunkCache, ChunkIndex
 from .layout import AccessTrace
@@ -22,8 +22,9 @@ __all__ = ["LazyBlob", "prefetch", "mount_lazy_erofs"]
 class LazyBlob:
     """Random access to a remote blob through the node's chunk cache.
 
-    ``read_range(offset, length)`` reads that many bytes of the blob from its source (a
-    distributed filesystem, an object store, ...); it is only ever asked for whole chunks.
+    ``read_range(offset, length)`` reads that many bytes of the stored blob from its source (a
+    distributed filesystem, an object store, ...); it is only ever asked for whole (stored,
+    possibly compressed) chunks.
     With ``readahead`` > 0 a read also starts background fetches of that many following chunks,
     which hides source latency for sequential reads at the price of fetching a little more.
     """
@@ -46,15 +47,10 @@ class LazyBlob:
 
     def chunk(self, i: int) -> bytes:
         """Chunk ``i`` of the blob, from the cache or fetched into it."""
-        offset, length = self.index.chunk_range(i)
+        offset, length = self.index.stored_range(i)
 
         def fetch() -> bytes:
-            data = self.read_range(offset, length)
-            if len(data) != length:
-                raise LayerCorrupt(f"blob {self.index.blob_digest} chunk {i}: source returned"
-                                   f" {len(data)} bytes, expected {length}",
-                                   digest=self.index.blob_digest, chunk=i)
-            return data
+            return self.index.decode(i, self.read_range(offset, length))
 
         return self.cache.get(self.index.chunks[i], fetch, self.fetch_timeout)
 

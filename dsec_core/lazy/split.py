@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,9 +24,9 @@ from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex
 if TYPE_CHECKING:
     from .layout import ReadProfile
 
-__all__ = ["LazyForm", "split_image", "pack_split", "LAZY_FORM_VERSION"]
+__all__ = ["LazyForm", "split_image", "pack_split", "compress_split", "LAZY_FORM_VERSION"]
 
-LAZY_FORM_VERSION = 2  # 2: the chunk index may carry a profile-guided layout
+LAZY_FORM_VERSION = 2  # 2: the chunk index may carry a layout and compressed chunks
 _READABLE_VERSIONS = (1, 2)
 
 
@@ -45,10 +46,12 @@ class LazyForm:
 
     @property
     def blob_size(self) -> int:
-        return self.index.blob_size
+        """Size of the data blob as a source stores it (compressed, if it is)."""
+        return self.index.stored_size
 
     def to_dict(self) -> dict:
-        return {"version": LAZY_FORM_VERSION if self.index.layout else 1,
+        plain = not (self.index.layout or self.index.compression)
+        return {"version": 1 if plain else LAZY_FORM_VERSION,
                 "layer_digest": self.layer_digest,
                 "meta_digest": self.meta_digest, "meta_size": self.meta_size,
                 "index": json.loads(self.index.to_json())}
@@ -155,3 +158,36 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
     return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
                      ChunkIndex(stored.blob_digest, stored.blob_size, stored.chunk_size,
                                 stored.chunks, layout, index.logical_digest)), packed)
+
+
+def compress_split(form: LazyForm, blob: Path, level: int = 6) -> tuple[LazyForm, Path]:
+    """Compress ``blob`` (the data blob of ``form``) chunk by chunk with zlib.
+
+    Returns the form of the compressed blob (``ChunkIndex.compression``/``stored``; chunk
+    digests, layout and the metadata image unchanged) and its path, next to ``blob``. A chunk
+    that does not shrink is stored as is.
+    """
+    index = form.index
+    if index.compression:
+        return form, Path(blob)
+    out = Path(blob).with_name("compressed.blob")
+    whole = hashlib.sha256()
+    stored = []
+    at = 0
+    with open(blob, "rb") as src, open(out, "wb") as dst:
+        for i in range(len(index.chunks)):
+            offset, length = index.chunk_range(i)
+            raw = os.pread(src.fileno(), length, offset)
+            if len(raw) != length:
+                raise LayerCorrupt(f"{blob} is shorter than its chunk index says",
+                                   path=str(blob))
+            packed = zlib.compress(raw, level)
+            piece = packed if len(packed) < length else raw
+            dst.write(piece)
+            whole.update(piece)
+            stored.append((at, len(piece)))
+            at += len(piece)
+    return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
+                     ChunkIndex("sha256:" + whole.hexdigest(), index.blob_size, index.chunk_size,
+                                index.chunks, index.layout, index.logical_digest, "zlib",
+                                tuple(stored))), out)
