@@ -70,6 +70,7 @@ def profile_catalog(catalog: Catalog, author: NodeConfig, tasks: Sequence[str] =
     try:
         url = f"posix:{src_dir}"
         source = open_source(url, author)
+        source.compression = ""  # read once, locally: not worth compressing
         for ref, info in infos.items():
             if report:
                 report(f"splitting {ref}")

@@ -50,6 +50,9 @@ class LayerSource(abc.ABC):
 
     scheme: ClassVar[str]
     read_only: ClassVar[bool] = False
+    # How published data blobs are compressed ("zlib" or "" for none); None follows
+    # DSEC_CHUNK_COMPRESSION. Set on an instance to override.
+    compression: str | None = None
 
     def __init__(self, location: str = "", *, cache_dir: Path | None = None) -> None:
         self.location = location
@@ -209,7 +212,7 @@ def publish_compression() -> str:
 
 @contextlib.contextmanager
 def split_for_publishing(info: LayerInfo, image: Path, source: str,
-                         profile: "ReadProfile | None" = None,
+                         profile: "ReadProfile | None" = None, compression: str | None = None,
                          ) -> Iterator["tuple[LazyForm, Path, Path] | None"]:
     """Split ``image`` (``split_image``) in a temporary directory, removed on exit.
 
@@ -218,11 +221,13 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
     whole only, with a warning. An image that does not match ``info.digest`` is ``LayerCorrupt``.
     With a read ``profile`` of this layer the data blob is stored in profile order
     (``lazy.split.pack_split``); a profile recorded on another split (say, at another chunk
-    size) is ignored with a warning. Then each chunk is compressed (``publish_compression``).
+    size) is ignored with a warning. Then each chunk is compressed (``compression``, by default
+    ``publish_compression()``; "" for none).
     """
     from ..lazy.split import compress_split, pack_split, split_image
 
-    compression = publish_compression()  # a bad setting fails before any work
+    if compression is None:
+        compression = publish_compression()  # a bad setting fails before any work
 
     work = Path(tempfile.mkdtemp(prefix="dsec-split-"))
     try:
@@ -364,7 +369,7 @@ class BlobStoreSource(LayerSource):
         """Store the layer's split form unless it is there already (from any name@version)."""
         if self._size(self.lazy_key(info.digest)) is not None:
             return
-        with split_for_publishing(info, image, self.url, profile) as split:
+        with split_for_publishing(info, image, self.url, profile, self.compression) as split:
             if split is None:
                 return
             form, meta, blob = split

@@ -160,7 +160,7 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
                                 stored.chunks, layout, index.logical_digest)), packed)
 
 
-def compress_split(form: LazyForm, blob: Path, level: int = 6) -> tuple[LazyForm, Path]:
+def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm, Path]:
     """Compress ``blob`` (the data blob of ``form``) chunk by chunk with zlib.
 
     Returns the form of the compressed blob (``ChunkIndex.compression``/``stored``; chunk

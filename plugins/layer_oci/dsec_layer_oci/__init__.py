@@ -405,7 +405,7 @@ class OciLayerSource(LayerSource):
         tag = self._lazy_tag(info.digest)
         if self._manifest(repo, tag) is not None:
             return
-        with split_for_publishing(info, image, self.url, profile) as split:
+        with split_for_publishing(info, image, self.url, profile, self.compression) as split:
             if split is None:
                 return
             form, meta, blob = split
