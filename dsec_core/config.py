@@ -51,6 +51,8 @@ class NodeConfig:
     fetch_timeout: float = 10.0  # a chunk fetch slower than this fails the read with EIO
     # Record which pages of each on-demand blob are read, in order (``dsec catalog profile``)
     trace_reads: bool = False
+    # Fetch the chunks a profiled layer's sandboxes read first as soon as it is mounted
+    prefetch_hot: bool = True
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
@@ -65,6 +67,8 @@ class NodeConfig:
             kw["layer_linger"] = float(os.environ["DSEC_LAYER_LINGER"])
         if "DSEC_ONDEMAND" in os.environ:
             kw["ondemand"] = os.environ["DSEC_ONDEMAND"] not in ("0", "false", "no", "")
+        if "DSEC_PREFETCH_HOT" in os.environ:
+            kw["prefetch_hot"] = os.environ["DSEC_PREFETCH_HOT"] not in ("0", "false", "no", "")
         if "DSEC_CHUNK_CACHE" in os.environ:
             from .records import parse_size
             kw["chunk_cache_bytes"] = parse_size(os.environ["DSEC_CHUNK_CACHE"],

@@ -164,6 +164,14 @@ def test_pack_split_refuses_a_profile_of_another_blob(tmp_path):
     assert packed.read_bytes()[:PAGE] == data[PAGE * 7:]
     assert packed_form.index.logical_digest == index.blob_digest
     assert packed_form.meta_digest == form.meta_digest
+    assert packed_form.index.hot == PAGE and packed_form.index.hot_chunks == range(1)
+    assert ChunkIndex.from_json(packed_form.index.to_json()) == packed_form.index
+    with pytest.raises(LayerCorrupt, match="hot region"):
+        ChunkIndex(index.blob_digest, index.blob_size, index.chunk_size, index.chunks, hot=PAGE)
+    with pytest.raises(LayerCorrupt, match="hot region"):
+        i = packed_form.index
+        ChunkIndex(i.blob_digest, i.blob_size, i.chunk_size, i.chunks, i.layout,
+                   i.logical_digest, hot=i.blob_size + 1)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -225,9 +233,10 @@ def author(tmp_path):
     shutil.rmtree(home, ignore_errors=True)
 
 
-async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int]:
-    """A fresh node runs the task from ``shared`` on demand: (chunks fetched for the
-    workspace, chunk size). Every file the sandbox reads must match the original."""
+async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int, int, int]:
+    """A fresh node runs the task from ``shared`` on demand: (chunks of the workspace fetched
+    by the end of the task, chunk size, chunks warmed before the task read anything, hot
+    chunks the index names). Every file the sandbox reads must match the original."""
     from dsec_core.catalog import CatalogStore
     from dsec_core.node.node import Node
     from dsec_core.records import SandboxSpec
@@ -241,12 +250,15 @@ async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int]:
     await node.open()
     try:
         sb = await node.create(SandboxSpec(environment="scatter-env"))
+        for warmer in list(node.lazy._warmers):
+            warmer.join(30)
+        ws_blob = next(b for b in node.lazy.blobs.values()
+                       if b.index.blob_size > FILES * FILE_BYTES // 2)
+        warmed = sum(1 for c in ws_blob.index.chunks if c in node.lazy.cache)
         r = await node.exec(sb.id, CATALOG["tasks"][0]["command"])
         want = [hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()[:3000]).hexdigest()
                 for i in READ]
         assert [line.split()[0] for line in r.stdout.decode().splitlines()] == want
-        ws_blob = next(b for b in node.lazy.blobs.values()
-                       if b.index.blob_size > FILES * FILE_BYTES // 2)
         fetched = sum(1 for c in ws_blob.index.chunks if c in node.lazy.cache)
         chunk = ws_blob.index.chunk_size
         # then every byte of every file reads back right through the packed layout
@@ -259,7 +271,7 @@ async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int]:
         left = leftovers(home)
         shutil.rmtree(home, ignore_errors=True)
     assert not any(left.values()), left
-    return fetched, chunk
+    return fetched, chunk, warmed, len(ws_blob.index.hot_chunks)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -287,11 +299,15 @@ async def test_profiled_layers_fetch_fewer_chunks_and_read_the_same(author, tmp_
     assert out.returncode == 0, out.stderr
     assert "sc-ws@1" in out.stdout and "read-profile order" in out.stdout
 
-    fetched_plain, chunk = await _run_on_demand(plain, ws)
-    fetched_profiled, _ = await _run_on_demand(profiled, ws)
+    fetched_plain, chunk, warmed_plain, hot_plain = await _run_on_demand(plain, ws)
+    fetched_profiled, _, warmed, hot = await _run_on_demand(profiled, ws)
     # directory order: the 8 files lie in different 1 MiB chunks; read order: one or two
     assert fetched_plain >= len(READ) - 1
     assert fetched_profiled <= -(-profile.read_bytes // chunk) + 1 < fetched_plain
+    # the profiled layer's hot chunks were fetched on mount, before the task read anything
+    assert (warmed_plain, hot_plain) == (0, 0)
+    assert warmed == hot == -(-profile.read_bytes // chunk) >= 1
+    assert fetched_profiled <= warmed + 1
 
 
 def test_profile_bad_input(tmp_path):

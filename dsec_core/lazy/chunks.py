@@ -52,6 +52,9 @@ class ChunkIndex:
     shrink is stored as is (its stored length equals its length). ``blob_digest`` and
     ``stored_size`` are then those of the compressed object a source holds, while ``blob_size``,
     the chunk digests and the cache stay uncompressed: identical chunks dedupe either way.
+
+    ``hot`` (with a layout) is how many bytes at the start of the stored order the profile
+    read: a node prefetches those chunks when it first mounts the layer.
     """
 
     blob_digest: str
@@ -62,6 +65,7 @@ class ChunkIndex:
     logical_digest: str = ""
     compression: str = ""
     stored: tuple[tuple[int, int], ...] = ()
+    hot: int = 0  # with a layout: the first ``hot`` bytes are what the profile read
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", tuple(self.chunks))
@@ -98,7 +102,15 @@ class ChunkIndex:
                                    "compressed but names no logical digest",
                                    digest=self.blob_digest)
             object.__setattr__(self, "logical_digest", self.blob_digest)
+        if not 0 <= self.hot <= (self.blob_size if self.layout else 0):
+            raise LayerCorrupt(f"chunk index of {self.blob_digest}: hot region of {self.hot} "
+                               "bytes without a layout, or past the blob", digest=self.blob_digest)
         object.__setattr__(self, "_starts", [e[0] for e in self.layout])
+
+    @property
+    def hot_chunks(self) -> range:
+        """The chunks holding what the layout's profile read (empty without a profile)."""
+        return range(-(-self.hot // self.chunk_size))
 
     @property
     def stored_size(self) -> int:
@@ -178,6 +190,8 @@ class ChunkIndex:
             d["logical_digest"] = self.logical_digest
         if self.layout:
             d["layout"] = [list(e) for e in self.layout]
+        if self.hot:
+            d["hot"] = self.hot
         if self.compression:
             d["compression"] = self.compression
             d["stored"] = [list(r) for r in self.stored]
@@ -188,7 +202,8 @@ class ChunkIndex:
         d = json.loads(text)
         return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]),
                    tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""),
-                   d.get("compression", ""), tuple(tuple(r) for r in d.get("stored", ())))
+                   d.get("compression", ""), tuple(tuple(r) for r in d.get("stored", ())),
+                   int(d.get("hot", 0)))
 
 
 def _hex(digest: str) -> str:

@@ -144,7 +144,7 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
     is unchanged) and the packed blob's path, next to ``blob``. A profile recorded on another
     blob is ``LayerCorrupt``.
     """
-    from .layout import plan_layout, write_packed
+    from .layout import AccessTrace, plan_layout, write_packed
 
     index = form.index
     if (profile.blob_digest, profile.blob_size) != (index.logical_digest, index.blob_size):
@@ -155,9 +155,14 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
     packed = Path(blob).with_name("packed.blob")
     write_packed(blob, layout, packed)
     stored = ChunkIndex.build(packed, index.chunk_size)
+    read = AccessTrace()
+    for offset, length in profile.ranges:
+        if 0 <= offset < index.blob_size:
+            read.touch(offset, min(length, index.blob_size - offset))
+    hot = min(index.blob_size, len(read) * read.page_size)
     return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
                      ChunkIndex(stored.blob_digest, stored.blob_size, stored.chunk_size,
-                                stored.chunks, layout, index.logical_digest)), packed)
+                                stored.chunks, layout, index.logical_digest, hot=hot)), packed)
 
 
 def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm, Path]:
@@ -190,4 +195,4 @@ def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm
     return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
                      ChunkIndex("sha256:" + whole.hexdigest(), index.blob_size, index.chunk_size,
                                 index.chunks, index.layout, index.logical_digest, "zlib",
-                                tuple(stored))), out)
+                                tuple(stored), index.hot)), out)

@@ -54,6 +54,8 @@ class LazyLayers:
         self.server: FuseServer | None = None
         self.blobs: dict[str, LazyBlob] = {}  # by blob digest
         self.layer_of: dict[str, str] = {}  # blob digest -> layer digest
+        self._warmers: list[threading.Thread] = []
+        self._stopping = threading.Event()
         self._keeper: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -125,6 +127,27 @@ class LazyLayers:
         server.add_blob(index.blob_digest.split(":", 1)[-1], index.blob_size, blob.read)
         self.blobs[index.blob_digest] = blob
         self.layer_of[index.blob_digest] = info.digest
+        if index.hot and self.config.prefetch_hot:
+            warmer = threading.Thread(target=self._warm_hot, args=(blob, info.ref),
+                                      name=f"warm-{index.blob_digest[7:19]}", daemon=True)
+            self._warmers.append(warmer)
+            warmer.start()
+
+    def _warm_hot(self, blob: LazyBlob, ref: str) -> None:
+        """Fetch the chunks a layer's read profile says its sandboxes read first, in stored
+        order, behind the sandbox that mounts it (readers never wait for this: a chunk they
+        need sooner is fetched for them, and both share the one fetch)."""
+        done = 0
+        for i in blob.index.hot_chunks:
+            if self._stopping.is_set():
+                return
+            try:
+                blob.chunk(i)
+            except DsecError as e:  # a reader will retry it and report the error
+                log.warning("warming %s stopped at chunk %d: %s", ref, i, e)
+                return
+            done += 1
+        log.info("warmed %s: %d chunks its profile reads", ref, done)
 
     def profiles(self, workload: str = "") -> list[ReadProfile]:
         """What was read of each on-demand blob so far (``NodeConfig.trace_reads``), as read
@@ -164,6 +187,11 @@ class LazyLayers:
 
     def close(self) -> None:
         """Unmount the on-demand filesystem and let its keeper go (no sandbox uses it)."""
+        self._stopping.set()
+        for warmer in self._warmers:
+            warmer.join()  # at most one chunk fetch (fetch_timeout) away
+        self._warmers.clear()
+        self._stopping.clear()
         with self._lock:
             if self.server is not None:
                 self.server.close()
