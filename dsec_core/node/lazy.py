@@ -41,6 +41,8 @@ __all__ = ["LazyLayers"]
 
 log = logging.getLogger("dsec.lazy")
 
+WARM_PARALLEL = 4  # fetches in flight per layer while warming its hot chunks
+
 
 class LazyLayers:
     """The node's on-demand loader. ``prepare`` returns what ``MountCache.acquire`` mounts."""
@@ -134,20 +136,33 @@ class LazyLayers:
             warmer.start()
 
     def _warm_hot(self, blob: LazyBlob, ref: str) -> None:
-        """Fetch the chunks a layer's read profile says its sandboxes read first, in stored
-        order, behind the sandbox that mounts it (readers never wait for this: a chunk they
-        need sooner is fetched for them, and both share the one fetch)."""
-        done = 0
-        for i in blob.index.hot_chunks:
-            if self._stopping.is_set():
-                return
-            try:
-                blob.chunk(i)
-            except DsecError as e:  # a reader will retry it and report the error
-                log.warning("warming %s stopped at chunk %d: %s", ref, i, e)
-                return
-            done += 1
-        log.info("warmed %s: %d chunks its profile reads", ref, done)
+        """Fetch the chunks a layer's read profile says its sandboxes read first, a few at a
+        time in stored order, behind the sandbox that mounts it (readers never wait for this:
+        a chunk they need sooner is fetched for them, and both share the one fetch)."""
+        chunks = iter(blob.index.hot_chunks)
+        lock = threading.Lock()
+        done: list[int] = []
+
+        def work() -> None:
+            while not self._stopping.is_set():
+                with lock:
+                    i = next(chunks, None)
+                if i is None:
+                    return
+                try:
+                    blob.chunk(i)
+                except DsecError as e:  # a reader will retry it and report the error
+                    log.warning("warming %s stopped at chunk %d: %s", ref, i, e)
+                    return
+                done.append(i)
+
+        helpers = [threading.Thread(target=work, daemon=True) for _ in range(WARM_PARALLEL - 1)]
+        for t in helpers:
+            t.start()
+        work()
+        for t in helpers:
+            t.join()
+        log.info("warmed %s: %d chunks its profile reads", ref, len(done))
 
     def profiles(self, workload: str = "") -> list[ReadProfile]:
         """What was read of each on-demand blob so far (``NodeConfig.trace_reads``), as read
