@@ -8,7 +8,8 @@ bytes written to local disk, time until all sandboxes are ready and until their 
 DSec: on demand was 1.71x faster with 57% fewer writes. The layers are published with read
 profiles (``dsec catalog profile``: one sequential run of each task, so data blobs are stored in
 first-read order); on demand is also run against the same layers published without profiles
-(``ondemand_fetch_fraction_unprofiled``), to show what the profile buys.
+(``ondemand_fetch_fraction_unprofiled``), to show what the profile buys. Each mode runs
+``--repeat`` batches (3; 1 with --quick) on fresh nodes; figures are medians.
 
 (b) A workspace unpacked from tar.gz into each sandbox's writable layer vs the same workspace
 mounted as a shared EROFS layer: time until a task can read it, and bytes written to disk
@@ -165,15 +166,63 @@ class SourceLink:
         time.sleep(max(0.0, done - time.monotonic()))
 
 
-def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True) -> dict:
+def _one_batch(mode: str, url: str, catalog, rounds: int, mbps: float) -> dict:
+    """One fresh node pulls the catalog's layers from ``url`` (eagerly or on demand) and runs
+    every task ``rounds`` times at once; its figures."""
     from dataclasses import replace
 
-    from dsec_core.catalog import (CatalogStore, default_catalog_file, parse_catalog)
+    from dsec_core.catalog import CatalogStore, parse_catalog
+    from dsec_core.node.node import Node
+
+    home = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{mode}-"))
+    config = replace(NodeConfig(home=home), layer_sources=("local", url),
+                     ondemand=(mode != "eager"))
+    config.ensure_dirs()
+    CatalogStore(config.catalog_dir).save(
+        parse_catalog(catalog.to_document(), check_sources=False, check_layers=False))
+
+    async def run() -> tuple[float, float, int]:
+        node = Node(config)
+        await node.open()
+        fetched = [0]
+        link = SourceLink(mbps)
+        for source in node.layer_sources:
+            if source.scheme == "oci":  # count every blob byte the registry sends
+                inner = source._request
+
+                def counting(method, url, *a, _inner=inner, **kw):
+                    response = _inner(method, url, *a, **kw)
+                    if method == "GET" and "/blobs/" in url:
+                        fetched[0] += len(response.content)
+                        link.carry(len(response.content))
+                    return response
+                source._request = counting
+        try:
+            ready, done = await _run_batch(node, catalog, rounds)
+        finally:
+            await node.close(kill_all=True)
+        return ready, done, fetched[0]
+
+    try:
+        written0 = _disk_written()
+        ready, done, fetched = asyncio.run(run())
+        written = _disk_written() - written0
+        return {"ready_s": round(ready, 3), "tasks_done_s": round(done, 3),
+                "fetched_bytes": fetched, "written_bytes": written,
+                "cache_bytes": _tree_bytes(config.cache_dir)}
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
+               repeat: int = 1) -> dict:
+    """Profile and publish the demo catalog to a registry on loopback, then time ``repeat``
+    batches per mode (eager, on demand, on demand without profiles); medians per figure."""
+    from dsec_core.catalog import default_catalog_file
     from dsec_core.demo import ensure_catalog
     from dsec_core.layers.distribution import catalog_layer_refs, push_layer
     from dsec_core.layers.profile import profile_catalog
     from dsec_core.layers.sources import open_source
-    from dsec_core.node.node import Node
     from dsec_core.testing.registry import local_registry
 
     author = NodeConfig.from_env()
@@ -208,42 +257,9 @@ def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True) -> dict:
         if unprofiled:
             modes["ondemand_unprofiled"] = urls["unprofiled"]
         for mode, url in modes.items():
-            home = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{mode}-"))
-            config = replace(NodeConfig(home=home), layer_sources=("local", url),
-                             ondemand=(mode != "eager"))
-            config.ensure_dirs()
-            CatalogStore(config.catalog_dir).save(
-                parse_catalog(catalog.to_document(), check_sources=False, check_layers=False))
-
-            async def run() -> tuple[float, float, int]:
-                node = Node(config)
-                await node.open()
-                fetched = [0]
-                link = SourceLink(mbps)
-                for source in node.layer_sources:
-                    if source.scheme == "oci":  # count every blob byte the registry sends
-                        inner = source._request
-
-                        def counting(method, url, *a, _inner=inner, **kw):
-                            response = _inner(method, url, *a, **kw)
-                            if method == "GET" and "/blobs/" in url:
-                                fetched[0] += len(response.content)
-                                link.carry(len(response.content))
-                            return response
-                        source._request = counting
-                try:
-                    ready, done = await _run_batch(node, catalog, rounds)
-                finally:
-                    await node.close(kill_all=True)
-                return ready, done, fetched[0]
-
-            written0 = _disk_written()
-            ready, done, fetched = asyncio.run(run())
-            written = _disk_written() - written0
-            out[mode] = {"ready_s": round(ready, 3), "tasks_done_s": round(done, 3),
-                         "fetched_bytes": fetched, "written_bytes": written,
-                         "cache_bytes": _tree_bytes(config.cache_dir)}
-            shutil.rmtree(home, ignore_errors=True)
+            runs = [_one_batch(mode, url, catalog, rounds, mbps) for _ in range(repeat)]
+            out[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            out[mode]["runs"] = repeat
     out["sandboxes"] = len(catalog.tasks) * rounds
     out["ondemand_fetch_fraction"] = round(out["ondemand"]["fetched_bytes"] / blob_bytes, 3)
     if unprofiled:
@@ -260,6 +276,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller workspace, fewer sandboxes")
     ap.add_argument("--sandboxes", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="batches per mode in (a), medians reported (default 3; 1 with --quick)")
     ap.add_argument("--source-mbps", type=float, default=None,
                     help="also run (a) with the registry link limited to this many MB/s "
                          "(default 100; 0 skips the limited run)")
@@ -294,9 +312,10 @@ def main() -> None:
         erofs_runs = [run_erofs(client, config, base, info.ref) for _ in range(n)]
 
     rounds = 1 if args.quick else 3
-    a = ablation_a(rounds)
+    repeat = args.repeat or (1 if args.quick else 3)
+    a = ablation_a(rounds, repeat=repeat)
     mbps = 100.0 if args.source_mbps is None else args.source_mbps
-    limited = ablation_a(rounds, mbps, unprofiled=False) if mbps else None
+    limited = ablation_a(rounds, mbps, unprofiled=False, repeat=repeat) if mbps else None
 
     tar_t = statistics.median(r[0] for r in tar_runs)
     erofs_t = statistics.median(r[0] for r in erofs_runs)
@@ -327,7 +346,8 @@ def main() -> None:
             limited["eager_vs_ondemand_time_ratio"] if limited else None,
         "ablation_a_limited": limited,
     }
-    print(f"\n(a) {a['sandboxes']} sandboxes over {a['image_layers']} layers "
+    print(f"\n(a) {a['sandboxes']} sandboxes over {a['image_layers']} layers, median of "
+          f"{repeat} batches per mode "
           f"({a['image_bytes'] / 1e6:.0f} MB of images, {a['lazy_form_bytes'] / 1e6:.0f} MB "
           "as metadata + data blobs) from an OCI registry on loopback\n")
     print(f"{'pull':20} {'ready':>9} {'tasks done':>11} {'fetched':>11} {'written':>11}")
