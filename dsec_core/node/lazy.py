@@ -8,6 +8,10 @@ a read of file data in any sandbox becomes, on a cache miss, one fetch of a whol
 (``$DSEC_HOME/cache/chunks``) is content-addressed, so a chunk shared by several layers is
 fetched and stored once, and bounded (LRU).
 
+A layer published with a read profile (``lazy.layout``) has its data blob stored in the order
+its tasks first read it; when such a layer is registered, the chunks holding that "hot" part
+are fetched in the background at once, so its first sandboxes find them cached.
+
 The FUSE connection outlives the daemon: a keeper process (``dsec_core.lazy.keeper``) holds a
 copy of its fd, and each blob's source and layer are recorded under ``run/lazy-blobs``. A
 restarted daemon takes the fd from the keeper, registers the recorded blobs again and starts
@@ -130,6 +134,7 @@ class LazyLayers:
         self.blobs[index.blob_digest] = blob
         self.layer_of[index.blob_digest] = info.digest
         if index.hot and self.config.prefetch_hot:
+            self._warmers = [w for w in self._warmers if w.is_alive()]
             warmer = threading.Thread(target=self._warm_hot, args=(blob, info.ref),
                                       name=f"warm-{index.blob_digest[7:19]}", daemon=True)
             self._warmers.append(warmer)
@@ -156,7 +161,8 @@ class LazyLayers:
                     return
                 done.append(i)
 
-        helpers = [threading.Thread(target=work, daemon=True) for _ in range(WARM_PARALLEL - 1)]
+        helpers = [threading.Thread(target=work, name=f"{threading.current_thread().name}-{n}",
+                                    daemon=True) for n in range(1, WARM_PARALLEL)]
         for t in helpers:
             t.start()
         work()
