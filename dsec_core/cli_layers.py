@@ -198,7 +198,11 @@ def _source(url: str):
 @click.argument("refs", nargs=-1, required=True)
 @click.option("--to", "url", required=True, help="Layer source URL (posix:/path, s3://..., oci://...).")
 def layer_push(refs: tuple[str, ...], url: str) -> None:
-    """Upload layers from this node's store to a layer source (already there: no-op)."""
+    """Upload layers from this node's store to a layer source (already there: no-op).
+
+    A layer with a read profile (`dsec catalog profile`) is published with its data blob in
+    first-read order.
+    """
     from .layers.distribution import push_layer
 
     _, store, _ = _stores()

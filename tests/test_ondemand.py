@@ -100,13 +100,13 @@ async def test_reads_fetch_only_what_they_touch(setup):
 
 
 async def test_damaged_compressed_chunk_gives_eio_not_garbage(setup):
-    """Published chunks are zlib-compressed; a stored chunk damaged at the source fails the
+    """Published chunks are zstd-compressed; a stored chunk damaged at the source fails the
     read in the sandbox, and the file reads right once the source is repaired."""
     config, shared = setup
     src = open_source(f"posix:{shared}")
     form = src.lazy_form(src.resolve(LayerRef("od-ws", "1")))
     index = form.index
-    assert index.compression == "zlib" and form.blob_size < index.blob_size
+    assert index.compression == "zstd" and form.blob_size < index.blob_size
     packed = [i for i in range(len(index.chunks))
               if index.stored_range(i)[1] < index.chunk_range(i)[1]]
     assert packed  # text.txt's chunks shrank

@@ -50,7 +50,7 @@ class LayerSource(abc.ABC):
 
     scheme: ClassVar[str]
     read_only: ClassVar[bool] = False
-    # How published data blobs are compressed ("zlib" or "" for none); None follows
+    # How published data blobs are compressed ("zstd", "zlib" or "" for none); None follows
     # DSEC_CHUNK_COMPRESSION. Set on an instance to override.
     compression: str | None = None
 
@@ -200,12 +200,12 @@ def publish_chunk_size() -> int:
 
 def publish_compression() -> str:
     """How published data blobs are compressed, chunk by chunk: ``DSEC_CHUNK_COMPRESSION``,
-    ``zlib`` (default) or ``none``."""
-    text = os.environ.get("DSEC_CHUNK_COMPRESSION", "zlib").strip().lower()
+    ``zstd`` (default), ``zlib`` or ``none``."""
+    text = os.environ.get("DSEC_CHUNK_COMPRESSION", "zstd").strip().lower()
     if text in ("none", "off", "0", ""):
         return ""
-    if text != "zlib":
-        raise InvalidSpec(f"DSEC_CHUNK_COMPRESSION must be zlib or none, got {text!r}",
+    if text not in ("zstd", "zlib"):
+        raise InvalidSpec(f"DSEC_CHUNK_COMPRESSION must be zstd, zlib or none, got {text!r}",
                           field="DSEC_CHUNK_COMPRESSION")
     return text
 
@@ -251,7 +251,7 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
                 log.warning("%s: publishing %s in its original order: %s", source, info.ref, e)
         if split is not None and compression:
             form, meta, blob = split
-            form, blob = compress_split(form, blob)
+            form, blob = compress_split(form, blob, compression)
             split = (form, meta, blob)
         yield split
     finally:

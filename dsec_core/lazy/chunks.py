@@ -22,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import zstandard
+
 from ..errors import LayerCorrupt, SourceUnavailable
 
 __all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
-COMPRESSIONS = ("", "zlib")
+COMPRESSIONS = ("", "zstd", "zlib")
 _TMP_PREFIX = ".tmp-"
 STUCK_GRACE = 0.2  # seconds a reader waits on a fetch that already ran past its timeout
 
@@ -47,7 +49,7 @@ class ChunkIndex:
     (logical offset, stored offset, length) mapping the blob the metadata image addresses
     (``logical_digest``) onto the stored one (``blob_digest``). Without a layout both are one.
 
-    A blob stored compressed (``compression`` "zlib") is its chunks compressed one by one and
+    A blob stored compressed (``compression`` "zstd" or "zlib") is its chunks compressed one by one and
     concatenated; ``stored`` gives each chunk's (offset, length) in it, and a chunk that did not
     shrink is stored as is (its stored length equals its length). ``blob_digest`` and
     ``stored_size`` are then those of the compressed object a source holds, while ``blob_size``,
@@ -132,13 +134,12 @@ class ChunkIndex:
                                chunk=i)
         if stored == length:
             return data
-        inflater = zlib.decompressobj()
         try:
-            out = inflater.decompress(data, length + 1)
-        except zlib.error as e:
+            out = _inflate(self.compression, data, length)
+        except (zlib.error, zstandard.ZstdError) as e:
             raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} does not decompress: {e}",
                                digest=self.blob_digest, chunk=i) from None
-        if len(out) != length or not inflater.eof:
+        if out is None or len(out) != length:
             raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} decompresses to the wrong "
                                "size", digest=self.blob_digest, chunk=i)
         return out
@@ -204,6 +205,28 @@ class ChunkIndex:
                    tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""),
                    d.get("compression", ""), tuple(tuple(r) for r in d.get("stored", ())),
                    int(d.get("hot", 0)))
+
+
+def deflate(compression: str, data: bytes) -> bytes:
+    """``data`` compressed for a chunk index of that ``compression`` (zstd level 3, zlib 3)."""
+    if compression == "zstd":
+        return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(data)
+    return zlib.compress(data, 3)
+
+
+def _inflate(compression: str, data: bytes, length: int) -> bytes | None:
+    """Decompress one stored chunk of ``length`` bytes, never inflating past length + 1 (a
+    damaged or hostile chunk cannot balloon); None if its header claims another size."""
+    if compression == "zstd":
+        claimed = zstandard.frame_content_size(data)
+        if claimed not in (length, zstandard.CONTENTSIZE_UNKNOWN):
+            return None
+        # With the size in the header the output buffer is exactly that; without it, at most
+        # length + 1 (more is a ZstdError).
+        return zstandard.ZstdDecompressor().decompress(data, max_output_size=length + 1)
+    inflater = zlib.decompressobj()
+    out = inflater.decompress(data, length + 1)
+    return out if inflater.eof else None
 
 
 def _hex(digest: str) -> str:

@@ -13,13 +13,12 @@ import hashlib
 import json
 import os
 import tempfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import LayerBuildError, LayerCorrupt, MountError
-from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex
+from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex, deflate
 
 if TYPE_CHECKING:
     from .layout import ReadProfile
@@ -165,8 +164,9 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
                                 stored.chunks, layout, index.logical_digest, hot=hot)), packed)
 
 
-def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm, Path]:
-    """Compress ``blob`` (the data blob of ``form``) chunk by chunk with zlib.
+def compress_split(form: LazyForm, blob: Path,
+                   compression: str = "zstd") -> tuple[LazyForm, Path]:
+    """Compress ``blob`` (the data blob of ``form``) chunk by chunk (``zstd`` or ``zlib``).
 
     Returns the form of the compressed blob (``ChunkIndex.compression``/``stored``; chunk
     digests, layout and the metadata image unchanged) and its path, next to ``blob``. A chunk
@@ -186,7 +186,7 @@ def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm
             if len(raw) != length:
                 raise LayerCorrupt(f"{blob} is shorter than its chunk index says",
                                    path=str(blob))
-            packed = zlib.compress(raw, level)
+            packed = deflate(compression, raw)
             piece = packed if len(packed) < length else raw
             dst.write(piece)
             whole.update(piece)
@@ -194,5 +194,5 @@ def compress_split(form: LazyForm, blob: Path, level: int = 3) -> tuple[LazyForm
             at += len(piece)
     return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
                      ChunkIndex("sha256:" + whole.hexdigest(), index.blob_size, index.chunk_size,
-                                index.chunks, index.layout, index.logical_digest, "zlib",
+                                index.chunks, index.layout, index.logical_digest, compression,
                                 tuple(stored), index.hot)), out)
