@@ -26,6 +26,7 @@ from dsec_core.lazy.chunks import ChunkIndex
 from dsec_core.lazy.layout import (AccessTrace, ReadProfile, check_layout, plan_layout,
                                    write_packed)
 from dsec_core.lazy.split import LazyForm, compress_split, pack_split
+from dsec_core.records import LayerRef
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 PAGE = 4096
@@ -427,3 +428,25 @@ def test_publish_compression_setting(monkeypatch):
     monkeypatch.setenv("DSEC_CHUNK_COMPRESSION", "brotli")
     with pytest.raises(InvalidSpec, match="DSEC_CHUNK_COMPRESSION"):
         publish_compression()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+@pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs mkfs.erofs")
+def test_a_stale_profile_publishes_in_original_order(author, tmp_path, caplog):
+    """A profile recorded on another split of the layer (say, at another chunk size, where
+    dedupe laid the blob out differently) cannot be applied: the layer is published anyway,
+    in directory order, with a warning."""
+    from dsec_core.layers.distribution import push_layer
+    from dsec_core.layers.sources import open_source
+
+    _, store, _, _ = author
+    info = store.resolve("sc-ws@1")
+    store.save_profile(ReadProfile(info.digest, "sha256:" + "0" * 64, info.size, ((0, PAGE),)))
+    (tmp_path / "shared").mkdir()
+    dest = open_source(f"posix:{tmp_path / 'shared'}")
+    t = push_layer("sc-ws@1", dest, store)
+    assert t.moved and not t.profiled
+    form = dest.lazy_form(dest.resolve(LayerRef.parse("sc-ws@1")))
+    assert form.index.layout == () and not form.index.hot
+    assert form.index.compression == "zstd"
+    assert "in its original order" in caplog.text

@@ -32,7 +32,7 @@ class Transfer:
     digest: str
     size: int
     moved: bool  # False: the other side had it already
-    profiled: bool = False  # published with a read profile (data blob in read order)
+    profiled: bool = False  # pushed with its data blob in read-profile order
 
 
 def push_layer(ref: str, dest: LayerSource, local: LayerStore) -> Transfer:
@@ -43,6 +43,9 @@ def push_layer(ref: str, dest: LayerSource, local: LayerStore) -> Transfer:
         moved = dest.push(info, local.image_path(info))
     else:
         moved = dest.push(info, local.image_path(info), profile=profile)
+        if moved:  # a stale profile is skipped (with a warning): say what was published
+            form = dest.lazy_form(info)
+            profile = profile if form is not None and form.index.layout else None
     return Transfer(info.ref, info.digest, info.size, moved, profile is not None)
 
 
