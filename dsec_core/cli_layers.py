@@ -66,10 +66,11 @@ def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
             progress.update(task, total=1.0, completed=1.0)
 
 
-def _layer_line(info: LayerInfo) -> str:
+def _layer_line(info: LayerInfo, profiled: str | None = None) -> str:
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created))
+    extra = "" if profiled is None else f"{profiled:>8}  "
     return (f"{info.ref:<32} {info.kind:<9} {_size(info.size):>10}  "
-            f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {info.source}")
+            f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {extra}{info.source}")
 
 
 # --- dsec layer ----------------------------------------------------------------------------
@@ -102,15 +103,34 @@ def layer_build(source: str, name: str, version: str | None, kind: str,
 @layer.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print the layers as JSON.")
 def layer_ls(as_json: bool) -> None:
-    """List the layers in the local store."""
+    """List the layers in the local store.
+
+    PROFILED is how much of a layer's data its read profile covers (`dsec catalog profile`),
+    or - if it has none.
+    """
+    from .errors import LayerCorrupt
+
     _, store, _ = _stores()
     infos = store.list()
-    if as_json:
-        click.echo(json.dumps([i.to_dict() for i in infos], indent=2))
-        return
-    click.echo(f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  SOURCE")
+    profiles = {}
     for info in infos:
-        click.echo(_layer_line(info))
+        try:
+            profiles[info.digest] = store.load_profile(info)
+        except LayerCorrupt:
+            profiles[info.digest] = None  # unusable; publishing ignores it the same way
+    if as_json:
+        rows = []
+        for info in infos:
+            p = profiles[info.digest]
+            rows.append(info.to_dict() | {"read_profile": None if p is None else {
+                "read_bytes": p.read_bytes, "blob_bytes": p.blob_size, "workload": p.workload}})
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  "
+               f"{'PROFILED':>8}  SOURCE")
+    for info in infos:
+        p = profiles[info.digest]
+        click.echo(_layer_line(info, f"{p.read_bytes / max(1, p.blob_size):.1%}" if p else "-"))
 
 
 @layer.command("rm")

@@ -295,6 +295,14 @@ async def test_profiled_layers_fetch_fewer_chunks_and_read_the_same(author, tmp_
     assert profile is not None and profile.workload == "catalog scatter: read-some"
     assert profile.read_bytes < ws_info.size / 4  # the task read a few pages of 8 files
     assert not list(Path(tempfile.gettempdir()).glob("dsec-profile-*"))  # cleaned up
+    listed = {row["name"]: row["read_profile"]
+              for row in json.loads(dsec_cli(home, "layer", "ls", "--json").stdout)}
+    assert listed["sc-ws"]["read_bytes"] == profile.read_bytes
+    assert listed["sc-ws"]["workload"] == "catalog scatter: read-some"
+    table = dsec_cli(home, "layer", "ls").stdout.splitlines()
+    assert "PROFILED" in table[0]
+    assert f"{profile.read_bytes / profile.blob_size:.1%}" in next(r for r in table
+                                                                   if r.startswith("sc-ws@1"))
 
     out = dsec_cli(home, "catalog", "publish", str(catalog_file), "--to", f"posix:{profiled}")
     assert out.returncode == 0, out.stderr
