@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -102,6 +103,8 @@ class Docker:
         if self.proc:
             self.proc.terminate()
             self.proc.wait(timeout=30)
+            # the log is kept only for a dockerd that failed to start (SystemExit above)
+            Path("/tmp/dsec-bench-dockerd.log").unlink(missing_ok=True)
 
 
 def docker_run_once(docker: Docker, tag: str) -> float:
