@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
