@@ -45,7 +45,7 @@ def test_plan_layout_is_a_permutation_with_read_pages_first(size):
     rng = random.Random(size)
     ranges = [(rng.randrange(0, size), rng.randint(1, 3 * PAGE)) for _ in range(12)]
     ranges.append((size + 10 * PAGE, PAGE))  # past the end: ignored
-    layout = plan_layout(size, ranges)
+    layout, hot = plan_layout(size, ranges)
     check_layout(layout, size)  # one-to-one on both sides
     # the first read page is stored first, then the next new page, ...
     first_pages = []
@@ -62,13 +62,14 @@ def test_plan_layout_is_a_permutation_with_read_pages_first(size):
     assert [phys_of[p] for p in expect_front] == list(range(len(expect_front)))
     if size % PAGE:  # a short last page stays last, or it would leave a hole mid-blob
         assert phys_of[last] == last
+    assert hot == min(size, len(first_pages) * PAGE)  # the prefix the read pages fill
 
 
 def test_layout_round_trips_through_the_index_and_lazy_blob(tmp_path):
     rng = random.Random(1)
     data = rng.randbytes(PAGE * 700 + 999)
     ranges = [(rng.randrange(len(data)), rng.randint(1, 40_000)) for _ in range(30)]
-    layout = plan_layout(len(data), ranges)
+    layout, _ = plan_layout(len(data), ranges)
     (tmp_path / "logical.blob").write_bytes(data)
     write_packed(tmp_path / "logical.blob", layout, tmp_path / "packed.blob")
     packed = (tmp_path / "packed.blob").read_bytes()
@@ -99,7 +100,7 @@ def test_layout_round_trips_through_the_index_and_lazy_blob(tmp_path):
 
 def test_bad_layouts_are_layer_corrupt():
     size = PAGE * 4
-    good = plan_layout(size, [(PAGE * 2, PAGE)])
+    good, _ = plan_layout(size, [(PAGE * 2, PAGE)])
     assert good[0] == (0, PAGE, 2 * PAGE)
     for bad in ([(0, 0, PAGE * 3)],  # too short
                 [(0, 0, PAGE * 2), (PAGE * 2, PAGE, PAGE * 2)],  # stored ranges overlap
@@ -119,7 +120,7 @@ def test_lazy_form_versions():
     assert json.loads(plain.to_json())["version"] == 1  # older nodes still read plain forms
     packed = LazyForm(plain.layer_digest, plain.meta_digest, 10, ChunkIndex(
         index.blob_digest, index.blob_size, index.chunk_size, index.chunks,
-        plan_layout(PAGE * 4, [(PAGE * 3, 1)]), "sha256:" + "c" * 64))
+        plan_layout(PAGE * 4, [(PAGE * 3, 1)])[0], "sha256:" + "c" * 64))
     assert json.loads(packed.to_json())["version"] == 2
     assert LazyForm.from_json(packed.to_json()) == packed
     assert LazyForm.from_json(plain.to_json()) == plain
@@ -160,6 +161,9 @@ def test_pack_split_refuses_a_profile_of_another_blob(tmp_path):
     other = ReadProfile(form.layer_digest, "sha256:" + "f" * 64, len(data), ((0, PAGE),))
     with pytest.raises(LayerCorrupt):
         pack_split(form, tmp_path / "data.blob", other)
+    with pytest.raises(LayerCorrupt, match="is of layer"):
+        pack_split(form, tmp_path / "data.blob", ReadProfile(
+            "sha256:" + "a" * 64, index.blob_digest, len(data), ((0, PAGE),)))
     ok = ReadProfile(form.layer_digest, index.blob_digest, len(data), ((PAGE * 7, PAGE),))
     packed_form, packed = pack_split(form, tmp_path / "data.blob", ok)
     assert packed.read_bytes()[:PAGE] == data[PAGE * 7:]

@@ -242,9 +242,6 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
         if split is not None and profile is not None:
             form, meta, blob = split
             try:
-                if profile.layer_digest != info.digest:
-                    raise LayerCorrupt(f"the profile is of layer {profile.layer_digest}",
-                                       digest=profile.layer_digest)
                 form, blob = pack_split(form, blob, profile)
                 split = (form, meta, blob)
             except LayerCorrupt as e:

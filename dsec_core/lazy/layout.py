@@ -123,13 +123,14 @@ class ReadProfile:
 
 
 def plan_layout(blob_size: int, ranges: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-                page_size: int = PAGE_SIZE) -> tuple[Extent, ...]:
+                page_size: int = PAGE_SIZE) -> tuple[tuple[Extent, ...], int]:
     """A permutation of the blob's pages: ``ranges`` first (in order, each page once, clipped
     to the blob), then every other page in its original order.
 
-    Returns extents (logical, physical, length) sorted by logical offset, covering the blob
-    exactly once on both sides; adjacent extents that are contiguous on both sides are merged.
-    The last page may be short.
+    Returns (extents, hot): extents (logical, physical, length) sorted by logical offset,
+    covering the blob exactly once on both sides, adjacent extents that are contiguous on both
+    sides merged; and how many bytes ``ranges`` cover, i.e. the stored prefix they were put
+    in. The last page may be short.
     """
     pages = -(-blob_size // page_size)
     placed: dict[int, int] = {}  # logical page -> physical page
@@ -164,7 +165,7 @@ def plan_layout(blob_size: int, ranges: list[tuple[int, int]] | tuple[tuple[int,
     for logical, phys, n in extents:
         length = min(n * page_size, blob_size - logical * page_size)
         out.append((logical * page_size, phys * page_size, length))
-    return tuple(out)
+    return tuple(out), min(blob_size, len(placed) * page_size)
 
 
 def check_layout(layout: tuple[Extent, ...], blob_size: int) -> None:

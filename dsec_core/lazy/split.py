@@ -73,14 +73,6 @@ class LazyForm:
             raise LayerCorrupt(f"not a lazy layer form: {e}") from e
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(8 << 20):
-            h.update(piece)
-    return "sha256:" + h.hexdigest()
-
-
 def split_image(image: Path, out_dir: Path,
                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[LazyForm, Path, Path]:
     """Split monolithic EROFS ``image`` into ``out_dir/meta.erofs`` and ``out_dir/data.blob``.
@@ -93,6 +85,7 @@ def split_image(image: Path, out_dir: Path,
     """
     # Imported here: node.mounts pulls in the backend, which imports the layers package.
     from ..layers.build import LAYER_UUID, _zero_build_time, run_tool
+    from ..layers.store import file_digest
     from ..node.mounts import mount_erofs_file, unmount
 
     image, out_dir = Path(image), Path(out_dir)
@@ -121,7 +114,7 @@ def split_image(image: Path, out_dir: Path,
             unmount(mnt)
         _zero_build_time(meta)
         index = ChunkIndex.build(blob, chunk_size)
-        form = LazyForm(layer_digest=_sha256_file(image), meta_digest=_sha256_file(meta),
+        form = LazyForm(layer_digest=file_digest(image), meta_digest=file_digest(meta),
                         meta_size=meta.stat().st_size, index=index)
         os.replace(meta, out_dir / meta.name)
         os.replace(blob, out_dir / blob.name)
@@ -140,25 +133,23 @@ def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[Lazy
     """Rewrite ``blob`` (the data blob of ``form``) in the order ``profile`` read it.
 
     Returns the form of the packed blob (its chunk index carries the layout; the metadata image
-    is unchanged) and the packed blob's path, next to ``blob``. A profile recorded on another
-    blob is ``LayerCorrupt``.
+    is unchanged) and the packed blob's path, next to ``blob``. A profile of another layer, or
+    recorded on another blob, is ``LayerCorrupt``.
     """
-    from .layout import AccessTrace, plan_layout, write_packed
+    from .layout import plan_layout, write_packed
 
     index = form.index
+    if profile.layer_digest != form.layer_digest:
+        raise LayerCorrupt(f"the read profile is of layer {profile.layer_digest}, not "
+                           f"{form.layer_digest}", digest=profile.layer_digest)
     if (profile.blob_digest, profile.blob_size) != (index.logical_digest, index.blob_size):
         raise LayerCorrupt(f"the read profile of {profile.layer_digest} was recorded on blob "
                            f"{profile.blob_digest}, not {index.logical_digest}",
                            digest=profile.blob_digest)
-    layout = plan_layout(index.blob_size, profile.ranges)
+    layout, hot = plan_layout(index.blob_size, profile.ranges)
     packed = Path(blob).with_name("packed.blob")
     write_packed(blob, layout, packed)
     stored = ChunkIndex.build(packed, index.chunk_size)
-    read = AccessTrace()
-    for offset, length in profile.ranges:
-        if 0 <= offset < index.blob_size:
-            read.touch(offset, min(length, index.blob_size - offset))
-    hot = min(index.blob_size, len(read) * read.page_size)
     return (LazyForm(form.layer_digest, form.meta_digest, form.meta_size,
                      ChunkIndex(stored.blob_digest, stored.blob_size, stored.chunk_size,
                                 stored.chunks, layout, index.logical_digest, hot=hot)), packed)

@@ -47,23 +47,22 @@ class LocalLayerSource(LayerSource):
         return self.store.image_path(info)
 
     def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
-        if self.store.exists(info.ref) and self.store.resolve(info.ref).digest == info.digest:
-            if profile is not None and profile.layer_digest == info.digest:
-                self.store.save_profile(profile)  # a profile travels with its layer
-            return False
-        with self.store.scratch("push-") as tmp:
-            copy = tmp / "image.erofs"
-            shutil.copyfile(image, copy)  # add() moves its input into the store
-            added = self.store.add(copy, name=info.name, version=info.version, kind=info.kind,
-                                   source=info.source)
-        if added.digest != info.digest:
-            from dsec_core.errors import LayerCorrupt
-            self.store.remove(info.ref)
-            raise LayerCorrupt(f"{image} is not {info.digest}", digest=info.digest,
-                               source=self.url)
+        moved = not (self.store.exists(info.ref)
+                     and self.store.resolve(info.ref).digest == info.digest)
+        if moved:
+            with self.store.scratch("push-") as tmp:
+                copy = tmp / "image.erofs"
+                shutil.copyfile(image, copy)  # add() moves its input into the store
+                added = self.store.add(copy, name=info.name, version=info.version,
+                                       kind=info.kind, source=info.source)
+            if added.digest != info.digest:
+                from dsec_core.errors import LayerCorrupt
+                self.store.remove(info.ref)
+                raise LayerCorrupt(f"{image} is not {info.digest}", digest=info.digest,
+                                   source=self.url)
         if profile is not None and profile.layer_digest == info.digest:
-            self.store.save_profile(profile)
-        return True
+            self.store.save_profile(profile)  # a profile travels with its layer
+        return moved
 
     def _catalog_file(self, name: str) -> Path:
         return Path(self.location) / "published-catalogs" / f"{name}.json"
