@@ -74,6 +74,12 @@ setup_python() {
             echo "run.sh: pip install failed" >&2
             exit 1
         fi
+        # A plugin whose folder is gone (moved into core, say) must not stay installed.
+        local dist
+        for dist in $("$venv/bin/pip" list --format=freeze 2>/dev/null | sed -n 's/^\(dsec-[a-z0-9-]*\)==.*/\1/p'); do
+            local dir="plugins/${dist#dsec-}"
+            [ -d "${dir//-/_}" ] || "$venv/bin/pip" uninstall -y -q "$dist" >/dev/null 2>&1 || true
+        done
         local modules="dsec"
         for d in plugins/*/; do d="${d%/}"; modules+=",dsec_${d#plugins/}"; done
         "$venv/bin/python" -c "import $modules" \

@@ -31,8 +31,8 @@ import dsec
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.node.daemon import ensure_daemon
-from dsec_core.node.mounts import mount_erofs_file, unmount
+from dsec_core.localnode import ensure_daemon
+from dsec_core.linux.mounts import mount_erofs_file, unmount
 from dsec_core.testing import make_busybox_rootfs
 
 DOCKER_SOCK = "/run/dsec-bench-docker.sock"

@@ -39,7 +39,7 @@ import dsec
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.node.daemon import ensure_daemon
+from dsec_core.localnode import ensure_daemon
 from dsec_core.records import LayerRef
 from dsec_core.testing import make_busybox_rootfs
 
@@ -220,10 +220,11 @@ def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
     batches per mode (eager, on demand, on demand without profiles); medians per figure."""
     from dsec_core.catalog import default_catalog_file
     from dsec_core.demo import ensure_catalog
-    from dsec_core.layers.distribution import catalog_layer_refs, push_layer
-    from dsec_core.layers.profile import profile_catalog
-    from dsec_core.layers.sources import open_source
-    from dsec_core.testing.registry import local_registry
+    from dsec_core.catalog.distribution import catalog_layer_refs
+from dsec_core.sources.transfer import push_layer
+    from dsec_core.profiling import profile_catalog
+    from dsec_core.plugins import open_source
+    from oci_registry import local_registry
 
     author = NodeConfig.from_env()
     author.ensure_dirs()

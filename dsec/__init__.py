@@ -6,11 +6,12 @@
 """
 
 from dsec_core import __version__
-from dsec_core.client import AsyncClient, AsyncSandbox, AsyncSession, Client, Sandbox, Session
+from dsec_core.sdk import AsyncClient, AsyncSandbox, AsyncSession, Client, Sandbox, Session
 from dsec_core.errors import *  # noqa: F401,F403 - the error tree is part of the SDK
 from dsec_core.errors import __all__ as _errors
-from dsec_core.records import ExecResult, FileEntry, LayerInfo, Limits, SandboxInfo, SandboxSpec
+from dsec_core.records import (ExecResult, FileEntry, LayerInfo, Limits, SandboxInfo,
+                               SandboxSpec, SandboxUsage)
 
 __all__ = ["__version__", "Client", "AsyncClient", "Sandbox", "AsyncSandbox", "Session",
            "AsyncSession", "SandboxSpec", "SandboxInfo", "ExecResult", "FileEntry", "LayerInfo",
-           "Limits", *_errors]
+           "Limits", "SandboxUsage", *_errors]

@@ -1,58 +1,184 @@
-"""The contract between the node daemon and a backend plugin (container, FnCall, microVM, VM).
+"""The contract between the node and a backend plugin (container, FnCall, microVM, full VM).
 
-A backend starts and stops the isolation around a prepared root filesystem; everything inside
-(exec, sessions, files) goes through the in-sandbox agent, reached at ``agent_address``. So a new
-backend only has to boot something that runs ``dsec-agent`` on the socket it was handed.
+A backend starts and stops the isolation around a sandbox; everything inside (exec, sessions,
+files) goes through the in-sandbox agent, ``dsec-agent``, which the node reaches at
+``SandboxRuntime.agent_socket``. A backend declares what it needs and what it gives, and the
+node hands it exactly that:
+
+``rootfs`` (``RootfsForm``)
+    ``COMPOSED``: the node mounts every layer and an overlay with the writable upper on local
+    disk, and hands the backend the mounted directory (``rt.rootfs``): containers.
+    ``IMAGES``: the node mounts nothing; it hands the layer image files (``rt.images``, top
+    first; on-demand layers as a metadata image plus a data blob ``device``) and a writable
+    disk file (``rt.disk``, sparse, unformatted, ``rt.disk_size`` bytes) for the backend to
+    attach (virtio-pmem/blk): microVMs and full VMs.
+
+``agent_channel`` (``AgentChannel``)
+    ``UNIX``: the backend binds and listens on the unix socket ``rt.agent_socket`` itself and
+    hands the listening socket to ``dsec-agent`` as an inherited descriptor:
+    ``<AGENT_PATH> --fd N`` (the container backend passes it as fd 3). Connections made before
+    the agent runs wait in the socket's backlog.
+    ``FORWARDED``: the agent runs where the host cannot pass it a descriptor (a guest kernel);
+    the backend makes ``rt.agent_socket`` a unix socket that forwards each connection to the
+    agent (over vsock or a serial port) and returns from ``start`` once it does.
+
+``features`` (a set of ``Feature``)
+    What the backend's isolation gives. The node relies on ``NET_NAMESPACE`` to enforce
+    ``SandboxSpec.network="none"``; the conformance kit reads all of them to pick its checks
+    (``SHARED_KERNEL`` tells it whether sandbox processes can be looked for in the host's
+    /proc) and reports every check it skips for an unclaimed feature.
+
+``policy_targets``
+    The enforcement points the backend offers security policies. At each one the backend calls
+    ``rt.enforce(target, subject)``, which applies every policy the sandbox asked for that works
+    through ``target``: the container backend offers ``"oci"`` and calls
+    ``rt.enforce("oci", config)`` with the OCI runtime config before starting the container. A
+    policy a sandbox asks for must work through one of the backend's targets, or the create
+    fails (``SecurityPolicy.enforceable_on``).
+
+Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
+
+- The agent is the sandbox's init (PID 1 in its pid namespace or guest) and sits at
+  ``AGENT_PATH`` (``/.dsec/agent``) in the sandbox; ``rt.agent_binary`` is the static binary.
+- ``start`` returns a JSON-able state (saved with the sandbox, handed back to ``alive``,
+  ``stop`` and ``usage``, also after a daemon restart); its ``"pid"``, if any, is the host
+  process whose death ends the sandbox (the kit kills it to check ``alive``). On failure,
+  ``start`` leaves nothing running and raises a ``DsecError``.
+- With ``CGROUPS``, the sandbox's cgroups are ``<hierarchy>/dsec/<sandbox id>``
+  (``cgroup_path``), so leak checks find them, and ``usage`` reports memory, CPU seconds and
+  pids.
+- ``stop`` kills every process of the sandbox and frees what ``start`` took; it is idempotent.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from .config import NodeConfig
-from .records import Limits, SandboxSpec
+from .errors import PluginInvalid
+from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
-__all__ = ["Backend", "SandboxRuntime", "IdMap"]
+__all__ = ["Backend", "SandboxRuntime", "LayerImage", "Feature", "RootfsForm", "AgentChannel",
+           "AGENT_PATH", "CGROUP_PARENT", "cgroup_path", "IdMap"]
+
+#: Where the agent binary is inside every sandbox.
+AGENT_PATH = "/.dsec/agent"
+#: Parent of every sandbox's cgroup in each hierarchy: ``<hierarchy>/dsec/<sandbox id>``.
+CGROUP_PARENT = "dsec"
+
+
+def cgroup_path(sandbox_id: str) -> str:
+    """The cgroup of a sandbox, relative to a hierarchy's root: ``dsec/<id>``."""
+    return f"{CGROUP_PARENT}/{sandbox_id}"
+
+
+class Feature(str, enum.Enum):
+    """What a backend's isolation gives; ``Backend.features`` claims a set of these."""
+
+    #: Sandbox processes run on the host kernel and show in the host's /proc.
+    SHARED_KERNEL = "shared-kernel"
+    #: Root inside is an unprivileged host uid (``SandboxRuntime.idmap``); files it writes in
+    #: the writable layer belong to that uid on the host.
+    USERNS = "userns"
+    #: Memory, CPU and pids limits enforced by cgroups at ``cgroup_path(id)``; ``usage`` reports
+    #: memory, cpu_seconds and pids.
+    CGROUPS = "cgroups"
+    #: A private pid namespace (or guest): the agent is PID 1 and sees only sandbox processes.
+    PID_NAMESPACE = "pid-namespace"
+    #: No network but loopback (a private network namespace, or a guest without a NIC).
+    NET_NAMESPACE = "net-namespace"
+
+
+class RootfsForm(str, enum.Enum):
+    """How a backend wants the sandbox's root filesystem (see the module docstring)."""
+
+    COMPOSED = "composed"
+    IMAGES = "images"
+
+
+class AgentChannel(str, enum.Enum):
+    """How the node reaches the agent through ``rt.agent_socket`` (see the module docstring)."""
+
+    UNIX = "unix"
+    FORWARDED = "forwarded"
 
 
 @dataclass(frozen=True)
-class IdMap:
-    """Container uid/gid 0.. map to host ``host_base``.. (``size`` ids)."""
+class LayerImage:
+    """One read-only layer as files, for ``RootfsForm.IMAGES`` backends.
 
-    host_base: int
-    size: int
+    ``image`` is the EROFS image; for a layer loaded on demand it is the metadata image and
+    ``device`` the data blob (EROFS multi-device: mount with ``-o device=<blob>``), served
+    chunk by chunk by the node. Both are read-only and stay in place while the sandbox lives.
+    """
+
+    ref: str
+    digest: str
+    image: Path
+    device: Path | None = None
+
+
+def _no_policies(target: str, subject: Any) -> None:
+    pass
 
 
 @dataclass(frozen=True)
 class SandboxRuntime:
-    """What the daemon prepared for one sandbox before asking a backend to start it."""
+    """What the node prepared for one sandbox before asking a backend to start it."""
 
     id: str
     spec: SandboxSpec
     limits: Limits
-    dir: Path  # the sandbox's runtime directory (tmpfs): the OCI bundle, sockets, state
-    data_dir: Path  # the sandbox's directory on local disk: its writable layer
-    rootfs: Path  # composed overlay (layers + writable upper), already mounted
-    agent_socket: Path  # listening unix socket the agent must serve (bound by the daemon)
-    agent_binary: Path  # static dsec-agent to run inside as init
+    dir: Path  # the sandbox's runtime directory (tmpfs): bundle, sockets, state; 0711, root's
+    data_dir: Path  # the sandbox's directory on local disk: its writable layer or disk
+    agent_socket: Path  # where the node connects to the agent (see AgentChannel)
+    agent_binary: Path  # the static dsec-agent, to run as the sandbox's init at AGENT_PATH
     idmap: IdMap
-    layer_mounts: tuple[Path, ...] = ()  # the read-only layer mounts (top first), for VM backends
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    rootfs: Path | None = None  # COMPOSED: the mounted overlay (layers + writable upper)
+    images: tuple[LayerImage, ...] = ()  # IMAGES: the layers, top first
+    disk: Path | None = None  # IMAGES: the writable disk, a sparse unformatted file
+    disk_size: int = 0  # IMAGES: its size in bytes
+    #: ``enforce(target, subject)``: apply the sandbox's security policies that work through
+    #: enforcement point ``target`` to ``subject`` (for "oci": the OCI config, in place).
+    enforce: Callable[[str, Any], None] = field(default=_no_policies, compare=False, repr=False)
 
 
 class Backend(abc.ABC):
-    """Subclass, set ``name``, and register the class from ``dsec_register_backends``."""
+    """Subclass, set ``name`` and what you need and give, and register the class from
+    ``dsec_register_backends``. The node makes one instance per backend and node."""
 
     name: ClassVar[str]
-    #: what the backend's isolation gives; the conformance kit reads this to pick its checks
-    features: ClassVar[frozenset[str]] = frozenset()
+    features: ClassVar[frozenset[Feature]] = frozenset()
+    rootfs: ClassVar[RootfsForm] = RootfsForm.COMPOSED
+    agent_channel: ClassVar[AgentChannel] = AgentChannel.UNIX
+    policy_targets: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, config: NodeConfig, security_policies: list[Any] | None = None) -> None:
+    def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.security_policies = list(security_policies or [])
+
+    @classmethod
+    def shares_host_kernel(cls) -> bool:
+        return Feature.SHARED_KERNEL in cls.features
+
+    @classmethod
+    def check_contract(cls) -> None:
+        """Raise ``PluginInvalid`` if the class declares something the contract does not know
+        (the registry calls this when the backend is registered)."""
+        where = f"backend {getattr(cls, 'name', cls.__qualname__)!r} ({cls.__module__})"
+        known = {f.value for f in Feature}
+        unknown = sorted(str(f) for f in cls.features if str(getattr(f, "value", f)) not in known)
+        if unknown:
+            raise PluginInvalid(f"{where} claims unknown feature(s) {', '.join(unknown)}; "
+                                f"known: {', '.join(sorted(known))}", features=unknown)
+        if not isinstance(cls.rootfs, RootfsForm):
+            raise PluginInvalid(f"{where}: rootfs must be a RootfsForm, not {cls.rootfs!r}")
+        if not isinstance(cls.agent_channel, AgentChannel):
+            raise PluginInvalid(f"{where}: agent_channel must be an AgentChannel, not "
+                                f"{cls.agent_channel!r}")
 
     @classmethod
     def check_available(cls) -> None:
@@ -73,6 +199,6 @@ class Backend(abc.ABC):
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """Kill every process of the sandbox and free what ``start`` took. Idempotent."""
 
-    def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Current resource use (memory bytes, cpu seconds, pids), best effort."""
-        return {}
+    def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
+        """What the sandbox uses now, best effort (None where unknown)."""
+        return SandboxUsage()

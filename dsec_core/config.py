@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidSpec
+from .records import parse_size
 
 __all__ = ["NodeConfig", "default_home"]
 
@@ -70,7 +71,6 @@ class NodeConfig:
         if "DSEC_PREFETCH_HOT" in os.environ:
             kw["prefetch_hot"] = os.environ["DSEC_PREFETCH_HOT"] not in ("0", "false", "no", "")
         if "DSEC_CHUNK_CACHE" in os.environ:
-            from .records import parse_size
             kw["chunk_cache_bytes"] = parse_size(os.environ["DSEC_CHUNK_CACHE"],
                                                  "DSEC_CHUNK_CACHE")
         if "DSEC_FETCH_TIMEOUT" in os.environ:
@@ -131,6 +131,11 @@ class NodeConfig:
     @property
     def socket_path(self) -> Path:
         return self.run_dir / "dsecd.sock"
+
+    @property
+    def pid_file(self) -> Path:
+        """Locked by the running daemon; holds its pid."""
+        return self.run_dir / "dsecd.pid"
 
     @property
     def log_path(self) -> Path:

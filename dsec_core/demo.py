@@ -16,12 +16,14 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .catalog import CatalogStore, build_catalog, default_catalog_file, load_catalog
-from .client import AsyncClient, Client
+from .catalog.build import build_catalog
+from .catalog.model import default_catalog_file, load_catalog
+from .catalog.rewards import compute_reward
+from .catalog.store import CatalogStore
 from .config import NodeConfig
 from .layers.store import LayerStore
 from .records import SandboxSpec
-from .rewards import compute_reward
+from .sdk import AsyncClient, Client
 
 __all__ = ["run_demo", "ensure_catalog"]
 

@@ -18,6 +18,7 @@ __all__ = [
     "UnknownEnvironment",
     "UnknownSession",
     "UnknownSource",
+    "UnknownPolicy",
     "InvalidSpec",
     "CatalogInvalid",
     "LayerBuildError",
@@ -25,6 +26,8 @@ __all__ = [
     "LayerCorrupt",
     "SourceUnavailable",
     "BackendUnavailable",
+    "PolicyUnavailable",
+    "PluginInvalid",
     "AdmissionRejected",
     "SandboxError",
     "SandboxNotRunning",
@@ -105,6 +108,10 @@ class UnknownSource(NotFound):
     """A layer source scheme no plugin handles."""
 
 
+class UnknownPolicy(NotFound):
+    """A sandbox asked for a security policy no plugin provides."""
+
+
 class InvalidSpec(DsecError):
     """A request or spec is malformed: wrong type, bad size string, conflicting fields."""
 
@@ -159,6 +166,20 @@ class BackendUnavailable(DsecError):
     """The backend exists but cannot run here (missing runtime, kernel feature, ...)."""
 
     http_status = 503
+
+
+class PolicyUnavailable(DsecError):
+    """A security policy a sandbox asked for cannot be enforced on its backend or this host.
+
+    Never a silent pass: the sandbox is not created. ``policy`` and ``backend`` name the two.
+    """
+
+    http_status = 422
+
+
+class PluginInvalid(DsecError):
+    """A plugin registered something that breaks the plugin contract (wrong base class, no
+    name, an undeclared feature); the message says what and how to fix it."""
 
 
 class AdmissionRejected(DsecError):

@@ -12,17 +12,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .errors import CommandFailed, ExecTimeout, InvalidSpec
+from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 
 __all__ = [
     "LAYER_KINDS",
     "LayerRef",
     "LayerInfo",
     "Limits",
+    "IdMap",
     "SandboxSpec",
     "SandboxInfo",
+    "SandboxUsage",
     "ExecResult",
     "FileEntry",
+    "NodeLoad",
     "parse_size",
 ]
 
@@ -118,6 +121,14 @@ class Limits(_Record):
 
 
 @dataclass(frozen=True)
+class IdMap(_Record):
+    """Sandbox uid/gid 0.. map to host ``host_base``.. (``size`` ids)."""
+
+    host_base: int
+    size: int
+
+
+@dataclass(frozen=True)
 class SandboxSpec(_Record):
     """What a create request asks for.
 
@@ -136,12 +147,27 @@ class SandboxSpec(_Record):
     env: Mapping[str, str] = field(default_factory=dict)
     workdir: str = "/"
     labels: Mapping[str, str] = field(default_factory=dict)
-    network: str = "none"  # "none": loopback only; policies come from security plugins
+    #: "none": loopback only, which the backend's own isolation enforces. Any other mode is
+    #: enforced by a security policy named in ``policies`` that declares it, or the create is
+    #: refused (``PolicyUnavailable``).
+    network: str = "none"
+    #: Security policies for this sandbox, by name, each with its settings (JSON values), e.g.
+    #: ``{"landlock": {"read_only": ["/usr"]}}``. A policy that cannot be enforced on the
+    #: sandbox's backend fails the create; policies not named here are not applied.
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
+        if not isinstance(self.policies, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.policies.items()):
+            raise InvalidSpec("policies must map policy names to settings objects",
+                              field="policies")
+        object.__setattr__(self, "policies", {k: dict(v) for k, v in self.policies.items()})
+        if not isinstance(self.network, str) or not self.network:
+            raise InvalidSpec(f"network must be a mode name such as 'none', got {self.network!r}",
+                              field="network")
         if not self.environment and not self.layers:
             raise InvalidSpec("a sandbox needs an environment or at least one layer")
         if self.ttl is not None and self.ttl <= 0:
@@ -183,6 +209,19 @@ class SandboxInfo(_Record):
         d = super().to_dict()
         d["layers"] = list(self.layers)
         return d
+
+
+@dataclass(frozen=True)
+class SandboxUsage(_Record):
+    """What a sandbox uses now: memory in bytes, CPU seconds since it started, live processes.
+
+    None where a backend cannot tell; a backend that claims the ``cgroups`` feature reports all
+    three.
+    """
+
+    memory: int | None = None
+    cpu_seconds: float | None = None
+    pids: int | None = None
 
 
 @dataclass(frozen=True)
@@ -242,3 +281,51 @@ class FileEntry(_Record):
     size: int
     mode: int
     mtime: float
+
+
+@dataclass(frozen=True)
+class NodeLoad(_Record):
+    """What placement knows of one node: its capacity, what its sandboxes reserve, and how many
+    it holds. CPU in cores and memory in bytes, capacities with overcommit applied."""
+
+    node: str  # the node's name or address
+    backends: tuple[str, ...]
+    cpu_capacity: float
+    cpu_committed: float
+    memory_capacity: int
+    memory_committed: int
+    sandboxes: int = 0
+    max_sandboxes: int = 4096
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", tuple(self.backends))
+        object.__setattr__(self, "labels", dict(self.labels))
+
+    @property
+    def load(self) -> float:
+        """The fullest of CPU, memory and sandbox count, as a fraction of capacity."""
+        return max(self.cpu_committed / max(self.cpu_capacity, 1e-9),
+                   self.memory_committed / max(self.memory_capacity, 1),
+                   self.sandboxes / max(self.max_sandboxes, 1))
+
+    def refusal(self, spec: SandboxSpec) -> AdmissionRejected | None:
+        """Why this node cannot take ``spec`` (the error to raise), or None if it can."""
+        lim = spec.limits
+        if spec.backend not in self.backends:
+            return AdmissionRejected(f"node {self.node} does not run backend {spec.backend!r}",
+                                     reason="backend", node=self.node)
+        if self.sandboxes + 1 > self.max_sandboxes:
+            return AdmissionRejected(f"node is full: {self.sandboxes} sandboxes of at most "
+                                     f"{self.max_sandboxes}", reason="count", node=self.node)
+        if self.cpu_committed + lim.cpu > self.cpu_capacity:
+            return AdmissionRejected(
+                f"not enough CPU: asked {lim.cpu} cores, "
+                f"{self.cpu_capacity - self.cpu_committed:.1f} of {self.cpu_capacity:.0f} (with "
+                "overcommit) left", reason="cpu", node=self.node)
+        if self.memory_committed + lim.memory > self.memory_capacity:
+            return AdmissionRejected(
+                f"not enough memory: asked {lim.memory >> 20} MiB, "
+                f"{(self.memory_capacity - self.memory_committed) >> 20} MiB of "
+                f"{self.memory_capacity >> 20} MiB left", reason="memory", node=self.node)
+        return None

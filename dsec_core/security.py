@@ -1,29 +1,64 @@
-"""The contract for security policy plugins (AppArmor/Landlock, eBPF network allowlists, ...).
+"""The contract for security policy plugins (file rules, network allowlists, seccomp, ...).
 
-A policy sees each sandbox before it starts and may tighten its OCI configuration; it is told
-when the sandbox ends so it can drop per-sandbox state.
+A sandbox names the policies it wants in ``SandboxSpec.policies`` (name -> settings); only
+those apply to it. Before anything is set up, the node checks each one: the policy exists
+(``UnknownPolicy``), its settings are valid (``validate``: ``InvalidSpec``), this host can run it
+(``check_available``) and it can be enforced on the sandbox's backend (``enforceable_on``): if
+not, the create fails with ``PolicyUnavailable``, never silently without the policy.
+``SandboxSpec.network`` modes other than ``"none"`` must be enforced by a requested policy that
+lists the mode in ``network_modes``.
+
+Enforcement happens at the backend's enforcement points (``Backend.policy_targets``): there the
+backend calls ``rt.enforce(target, subject)`` and the node calls ``apply(target, ...)`` of each
+policy the sandbox asked for that lists ``target``. The container backend offers ``"oci"``
+(``apply_oci`` gets the container's OCI runtime config before it starts). ``released`` is
+called when the sandbox is gone.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
-from .backend import SandboxRuntime
+from .backend import Backend, SandboxRuntime
 
 __all__ = ["SecurityPolicy"]
 
 
 class SecurityPolicy:
-    """Subclass, set ``name``, register from ``dsec_register_security_policies``."""
+    """Subclass, set ``name`` and ``targets``, register from ``dsec_register_security_policies``.
+
+    The node makes one instance per policy and node.
+    """
 
     name: ClassVar[str]
+    #: Enforcement points the policy works through; it can enforce on a backend that offers
+    #: any of them (``Backend.policy_targets``), e.g. ``{"oci"}``.
+    targets: ClassVar[frozenset[str]] = frozenset()
+    #: ``SandboxSpec.network`` modes this policy enforces (e.g. ``{"allowlist"}``).
+    network_modes: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def check_available(cls) -> None:
-        """Raise ``BackendUnavailable`` if the kernel lacks what the policy needs."""
+        """Raise ``PolicyUnavailable`` if this host lacks what the policy needs."""
 
-    def apply_oci(self, rt: SandboxRuntime, config: dict[str, Any]) -> None:
-        """Tighten a container's OCI runtime config in place before it starts."""
+    @classmethod
+    def enforceable_on(cls, backend: type[Backend]) -> bool:
+        """Whether the policy can be enforced on sandboxes of ``backend``."""
+        return bool(cls.targets & backend.policy_targets)
+
+    def validate(self, settings: Mapping[str, Any]) -> None:
+        """Raise ``InvalidSpec`` if ``settings`` are not valid for this policy."""
+
+    def apply(self, target: str, rt: SandboxRuntime, settings: Mapping[str, Any],
+              subject: Any) -> None:
+        """Enforce the policy on ``subject`` at enforcement point ``target`` (one of
+        ``targets``); the default hands "oci" to ``apply_oci``."""
+        if target == "oci":
+            self.apply_oci(rt, settings, subject)
+
+    def apply_oci(self, rt: SandboxRuntime, settings: Mapping[str, Any],
+                  config: dict[str, Any]) -> None:
+        """Tighten a container's OCI runtime config in place before it starts (target "oci")."""
 
     def released(self, rt: SandboxRuntime) -> None:
         """The sandbox is gone; drop anything kept for it."""

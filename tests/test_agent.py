@@ -24,7 +24,7 @@ import pytest
 
 import dsec_core.agent as agent_mod
 from dsec_core.agent import ensure_agent
-from dsec_core.agent.client import AgentClient
+from dsec_core.agent.rpc import AgentClient
 from dsec_core.errors import (
     BackendUnavailable,
     InvalidSpec,

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+import dsec_core.catalog
+from dsec_core.catalog.model import SCHEMA_FILE
 from dsec_core.catalog import (
     CatalogStore,
     Environment,
@@ -26,14 +28,14 @@ from dsec_core.catalog import (
     load_catalog,
     parse_catalog,
 )
-from dsec_core.cli_layers import catalog as catalog_cli
-from dsec_core.cli_layers import layer as layer_cli
+from dsec_core.cli.layers import catalog as catalog_cli
+from dsec_core.cli.layers import layer as layer_cli
 from dsec_core.errors import CatalogInvalid, InvalidSpec, SandboxPathError, UnknownEnvironment
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.recipes import debian_mirror
 from dsec_core.layers.store import LayerStore
 from dsec_core.records import ExecResult
-from dsec_core.rewards import compute_reward, junit_pass_rate
+from dsec_core.catalog.rewards import compute_reward, junit_pass_rate
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
                                 reason="needs root and mkfs.erofs")
@@ -89,14 +91,16 @@ def write_catalog(catalog_dir: Path, doc: dict, name: str = "catalog.yaml") -> P
 
 # --- loading -------------------------------------------------------------------------------
 
-def test_schema_is_draft_2020_12_and_shipped_as_package_data():
+def test_schema_is_draft_2020_12_and_has_one_copy_inside_the_package():
     import jsonschema
 
     schema = catalog_schema()
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     jsonschema.Draft202012Validator.check_schema(schema)
-    package_copy = REPO / "dsec_core" / "catalog_schema.json"
-    assert json.loads(package_copy.read_text()) == schema
+    assert SCHEMA_FILE.parent == Path(dsec_core.catalog.__file__).parent
+    copies = [p for p in REPO.rglob("*schema*.json")
+              if ".venv" not in p.parts and not p.is_symlink() and ".git" not in p.parts]
+    assert copies == [SCHEMA_FILE]
 
 
 def test_load_small_catalog(catalog_dir):

@@ -14,7 +14,7 @@ import pytest
 from dsec_core.catalog import load_catalog
 from dsec_core.config import NodeConfig
 from dsec_core.catalog import default_catalog_file
-from dsec_core.node.daemon import daemon_pid, stop_daemon
+from dsec_core.localnode import daemon_pid, stop_daemon
 from dsec_core.testing import leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]

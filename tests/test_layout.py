@@ -255,16 +255,16 @@ async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int, int, int]:
     await node.open()
     try:
         sb = await node.create(SandboxSpec(environment="scatter-env"))
-        for warmer in list(node.lazy._warmers):
+        for warmer in list(node.ondemand._warmers):
             warmer.join(30)
-        ws_blob = next(b for b in node.lazy.blobs.values()
+        ws_blob = next(b for b in node.ondemand.blobs.values()
                        if b.index.blob_size > FILES * FILE_BYTES // 2)
-        warmed = sum(1 for c in ws_blob.index.chunks if c in node.lazy.cache)
+        warmed = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
         r = await node.exec(sb.id, CATALOG["tasks"][0]["command"])
         want = [hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()[:3000]).hexdigest()
                 for i in READ]
         assert [line.split()[0] for line in r.stdout.decode().splitlines()] == want
-        fetched = sum(1 for c in ws_blob.index.chunks if c in node.lazy.cache)
+        fetched = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
         chunk = ws_blob.index.chunk_size
         # then every byte of every file reads back right through the packed layout
         r = await node.exec(sb.id, "md5sum f*.bin")
@@ -329,7 +329,7 @@ def test_profile_bad_input(tmp_path):
         (tmp_path / "scatter.json").write_text(json.dumps(CATALOG))
         out = dsec_cli(home, "catalog", "profile", "no-such-catalog")
         assert out.returncode == 1 and "Error:" in out.stderr and "Traceback" not in out.stderr
-        from dsec_core.layers.profile import profile_catalog
+        from dsec_core.profiling import profile_catalog
         cat = parse_catalog(CATALOG, check_sources=False, check_layers=False)
         with pytest.raises(UnknownEnvironment, match="no task 'nope'"):
             profile_catalog(cat, NodeConfig(home=home), ["nope"])
@@ -430,7 +430,7 @@ def test_bad_compressed_indexes_are_layer_corrupt():
 
 def test_publish_compression_setting(monkeypatch):
     from dsec_core.errors import InvalidSpec
-    from dsec_core.layers.source import publish_compression
+    from dsec_core.sources.base import publish_compression
     monkeypatch.delenv("DSEC_CHUNK_COMPRESSION", raising=False)
     assert publish_compression() == "zstd"
     monkeypatch.setenv("DSEC_CHUNK_COMPRESSION", "zlib")
@@ -448,8 +448,8 @@ def test_a_stale_profile_publishes_in_original_order(author, tmp_path, caplog):
     """A profile recorded on another split of the layer (say, at another chunk size, where
     dedupe laid the blob out differently) cannot be applied: the layer is published anyway,
     in directory order, with a warning."""
-    from dsec_core.layers.distribution import push_layer
-    from dsec_core.layers.sources import open_source
+    from dsec_core.sources.transfer import push_layer
+    from dsec_core.plugins import open_source
 
     _, store, _, _ = author
     info = store.resolve("sc-ws@1")

@@ -22,7 +22,7 @@ import pytest
 from dsec_core.errors import LayerCorrupt, SourceUnavailable
 from dsec_core.lazy import (ChunkCache, ChunkIndex, FuseServer, LazyBlob, mount_lazy_erofs,
                             prefetch, recv_fuse_fd, send_fuse_fd)
-from dsec_core.node.mounts import unmount
+from dsec_core.linux.mounts import unmount
 from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
 pytestmark = [

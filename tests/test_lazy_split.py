@@ -16,11 +16,11 @@ import pytest
 
 from dsec_core.errors import LayerBuildError, LayerCorrupt, ToolError, UnknownLayer
 from dsec_core.layers.build import build_layer
-from dsec_core.layers.source import BlobStoreSource, LayerSource
+from dsec_core.sources.base import BlobStoreSource, LayerSource
 from dsec_core.layers.store import LayerStore
 from dsec_core.lazy import ChunkCache, FuseServer, LazyBlob, mount_lazy_erofs
 from dsec_core.lazy.split import LazyForm, compress_split, split_image
-from dsec_core.node.mounts import mount_erofs_file, mounted_under, unmount
+from dsec_core.linux.mounts import mount_erofs_file, mounted_under, unmount
 from dsec_core.records import LayerInfo
 from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
@@ -263,7 +263,7 @@ def _count_uploads(source: LayerSource) -> list[str]:
 def s3_server():
     pytest.importorskip("boto3")
     pytest.importorskip("dsec_layer_s3")
-    from dsec_core.testing.s3server import running_s3_server
+    from s3server import running_s3_server
     with running_s3_server(buckets=("dsec",)) as s:
         yield s
 
@@ -271,7 +271,7 @@ def s3_server():
 @pytest.fixture(scope="module")
 def registry():
     pytest.importorskip("dsec_layer_oci")
-    from dsec_core.testing.registry import local_registry, registry_binary
+    from oci_registry import local_registry, registry_binary
     if registry_binary() is None:
         pytest.skip("docker-registry is not installed")
     with local_registry() as reg:

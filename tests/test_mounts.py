@@ -12,8 +12,8 @@ from dsec_core.backend import IdMap
 from dsec_core.errors import MountError
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.node.mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
-                                   mounted_under, unmount)
+from dsec_core.linux.mounts import UserNamespaceHandle, ensure_tmpfs, mounted_under, unmount
+from dsec_core.node.mounts import MountCache, OverlayStack
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -30,7 +30,7 @@ def layer(tmp_path):
 
 @pytest.fixture
 def userns():
-    handle = UserNamespaceHandle(IdMap(100000, 65536))
+    handle = UserNamespaceHandle(100000, 65536)
     yield handle
     handle.close()
 

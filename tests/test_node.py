@@ -15,7 +15,7 @@ import pytest
 import dsec
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.node.daemon import daemon_pid, ensure_daemon, stop_daemon
+from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
 from dsec_core.testing import leftovers, running_kit_node
 
 
@@ -40,22 +40,22 @@ def _assert_clean(home: Path, sandbox_id: str | None = None) -> None:
 
 # --- bad input gets typed errors and leaves nothing ------------------------------------------
 
-def test_unknown_layer_names_known(sandboxes, dsec_node):
+def test_unknown_layer_names_known(dsec_sandboxes, dsec_node):
     with pytest.raises(dsec.UnknownLayer) as e:
-        sandboxes.create(layers=("no-such-layer@1",))
+        dsec_sandboxes.create(layers=("no-such-layer@1",))
     assert "no-such-layer@1" in str(e.value) and "kit-base@1" in str(e.value)
     _assert_clean(dsec_node.home)
 
 
-def test_unknown_backend_names_known(sandboxes, dsec_node):
+def test_unknown_backend_names_known(dsec_sandboxes, dsec_node):
     with pytest.raises(dsec.UnknownBackend) as e:
-        sandboxes.create(backend="warp-drive")
+        dsec_sandboxes.create(backend="warp-drive")
     assert "warp-drive" in str(e.value) and "container" in str(e.value)
 
 
-def test_unknown_environment(sandboxes):
+def test_unknown_environment(dsec_sandboxes):
     with pytest.raises(dsec.UnknownEnvironment) as e:
-        sandboxes.create(layers=(), environment="no-such-env")
+        dsec_sandboxes.create(layers=(), environment="no-such-env")
     assert "no-such-env" in str(e.value)
 
 
@@ -75,27 +75,27 @@ def test_invalid_spec_is_typed():
         dsec.SandboxSpec()
 
 
-def test_admission_rejects_beyond_capacity(sandboxes, dsec_node):
+def test_admission_rejects_beyond_capacity(dsec_sandboxes, dsec_node):
     with pytest.raises(dsec.AdmissionRejected) as e:
-        sandboxes.create(memory="4T")
+        dsec_sandboxes.create(memory="4T")
     assert "memory" in str(e.value)
     with pytest.raises(dsec.AdmissionRejected):
-        sandboxes.create(cpu=1000)
+        dsec_sandboxes.create(cpu=1000)
     _assert_clean(dsec_node.home)
 
 
-def test_corrupt_layer_image_fails_cleanly(sandboxes, dsec_node, tmp_path):
+def test_corrupt_layer_image_fails_cleanly(dsec_sandboxes, dsec_node, tmp_path):
     junk = tmp_path / "junk.erofs"
     junk.write_bytes(os.urandom(1 << 16))
     info = LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1",
                                                        kind="base")
     with pytest.raises(dsec.MountError):
-        sandboxes.create(layers=("junk@1",))
+        dsec_sandboxes.create(layers=("junk@1",))
     _assert_clean(dsec_node.home)
     assert not (dsec_node.config.mount_dir / info.digest.split(":")[1][:32]).exists()
 
 
-def test_runtime_failure_fails_cleanly(sandboxes, dsec_node, tmp_path):
+def test_runtime_failure_fails_cleanly(dsec_sandboxes, dsec_node, tmp_path):
     # A layer whose /.dsec is a file: runc cannot mount the agent there and fails to start.
     rootfs = tmp_path / "bad"
     rootfs.mkdir()
@@ -103,7 +103,7 @@ def test_runtime_failure_fails_cleanly(sandboxes, dsec_node, tmp_path):
     store = LayerStore(dsec_node.config.layer_dir)
     build_layer(rootfs, name="blocker", version="1", kind="toolkit", store=store)
     with pytest.raises(dsec.DsecError) as e:
-        sandboxes.create(layers=("blocker@1", dsec_node.layer.ref))
+        dsec_sandboxes.create(layers=("blocker@1", dsec_node.layer.ref))
     assert "runc" in str(e.value)
     _assert_clean(dsec_node.home)
     assert not list((dsec_node.config.run_dir / "runc").iterdir())

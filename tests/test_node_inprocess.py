@@ -1,5 +1,6 @@
-"""The ``Node`` driven in-process, so plugins registered by the test reach it: the security
-policy, layer source and backend registration hooks each change what a real sandbox sees."""
+"""The ``Node`` driven in-process, so plugins registered by the test reach it: security policies
+chosen per sandbox, a second layer source, and placement each change what a real sandbox sees
+(or whether it is created at all)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 
 from dsec_core import plugins
 from dsec_core.config import NodeConfig
+from dsec_core.errors import InvalidSpec, PolicyUnavailable, UnknownPolicy
 from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.build import build_layer
-from dsec_core.layers.source import LayerSource
+from dsec_core.sources.base import LayerSource
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
 from dsec_core.records import LayerInfo, SandboxSpec
@@ -24,17 +26,52 @@ from dsec_core.testing import leftovers, make_busybox_rootfs
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
-class ReadOnlyEtc(SecurityPolicy):
-    """Makes /etc read-only, even for root in the sandbox."""
+class ReadOnlyPaths(SecurityPolicy):
+    """Makes paths read-only, even for root in the sandbox (settings: ``{"paths": [...]}``)."""
 
-    name = "readonly-etc"
+    name = "readonly-paths"
+    targets = frozenset({"oci"})
     released_ids: list[str] = []
 
-    def apply_oci(self, rt, config):
-        config["linux"]["readonlyPaths"].append("/etc")
+    def validate(self, settings):
+        paths = settings.get("paths")
+        if not isinstance(paths, list) or not all(isinstance(p, str) and p.startswith("/")
+                                                  for p in paths):
+            raise InvalidSpec("readonly-paths needs paths: a list of absolute paths")
+
+    def apply_oci(self, rt, settings, config):
+        config["linux"]["readonlyPaths"].extend(settings["paths"])
 
     def released(self, rt):
-        ReadOnlyEtc.released_ids.append(rt.id)
+        ReadOnlyPaths.released_ids.append(rt.id)
+
+
+class CgroupBpfOnly(SecurityPolicy):
+    """A policy that works only through an enforcement point the container backend lacks."""
+
+    name = "cgroup-bpf-only"
+    targets = frozenset({"cgroup-bpf"})
+
+
+class LabelNetwork(SecurityPolicy):
+    """Stands in for an allowlist policy: declares the mode and marks the sandbox it applies
+    to, so the test sees the node route ``network="allowlist"`` to it."""
+
+    name = "label-network"
+    targets = frozenset({"oci"})
+    network_modes = frozenset({"allowlist"})
+
+    def apply_oci(self, rt, settings, config):
+        config["process"]["env"].append(f"NETWORK_RULES={','.join(settings['allow'])}")
+
+
+class RecordPlacement:
+    seen: list = []
+
+    @hookimpl
+    def dsec_place(self, request, nodes):
+        RecordPlacement.seen.append((request, list(nodes)))
+        return None  # no opinion: core's best-of-k decides
 
 
 class ElsewhereSource(LayerSource):
@@ -57,7 +94,8 @@ class ElsewhereSource(LayerSource):
 class PolicyAndSourcePlugin:
     @hookimpl
     def dsec_register_security_policies(self, register):
-        register(ReadOnlyEtc)
+        for policy in (ReadOnlyPaths, CgroupBpfOnly, LabelNetwork):
+            register(policy)
 
     @hookimpl
     def dsec_register_layer_sources(self, register):
@@ -68,6 +106,7 @@ class PolicyAndSourcePlugin:
 def node_with_plugin():
     plugins.reset()
     plugins.get_plugin_manager().register(PolicyAndSourcePlugin(), name="test_plugin")
+    plugins.get_plugin_manager().register(RecordPlacement(), name="record_placement")
     home = Path(tempfile.mkdtemp(prefix="dsec-inproc-"))
     config = NodeConfig(home=home, layer_sources=("local", "elsewhere"))
     config.ensure_dirs()
@@ -88,18 +127,77 @@ def node_with_plugin():
         assert not any(left.values()), left
 
 
-async def test_security_policy_and_layer_source_hooks(node_with_plugin):
+async def test_policies_apply_only_to_the_sandboxes_that_ask(node_with_plugin):
     node = Node(node_with_plugin)
     await node.open()
     try:
-        assert "readonly-etc" in node.registry.security_policies
-        info = await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M"))
-        r = await node.exec(info.id, "echo x > /etc/new-file")
-        assert r.exit_code != 0 and b"Read-only" in r.stderr
-        assert (await node.exec(info.id, "echo x > /tmp/ok")).exit_code == 0
-        await node.kill(info.id)
-        assert info.id in ReadOnlyEtc.released_ids
+        plain = await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M"))
+        assert (await node.exec(plain.id, "echo x > /etc/new-file")).exit_code == 0
+        guarded = await node.create(SandboxSpec(
+            layers=("kit-base@1",), memory="64M",
+            policies={"readonly-paths": {"paths": ["/etc", "/root"]}}))
+        for path in ("/etc/new-file", "/root/new-file"):
+            r = await node.exec(guarded.id, f"echo x > {path}")
+            assert r.exit_code != 0 and b"Read-only" in r.stderr, path
+        assert (await node.exec(guarded.id, "echo x > /tmp/ok")).exit_code == 0
+        await node.kill(guarded.id)
+        assert guarded.id in ReadOnlyPaths.released_ids
+        assert plain.id not in ReadOnlyPaths.released_ids
+        await node.kill(plain.id)
+        # the placement hooks saw every create, with this node's load
+        request, nodes = RecordPlacement.seen[-1]
+        assert [n.node for n in nodes] == [str(node_with_plugin.home)]
+        assert request.policies == {"readonly-paths": {"paths": ["/etc", "/root"]}}
+    finally:
+        await node.close(kill_all=True)
 
+
+async def test_a_policy_that_cannot_be_enforced_fails_the_create_and_leaves_nothing(
+        node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
+        with pytest.raises(PolicyUnavailable) as e:
+            await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M",
+                                          policies={"cgroup-bpf-only": {}}))
+        assert e.value.policy == "cgroup-bpf-only" and e.value.backend == "container"
+        assert "cgroup-bpf" in str(e.value) and "oci" in str(e.value)
+        with pytest.raises(UnknownPolicy) as e2:
+            await node.create(SandboxSpec(layers=("kit-base@1",), policies={"nope": {}}))
+        assert "readonly-paths" in str(e2.value)  # names the known ones
+        with pytest.raises(InvalidSpec):
+            await node.create(SandboxSpec(layers=("kit-base@1",),
+                                          policies={"readonly-paths": {"paths": "etc"}}))
+        assert node.sandboxes == {}
+        assert list(node_with_plugin.sandbox_dir.iterdir()) == []
+        assert list(node_with_plugin.runtime_dir.iterdir()) == []
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_network_modes_are_enforced_by_a_policy_or_refused(node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
+        with pytest.raises(PolicyUnavailable) as e:
+            await node.create(SandboxSpec(layers=("kit-base@1",), network="allowlist"))
+        assert "label-network" in str(e.value)  # says which loaded policy could do it
+        with pytest.raises(PolicyUnavailable):
+            await node.create(SandboxSpec(layers=("kit-base@1",), network="wide-open"))
+        sb = await node.create(SandboxSpec(
+            layers=("kit-base@1",), memory="64M", network="allowlist",
+            policies={"label-network": {"allow": ["pypi.org:443/tcp"]}}))
+        r = await node.exec(sb.id, "cat /proc/1/environ | tr '\\0' '\\n' | grep NETWORK_RULES")
+        assert r.stdout == b"NETWORK_RULES=pypi.org:443/tcp\n"
+        await node.kill(sb.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_a_second_layer_source(node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
         # a layer found only in the second source
         other = await node.create(SandboxSpec(layers=("only-elsewhere@2",), memory="64M"))
         assert (await node.exec(other.id, "echo from-elsewhere")).stdout == b"from-elsewhere\n"

@@ -15,8 +15,8 @@ import pytest
 
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
-from dsec_core.layers.distribution import push_layer
-from dsec_core.layers.sources import open_source
+from dsec_core.sources.transfer import push_layer
+from dsec_core.plugins import open_source
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
 from dsec_core.records import LayerRef, SandboxSpec
@@ -62,8 +62,8 @@ async def test_reads_fetch_only_what_they_touch(setup):
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         r = await node.exec(sb.id, "cat /workspace/small.txt")
         assert r.stdout == b"tiny file\n"
-        cache = node.lazy.cache
-        ws_blob = [b for b in node.lazy.blobs.values() if b.index.blob_size > 10 << 20][0]
+        cache = node.ondemand.cache
+        ws_blob = [b for b in node.ondemand.blobs.values() if b.index.blob_size > 10 << 20][0]
         fetched_after_small = cache.fetches
         assert fetched_after_small * ws_blob.index.chunk_size < ws_blob.index.blob_size / 4
         r = await node.exec(sb.id, "md5sum /workspace/big3.bin")
@@ -123,7 +123,7 @@ async def test_damaged_compressed_chunk_gives_eio_not_garbage(setup):
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         r = await node.exec(sb.id, "md5sum /workspace/*.txt", timeout=60)
         assert r.exit_code != 0 and b"Input/output error" in r.stderr
-        assert index.chunks[packed[0]] not in node.lazy.cache
+        assert index.chunks[packed[0]] not in node.ondemand.cache
         with open(blob_file, "r+b") as f:
             f.seek(off + n // 2)
             f.write(byte)
@@ -145,7 +145,7 @@ async def test_eager_mode_fetches_whole_images(setup):
     try:
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         assert (await node.exec(sb.id, "cat /workspace/small.txt")).stdout == b"tiny file\n"
-        assert node.lazy.server is None  # nothing went through the on-demand path
+        assert node.ondemand.server is None  # nothing went through the on-demand path
         cached = [p for p in config.cache_dir.glob("*.erofs")]
         assert len(cached) == 2
         await node.kill(sb.id)
@@ -156,8 +156,8 @@ async def test_eager_mode_fetches_whole_images(setup):
 def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
     import signal
 
-    from dsec_core.client import Client
-    from dsec_core.node.daemon import daemon_pid, ensure_daemon, stop_daemon
+    from dsec_core.sdk import Client
+    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
 
     config, shared = setup
     monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))

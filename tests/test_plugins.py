@@ -13,8 +13,8 @@ import pytest
 
 from dsec_core import hookspecs, plugins
 from dsec_core.backend import Backend
-from dsec_core.errors import UnknownBackend, UnknownSource
-from dsec_core.records import SandboxSpec
+from dsec_core.errors import PluginInvalid, UnknownBackend, UnknownSource
+from dsec_core.records import NodeLoad, SandboxSpec
 
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
          if name.startswith("dsec_")]
@@ -45,8 +45,12 @@ def test_shipped_plugins_load_through_entry_points():
     descs = {d["name"]: d for d in plugins.plugin_descriptions()}
     assert descs["backend_container"]["hooks"] == ["dsec_register_backends"]
     assert descs["backend_container"]["distribution"] == "dsec-backend-container"
-    assert descs["layer_local"]["hooks"] == ["dsec_register_layer_sources"]
-    assert descs["layer_local"]["version"]
+    assert descs["layer_posix"]["hooks"] == ["dsec_register_layer_sources"]
+    assert descs["layer_posix"]["version"]
+    # core's own plugins: the node's store as the "local" source, best-of-k placement
+    assert descs["core_local_source"]["hooks"] == ["dsec_register_layer_sources"]
+    assert descs["core_placement"]["hooks"] == ["dsec_place"]
+    assert descs["core_placement"]["distribution"] == "dsec"
     reg = plugins.registry()
     assert "container" in reg.backends and "local" in reg.layer_sources
 
@@ -56,19 +60,22 @@ def test_cli_plugins_json():
                          capture_output=True, text=True, check=True)
     data = json.loads(out.stdout)
     names = {p["name"]: p for p in data["plugins"]}
-    assert {"backend_container", "layer_local"} <= set(names)
+    assert {"backend_container", "layer_posix", "core_local_source"} <= set(names)
     assert all(p["version"] for p in names.values())
-    assert "container" in data["backends"]
+    assert "container" in data["backends"] and "local" in data["layer_sources"]
 
 
-def test_env_var_limits_plugins(monkeypatch):
-    monkeypatch.setenv("DSEC_PLUGINS", "layer_local")
+def test_env_var_limits_plugins_but_core_always_loads(monkeypatch):
+    monkeypatch.setenv("DSEC_PLUGINS", "layer_posix")
     plugins.reset()
     try:
-        assert [d["name"] for d in plugins.plugin_descriptions()] == ["layer_local"]
+        assert [d["name"] for d in plugins.plugin_descriptions()] == [
+            "core_local_source", "core_placement", "layer_posix"]
         with pytest.raises(UnknownBackend) as e:
             plugins.registry().backend("container")
         assert "container" in str(e.value)
+        # a node limited to other plugins still sees its own layers
+        assert plugins.registry().open_source("local").local
     finally:
         monkeypatch.delenv("DSEC_PLUGINS")
         plugins.reset()
@@ -94,7 +101,8 @@ class _ThirdPartyPlugin:
 
     @plugins.hookspecs.hookimpl
     def dsec_place(self, request, nodes):
-        return min(nodes, key=lambda n: n["load"]) if nodes else None
+        # this plugin prefers the *most* loaded node (bin packing), unlike core's best-of-k
+        return max(nodes, key=lambda n: n.load) if nodes else None
 
     @plugins.hookspecs.hookimpl
     def dsec_register_commands(self, cli):
@@ -112,9 +120,10 @@ def test_third_party_plugin_registers():
     try:
         plugins.registry.cache_clear()
         assert plugins.registry().backend("third-party") is _ThirdPartyBackend
-        nodes = [{"name": "a", "load": 0.9}, {"name": "b", "load": 0.1}]
+        nodes = [_load("a", 0.9), _load("b", 0.1)]
         picked = pm.hook.dsec_place(request=SandboxSpec(layers=("x@1",)), nodes=nodes)
-        assert picked["name"] == "b"  # firstresult: one answer, not a list
+        assert picked.node == "a"  # firstresult: one answer, the plugin's, before core's
+        assert plugins.place(SandboxSpec(layers=("x@1",)), nodes).node == "a"
         import click
 
         group = click.Group()
@@ -125,6 +134,36 @@ def test_third_party_plugin_registers():
         assert "local" in str(e.value)
     finally:
         plugins.reset()
+
+
+def _load(name: str, fraction: float) -> NodeLoad:
+    return NodeLoad(node=name, backends=("container",), cpu_capacity=100.0,
+                    cpu_committed=100.0 * fraction, memory_capacity=1 << 30,
+                    memory_committed=0)
+
+
+def test_registering_a_class_that_breaks_the_contract_is_typed():
+    class NotABackend:
+        name = "nope"
+
+    class BadFeatures(_ThirdPartyBackend):
+        name = "bad-features"
+        features = frozenset({"gpu-teleport"})
+
+    for offered, words in ((NotABackend, "not a subclass"), (BadFeatures, "gpu-teleport")):
+        class Plugin:
+            @plugins.hookspecs.hookimpl
+            def dsec_register_backends(self, register, _cls=offered):
+                register(_cls)
+
+        plugins.reset()
+        plugins.get_plugin_manager().register(Plugin(), name="breaks_contract")
+        try:
+            with pytest.raises(PluginInvalid) as e:
+                plugins.registry()
+            assert words in str(e.value)
+        finally:
+            plugins.reset()
 
 
 def test_unimplemented_hookimpl_is_rejected():

@@ -9,30 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
-import subprocess
 import tarfile
-import uuid
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import LayerBuildError, ToolError
+from ..linux.erofs import mkfs_erofs
 from ..records import LayerInfo, LayerRef
 from .store import LayerStore, Progress, check_kind
 
-__all__ = [
-    "build_layer",
-    "build_tree",
-    "make_image",
-    "extract_tar",
-    "export_docker_image",
-    "run_tool",
-    "LAYER_UUID",
-    "Progress",
-]
-
-# One UUID for every layer: a random one would make each build of the same tree unique.
-LAYER_UUID = str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/dsec/layers"))
+__all__ = ["build_layer", "build_tree", "make_image", "extract_tar", "export_docker_image"]
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -41,91 +26,13 @@ def _noop(stage: str, fraction: float | None) -> None:
     pass
 
 
-def run_tool(command: Sequence[str], what: str, *, env: dict[str, str] | None = None,
-             timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run an external program; a non-zero exit raises ``ToolError`` with its output."""
-    command = [str(c) for c in command]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, errors="replace", env=env,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
-    except FileNotFoundError as e:
-        raise ToolError(f"{what}: {command[0]} is not installed", command=command) from e
-    except subprocess.TimeoutExpired as e:
-        raise ToolError(f"{what}: timed out after {timeout}s", command=command,
-                        stderr=str(e.stderr or "")) from e
-    if proc.returncode != 0:
-        raise ToolError(f"{what} failed", command=command, exit_code=proc.returncode,
-                        stdout=proc.stdout, stderr=proc.stderr)
-    return proc
-
-
-# --- EROFS images --------------------------------------------------------------------------
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC32C = _crc32c_table()
-
-
-def _crc32c(data: bytes, crc: int = 0xFFFFFFFF) -> int:
-    """CRC32C as erofs uses it for the superblock: seed ~0, no final inversion."""
-    for b in data:
-        crc = _CRC32C[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc
-
-
-_SB_OFFSET = 1024
-_EROFS_MAGIC = 0xE0F5E1E2
-_SB_CHKSUM = 0x1
-
-
-def _zero_build_time(image: Path) -> None:
-    """Set the superblock's build time to 0 and fix its checksum.
-
-    erofs-utils 1.5 can fix the build time only together with every file's mtime (``-T``),
-    and real mtimes matter: Python's .pyc files check them. With ``force-inode-extended`` every
-    inode carries its own mtime, so the build time is not read for anything else.
-    """
-    with open(image, "r+b") as f:
-        head = bytearray(f.read(_SB_OFFSET + 4096))
-        magic, _, compat, blkszbits = struct.unpack_from("<IIIB", head, _SB_OFFSET)
-        if magic != _EROFS_MAGIC:
-            raise LayerBuildError(f"{image} is not an EROFS image", path=str(image))
-        struct.pack_into("<QI", head, _SB_OFFSET + 24, 0, 0)
-        if compat & _SB_CHKSUM:
-            end = max(1 << blkszbits, _SB_OFFSET + 128)
-            struct.pack_into("<I", head, _SB_OFFSET + 4, 0)
-            struct.pack_into("<I", head, _SB_OFFSET + 4, _crc32c(bytes(head[_SB_OFFSET:end])))
-        f.seek(0)
-        f.write(head)
-
-
 def make_image(tree: Path, image: Path, *, all_root: bool, timestamp: int | None = None,
                progress: Progress | None = None) -> Path:
-    """Make an lz4hc-compressed EROFS image of ``tree``, reproducibly.
-
-    ``all_root`` makes every file owned by root; ``timestamp`` gives every file that mtime
-    (else per-file mtimes are kept).
-    """
+    """Make a reproducible EROFS image of ``tree`` (``linux.erofs.mkfs_erofs``), reporting
+    its ``mkfs`` stage to ``progress``."""
     progress = progress or _noop
-    cmd = ["mkfs.erofs", "-zlz4hc", f"-U{LAYER_UUID}", "--quiet"]
-    if timestamp is not None:
-        cmd.append(f"-T{int(timestamp)}")
-    else:
-        cmd.append("-Eforce-inode-extended")
-    if all_root:
-        cmd.append("--all-root")
     progress("mkfs", None)
-    run_tool([*cmd, str(image), str(tree)], "mkfs.erofs")
-    if timestamp is None:
-        _zero_build_time(image)
+    mkfs_erofs(tree, image, all_root=all_root, timestamp=timestamp)
     progress("mkfs", 1.0)
     return image
 
@@ -200,6 +107,8 @@ def export_docker_image(image: str, output: Path, progress: Progress | None = No
 
     The container is removed whatever happens.
     """
+    # Imported here: python-on-whales takes a third of a second to import, and only docker
+    # sources need it.
     from python_on_whales import DockerClient
     from python_on_whales.exceptions import DockerException
 

@@ -19,7 +19,8 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import InvalidSpec, LayerBuildError, LayerExists, ToolError
 from ..records import LayerInfo
-from .build import build_tree, export_docker_image, extract_tar, run_tool
+from ..linux.tools import run_tool
+from .build import build_tree, export_docker_image, extract_tar
 from .store import LayerStore, Progress, check_kind
 
 __all__ = [

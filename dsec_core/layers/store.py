@@ -15,30 +15,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
-from ..errors import InvalidSpec, LayerBuildError, LayerExists, UnknownLayer
+from ..errors import InvalidSpec, LayerExists, UnknownLayer
+from ..lazy.layout import ReadProfile
+from ..linux.files import digest_hex, file_digest, remove_tree, write_atomic
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
 
-if TYPE_CHECKING:
-    from ..lazy.layout import ReadProfile
-
-__all__ = ["LayerStore", "Progress", "file_digest", "check_kind", "remove_tree"]
+__all__ = ["LayerStore", "Progress", "check_kind"]
 
 #: ``progress(stage, fraction)``: what a build is doing; fraction in [0, 1] or None if unknown.
 Progress = Callable[[str, "float | None"], None]
-
-_CHUNK = 1 << 20
-
 
 def check_kind(kind: str) -> str:
     """Return ``kind`` if it is one of ``LAYER_KINDS``; raise ``InvalidSpec`` naming them if not."""
@@ -47,74 +40,6 @@ def check_kind(kind: str) -> str:
                           field="kind")
     return kind
 
-
-def file_digest(path: Path, progress: Progress | None = None) -> str:
-    """``"sha256:<hex>"`` of a file's bytes."""
-    h = hashlib.sha256()
-    total = max(path.stat().st_size, 1)
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            done += len(chunk)
-            if progress:
-                progress("hash", min(done / total, 1.0))
-    return f"sha256:{h.hexdigest()}"
-
-
-def _hex(digest: str) -> str:
-    algo, _, hexpart = digest.partition(":")
-    if not hexpart:
-        algo, hexpart = "sha256", algo
-    if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
-        raise InvalidSpec(f"bad layer digest {digest!r}: expected sha256:<64 hex digits>",
-                          digest=digest)
-    return hexpart
-
-
-def _mounts_under(path: Path) -> list[str]:
-    prefix = str(path).rstrip("/") + "/"
-    with open("/proc/self/mounts") as f:
-        # /proc/mounts writes space, tab, newline and backslash as octal escapes.
-        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[1])
-                  for line in f]
-    return [p for p in points if p.startswith(prefix) or p == prefix[:-1]]
-
-
-def remove_tree(path: Path) -> None:
-    """``rm -rf`` that first detaches mounts inside (debootstrap mounts /proc in its target).
-
-    Deleting through a live /proc or /sys mount would be a disaster, so it refuses to go on
-    if anything stays mounted.
-    """
-    if not os.path.lexists(path):
-        return
-    for point in sorted(_mounts_under(path), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True)
-    left = _mounts_under(path)
-    if left:
-        raise LayerBuildError(f"cannot remove {path}: still mounted: {', '.join(left)}",
-                              path=str(path))
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 class LayerStore:
@@ -141,23 +66,22 @@ class LayerStore:
         return self.root / "tmp"
 
     def _blob(self, digest: str) -> Path:
-        return self.blob_dir / f"{_hex(digest)}.erofs"
+        return self.blob_dir / f"{digest_hex(digest)}.erofs"
 
     def profile_path(self, digest: str) -> Path:
         """Where the read profile of layer ``digest`` is kept (``lazy.layout.ReadProfile``)."""
-        return self.root / "profiles" / f"{_hex(digest)}.json"
+        return self.root / "profiles" / f"{digest_hex(digest)}.json"
 
     # --- read profiles ---------------------------------------------------------------------
-    def save_profile(self, profile: "ReadProfile") -> Path:
+    def save_profile(self, profile: ReadProfile) -> Path:
         """Keep ``profile`` with its layer (replacing an older one); publishing uses it."""
         self.by_digest(profile.layer_digest)  # UnknownLayer if the layer is not here
         path = self.profile_path(profile.layer_digest)
-        _write_atomic(path, profile.to_json().encode())
+        write_atomic(path, profile.to_json().encode())
         return path
 
-    def load_profile(self, info: LayerInfo) -> "ReadProfile | None":
+    def load_profile(self, info: LayerInfo) -> ReadProfile | None:
         """The saved read profile of ``info``, or None. A damaged file is ``LayerCorrupt``."""
-        from ..lazy.layout import ReadProfile
         try:
             text = self.profile_path(info.digest).read_bytes()
         except FileNotFoundError:
@@ -232,7 +156,7 @@ class LayerStore:
 
     def by_digest(self, digest: str) -> LayerInfo:
         """The newest layer whose image has this digest (``sha256:<hex>`` or bare hex)."""
-        want = f"sha256:{_hex(digest)}"
+        want = f"sha256:{digest_hex(digest)}"
         matches = [i for i in self.list() if i.digest == want]
         if not matches:
             raise UnknownLayer(f"no layer with digest {want} in {self.root}", name=want,
@@ -258,7 +182,7 @@ class LayerStore:
         image = Path(image)
         check_kind(kind)
         digest = file_digest(image, progress)
-        version = version or _hex(digest)[:12]
+        version = version or digest_hex(digest)[:12]
         LayerRef.parse(f"{name}@{version}")
         with self._locked():
             existing = self._read_ref(self._ref_file(name, version))
@@ -277,7 +201,7 @@ class LayerStore:
                 self._move_in(image, blob)
             info = LayerInfo(name=name, version=version, kind=kind, digest=digest,
                              size=blob.stat().st_size, created=time.time(), source=source)
-            _write_atomic(self._ref_file(name, version),
+            write_atomic(self._ref_file(name, version),
                           json.dumps(info.to_dict(), indent=2).encode() + b"\n")
             if progress:
                 progress("store", 1.0)

@@ -1,12 +1,16 @@
-"""On-demand layer loading: EROFS metadata mounted eagerly, file data fetched in chunks when read.
+"""The lazy (on-demand) form of a layer and the machinery that serves it: EROFS metadata mounted
+eagerly, file data fetched in chunks when first read.
 
-``chunks`` indexes a layer's data blob and caches chunks node-wide by digest, ``fuse`` serves
-blob files over FUSE, and ``loader`` joins them (``LazyBlob``) and mounts EROFS over the result.
+``split`` turns an image into its lazy form (metadata image + chunked data blob), ``layout``
+orders a blob by a read profile, ``chunks`` indexes a blob and caches chunks node-wide by digest,
+``fuse`` serves blob files over FUSE, ``blob`` joins them (``LazyBlob``) and mounts EROFS over the
+result, and ``keeper`` holds the FUSE connection across daemon restarts. The node's service that
+uses all this is ``dsec_core.node.ondemand``.
 """
 
+from .blob import LazyBlob, mount_lazy_erofs, prefetch
 from .chunks import DEFAULT_CHUNK_SIZE, ChunkCache, ChunkIndex
 from .fuse import FuseServer, recv_fuse_fd, send_fuse_fd
-from .loader import LazyBlob, mount_lazy_erofs, prefetch
 
 __all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE", "FuseServer", "send_fuse_fd",
            "recv_fuse_fd", "LazyBlob", "prefetch", "mount_lazy_erofs"]

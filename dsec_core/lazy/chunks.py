@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import zstandard
 
 from ..errors import LayerCorrupt, SourceUnavailable
+from .layout import check_layout
 
 __all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
 
@@ -78,7 +79,6 @@ class ChunkIndex:
                                f" a {self.blob_size}-byte blob in {self.chunk_size}-byte chunks"
                                f" has {expected}", digest=self.blob_digest)
         if self.layout:
-            from .layout import check_layout
             check_layout(self.layout, self.blob_size)
             object.__setattr__(self, "layout", tuple(sorted(self.layout)))
         object.__setattr__(self, "stored", tuple((int(o), int(n)) for o, n in self.stored))

@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import LayerCorrupt, MountError, SourceUnavailable
-from ..node.mounts import MS_NODEV, MS_NOSUID, _check, _libc, unmount
+from ..linux.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, mount, unmount
 
 __all__ = ["FuseServer", "send_fuse_fd", "recv_fuse_fd"]
 
 log = logging.getLogger(__name__)
 
-MS_RDONLY = 0x1
 ROOT_ID = 1
 ENTRY_TTL = 86400  # seconds; blob files never change once added
 
@@ -148,10 +147,8 @@ class FuseServer:
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         opts = (f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,"
                 f"max_read={MAX_READ}")
-        ret = _libc.mount(b"dsec-lazy", os.fsencode(path), b"fuse",
-                          MS_RDONLY | MS_NOSUID | MS_NODEV, opts.encode())
         try:
-            _check(ret, "mounting FUSE at", path)
+            mount("dsec-lazy", path, "fuse", MS_RDONLY | MS_NOSUID | MS_NODEV, opts)
         except BaseException:
             os.close(fd)
             raise

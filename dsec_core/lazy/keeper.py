@@ -14,20 +14,43 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import socket
+import struct
 import sys
 
-__all__ = ["ask_keeper", "main"]
+__all__ = ["ask_keeper", "dismiss_keeper", "main"]
 
 
 def ask_keeper(path: str, request: bytes, timeout: float = 2.0) -> tuple[bytes, list[int]]:
     """Send ``request`` to the keeper at ``path``; its answer and any fds it sent."""
+    msg, fds, _pid = _ask(path, request, timeout)
+    return msg, fds
+
+
+def _ask(path: str, request: bytes, timeout: float) -> tuple[bytes, list[int], int]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
+        pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                               struct.calcsize("3i")))[0]
         s.sendall(request)
         msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
-        return msg, fds
+        return msg, fds, pid
+
+
+def dismiss_keeper(path: str, timeout: float = 10.0) -> None:
+    """Tell the keeper at ``path`` to exit and wait until its process is gone (it may be the
+    child of a daemon that died, so the caller cannot wait for it the usual way)."""
+    _msg, _fds, pid = _ask(path, b"EXIT", min(timeout, 2.0))
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        select.select([pidfd], [], [], timeout)  # readable once the process has exited
+    finally:
+        os.close(pidfd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,13 +15,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..errors import LayerBuildError, LayerCorrupt, MountError
+from ..linux.erofs import mkfs_erofs_split
+from ..linux.files import file_digest
+from ..linux.mounts import mount_erofs_file, unmount
 from .chunks import DEFAULT_CHUNK_SIZE, ChunkIndex, deflate
-
-if TYPE_CHECKING:
-    from .layout import ReadProfile
+from .layout import ReadProfile, plan_layout, write_packed
 
 __all__ = ["LazyForm", "split_image", "pack_split", "compress_split", "LAZY_FORM_VERSION"]
 
@@ -83,11 +83,6 @@ def split_image(image: Path, out_dir: Path,
     Returns (form, meta path, blob path). Failures raise ``ToolError`` (mkfs.erofs) or
     ``LayerBuildError`` (mounting); nothing is left mounted or half-written.
     """
-    # Imported here: node.mounts pulls in the backend, which imports the layers package.
-    from ..layers.build import LAYER_UUID, _zero_build_time, run_tool
-    from ..layers.store import file_digest
-    from ..node.mounts import mount_erofs_file, unmount
-
     image, out_dir = Path(image), Path(out_dir)
     if chunk_size < 4096 or chunk_size & (chunk_size - 1):
         raise LayerBuildError(f"chunk size {chunk_size} is not a power of two >= 4096",
@@ -105,14 +100,11 @@ def split_image(image: Path, out_dir: Path,
             raise LayerBuildError(f"cannot mount {image} to split it: {e}",
                                   path=str(image)) from e
         try:
-            # Same UUID and per-file mtimes as build.make_image, so one image always splits
-            # into the same bytes (and every node that splits it agrees on the digests).
-            run_tool(["mkfs.erofs", f"-U{LAYER_UUID}", "--quiet", "-Eforce-inode-extended",
-                      f"--blobdev={blob}", f"--chunksize={chunk_size}", str(meta), str(mnt)],
-                     "mkfs.erofs (split)")
+            # Reproducible like the image itself, so every node that splits one image agrees
+            # on the digests.
+            mkfs_erofs_split(mnt, meta, blob, chunk_size)
         finally:
             unmount(mnt)
-        _zero_build_time(meta)
         index = ChunkIndex.build(blob, chunk_size)
         form = LazyForm(layer_digest=file_digest(image), meta_digest=file_digest(meta),
                         meta_size=meta.stat().st_size, index=index)
@@ -129,15 +121,13 @@ def split_image(image: Path, out_dir: Path,
     return form, out_dir / "meta.erofs", out_dir / "data.blob"
 
 
-def pack_split(form: LazyForm, blob: Path, profile: "ReadProfile") -> tuple[LazyForm, Path]:
+def pack_split(form: LazyForm, blob: Path, profile: ReadProfile) -> tuple[LazyForm, Path]:
     """Rewrite ``blob`` (the data blob of ``form``) in the order ``profile`` read it.
 
     Returns the form of the packed blob (its chunk index carries the layout; the metadata image
     is unchanged) and the packed blob's path, next to ``blob``. A profile of another layer, or
     recorded on another blob, is ``LayerCorrupt``.
     """
-    from .layout import plan_layout, write_packed
-
     index = form.index
     if profile.layer_digest != form.layer_digest:
         raise LayerCorrupt(f"the read profile is of layer {profile.layer_digest}, not "

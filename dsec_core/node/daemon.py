@@ -1,7 +1,7 @@
-"""Running the node daemon: start it (detached or in the foreground), find it, stop it.
+"""The node daemon process: ``python -m dsec_core.node.daemon`` serves a ``Node`` over its socket.
 
-One daemon per ``DSEC_HOME``, guarded by a lock on its pid file. Sandboxes outlive the daemon:
-stopping it leaves them running, and the next daemon re-adopts them.
+Started and stopped by ``dsec_core.localnode`` (or ``dsec node start --foreground``). It holds
+the pid-file lock while it lives; sandboxes outlive it and the next daemon re-adopts them.
 """
 
 from __future__ import annotations
@@ -10,130 +10,30 @@ import contextlib
 import fcntl
 import logging
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-from pathlib import Path
+
+import uvicorn
 
 from ..config import NodeConfig
 from ..errors import NodeUnavailable
-from ..transport import UnixTransport
+from ..linux.mounts import ensure_tmpfs
+from .node import Node
+from .server import make_app
 
-__all__ = ["serve", "ensure_daemon", "daemon_pid", "stop_daemon", "ping"]
+__all__ = ["serve"]
 
 log = logging.getLogger("dsec.daemon")
 
 
-def ping(config: NodeConfig, timeout: float = 2.0) -> dict | None:
-    """The daemon's ``/v1/node`` answer, or None if no daemon answers on the socket."""
-    if not config.socket_path.exists():
-        return None
-    transport = UnixTransport(os.fspath(config.socket_path))
-    try:
-        r = transport.request("GET", "/v1/node", timeout=timeout)
-        return r.json() if r.status_code == 200 else None
-    except (OSError, ValueError):
-        return None
-    finally:
-        transport.close()
-
-
-def daemon_pid(config: NodeConfig) -> int | None:
-    """Pid of the daemon holding the pid-file lock, if any."""
-    pid_file = config.run_dir / "dsecd.pid"
-    try:
-        fd = os.open(pid_file, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:  # locked: a daemon lives
-            text = os.pread(fd, 32, 0).decode().strip()
-            return int(text) if text.isdigit() else None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> dict:
-    """Make sure a daemon serves ``config.home``, starting one detached if needed."""
-    config = config or NodeConfig.from_env()
-    info = ping(config)
-    if info:
-        return info
-    if os.geteuid() != 0:
-        raise NodeUnavailable(f"no node daemon at {config.socket_path}, and starting one needs "
-                              "root (mounts, cgroups, runc); run `sudo dsec node start`")
-    config.ensure_dirs()
-    with open(config.home / ".start.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one starter at a time
-        info = ping(config)
-        if info:
-            return info
-        logf = open(config.log_path, "ab")
-        env = dict(os.environ, DSEC_HOME=os.fspath(config.home))
-        proc = subprocess.Popen([sys.executable, "-m", "dsec_core.node.daemon"],
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, env=env, close_fds=True)
-        logf.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = ping(config, timeout=1.0)
-            if info:
-                return info
-            if proc.poll() is not None:
-                info = ping(config, timeout=1.0)  # lost a race to another starter?
-                if info:
-                    return info
-                raise NodeUnavailable(f"the node daemon exited with {proc.returncode} while "
-                                      f"starting:\n{_log_tail(config.log_path)}",
-                                      log=os.fspath(config.log_path))
-            time.sleep(0.05)
-        raise NodeUnavailable(f"the node daemon did not answer within {timeout}s; see "
-                              f"{config.log_path}:\n{_log_tail(config.log_path)}")
-
-
-def stop_daemon(config: NodeConfig | None = None, timeout: float = 30.0) -> int | None:
-    """Stop the daemon (sandboxes keep running); returns its pid, or None if none ran."""
-    config = config or NodeConfig.from_env()
-    pid = daemon_pid(config)
-    if pid is None:
-        return None
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if daemon_pid(config) is None:
-            return pid
-        time.sleep(0.05)
-    raise NodeUnavailable(f"daemon {pid} did not stop within {timeout}s")
-
-
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def serve(config: NodeConfig | None = None) -> None:
     """Run the daemon in this process until SIGTERM/SIGINT."""
-    import uvicorn
-
-    from .api import make_app
-    from .node import Node
-
-    from .mounts import ensure_tmpfs
-
     config = config or NodeConfig.from_env()
     config.ensure_dirs()
     ensure_tmpfs(config.run_dir)
     logging.basicConfig(level=os.environ.get("DSEC_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    pid_fd = os.open(config.run_dir / "dsecd.pid", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    pid_fd = os.open(config.pid_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(pid_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,9 +1,11 @@
 """The node: owns every sandbox on this machine, from admission to cleanup, and survives restarts.
 
-A create resolves layers, takes shared layer mounts, stacks an overlay, and asks a backend to
-start the sandbox; each step is undone if a later one fails. Every sandbox's state is written
-to ``$DSEC_HOME/run/sandboxes/<id>/state.json`` (a tmpfs) so a restarted daemon re-adopts what
-is still running and cleans up what is not.
+A create checks the security policies the sandbox asks for, admits it (the node's ``NodeLoad``
+through the placement plugins), resolves its layers, prepares its root filesystem in the form
+its backend asks for (mounted layers and an overlay, or the image files and a writable disk),
+and asks the backend to start it; each step is undone if a later one fails. Every sandbox's
+state is written to ``$DSEC_HOME/run/sandboxes/<id>/state.json`` (a tmpfs) so a restarted
+daemon re-adopts what is still running and cleans up what is not.
 """
 
 from __future__ import annotations
@@ -17,27 +19,32 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .. import plugins
 from ..agent import ensure_agent
-from ..agent.client import AgentClient
-from ..backend import Backend, IdMap, SandboxRuntime
-from ..catalog import CatalogStore
+from ..agent.rpc import AgentClient
+from ..backend import Backend, Feature, LayerImage, RootfsForm, SandboxRuntime
+from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import AdmissionRejected, DsecError, SandboxNotRunning, UnknownSandbox
-from ..layers.source import LayerSource
-from ..layers.sources import find_layer, node_sources
-from ..records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec
-from .lazy import LazyLayers
-from .mounts import (MountCache, OverlayStack, UserNamespaceHandle, ensure_tmpfs,
-                     mounted_under, unmount)
+from ..errors import AdmissionRejected, DsecError, PolicyUnavailable, SandboxNotRunning, UnknownSandbox
+from ..linux.mounts import UserNamespaceHandle, ensure_tmpfs, mounted_under, unmount
+from ..records import (ExecResult, FileEntry, IdMap, LayerInfo, NodeLoad, SandboxInfo,
+                       SandboxSpec, SandboxUsage)
+from ..security import SecurityPolicy
+from ..sources.base import LayerSource
+from ..sources.chain import find_layer
+from .mounts import MountCache, OverlayStack
+from .ondemand import OnDemandLayers
 
 __all__ = ["Node"]
 
 log = logging.getLogger("dsec.node")
 
 STATE_FILE = "state.json"
+#: The writable disk handed to ``RootfsForm.IMAGES`` backends: a sparse file of this size
+#: unless the sandbox's ``Limits.disk`` says otherwise.
+DEFAULT_DISK_SIZE = 10 << 30
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Sandbox:
     ttl_handle: asyncio.TimerHandle | None = None
     agent: AgentClient | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    policies: list[tuple[SecurityPolicy, dict[str, Any]]] = field(default_factory=list)
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -70,6 +78,11 @@ class Sandbox:
             "layers": [layer.to_dict() for layer in self.layers],
             "backend_state": self.backend_state,
             "idmap": [self.rt.idmap.host_base, self.rt.idmap.size],
+            "rootfs": None if self.rt.rootfs is None else os.fspath(self.rt.rootfs),
+            "images": [[i.ref, i.digest, os.fspath(i.image), i.device and os.fspath(i.device)]
+                       for i in self.rt.images],
+            "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
+            "disk_size": self.rt.disk_size,
         }
 
 
@@ -85,11 +98,13 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._watch: asyncio.Task | None = None
+        self._policies: dict[str, SecurityPolicy] = {}
         self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
-        self.lazy: LazyLayers | None = None
+        self.ondemand: OnDemandLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
         self.agent_binary: Path | None = None
+        self.layer_sources: list[LayerSource] = []
 
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
@@ -98,12 +113,12 @@ class Node:
         ensure_tmpfs(cfg.run_dir)
         cfg.runtime_dir.mkdir(mode=0o711, exist_ok=True)
         self.agent_binary = ensure_agent(cfg.bin_dir)
-        self.userns = UserNamespaceHandle(self.idmap)
+        self.userns = UserNamespaceHandle(self.idmap.host_base, self.idmap.size)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
-        self.lazy = LazyLayers(cfg)
-        if self.lazy.keeper_socket.exists():  # a previous daemon served on-demand layers
-            await asyncio.to_thread(self.lazy.ensure_open)
-        self.layer_sources = node_sources(cfg)
+        self.ondemand = OnDemandLayers(cfg, self.registry)
+        if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
+            await asyncio.to_thread(self.ondemand.ensure_open)
+        self.layer_sources = self.registry.node_sources(cfg)
         await self._adopt()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
@@ -122,8 +137,8 @@ class Node:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.mounts:
             self.mounts.close()
-        if self.lazy and not self.sandboxes:
-            self.lazy.close()  # after the layer mounts that read through it
+        if self.ondemand and not self.sandboxes:
+            self.ondemand.close()  # after the layer mounts that read through it
         if self.userns:
             self.userns.close()
         if release_runtime:
@@ -139,9 +154,58 @@ class Node:
         if be is None:
             cls = self.registry.backend(name)
             cls.check_available()
-            policies = [p() for p in self.registry.security_policies.values()]
-            be = self._backends[name] = cls(self.config, policies)
+            be = self._backends[name] = cls(self.config)
         return be
+
+    # --- security policies ----------------------------------------------------------------
+    def _policy(self, name: str) -> SecurityPolicy:
+        policy = self._policies.get(name)
+        if policy is None:
+            cls = self.registry.security_policy(name)
+            cls.check_available()
+            policy = self._policies[name] = cls()
+        return policy
+
+    def policies_for(self, spec: SandboxSpec,
+                     backend: Backend) -> list[tuple[SecurityPolicy, dict[str, Any]]]:
+        """The policies ``spec`` asks for, with their settings, each checked to be enforceable
+        on ``backend``; ``spec.network`` must be enforced by the backend ("none") or by one of
+        them. Raises before anything is set up: ``UnknownPolicy``, ``InvalidSpec`` (settings)
+        or ``PolicyUnavailable``."""
+        chosen = []
+        for name, settings in spec.policies.items():
+            policy = self._policy(name)
+            if not policy.enforceable_on(type(backend)):
+                raise PolicyUnavailable(
+                    f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "
+                    f"it works through {sorted(policy.targets) or 'nothing'}, the backend "
+                    f"offers {sorted(backend.policy_targets) or 'nothing'}",
+                    policy=name, backend=backend.name)
+            policy.validate(settings)
+            chosen.append((policy, dict(settings)))
+        if spec.network == "none":
+            if Feature.NET_NAMESPACE not in backend.features:
+                raise PolicyUnavailable(
+                    f"backend {backend.name!r} does not isolate the network, so network='none' "
+                    "(loopback only) cannot be enforced", policy="network", backend=backend.name)
+        elif not any(spec.network in p.network_modes for p, _ in chosen):
+            able = sorted(n for n, c in self.registry.security_policies.items()
+                          if spec.network in c.network_modes)
+            raise PolicyUnavailable(
+                f"network mode {spec.network!r} needs a security policy that enforces it in the "
+                f"sandbox's policies ({', '.join(able) or 'no loaded policy does'})",
+                policy="network", backend=backend.name, network=spec.network, able=able)
+        return chosen
+
+    def _enforcer(self, sid: str) -> Callable[[str, Any], None]:
+        """``SandboxRuntime.enforce`` of sandbox ``sid``: apply its policies at a target."""
+        def enforce(target: str, subject: Any) -> None:
+            sb = self._get(sid)
+            for policy, settings in sb.policies:
+                if target in policy.targets:
+                    policy.apply(target, sb.rt, settings, subject)
+
+        return enforce
 
     # --- layers ---------------------------------------------------------------------------
     def resolve_layers(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
@@ -149,29 +213,33 @@ class Node:
         return [find_layer(self.layer_sources, text) for text in refs]
 
     # --- create ---------------------------------------------------------------------------
-    def _admit(self, spec: SandboxSpec) -> None:
-        lim = spec.limits
+    def load(self) -> NodeLoad:
+        """This node as placement sees it: capacity and what live sandboxes reserve."""
         live = [s for s in self.sandboxes.values() if s.status in ("creating", "running")]
         cfg = self.config
-        if len(live) + 1 > cfg.max_sandboxes:
-            raise AdmissionRejected(f"node is full: {len(live)} sandboxes of at most "
-                                    f"{cfg.max_sandboxes}", reason="count")
-        cpu = sum(s.rt.limits.cpu for s in live) + lim.cpu
-        if cpu > cfg.cpu_capacity:
-            raise AdmissionRejected(
-                f"not enough CPU: asked {lim.cpu} cores, {cfg.cpu_capacity - cpu + lim.cpu:.1f} "
-                f"of {cfg.cpu_capacity:.0f} (with overcommit) left", reason="cpu")
-        mem = sum(s.rt.limits.memory for s in live) + lim.memory
-        if mem > cfg.memory_capacity:
-            raise AdmissionRejected(
-                f"not enough memory: asked {lim.memory >> 20} MiB, "
-                f"{(cfg.memory_capacity - mem + lim.memory) >> 20} MiB of "
-                f"{cfg.memory_capacity >> 20} MiB left", reason="memory")
+        return NodeLoad(node=os.fspath(cfg.home), backends=tuple(sorted(self.registry.backends)),
+                        cpu_capacity=cfg.cpu_capacity,
+                        cpu_committed=sum(s.rt.limits.cpu for s in live),
+                        memory_capacity=cfg.memory_capacity,
+                        memory_committed=sum(s.rt.limits.memory for s in live),
+                        sandboxes=len(live), max_sandboxes=cfg.max_sandboxes)
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        """Local admission: this node is the one eligible node if ``spec`` fits, and the
+        placement plugins must take it (the control plane asks the same plugins across many)."""
+        load = self.load()
+        refusal = load.refusal(spec)
+        if refusal is not None:
+            raise refusal
+        if plugins.place(spec, [load]) is None:
+            raise AdmissionRejected(f"placement declined node {load.node}", reason="placement",
+                                    node=load.node)
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
         backend = self.backend(spec.backend)
         limits = spec.limits
+        chosen = self.policies_for(spec, backend)
         self._admit(spec)
         refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
@@ -183,54 +251,73 @@ class Node:
         sources = self.resolve_layers(refs)
         layers = [info for _, info in sources]
         sid = secrets.token_hex(6)
-        sdir = self.config.runtime_dir / sid
-        ddir = self.config.sandbox_dir / sid
-        sdir.mkdir(mode=0o711)
-        rt = SandboxRuntime(id=sid, spec=spec, limits=limits, dir=sdir, data_dir=ddir,
-                            rootfs=sdir / "rootfs", agent_socket=sdir / "agent.sock",
-                            agent_binary=self.agent_binary, idmap=self.idmap)
+        rt = self._runtime(sid, spec, backend)
+        rt.dir.mkdir(mode=0o711)
         now = time.time()
         sb = Sandbox(rt=rt, backend=backend, layers=layers, created=now,
-                     expires=now + spec.ttl if spec.ttl else None)
+                     expires=now + spec.ttl if spec.ttl else None, policies=chosen)
         self.sandboxes[sid] = sb  # counted by admission from here on
-        overlay = OverlayStack(ddir, rt.rootfs)
         taken: list[str] = []
         t_prep = time.perf_counter()
         try:
             self._write_state(sb)  # first, so a crash from here on leaves a trace to clean
-            mounts = []
-            for source, info in sources:
-                image, device = await self._layer_files(source, info)
-                mounts.append(self.mounts.acquire(info.digest, image, device))
-                taken.append(info.digest)
-            sb.rt = rt = replace(rt, layer_mounts=tuple(mounts))
+            sb.rt = rt = await self._prepare_rootfs(rt, backend, sources, taken)
             t_layers = time.perf_counter()
-            overlay.mount(mounts, owner=self.idmap.host_base)
-            t_overlay = time.perf_counter()
             sb.backend_state = await backend.start(rt)
             t_start = time.perf_counter()
             sb.status = "running"
             self._write_state(sb)
-            log.debug("created %s: prepare %.1f ms, layers %.1f ms, overlay %.1f ms, "
-                      "backend %.1f ms, total %.1f ms", sid, 1e3 * (t_prep - t0),
-                      1e3 * (t_layers - t_prep), 1e3 * (t_overlay - t_layers),
-                      1e3 * (t_start - t_overlay), 1e3 * (time.perf_counter() - t0))
+            log.debug("created %s: prepare %.1f ms, layers %.1f ms, backend %.1f ms, "
+                      "total %.1f ms", sid, 1e3 * (t_prep - t0), 1e3 * (t_layers - t_prep),
+                      1e3 * (t_start - t_layers), 1e3 * (time.perf_counter() - t0))
         except BaseException:
             self.sandboxes.pop(sid, None)
-            await asyncio.shield(self._undo_create(overlay, taken, rt))
+            await asyncio.shield(self._undo_create(taken, rt, chosen))
             raise
         if sb.expires:
             self._arm_ttl(sb)
         return sb.info()
 
+    def _runtime(self, sid: str, spec: SandboxSpec, backend: Backend) -> SandboxRuntime:
+        """A sandbox's runtime record before its root filesystem is prepared."""
+        sdir = self.config.runtime_dir / sid
+        assert self.agent_binary is not None, "Node.open() first"
+        return SandboxRuntime(id=sid, spec=spec, limits=spec.limits, dir=sdir,
+                              data_dir=self.config.sandbox_dir / sid,
+                              agent_socket=sdir / "agent.sock", agent_binary=self.agent_binary,
+                              idmap=self.idmap, enforce=self._enforcer(sid))
+
+    async def _prepare_rootfs(self, rt: SandboxRuntime, backend: Backend,
+                              sources: list[tuple[LayerSource, LayerInfo]],
+                              taken: list[str]) -> SandboxRuntime:
+        """What the backend asks for: mounted layers under an overlay (``COMPOSED``; each
+        layer mount taken is appended to ``taken``), or the image files and a writable disk
+        (``IMAGES``: nothing is mounted)."""
+        files = [await self._layer_files(source, info) for source, info in sources]
+        if backend.rootfs is RootfsForm.IMAGES:
+            images = tuple(LayerImage(info.ref, info.digest, image, device)
+                           for (_, info), (image, device) in zip(sources, files))
+            size = rt.limits.disk or DEFAULT_DISK_SIZE
+            disk = _sparse_disk(rt.data_dir, size)
+            return replace(rt, images=images, disk=disk, disk_size=size)
+        assert self.mounts is not None
+        mounts = []
+        for (_, info), (image, device) in zip(sources, files):
+            mounts.append(self.mounts.acquire(info.digest, image, device))
+            taken.append(info.digest)
+        rootfs = rt.dir / "rootfs"
+        OverlayStack(rt.data_dir, rootfs).mount(mounts, owner=self.idmap.host_base)
+        return replace(rt, rootfs=rootfs)
+
     async def _layer_files(self, source: LayerSource,
                            info: LayerInfo) -> tuple[Path, Path | None]:
         """What to mount for a layer: (image, None) for a whole image, or (metadata image,
         data blob) to load it on demand."""
-        if source.scheme == "local":
+        if source.local:
             return source.image_path(info), None
         if self.config.ondemand:
-            prepared = await self._once(("lazy", info.digest), self.lazy.prepare, source, info)
+            assert self.ondemand is not None
+            prepared = await self._once(("lazy", info.digest), self.ondemand.prepare, source, info)
             if prepared is not None:
                 return prepared
         return await self._once(("image", info.digest), source.image_path, info), None
@@ -249,29 +336,33 @@ class Node:
         """Warm layers on this node: every chunk of on-demand layers, whole remote images."""
         out = []
         for source, info in self.resolve_layers(refs):
-            if source.scheme == "local":
+            if source.local:
                 out.append({"layer": info.ref, "source": source.url, "fetched": 0,
                             "mode": "local"})
                 continue
             image, device = await self._layer_files(source, info)
-            if device is None:
+            form = source.lazy_form(info) if device is not None else None
+            if form is None:
                 out.append({"layer": info.ref, "source": source.url, "mode": "whole",
                             "fetched": info.size})
                 continue
-            form = source.lazy_form(info)
-            n = await asyncio.to_thread(self.lazy.prefetch, form.index.blob_digest)
+            assert self.ondemand is not None
+            n = await asyncio.to_thread(self.ondemand.prefetch, form.index.blob_digest)
             out.append({"layer": info.ref, "source": source.url, "mode": "on-demand",
                         "fetched": n, "chunks": len(form.index.chunks)})
         return out
 
-    async def _undo_create(self, overlay: OverlayStack, taken: list[str],
-                           rt: SandboxRuntime) -> None:
+    async def _undo_create(self, taken: list[str], rt: SandboxRuntime,
+                           chosen: list[tuple[SecurityPolicy, dict[str, Any]]]) -> None:
         try:
-            overlay.unmount()
+            OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount()  # no-op if never mounted
         finally:
+            assert self.mounts is not None
             for digest in taken:
                 self.mounts.release(digest)
             self._remove_dirs(rt)
+            for policy, _ in chosen:
+                policy.released(rt)
 
     @staticmethod
     def _remove_dirs(rt: SandboxRuntime) -> None:
@@ -312,7 +403,7 @@ class Node:
     def list(self) -> list[SandboxInfo]:
         return [sb.info() for sb in sorted(self.sandboxes.values(), key=lambda s: s.created)]
 
-    def usage(self, sid: str) -> dict[str, Any]:
+    def usage(self, sid: str) -> SandboxUsage:
         sb = self._get(sid)
         return sb.backend.usage(sb.rt, sb.backend_state)
 
@@ -336,11 +427,13 @@ class Node:
     async def _teardown(self, sb: Sandbox) -> None:
         """Stop the backend, unmount, release layers, delete the sandbox directory."""
         await sb.backend.stop(sb.rt, sb.backend_state)
-        OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
-        for info in sb.layers:
-            self.mounts.release(info.digest)
+        if sb.rt.rootfs is not None:
+            OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
+            assert self.mounts is not None
+            for info in sb.layers:
+                self.mounts.release(info.digest)
         self._remove_dirs(sb.rt)
-        for policy in sb.backend.security_policies:
+        for policy, _ in sb.policies:
             policy.released(sb.rt)
 
     # --- inside the sandbox ---------------------------------------------------------------
@@ -417,7 +510,7 @@ class Node:
             alive = sb.status == "running" and await sb.backend.alive(sb.rt, sb.backend_state)
             if alive and (sb.expires is None or sb.expires > time.time()):
                 self.sandboxes[sb.rt.id] = sb
-                for info in sb.layers:
+                for info in sb.layers if sb.rt.rootfs is not None else ():
                     in_use[info.digest] = in_use.get(info.digest, 0) + 1
             else:
                 log.info("sandbox %s is gone or expired; cleaning up", sb.rt.id)
@@ -440,14 +533,26 @@ class Node:
         spec = SandboxSpec.from_dict(doc["spec"])
         backend = self.backend(doc["backend"])
         layers = [LayerInfo.from_dict(d) for d in doc["layers"]]
-        idmap = IdMap(*doc["idmap"])
-        rt = SandboxRuntime(id=doc["id"], spec=spec, limits=spec.limits, dir=sdir,
-                            data_dir=self.config.sandbox_dir / doc["id"], rootfs=sdir / "rootfs", agent_socket=sdir / "agent.sock",
-                            agent_binary=self.agent_binary, idmap=idmap,
-                            layer_mounts=tuple(self.mounts.path_for(i.digest) for i in layers))
+        sid = doc["id"]
+        # State written before runtimes recorded their form: a composed root is at rootfs/.
+        composed = os.fspath(sdir / "rootfs") if backend.rootfs is RootfsForm.COMPOSED else None
+        rootfs = doc.get("rootfs", composed)
+        rt = replace(self._runtime(sid, spec, backend), idmap=IdMap(*doc["idmap"]),
+                     rootfs=Path(rootfs) if rootfs else None,
+                     images=tuple(LayerImage(ref, digest, Path(image),
+                                             Path(device) if device else None)
+                                  for ref, digest, image, device in doc.get("images", [])),
+                     disk=Path(doc["disk"]) if doc.get("disk") else None,
+                     disk_size=int(doc.get("disk_size") or 0))
+        try:
+            chosen = self.policies_for(spec, backend)
+        except DsecError as e:  # it ran with them; it keeps running, but cannot release them
+            log.warning("sandbox %s: its security policies are not all here any more: %s",
+                        sid, e)
+            chosen = []
         return Sandbox(rt=rt, backend=backend, layers=layers, created=doc["created"],
                        expires=doc["expires"], backend_state=doc.get("backend_state") or {},
-                       status=doc.get("status", "creating"))
+                       status=doc.get("status", "creating"), policies=chosen)
 
     async def _scrub_dir(self, sdir: Path) -> None:
         for mp in mounted_under(sdir):
@@ -468,3 +573,11 @@ class Node:
             except Exception:  # the watcher must not die; log and go on
                 log.exception("watch loop")
 
+
+def _sparse_disk(data_dir: Path, size: int) -> Path:
+    """A new sparse, unformatted file of ``size`` bytes: an ``IMAGES`` backend's writable disk."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    disk = data_dir / "disk.raw"
+    with open(disk, "xb") as f:
+        f.truncate(size)
+    return disk

@@ -1,11 +1,23 @@
-"""The conformance kit: test classes and fixtures a plugin subclasses so it runs our checks.
+"""The conformance kit: test classes a plugin subclasses so it runs exactly our checks, the
+pytest fixtures they use, and helpers for tests that start real servers on loopback.
 
-``BackendConformance`` holds the checks every backend passes; the fixtures (loaded through the
-``pytest11`` entry point) start a real, isolated node daemon and clean up every sandbox.
+Opt-in, as pytester is: enable it with ``-p dsec_core.testing`` (command line or ``addopts``)
+or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then:
+
+- ``BackendConformance``: every backend plugin's checks (set ``backend_name``).
+- ``LayerSourceConformance``: every layer-source plugin's checks (provide ``dsec_source``,
+  ``corrupt`` and ``unreachable``).
+- fixtures ``dsec_node``, ``dsec_client``, ``dsec_sandboxes``: a real node daemon in a private
+  home, a client of it, and a recorder that kills every sandbox a test made.
 """
 
 from .backend import BackendConformance
-from .fixtures import KitNode, SandboxRecorder, leftovers, make_busybox_rootfs, running_kit_node
+from .fixtures import (KitNode, SandboxRecorder, dsec_client, dsec_node, dsec_sandboxes,
+                       leaves_no_mounts_or_threads, leftovers, make_busybox_rootfs,
+                       running_kit_node)
+from .procs import free_port, stop_process
+from .sources import LayerSourceConformance
 
-__all__ = ["BackendConformance", "KitNode", "SandboxRecorder", "leftovers", "make_busybox_rootfs",
-           "running_kit_node"]
+__all__ = ["BackendConformance", "LayerSourceConformance", "KitNode", "SandboxRecorder",
+           "leftovers", "leaves_no_mounts_or_threads", "make_busybox_rootfs", "running_kit_node",
+           "free_port", "stop_process", "dsec_node", "dsec_client", "dsec_sandboxes"]

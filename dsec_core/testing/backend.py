@@ -12,6 +12,7 @@ feature a backend does not claim in ``Backend.features`` are skipped, not failed
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import re
 import time
@@ -21,6 +22,7 @@ import pytest
 
 from ..errors import (ExecTimeout, SandboxPathError, SessionClosed, UnknownSandbox,
                       UnknownSession)
+from ..plugins import registry
 from .fixtures import leftovers
 
 __all__ = ["BackendConformance"]
@@ -53,8 +55,6 @@ class BackendConformance:
     backend_name: str = ""
 
     def _features(self, dsec_node) -> frozenset[str]:
-        from ..plugins import registry
-
         return registry().backend(self.backend_name).features
 
     def _need(self, dsec_node, feature: str) -> None:
@@ -62,34 +62,34 @@ class BackendConformance:
             pytest.skip(f"backend {self.backend_name} does not claim {feature!r}")
 
     # --- exec -----------------------------------------------------------------------------
-    def test_exec_shell_and_argv(self, sandboxes):
-        sb = sandboxes.create()
+    def test_exec_shell_and_argv(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         r = sb.exec("echo out; echo err >&2; exit 3")
         assert (r.stdout, r.stderr, r.exit_code) == (b"out\n", b"err\n", 3)
         assert not r.truncated and not r.timed_out and r.duration >= 0
         r = sb.exec(["echo", "a b", "$HOME"])
         assert r.stdout == b"a b $HOME\n" and r.exit_code == 0
 
-    def test_command_not_found_is_127(self, sandboxes):
-        sb = sandboxes.create()
+    def test_command_not_found_is_127(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         assert sb.exec(["/no/such/program"]).exit_code == 127
         assert sb.exec("no-such-program-xyz").exit_code == 127
 
-    def test_exec_stdin_env_cwd(self, sandboxes):
-        sb = sandboxes.create(env={"FROM_SPEC": "spec"})
+    def test_exec_stdin_env_cwd(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create(env={"FROM_SPEC": "spec"})
         r = sb.exec("cat; echo $FROM_SPEC $FROM_CALL; pwd", stdin=b"in\n",
                     env={"FROM_CALL": "call"}, cwd="/tmp")
         assert r.stdout == b"in\nspec call\n/tmp\n"
         with pytest.raises(SandboxPathError):
             sb.exec("true", cwd="/no/such/dir")
 
-    def test_exec_binary_output(self, sandboxes):
-        sb = sandboxes.create()
+    def test_exec_binary_output(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         r = sb.exec("printf '\\000\\377\\001'")
         assert r.stdout == b"\x00\xff\x01"
 
-    def test_timeout_kills_process_tree(self, sandboxes):
-        sb = sandboxes.create()
+    def test_timeout_kills_process_tree(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         marker = f"4{os.getpid() % 1000}{int(time.time()) % 1000}7"
         started = time.monotonic()
         r = sb.exec(f"setsid sleep {marker} & (sleep {marker} &) ; sleep {marker}", timeout=1.0)
@@ -100,8 +100,8 @@ class BackendConformance:
         assert _pids_with_marker(f"sleep {marker}") == []
         assert sb.exec("echo alive").stdout == b"alive\n"
 
-    def test_output_cap_bounds_memory(self, sandboxes, dsec_node):
-        sb = sandboxes.create()
+    def test_output_cap_bounds_memory(self, dsec_sandboxes, dsec_node):
+        sb = dsec_sandboxes.create()
         daemon_pid = int((dsec_node.config.run_dir / "dsecd.pid").read_text())
         before = _rss_kib(daemon_pid)
         r = sb.exec("yes", timeout=3.0, max_output=64 << 10)
@@ -111,10 +111,8 @@ class BackendConformance:
         small = sb.exec("head -c 100000 /dev/zero", max_output=1000)
         assert small.truncated and len(small.stdout) == 1000 and small.exit_code == 0
 
-    def test_concurrent_execs(self, sandboxes):
-        import concurrent.futures as cf
-
-        sb = sandboxes.create()
+    def test_concurrent_execs(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         started = time.monotonic()
         with cf.ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda i: sb.exec(f"sleep 0.5; echo {i}"), range(8)))
@@ -122,8 +120,8 @@ class BackendConformance:
         assert time.monotonic() - started < 3.5
 
     # --- sessions -------------------------------------------------------------------------
-    def test_sessions_keep_state(self, sandboxes):
-        sb = sandboxes.create()
+    def test_sessions_keep_state(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         a, b = sb.session(), sb.session()
         a.exec("cd /tmp && X=41 && export Y=yes && f() { echo fn$1; }")
         r = a.exec("pwd; echo $((X+1)) $Y; f 7")
@@ -136,8 +134,8 @@ class BackendConformance:
             a.exec("true")
         b.close()
 
-    def test_session_timeout_and_exit(self, sandboxes):
-        sb = sandboxes.create()
+    def test_session_timeout_and_exit(self, dsec_sandboxes):
+        sb = dsec_sandboxes.create()
         s = sb.session()
         r = s.exec("sleep 100", timeout=0.5)
         assert r.timed_out
@@ -148,8 +146,8 @@ class BackendConformance:
             s.exec("true")
 
     # --- files ----------------------------------------------------------------------------
-    def test_files(self, sandboxes, tmp_path):
-        sb = sandboxes.create()
+    def test_files(self, dsec_sandboxes, tmp_path):
+        sb = dsec_sandboxes.create()
         sb.write_file("/work/dir/a.txt", b"hello\n", mode=0o600)
         assert sb.read_file("/work/dir/a.txt") == b"hello\n"
         assert sb.exec("cat /work/dir/a.txt").stdout == b"hello\n"
@@ -170,9 +168,9 @@ class BackendConformance:
             sb.list_dir("/no/such/dir")
 
     # --- isolation and limits -------------------------------------------------------------
-    def test_root_inside_is_not_root_outside(self, sandboxes, dsec_node):
+    def test_root_inside_is_not_root_outside(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "userns")
-        sb = sandboxes.create()
+        sb = dsec_sandboxes.create()
         assert sb.exec("id -u").stdout == b"0\n"
         uid_map = sb.exec("cat /proc/self/uid_map").stdout.split()
         assert uid_map[0] == b"0" and uid_map[1] != b"0"
@@ -183,9 +181,9 @@ class BackendConformance:
         # mknod and raw sockets are not in the capability set
         assert sb.exec("mknod /tmp/sda b 8 0").exit_code != 0
 
-    def test_namespaces(self, sandboxes, dsec_node):
+    def test_namespaces(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "pid-namespace")
-        sb = sandboxes.create()
+        sb = dsec_sandboxes.create()
         pids = [p for p in sb.exec("ls /proc").stdout.split() if p.isdigit()]
         assert b"1" in pids and len(pids) < 10
         assert sb.exec("cat /proc/1/cmdline").stdout.startswith(b"/.dsec/agent")
@@ -194,17 +192,17 @@ class BackendConformance:
             assert links == [b"lo"]
         assert sb.exec("hostname").stdout.strip() != os.uname().nodename.encode()
 
-    def test_masked_and_readonly_proc(self, sandboxes, dsec_node):
+    def test_masked_and_readonly_proc(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "userns")
-        sb = sandboxes.create()
+        sb = dsec_sandboxes.create()
         assert sb.exec("cat /proc/kcore | head -c 10 | wc -c").stdout.strip() == b"0"
         assert sb.exec("cat /proc/kpagecgroup | head -c 10 | wc -c").stdout.strip() == b"0"
         r = sb.exec("echo 1 > /proc/sys/kernel/domainname")
         assert r.exit_code != 0
 
-    def test_memory_limit(self, sandboxes, dsec_node):
+    def test_memory_limit(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "cgroups")
-        sb = sandboxes.create(memory="64M")
+        sb = dsec_sandboxes.create(memory="64M")
         r = sb.exec("dd if=/dev/zero of=/dev/null bs=200M count=1", timeout=30)
         assert r.exit_code != 0  # killed by the OOM killer, not allowed 200M
         assert sb.exec("echo survived").stdout == b"survived\n"
@@ -212,12 +210,12 @@ class BackendConformance:
         assert sb.exec("cat /proc/self/oom_score_adj").stdout == b"1000\n"
         assert sb.exec("cat /proc/1/oom_score_adj").stdout.strip() != b"1000"
 
-    def test_pids_limit(self, sandboxes, dsec_node):
+    def test_pids_limit(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "cgroups")
-        sb = sandboxes.create(pids=40)
+        sb = dsec_sandboxes.create(pids=40)
         r = sb.exec("for i in $(seq 100); do sleep 4 & done; wait", timeout=30)
         assert r.exit_code != 0 and re.search(rb"fork|resource|again", r.stderr, re.I)
-        held = sb.usage().get("pids")
+        held = sb.usage().pids
         if held is not None:
             assert 30 <= held <= 40  # the sleeps that did start hold the sandbox at its limit
         deadline = time.monotonic() + 15
@@ -230,20 +228,20 @@ class BackendConformance:
             assert time.monotonic() < deadline, "sandbox did not recover from its pids limit"
             time.sleep(0.5)
 
-    def test_cpu_limit(self, sandboxes, dsec_node):
+    def test_cpu_limit(self, dsec_sandboxes, dsec_node):
         self._need(dsec_node, "cgroups")
-        sb = sandboxes.create(cpu=0.25)
-        before = sb.usage().get("cpu_seconds")
+        sb = dsec_sandboxes.create(cpu=0.25)
+        before = sb.usage().cpu_seconds
         if before is None:
             pytest.skip("backend reports no cpu usage")
         sb.exec("timeout 2 sh -c 'while :; do :; done'", timeout=10)
-        used = sb.usage()["cpu_seconds"] - before
+        used = sb.usage().cpu_seconds - before
         assert used < 0.25 * 2 * 1.6 + 0.1, f"used {used:.2f}s of CPU in 2s at 0.25 cores"
         assert used > 0.1
 
     # --- lifecycle ------------------------------------------------------------------------
-    def test_ttl_kills(self, sandboxes, dsec_client):
-        sb = sandboxes.create(ttl=1.0)
+    def test_ttl_kills(self, dsec_sandboxes, dsec_client):
+        sb = dsec_sandboxes.create(ttl=1.0)
         assert sb.exec("true").exit_code == 0
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -255,8 +253,8 @@ class BackendConformance:
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)
 
-    def test_kill_leaves_nothing(self, sandboxes, dsec_node, dsec_client):
-        sb = sandboxes.create()
+    def test_kill_leaves_nothing(self, dsec_sandboxes, dsec_node, dsec_client):
+        sb = dsec_sandboxes.create()
         marker = f"9{os.getpid() % 1000}{int(time.time() * 10) % 10000}1"
         sb.exec(f"sleep {marker} > /dev/null 2>&1 &")
         sb.write_file("/tmp/data", b"x" * 1000)
@@ -270,14 +268,14 @@ class BackendConformance:
         assert not [m for m in left["mounts"] if sb.id in m]
         assert not [c for c in left["cgroups"] if sb.id in c]
 
-    def test_create_many(self, sandboxes):
-        sbs = sandboxes.create_many(4)
+    def test_create_many(self, dsec_sandboxes):
+        sbs = dsec_sandboxes.create_many(4)
         assert len({sb.id for sb in sbs}) == 4
         for sb in sbs:
             assert sb.exec(["echo", sb.id]).stdout == f"{sb.id}\n".encode()
 
-    def test_writes_are_private(self, sandboxes):
-        a, b = sandboxes.create(), sandboxes.create()
+    def test_writes_are_private(self, dsec_sandboxes):
+        a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
         a.exec("echo mine > /etc/motd-a; rm -f /bin/true").check()
         assert b.exec("cat /etc/motd-a").exit_code != 0
         assert b.exec("/bin/true").exit_code == 0

@@ -1,9 +1,10 @@
 """pytest fixtures for testing dsec and its plugins against a real, isolated node daemon.
 
-Loaded as a pytest plugin (entry point ``pytest11: dsec``), so a third-party plugin's tests get
-the same fixtures ours use: ``dsec_node`` (a daemon in a private ``DSEC_HOME``), ``dsec_client``,
-``kit_layer`` (a small busybox base layer) and ``sandboxes`` (creates sandboxes and kills every
-one of them at teardown).
+Opt-in, as pytester is: ``-p dsec_core.testing`` on the command line (or ``addopts``), or
+``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. A third-party plugin's
+tests then get the fixtures ours use: ``dsec_node`` (a daemon in a private home with a busybox
+base layer ``kit-base@1``), ``dsec_client``, and ``dsec_sandboxes`` (creates sandboxes and
+kills every one of them at teardown).
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ from typing import Any, Iterator
 
 import pytest
 
-from ..client import Client
+from ..backend import cgroup_path
 from ..config import NodeConfig
 from ..errors import DsecError
+from ..layers.build import build_layer
+from ..layers.store import LayerStore
+from ..linux.mounts import mounted_under
+from ..localnode import daemon_pid, ensure_daemon, stop_daemon
 from ..records import LayerInfo, SandboxSpec
+from ..sdk import Client
 
 __all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node",
            "leaves_no_mounts_or_threads"]
@@ -67,8 +73,8 @@ def leftovers(home: Path) -> dict[str, list[str]]:
     cgroups = []
     for hier in Path("/sys/fs/cgroup").iterdir():
         for sid in dirs:
-            if (hier / "dsec" / sid).exists():
-                cgroups.append(os.fspath(hier / "dsec" / sid))
+            if (hier / cgroup_path(sid)).exists():
+                cgroups.append(os.fspath(hier / cgroup_path(sid)))
     procs = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -87,8 +93,6 @@ def leftovers(home: Path) -> dict[str, list[str]]:
 def leaves_no_mounts_or_threads(tmp_path: Path, *thread_prefixes: str) -> Iterator[None]:
     """Fail the test if, after the block, anything is mounted under ``tmp_path`` or a thread
     whose name starts with one of ``thread_prefixes`` is still running."""
-    from ..node.mounts import mounted_under
-
     before = set(threading.enumerate())
     yield
     assert mounted_under(tmp_path) == []
@@ -110,10 +114,6 @@ class KitNode:
 
     @classmethod
     def start(cls, home: Path) -> "KitNode":
-        from ..layers.build import build_layer
-        from ..layers.store import LayerStore
-        from ..node.daemon import ensure_daemon
-
         config = NodeConfig(home=home)
         config.ensure_dirs()
         store = LayerStore(config.layer_dir)
@@ -136,8 +136,6 @@ class KitNode:
 
     def stop(self) -> None:
         """Kill every sandbox and stop the daemon (starting it first if a test stopped it)."""
-        from ..node.daemon import daemon_pid, ensure_daemon, stop_daemon
-
         if daemon_pid(self.config) is None:
             ensure_daemon(self.config)
         try:
@@ -212,7 +210,7 @@ def dsec_client(dsec_node: KitNode) -> Iterator[Client]:
 
 
 @pytest.fixture
-def sandboxes(dsec_client: Client, dsec_node: KitNode, request) -> Iterator[SandboxRecorder]:
+def dsec_sandboxes(dsec_client: Client, dsec_node: KitNode, request) -> Iterator[SandboxRecorder]:
     """Create sandboxes with ``sandboxes.create(**spec)``; all are killed at teardown.
 
     The default spec uses the kit's busybox layer and the test class's ``backend_name``.

@@ -2,7 +2,7 @@
 
     class TestMySource(LayerSourceConformance):
         @pytest.fixture
-        def source(self, tmp_path): ...            # a fresh, empty, writable source
+        def dsec_source(self, tmp_path): ...       # a fresh, empty, writable source
         def corrupt(self, source, digest, how): ...  # damage a stored blob ("flip"/"truncate")
         def unreachable(self, tmp_path): ...       # a source whose server is not there
 
@@ -21,10 +21,11 @@ import pytest
 
 from ..errors import LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment
 from ..layers.build import build_layer
-from ..layers.source import LayerSource
-from ..layers.sources import find_layer
 from ..layers.store import LayerStore
 from ..records import LayerInfo, LayerRef
+from ..sources.base import LayerSource
+from ..sources.chain import find_layer
+from ..sources.local import LocalLayerSource
 
 __all__ = ["LayerSourceConformance"]
 
@@ -44,8 +45,8 @@ class LayerSourceConformance:
 
     # --- what a subclass provides ---------------------------------------------------------
     @pytest.fixture
-    def source(self, tmp_path) -> LayerSource:
-        raise NotImplementedError("override the `source` fixture: a fresh, empty source")
+    def dsec_source(self, tmp_path) -> LayerSource:
+        raise NotImplementedError("override the `dsec_source` fixture: a fresh, empty source")
 
     def corrupt(self, source: LayerSource, digest: str, how: str) -> None:
         """Damage the stored blob ``digest``: ``how`` is "flip" (one byte) or "truncate"."""
@@ -57,90 +58,88 @@ class LayerSourceConformance:
 
     # --- shared fixtures ------------------------------------------------------------------
     @pytest.fixture
-    def store(self, tmp_path) -> LayerStore:
+    def dsec_store(self, tmp_path) -> LayerStore:
         return LayerStore(tmp_path / "kit-store")
 
     @pytest.fixture
-    def layer(self, store, tmp_path) -> LayerInfo:
+    def dsec_layer(self, dsec_store, tmp_path) -> LayerInfo:
         # bigger than one fetch chunk would be slow to push everywhere; 3 MiB exercises ranges
-        return _build(store, tmp_path, "kit-ws", "1", bytes(range(256)) * 12288)
+        return _build(dsec_store, tmp_path, "kit-ws", "1", bytes(range(256)) * 12288)
 
     # --- checks ---------------------------------------------------------------------------
-    def test_push_then_resolve_and_list(self, source, store, layer, tmp_path):
-        assert source.push(layer, store.image_path(layer)) is True
-        newer = _build(store, tmp_path, "kit-ws", "2", b"second version")
+    def test_push_then_resolve_and_list(self, dsec_source, dsec_store, dsec_layer, tmp_path):
+        assert dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer)) is True
+        newer = _build(dsec_store, tmp_path, "kit-ws", "2", b"second version")
         time.sleep(0.01)
-        source.push(newer, store.image_path(newer))
-        assert source.resolve(LayerRef("kit-ws", "1")).digest == layer.digest
-        assert source.resolve(LayerRef("kit-ws")).version == "2"  # unversioned: newest
-        assert source.resolve(LayerRef("kit-absent", "1")) is None
-        assert {i.ref for i in source.list()} >= {"kit-ws@1", "kit-ws@2"}
-        got = source.resolve(LayerRef("kit-ws", "1"))
-        assert (got.kind, got.size) == (layer.kind, layer.size)
+        dsec_source.push(newer, dsec_store.image_path(newer))
+        assert dsec_source.resolve(LayerRef("kit-ws", "1")).digest == dsec_layer.digest
+        assert dsec_source.resolve(LayerRef("kit-ws")).version == "2"  # unversioned: newest
+        assert dsec_source.resolve(LayerRef("kit-absent", "1")) is None
+        assert {i.ref for i in dsec_source.list()} >= {"kit-ws@1", "kit-ws@2"}
+        got = dsec_source.resolve(LayerRef("kit-ws", "1"))
+        assert (got.kind, got.size) == (dsec_layer.kind, dsec_layer.size)
 
-    def test_pushing_again_is_a_noop_and_versions_are_immutable(self, source, store, layer,
+    def test_pushing_again_is_a_noop_and_versions_are_immutable(self, dsec_source, dsec_store, dsec_layer,
                                                                 tmp_path):
-        source.push(layer, store.image_path(layer))
-        assert source.push(layer, store.image_path(layer)) is False
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        assert dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer)) is False
         other_store = LayerStore(tmp_path / "other-store")
         impostor = _build(other_store, tmp_path, "kit-ws", "1", b"not the same content")
         with pytest.raises(LayerExists):
-            source.push(impostor, other_store.image_path(impostor))
-        assert source.resolve(LayerRef("kit-ws", "1")).digest == layer.digest
+            dsec_source.push(impostor, other_store.image_path(impostor))
+        assert dsec_source.resolve(LayerRef("kit-ws", "1")).digest == dsec_layer.digest
 
-    def test_fetch_is_verified_byte_for_byte(self, source, store, layer):
-        source.push(layer, store.image_path(layer))
-        info = source.resolve(LayerRef("kit-ws", "1"))
-        path = source.image_path(info)
+    def test_fetch_is_verified_byte_for_byte(self, dsec_source, dsec_store, dsec_layer):
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        info = dsec_source.resolve(LayerRef("kit-ws", "1"))
+        path = dsec_source.image_path(info)
         data = Path(path).read_bytes()
-        assert "sha256:" + hashlib.sha256(data).hexdigest() == layer.digest
-        assert data == store.image_path(layer).read_bytes()
+        assert "sha256:" + hashlib.sha256(data).hexdigest() == dsec_layer.digest
+        assert data == dsec_store.image_path(dsec_layer).read_bytes()
 
     @pytest.mark.parametrize("how", ["flip", "truncate"])
-    def test_damaged_blob_never_reaches_the_cache(self, source, store, layer, how):
-        source.push(layer, store.image_path(layer))
-        self.corrupt(source, layer.digest, how)
-        info = source.resolve(LayerRef("kit-ws", "1"))
+    def test_damaged_blob_never_reaches_the_cache(self, dsec_source, dsec_store, dsec_layer, how):
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        self.corrupt(dsec_source, dsec_layer.digest, how)
+        info = dsec_source.resolve(LayerRef("kit-ws", "1"))
         with pytest.raises(LayerCorrupt):
-            source.image_path(info)
-        if source.cache_dir is not None and source.cache_dir.exists():
-            assert [p for p in source.cache_dir.rglob("*") if p.is_file()] == []
+            dsec_source.image_path(info)
+        if dsec_source.cache_dir is not None and dsec_source.cache_dir.exists():
+            assert [p for p in dsec_source.cache_dir.rglob("*") if p.is_file()] == []
 
-    def test_catalogs(self, source):
+    def test_catalogs(self, dsec_source):
         doc = {"name": "kit-catalog", "layers": [], "environments": [
             {"name": "kit-env", "base": "kit-ws@1"}]}
-        source.put_catalog("kit-catalog", doc)
-        assert "kit-catalog" in source.catalogs()
-        assert source.get_catalog("kit-catalog") == doc
+        dsec_source.put_catalog("kit-catalog", doc)
+        assert "kit-catalog" in dsec_source.catalogs()
+        assert dsec_source.get_catalog("kit-catalog") == doc
         doc["environments"][0]["base"] = "kit-ws@2"
-        source.put_catalog("kit-catalog", doc)  # replaced, not duplicated
-        assert source.get_catalog("kit-catalog")["environments"][0]["base"] == "kit-ws@2"
+        dsec_source.put_catalog("kit-catalog", doc)  # replaced, not duplicated
+        assert dsec_source.get_catalog("kit-catalog")["environments"][0]["base"] == "kit-ws@2"
         with pytest.raises(UnknownEnvironment) as e:
-            source.get_catalog("kit-missing")
+            dsec_source.get_catalog("kit-missing")
         assert "kit-catalog" in str(e.value)
 
-    def test_first_source_holding_a_layer_wins(self, source, store, layer, tmp_path):
-        from dsec_layer_local import LocalLayerSource
-
+    def test_first_source_holding_a_layer_wins(self, dsec_source, dsec_store, dsec_layer, tmp_path):
         local = LocalLayerSource(str(tmp_path / "kit-local"))
-        source.push(layer, store.image_path(layer))
-        assert find_layer([local, source], "kit-ws@1")[0] is source
-        local.push(layer, store.image_path(layer))
-        assert find_layer([local, source], "kit-ws@1")[0] is local
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        assert find_layer([local, dsec_source], "kit-ws@1")[0] is dsec_source
+        local.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        assert find_layer([local, dsec_source], "kit-ws@1")[0] is local
 
-    def test_lazy_form_is_published_and_readable_by_chunk(self, source, store, layer):
-        source.push(layer, store.image_path(layer))
-        info = source.resolve(LayerRef("kit-ws", "1"))
-        form = source.lazy_form(info)
+    def test_lazy_form_is_published_and_readable_by_chunk(self, dsec_source, dsec_store, dsec_layer):
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        info = dsec_source.resolve(LayerRef("kit-ws", "1"))
+        form = dsec_source.lazy_form(info)
         if form is None:
-            pytest.skip(f"{type(source).__name__} publishes whole images only")
-        assert form.layer_digest == layer.digest
-        meta = Path(source.fetch_meta(form)).read_bytes()
+            pytest.skip(f"{type(dsec_source).__name__} publishes whole images only")
+        assert form.layer_digest == dsec_layer.digest
+        meta = Path(dsec_source.fetch_meta(form)).read_bytes()
         assert "sha256:" + hashlib.sha256(meta).hexdigest() == form.meta_digest
         index = form.index
         for i in (0, len(index.chunks) - 1):  # first and last (short) chunk
             offset, length = index.stored_range(i)
-            data = index.decode(i, source.read_blob(index.blob_digest, offset, length))
+            data = index.decode(i, dsec_source.read_blob(index.blob_digest, offset, length))
             assert "sha256:" + hashlib.sha256(data).hexdigest() == index.chunks[i]
 
     def test_a_source_that_is_gone_fails_fast_and_typed(self, tmp_path):

@@ -1,7 +1,9 @@
 """Container sandboxes under runc: user, pid, mount, net, ipc, uts and cgroup namespaces.
 
-``runc run -d`` starts the sandbox with the in-sandbox agent as its init, handed the daemon's
-listening socket as fd 3. Stopping does not go through ``runc kill``/``runc delete`` (two more Go
+The node composes the root filesystem (``RootfsForm.COMPOSED``). ``runc run -d`` starts the
+sandbox with the in-sandbox agent as its init, handed the listening socket this backend binds
+at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforce through the
+OCI config (target ``"oci"``). Stopping does not go through ``runc kill``/``runc delete`` (two more Go
 process start-ups and a polling loop, ~100 ms): killing the namespace's init with a pidfd makes
 the kernel kill every process in it, then we remove the cgroups and runc's state ourselves.
 """
@@ -18,14 +20,16 @@ import socket
 from pathlib import Path
 from typing import Any, Mapping
 
-from dsec_core.backend import Backend, SandboxRuntime
+from dsec_core.backend import (AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm,
+                               SandboxRuntime, cgroup_path)
+from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, SandboxError, ToolError
+from dsec_core.records import SandboxUsage
 
 __all__ = ["ContainerBackend", "oci_config"]
 
 RUNTIMES = ("runc",)  # crun 1.8 fails on this kernel's hybrid cgroups; runc is what works here
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-CGROUP_PARENT = "dsec"
 
 # The OCI defaults, plus the kernel page-info files: DSec saw a recursive grep touching
 # /proc/kpagecgroup crash a kernel.
@@ -43,7 +47,6 @@ CAPABILITIES = [
     "CAP_SETUID", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_SETPCAP",
 ]
 CFS_PERIOD = 100_000
-AGENT_PATH = "/.dsec/agent"
 
 
 def find_runtime() -> str:
@@ -78,7 +81,7 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
             "noNewPrivileges": True,
             "oomScoreAdj": 500,
         },
-        "root": {"path": os.fspath(rt.rootfs), "readonly": False},
+        "root": {"path": os.fspath(rt.rootfs or ""), "readonly": False},
         "hostname": "dsec-" + rt.id[:12],
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc",
@@ -101,7 +104,7 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
             "gidMappings": idmap,
             "namespaces": [{"type": t} for t in
                            ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
-            "cgroupsPath": f"/{CGROUP_PARENT}/{rt.id}",
+            "cgroupsPath": "/" + cgroup_path(rt.id),
             "resources": {
                 "memory": {"limit": lim.memory},
                 "cpu": {"quota": max(1000, int(lim.cpu * CFS_PERIOD)), "period": CFS_PERIOD,
@@ -129,10 +132,14 @@ class ContainerBackend(Backend):
     """Sandboxes as runc containers; root inside maps to an unprivileged host uid range."""
 
     name = "container"
-    features = frozenset({"userns", "cgroups", "pid-namespace", "net-namespace", "shared-kernel"})
+    features = frozenset({Feature.USERNS, Feature.CGROUPS, Feature.PID_NAMESPACE,
+                          Feature.NET_NAMESPACE, Feature.SHARED_KERNEL})
+    rootfs = RootfsForm.COMPOSED
+    agent_channel = AgentChannel.UNIX
+    policy_targets = frozenset({"oci"})
 
-    def __init__(self, config, security_policies=None) -> None:
-        super().__init__(config, security_policies)
+    def __init__(self, config: NodeConfig) -> None:
+        super().__init__(config)
         self.runtime = find_runtime()
         self.state_root = config.run_dir / "runc"
         self.state_root.mkdir(parents=True, exist_ok=True)
@@ -148,8 +155,7 @@ class ContainerBackend(Backend):
     # --- start ----------------------------------------------------------------------------
     async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
         config = oci_config(rt)
-        for policy in self.security_policies:
-            policy.apply_oci(rt, config)
+        rt.enforce("oci", config)
         bundle = rt.dir
         with open(bundle / "config.json", "w") as f:
             json.dump(config, f)
@@ -191,17 +197,19 @@ class ContainerBackend(Backend):
         await _remove_cgroups(rt.id)
         shutil.rmtree(self.state_root / rt.id, ignore_errors=True)
 
-    def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        mem = CGROUP_ROOT / "memory" / CGROUP_PARENT / rt.id / "memory.usage_in_bytes"
-        cpu = CGROUP_ROOT / "cpuacct" / CGROUP_PARENT / rt.id / "cpuacct.usage"
-        pids = CGROUP_ROOT / "pids" / CGROUP_PARENT / rt.id / "pids.current"
-        for key, path, scale in (("memory", mem, 1), ("cpu_seconds", cpu, 1e-9), ("pids", pids, 1)):
-            try:
-                out[key] = int(path.read_text()) * scale
-            except (OSError, ValueError):
-                pass
-        return out
+    def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
+        cg = cgroup_path(rt.id)
+        cpu_ns = _read_int(CGROUP_ROOT / "cpuacct" / cg / "cpuacct.usage")
+        return SandboxUsage(memory=_read_int(CGROUP_ROOT / "memory" / cg / "memory.usage_in_bytes"),
+                            cpu_seconds=None if cpu_ns is None else cpu_ns * 1e-9,
+                            pids=_read_int(CGROUP_ROOT / "pids" / cg / "pids.current"))
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _runc_errors(log: Path) -> str:
@@ -293,7 +301,7 @@ async def _remove_cgroups(sandbox_id: str) -> None:
     runc init there). The common case is one rmdir per hierarchy."""
     busy = []
     for hier in _HIERARCHIES:
-        d = hier / CGROUP_PARENT / sandbox_id
+        d = hier / cgroup_path(sandbox_id)
         try:
             d.rmdir()
         except FileNotFoundError:

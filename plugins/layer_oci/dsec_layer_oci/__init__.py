@@ -49,7 +49,7 @@ import requests
 from dsec_core.errors import (DsecError, InvalidSpec, LayerCorrupt, LayerExists,
                               SourceUnavailable, UnknownEnvironment, UnknownLayer)
 from dsec_core.hookspecs import hookimpl
-from dsec_core.layers.source import LayerSource, fetch_verified, split_for_publishing
+from dsec_core.sources.base import LayerSource, fetch_verified, split_for_publishing
 from dsec_core.lazy.layout import ReadProfile
 from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef

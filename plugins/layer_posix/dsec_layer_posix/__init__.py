@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dsec_core.errors import InvalidSpec, SourceUnavailable
 from dsec_core.hookspecs import hookimpl
-from dsec_core.layers.source import BlobStoreSource
+from dsec_core.sources.base import BlobStoreSource
 
 __all__ = ["PosixLayerSource"]
 

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from dsec_core.errors import InvalidSpec, SourceUnavailable
 from dsec_core.hookspecs import hookimpl
-from dsec_core.layers.source import BlobStoreSource
+from dsec_core.sources.base import BlobStoreSource
 
 __all__ = ["S3LayerSource"]
 

@@ -1,0 +1,1 @@
+"""The node API: one route table (server, SDK, OpenAPI) and the HTTP transport."""

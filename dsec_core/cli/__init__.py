@@ -1,0 +1,279 @@
+"""The ``dsec`` command line: plugins, layers, catalogs, sandboxes, the node daemon, the demo.
+
+A ``DsecError`` prints ``Error: ...`` and exits 1; any other exception is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from .. import __version__
+from ..config import NodeConfig
+from ..demo import run_demo
+from ..errors import DsecError
+from ..localnode import ensure_daemon, ping, stop_daemon
+from ..plugins import get_plugin_manager, plugin_descriptions, registry
+from ..records import SandboxSpec
+from ..sdk import AsyncClient, Client
+from .layers import catalog, layer
+
+__all__ = ["cli", "main"]
+
+console = Console()
+
+
+def _dump(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _kv(pairs: tuple[str, ...], what: str) -> dict[str, str]:
+    out = {}
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint=what)
+        out[key] = value
+    return out
+
+
+@click.group()
+@click.version_option(__version__, prog_name="dsec")
+def cli() -> None:
+    """dsec: elastic sandboxes for agentic RL on composed EROFS layers."""
+
+
+# --- plugins -------------------------------------------------------------------------------
+
+@cli.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def plugins_cmd(as_json: bool) -> None:
+    """List loaded plugins with their versions and hooks."""
+    descs = plugin_descriptions()
+    reg = registry()
+    provided = {"backends": sorted(reg.backends), "layer_sources": sorted(reg.layer_sources),
+                "security_policies": sorted(reg.security_policies)}
+    if as_json:
+        _dump({"plugins": descs, **provided})
+        return
+    table = Table("plugin", "version", "distribution", Column("hooks", overflow="fold"))
+    for d in descs:
+        table.add_row(d["name"], str(d["version"]), str(d["distribution"]), ", ".join(d["hooks"]))
+    console.print(table)
+    for key, names in provided.items():
+        console.print(f"{key.replace('_', ' ')}: {', '.join(names) or '-'}")
+
+
+# --- sandboxes -----------------------------------------------------------------------------
+
+@cli.group()
+def sandbox() -> None:
+    """Create, use and remove sandboxes on the local node."""
+
+
+@sandbox.command("create")
+@click.option("--env", "environment", help="Catalog environment (base + workspaces + toolkits).")
+@click.option("--layer", "layers", multiple=True, help="name@version; repeat, top layer first.")
+@click.option("--backend", default="container", show_default=True)
+@click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
+@click.option("--memory", default="512M", show_default=True)
+@click.option("--pids", type=int, default=512, show_default=True)
+@click.option("--ttl", type=float, default=3600.0, show_default=True, help="Lifetime, seconds.")
+@click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
+@click.option("-n", "--count", type=int, default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_create(environment, layers, backend, cpu, memory, pids, ttl, setenv, count,
+                   as_json) -> None:
+    """Create sandboxes and print their ids."""
+    spec = SandboxSpec(environment=environment, layers=tuple(layers), backend=backend, cpu=cpu,
+                       memory=memory, pids=pids, ttl=ttl, env=_kv(setenv, "--setenv"))
+    Client().close()  # starts the node if needed, before the progress bar
+    if count == 1:
+        with Client() as client:
+            infos = [client.create(spec).info]
+    else:
+        async def many() -> list:
+            async with AsyncClient() as client:
+                with Progress(TextColumn("creating sandboxes"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+                    task = bar.add_task("create", total=count)
+
+                    async def one():
+                        sb = await client.create(spec)
+                        bar.advance(task)
+                        return sb
+
+                    results = await asyncio.gather(*(one() for _ in range(count)),
+                                                   return_exceptions=True)
+                made = [r for r in results if not isinstance(r, BaseException)]
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    await asyncio.gather(*(s.kill() for s in made), return_exceptions=True)
+                    raise failed[0]
+                return [s.info for s in made]
+        infos = asyncio.run(many())
+    if as_json:
+        _dump([i.to_dict() for i in infos])
+    else:
+        for info in infos:
+            click.echo(info.id)
+
+
+@sandbox.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=300.0, show_default=True)
+@click.option("--cwd")
+@click.option("-e", "--setenv", multiple=True, help="KEY=VALUE")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, as_json) -> None:
+    """Run COMMAND in a sandbox (one argument: through /bin/sh -c; several: as argv)."""
+    cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
+    with Client() as client:
+        r = client.exec(sandbox_id, cmd, timeout=timeout, cwd=cwd, env=_kv(setenv, "--setenv"),
+                        stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read())
+    if as_json:
+        d = r.to_dict()
+        d["stdout"], d["stderr"] = r.stdout.decode(errors="replace"), \
+            r.stderr.decode(errors="replace")
+        _dump(d)
+    else:
+        sys.stdout.buffer.write(r.stdout)
+        sys.stderr.buffer.write(r.stderr)
+        if r.truncated:
+            click.echo("dsec: output truncated", err=True)
+        if r.timed_out:
+            click.echo(f"dsec: timed out after {timeout}s", err=True)
+    sys.exit(r.exit_code if 0 <= r.exit_code < 256 else 1)
+
+
+@sandbox.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_ls(as_json) -> None:
+    """List sandboxes on the local node."""
+    with Client() as client:
+        infos = client.list()
+    if as_json:
+        _dump([i.to_dict() for i in infos])
+        return
+    table = Table("state", "backend", "environment / layers", "cpu", "memory", "age",
+                  "expires in")
+    table.columns.insert(0, Column("id", no_wrap=True))
+    now = time.time()
+    for i in infos:
+        table.add_row(i.id, i.state, i.backend, i.environment or ",".join(i.layers),
+                      str(i.limits.get("cpu")), f"{int(i.limits.get('memory', 0)) >> 20}M",
+                      f"{now - i.created:.0f}s",
+                      f"{i.expires - now:.0f}s" if i.expires else "-")
+    console.print(table)
+
+
+@sandbox.command("rm")
+@click.argument("sandbox_ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Remove every sandbox on the node.")
+def sandbox_rm(sandbox_ids, all_) -> None:
+    """Kill sandboxes and remove everything they left."""
+    with Client() as client:
+        ids = [i.id for i in client.list()] if all_ else list(sandbox_ids)
+        if not ids and not all_:
+            raise click.UsageError("name sandbox ids, or --all")
+        for sid in ids:
+            client.kill(sid)
+            click.echo(f"removed {sid}")
+
+
+# --- node ----------------------------------------------------------------------------------
+
+@cli.group()
+def node() -> None:
+    """Start, stop and inspect the local node daemon."""
+
+
+@node.command("start")
+@click.option("--foreground", is_flag=True, help="Run in this process (logs to stderr).")
+def node_start(foreground) -> None:
+    """Start the node daemon (no-op if it runs)."""
+    if foreground:
+        # Imported here: the daemon (uvicorn, starlette, the node) adds a quarter of a second
+        # to every other command's start-up.
+        from ..node.daemon import serve
+
+        serve()
+        return
+    info = ensure_daemon()
+    click.echo(f"node daemon {info['pid']} serving {NodeConfig.from_env().socket_path} "
+               f"({info['sandboxes']} sandboxes)")
+
+
+@node.command("stop")
+def node_stop() -> None:
+    """Stop the node daemon; sandboxes keep running and are re-adopted on the next start."""
+    pid = stop_daemon()
+    click.echo(f"stopped node daemon {pid}" if pid else "no node daemon running")
+
+
+@node.command("status")
+@click.option("--json", "as_json", is_flag=True)
+def node_status(as_json) -> None:
+    """Show whether the daemon runs and what it holds."""
+    info = ping(NodeConfig.from_env())
+    if as_json:
+        _dump(info or {"running": False})
+    elif info is None:
+        click.echo("node daemon: not running")
+    else:
+        click.echo(f"node daemon: running (pid {info['pid']}), home {info['home']}, "
+                   f"{info['sandboxes']} sandboxes, backends {', '.join(info['backends'])}")
+    if info is None:
+        sys.exit(3)
+
+
+# --- demo ----------------------------------------------------------------------------------
+
+@cli.command("demo")
+@click.option("--catalog", "catalog_file", type=click.Path(exists=True, dir_okay=False),
+              help="Catalog file (default: the shipped catalog/default.yaml).")
+@click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
+def demo_cmd(catalog_file, as_json) -> None:
+    """Build the default catalog if missing, run one rollout per task in parallel, score them."""
+    results = run_demo(catalog_file, console=console)
+    if as_json:
+        _dump(results)
+    if any(not r["ok"] for r in results):
+        raise DsecError("some rollouts did not give the reward their task expects")
+
+
+def _add_plugin_commands() -> None:
+    cli.add_command(layer)
+    cli.add_command(catalog)
+    get_plugin_manager().hook.dsec_register_commands(cli=cli)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        _add_plugin_commands()
+        cli.main(args=argv, prog_name="dsec", standalone_mode=False)
+    except DsecError as e:
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

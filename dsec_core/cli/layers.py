@@ -1,0 +1,316 @@
+"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build and check catalogs.
+
+Stores live under ``$DSEC_HOME`` (``NodeConfig.from_env()``). A ``DsecError`` propagates to the
+main CLI, which prints ``Error: ...`` and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from ..catalog.build import build_catalog
+from ..catalog.distribution import publish_catalog, pull_catalog
+from ..catalog.model import Catalog, default_catalog_file, load_catalog
+from ..catalog.store import CatalogStore
+from ..config import NodeConfig
+from ..errors import LayerCorrupt, UnknownEnvironment
+from ..layers.build import build_layer
+from ..layers.store import LayerStore
+from ..plugins import registry
+from ..profiling import profile_catalog
+from ..records import LAYER_KINDS, LayerInfo
+from ..sdk import Client
+from ..sources.base import LayerSource
+from ..sources.transfer import Transfer, pull_layer, push_layer
+
+__all__ = ["layer", "catalog"]
+
+
+def _stores() -> tuple[NodeConfig, LayerStore, CatalogStore]:
+    config = NodeConfig.from_env()
+    return config, LayerStore(config.layer_dir), CatalogStore(config.catalog_dir)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@contextmanager
+def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
+    """A ``progress(stage, fraction)`` callback drawing one rich bar per layer being built.
+
+    Stages look like ``"name@version: stage"``; a plain stage belongs to one unnamed bar.
+    """
+    console = Console(stderr=True)
+    bars: dict[str, TaskID] = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=False, disable=not console.is_terminal) as progress:
+
+        def update(stage: str, fraction: float | None) -> None:
+            owner, sep, what = stage.partition(": ")
+            if not sep:
+                owner, what = "", stage
+            if owner not in bars:
+                bars[owner] = progress.add_task(owner or "layer", total=1.0)
+            label = f"{owner} {what}".strip()
+            if fraction is None:
+                progress.update(bars[owner], description=label, total=None)
+            else:
+                progress.update(bars[owner], description=label, total=1.0, completed=fraction)
+
+        yield update
+        for task in bars.values():
+            progress.update(task, total=1.0, completed=1.0)
+
+
+def _layer_line(info: LayerInfo, profiled: str | None = None) -> str:
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created))
+    extra = "" if profiled is None else f"{profiled:>8}  "
+    return (f"{info.ref:<32} {info.kind:<9} {_size(info.size):>10}  "
+            f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {extra}{info.source}")
+
+
+# --- dsec layer ----------------------------------------------------------------------------
+
+@click.group()
+def layer() -> None:
+    """Build, list and remove read-only EROFS layers in the local store."""
+
+
+@layer.command("build")
+@click.argument("source")
+@click.option("--name", required=True, help="Layer name.")
+@click.option("--version", default=None, help="Layer version (default: 12 hex digits of the digest).")
+@click.option("--kind", required=True, type=click.Choice(LAYER_KINDS), help="What the layer is for.")
+@click.option("--keep-owners/--all-root", default=None,
+              help="Keep file owners, or make root own everything (default: all-root for "
+                   "directories, keep for tar and docker sources).")
+def layer_build(source: str, name: str, version: str | None, kind: str,
+                keep_owners: bool | None) -> None:
+    """Build a layer from SOURCE: a directory, a .tar/.tar.gz/.tgz file or docker:IMAGE."""
+    _, store, _ = _stores()
+    all_root = None if keep_owners is None else not keep_owners
+    with _progress_bars() as progress:
+        info = build_layer(source, name=name, version=version, kind=kind, store=store,
+                           progress=lambda stage, f: progress(f"{name}: {stage}", f),
+                           all_root=all_root)
+    click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
+
+
+@layer.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print the layers as JSON.")
+def layer_ls(as_json: bool) -> None:
+    """List the layers in the local store.
+
+    PROFILED is how much of a layer's data its read profile covers (`dsec catalog profile`),
+    or - if it has none.
+    """
+    _, store, _ = _stores()
+    infos = store.list()
+    profiles = {}
+    for info in infos:
+        try:
+            profiles[info.digest] = store.load_profile(info)
+        except LayerCorrupt:
+            profiles[info.digest] = None  # unusable; publishing ignores it the same way
+    if as_json:
+        rows = []
+        for info in infos:
+            p = profiles[info.digest]
+            rows.append(info.to_dict() | {"read_profile": None if p is None else {
+                "read_bytes": p.read_bytes, "blob_bytes": p.blob_size, "workload": p.workload}})
+        click.echo(json.dumps(rows, indent=2))
+        return
+    click.echo(f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  "
+               f"{'PROFILED':>8}  SOURCE")
+    for info in infos:
+        p = profiles[info.digest]
+        click.echo(_layer_line(info, f"{p.read_bytes / max(1, p.blob_size):.1%}" if p else "-"))
+
+
+@layer.command("rm")
+@click.argument("ref")
+def layer_rm(ref: str) -> None:
+    """Remove layer REF (name@version); its image goes when no other ref uses it."""
+    _, store, _ = _stores()
+    info = store.remove(ref)
+    click.echo(f"removed {info.ref} ({info.digest[:19]})")
+
+
+# --- dsec catalog --------------------------------------------------------------------------
+
+@click.group()
+def catalog() -> None:
+    """Build, list and check catalogs of layers, environments and tasks."""
+
+
+@catalog.command("build")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+def catalog_build(file: str | None) -> None:
+    """Build the missing layers of catalog FILE (default: the shipped catalog) and register it."""
+    _, layers, catalogs = _stores()
+    path = Path(file) if file else default_catalog_file()
+    cat = load_catalog(path, store=layers)
+    had = {i.ref for i in layers.list()}
+    started = time.monotonic()
+    with _progress_bars() as progress:
+        infos = build_catalog(cat, layers, catalogs, progress)
+    for info in infos:
+        state = "present" if info.ref in had else "built"
+        click.echo(f"{state:8} {info.ref:32} {info.kind:9} {_size(info.size):>10}  {info.digest[:19]}")
+    click.echo(f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
+               f"({time.monotonic() - started:.1f}s)")
+
+
+@catalog.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print environments and tasks as JSON.")
+def catalog_ls(as_json: bool) -> None:
+    """List the environments and tasks of the built catalogs."""
+    _, _, catalogs = _stores()
+    envs, tasks = catalogs.environments(), catalogs.tasks()
+    if as_json:
+        click.echo(json.dumps({
+            "environments": [{**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
+                             for e in envs],
+            "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
+        }, indent=2))
+        return
+    click.echo(f"{'ENVIRONMENT':<24} {'CATALOG':<12} {'WORKDIR':<28} LAYERS (top first)")
+    for e in envs:
+        click.echo(f"{e.name:<24} {e.catalog:<12} {e.workdir:<28} {', '.join(e.layer_refs())}")
+    click.echo()
+    click.echo(f"{'TASK':<24} {'ENVIRONMENT':<24} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
+    for t in tasks:
+        expect = "-" if t.expect is None else f"{t.expect:g}"
+        click.echo(f"{t.name:<24} {t.environment:<24} {t.reward:<10} {expect:>6}  {t.command}")
+
+
+@catalog.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False))
+def catalog_validate(file: str) -> None:
+    """Check catalog FILE against the schema and for missing layers, without building."""
+    _, layers, _ = _stores()
+    cat = load_catalog(file, store=layers)
+    click.echo(f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
+               f"{len(cat.environments)} environments, {len(cat.tasks)} tasks")
+
+
+# --- distribution: layer sources --------------------------------------------------------------
+
+def _transfer_line(verb: str, t: Transfer) -> str:
+    """``pushed``/``pulled`` (or ``present`` when nothing moved), ref, size, short digest."""
+    order = "  (data in read-profile order)" if t.moved and t.profiled else ""
+    return f"{verb if t.moved else 'present':7} {t.ref}  {_size(t.size)}  {t.digest[:19]}{order}"
+
+
+def _source(url: str) -> LayerSource:
+    return registry().open_source(url, NodeConfig.from_env())
+
+
+@layer.command("push")
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--to", "url", required=True, help="Layer source URL (posix:/path, s3://..., oci://...).")
+def layer_push(refs: tuple[str, ...], url: str) -> None:
+    """Upload layers from this node's store to a layer source (already there: no-op).
+
+    A layer with a read profile (`dsec catalog profile`) is published with its data blob in
+    first-read order.
+    """
+    _, store, _ = _stores()
+    dest = _source(url)
+    for ref in refs:
+        t = push_layer(ref, dest, store)
+        click.echo(_transfer_line("pushed", t))
+
+
+@layer.command("pull")
+@click.argument("refs", nargs=-1, required=True)
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def layer_pull(refs: tuple[str, ...], url: str) -> None:
+    """Fetch layers into this node's store; every byte is checked against the layer's digest."""
+    _, store, _ = _stores()
+    src = _source(url)
+    for ref in refs:
+        t = pull_layer(ref, src, store)
+        click.echo(_transfer_line("pulled", t))
+
+
+@catalog.command("publish")
+@click.argument("catalog_ref")
+@click.option("--to", "url", required=True, help="Layer source URL.")
+def catalog_publish(catalog_ref: str, url: str) -> None:
+    """Publish a catalog (a built catalog's name, or a catalog file) and the layers it uses."""
+    _, store, _ = _stores()
+    publish_catalog(_catalog_arg(catalog_ref), _source(url), store, report=click.echo)
+
+
+def _catalog_arg(catalog_ref: str) -> Catalog:
+    """A catalog named on the command line: a catalog file, or a built catalog's name."""
+    _, store, catalogs = _stores()
+    path = Path(catalog_ref)
+    if path.suffix in (".yaml", ".yml", ".json") and path.exists():
+        return load_catalog(path, store=store)
+    matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
+    if not matches:
+        raise UnknownEnvironment(f"no built catalog {catalog_ref!r}", name=catalog_ref,
+                                 known=[c.name for c in catalogs.catalogs()])
+    return matches[0]
+
+
+@catalog.command("profile")
+@click.argument("catalog_ref")
+@click.option("--task", "tasks", multiple=True, help="Run only this task (repeatable).")
+def catalog_profile(catalog_ref: str, tasks: tuple[str, ...]) -> None:
+    """Record what the catalog's tasks read of each layer, so publishing stores it first.
+
+    Runs each task once, one after another, on a private node that loads the layers on
+    demand, and saves a read profile with every layer read. `layer push` and `catalog
+    publish` then store those layers' data blobs in first-read order: a sandbox doing
+    similar work fetches a few consecutive chunks instead of one per scattered file.
+    """
+    config, _, _ = _stores()
+    saved = profile_catalog(_catalog_arg(catalog_ref), config, tasks, report=click.echo)
+    click.echo(f"saved {len(saved)} read profile(s); publish to use them")
+
+
+@catalog.command("pull")
+@click.argument("name")
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def catalog_pull(name: str, url: str) -> None:
+    """Fetch a published catalog and all its layers, and register it on this node."""
+    _, store, catalogs = _stores()
+    pull_catalog(name, _source(url), store, catalogs, report=click.echo)
+
+
+@catalog.command("remote-ls")
+@click.option("--from", "url", required=True, help="Layer source URL.")
+def catalog_remote_ls(url: str) -> None:
+    """List the catalogs and layers a layer source holds."""
+    src = _source(url)
+    for name in src.catalogs():
+        click.echo(f"catalog  {name}")
+    for info in src.list():
+        click.echo(f"layer    {_layer_line(info)}")
+
+
+@layer.command("prefetch")
+@click.argument("refs", nargs=-1, required=True)
+def layer_prefetch(refs: tuple[str, ...]) -> None:
+    """Warm layers on the local node: every chunk of on-demand layers, whole remote images."""
+    with Client() as client:
+        for row in client.prefetch(list(refs)):
+            extra = f" ({row['fetched']} of {row['chunks']} chunks fetched)" \
+                if row["mode"] == "on-demand" else ""
+            click.echo(f"{row['layer']}: {row['mode']} from {row['source']}{extra}")

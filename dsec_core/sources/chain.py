@@ -1,0 +1,42 @@
+"""Layer source URLs, and finding a layer in a node's ordered list of sources.
+
+Opening a source by URL needs the plugins that provide its scheme: that is
+``dsec_core.plugins.Registry.open_source``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import InvalidSpec, UnknownLayer
+from ..records import LayerInfo, LayerRef
+from .base import LayerSource
+
+__all__ = ["split_url", "find_layer"]
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/p`` -> ("s3", "bucket/p"); ``posix:/mnt/x`` -> ("posix", "/mnt/x");
+    ``local`` -> ("local", "")."""
+    url = url.strip()
+    if not url:
+        raise InvalidSpec("empty layer source URL")
+    if "://" in url:
+        scheme, _, rest = url.partition("://")
+    elif ":" in url:
+        scheme, _, rest = url.partition(":")
+    else:
+        scheme, rest = url, ""
+    return scheme.lower(), rest
+
+
+def find_layer(sources: Sequence[LayerSource], text: str) -> tuple[LayerSource, LayerInfo]:
+    """The first source holding ``name@version``; ``UnknownLayer`` naming what exists."""
+    ref = LayerRef.parse(text)
+    for source in sources:
+        info = source.resolve(ref)
+        if info is not None:
+            return source, info
+    known = sorted({i.ref for s in sources for i in s.list()})
+    raise UnknownLayer(f"unknown layer {text!r} in {', '.join(s.url for s in sources)}",
+                       name=text, known=known)

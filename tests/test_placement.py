@@ -1,0 +1,104 @@
+"""Placement: ``NodeLoad`` records, eligibility, best-of-k over synthetic nodes, and the single
+node's admission going through the placement hooks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dsec_core import placement, plugins
+from dsec_core.errors import AdmissionRejected, InvalidSpec
+from dsec_core.hookspecs import hookimpl
+from dsec_core.records import NodeLoad, SandboxSpec
+
+SPEC = SandboxSpec(layers=("x@1",), cpu=1.0, memory="1G")
+
+
+def node(name: str, cpu: float = 0.0, memory: int = 0, sandboxes: int = 0,
+         backends: tuple[str, ...] = ("container",)) -> NodeLoad:
+    return NodeLoad(node=name, backends=backends, cpu_capacity=100.0, cpu_committed=cpu,
+                    memory_capacity=64 << 30, memory_committed=memory, sandboxes=sandboxes,
+                    max_sandboxes=1000)
+
+
+def test_load_is_the_fullest_resource():
+    assert node("a").load == 0.0
+    assert node("a", cpu=50.0).load == pytest.approx(0.5)
+    assert node("a", cpu=10.0, memory=48 << 30).load == pytest.approx(0.75)
+    assert node("a", sandboxes=900).load == pytest.approx(0.9)
+    assert NodeLoad.from_dict(node("a", cpu=3.0).to_dict()) == node("a", cpu=3.0)
+
+
+def test_refusal_says_why_a_node_cannot_take_a_sandbox():
+    assert node("a").refusal(SPEC) is None
+    cases = {
+        "cpu": node("a", cpu=99.5),
+        "memory": node("a", memory=(64 << 30) - (512 << 20)),
+        "count": node("a", sandboxes=1000),
+        "backend": node("a", backends=("microvm",)),
+    }
+    for reason, n in cases.items():
+        refusal = n.refusal(SPEC)
+        assert isinstance(refusal, AdmissionRejected) and refusal.reason == reason, reason
+        assert refusal.http_status == 429
+
+
+def test_best_of_k_takes_the_least_loaded_of_its_sample():
+    nodes = [node(f"n{i}", cpu=float(i * 10)) for i in range(8)]  # n0 emptiest, n7 fullest
+    assert placement.best_of_k(nodes, k=len(nodes)).node == "n0"  # k >= n: the global best
+    assert placement.best_of_k([], k=3) is None
+    rng = random.Random(7)
+    picks = Counter(placement.best_of_k(nodes, k=2, rng=rng).node for _ in range(4000))
+    # never the fullest (it always loses its pair); the emptier, the likelier
+    assert "n7" not in picks
+    assert picks["n0"] > picks["n3"] > picks["n6"] > 0
+    # sampling spreads work: with k=2 the emptiest gets about a quarter, not all of it
+    assert 0.15 < picks["n0"] / 4000 < 0.35
+
+
+def test_ties_break_by_name_so_placement_is_stable():
+    assert placement.best_of_k([node("b"), node("a"), node("c")], k=3).node == "a"
+
+
+def test_k_comes_from_the_environment(monkeypatch):
+    assert placement.placement_k() == placement.DEFAULT_K
+    monkeypatch.setenv("DSEC_PLACEMENT_K", "5")
+    assert placement.placement_k() == 5
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("DSEC_PLACEMENT_K", bad)
+        with pytest.raises(InvalidSpec):
+            placement.placement_k()
+
+
+def test_core_placement_answers_through_the_hook():
+    nodes = [node("busy", cpu=90.0), node("idle", cpu=1.0), node("mid", cpu=40.0)]
+    assert plugins.place(SPEC, nodes).node == "idle"  # k=3 samples all three
+    assert plugins.place(SPEC, []) is None
+
+
+class _Decline:
+    @hookimpl
+    def dsec_place(self, request, nodes):
+        return None  # "no opinion": core's best-of-k still answers
+
+
+class _Wrong:
+    @hookimpl
+    def dsec_place(self, request, nodes):
+        return node("not-eligible")
+
+
+def test_a_plugin_without_an_opinion_falls_through_and_a_wrong_answer_is_an_error():
+    plugins.reset()
+    pm = plugins.get_plugin_manager()
+    pm.register(_Decline(), name="decline")
+    try:
+        assert plugins.place(SPEC, [node("only")]).node == "only"
+        pm.register(_Wrong(), name="wrong")
+        with pytest.raises(Exception) as e:
+            plugins.place(SPEC, [node("only")])
+        assert "not an eligible node" in str(e.value)
+    finally:
+        plugins.reset()
