@@ -6,8 +6,9 @@
  * file calls in another. The wire protocol is described at the top of wire.c, the architecture
  * (processes, sessions, descriptors) at the top of main.c.
  *
- * Build (what ensure_agent runs): gcc -static -O2 -Wall -Werror -I src -o dsec-agent, then
- * every .c file in src/.  Usage: dsec-agent [--fd N]
+ * Build, as ensure_agent does it: gcc -static -O2 -Wall -Werror -I src -o dsec-agent followed
+ * by every .c file in src/. Usage: dsec-agent [--fd N]
+ *
  * Every .c file includes this header first, so _GNU_SOURCE is set before any system header.
  */
 #ifndef DSEC_AGENT_H
@@ -137,13 +138,13 @@ struct pend {
 struct session {
     char id[32];
     pid_t shell;
-    int ctl_w, out_r, err_r, mk_r, st_r, st_w;
+    int ctl_w, out_r, err_r, mk_r, st_r, st_w;   /* main's ends of the shell's pipes */
     int closed;       /* the shell is gone (or going): no more commands */
     int removed;      /* session_close was called: invisible, freed once quiet */
     int reaped;       /* main has collected the shell's wait status */
     pid_t handler;    /* handler running a command, 0 if idle */
-    unsigned seq;
-    char dir[256];
+    unsigned seq;     /* counts the commands; names their files */
+    char dir[256];    /* private dir for command and stdin files */
     struct pend *qh, *qt;
     struct session *next;
 };
@@ -160,6 +161,8 @@ void priv_dir_remove(void);
 
 /* ---------------------------------------------------------------- main.c */
 
+/* Main's signalfd (SIGCHLD and the stop signals). Handlers inherit it and learn from it that
+ * their command exited, without a SIGCHLD handler racing waitpid. */
 extern int g_sig_fd;
 
 void spawn_handler(int fd, struct req *r, struct session *s);

@@ -10,7 +10,6 @@
  * The daemon binds and listens on a unix stream socket before the container starts and passes it
  * as fd N (default 3, runc --preserve-fds), so it can connect before the agent is even running.
  *
- *
  * ARCHITECTURE
  * The main process accepts connections and reads just the request header (non-blocking, so a
  * slow client cannot stall anybody). Cheap bookkeeping ops (ping, sessions, session_open/close)
@@ -88,6 +87,8 @@ static void handler_init(int keep_fd, struct session *keep)
     set_nonblock(keep_fd, 0);
 }
 
+/* Run r (for session s, if any) in a forked handler. Main keeps neither fd nor r: the handler
+ * has its own copies and answers on fd. */
 void spawn_handler(int fd, struct req *r, struct session *s)
 {
     if (s)
