@@ -223,7 +223,8 @@ def test_moving_code_between_files_renames_the_agent(tmp_path):
     (a / "y.c").write_text("int z;\n")
     (b / "x.c").write_text("int x;\n")
     (b / "y.c").write_text("int y;\nint z;\n")
-    assert agent_mod._digest(agent_mod.agent_sources(a)) != agent_mod._digest(agent_mod.agent_sources(b))
+    digest = agent_mod._digest
+    assert digest(agent_mod.agent_sources(a)) != digest(agent_mod.agent_sources(b))
 
 
 MAX_FUNCTION_LINES = 85
