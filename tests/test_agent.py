@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import shutil
 import signal
 import socket
@@ -180,17 +181,108 @@ def test_ensure_agent_builds_once(agent_bin, tmp_path):
 
 
 def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
-    bad = tmp_path / "dsec-agent.c"
-    bad.write_text("int main(void) { return undefined_thing; }\n")
-    monkeypatch.setattr(agent_mod, "AGENT_SOURCE", bad)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.c").write_text("int main(void) { return undefined_thing; }\n")
     with pytest.raises(ToolError) as info:
-        ensure_agent(tmp_path / "bin")
+        ensure_agent(tmp_path / "bin", source_dir=src)
     assert info.value.exit_code != 0 and "undefined_thing" in info.value.stderr
     assert "gcc" in info.value.command[0] or "cc" in info.value.command[0]
     assert not list((tmp_path / "bin").iterdir())  # no temp file left behind
     monkeypatch.setattr(agent_mod.shutil, "which", lambda name: None)
     with pytest.raises(BackendUnavailable):
-        ensure_agent(tmp_path / "bin2")
+        ensure_agent(tmp_path / "bin2", source_dir=src)
+
+
+def test_agent_sources_cover_every_file():
+    names = [p.name for p in agent_mod.agent_sources()]
+    assert names == sorted(names) and "agent.h" in names and "main.c" in names
+    assert set(names) == {p.name for p in agent_mod.AGENT_SOURCE_DIR.iterdir()
+                          if p.suffix in (".c", ".h")}
+
+
+@pytest.mark.parametrize("changed", ["files.c", "agent.h"])
+def test_any_source_change_renames_the_agent(agent_bin, tmp_path, changed):
+    src = tmp_path / "src"
+    shutil.copytree(agent_mod.AGENT_SOURCE_DIR, src)
+    # the digest depends on the sources, not where they are: this finds the existing build
+    assert ensure_agent(agent_bin.parent, source_dir=src) == agent_bin
+    with open(src / changed, "a") as f:
+        f.write("/* a change */\n")
+    other = ensure_agent(tmp_path / "bin", source_dir=src)
+    assert other.name != agent_bin.name and other.name.startswith("dsec-agent-")
+    assert subprocess.run([str(other), "--version"], capture_output=True).returncode == 0
+
+
+def test_moving_code_between_files_renames_the_agent(tmp_path):
+    # Same bytes in the same order, split differently: names and lengths are in the digest.
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x.c").write_text("int x;\nint y;\n")
+    (a / "y.c").write_text("int z;\n")
+    (b / "x.c").write_text("int x;\n")
+    (b / "y.c").write_text("int y;\nint z;\n")
+    digest = agent_mod._digest
+    assert digest(agent_mod.agent_sources(a)) != digest(agent_mod.agent_sources(b))
+
+
+MAX_FUNCTION_LINES = 85
+
+
+def function_lengths(text: str) -> list[tuple[str, int, int]]:
+    """(name, first line, length) of each function defined in C source ``text``.
+
+    Made for the agent's style: a definition starts at column 0 with its return type and name,
+    may continue on indented lines, and its body's ``{`` ends the signature's last line or
+    stands alone at column 0; the body ends at the next ``}`` at column 0. Prototypes and
+    one-line bodies are skipped. The length counts from the line with the opening brace to the
+    closing brace, both included.
+    """
+    lines = text.splitlines()
+    start = re.compile(r"^(?:static\s+|inline\s+)*[A-Za-z_][\w\s\*]*?\b(\w+)\s*\(")
+    found, i = [], 0
+    while i < len(lines):
+        m = start.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i
+        while (not lines[j].rstrip().endswith(("{", "}", ";")) and j + 1 < len(lines)
+               and lines[j + 1].startswith((" ", "\t", "{"))):
+            j += 1
+        if not lines[j].rstrip().endswith("{"):  # a prototype, a one-line body, an attribute
+            i = j + 1
+            continue
+        k = j + 1
+        while k < len(lines) and not lines[k].startswith("}"):
+            k += 1
+        assert k < len(lines), f"no closing brace for {m.group(1)} (line {i + 1})"
+        found.append((m.group(1), i + 1, k - j + 1))
+        i = k + 1
+    return found
+
+
+def test_function_length_scanner_sees_functions():
+    text = ("static int f(int a,\n"
+            "             int b)\n"
+            "{\n" + "    a++;\n" * 3 + "    return a;\n}\n\n"
+            "void g(void) {\n    if (x) {\n        y();\n    }\n}\n"
+            "static int h(void) { return 1; }\n"
+            "struct s {\n    int a;\n};\n"
+            "int proto(int);\n")
+    assert function_lengths(text) == [("f", 1, 6), ("g", 10, 5)]
+
+
+def test_agent_functions_are_short():
+    sources = sorted(agent_mod.AGENT_SOURCE_DIR.glob("*.c"))
+    assert len(sources) >= 6
+    lengths = [(src.name, *f) for src in sources for f in function_lengths(src.read_text())]
+    names = {name for _, name, _, _ in lengths}
+    assert {"main", "op_exec", "op_session_exec", "op_session_open", "req_parse"} <= names
+    too_long = [f"{file}:{line} {name} ({n} lines)" for file, name, line, n in lengths
+                if n > MAX_FUNCTION_LINES]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
 
 
 # --- exec ----------------------------------------------------------------------------------

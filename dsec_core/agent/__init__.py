@@ -1,8 +1,11 @@
-"""The in-sandbox agent: ``dsec-agent.c`` runs as each sandbox's init and serves exec, shell
-sessions and file operations; ``ensure_agent`` compiles it once per source version.
+"""The in-sandbox agent: a C program (``src/``) that runs as each sandbox's init and serves exec,
+shell sessions and file operations; ``ensure_agent`` compiles it once per source version.
 
-The binary is static (glibc, no NSS) so it runs in any root filesystem, and it is named by a
-digest of its source, so a changed agent never reuses a stale build.
+The sources are split by concern: ``wire.c`` (the wire protocol, whose full table opens that
+file), ``proctree.c``, ``exec.c``, ``sessions.c``, ``files.c``, ``main.c`` (with the architecture
+notes), ``util.c`` and the shared header ``agent.h``. The binary is static (glibc, no NSS) so it
+runs in any root filesystem, and it is named by a digest over every source file, so a changed
+agent never reuses a stale build.
 """
 
 from __future__ import annotations
@@ -15,19 +18,43 @@ from pathlib import Path
 
 from ..errors import BackendUnavailable, ToolError
 
-__all__ = ["AGENT_SOURCE", "ensure_agent"]
+__all__ = ["AGENT_SOURCE_DIR", "agent_sources", "ensure_agent"]
 
-AGENT_SOURCE = Path(__file__).with_name("dsec-agent.c")
+AGENT_SOURCE_DIR = Path(__file__).with_name("src")
 
 
-def ensure_agent(bin_dir: Path) -> Path:
+def agent_sources(source_dir: Path = AGENT_SOURCE_DIR) -> list[Path]:
+    """The agent's source files (``*.c`` and ``*.h`` in ``source_dir``), sorted by name."""
+    source_dir = Path(source_dir)
+    return sorted((p for p in source_dir.iterdir()
+                   if p.suffix in (".c", ".h") and p.is_file()), key=lambda p: p.name)
+
+
+def _digest(sources: list[Path]) -> str:
+    """First 12 hex digits of a sha256 over every file's name, length and bytes, in order.
+
+    Names and lengths are part of it so renaming a file or moving code from one file to the
+    next changes the digest even when the concatenated bytes would not.
+    """
+    h = hashlib.sha256()
+    for path in sources:
+        data = path.read_bytes()
+        name = path.name.encode()
+        h.update(len(name).to_bytes(8, "little") + name + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:12]
+
+
+def ensure_agent(bin_dir: Path, source_dir: Path = AGENT_SOURCE_DIR) -> Path:
     """Return ``bin_dir/dsec-agent-<digest>``, compiling it first if it is missing.
 
-    Builds into a temporary name in ``bin_dir`` and renames it into place, so concurrent callers
-    (several daemons, parallel tests) never see a half-written binary.
+    Compiles every ``*.c`` in ``source_dir`` together (with ``-I source_dir``); the digest covers
+    the headers too. Builds into a temporary name in ``bin_dir`` and renames it into place, so
+    concurrent callers (several daemons, parallel tests) never see a half-written binary.
     """
-    source = AGENT_SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:12]
+    source_dir = Path(source_dir)
+    sources = agent_sources(source_dir)
+    digest = _digest(sources)
     bin_dir = Path(bin_dir)
     target = bin_dir / f"dsec-agent-{digest}"
     if target.exists():
@@ -38,7 +65,8 @@ def ensure_agent(bin_dir: Path) -> Path:
                                  "(apt-get install gcc libc6-dev)", tool="gcc")
     bin_dir.mkdir(parents=True, exist_ok=True)
     tmp = bin_dir / f".dsec-agent-{digest}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    command = [gcc, "-static", "-O2", "-Wall", "-Werror", "-o", str(tmp), str(AGENT_SOURCE)]
+    command = [gcc, "-static", "-O2", "-Wall", "-Werror", "-I", str(source_dir),
+               "-o", str(tmp), *(str(p) for p in sources if p.suffix == ".c")]
     try:
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:

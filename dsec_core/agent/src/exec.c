@@ -1,0 +1,412 @@
+/*
+ * op=exec, and what it shares with session commands: run options, the child's environment and
+ * descriptors, output capture with a cap, and the result response.
+ *
+ * exec runs in a handler child (a child subreaper). The command gets its own session and
+ * process group; on timeout or cancellation the handler kills that group and then every
+ * descendant it can still find, so setsid'd and double-forked daemons die too.
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static const char *const DEFAULT_ENV[] = {
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/root",
+    "LANG=C.UTF-8",
+    NULL,
+};
+
+/* ---------------------------------------------------------------- options and environment */
+
+/* Returns -1 (bad request) if a number is malformed or a body comes without stdin=1;
+ * max_output is clamped to [0, MAX_OUTPUT]. */
+int read_run_opts(struct req *r, struct run_opts *o)
+{
+    int bad = 0;
+    o->timeout_ms = req_num(r, "timeout_ms", 0, &bad);
+    o->maxo = req_num(r, "max_output", 1 << 20, &bad);
+    o->has_stdin = req_num(r, "stdin", 0, &bad);
+    o->body_len = req_num(r, "body_len", 0, &bad);
+    if (o->maxo < 0)
+        o->maxo = 0;
+    if (o->maxo > MAX_OUTPUT)
+        o->maxo = MAX_OUTPUT;
+    return bad || (!o->has_stdin && o->body_len) ? -1 : 0;
+}
+
+/* Defaults, then the request's env fields on top (same key replaces). */
+char **build_env(const struct req *r)
+{
+    int cap = 4 + req_count(r, "env"), n = 0;
+    char **e = xcalloc(cap, sizeof(char *));
+    for (const char *const *d = DEFAULT_ENV; *d; d++)
+        e[n++] = (char *)*d;
+    for (int i = 0; i < r->n; i++) {
+        if (strcmp(r->key[i], "env") != 0)
+            continue;
+        char *kv = r->val[i];
+        char *eq = strchr(kv, '=');
+        size_t kl = eq ? (size_t)(eq - kv) : strlen(kv);
+        if (kl == 0)
+            continue;
+        int j;
+        for (j = 0; j < n; j++)
+            if (strncmp(e[j], kv, kl) == 0 && e[j][kl] == '=')
+                break;
+        e[j] = kv;
+        if (j == n)
+            n++;
+    }
+    e[n] = NULL;
+    return e;
+}
+
+/* ---------------------------------------------------------------- the child side */
+
+/* The agent blocks the signals it reads from its signalfd and ignores SIGPIPE; a command
+ * inherits both unless they are undone before exec. */
+void reset_child_signals(void)
+{
+    sigset_t none;
+    sigemptyset(&none);
+    signal(SIGPIPE, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* Commands go first when the sandbox hits its memory limit: the agent is the sandbox's init, and
+ * if the OOM killer picked it the whole sandbox would die. Raising one's own score needs no
+ * privilege. */
+void prefer_for_oom_kill(void)
+{
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, "1000", 4) < 0) {
+        }
+        close(fd);
+    }
+}
+
+/* Put src[i] at fd i for i < n, whatever numbers they had (they may overlap 0..n-1). */
+int place_fds(const int *src, int n)
+{
+    int tmp[8];
+    for (int i = 0; i < n; i++)
+        if ((tmp[i] = fcntl(src[i], F_DUPFD_CLOEXEC, 64)) < 0)
+            return -1;
+    for (int i = 0; i < n; i++)
+        if (dup2(tmp[i], i) < 0)
+            return -1;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- output capture */
+
+/* One read: 1 data, 0 EOF (fd closed), -1 nothing now. Keeps at most cap bytes. */
+int stream_read(struct stream *s)
+{
+    if (s->fd < 0)
+        return 0;
+    size_t room = s->cap - s->b.len;
+    ssize_t n;
+    if (room > 0) {
+        size_t want = room < READ_CHUNK ? room : READ_CHUNK;
+        buf_reserve(&s->b, want);
+        n = read(s->fd, s->b.p + s->b.len, want);
+        if (n > 0)
+            s->b.len += n;
+    } else {
+        n = read(s->fd, g_scratch, sizeof g_scratch);
+        if (n > 0)
+            s->truncated = 1;
+    }
+    if (n > 0)
+        return 1;
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return -1;
+    close(s->fd);
+    s->fd = -1;
+    return 0;
+}
+
+/* Read whatever is already buffered in the pipe, without waiting. */
+void stream_drain(struct stream *s)
+{
+    while (s->fd >= 0 && stream_read(s) > 0) {
+    }
+}
+
+/* For the client connection, polled with POLLRDHUP: a half-close is a cancellation. */
+int child_gone(short revents) { return revents & (POLLRDHUP | POLLHUP | POLLERR); }
+
+/* ---------------------------------------------------------------- results */
+
+/* The shell convention: the exit status, or 128 + the signal that killed it. */
+int wait_status_code(int status)
+{
+    return WIFEXITED(status) ? WEXITSTATUS(status)
+           : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
+}
+
+/* The answer to exec and session_exec: result fields, then stdout ++ stderr as the body.
+ * session_closed < 0 leaves the field out (plain exec has no session). */
+void send_run_result(int conn, int code, long long duration_us, int timed_out,
+                     const struct stream *so, const struct stream *se, int session_closed)
+{
+    struct buf h = {0};
+    resp_begin(&h);
+    resp_str(&h, "ok", "1");
+    resp_num(&h, "exit_code", code);
+    resp_num(&h, "duration_us", duration_us);
+    resp_num(&h, "truncated", so->truncated || se->truncated);
+    resp_num(&h, "timed_out", timed_out);
+    if (session_closed >= 0)
+        resp_num(&h, "session_closed", session_closed);
+    resp_num(&h, "stdout_len", (long long)so->b.len);
+    resp_send(conn, &h, so->b.p, so->b.len, se->b.p, se->b.len);
+}
+
+/* ---------------------------------------------------------------- exec */
+
+/* A running command, as the handler sees it. */
+struct exec_run {
+    pid_t pid;
+    struct stream so, se;
+    int in_w;                 /* stdin pipe while body bytes are left to write, else -1 */
+    const char *in;           /* the request body, fed to stdin */
+    size_t in_off, in_len;
+    int status, exited, timed_out;
+    long long deadline;       /* the timeout, -1 for none */
+    long long grace_end;      /* after the exit, how long to wait for EOF on the pipes */
+    long long t_end;
+};
+
+/* Positions in one round's pollfd array; -1 if that fd is not polled this round. */
+struct exec_slots {
+    int out, err, in, sig, conn;
+};
+
+static char **exec_argv(struct req *r, int argc)
+{
+    char **argv = xcalloc(argc + 1, sizeof(char *));
+    for (int i = 0, k = 0; i < r->n; i++)
+        if (strcmp(r->key[i], "arg") == 0)
+            argv[k++] = r->val[i];
+    return argv;
+}
+
+/* Pipes for the command's stdout and stderr, and its stdin: a pipe if the request sends one,
+ * else /dev/null. -1 once the error is sent. */
+static int exec_pipes(int conn, int has_stdin, int outp[2], int errp[2], int inp[2])
+{
+    inp[0] = inp[1] = -1;
+    if (pipe2(outp, O_CLOEXEC) < 0 || pipe2(errp, O_CLOEXEC) < 0) {
+        send_error(conn, "internal", NULL, errno, "pipe: %s", strerror(errno));
+        return -1;
+    }
+    if (has_stdin) {
+        if (pipe2(inp, O_CLOEXEC) < 0) {
+            send_error(conn, "internal", NULL, errno, "pipe: %s", strerror(errno));
+            return -1;
+        }
+    } else if ((inp[0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0) {
+        send_error(conn, "internal", "/dev/null", errno, "/dev/null: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* In the forked child: its own session (so the handler can kill its process group), dies
+ * with the handler, then becomes the command. */
+__attribute__((noreturn))
+static void exec_child(char **argv, char **envp, int in_fd, int out_fd, int err_fd)
+{
+    setsid();
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    reset_child_signals();
+    prefer_for_oom_kill();
+    int fds[3] = {in_fd, out_fd, err_fd};
+    if (place_fds(fds, 3) < 0)
+        _exit(126);
+    environ = envp;
+    execvp(argv[0], argv);
+    int e = errno;
+    dprintf(2, "dsec-agent: %s: %s\n", argv[0], strerror(e));
+    _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
+}
+
+/* In the handler after the fork: drop the child's pipe ends, make ours non-blocking. */
+static void exec_run_init(struct exec_run *x, pid_t pid, const int outp[2], const int errp[2],
+                          const int inp[2], const char *in, const struct run_opts *o)
+{
+    close(outp[1]);
+    close(errp[1]);
+    close(inp[0]);
+    *x = (struct exec_run){.pid = pid, .in_w = inp[1], .in = in, .in_len = (size_t)o->body_len};
+    if (x->in_w >= 0 && o->body_len == 0) {
+        close(x->in_w);
+        x->in_w = -1;
+    }
+    if (x->in_w >= 0)
+        set_nonblock(x->in_w, 1);
+    x->so = (struct stream){.fd = outp[0], .cap = (size_t)o->maxo};
+    x->se = (struct stream){.fd = errp[0], .cap = (size_t)o->maxo};
+    set_nonblock(x->so.fd, 1);
+    set_nonblock(x->se.fd, 1);
+    x->deadline = o->timeout_ms > 0 ? now_ms() + o->timeout_ms : -1;
+    x->grace_end = -1;
+}
+
+/* The command's group, then whatever escaped it (setsid, double fork) under this handler. */
+static void exec_kill_all(pid_t pid)
+{
+    kill(-pid, SIGKILL);
+    kill_descendants(getpid(), 1);
+}
+
+static int exec_pollfds(const struct exec_run *x, int conn, struct pollfd *p,
+                        struct exec_slots *ix)
+{
+    int np = 0;
+    ix->out = ix->err = ix->in = -1;
+    if (x->so.fd >= 0) { ix->out = np; p[np++] = (struct pollfd){.fd = x->so.fd, .events = POLLIN}; }
+    if (x->se.fd >= 0) { ix->err = np; p[np++] = (struct pollfd){.fd = x->se.fd, .events = POLLIN}; }
+    if (x->in_w >= 0) { ix->in = np; p[np++] = (struct pollfd){.fd = x->in_w, .events = POLLOUT}; }
+    ix->sig = np;
+    p[np++] = (struct pollfd){.fd = x->exited ? -1 : g_sig_fd, .events = POLLIN};
+    ix->conn = np;
+    p[np++] = (struct pollfd){.fd = conn, .events = POLLRDHUP};
+    return np;
+}
+
+static void exec_time_out(struct exec_run *x)
+{
+    x->timed_out = 1;
+    exec_kill_all(x->pid);
+    x->exited = 1;
+    x->t_end = now_us();
+    stream_drain(&x->so);
+    stream_drain(&x->se);
+}
+
+/* Write what the pipe takes now; a command that closes its stdin just stops getting it. */
+static void exec_feed_stdin(struct exec_run *x)
+{
+    ssize_t n = write(x->in_w, x->in + x->in_off, x->in_len - x->in_off);
+    if (n > 0)
+        x->in_off += n;
+    if ((n < 0 && errno != EAGAIN && errno != EINTR) || x->in_off == x->in_len) {
+        close(x->in_w);
+        x->in_w = -1;
+    }
+}
+
+/* SIGCHLD: reap everything that exited (orphans come to us too), note when it was ours. */
+static void exec_reap(struct exec_run *x)
+{
+    struct signalfd_siginfo si;
+    while (read(g_sig_fd, &si, sizeof si) > 0) {
+    }
+    int st;
+    pid_t w;
+    while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+        if (w == x->pid) {
+            x->status = st;
+            x->exited = 1;
+            x->t_end = now_us();
+            x->grace_end = now_ms() + EXIT_GRACE_MS;
+        }
+}
+
+/* Until the command has exited and its pipes are at EOF, the timeout hits, or the exit grace
+ * runs out. Does not return if the client cancels. */
+static void exec_wait(int conn, struct exec_run *x)
+{
+    for (;;) {
+        if (x->exited && x->so.fd < 0 && x->se.fd < 0)
+            break;
+        struct pollfd p[5];
+        struct exec_slots ix;
+        int np = exec_pollfds(x, conn, p, &ix);
+        long long until = x->exited ? x->grace_end : x->deadline;
+        int rc = poll(p, np, poll_wait(until));
+        if (rc < 0 && errno != EINTR)
+            break;
+        if (rc == 0) {
+            if (!x->exited)
+                exec_time_out(x);
+            break; /* after an exit, grace over: leftovers hold the pipes open, let them */
+        }
+        if (child_gone(p[ix.conn].revents)) {
+            /* the client went away (cancelled): nobody wants the result, stop the work */
+            exec_kill_all(x->pid);
+            _exit(0);
+        }
+        if (ix.out >= 0 && p[ix.out].revents)
+            stream_read(&x->so);
+        if (ix.err >= 0 && p[ix.err].revents)
+            stream_read(&x->se);
+        if (ix.in >= 0 && p[ix.in].revents)
+            exec_feed_stdin(x);
+        if (p[ix.sig].revents)
+            exec_reap(x);
+    }
+}
+
+void op_exec(int conn, struct req *r)
+{
+    struct run_opts o;
+    int bad = read_run_opts(r, &o);
+    int argc = req_count(r, "arg");
+    const char *cwd = req_get(r, "cwd");
+    if (!cwd || !*cwd)
+        cwd = "/";
+    if (bad || argc == 0) {
+        send_error(conn, "bad_request", NULL, 0, "exec needs arg fields and numeric options");
+        return;
+    }
+    char **argv = exec_argv(r, argc);
+    char **envp = build_env(r);
+    char *in = NULL;
+    if (o.body_len > 0) {
+        in = xrealloc(NULL, o.body_len);
+        if (read_exact(conn, in, o.body_len) < 0)
+            return;
+    }
+    if (chdir(cwd) < 0) {
+        send_path_error(conn, cwd, errno);
+        return;
+    }
+    int outp[2], errp[2], inp[2];
+    if (exec_pipes(conn, o.has_stdin, outp, errp, inp) < 0)
+        return;
+
+    long long t0 = now_us();
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_error(conn, "internal", NULL, errno, "fork: %s", strerror(errno));
+        return;
+    }
+    if (pid == 0)
+        exec_child(argv, envp, inp[0], outp[1], errp[1]);
+    struct exec_run x;
+    exec_run_init(&x, pid, outp, errp, inp, in, &o);
+    exec_wait(conn, &x);
+    if (!x.t_end)
+        x.t_end = now_us();
+    if (x.in_w >= 0)
+        close(x.in_w);
+    reap_exited();
+    int code = x.timed_out ? 128 + SIGKILL : wait_status_code(x.status);
+    send_run_result(conn, code, x.t_end - t0, x.timed_out, &x.so, &x.se, -1);
+}

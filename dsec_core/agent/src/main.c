@@ -1,0 +1,426 @@
+/*
+ * dsec-agent: the init process (PID 1) of every dsec sandbox; it serves exec, persistent shell
+ * sessions and file operations over a unix socket the node daemon handed it (like DSec's aether).
+ *
+ * This file is the main process: the accept loop, dispatch, handler processes and signals.
+ * The rest: wire.c (the wire protocol, with its full table), exec.c, sessions.c, files.c,
+ * proctree.c (process trees) and util.c; agent.h declares what they share.
+ *
+ * Usage: dsec-agent [--fd N]
+ * The daemon binds and listens on a unix stream socket before the container starts and passes it
+ * as fd N (default 3, runc --preserve-fds), so it can connect before the agent is even running.
+ *
+ * ARCHITECTURE
+ * The main process accepts connections and reads just the request header (non-blocking, so a
+ * slow client cannot stall anybody). Cheap bookkeeping ops (ping, sessions, session_open/close)
+ * are answered inline. Everything that can block (exec, file I/O on arbitrary paths, session
+ * commands) runs in a handler child forked per request: a static agent forks in ~100 us, a hung
+ * NFS read or FIFO cannot freeze the agent, and concurrency needs no threads or event loop.
+ * Handlers are child subreapers, so a command's orphans (setsid, double fork) come back to the
+ * handler, which on timeout SIGKILLs the command's process group and then walks its descendants
+ * until none is left. The main process is a subreaper too and reaps everything else (as PID 1 it
+ * must). Descendants are found by scanning /proc/<pid>/stat parents rather than
+ * /proc/<pid>/task/<tid>/children, which needs CONFIG_PROC_CHILDREN and is missing on some
+ * kernels; sandboxes hold few processes, so the scan costs well under a millisecond.
+ *
+ * A session is a shell (/bin/bash, else /bin/sh) owned by main: stdin is a control pipe, fds 1/2
+ * are output pipes, fd 3 is a marker pipe. A session command is run by a handler that inherited
+ * those fds: it writes the command into a private file and sends the shell
+ *     . '<file>' 3>&- <'<stdin file or /dev/null>'; command printf '%s %d\n' <nonce> "$?" >&3
+ * The command never sees the control stream or fd 3, and the end marker carries a random
+ * per-command nonce on a pipe the command cannot reach, so output cannot forge an end. Main
+ * queues requests for a busy session and starts them in order. The shell is a subreaper so
+ * daemons started in a session stay its descendants and die on timeout or close. When a shell
+ * exits, main reaps it and writes the wait status into the session's status pipe, which is how
+ * the running handler learns e.g. that `exit 3` returned 3. A session command's timeout kills
+ * only the processes that command started (the shell's descendants minus a snapshot taken just
+ * before it, with their subtrees), so a server started in the background by an earlier command
+ * keeps running, workers included.
+ *
+ * Every descriptor the agent opens is O_CLOEXEC (including the inherited listening socket), so
+ * commands cannot reach the control socket, session pipes or another request's connection.
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* A connection whose request header is still arriving. */
+struct conn {
+    int fd;
+    uint32_t got, hlen;
+    unsigned char lenb[4];
+    unsigned char *hdr;
+    long long t0;
+};
+
+int g_sig_fd = -1;
+static pid_t g_main_pid;
+static int g_listen_fd = -1;
+static struct conn *g_conns;
+static int g_nconns, g_capconns;
+
+/* ---------------------------------------------------------------- handlers */
+
+/* In a freshly forked handler: drop everything that belongs to other requests or sessions. */
+static void handler_init(int keep_fd, struct session *keep)
+{
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != g_main_pid)
+        _exit(1);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    close(g_listen_fd);
+    for (int i = 0; i < g_nconns; i++)
+        if (g_conns[i].fd != keep_fd)
+            close(g_conns[i].fd);
+    sessions_close_fds_in_handler(keep_fd, keep);
+    set_nonblock(keep_fd, 0);
+}
+
+/* Run r (for session s, if any) in a forked handler. Main keeps neither fd nor r: the handler
+ * has its own copies and answers on fd. */
+void spawn_handler(int fd, struct req *r, struct session *s)
+{
+    if (s)
+        s->seq++;
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_error(fd, "internal", NULL, errno, "fork: %s", strerror(errno));
+    } else if (pid == 0) {
+        handler_init(fd, s);
+        const char *op = req_get(r, "op");
+        if (s)
+            op_session_exec(fd, r, s);
+        else if (!strcmp(op, "exec"))
+            op_exec(fd, r);
+        else if (!strcmp(op, "read"))
+            op_read(fd, r);
+        else if (!strcmp(op, "write"))
+            op_write(fd, r);
+        else if (!strcmp(op, "list"))
+            op_list(fd, r);
+        else if (!strcmp(op, "stat"))
+            op_stat(fd, r);
+        else if (!strcmp(op, "remove"))
+            op_remove(fd, r);
+        _exit(0);
+    } else if (s) {
+        s->handler = pid;
+    }
+    close(fd);
+    req_free(r);
+}
+
+/* ---------------------------------------------------------------- requests */
+
+static void op_ping(int fd)
+{
+    struct buf h = {0};
+    int live = sessions_live();
+    resp_begin(&h);
+    resp_str(&h, "ok", "1");
+    resp_num(&h, "pid", getpid());
+    resp_str(&h, "version", AGENT_VERSION);
+    resp_num(&h, "sessions", live);
+    resp_send(fd, &h, NULL, 0, NULL, 0);
+}
+
+/* A complete header arrived: answer bookkeeping ops here, hand everything else to a handler.
+ * Takes hdr and fd (closed here unless a handler or a session queue took it). */
+static void dispatch(int fd, unsigned char *hdr, uint32_t hlen)
+{
+    const char *why = NULL;
+    struct req *r = req_parse(hdr, hlen, &why);
+    free(hdr);
+    if (!r) {
+        send_error(fd, "bad_request", NULL, 0, "malformed header: %s", why);
+        close(fd);
+        return;
+    }
+    int bad = 0;
+    long long body_len = req_num(r, "body_len", 0, &bad);
+    const char *op = req_get(r, "op");
+    if (!op || bad || body_len < 0 || body_len > MAX_FRAME) {
+        send_error(fd, "bad_request", NULL, 0, "need op and a body_len of at most %u bytes", MAX_FRAME);
+    } else if (!strcmp(op, "ping")) {
+        op_ping(fd);
+    } else if (!strcmp(op, "sessions")) {
+        op_sessions(fd);
+    } else if (!strcmp(op, "session_open")) {
+        op_session_open(fd, r);
+    } else if (!strcmp(op, "session_close")) {
+        op_session_close(fd, r);
+    } else if (!strcmp(op, "session_exec")) {
+        if (session_enqueue(fd, r))
+            return;
+    } else if (!strcmp(op, "exec") || !strcmp(op, "read") || !strcmp(op, "write") ||
+               !strcmp(op, "list") || !strcmp(op, "stat") || !strcmp(op, "remove")) {
+        spawn_handler(fd, r, NULL);
+        return;
+    } else {
+        send_error(fd, "bad_request", NULL, 0, "unknown op %.40s", op);
+    }
+    close(fd);
+    req_free(r);
+}
+
+/* ---------------------------------------------------------------- connections */
+
+static void conn_drop(int i)
+{
+    g_conns[i] = g_conns[--g_nconns];
+}
+
+/* Read more of connection i's header; 1 if dispatched or dropped (slot freed), else 0. */
+static int conn_progress(int i)
+{
+    struct conn *c = &g_conns[i];
+    for (;;) {
+        ssize_t n;
+        if (c->got < 4)
+            n = read(c->fd, c->lenb + c->got, 4 - c->got);
+        else
+            n = read(c->fd, c->hdr + (c->got - 4), c->hlen - (c->got - 4));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return 0;
+        if (n <= 0) {
+            close(c->fd);
+            free(c->hdr);
+            conn_drop(i);
+            return 1;
+        }
+        c->got += n;
+        if (c->got == 4) {
+            c->hlen = get_u32(c->lenb);
+            if (c->hlen > MAX_FRAME) {
+                send_error(c->fd, "bad_request", NULL, 0,
+                           "header of %u bytes is over the %u byte limit", c->hlen, MAX_FRAME);
+                close(c->fd);
+                conn_drop(i);
+                return 1;
+            }
+            c->hdr = xrealloc(NULL, c->hlen);
+        }
+        if (c->got >= 4 && c->got - 4 == c->hlen) {
+            int fd = c->fd;
+            unsigned char *hdr = c->hdr;
+            uint32_t hlen = c->hlen;
+            conn_drop(i);
+            dispatch(fd, hdr, hlen);
+            return 1;
+        }
+    }
+}
+
+static void accept_all(void)
+{
+    for (;;) {
+        int fd = accept4(g_listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        if (g_nconns == g_capconns) {
+            g_capconns = g_capconns ? g_capconns * 2 : 16;
+            g_conns = xrealloc(g_conns, g_capconns * sizeof *g_conns);
+        }
+        g_conns[g_nconns++] = (struct conn){.fd = fd, .t0 = now_ms()};
+        conn_progress(g_nconns - 1); /* usually the whole header is already there */
+    }
+}
+
+/* ---------------------------------------------------------------- signals */
+
+/* As PID 1 (and a subreaper) main inherits every orphan in the sandbox and must reap them all. */
+static void reap_children(void)
+{
+    int st;
+    pid_t pid;
+    while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
+        session_child_exited(pid, st);
+}
+
+static void shutdown_agent(int sig)
+{
+    kill_descendants(getpid(), 1);
+    priv_dir_remove();
+    logmsg("signal %d: stopped", sig);
+    _exit(0);
+}
+
+static void handle_signals(void)
+{
+    struct signalfd_siginfo si;
+    int child = 0;
+    while (read(g_sig_fd, &si, sizeof si) == sizeof si) {
+        if (si.ssi_signo == SIGCHLD)
+            child = 1;
+        else
+            shutdown_agent((int)si.ssi_signo);
+    }
+    if (child)
+        reap_children();
+}
+
+/* ---------------------------------------------------------------- start-up and the loop */
+
+static void usage(void)
+{
+    static const char m[] =
+        "usage: dsec-agent [--fd N]\n"
+        "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
+        "(default 3). Runs as the sandbox's init; see the protocol notes in src/wire.c.\n";
+    if (write(2, m, sizeof m - 1) < 0) {
+    }
+}
+
+/* -1 to go on and serve on *fd, else the status to exit with. */
+static int parse_args(int argc, char **argv, int *fd)
+{
+    *fd = 3;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
+            *fd = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--version")) {
+            printf("dsec-agent %s\n", AGENT_VERSION);
+            return 0;
+        } else {
+            usage();
+            return 2;
+        }
+    }
+    return -1;
+}
+
+/* Adopt the inherited listening socket; CLOEXEC so no command inherits it. */
+static int take_listener(int fd)
+{
+    int acc = 0;
+    socklen_t al = sizeof acc;
+    if (fd < 0 || getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &al) < 0 || !acc) {
+        logmsg("fd %d is not a listening socket", fd);
+        return -1;
+    }
+    g_listen_fd = fd;
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    set_nonblock(fd, 1);
+    return 0;
+}
+
+/* Signals arrive on a signalfd, read in the poll loop, so there are no async handlers; child
+ * processes undo the mask (reset_child_signals). */
+static int open_signalfd(void)
+{
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGHUP);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    g_sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (g_sig_fd < 0) {
+        logmsg("signalfd: %s", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* Fill p[] (signals, listener, then one slot per connection); the earliest header deadline. */
+static long long fill_pollfds(struct pollfd *p)
+{
+    p[0] = (struct pollfd){.fd = g_sig_fd, .events = POLLIN};
+    p[1] = (struct pollfd){.fd = g_listen_fd, .events = POLLIN};
+    long long next = -1;
+    for (int i = 0; i < g_nconns; i++) {
+        p[2 + i] = (struct pollfd){.fd = g_conns[i].fd, .events = POLLIN};
+        long long d = g_conns[i].t0 + HEADER_TIMEOUT_MS;
+        if (next < 0 || d < next)
+            next = d;
+    }
+    return next;
+}
+
+/* Connections in p[] are looked up by fd: dispatch reorders g_conns. */
+static void progress_ready_conns(const struct pollfd *p, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (!p[i].revents)
+            continue;
+        for (int j = 0; j < g_nconns; j++)
+            if (g_conns[j].fd == p[i].fd) {
+                conn_progress(j);
+                break;
+            }
+    }
+}
+
+/* A client that never finishes its header must not hold a slot (and an fd) forever. */
+static void drop_slow_conns(void)
+{
+    long long t = now_ms();
+    for (int j = g_nconns - 1; j >= 0; j--)
+        if (g_conns[j].t0 + HEADER_TIMEOUT_MS <= t) {
+            close(g_conns[j].fd);
+            free(g_conns[j].hdr);
+            conn_drop(j);
+        }
+}
+
+/* Returns only if poll fails. */
+static int serve(void)
+{
+    struct pollfd *p = NULL;
+    int pcap = 0;
+    for (;;) {
+        if (pcap < g_nconns + 2) {
+            pcap = g_nconns + 18;
+            p = xrealloc(p, pcap * sizeof *p);
+        }
+        int n = g_nconns;
+        long long next = fill_pollfds(p);
+        int rc = poll(p, 2 + n, poll_wait(next));
+        if (rc < 0 && errno != EINTR) {
+            logmsg("poll: %s", strerror(errno));
+            return 1;
+        }
+        if (p[0].revents)
+            handle_signals();
+        progress_ready_conns(p + 2, n);
+        drop_slow_conns();
+        if (p[1].revents)
+            accept_all();
+    }
+}
+
+int main(int argc, char **argv)
+{
+    int fd;
+    int rc = parse_args(argc, argv, &fd);
+    if (rc >= 0)
+        return rc;
+    /* keep 0..2 taken so pipes never land there */
+    for (int i = 0; i < 3; i++)
+        if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
+            return 1;
+    if (take_listener(fd) < 0)
+        return 2;
+    g_main_pid = getpid();
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    signal(SIGPIPE, SIG_IGN);
+    if (chdir("/") < 0) {
+    }
+    if (open_signalfd() < 0)
+        return 1;
+    return serve();
+}

@@ -1,0 +1,163 @@
+/*
+ * Small helpers every part of the agent uses: logging, allocation that cannot fail (the agent is
+ * init, so running out of memory ends it cleanly rather than half-serving), monotonic time,
+ * growable buffers and whole reads and writes.
+ */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+char g_scratch[READ_CHUNK];
+
+void logmsg(const char *fmt, ...)
+{
+    char line[512];
+    int n = snprintf(line, sizeof line, "dsec-agent[%d]: ", (int)getpid());
+    va_list ap;
+    va_start(ap, fmt);
+    n += vsnprintf(line + n, sizeof line - n - 1, fmt, ap);
+    va_end(ap);
+    if (n > (int)sizeof line - 2)
+        n = sizeof line - 2;
+    line[n++] = '\n';
+    if (write(2, line, n) < 0) { /* nowhere left to complain */ }
+}
+
+static void die_oom(void)
+{
+    logmsg("out of memory");
+    _exit(70);
+}
+
+void *xrealloc(void *p, size_t n)
+{
+    p = realloc(p, n ? n : 1);
+    if (!p)
+        die_oom();
+    return p;
+}
+
+void *xcalloc(size_t n, size_t sz)
+{
+    void *p = calloc(n ? n : 1, sz ? sz : 1);
+    if (!p)
+        die_oom();
+    return p;
+}
+
+long long now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000LL + ts.tv_nsec / 1000;
+}
+
+long long now_ms(void) { return now_us() / 1000; }
+
+int poll_wait(long long deadline_ms)
+{
+    if (deadline_ms < 0)
+        return -1;
+    long long left = deadline_ms - now_ms();
+    if (left < 0)
+        return 0;
+    return left > INT_MAX ? INT_MAX : (int)left;
+}
+
+void set_nonblock(int fd, int on)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        fcntl(fd, F_SETFL, on ? fl | O_NONBLOCK : fl & ~O_NONBLOCK);
+}
+
+void buf_reserve(struct buf *b, size_t extra)
+{
+    if (b->cap - b->len >= extra)
+        return;
+    size_t c = b->cap ? b->cap : 256;
+    while (c - b->len < extra)
+        c *= 2;
+    b->p = xrealloc(b->p, c);
+    b->cap = c;
+}
+
+void buf_add(struct buf *b, const void *d, size_t n)
+{
+    buf_reserve(b, n);
+    if (n)
+        memcpy(b->p + b->len, d, n);
+    b->len += n;
+}
+
+void buf_free(struct buf *b)
+{
+    free(b->p);
+    b->p = NULL;
+    b->len = b->cap = 0;
+}
+
+/* Write everything; works on blocking and non-blocking fds (waits up to 10 s per stall). */
+int writev_all(int fd, struct iovec *iov, int cnt)
+{
+    while (cnt > 0) {
+        if (iov->iov_len == 0) {
+            iov++;
+            cnt--;
+            continue;
+        }
+        ssize_t n = writev(fd, iov, cnt);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN) {
+                struct pollfd p = {.fd = fd, .events = POLLOUT};
+                if (poll(&p, 1, 10000) <= 0)
+                    return -1;
+                continue;
+            }
+            return -1;
+        }
+        while (cnt > 0 && (size_t)n >= iov->iov_len) {
+            n -= iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + n;
+            iov->iov_len -= n;
+        }
+    }
+    return 0;
+}
+
+int write_all(int fd, const void *p, size_t n)
+{
+    struct iovec iov = {(void *)p, n};
+    return writev_all(fd, &iov, 1);
+}
+
+int read_exact(int fd, void *p, size_t n)
+{
+    char *c = p;
+    while (n > 0) {
+        ssize_t r = read(fd, c, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        c += r;
+        n -= r;
+    }
+    return 0;
+}
