@@ -1,6 +1,6 @@
 """``AgentClient``: the asyncio client of one sandbox's ``dsec-agent`` over its unix socket.
 
-Wire protocol (the full table is at the top of ``dsec-agent.c``): one request and one response
+Wire protocol (the full table is at the top of ``agent/src/wire.c``): one request and one response
 per connection. Each is a header frame ``u32le n`` + ``n`` bytes of fields, every field
 ``u8 klen, key, u32le vlen, value`` (keys repeat for lists, numbers are ASCII decimal), followed
 by ``body_len`` raw bytes (stdin, file data, or stdout++stderr). Unix connects cost microseconds,
