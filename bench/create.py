@@ -28,7 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import dsec
+from dsec_core.catalog import default_catalog_file
 from dsec_core.config import NodeConfig
+from dsec_core.demo import ensure_catalog
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.localnode import ensure_daemon
@@ -199,8 +201,6 @@ def main() -> None:
                                    store=store)
     else:
         if ref == "debian-python@12":
-            from dsec_core.catalog import default_catalog_file
-            from dsec_core.demo import ensure_catalog
             ensure_catalog(default_catalog_file(), config)
         info = store.resolve(ref)
     ensure_daemon(config)

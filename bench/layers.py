@@ -30,18 +30,32 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tarfile
 import tempfile
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import dsec
+from dsec_core.catalog import CatalogStore, default_catalog_file, parse_catalog
+from dsec_core.catalog.distribution import catalog_layer_refs
 from dsec_core.config import NodeConfig
+from dsec_core.demo import ensure_catalog
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.localnode import ensure_daemon
-from dsec_core.records import LayerRef
+from dsec_core.node.node import Node
+from dsec_core.plugins import open_source
+from dsec_core.profiling import profile_catalog
+from dsec_core.records import LayerRef, SandboxSpec
+from dsec_core.sources.transfer import push_layer
 from dsec_core.testing import make_busybox_rootfs
+
+# The test registry lives with the plugin that needs it (plugins/layer_oci/tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "layer_oci" / "tests"))
+from oci_registry import local_registry  # noqa: E402
 
 TASK = "cd /workspace && find . -type f | wc -l && cat src/mod_0001.py > /dev/null"
 
@@ -127,7 +141,6 @@ def _tree_bytes(path: Path) -> int:
 async def _run_batch(node, catalog, rounds: int) -> tuple[float, float]:
     """Create one sandbox per task per round, all at once; run every task. Returns (seconds
     until all are ready, seconds until all tasks finished)."""
-    from dsec_core.records import SandboxSpec
 
     started = time.perf_counter()
     specs = [t for t in catalog.tasks for _ in range(rounds)]
@@ -150,8 +163,6 @@ class SourceLink:
     together (a token bucket), or unlimited when ``mbps`` is 0."""
 
     def __init__(self, mbps: float) -> None:
-        import threading
-
         self.rate = mbps * 1e6
         self.lock = threading.Lock()
         self.free_at = time.monotonic()
@@ -169,10 +180,7 @@ class SourceLink:
 def _one_batch(mode: str, url: str, catalog, rounds: int, mbps: float) -> dict:
     """One fresh node pulls the catalog's layers from ``url`` (eagerly or on demand) and runs
     every task ``rounds`` times at once; its figures."""
-    from dataclasses import replace
 
-    from dsec_core.catalog import CatalogStore, parse_catalog
-    from dsec_core.node.node import Node
 
     home = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{mode}-"))
     config = replace(NodeConfig(home=home), layer_sources=("local", url),
@@ -218,14 +226,6 @@ def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
                repeat: int = 1) -> dict:
     """Profile and publish the demo catalog to a registry on loopback, then time ``repeat``
     batches per mode (eager, on demand, on demand without profiles); medians per figure."""
-    from dsec_core.catalog import default_catalog_file
-    from dsec_core.demo import ensure_catalog
-    from dsec_core.catalog.distribution import catalog_layer_refs
-from dsec_core.sources.transfer import push_layer
-    from dsec_core.profiling import profile_catalog
-    from dsec_core.plugins import open_source
-    from oci_registry import local_registry
-
     author = NodeConfig.from_env()
     author.ensure_dirs()
     catalog = ensure_catalog(default_catalog_file(), author)

@@ -516,9 +516,10 @@ def _mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | N
 
 
 @pytest.fixture(scope="session")
-def default_catalog_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("default-catalog")
-    layers, catalogs = LayerStore(home / "layers"), CatalogStore(home / "catalogs")
+def default_catalog_home(built_catalog_config):
+    # run.sh test has built it already (a no-op here then); alone, this builds it once.
+    config = built_catalog_config
+    layers, catalogs = LayerStore(config.layer_dir), CatalogStore(config.catalog_dir)
     cat = load_catalog(default_catalog_file())
     infos = build_catalog(cat, layers, catalogs)
     return cat, layers, catalogs, infos

@@ -21,11 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="ne
 
 
 @pytest.fixture
-def demo_home():
-    # A persistent home so the debootstrap base is built once per machine, not per run;
-    # run.sh test builds it before the suite starts.
-    home = Path(os.environ.get("DSEC_TEST_HOME", "/var/lib/dsec-test"))
-    config = NodeConfig(home=home)
+def demo_home(built_catalog_config):
+    # The persistent home where run.sh test built the default catalog before the suite.
+    config = built_catalog_config
     if daemon_pid(config):
         stop_daemon(config)
     yield config

@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import parse_qs, urlsplit
 
+from botocore.config import Config
+from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
+                                 PartialCredentialsError)
+
 from dsec_core.errors import InvalidSpec, SourceUnavailable
 from dsec_core.hookspecs import hookimpl
 from dsec_core.sources.base import BlobStoreSource
@@ -71,9 +75,8 @@ class S3LayerSource(BlobStoreSource):
             return self._client
 
     def _make_client(self) -> Any:
+        # boto3 takes ~0.4 s to import; every dsec command loads this plugin, few use S3.
         import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError
 
         s3_options = {"addressing_style": "path"} if self.endpoint else {}
         config = Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
@@ -97,8 +100,6 @@ class S3LayerSource(BlobStoreSource):
     @contextlib.contextmanager
     def _edge(self, key: str | None = None) -> Iterator[None]:
         """Translate botocore errors: a missing key -> KeyError, the rest -> SourceUnavailable."""
-        from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
-                                         PartialCredentialsError)
         try:
             yield
         except ClientError as e:
@@ -132,7 +133,6 @@ class S3LayerSource(BlobStoreSource):
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             args["Range"] = f"bytes={offset}-{end}"
-        from botocore.exceptions import ClientError
         try:
             with self._edge(key):
                 resp = self.client.get_object(**args)
@@ -156,9 +156,10 @@ class S3LayerSource(BlobStoreSource):
         # An S3 PUT (and a completed multipart upload) replaces the object atomically.
         with self._edge():
             if isinstance(data, Path):
+                # Lazily, as in _make_client: boto3 is slow to import.
                 from boto3.exceptions import S3UploadFailedError
                 from boto3.s3.transfer import TransferConfig
-                from botocore.exceptions import ClientError
+
                 transfer = TransferConfig(multipart_threshold=self.multipart_threshold,
                                           multipart_chunksize=self.multipart_chunksize,
                                           max_concurrency=4)

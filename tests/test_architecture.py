@@ -1,0 +1,119 @@
+"""The house rules that keep the code walkable, checked on the source itself: imports follow the
+floors (import-linter's contract in pyproject.toml), no private helper crosses a package, and
+imports inside functions are the few listed here with their reason."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = [REPO / "dsec", REPO / "dsec_core", *sorted(REPO.glob("plugins/*/dsec_*"))]
+
+#: Imports that may sit inside a function, and why (everything else goes at the top).
+LAZY_IMPORTS = {
+    "python_on_whales": "a third of a second to import; only docker layer sources need it",
+    "python_on_whales.exceptions": "as python_on_whales",
+    "boto3": "0.4 s to import; every command loads the S3 plugin, few use S3",
+    "boto3.exceptions": "as boto3",
+    "boto3.s3.transfer": "as boto3",
+    "dsec_core.node.daemon": "the CLI's `node start --foreground` only; uvicorn and the node "
+                             "would slow every other command's start-up",
+}
+
+
+def _modules() -> list[tuple[str, Path]]:
+    out = []
+    for pkg in PACKAGES:
+        for path in sorted(pkg.rglob("*.py")):
+            if "templates" in path.relative_to(pkg).parts:
+                continue  # files the CLI writes out for plugin authors, not our modules
+            rel = path.relative_to(pkg.parent).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out.append((".".join(parts), path))
+    return out
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    base = package.split(".")
+    if node.level > 1:
+        base = base[:-(node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _package_of(module: str, is_package: bool) -> str:
+    return module if is_package else module.rpartition(".")[0]
+
+
+def _imports(module: str, path: Path):
+    """(imported module, names, line, inside a function) for every import statement."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    funcs: list[ast.AST] = [n for n in ast.walk(tree)
+                            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    in_func = {id(n) for f in funcs for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            yield (_resolve(module, path, node), [a.name for a in node.names], node.lineno,
+                   id(node) in in_func)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno, id(node) in in_func
+
+
+def test_floors_contract_holds():
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if lint is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[test]')")
+    out = subprocess.run([lint], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "broken" in out.stdout and " 0 broken" in out.stdout
+
+
+def test_no_private_name_crosses_a_package():
+    modules = dict(_modules())
+    crossings = []
+    for module, path in modules.items():
+        here = _package_of(module, path.name == "__init__.py")
+        for target, names, line, _ in _imports(module, path):
+            if not target.startswith(("dsec", "dsec_core")):
+                continue
+            target_path = modules.get(target)
+            target_pkg = (_package_of(target, target_path.name == "__init__.py")
+                          if target_path else target.rpartition(".")[0])
+            for name in names:
+                private = name.startswith("_") and not name.startswith("__")
+                if private and target_pkg != here:
+                    crossings.append(f"{path.relative_to(REPO)}:{line}: {name} from {target}")
+            if any(p.startswith("_") and not p.startswith("__") for p in target.split(".")) \
+                    and target_pkg != here:
+                crossings.append(f"{path.relative_to(REPO)}:{line}: module {target}")
+    assert crossings == []
+
+
+def test_imports_inside_functions_are_the_listed_few():
+    hidden = []
+    for module, path in _modules():
+        for target, _names, line, inside in _imports(module, path):
+            if inside and target not in LAZY_IMPORTS:
+                hidden.append(f"{path.relative_to(REPO)}:{line}: {target}")
+    assert hidden == [], "move these to the top of the module (or list them with a reason)"
+
+
+def test_the_checks_above_can_fail(tmp_path):
+    # the scanners see a private import across packages and an import hidden in a function
+    src = tmp_path / "m.py"
+    src.write_text("from dsec_core.linux.mounts import _check\n"
+                   "def f():\n    import json\n")
+    found = list(_imports("dsec_core.lazy.m", src))
+    assert ("dsec_core.linux.mounts", ["_check"], 1, False) in found
+    assert ("json", [], 3, True) in found
