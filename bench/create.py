@@ -33,8 +33,8 @@ from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.localnode import ensure_daemon
 from dsec_core.linux.mounts import mount_erofs_file, unmount
+from dsec_core.localnode import ensure_daemon
 from dsec_core.testing import make_busybox_rootfs
 
 DOCKER_SOCK = "/run/dsec-bench-docker.sock"
@@ -44,11 +44,12 @@ def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     if not values:
         return float("nan")
-    k = min(len(values) - 1, max(0, int(round(q / 100 * (len(values) - 1)))))
+    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
     return values[k]
 
 
 # --- docker side ------------------------------------------------------------------------------
+
 
 class Docker:
     """A docker CLI bound to a dockerd we can rely on (started here if needed)."""
@@ -65,21 +66,40 @@ class Docker:
         if not self._works(self.host):
             # No bridge and no iptables: the benchmark's containers get no network at all.
             self.proc = subprocess.Popen(
-                ["dockerd", "--host", self.host, "--bridge=none", "--iptables=false",
-                 "--ip-masq=false", "--pidfile", "/run/dsec-bench-docker.pid",
-                 "--data-root", "/var/lib/dsec-bench-docker"],
-                stdout=subprocess.DEVNULL, stderr=open("/tmp/dsec-bench-dockerd.log", "wb"))
+                [
+                    "dockerd",
+                    "--host",
+                    self.host,
+                    "--bridge=none",
+                    "--iptables=false",
+                    "--ip-masq=false",
+                    "--pidfile",
+                    "/run/dsec-bench-docker.pid",
+                    "--data-root",
+                    "/var/lib/dsec-bench-docker",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=open("/tmp/dsec-bench-dockerd.log", "wb"),
+            )
             deadline = time.monotonic() + 60
             while not self._works(self.host):
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("bench: dockerd did not start; see /tmp/dsec-bench-dockerd.log")
+                    raise SystemExit(
+                        "bench: dockerd did not start; see /tmp/dsec-bench-dockerd.log"
+                    )
                 time.sleep(0.2)
 
     def argv(self, *args: str) -> list[str]:
         return [self.cli, *(["-H", self.host] if self.host else []), *args]
 
     def _works(self, host: str | None) -> bool:
-        cmd = [self.cli, *(["-H", host] if host else []), "version", "--format", "{{.Server.Version}}"]
+        cmd = [
+            self.cli,
+            *(["-H", host] if host else []),
+            "version",
+            "--format",
+            "{{.Server.Version}}",
+        ]
         return subprocess.run(cmd, capture_output=True).returncode == 0
 
     def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
@@ -92,8 +112,9 @@ class Docker:
             mount_erofs_file(image, Path(mnt), None)
             try:
                 tar = subprocess.Popen(["tar", "-C", mnt, "-c", "."], stdout=subprocess.PIPE)
-                imp = subprocess.run(self.argv("import", "-", tag), stdin=tar.stdout,
-                                     capture_output=True)
+                imp = subprocess.run(
+                    self.argv("import", "-", tag), stdin=tar.stdout, capture_output=True
+                )
                 tar.wait()
             finally:
                 unmount(mnt)
@@ -124,7 +145,9 @@ def docker_rounds(docker: Docker, tag: str, n: int, conc: int) -> tuple[list[flo
 
 
 def docker_exec(docker: Docker, tag: str, n: int) -> list[float]:
-    cid = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000").stdout.decode().strip()
+    cid = (
+        docker.run("run", "-d", "--network", "none", tag, "sleep", "100000").stdout.decode().strip()
+    )
     try:
         lat = []
         for _ in range(n):
@@ -137,6 +160,7 @@ def docker_exec(docker: Docker, tag: str, n: int) -> list[float]:
 
 
 # --- dsec side --------------------------------------------------------------------------------
+
 
 async def dsec_once(client: dsec.AsyncClient, layer: str) -> float:
     t = time.perf_counter()
@@ -178,8 +202,12 @@ def dsec_exec(address: str, layer: str, n: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="busybox base, few rounds (< 1 min)")
-    ap.add_argument("--image", default=None, help="base layer name@version "
-                    "(default: debian-python@12 from the default catalog; busybox with --quick)")
+    ap.add_argument(
+        "--image",
+        default=None,
+        help="base layer name@version "
+        "(default: debian-python@12 from the default catalog; busybox with --quick)",
+    )
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -197,8 +225,9 @@ def main() -> None:
         except dsec.UnknownLayer:
             with tempfile.TemporaryDirectory() as tmp:
                 rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-                info = build_layer(rootfs, name="bench-busybox", version="1", kind="base",
-                                   store=store)
+                info = build_layer(
+                    rootfs, name="bench-busybox", version="1", kind="base", store=store
+                )
     else:
         if ref == "debian-python@12":
             ensure_catalog(default_catalog_file(), config)
@@ -244,14 +273,30 @@ def main() -> None:
         "rounds": n,
     }
     rows = [
-        ("create+exec+kill, c=1", f"{fig['dsec_p50_ms']} / {fig['dsec_p99_ms']} ms",
-         f"{fig['docker_p50_ms']} / {fig['docker_p99_ms']} ms", f"{fig['ratio_vs_docker_p50']}x"),
-        ("throughput, c=8", f"{fig['dsec_per_s_c8']}/s", f"{fig['docker_per_s_c8']}/s",
-         f"{fig['ratio_vs_docker_c8']}x"),
-        ("latency at c=8 (p50/p99)", f"{fig['dsec_c8_p50_ms']} / {fig['dsec_c8_p99_ms']} ms",
-         f"{fig['docker_c8_p50_ms']} ms", ""),
-        ("exec `true` (p50)", f"{fig['dsec_exec_p50_ms']} ms", f"{fig['docker_exec_p50_ms']} ms",
-         f"{round(fig['docker_exec_p50_ms'] / fig['dsec_exec_p50_ms'], 1)}x"),
+        (
+            "create+exec+kill, c=1",
+            f"{fig['dsec_p50_ms']} / {fig['dsec_p99_ms']} ms",
+            f"{fig['docker_p50_ms']} / {fig['docker_p99_ms']} ms",
+            f"{fig['ratio_vs_docker_p50']}x",
+        ),
+        (
+            "throughput, c=8",
+            f"{fig['dsec_per_s_c8']}/s",
+            f"{fig['docker_per_s_c8']}/s",
+            f"{fig['ratio_vs_docker_c8']}x",
+        ),
+        (
+            "latency at c=8 (p50/p99)",
+            f"{fig['dsec_c8_p50_ms']} / {fig['dsec_c8_p99_ms']} ms",
+            f"{fig['docker_c8_p50_ms']} ms",
+            "",
+        ),
+        (
+            "exec `true` (p50)",
+            f"{fig['dsec_exec_p50_ms']} ms",
+            f"{fig['docker_exec_p50_ms']} ms",
+            f"{round(fig['docker_exec_p50_ms'] / fig['dsec_exec_p50_ms'], 1)}x",
+        ),
     ]
     print(f"\nimage {ref}, {n} dsec rounds (x4 at c=8), {n_docker} docker rounds\n")
     print(f"{'measure':28} {'dsec':>22} {'docker':>22} {'dsec advantage':>15}")

@@ -55,7 +55,7 @@ from dsec_core.testing import make_busybox_rootfs
 
 # The test registry lives with the plugin that needs it (plugins/layer_oci/tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plugins" / "layer_oci" / "tests"))
-from oci_registry import local_registry  # noqa: E402
+from oci_registry import local_registry
 
 TASK = "cd /workspace && find . -type f | wc -l && cat src/mod_0001.py > /dev/null"
 
@@ -70,8 +70,10 @@ def make_workspace(root: Path, files: int, seed: int = 7) -> int:
             data = rng.randbytes(rng.randint(200_000, 600_000))
         else:
             path = root / "src" / f"mod_{i:04d}.py"
-            words = [rng.choice(("def", "return", "self", "value", "import", "class", "for"))
-                     for _ in range(rng.randint(100, 1500))]
+            words = [
+                rng.choice(("def", "return", "self", "value", "import", "class", "for"))
+                for _ in range(rng.randint(100, 1500))
+            ]
             data = (" ".join(words) + "\n").encode()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -97,12 +99,16 @@ def upper_bytes(config: NodeConfig, sandbox_id: str) -> int:
     return total
 
 
-def run_tar(client: dsec.Client, config: NodeConfig, base: str, archive: bytes) -> tuple[float, int]:
+def run_tar(
+    client: dsec.Client, config: NodeConfig, base: str, archive: bytes
+) -> tuple[float, int]:
     t = time.perf_counter()
     with client.create(layers=(base,), memory="512M") as sb:
         sb.write_file("/tmp/ws.tar.gz", archive)
-        sb.exec("mkdir -p /workspace && tar xzf /tmp/ws.tar.gz -C /workspace && "
-                "rm /tmp/ws.tar.gz", timeout=600).check()
+        sb.exec(
+            "mkdir -p /workspace && tar xzf /tmp/ws.tar.gz -C /workspace && rm /tmp/ws.tar.gz",
+            timeout=600,
+        ).check()
         sb.exec(TASK).check()
         elapsed = time.perf_counter() - t
         written = upper_bytes(config, sb.id) + len(archive)  # the upload was written too
@@ -127,8 +133,9 @@ def _disk_written() -> int:
             parts = line.split()
             name = parts[2]
             # whole disks only (partitions would count writes twice), no virtual devices
-            if not os.path.exists(f"/sys/block/{name}/device") or \
-                    name.startswith(("loop", "ram", "zram", "dm-")):
+            if not os.path.exists(f"/sys/block/{name}/device") or name.startswith(
+                ("loop", "ram", "zram", "dm-")
+            ):
                 continue
             total += int(parts[9]) * 512
     return total
@@ -144,14 +151,18 @@ async def _run_batch(node, catalog, rounds: int) -> tuple[float, float]:
 
     started = time.perf_counter()
     specs = [t for t in catalog.tasks for _ in range(rounds)]
-    infos = await asyncio.gather(*(node.create(SandboxSpec(environment=t.environment,
-                                                            memory="512M", ttl=600))
-                                   for t in specs))
+    infos = await asyncio.gather(
+        *(
+            node.create(SandboxSpec(environment=t.environment, memory="512M", ttl=600))
+            for t in specs
+        )
+    )
     ready = time.perf_counter() - started
-    results = await asyncio.gather(*(node.exec(i.id, t.command, timeout=t.timeout)
-                                     for i, t in zip(infos, specs)))
+    results = await asyncio.gather(
+        *(node.exec(i.id, t.command, timeout=t.timeout) for i, t in zip(infos, specs, strict=True))
+    )
     done = time.perf_counter() - started
-    bad = [(t.name, r.exit_code) for t, r in zip(specs, results) if r.timed_out]
+    bad = [(t.name, r.exit_code) for t, r in zip(specs, results, strict=True) if r.timed_out]
     if bad:
         raise SystemExit(f"bench: tasks timed out: {bad}")
     await asyncio.gather(*(node.kill(i.id) for i in infos))
@@ -181,13 +192,14 @@ def _one_batch(mode: str, url: str, catalog, rounds: int, mbps: float) -> dict:
     """One fresh node pulls the catalog's layers from ``url`` (eagerly or on demand) and runs
     every task ``rounds`` times at once; its figures."""
 
-
     home = Path(tempfile.mkdtemp(prefix=f"dsec-bench-{mode}-"))
-    config = replace(NodeConfig(home=home), layer_sources=("local", url),
-                     ondemand=(mode != "eager"))
+    config = replace(
+        NodeConfig(home=home), layer_sources=("local", url), ondemand=(mode != "eager")
+    )
     config.ensure_dirs()
     CatalogStore(config.catalog_dir).save(
-        parse_catalog(catalog.to_document(), check_sources=False, check_layers=False))
+        parse_catalog(catalog.to_document(), check_sources=False, check_layers=False)
+    )
 
     async def run() -> tuple[float, float, int]:
         node = Node(config)
@@ -204,6 +216,7 @@ def _one_batch(mode: str, url: str, catalog, rounds: int, mbps: float) -> dict:
                         fetched[0] += len(response.content)
                         link.carry(len(response.content))
                     return response
+
                 source._request = counting
         try:
             ready, done = await _run_batch(node, catalog, rounds)
@@ -215,15 +228,18 @@ def _one_batch(mode: str, url: str, catalog, rounds: int, mbps: float) -> dict:
         written0 = _disk_written()
         ready, done, fetched = asyncio.run(run())
         written = _disk_written() - written0
-        return {"ready_s": round(ready, 3), "tasks_done_s": round(done, 3),
-                "fetched_bytes": fetched, "written_bytes": written,
-                "cache_bytes": _tree_bytes(config.cache_dir)}
+        return {
+            "ready_s": round(ready, 3),
+            "tasks_done_s": round(done, 3),
+            "fetched_bytes": fetched,
+            "written_bytes": written,
+            "cache_bytes": _tree_bytes(config.cache_dir),
+        }
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
-               repeat: int = 1) -> dict:
+def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True, repeat: int = 1) -> dict:
     """Profile and publish the demo catalog to a registry on loopback, then time ``repeat``
     batches per mode (eager, on demand, on demand without profiles); medians per figure."""
     author = NodeConfig.from_env()
@@ -238,8 +254,10 @@ def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
     profile_catalog(catalog, author)
     out["profile_seconds"] = round(time.perf_counter() - t, 2)
     with local_registry() as reg:
-        urls = {"profiled": f"oci://{reg.address}/dsec?insecure=1",
-                "unprofiled": f"oci://{reg.address}/dsec-plain?insecure=1"}
+        urls = {
+            "profiled": f"oci://{reg.address}/dsec?insecure=1",
+            "unprofiled": f"oci://{reg.address}/dsec-plain?insecure=1",
+        }
         for kind, url in urls.items():
             dest = open_source(url, author)
             for ref in refs:
@@ -265,11 +283,14 @@ def ablation_a(rounds: int, mbps: float = 0.0, unprofiled: bool = True,
     out["ondemand_fetch_fraction"] = round(out["ondemand"]["fetched_bytes"] / blob_bytes, 3)
     if unprofiled:
         out["ondemand_fetch_fraction_unprofiled"] = round(
-            out["ondemand_unprofiled"]["fetched_bytes"] / blob_bytes, 3)
+            out["ondemand_unprofiled"]["fetched_bytes"] / blob_bytes, 3
+        )
     out["eager_vs_ondemand_time_ratio"] = round(
-        out["eager"]["tasks_done_s"] / out["ondemand"]["tasks_done_s"], 2)
+        out["eager"]["tasks_done_s"] / out["ondemand"]["tasks_done_s"], 2
+    )
     out["eager_vs_ondemand_write_ratio"] = round(
-        out["eager"]["written_bytes"] / max(1, out["ondemand"]["written_bytes"]), 2)
+        out["eager"]["written_bytes"] / max(1, out["ondemand"]["written_bytes"]), 2
+    )
     return out
 
 
@@ -277,11 +298,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller workspace, fewer sandboxes")
     ap.add_argument("--sandboxes", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=None,
-                    help="batches per mode in (a), medians reported (default 3; 1 with --quick)")
-    ap.add_argument("--source-mbps", type=float, default=None,
-                    help="also run (a) with the registry link limited to this many MB/s "
-                         "(default 100; 0 skips the limited run)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="batches per mode in (a), medians reported (default 3; 1 with --quick)",
+    )
+    ap.add_argument(
+        "--source-mbps",
+        type=float,
+        default=None,
+        help="also run (a) with the registry link limited to this many MB/s "
+        "(default 100; 0 skips the limited run)",
+    )
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
@@ -294,16 +323,25 @@ def main() -> None:
     base = "bench-busybox@1"
     if not store.exists(base):
         with tempfile.TemporaryDirectory() as tmp:
-            build_layer(make_busybox_rootfs(Path(tmp) / "rootfs"), name="bench-busybox",
-                        version="1", kind="base", store=store)
+            build_layer(
+                make_busybox_rootfs(Path(tmp) / "rootfs"),
+                name="bench-busybox",
+                version="1",
+                kind="base",
+                store=store,
+            )
     with tempfile.TemporaryDirectory() as tmp:
         ws_root = Path(tmp) / "ws"
         ws_bytes = make_workspace(ws_root / "workspace", files)
         archive = tar_gz(ws_root / "workspace")
         t = time.perf_counter()
-        info = build_layer(ws_root, name="bench-workspace", version=f"{files}", kind="workspace",
-                           store=store) if not store.exists(f"bench-workspace@{files}") \
+        info = (
+            build_layer(
+                ws_root, name="bench-workspace", version=f"{files}", kind="workspace", store=store
+            )
+            if not store.exists(f"bench-workspace@{files}")
             else store.resolve(f"bench-workspace@{files}")
+        )
         build_s = time.perf_counter() - t
     ensure_daemon(config)
 
@@ -343,40 +381,54 @@ def main() -> None:
         "eager_vs_ondemand_write_ratio": a["eager_vs_ondemand_write_ratio"],
         "ablation_a": a,
         "source_mbps_limited": mbps,
-        "eager_vs_ondemand_time_ratio_limited":
-            limited["eager_vs_ondemand_time_ratio"] if limited else None,
+        "eager_vs_ondemand_time_ratio_limited": limited["eager_vs_ondemand_time_ratio"]
+        if limited
+        else None,
         "ablation_a_limited": limited,
     }
-    print(f"\n(a) {a['sandboxes']} sandboxes over {a['image_layers']} layers, median of "
-          f"{repeat} batches per mode "
-          f"({a['image_bytes'] / 1e6:.0f} MB of images, {a['lazy_form_bytes'] / 1e6:.0f} MB "
-          "as metadata + data blobs) from an OCI registry on loopback\n")
+    print(
+        f"\n(a) {a['sandboxes']} sandboxes over {a['image_layers']} layers, median of "
+        f"{repeat} batches per mode "
+        f"({a['image_bytes'] / 1e6:.0f} MB of images, {a['lazy_form_bytes'] / 1e6:.0f} MB "
+        "as metadata + data blobs) from an OCI registry on loopback\n"
+    )
     print(f"{'pull':20} {'ready':>9} {'tasks done':>11} {'fetched':>11} {'written':>11}")
     for mode in ("eager", "ondemand", "ondemand_unprofiled"):
         m = a[mode]
-        print(f"{mode:20} {m['ready_s']:>8.2f}s {m['tasks_done_s']:>10.2f}s "
-              f"{m['fetched_bytes'] / 1e6:>9.1f}MB {m['written_bytes'] / 1e6:>9.1f}MB")
-    print(f"on demand fetched {a['ondemand_fetch_fraction']:.1%} of the blobs stored in read-"
-          f"profile order ({a['profile_seconds']}s to profile), "
-          f"{a['ondemand_fetch_fraction_unprofiled']:.1%} in directory order; eager/on-demand "
-          f"time {a['eager_vs_ondemand_time_ratio']}x, writes {a['eager_vs_ondemand_write_ratio']}x"
-          " (targets: fraction <= 0.2; DSec: 1.71x faster, 57% fewer writes)")
+        print(
+            f"{mode:20} {m['ready_s']:>8.2f}s {m['tasks_done_s']:>10.2f}s "
+            f"{m['fetched_bytes'] / 1e6:>9.1f}MB {m['written_bytes'] / 1e6:>9.1f}MB"
+        )
+    print(
+        f"on demand fetched {a['ondemand_fetch_fraction']:.1%} of the blobs stored in read-"
+        f"profile order ({a['profile_seconds']}s to profile), "
+        f"{a['ondemand_fetch_fraction_unprofiled']:.1%} in directory order; eager/on-demand "
+        f"time {a['eager_vs_ondemand_time_ratio']}x, writes {a['eager_vs_ondemand_write_ratio']}x"
+        " (targets: fraction <= 0.2; DSec: 1.71x faster, 57% fewer writes)"
+    )
     if limited:
         print(f"\n(a) again with the registry link limited to {mbps:.0f} MB/s for the node:")
         for mode in ("eager", "ondemand"):
             m = limited[mode]
-            print(f"{mode:20} {m['ready_s']:>8.2f}s {m['tasks_done_s']:>10.2f}s "
-                  f"{m['fetched_bytes'] / 1e6:>9.1f}MB {m['written_bytes'] / 1e6:>9.1f}MB")
+            print(
+                f"{mode:20} {m['ready_s']:>8.2f}s {m['tasks_done_s']:>10.2f}s "
+                f"{m['fetched_bytes'] / 1e6:>9.1f}MB {m['written_bytes'] / 1e6:>9.1f}MB"
+            )
         print(f"eager/on-demand time {limited['eager_vs_ondemand_time_ratio']}x")
-    print(f"\n(b) workspace: {files} files, {ws_bytes / 1e6:.1f} MB "
-          f"({len(archive) / 1e6:.1f} MB tar.gz, {info.size / 1e6:.1f} MB EROFS); {n} sandboxes\n")
+    print(
+        f"\n(b) workspace: {files} files, {ws_bytes / 1e6:.1f} MB "
+        f"({len(archive) / 1e6:.1f} MB tar.gz, {info.size / 1e6:.1f} MB EROFS); {n} sandboxes\n"
+    )
     print(f"{'(b) workspace delivery':30} {'ready p50':>12} {'written':>14}")
     print(f"{'tar.gz into the upper layer':30} {tar_t * 1000:>10.0f}ms {tar_w / 1e6:>11.1f} MB")
     print(f"{'EROFS workspace layer':30} {erofs_t * 1000:>10.0f}ms {erofs_w / 1e6:>11.2f} MB")
-    print(f"{'ratio':30} {fig['tar_vs_erofs_time_ratio']:>11}x "
-          f"{fig['tar_vs_erofs_write_ratio']:>13}x")
-    print("targets: tar_vs_erofs_time_ratio >= 5, tar_vs_erofs_write_ratio >= 10 "
-          "(DSec: 79 -> 45 min, 1/5.5 of the writes)\n")
+    print(
+        f"{'ratio':30} {fig['tar_vs_erofs_time_ratio']:>11}x {fig['tar_vs_erofs_write_ratio']:>13}x"
+    )
+    print(
+        "targets: tar_vs_erofs_time_ratio >= 5, tar_vs_erofs_write_ratio >= 10 "
+        "(DSec: 79 -> 45 min, 1/5.5 of the writes)\n"
+    )
     print(json.dumps(fig))
 
 

@@ -1,17 +1,38 @@
 """dsec: elastic sandboxes for agentic RL. The public SDK.
 
-    import dsec
-    with dsec.Client() as client, client.create(environment="judge-fizzbuzz") as sb:
-        print(sb.exec("python3 --version").text)
+import dsec
+with dsec.Client() as client, client.create(environment="judge-fizzbuzz") as sb:
+    print(sb.exec("python3 --version").text)
 """
 
 from dsec_core import __version__
-from dsec_core.sdk import AsyncClient, AsyncSandbox, AsyncSession, Client, Sandbox, Session
-from dsec_core.errors import *  # noqa: F401,F403 - the error tree is part of the SDK
+from dsec_core.errors import *  # noqa: F403 - the error tree is part of the SDK
 from dsec_core.errors import __all__ as _errors
-from dsec_core.records import (ExecResult, FileEntry, LayerInfo, Limits, SandboxInfo,
-                               SandboxSpec, SandboxUsage)
+from dsec_core.records import (
+    ExecResult,
+    FileEntry,
+    LayerInfo,
+    Limits,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxUsage,
+)
+from dsec_core.sdk import AsyncClient, AsyncSandbox, AsyncSession, Client, Sandbox, Session
 
-__all__ = ["__version__", "Client", "AsyncClient", "Sandbox", "AsyncSandbox", "Session",
-           "AsyncSession", "SandboxSpec", "SandboxInfo", "ExecResult", "FileEntry", "LayerInfo",
-           "Limits", "SandboxUsage", *_errors]
+__all__ = [
+    "__version__",
+    "Client",
+    "AsyncClient",
+    "Sandbox",
+    "AsyncSandbox",
+    "Session",
+    "AsyncSession",
+    "SandboxSpec",
+    "SandboxInfo",
+    "ExecResult",
+    "FileEntry",
+    "LayerInfo",
+    "Limits",
+    "SandboxUsage",
+    *_errors,
+]

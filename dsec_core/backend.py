@@ -54,16 +54,27 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from .config import NodeConfig
 from .errors import PluginInvalid
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
-__all__ = ["Backend", "SandboxRuntime", "LayerImage", "Feature", "RootfsForm", "AgentChannel",
-           "AGENT_PATH", "CGROUP_PARENT", "cgroup_path", "IdMap"]
+__all__ = [
+    "AGENT_PATH",
+    "CGROUP_PARENT",
+    "AgentChannel",
+    "Backend",
+    "Feature",
+    "IdMap",
+    "LayerImage",
+    "RootfsForm",
+    "SandboxRuntime",
+    "cgroup_path",
+]
 
 #: Where the agent binary is inside every sandbox.
 AGENT_PATH = "/.dsec/agent"
@@ -76,7 +87,7 @@ def cgroup_path(sandbox_id: str) -> str:
     return f"{CGROUP_PARENT}/{sandbox_id}"
 
 
-class Feature(str, enum.Enum):
+class Feature(enum.StrEnum):
     """What a backend's isolation gives; ``Backend.features`` claims a set of these."""
 
     #: Sandbox processes run on the host kernel and show in the host's /proc.
@@ -93,14 +104,14 @@ class Feature(str, enum.Enum):
     NET_NAMESPACE = "net-namespace"
 
 
-class RootfsForm(str, enum.Enum):
+class RootfsForm(enum.StrEnum):
     """How a backend wants the sandbox's root filesystem (see the module docstring)."""
 
     COMPOSED = "composed"
     IMAGES = "images"
 
 
-class AgentChannel(str, enum.Enum):
+class AgentChannel(enum.StrEnum):
     """How the node reaches the agent through ``rt.agent_socket`` (see the module docstring)."""
 
     UNIX = "unix"
@@ -172,15 +183,19 @@ class Backend(abc.ABC):
         known = {f.value for f in Feature}
         unknown = sorted(str(f) for f in cls.features if str(getattr(f, "value", f)) not in known)
         if unknown:
-            raise PluginInvalid(f"{where} claims unknown feature(s) {', '.join(unknown)}; "
-                                f"known: {', '.join(sorted(known))}", features=unknown)
+            raise PluginInvalid(
+                f"{where} claims unknown feature(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}",
+                features=unknown,
+            )
         if not isinstance(cls.rootfs, RootfsForm):
             raise PluginInvalid(f"{where}: rootfs must be a RootfsForm, not {cls.rootfs!r}")
         if not isinstance(cls.agent_channel, AgentChannel):
-            raise PluginInvalid(f"{where}: agent_channel must be an AgentChannel, not "
-                                f"{cls.agent_channel!r}")
+            raise PluginInvalid(
+                f"{where}: agent_channel must be an AgentChannel, not {cls.agent_channel!r}"
+            )
 
-    @classmethod
+    @classmethod  # noqa: B027 - optional, most backends need nothing
     def check_available(cls) -> None:
         """Raise ``BackendUnavailable`` (saying what is missing) if this host cannot run it."""
 

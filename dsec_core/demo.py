@@ -25,7 +25,7 @@ from .layers.store import LayerStore
 from .records import SandboxSpec
 from .sdk import AsyncClient, Client
 
-__all__ = ["run_demo", "ensure_catalog"]
+__all__ = ["ensure_catalog", "run_demo"]
 
 
 def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = None):
@@ -38,13 +38,21 @@ def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = Non
     known_envs = {e.name for e in catalog_store.environments()}
     if not missing and all(e.name in known_envs for e in catalog.environments):
         return catalog
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console or Console(stderr=True), transient=False) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console or Console(stderr=True),
+        transient=False,
+    ) as bar:
         task = bar.add_task(f"building catalog {catalog.name}", total=1.0)
 
         def progress(stage: str, fraction: float | None) -> None:
-            bar.update(task, description=f"catalog {catalog.name}: {stage}",
-                       completed=fraction if fraction is not None else None)
+            bar.update(
+                task,
+                description=f"catalog {catalog.name}: {stage}",
+                completed=fraction if fraction is not None else None,
+            )
 
         build_catalog(catalog, layer_store, catalog_store, progress=progress)
         bar.update(task, completed=1.0, description=f"catalog {catalog.name}: built")
@@ -53,8 +61,9 @@ def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = Non
 
 async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
     started = time.monotonic()
-    sb = await client.create(SandboxSpec(environment=task.environment, ttl=600, cpu=1.0,
-                                         memory="512M"))
+    sb = await client.create(
+        SandboxSpec(environment=task.environment, ttl=600, cpu=1.0, memory="512M")
+    )
     try:
         result = await sb.exec(task.command, timeout=task.timeout)
 
@@ -73,10 +82,15 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
     duration = time.monotonic() - started
     expect = getattr(task, "expect", None)
     return {
-        "task": task.name, "environment": task.environment, "reward": reward,
-        "expect": expect, "ok": expect is None or abs(reward - expect) < 1e-9,
-        "exit_code": result.exit_code, "timed_out": result.timed_out,
-        "exec_seconds": round(result.duration, 3), "seconds": round(duration, 3),
+        "task": task.name,
+        "environment": task.environment,
+        "reward": reward,
+        "expect": expect,
+        "ok": expect is None or abs(reward - expect) < 1e-9,
+        "exit_code": result.exit_code,
+        "timed_out": result.timed_out,
+        "exec_seconds": round(result.duration, 3),
+        "seconds": round(duration, 3),
         "sandbox": sb.id,
     }
 
@@ -98,11 +112,16 @@ def run_demo(catalog_file: str | None = None, console: Console | None = None) ->
     table = Table("task", "reward", "expected", "exit", "duration", title="dsec demo rollouts")
     for r in results:
         mark = "" if r["ok"] else " [red](mismatch)[/red]"
-        table.add_row(r["task"], f"{r['reward']:.2f}{mark}",
-                      "-" if r["expect"] is None else f"{r['expect']:.2f}",
-                      str(r["exit_code"]) + (" (timeout)" if r["timed_out"] else ""),
-                      f"{r['seconds']:.2f}s")
+        table.add_row(
+            r["task"],
+            f"{r['reward']:.2f}{mark}",
+            "-" if r["expect"] is None else f"{r['expect']:.2f}",
+            str(r["exit_code"]) + (" (timeout)" if r["timed_out"] else ""),
+            f"{r['seconds']:.2f}s",
+        )
     console.print(table)
-    console.print(f"{len(results)} rollouts in parallel in {wall:.2f}s wall; mean reward "
-                  f"{sum(r['reward'] for r in results) / max(1, len(results)):.3f}")
+    console.print(
+        f"{len(results)} rollouts in parallel in {wall:.2f}s wall; mean reward "
+        f"{sum(r['reward'] for r in results) / max(1, len(results)):.3f}"
+    )
     return results

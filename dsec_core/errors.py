@@ -150,6 +150,11 @@ class ToolError(DsecError):
     Carries ``command``, ``exit_code``, ``stdout`` and ``stderr`` like python-on-whales does.
     """
 
+    command: list[str]
+    exit_code: int | None
+    stdout: str
+    stderr: str
+
     def __init__(self, message: str, *, command: list[str] | None = None, exit_code: int | None = None,
                  stdout: str = "", stderr: str = "", **ctx: Any):
         tail = (stderr or stdout or "").strip()[-2000:]
@@ -234,8 +239,8 @@ class NodeUnavailable(DsecError):
     http_status = 503
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = []
+def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:
+    out: list[type[DsecError]] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_all_subclasses(sub))

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pluggy
 
-__all__ = ["hookspec", "hookimpl"]
+__all__ = ["hookimpl", "hookspec"]
 
 hookspec = pluggy.HookspecMarker("dsec")
 hookimpl = pluggy.HookimplMarker("dsec")
 
 
 # --- node set-up: what this node can run ---------------------------------------------------
+
 
 @hookspec
 def dsec_register_backends(register):
@@ -33,6 +34,7 @@ def dsec_register_security_policies(register):
 
 # --- control plane ------------------------------------------------------------------------
 
+
 @hookspec(firstresult=True)
 def dsec_place(request, nodes):
     """Pick the node for a sandbox request from eligible ``nodes``.
@@ -45,6 +47,7 @@ def dsec_place(request, nodes):
 
 
 # --- user interface -----------------------------------------------------------------------
+
 
 @hookspec
 def dsec_register_commands(cli):

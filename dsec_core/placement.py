@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import InvalidSpec
 from .hookspecs import hookimpl
 from .records import NodeLoad, SandboxSpec
 
-__all__ = ["best_of_k", "placement_k", "dsec_place"]
+__all__ = ["best_of_k", "dsec_place", "placement_k"]
 
 DEFAULT_K = 3
 
@@ -32,13 +32,15 @@ def placement_k() -> int:
     except ValueError:
         k = 0
     if k < 1:
-        raise InvalidSpec(f"DSEC_PLACEMENT_K must be a positive integer, got {text!r}",
-                          field="DSEC_PLACEMENT_K")
+        raise InvalidSpec(
+            f"DSEC_PLACEMENT_K must be a positive integer, got {text!r}", field="DSEC_PLACEMENT_K"
+        )
     return k
 
 
-def best_of_k(nodes: Sequence[NodeLoad], k: int,
-              rng: random.Random | None = None) -> NodeLoad | None:
+def best_of_k(
+    nodes: Sequence[NodeLoad], k: int, rng: random.Random | None = None
+) -> NodeLoad | None:
     """The least loaded of ``k`` nodes sampled from ``nodes`` (all of them if there are no
     more than ``k``); None if ``nodes`` is empty."""
     if not nodes:

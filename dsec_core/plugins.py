@@ -14,9 +14,10 @@ import functools
 import importlib.metadata
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any
 
 import pluggy
 
@@ -30,8 +31,16 @@ from .sources import local as local_source
 from .sources.base import LayerSource
 from .sources.chain import split_url
 
-__all__ = ["get_plugin_manager", "Registry", "registry", "open_source", "place", "plugin_descriptions", "reset",
-           "CORE_PLUGINS"]
+__all__ = [
+    "CORE_PLUGINS",
+    "Registry",
+    "get_plugin_manager",
+    "open_source",
+    "place",
+    "plugin_descriptions",
+    "registry",
+    "reset",
+]
 
 ENTRY_POINT_GROUP = "dsec"
 #: Plugins of dsec_core itself, registered on every plugin manager whatever DSEC_PLUGINS says.
@@ -81,22 +90,27 @@ class Registry:
         try:
             return self.backends[name]
         except KeyError:
-            raise UnknownBackend(f"unknown backend {name!r}", name=name,
-                                 known=sorted(self.backends)) from None
+            raise UnknownBackend(
+                f"unknown backend {name!r}", name=name, known=sorted(self.backends)
+            ) from None
 
     def layer_source(self, scheme: str) -> type[LayerSource]:
         try:
             return self.layer_sources[scheme]
         except KeyError:
-            raise UnknownSource(f"unknown layer source scheme {scheme!r}", name=scheme,
-                                known=sorted(self.layer_sources)) from None
+            raise UnknownSource(
+                f"unknown layer source scheme {scheme!r}",
+                name=scheme,
+                known=sorted(self.layer_sources),
+            ) from None
 
     def security_policy(self, name: str) -> type[SecurityPolicy]:
         try:
             return self.security_policies[name]
         except KeyError:
-            raise UnknownPolicy(f"unknown security policy {name!r}", name=name,
-                                known=sorted(self.security_policies)) from None
+            raise UnknownPolicy(
+                f"unknown security policy {name!r}", name=name, known=sorted(self.security_policies)
+            ) from None
 
     def open_source(self, url: str, config: NodeConfig | None = None) -> LayerSource:
         """The layer source a URL names (``local``, ``posix:/mnt/x``, ``s3://b/p``, ...), with
@@ -113,21 +127,24 @@ class Registry:
         return [self.open_source(url, config) for url in config.layer_sources]
 
 
-_T = TypeVar("_T")
-
-
-def _collect(hook: Any, what: str, base: type[_T], attr: str) -> dict[str, type[_T]]:
-    found: dict[str, type[_T]] = {}
+def _collect(hook: Any, what: str, base: type, attr: str) -> dict[str, Any]:
+    found: dict[str, Any] = {}
 
     def register(cls: type) -> None:
         if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise PluginInvalid(f"a plugin registered {cls!r} as a {what}, but it is not a "
-                                f"subclass of {base.__module__}.{base.__qualname__}",
-                                what=what, offered=repr(cls))
+            raise PluginInvalid(
+                f"a plugin registered {cls!r} as a {what}, but it is not a "
+                f"subclass of {base.__module__}.{base.__qualname__}",
+                what=what,
+                offered=repr(cls),
+            )
         name = getattr(cls, attr, None)
         if not isinstance(name, str) or not name:
-            raise PluginInvalid(f"{what} {cls.__qualname__} has no {attr!r} (a non-empty string)",
-                                what=what, offered=repr(cls))
+            raise PluginInvalid(
+                f"{what} {cls.__qualname__} has no {attr!r} (a non-empty string)",
+                what=what,
+                offered=repr(cls),
+            )
         if issubclass(cls, Backend):
             cls.check_contract()
         found[name] = cls
@@ -141,10 +158,12 @@ def registry() -> Registry:
     hook = get_plugin_manager().hook
     return Registry(
         backends=_collect(hook.dsec_register_backends, "backend", Backend, "name"),
-        layer_sources=_collect(hook.dsec_register_layer_sources, "layer source", LayerSource,
-                               "scheme"),
-        security_policies=_collect(hook.dsec_register_security_policies, "security policy",
-                                   SecurityPolicy, "name"),
+        layer_sources=_collect(
+            hook.dsec_register_layer_sources, "layer source", LayerSource, "scheme"
+        ),
+        security_policies=_collect(
+            hook.dsec_register_security_policies, "security policy", SecurityPolicy, "name"
+        ),
     )
 
 
@@ -178,11 +197,13 @@ def plugin_descriptions() -> list[dict[str, Any]]:
         version, distribution = (dist.version, dist.metadata["Name"]) if dist else (None, None)
         if name in core:
             version, distribution = __version__, "dsec"
-        out.append({
-            "name": name,
-            "version": version,
-            "distribution": distribution,
-            "module": getattr(plugin, "__name__", repr(plugin)),
-            "hooks": hooks,
-        })
+        out.append(
+            {
+                "name": name,
+                "version": version,
+                "distribution": distribution,
+                "module": getattr(plugin, "__name__", repr(plugin)),
+                "hooks": hooks,
+            }
+        )
     return out

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from .catalog.model import Catalog, parse_catalog
 from .catalog.store import CatalogStore
@@ -31,7 +31,7 @@ from .node.node import Node
 from .plugins import registry
 from .records import LayerRef, SandboxSpec
 
-__all__ = ["profile_catalog", "ProfiledLayer"]
+__all__ = ["ProfiledLayer", "profile_catalog"]
 
 Report = Callable[[str], None]
 
@@ -54,8 +54,9 @@ def _layers_of(catalog: Catalog, task_names: Sequence[str]) -> list[str]:
     return list(refs)
 
 
-def profile_catalog(catalog: Catalog, author: NodeConfig, tasks: Sequence[str] = (),
-                    report: Report | None = None) -> list[ProfiledLayer]:
+def profile_catalog(
+    catalog: Catalog, author: NodeConfig, tasks: Sequence[str] = (), report: Report | None = None
+) -> list[ProfiledLayer]:
     """Run ``tasks`` (default: all) of ``catalog`` on on-demand layers; save their profiles.
 
     The layers must be built in ``author``'s store. A task that does not finish in its timeout
@@ -78,11 +79,17 @@ def profile_catalog(catalog: Catalog, author: NodeConfig, tasks: Sequence[str] =
             if report:
                 report(f"splitting {ref}")
             source.push(info, store.image_path(info))  # original order: no profile
-        config = replace(NodeConfig(home=home), layer_sources=(url,), ondemand=True,
-                         trace_reads=True, layer_linger=0.0)
+        config = replace(
+            NodeConfig(home=home),
+            layer_sources=(url,),
+            ondemand=True,
+            trace_reads=True,
+            layer_linger=0.0,
+        )
         config.ensure_dirs()
         CatalogStore(config.catalog_dir).save(
-            parse_catalog(catalog.to_document(), check_sources=False, check_layers=False))
+            parse_catalog(catalog.to_document(), check_sources=False, check_layers=False)
+        )
         profiles = asyncio.run(_run_tasks(config, catalog, names, report))
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -90,19 +97,22 @@ def profile_catalog(catalog: Catalog, author: NodeConfig, tasks: Sequence[str] =
     by_digest = {info.digest: ref for ref, info in infos.items()}
     saved = []
     for profile in profiles:
-        ref = by_digest.get(profile.layer_digest)
-        if ref is None:
+        layer_ref = by_digest.get(profile.layer_digest)
+        if layer_ref is None:
             continue
         store.save_profile(profile)
-        saved.append(ProfiledLayer(ref, profile))
+        saved.append(ProfiledLayer(layer_ref, profile))
         if report:
-            report(f"profiled {ref}: read {profile.read_bytes / 1e6:.1f} of "
-                   f"{profile.blob_size / 1e6:.1f} MB ({saved[-1].fraction:.1%})")
+            report(
+                f"profiled {layer_ref}: read {profile.read_bytes / 1e6:.1f} of "
+                f"{profile.blob_size / 1e6:.1f} MB ({saved[-1].fraction:.1%})"
+            )
     return saved
 
 
-async def _run_tasks(config: NodeConfig, catalog: Catalog, names: list[str],
-                     report: Report | None) -> list[ReadProfile]:
+async def _run_tasks(
+    config: NodeConfig, catalog: Catalog, names: list[str], report: Report | None
+) -> list[ReadProfile]:
     node = Node(config)
     await node.open()
     try:
@@ -114,8 +124,9 @@ async def _run_tasks(config: NodeConfig, catalog: Catalog, names: list[str],
             finally:
                 await node.kill(info.id)
             if result.timed_out:
-                raise ExecTimeout(f"profiling task {name} did not finish in {task.timeout}s",
-                                    task=name)
+                raise ExecTimeout(
+                    f"profiling task {name} did not finish in {task.timeout}s", task=name
+                )
             if report:
                 report(f"ran {name} (exit {result.exit_code})")
         workload = f"catalog {catalog.name}: " + ", ".join(names)

@@ -9,23 +9,24 @@ from __future__ import annotations
 import base64
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 
 __all__ = [
     "LAYER_KINDS",
-    "LayerRef",
-    "LayerInfo",
-    "Limits",
-    "IdMap",
-    "SandboxSpec",
-    "SandboxInfo",
-    "SandboxUsage",
     "ExecResult",
     "FileEntry",
+    "IdMap",
+    "LayerInfo",
+    "LayerRef",
+    "Limits",
     "NodeLoad",
+    "SandboxInfo",
+    "SandboxSpec",
+    "SandboxUsage",
     "parse_size",
 ]
 
@@ -37,7 +38,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 def parse_size(value: int | str | None, what: str = "size") -> int | None:
     """``"512M"``, ``"2GiB"``, ``1048576`` -> bytes (binary units); ``None`` stays ``None``."""
-    if value is None or isinstance(value, int) and not isinstance(value, bool):
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         if isinstance(value, int) and value < 0:
             raise InvalidSpec(f"{what} must not be negative: {value}", field=what)
         return value
@@ -45,7 +46,9 @@ def parse_size(value: int | str | None, what: str = "size") -> int | None:
         m = _SIZE_RE.match(value)
         if m:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise InvalidSpec(f"{what}: cannot read {value!r} as a size (try 512M, 2G or bytes)", field=what)
+    raise InvalidSpec(
+        f"{what}: cannot read {value!r} as a size (try 512M, 2G or bytes)", field=what
+    )
 
 
 class _Record:
@@ -57,8 +60,10 @@ class _Record:
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(data) - names
         if unknown:
-            raise InvalidSpec(f"{cls.__name__}: unknown field(s) {sorted(unknown)}; "
-                              f"known: {sorted(names)}", fields=sorted(unknown))
+            raise InvalidSpec(
+                f"{cls.__name__}: unknown field(s) {sorted(unknown)}; known: {sorted(names)}",
+                fields=sorted(unknown),
+            )
         try:
             return cls(**data)
         except TypeError as e:
@@ -73,7 +78,7 @@ class LayerRef(_Record):
     version: str | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "LayerRef":
+    def parse(cls, text: str) -> LayerRef:
         name, _, version = text.partition("@")
         if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
             raise InvalidSpec(f"bad layer reference {text!r}: expected name@version", ref=text)
@@ -161,13 +166,16 @@ class SandboxSpec(_Record):
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
         if not isinstance(self.policies, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, Mapping) for k, v in self.policies.items()):
-            raise InvalidSpec("policies must map policy names to settings objects",
-                              field="policies")
+            isinstance(k, str) and isinstance(v, Mapping) for k, v in self.policies.items()
+        ):
+            raise InvalidSpec(
+                "policies must map policy names to settings objects", field="policies"
+            )
         object.__setattr__(self, "policies", {k: dict(v) for k, v in self.policies.items()})
         if not isinstance(self.network, str) or not self.network:
-            raise InvalidSpec(f"network must be a mode name such as 'none', got {self.network!r}",
-                              field="network")
+            raise InvalidSpec(
+                f"network must be a mode name such as 'none', got {self.network!r}", field="network"
+            )
         if not self.environment and not self.layers:
             raise InvalidSpec("a sandbox needs an environment or at least one layer")
         if self.ttl is not None and self.ttl <= 0:
@@ -178,8 +186,9 @@ class SandboxSpec(_Record):
 
     @property
     def limits(self) -> Limits:
-        return Limits(cpu=float(self.cpu), memory=parse_size(self.memory, "memory") or 0,
-                      pids=int(self.pids))
+        return Limits(
+            cpu=float(self.cpu), memory=parse_size(self.memory, "memory") or 0, pids=int(self.pids)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
@@ -246,16 +255,26 @@ class ExecResult(_Record):
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
-    def check(self) -> "ExecResult":
+    def check(self) -> ExecResult:
         """Return self if the command succeeded; raise ``ExecTimeout`` or ``CommandFailed``."""
-        ctx = dict(sandbox_id=self.sandbox_id, command=self.command, exit_code=self.exit_code,
-                   stderr=self.stderr.decode("utf-8", "replace")[-2000:])
+        stderr = self.stderr.decode("utf-8", "replace")[-2000:]
+        ctx: dict[str, Any] = dict(
+            sandbox_id=self.sandbox_id,
+            command=self.command,
+            exit_code=self.exit_code,
+            stderr=stderr,
+        )
         if self.timed_out:
-            raise ExecTimeout(f"sandbox {self.sandbox_id}: {self.command!r} timed out after "
-                              f"{self.duration:.1f}s", **ctx)
+            raise ExecTimeout(
+                f"sandbox {self.sandbox_id}: {self.command!r} timed out after {self.duration:.1f}s",
+                **ctx,
+            )
         if self.exit_code != 0:
-            raise CommandFailed(f"sandbox {self.sandbox_id}: {self.command!r} exited "
-                                f"{self.exit_code}: {ctx['stderr'].strip()[-500:]}", **ctx)
+            raise CommandFailed(
+                f"sandbox {self.sandbox_id}: {self.command!r} exited "
+                f"{self.exit_code}: {stderr.strip()[-500:]}",
+                **ctx,
+            )
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -265,7 +284,7 @@ class ExecResult(_Record):
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ExecResult":
+    def from_dict(cls, data: Mapping[str, Any]) -> ExecResult:
         data = dict(data)
         data["stdout"] = base64.b64decode(data.get("stdout", ""))
         data["stderr"] = base64.b64decode(data.get("stderr", ""))
@@ -305,27 +324,41 @@ class NodeLoad(_Record):
     @property
     def load(self) -> float:
         """The fullest of CPU, memory and sandbox count, as a fraction of capacity."""
-        return max(self.cpu_committed / max(self.cpu_capacity, 1e-9),
-                   self.memory_committed / max(self.memory_capacity, 1),
-                   self.sandboxes / max(self.max_sandboxes, 1))
+        return max(
+            self.cpu_committed / max(self.cpu_capacity, 1e-9),
+            self.memory_committed / max(self.memory_capacity, 1),
+            self.sandboxes / max(self.max_sandboxes, 1),
+        )
 
     def refusal(self, spec: SandboxSpec) -> AdmissionRejected | None:
         """Why this node cannot take ``spec`` (the error to raise), or None if it can."""
         lim = spec.limits
         if spec.backend not in self.backends:
-            return AdmissionRejected(f"node {self.node} does not run backend {spec.backend!r}",
-                                     reason="backend", node=self.node)
+            return AdmissionRejected(
+                f"node {self.node} does not run backend {spec.backend!r}",
+                reason="backend",
+                node=self.node,
+            )
         if self.sandboxes + 1 > self.max_sandboxes:
-            return AdmissionRejected(f"node is full: {self.sandboxes} sandboxes of at most "
-                                     f"{self.max_sandboxes}", reason="count", node=self.node)
+            return AdmissionRejected(
+                f"node is full: {self.sandboxes} sandboxes of at most {self.max_sandboxes}",
+                reason="count",
+                node=self.node,
+            )
         if self.cpu_committed + lim.cpu > self.cpu_capacity:
             return AdmissionRejected(
                 f"not enough CPU: asked {lim.cpu} cores, "
                 f"{self.cpu_capacity - self.cpu_committed:.1f} of {self.cpu_capacity:.0f} (with "
-                "overcommit) left", reason="cpu", node=self.node)
+                "overcommit) left",
+                reason="cpu",
+                node=self.node,
+            )
         if self.memory_committed + lim.memory > self.memory_capacity:
             return AdmissionRejected(
                 f"not enough memory: asked {lim.memory >> 20} MiB, "
                 f"{(self.memory_capacity - self.memory_committed) >> 20} MiB of "
-                f"{self.memory_capacity >> 20} MiB left", reason="memory", node=self.node)
+                f"{self.memory_capacity >> 20} MiB left",
+                reason="memory",
+                node=self.node,
+            )
         return None

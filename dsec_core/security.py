@@ -17,7 +17,8 @@ called when the sandbox is gone.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from .backend import Backend, SandboxRuntime
 
@@ -49,15 +50,17 @@ class SecurityPolicy:
     def validate(self, settings: Mapping[str, Any]) -> None:
         """Raise ``InvalidSpec`` if ``settings`` are not valid for this policy."""
 
-    def apply(self, target: str, rt: SandboxRuntime, settings: Mapping[str, Any],
-              subject: Any) -> None:
+    def apply(
+        self, target: str, rt: SandboxRuntime, settings: Mapping[str, Any], subject: Any
+    ) -> None:
         """Enforce the policy on ``subject`` at enforcement point ``target`` (one of
         ``targets``); the default hands "oci" to ``apply_oci``."""
         if target == "oci":
             self.apply_oci(rt, settings, subject)
 
-    def apply_oci(self, rt: SandboxRuntime, settings: Mapping[str, Any],
-                  config: dict[str, Any]) -> None:
+    def apply_oci(
+        self, rt: SandboxRuntime, settings: Mapping[str, Any], config: dict[str, Any]
+    ) -> None:
         """Tighten a container's OCI runtime config in place before it starts (target "oci")."""
 
     def released(self, rt: SandboxRuntime) -> None:

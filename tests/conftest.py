@@ -25,4 +25,3 @@ def home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("DSEC_HOME", str(home))
     return home
-

@@ -131,8 +131,9 @@ def start_agent(binary: Path, sock_dir: Path) -> tuple[subprocess.Popen, Path]:
     listener.bind(str(path))
     listener.listen(128)
     try:
-        proc = subprocess.Popen([str(binary), "--fd", str(listener.fileno())],
-                                pass_fds=[listener.fileno()])
+        proc = subprocess.Popen(
+            [str(binary), "--fd", str(listener.fileno())], pass_fds=[listener.fileno()]
+        )
     finally:
         listener.close()  # the agent has its own copy; connections queue until it accepts
     return proc, path
@@ -172,7 +173,9 @@ def agent(agent_bin):
 
 # --- building ------------------------------------------------------------------------------
 def test_ensure_agent_builds_once(agent_bin, tmp_path):
-    assert agent_bin.name.startswith("dsec-agent-") and len(agent_bin.name) == len("dsec-agent-") + 12
+    assert (
+        agent_bin.name.startswith("dsec-agent-") and len(agent_bin.name) == len("dsec-agent-") + 12
+    )
     assert os.access(agent_bin, os.X_OK)
     assert ensure_agent(agent_bin.parent) == agent_bin
     assert not [p for p in agent_bin.parent.iterdir() if p.name.endswith(".tmp")]
@@ -197,8 +200,9 @@ def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
 def test_agent_sources_cover_every_file():
     names = [p.name for p in agent_mod.agent_sources()]
     assert names == sorted(names) and "agent.h" in names and "main.c" in names
-    assert set(names) == {p.name for p in agent_mod.AGENT_SOURCE_DIR.iterdir()
-                          if p.suffix in (".c", ".h")}
+    assert set(names) == {
+        p.name for p in agent_mod.AGENT_SOURCE_DIR.iterdir() if p.suffix in (".c", ".h")
+    }
 
 
 @pytest.mark.parametrize("changed", ["files.c", "agent.h"])
@@ -248,8 +252,11 @@ def function_lengths(text: str) -> list[tuple[str, int, int]]:
             i += 1
             continue
         j = i
-        while (not lines[j].rstrip().endswith(("{", "}", ";")) and j + 1 < len(lines)
-               and lines[j + 1].startswith((" ", "\t", "{"))):
+        while (
+            not lines[j].rstrip().endswith(("{", "}", ";"))
+            and j + 1 < len(lines)
+            and lines[j + 1].startswith((" ", "\t", "{"))
+        ):
             j += 1
         if not lines[j].rstrip().endswith("{"):  # a prototype, a one-line body, an attribute
             i = j + 1
@@ -264,13 +271,15 @@ def function_lengths(text: str) -> list[tuple[str, int, int]]:
 
 
 def test_function_length_scanner_sees_functions():
-    text = ("static int f(int a,\n"
-            "             int b)\n"
-            "{\n" + "    a++;\n" * 3 + "    return a;\n}\n\n"
-            "void g(void) {\n    if (x) {\n        y();\n    }\n}\n"
-            "static int h(void) { return 1; }\n"
-            "struct s {\n    int a;\n};\n"
-            "int proto(int);\n")
+    text = (
+        "static int f(int a,\n"
+        "             int b)\n"
+        "{\n" + "    a++;\n" * 3 + "    return a;\n}\n\n"
+        "void g(void) {\n    if (x) {\n        y();\n    }\n}\n"
+        "static int h(void) { return 1; }\n"
+        "struct s {\n    int a;\n};\n"
+        "int proto(int);\n"
+    )
     assert function_lengths(text) == [("f", 1, 6), ("g", 10, 5)]
 
 
@@ -280,8 +289,11 @@ def test_agent_functions_are_short():
     lengths = [(src.name, *f) for src in sources for f in function_lengths(src.read_text())]
     names = {name for _, name, _, _ in lengths}
     assert {"main", "op_exec", "op_session_exec", "op_session_open", "req_parse"} <= names
-    too_long = [f"{file}:{line} {name} ({n} lines)" for file, name, line, n in lengths
-                if n > MAX_FUNCTION_LINES]
+    too_long = [
+        f"{file}:{line} {name} ({n} lines)"
+        for file, name, line, n in lengths
+        if n > MAX_FUNCTION_LINES
+    ]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
 
 
@@ -301,8 +313,11 @@ async def test_exec_string_argv_env_cwd(agent):
     assert r.stdout == b"a b|'q'|$HOME|"
     assert r.command == "printf '%s|' 'a b' ''\"'\"'q'\"'\"'' '$HOME'"
     env = dict(line.split("=", 1) for line in (await c.exec(["env"])).text.splitlines())
-    assert env == {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                   "HOME": "/root", "LANG": "C.UTF-8"}
+    assert env == {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+    }
     r = await c.exec("echo $HOME $FOO $LANG", env={"FOO": "bar baz", "HOME": "/tmp"})
     assert r.stdout == b"/tmp bar baz C.UTF-8\n"
     assert (await c.exec(["pwd"], cwd="/tmp")).stdout == b"/tmp\n"
@@ -366,7 +381,9 @@ async def test_timeout_kills_the_whole_tree(agent):
     start = time.monotonic()
     r = await agent.client.exec(
         f"setsid sleep {m} & (sleep {m} &); sh -c 'sleep {m} & exec sleep {m}' & echo started; "
-        f"sleep {m}", timeout=0.5)
+        f"sleep {m}",
+        timeout=0.5,
+    )
     assert time.monotonic() - start < 2.5
     assert r.timed_out and r.exit_code == 137 and r.stdout == b"started\n"
     assert procs_with(m) == []
@@ -425,8 +442,10 @@ async def test_exec_roundtrip_latency(agent):
         times.append(time.perf_counter() - start)
         assert r.exit_code == 0
     median = statistics.median(times)
-    print(f"\nexec(['true']) round trip: median {median * 1000:.2f} ms, "
-          f"max {max(times) * 1000:.2f} ms")
+    print(
+        f"\nexec(['true']) round trip: median {median * 1000:.2f} ms, "
+        f"max {max(times) * 1000:.2f} ms"
+    )
     assert median < 0.010
 
 
@@ -437,8 +456,9 @@ async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
     listener.bind(str(sock_dir / "a.sock"))
     listener.listen(8)
     fd = listener.fileno()
-    proc = subprocess.Popen(["/bin/bash", "-c", f'exec "$0" 3<&{fd} {fd}<&-', str(agent_bin)],
-                            pass_fds=[fd])
+    proc = subprocess.Popen(
+        ["/bin/bash", "-c", f'exec "$0" 3<&{fd} {fd}<&-', str(agent_bin)], pass_fds=[fd]
+    )
     listener.close()
     try:
         info = await AgentClient(sock_dir / "a.sock").ping()
@@ -446,8 +466,9 @@ async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
     finally:
         stop_agent(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
-    bad = subprocess.run([str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL,
-                         capture_output=True, timeout=5)
+    bad = subprocess.run(
+        [str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL, capture_output=True, timeout=5
+    )
     assert bad.returncode == 2 and b"not a listening socket" in bad.stderr
 
 
@@ -471,6 +492,7 @@ async def test_agent_gone_raises_sandbox_not_running(agent, tmp_path):
     def all_gone() -> bool:  # shells, handlers and their commands die with the agent
         table = proc_table()
         return not [p for p in children if p in table and table[p][1] != "Z"]
+
     assert await wait_until(all_gone)
 
 
@@ -485,9 +507,9 @@ async def test_oversize_frames_are_refused(agent):
         fields, i = {}, 0
         while i < n:
             kl = payload[i]
-            key = payload[i + 1:i + 1 + kl].decode()
+            key = payload[i + 1 : i + 1 + kl].decode()
             (vl,) = struct.unpack_from("<I", payload, i + 1 + kl)
-            fields[key] = payload[i + 5 + kl:i + 5 + kl + vl]
+            fields[key] = payload[i + 5 + kl : i + 5 + kl + vl]
             i += 5 + kl + vl
         return fields
 
@@ -557,8 +579,9 @@ async def test_session_timeout_kills_children_and_keeps_shell(agent):
     sid = await c.session_open()
     await c.session_exec(sid, "X=kept")
     start = time.monotonic()
-    r = await c.session_exec(sid, f"setsid sleep {m} & (sleep {m} &); echo going; sleep {m}",
-                             timeout=0.5)
+    r = await c.session_exec(
+        sid, f"setsid sleep {m} & (sleep {m} &); echo going; sleep {m}", timeout=0.5
+    )
     assert time.monotonic() - start < 2
     assert r.timed_out and r.exit_code == 137 and r.stdout == b"going\n"
     assert procs_with(m) == []
@@ -594,8 +617,9 @@ async def test_session_stuck_shell_is_killed(agent):
 async def test_session_timeout_in_a_loop_of_children_keeps_shell(agent):
     c, m = agent.client, agent.marker
     sid = await c.session_open()
-    r = await c.session_exec(sid, f"for i in 1 2 3 4; do sleep {m}; done; echo loop-done",
-                             timeout=0.3)
+    r = await c.session_exec(
+        sid, f"for i in 1 2 3 4; do sleep {m}; done; echo loop-done", timeout=0.3
+    )
     assert r.timed_out and r.stdout == b"loop-done\n" and procs_with(m) == []
     assert (await c.session_exec(sid, "echo alive")).stdout == b"alive\n"
 
@@ -606,13 +630,20 @@ async def test_session_commands_are_serialized(agent, tmp_path):
     log = tmp_path / "order"
     tasks = []
     for n in range(3):
-        tasks.append(asyncio.create_task(c.session_exec(
-            sid, f"echo start {n} >> {log}; sleep 0.2; echo end {n} >> {log}; echo {n}")))
+        tasks.append(
+            asyncio.create_task(
+                c.session_exec(
+                    sid, f"echo start {n} >> {log}; sleep 0.2; echo end {n} >> {log}; echo {n}"
+                )
+            )
+        )
         await asyncio.sleep(0.03)
     start = time.monotonic()
     results = await asyncio.gather(*tasks)
     assert [r.stdout for r in results] == [b"0\n", b"1\n", b"2\n"]
-    assert log.read_text().split("\n")[:-1] == [f"{w} {n}" for n in range(3) for w in ("start", "end")]
+    assert log.read_text().split("\n")[:-1] == [
+        f"{w} {n}" for n in range(3) for w in ("start", "end")
+    ]
     assert time.monotonic() - start > 0.45
 
 
@@ -656,7 +687,11 @@ async def test_file_operations(agent, tmp_path):
     (base / "sp ace\nname").write_bytes(b"12345")
     entries = {e.name: e for e in await c.list_dir(base)}
     assert set(entries) == {"a", "dir", "link", "sp ace\nname"}
-    assert (entries["a"].type, entries["dir"].type, entries["link"].type) == ("dir", "dir", "symlink")
+    assert (entries["a"].type, entries["dir"].type, entries["link"].type) == (
+        "dir",
+        "dir",
+        "symlink",
+    )
     e = entries["sp ace\nname"]
     assert (e.type, e.size) == ("file", 5)
     assert abs(e.mtime - (base / "sp ace\nname").stat().st_mtime) < 1e-3
@@ -675,9 +710,14 @@ async def test_file_operations(agent, tmp_path):
     err = info.value
     assert (err.path, err.errno, err.sandbox_id) == ("/etc/nope", errno.ENOENT, "t1")
     assert str(err) == "sandbox t1: /etc/nope: No such file or directory"
-    for call, code in [(c.read_file(base), errno.EISDIR), (c.list_dir(f), errno.ENOTDIR),
-                       (c.write_file(f / "x", b""), errno.ENOTDIR), (c.stat(base / "gone"), errno.ENOENT),
-                       (c.remove(base / "a"), errno.ENOTEMPTY), (c.remove(base / "gone"), errno.ENOENT)]:
+    for call, code in [
+        (c.read_file(base), errno.EISDIR),
+        (c.list_dir(f), errno.ENOTDIR),
+        (c.write_file(f / "x", b""), errno.ENOTDIR),
+        (c.stat(base / "gone"), errno.ENOENT),
+        (c.remove(base / "a"), errno.ENOTEMPTY),
+        (c.remove(base / "gone"), errno.ENOENT),
+    ]:
         with pytest.raises(SandboxPathError) as info:
             await call
         assert info.value.errno == code
@@ -696,7 +736,7 @@ async def test_large_file_roundtrip_is_chunked(agent, tmp_path):
     await c.write_file(path, data)
     assert path.stat().st_size == len(data)
     assert await c.read_file(path) == data
-    assert await c.read_file(path, offset=7 << 20, length=3 << 20) == data[7 << 20:10 << 20]
+    assert await c.read_file(path, offset=7 << 20, length=3 << 20) == data[7 << 20 : 10 << 20]
     assert await c.read_file(path, offset=(20 << 20) - 5) == data[-5:]
-    await c.write_file(path, data[:9 << 20], offset=1, truncate=False)
-    assert path.read_bytes() == data[:1] + data[:9 << 20] + data[(9 << 20) + 1:]
+    await c.write_file(path, data[: 9 << 20], offset=1, truncate=False)
+    assert path.read_bytes() == data[:1] + data[: 9 << 20] + data[(9 << 20) + 1 :]

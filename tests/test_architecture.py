@@ -23,7 +23,7 @@ LAZY_IMPORTS = {
     "boto3.exceptions": "as boto3",
     "boto3.s3.transfer": "as boto3",
     "dsec_core.node.daemon": "the CLI's `node start --foreground` only; uvicorn and the node "
-                             "would slow every other command's start-up",
+    "would slow every other command's start-up",
 }
 
 
@@ -47,7 +47,7 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     base = package.split(".")
     if node.level > 1:
-        base = base[:-(node.level - 1)]
+        base = base[: -(node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -58,13 +58,18 @@ def _package_of(module: str, is_package: bool) -> str:
 def _imports(module: str, path: Path):
     """(imported module, names, line, inside a function) for every import statement."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    funcs: list[ast.AST] = [n for n in ast.walk(tree)
-                            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    funcs: list[ast.AST] = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     in_func = {id(n) for f in funcs for n in ast.walk(f) if n is not f}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            yield (_resolve(module, path, node), [a.name for a in node.names], node.lineno,
-                   id(node) in in_func)
+            yield (
+                _resolve(module, path, node),
+                [a.name for a in node.names],
+                node.lineno,
+                id(node) in in_func,
+            )
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, [], node.lineno, id(node) in in_func
@@ -88,14 +93,19 @@ def test_no_private_name_crosses_a_package():
             if not target.startswith(("dsec", "dsec_core")):
                 continue
             target_path = modules.get(target)
-            target_pkg = (_package_of(target, target_path.name == "__init__.py")
-                          if target_path else target.rpartition(".")[0])
+            target_pkg = (
+                _package_of(target, target_path.name == "__init__.py")
+                if target_path
+                else target.rpartition(".")[0]
+            )
             for name in names:
                 private = name.startswith("_") and not name.startswith("__")
                 if private and target_pkg != here:
                     crossings.append(f"{path.relative_to(REPO)}:{line}: {name} from {target}")
-            if any(p.startswith("_") and not p.startswith("__") for p in target.split(".")) \
-                    and target_pkg != here:
+            if (
+                any(p.startswith("_") and not p.startswith("__") for p in target.split("."))
+                and target_pkg != here
+            ):
                 crossings.append(f"{path.relative_to(REPO)}:{line}: module {target}")
     assert crossings == []
 
@@ -112,8 +122,7 @@ def test_imports_inside_functions_are_the_listed_few():
 def test_the_checks_above_can_fail(tmp_path):
     # the scanners see a private import across packages and an import hidden in a function
     src = tmp_path / "m.py"
-    src.write_text("from dsec_core.linux.mounts import _check\n"
-                   "def f():\n    import json\n")
+    src.write_text("from dsec_core.linux.mounts import _check\ndef f():\n    import json\n")
     found = list(_imports("dsec_core.lazy.m", src))
     assert ("dsec_core.linux.mounts", ["_check"], 1, False) in found
     assert ("json", [], 3, True) in found

@@ -19,8 +19,9 @@ import shutil
 import signal
 import socket
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 
@@ -73,22 +74,42 @@ class ImageBackend(Backend):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(os.fspath(guest / "agent.sock"))
             listener.listen(64)
-            script = ('mount -t tmpfs -o size=1m tmpfs "$0/dev" && touch "$0/dev/null" && '
-                      'mount --bind /dev/null "$0/dev/null" && exec chroot "$0" '
-                      f'{AGENT_PATH} --fd 3')
-            argv = ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork",
-                    "--kill-child", f"--mount-proc={root}/proc", "sh", "-c", script,
-                    os.fspath(root)]
+            script = (
+                'mount -t tmpfs -o size=1m tmpfs "$0/dev" && touch "$0/dev/null" && '
+                'mount --bind /dev/null "$0/dev/null" && exec chroot "$0" '
+                f"{AGENT_PATH} --fd 3"
+            )
+            argv = [
+                "unshare",
+                "--pid",
+                "--net",
+                "--ipc",
+                "--uts",
+                "--mount",
+                "--fork",
+                "--kill-child",
+                f"--mount-proc={root}/proc",
+                "sh",
+                "-c",
+                script,
+                os.fspath(root),
+            ]
             try:
-                pid = os.posix_spawnp(argv[0], argv, os.environ, setsid=True, file_actions=[
-                    (os.POSIX_SPAWN_DUP2, listener.fileno(), 3)])
+                pid = os.posix_spawnp(
+                    argv[0],
+                    argv,
+                    os.environ,
+                    setsid=True,
+                    file_actions=[(os.POSIX_SPAWN_DUP2, listener.fileno(), 3)],
+                )
             finally:
                 listener.close()
         except BaseException:
             self._unmount(rt)
             raise
         self.forwarders[rt.id] = await asyncio.start_unix_server(
-            lambda r, w: _forward(r, w, guest / "agent.sock"), path=os.fspath(rt.agent_socket))
+            lambda r, w: _forward(r, w, guest / "agent.sock"), path=os.fspath(rt.agent_socket)
+        )
         return {"pid": pid}
 
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
@@ -119,8 +140,9 @@ class NoNetworkIsolation(ImageBackend):
     features = frozenset({Feature.PID_NAMESPACE})
 
 
-async def _forward(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter,
-                   guest: Path) -> None:
+async def _forward(
+    client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter, guest: Path
+) -> None:
     """Pipe one connection to the guest's agent and back, half-closes included (the agent
     cancels a command when its client half-closes)."""
     try:
@@ -168,8 +190,13 @@ def image_node(tmp_path):
     home = Path(tempfile.mkdtemp(prefix="dsec-imagebackend-"))
     config = NodeConfig(home=home, layer_sources=("local", f"posix:{shared}"))
     config.ensure_dirs()
-    build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="guest-base", version="1",
-                kind="base", store=LayerStore(config.layer_dir))
+    build_layer(
+        make_busybox_rootfs(tmp_path / "rootfs"),
+        name="guest-base",
+        version="1",
+        kind="base",
+        store=LayerStore(config.layer_dir),
+    )
     try:
         yield config
     finally:
@@ -183,8 +210,9 @@ async def test_the_node_hands_image_files_and_a_disk_and_mounts_nothing(image_no
     node = Node(image_node)
     await node.open()
     try:
-        info = await node.create(SandboxSpec(layers=("guest-ws@1", "guest-base@1"),
-                                             backend="image-guest"))
+        info = await node.create(
+            SandboxSpec(layers=("guest-ws@1", "guest-base@1"), backend="image-guest")
+        )
         rt = ImageBackend.handed[info.id]
         # the files, top first, named and addressed as the layers are
         assert rt.rootfs is None
@@ -192,8 +220,9 @@ async def test_the_node_hands_image_files_and_a_disk_and_mounts_nothing(image_no
         base = rt.images[1]
         assert base.device is None  # a local layer: its whole image, in place
         digest = "sha256:" + hashlib.sha256(base.image.read_bytes()).hexdigest()
-        assert digest == base.digest == LayerStore(image_node.layer_dir).resolve(
-            "guest-base@1").digest
+        assert (
+            digest == base.digest == LayerStore(image_node.layer_dir).resolve("guest-base@1").digest
+        )
         ws = rt.images[0]
         assert ws.device is not None  # on demand: a metadata image plus a blob the node serves
         assert ws.device.is_relative_to(image_node.run_dir)
@@ -225,8 +254,7 @@ async def test_network_none_needs_a_backend_that_isolates_it(image_node):
     await node.open()
     try:
         with pytest.raises(PolicyUnavailable) as e:
-            await node.create(SandboxSpec(layers=("guest-base@1",),
-                                          backend="image-guest-open-net"))
+            await node.create(SandboxSpec(layers=("guest-base@1",), backend="image-guest-open-net"))
         assert "network" in str(e.value) and e.value.backend == "image-guest-open-net"
         assert node.sandboxes == {} and list(image_node.sandbox_dir.iterdir()) == []
     finally:
@@ -242,15 +270,23 @@ class FailingImageBackend(ImageBackend):
 
 async def test_a_failed_start_leaves_no_disk_or_registration(image_node):
     plugins.get_plugin_manager().register(
-        type("P", (), {"dsec_register_backends": hookimpl(
-            lambda self, register: register(FailingImageBackend))})(), name="broken")
+        type(
+            "P",
+            (),
+            {
+                "dsec_register_backends": hookimpl(
+                    lambda self, register: register(FailingImageBackend)
+                )
+            },
+        )(),
+        name="broken",
+    )
     plugins.registry.cache_clear()
     node = Node(image_node)
     await node.open()
     try:
         with pytest.raises(SandboxError):
-            await node.create(SandboxSpec(layers=("guest-base@1",),
-                                          backend="image-guest-broken"))
+            await node.create(SandboxSpec(layers=("guest-base@1",), backend="image-guest-broken"))
         assert node.sandboxes == {}
         assert list(image_node.sandbox_dir.iterdir()) == []
         assert list(image_node.runtime_dir.iterdir()) == []

@@ -17,7 +17,6 @@ import yaml
 from click.testing import CliRunner
 
 import dsec_core.catalog
-from dsec_core.catalog.model import SCHEMA_FILE
 from dsec_core.catalog import (
     CatalogStore,
     Environment,
@@ -28,6 +27,8 @@ from dsec_core.catalog import (
     load_catalog,
     parse_catalog,
 )
+from dsec_core.catalog.model import SCHEMA_FILE
+from dsec_core.catalog.rewards import compute_reward, junit_pass_rate
 from dsec_core.cli.layers import catalog as catalog_cli
 from dsec_core.cli.layers import layer as layer_cli
 from dsec_core.errors import CatalogInvalid, InvalidSpec, SandboxPathError, UnknownEnvironment
@@ -35,10 +36,10 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.recipes import debian_mirror
 from dsec_core.layers.store import LayerStore
 from dsec_core.records import ExecResult
-from dsec_core.catalog.rewards import compute_reward, junit_pass_rate
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
-                                reason="needs root and mkfs.erofs")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("mkfs.erofs"), reason="needs root and mkfs.erofs"
+)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -53,20 +54,42 @@ def small_catalog() -> dict:
         "name": "small",
         "layers": [
             {"name": "mini-base", "version": "1", "kind": "base", "source": {"dir": "base"}},
-            {"name": "task-hello", "version": "1", "kind": "workspace",
-             "source": {"dir": "hello", "to": "/workspace/hello"}},
+            {
+                "name": "task-hello",
+                "version": "1",
+                "kind": "workspace",
+                "source": {"dir": "hello", "to": "/workspace/hello"},
+            },
             {"name": "tools", "version": 2, "kind": "toolkit", "source": {"dir": "tools"}},
         ],
         "environments": [
             {"name": "plain", "base": "mini-base@1"},
-            {"name": "hello", "base": "mini-base@1", "workspaces": ["task-hello@1"],
-             "toolkits": ["tools@2"], "env": {"LANG": "C.UTF-8"}, "workdir": "/workspace/hello"},
+            {
+                "name": "hello",
+                "base": "mini-base@1",
+                "workspaces": ["task-hello@1"],
+                "toolkits": ["tools@2"],
+                "env": {"LANG": "C.UTF-8"},
+                "workdir": "/workspace/hello",
+            },
         ],
         "tasks": [
-            {"name": "hello", "environment": "hello", "command": "sh hello.sh",
-             "reward": "exit_code", "timeout": 5, "expect": 1.0},
-            {"name": "hello-tests", "environment": "hello", "command": "pytest --junitxml=/tmp/r.xml",
-             "reward": "pass_rate", "report": "/tmp/r.xml", "expect": 0.5},
+            {
+                "name": "hello",
+                "environment": "hello",
+                "command": "sh hello.sh",
+                "reward": "exit_code",
+                "timeout": 5,
+                "expect": 1.0,
+            },
+            {
+                "name": "hello-tests",
+                "environment": "hello",
+                "command": "pytest --junitxml=/tmp/r.xml",
+                "reward": "pass_rate",
+                "report": "/tmp/r.xml",
+                "expect": 0.5,
+            },
         ],
     }
 
@@ -91,6 +114,7 @@ def write_catalog(catalog_dir: Path, doc: dict, name: str = "catalog.yaml") -> P
 
 # --- loading -------------------------------------------------------------------------------
 
+
 def test_schema_is_draft_2020_12_and_has_one_copy_inside_the_package():
     import jsonschema
 
@@ -98,8 +122,11 @@ def test_schema_is_draft_2020_12_and_has_one_copy_inside_the_package():
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     jsonschema.Draft202012Validator.check_schema(schema)
     assert SCHEMA_FILE.parent == Path(dsec_core.catalog.__file__).parent
-    copies = [p for p in REPO.rglob("*schema*.json")
-              if ".venv" not in p.parts and not p.is_symlink() and ".git" not in p.parts]
+    copies = [
+        p
+        for p in REPO.rglob("*schema*.json")
+        if ".venv" not in p.parts and not p.is_symlink() and ".git" not in p.parts
+    ]
     assert copies == [SCHEMA_FILE]
 
 
@@ -107,17 +134,32 @@ def test_load_small_catalog(catalog_dir):
     cat = load_catalog(write_catalog(catalog_dir, small_catalog()))
     assert cat.name == "small" and cat.path == str(catalog_dir / "catalog.yaml")
     assert [r.ref for r in cat.layers] == ["mini-base@1", "task-hello@1", "tools@2"]
-    assert cat.layers[1].dir_path == catalog_dir / "hello" and cat.layers[1].to == "/workspace/hello"
+    assert (
+        cat.layers[1].dir_path == catalog_dir / "hello" and cat.layers[1].to == "/workspace/hello"
+    )
     env = cat.environment("hello")
-    assert env == Environment(name="hello", base="mini-base@1", workspaces=("task-hello@1",),
-                              toolkits=("tools@2",), env={"LANG": "C.UTF-8"},
-                              workdir="/workspace/hello", catalog="small")
+    assert env == Environment(
+        name="hello",
+        base="mini-base@1",
+        workspaces=("task-hello@1",),
+        toolkits=("tools@2",),
+        env={"LANG": "C.UTF-8"},
+        workdir="/workspace/hello",
+        catalog="small",
+    )
     assert env.layer_refs() == ["tools@2", "task-hello@1", "mini-base@1"]
     assert cat.environment("plain").layer_refs() == ["mini-base@1"]
     task = cat.task("hello-tests")
-    assert task == Task(name="hello-tests", environment="hello",
-                        command="pytest --junitxml=/tmp/r.xml", reward="pass_rate", timeout=60.0,
-                        expect=0.5, report="/tmp/r.xml", catalog="small")
+    assert task == Task(
+        name="hello-tests",
+        environment="hello",
+        command="pytest --junitxml=/tmp/r.xml",
+        reward="pass_rate",
+        timeout=60.0,
+        expect=0.5,
+        report="/tmp/r.xml",
+        catalog="small",
+    )
     with pytest.raises(UnknownEnvironment, match="plain, hello"):
         cat.environment("nope")
 
@@ -140,8 +182,13 @@ def test_default_catalog():
     toolkit = cat.layers[1]
     assert toolkit.dir == "toolkit" and toolkit.pip.packages[0].startswith("pytest")
     assert (toolkit.dir_path / "usr/local/bin/dsec-judge").stat().st_mode & 0o111
-    expected = {"sum-pairs": 1.0, "fizzbuzz": 1.0, "reverse-words": 0.0,
-                "balanced-brackets": 0.0, "textstats": 0.75}
+    expected = {
+        "sum-pairs": 1.0,
+        "fizzbuzz": 1.0,
+        "reverse-words": 0.0,
+        "balanced-brackets": 0.0,
+        "textstats": 0.75,
+    }
     assert {t.name: t.expect for t in cat.tasks} == expected
     for task in cat.tasks:
         env = cat.environment(task.environment)
@@ -167,35 +214,81 @@ SCHEMA_FAULTS = [
     ("no name", ["name"], _DELETE, "$.name", "required"),
     ("bad name", ["name"], "no spaces please", "$.name", "a name is letters"),
     ("missing base", ["environments", 1, "base"], _DELETE, "$.environments[1].base", "required"),
-    ("unversioned base", ["environments", 1, "base"], "mini-base", "$.environments[1].base",
-     "'mini-base': expected a layer as name@version"),
-    ("workspace not a list", ["environments", 1, "workspaces"], "task-hello@1",
-     "$.environments[1].workspaces", "not of type 'array'"),
-    ("unknown env field", ["environments", 0, "image"], "x", "$.environments[0].image",
-     "unknown field 'image'"),
-    ("bad env var", ["environments", 1, "env"], {"1BAD": "x"}, "$.environments[1].env",
-     "'1BAD': not a valid environment variable name"),
-    ("relative workdir", ["environments", 1, "workdir"], "workspace", "$.environments[1].workdir",
-     "expected an absolute path"),
+    (
+        "unversioned base",
+        ["environments", 1, "base"],
+        "mini-base",
+        "$.environments[1].base",
+        "'mini-base': expected a layer as name@version",
+    ),
+    (
+        "workspace not a list",
+        ["environments", 1, "workspaces"],
+        "task-hello@1",
+        "$.environments[1].workspaces",
+        "not of type 'array'",
+    ),
+    (
+        "unknown env field",
+        ["environments", 0, "image"],
+        "x",
+        "$.environments[0].image",
+        "unknown field 'image'",
+    ),
+    (
+        "bad env var",
+        ["environments", 1, "env"],
+        {"1BAD": "x"},
+        "$.environments[1].env",
+        "'1BAD': not a valid environment variable name",
+    ),
+    (
+        "relative workdir",
+        ["environments", 1, "workdir"],
+        "workspace",
+        "$.environments[1].workdir",
+        "expected an absolute path",
+    ),
     ("unknown reward", ["tasks", 0, "reward"], "accuracy", "$.tasks[0].reward", "is not one of"),
     ("negative timeout", ["tasks", 0, "timeout"], -1, "$.tasks[0].timeout", "less than or equal"),
     ("pass_rate without report", ["tasks", 1, "report"], _DELETE, "$.tasks[1].report", "required"),
     ("expect above 1", ["tasks", 1, "expect"], 1.5, "$.tasks[1].expect", "greater than"),
     ("bad kind", ["layers", 0, "kind"], "os", "$.layers[0].kind", "is not one of"),
-    ("float version", ["layers", 0, "version"], 1.5, "$.layers[0].version",
-     "a version is a string"),
-    ("two root filesystems", ["layers", 0, "source"], {"tar": "x.tar", "docker": "busybox"},
-     "$.layers[0].source", "one root filesystem: debootstrap, tar or docker"),
-    ("to without dir", ["layers", 2, "source"], {"pip": {"packages": ["x"]}, "to": "/x"},
-     "$.layers[2].source.to", "'to' needs 'dir' too"),
-    ("empty source", ["layers", 2, "source"], {}, "$.layers[2].source",
-     "needs at least one of dir, tar, docker, debootstrap, pip"),
+    (
+        "float version",
+        ["layers", 0, "version"],
+        1.5,
+        "$.layers[0].version",
+        "a version is a string",
+    ),
+    (
+        "two root filesystems",
+        ["layers", 0, "source"],
+        {"tar": "x.tar", "docker": "busybox"},
+        "$.layers[0].source",
+        "one root filesystem: debootstrap, tar or docker",
+    ),
+    (
+        "to without dir",
+        ["layers", 2, "source"],
+        {"pip": {"packages": ["x"]}, "to": "/x"},
+        "$.layers[2].source.to",
+        "'to' needs 'dir' too",
+    ),
+    (
+        "empty source",
+        ["layers", 2, "source"],
+        {},
+        "$.layers[2].source",
+        "needs at least one of dir, tar, docker, debootstrap, pip",
+    ),
     ("layers not a list", ["layers"], {"name": "x"}, "$.layers", "not of type 'array'"),
 ]
 
 
-@pytest.mark.parametrize("what,where,value,path,words", SCHEMA_FAULTS,
-                         ids=[f[0] for f in SCHEMA_FAULTS])
+@pytest.mark.parametrize(
+    "what,where,value,path,words", SCHEMA_FAULTS, ids=[f[0] for f in SCHEMA_FAULTS]
+)
 def test_schema_faults_name_their_json_path(catalog_dir, what, where, value, path, words):
     doc = small_catalog()
     _set(doc, where, value)
@@ -208,29 +301,61 @@ def test_schema_faults_name_their_json_path(catalog_dir, what, where, value, pat
 
 
 MEANING_FAULTS = [
-    ("duplicate environment", lambda d: d["environments"].append(copy.deepcopy(d["environments"][0])),
-     "$.environments[2].name", "duplicate name 'plain' (also $.environments[0])"),
-    ("duplicate task", lambda d: d["tasks"].append(copy.deepcopy(d["tasks"][1])),
-     "$.tasks[2].name", "duplicate name 'hello-tests'"),
-    ("duplicate layer", lambda d: d["layers"].append(copy.deepcopy(d["layers"][1])),
-     "$.layers[3].version", "duplicate layer task-hello@1"),
-    ("task in unknown environment", lambda d: d["tasks"][0].update(environment="helo"),
-     "$.tasks[0].environment", "unknown environment 'helo' (known: plain, hello)"),
-    ("missing layer", lambda d: d["environments"][1].update(workspaces=["task-bye@1"]),
-     "$.environments[1].workspaces[0]",
-     "layer task-bye@1 is neither a layer of this catalog nor in the store (known: mini-base@1,"
-     " task-hello@1, tools@2)"),
-    ("wrong kind", lambda d: d["environments"][1].update(toolkits=["task-hello@1"]),
-     "$.environments[1].toolkits[0]", "task-hello@1 is a workspace layer, not a toolkit layer"),
-    ("missing dir", lambda d: d["layers"][2]["source"].update(dir="tool"),
-     "$.layers[2].source.dir", "does not exist"),
-    ("exit_code expect 0.5", lambda d: d["tasks"][0].update(expect=0.5),
-     "$.tasks[0].expect", "0.0 or 1.0"),
+    (
+        "duplicate environment",
+        lambda d: d["environments"].append(copy.deepcopy(d["environments"][0])),
+        "$.environments[2].name",
+        "duplicate name 'plain' (also $.environments[0])",
+    ),
+    (
+        "duplicate task",
+        lambda d: d["tasks"].append(copy.deepcopy(d["tasks"][1])),
+        "$.tasks[2].name",
+        "duplicate name 'hello-tests'",
+    ),
+    (
+        "duplicate layer",
+        lambda d: d["layers"].append(copy.deepcopy(d["layers"][1])),
+        "$.layers[3].version",
+        "duplicate layer task-hello@1",
+    ),
+    (
+        "task in unknown environment",
+        lambda d: d["tasks"][0].update(environment="helo"),
+        "$.tasks[0].environment",
+        "unknown environment 'helo' (known: plain, hello)",
+    ),
+    (
+        "missing layer",
+        lambda d: d["environments"][1].update(workspaces=["task-bye@1"]),
+        "$.environments[1].workspaces[0]",
+        "layer task-bye@1 is neither a layer of this catalog nor in the store (known: mini-base@1,"
+        " task-hello@1, tools@2)",
+    ),
+    (
+        "wrong kind",
+        lambda d: d["environments"][1].update(toolkits=["task-hello@1"]),
+        "$.environments[1].toolkits[0]",
+        "task-hello@1 is a workspace layer, not a toolkit layer",
+    ),
+    (
+        "missing dir",
+        lambda d: d["layers"][2]["source"].update(dir="tool"),
+        "$.layers[2].source.dir",
+        "does not exist",
+    ),
+    (
+        "exit_code expect 0.5",
+        lambda d: d["tasks"][0].update(expect=0.5),
+        "$.tasks[0].expect",
+        "0.0 or 1.0",
+    ),
 ]
 
 
-@pytest.mark.parametrize("what,change,path,words", MEANING_FAULTS,
-                         ids=[f[0] for f in MEANING_FAULTS])
+@pytest.mark.parametrize(
+    "what,change,path,words", MEANING_FAULTS, ids=[f[0] for f in MEANING_FAULTS]
+)
 def test_meaning_faults_name_their_json_path(catalog_dir, what, change, path, words):
     doc = small_catalog()
     change(doc)
@@ -260,8 +385,7 @@ def test_environment_may_name_a_layer_already_in_the_store(catalog_dir, stores):
     file = write_catalog(catalog_dir, doc)
     with pytest.raises(CatalogInvalid, match="prebuilt@3 is neither"):
         load_catalog(file, store=layers)
-    build_layer(catalog_dir / "hello", name="prebuilt", version="3", kind="workspace",
-                store=layers)
+    build_layer(catalog_dir / "hello", name="prebuilt", version="3", kind="workspace", store=layers)
     cat = load_catalog(file, store=layers)
     assert cat.environment("hello").workspaces == ("prebuilt@3",)
     with pytest.raises(CatalogInvalid):
@@ -269,6 +393,7 @@ def test_environment_may_name_a_layer_already_in_the_store(catalog_dir, stores):
 
 
 # --- building and the catalog store --------------------------------------------------------
+
 
 @needs_root
 def test_build_catalog_builds_missing_layers_and_registers_it(catalog_dir, stores):
@@ -325,19 +450,31 @@ def test_empty_catalog_store(tmp_path):
 def test_pip_recipe_writes_scripts_for_the_image_python(tmp_path, stores):
     """Uses PyPI: a small pure-Python package with a console script."""
     layers, _ = stores
-    doc = {"name": "piptest", "layers": [{"name": "pyflakes", "version": "1", "kind": "toolkit",
-                                         "source": {"pip": {"packages": ["pyflakes==3.2.0"]}}}]}
+    doc = {
+        "name": "piptest",
+        "layers": [
+            {
+                "name": "pyflakes",
+                "version": "1",
+                "kind": "toolkit",
+                "source": {"pip": {"packages": ["pyflakes==3.2.0"]}},
+            }
+        ],
+    }
     cat = parse_catalog(doc, root=tmp_path)
     from dsec_core.layers.recipes import build_recipe
 
     info = build_recipe(cat.layers[0], layers)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layers.image_path(info)), str(mnt)],
-                   check=True)
+    subprocess.run(
+        ["mount", "-t", "erofs", "-o", "ro", str(layers.image_path(info)), str(mnt)], check=True
+    )
     try:
         script = (mnt / "usr/local/bin/pyflakes").read_text()
-        assert script.startswith("#!/usr/bin/python3\n") and "from pyflakes.api import main" in script
+        assert (
+            script.startswith("#!/usr/bin/python3\n") and "from pyflakes.api import main" in script
+        )
         assert os.access(mnt / "usr/local/bin/pyflakes", os.X_OK)
         site = mnt / "usr/local/lib/python3.11/dist-packages"
         assert (site / "pyflakes/__init__.py").exists()
@@ -349,6 +486,7 @@ def test_pip_recipe_writes_scripts_for_the_image_python(tmp_path, stores):
 
 # --- the Debian mirror ---------------------------------------------------------------------
 
+
 def test_debian_mirror_from_apt_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("DSEC_DEBIAN_MIRROR", raising=False)
     apt = tmp_path / "apt"
@@ -357,11 +495,14 @@ def test_debian_mirror_from_apt_sources(tmp_path, monkeypatch):
     (apt / "sources.list.d/debian.sources").write_text(
         "Types: deb\n# a comment\nURIs: http://mirror.example/debian-security\n"
         "Suites: bookworm-security\nComponents: main\n\n"
-        "Types: deb deb-src\nURIs: http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+        "Types: deb deb-src\nURIs: http://mirror.example/debian/\n"
+        "Suites: bookworm bookworm-updates\n"
         "Components: main\n\n"
-        "Enabled: no\nTypes: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\n")
+        "Enabled: no\nTypes: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\n"
+    )
     (apt / "sources.list.d/other.list").write_text(
-        "deb [signed-by=/x.gpg] https://packages.example/apt cloud-sdk main\n")
+        "deb [signed-by=/x.gpg] https://packages.example/apt cloud-sdk main\n"
+    )
     assert debian_mirror(apt) == "http://mirror.example/debian/"
     (apt / "sources.list").write_text("# old style\ndeb http://old.example/debian bookworm main\n")
     assert debian_mirror(apt) == "http://old.example/debian"  # read first, like apt does
@@ -371,9 +512,11 @@ def test_debian_mirror_from_apt_sources(tmp_path, monkeypatch):
 
 # --- rewards -------------------------------------------------------------------------------
 
+
 def _result(exit_code: int = 0, timed_out: bool = False) -> ExecResult:
-    return ExecResult(exit_code=exit_code, stdout=b"", stderr=b"", duration=0.1,
-                      timed_out=timed_out)
+    return ExecResult(
+        exit_code=exit_code, stdout=b"", stderr=b"", duration=0.1, timed_out=timed_out
+    )
 
 
 def test_exit_code_reward():
@@ -396,19 +539,33 @@ def junit_report(tmp_path_factory) -> bytes:
         "def test_c(): assert 'x'\n"
         "def test_d(): assert 1 == 2\n"
         "@pytest.mark.skip(reason='not today')\n"
-        "def test_e(): pass\n")
+        "def test_e(): pass\n"
+    )
     report = work / "report.xml"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={report}", "test_sample.py"], cwd=work,
-                          capture_output=True, text=True,
-                          env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={report}",
+            "test_sample.py",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     return report.read_bytes()
 
 
 def test_pass_rate_reward_from_real_junit_xml(junit_report):
-    task = Task(name="t", environment="e", command="pytest", reward="pass_rate",
-                report="/tmp/report.xml")
+    task = Task(
+        name="t", environment="e", command="pytest", reward="pass_rate", report="/tmp/report.xml"
+    )
     seen = []
 
     def read_file(path: str) -> bytes:
@@ -433,11 +590,14 @@ def test_pass_rate_is_zero_when_the_report_is_missing_or_broken(junit_report):
     assert compute_reward(task, _result(0), lambda p: b"not xml at all") == 0.0
     assert compute_reward(task, _result(0), lambda p: b'<testsuite tests="0"/>') == 0.0
     assert compute_reward(task, _result(0, timed_out=True), lambda p: junit_report) == 0.0
-    forged = b'<testsuite tests="1" failures="0"><testcase name="a"><failure/></testcase></testsuite>'
+    forged = (
+        b'<testsuite tests="1" failures="0"><testcase name="a"><failure/></testcase></testsuite>'
+    )
     assert compute_reward(task, _result(0), lambda p: forged) == 0.0  # cases are counted
 
 
 # --- the CLI -------------------------------------------------------------------------------
+
 
 @needs_root
 def test_cli_layer_build_ls_rm(tmp_path, home):
@@ -445,8 +605,9 @@ def test_cli_layer_build_ls_rm(tmp_path, home):
     src.mkdir()
     (src / "f").write_text("x")
     runner = CliRunner()
-    result = runner.invoke(layer_cli, ["build", str(src), "--name", "ws", "--version", "1",
-                                       "--kind", "workspace"])
+    result = runner.invoke(
+        layer_cli, ["build", str(src), "--name", "ws", "--version", "1", "--kind", "workspace"]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.startswith("ws@1 workspace ")
     result = runner.invoke(layer_cli, ["ls", "--json"])
@@ -477,8 +638,10 @@ def test_cli_catalog_build_ls_validate(catalog_dir, home):
     listed = json.loads(result.output)
     assert [e["name"] for e in listed["environments"]] == ["plain", "hello"]
     assert listed["environments"][1]["layers"] == ["tools@2", "task-hello@1", "mini-base@1"]
-    assert [(t["name"], t["reward"]) for t in listed["tasks"]] == [("hello", "exit_code"),
-                                                                   ("hello-tests", "pass_rate")]
+    assert [(t["name"], t["reward"]) for t in listed["tasks"]] == [
+        ("hello", "exit_code"),
+        ("hello-tests", "pass_rate"),
+    ]
     assert "hello-tests" in runner.invoke(catalog_cli, ["ls"]).output
 
 
@@ -510,8 +673,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
-    if _libc.mount(source.encode(), str(target).encode(), fstype.encode(), flags,
-                   data.encode() if data else None):
+    if _libc.mount(
+        source.encode(),
+        str(target).encode(),
+        fstype.encode(),
+        flags,
+        data.encode() if data else None,
+    ):
         raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
 
 
@@ -527,8 +695,9 @@ def default_catalog_home(built_catalog_config):
 
 @pytest.mark.slow
 @needs_root
-def test_default_catalog_builds_and_every_task_earns_its_expected_reward(default_catalog_home,
-                                                                         tmp_path):
+def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
+    default_catalog_home, tmp_path
+):
     cat, layers, catalogs, infos = default_catalog_home
     assert {i.ref for i in infos} == {r.ref for r in cat.layers}
     assert list(layers.tmp_dir.iterdir()) == []
@@ -545,7 +714,9 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(default
             lowers[info.ref] = tmp_path / "layers" / info.ref
             mount(str(layers.image_path(info)), lowers[info.ref], "erofs", 1)
         base = lowers["debian-python@12"]
-        assert os.access(base / "usr/bin/python3", os.X_OK) and os.access(base / "bin/bash", os.X_OK)
+        assert os.access(base / "usr/bin/python3", os.X_OK) and os.access(
+            base / "bin/bash", os.X_OK
+        )
         assert list((base / "var/lib/apt/lists").iterdir()) == []
         for task in catalogs.tasks():
             env = catalogs.environment(task.environment)
@@ -553,17 +724,35 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(default
             upper.mkdir(parents=True)
             work.mkdir()
             lowerdir = ":".join(str(lowers[ref]) for ref in env.layer_refs())
-            mount("overlay", root, "overlay", 0,
-                  f"lowerdir={lowerdir},upperdir={upper},workdir={work}")
+            mount(
+                "overlay",
+                root,
+                "overlay",
+                0,
+                f"lowerdir={lowerdir},upperdir={upper},workdir={work}",
+            )
             started = time.monotonic()
-            proc = subprocess.run([shutil.which("chroot") or "/usr/sbin/chroot", str(root), "/bin/bash", "-c",
-                                   f"cd {env.workdir} && {task.command}"],
-                                  capture_output=True, timeout=task.timeout,
-                                  env={"PATH": "/usr/local/bin:/usr/bin:/bin", **env.env})
-            result = ExecResult(exit_code=proc.returncode, stdout=proc.stdout,
-                                stderr=proc.stderr, duration=time.monotonic() - started)
-            reward = compute_reward(task, result,
-                                    lambda p: (root / p.lstrip("/")).read_bytes())
+            proc = subprocess.run(
+                [
+                    shutil.which("chroot") or "/usr/sbin/chroot",
+                    str(root),
+                    "/bin/bash",
+                    "-c",
+                    f"cd {env.workdir} && {task.command}",
+                ],
+                capture_output=True,
+                timeout=task.timeout,
+                env={"PATH": "/usr/local/bin:/usr/bin:/bin", **env.env},
+            )
+            result = ExecResult(
+                exit_code=proc.returncode,
+                stdout=proc.stdout,
+                stderr=proc.stderr,
+                duration=time.monotonic() - started,
+            )
+            reward = compute_reward(
+                task, result, lambda p, root=root: (root / p.lstrip("/")).read_bytes()
+            )
             assert reward == pytest.approx(task.expect), (task.name, proc.stdout, proc.stderr)
     finally:
         for target in reversed(mounts):
@@ -575,8 +764,11 @@ def test_catalog_store_sees_a_resaved_catalog(tmp_path):
     from dsec_core.catalog import parse_catalog
 
     def doc(workdir):
-        return {"name": "c", "layers": [], "environments": [
-            {"name": "e", "base": "somewhere@1", "workdir": workdir}]}
+        return {
+            "name": "c",
+            "layers": [],
+            "environments": [{"name": "e", "base": "somewhere@1", "workdir": workdir}],
+        }
 
     store = CatalogStore(tmp_path / "catalogs")
     store.save(parse_catalog(doc("/one"), check_layers=False))

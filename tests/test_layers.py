@@ -21,12 +21,18 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.records import LayerRef
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
-                                reason="needs root and mkfs.erofs")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("mkfs.erofs"), reason="needs root and mkfs.erofs"
+)
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_RDONLY = 1
 
@@ -101,6 +107,7 @@ def store_is_empty(store: LayerStore) -> bool:
 
 # --- building ------------------------------------------------------------------------------
 
+
 def test_build_from_directory_is_mountable_and_owned_by_root(tmp_path, store, mount_image):
     src = make_tree(tmp_path / "src")
     info = build_layer(src, name="ws", version="1", kind="workspace", store=store)
@@ -120,16 +127,26 @@ def test_build_from_directory_is_mountable_and_owned_by_root(tmp_path, store, mo
 
 def test_build_from_tar_gz_keeps_owners_modes_and_devices(tmp_path, store, mount_image):
     archive = tmp_path / "rootfs.tar.gz"
-    archive.write_bytes(tar_bytes([
-        member("bin", tarfile.DIRTYPE, mode=0o755),
-        member("bin/tool", data=b"#!/bin/sh\n", mode=0o4755, uid=1000, gid=1001),
-        member("bin/tool2", tarfile.LNKTYPE, linkname="bin/tool", mode=0o4755, uid=1000,
-               gid=1001),
-        member("etc", tarfile.DIRTYPE, mode=0o755),
-        member("etc/abs", tarfile.SYMTYPE, linkname="/usr/share/zoneinfo/UTC", mode=0o777),
-        member("dev", tarfile.DIRTYPE, mode=0o755),
-        member("dev/null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3),
-    ]))
+    archive.write_bytes(
+        tar_bytes(
+            [
+                member("bin", tarfile.DIRTYPE, mode=0o755),
+                member("bin/tool", data=b"#!/bin/sh\n", mode=0o4755, uid=1000, gid=1001),
+                member(
+                    "bin/tool2",
+                    tarfile.LNKTYPE,
+                    linkname="bin/tool",
+                    mode=0o4755,
+                    uid=1000,
+                    gid=1001,
+                ),
+                member("etc", tarfile.DIRTYPE, mode=0o755),
+                member("etc/abs", tarfile.SYMTYPE, linkname="/usr/share/zoneinfo/UTC", mode=0o777),
+                member("dev", tarfile.DIRTYPE, mode=0o755),
+                member("dev/null", tarfile.CHRTYPE, mode=0o666, devmajor=1, devminor=3),
+            ]
+        )
+    )
     info = build_layer(archive, name="rootfs", version="1", kind="base", store=store)
     root = mount_image(store.image_path(info))
     st = (root / "bin/tool").stat()
@@ -159,10 +176,12 @@ def test_default_version_is_digest_prefix(tmp_path, store):
 
 
 def test_versions_live_side_by_side_and_unversioned_means_newest(tmp_path, store):
-    v1 = build_layer(make_tree(tmp_path / "a", "one\n"), name="ws", version="1", kind="workspace",
-                     store=store)
-    v2 = build_layer(make_tree(tmp_path / "b", "two\n"), name="ws", version="2", kind="workspace",
-                     store=store)
+    v1 = build_layer(
+        make_tree(tmp_path / "a", "one\n"), name="ws", version="1", kind="workspace", store=store
+    )
+    v2 = build_layer(
+        make_tree(tmp_path / "b", "two\n"), name="ws", version="2", kind="workspace", store=store
+    )
     assert v1.digest != v2.digest
     assert store.resolve("ws@1") == v1
     assert store.resolve("ws") == v2
@@ -171,13 +190,19 @@ def test_versions_live_side_by_side_and_unversioned_means_newest(tmp_path, store
 
 
 def test_same_ref_same_content_is_a_no_op_and_other_content_raises(tmp_path, store):
-    first = build_layer(make_tree(tmp_path / "a", "one\n"), name="ws", version="1",
-                        kind="workspace", store=store)
+    first = build_layer(
+        make_tree(tmp_path / "a", "one\n"), name="ws", version="1", kind="workspace", store=store
+    )
     again = build_layer(tmp_path / "a", name="ws", version="1", kind="workspace", store=store)
     assert again == first
     with pytest.raises(LayerExists, match="ws@1 already exists"):
-        build_layer(make_tree(tmp_path / "b", "two\n"), name="ws", version="1", kind="workspace",
-                    store=store)
+        build_layer(
+            make_tree(tmp_path / "b", "two\n"),
+            name="ws",
+            version="1",
+            kind="workspace",
+            store=store,
+        )
     assert store.resolve("ws@1") == first
     assert len(list(store.blob_dir.iterdir())) == 1
     assert list(store.tmp_dir.iterdir()) == []
@@ -185,8 +210,13 @@ def test_same_ref_same_content_is_a_no_op_and_other_content_raises(tmp_path, sto
 
 def test_unknown_layer_names_the_known_refs(tmp_path, store):
     for version in ("1", "2"):
-        build_layer(make_tree(tmp_path / version, version), name="ws", version=version,
-                    kind="workspace", store=store)
+        build_layer(
+            make_tree(tmp_path / version, version),
+            name="ws",
+            version=version,
+            kind="workspace",
+            store=store,
+        )
     build_layer(make_tree(tmp_path / "t"), name="tools", version="7", kind="toolkit", store=store)
     with pytest.raises(UnknownLayer) as e:
         store.resolve("ws@3")
@@ -218,16 +248,22 @@ def test_remove_drops_the_blob_with_its_last_ref(tmp_path, store):
 
 def test_remove_unversioned_refuses_when_ambiguous(tmp_path, store):
     for version in ("1", "2"):
-        build_layer(make_tree(tmp_path / version, version), name="ws", version=version,
-                    kind="workspace", store=store)
+        build_layer(
+            make_tree(tmp_path / version, version),
+            name="ws",
+            version=version,
+            kind="workspace",
+            store=store,
+        )
     with pytest.raises(InvalidSpec, match="ws@1, ws@2"):
         store.remove("ws")
     assert len(store.list()) == 2
 
 
 def test_by_digest(tmp_path, store):
-    info = build_layer(make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace",
-                       store=store)
+    info = build_layer(
+        make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace", store=store
+    )
     assert store.by_digest(info.digest) == info
     assert store.by_digest(info.digest.removeprefix("sha256:")) == info
     with pytest.raises(UnknownLayer):
@@ -258,8 +294,9 @@ def test_missing_or_unsupported_sources(tmp_path, store):
 
 
 def test_store_record_is_plain_json(tmp_path, store):
-    info = build_layer(make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace",
-                       store=store)
+    info = build_layer(
+        make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace", store=store
+    )
     data = json.loads((store.ref_dir / "ws" / "1.json").read_text())
     assert data["digest"] == info.digest and data["kind"] == "workspace"
     assert data["source"] == str(tmp_path / "src")
@@ -271,8 +308,10 @@ ESCAPES = {
     "dotdot": [member("../evil", data=b"x")],
     "nested-dotdot": [member("a/../../evil", data=b"x")],
     "absolute": [member("{outside}/evil", data=b"x")],
-    "through-symlink": [member("link", tarfile.SYMTYPE, linkname="{outside}"),
-                        member("link/evil", data=b"x")],
+    "through-symlink": [
+        member("link", tarfile.SYMTYPE, linkname="{outside}"),
+        member("link/evil", data=b"x"),
+    ],
     "hardlink-out": [member("hl", tarfile.LNKTYPE, linkname="../../victim")],
     "device-outside-dev": [member("etc/sda", tarfile.BLKTYPE, devmajor=8, devminor=0)],
 }
@@ -313,11 +352,13 @@ def test_corrupt_archive_is_a_build_error(tmp_path, store):
 def test_failed_mkfs_raises_tool_error_and_leaves_no_files(tmp_path, store, monkeypatch):
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "mkfs.erofs").write_text("#!/bin/sh\n"
-                                     "for last; do :; done\n"
-                                     "eval out=\\${$(($#-1))}\n"
-                                     "echo partial > \"$out\"\n"
-                                     "echo 'mkfs.erofs: disk on fire' >&2\nexit 3\n")
+    (fake / "mkfs.erofs").write_text(
+        "#!/bin/sh\n"
+        "for last; do :; done\n"
+        "eval out=\\${$(($#-1))}\n"
+        'echo partial > "$out"\n'
+        "echo 'mkfs.erofs: disk on fire' >&2\nexit 3\n"
+    )
     (fake / "mkfs.erofs").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "systmp"))
@@ -334,6 +375,7 @@ def test_failed_mkfs_raises_tool_error_and_leaves_no_files(tmp_path, store, monk
 
 
 # --- readers while a writer works ----------------------------------------------------------
+
 
 def test_readers_never_see_partial_refs(tmp_path, store):
     sources = [make_tree(tmp_path / f"s{i}", f"content {i}\n") for i in range(6)]
@@ -368,6 +410,7 @@ def test_readers_never_see_partial_refs(tmp_path, store):
 
 # --- the local layer source plugin ---------------------------------------------------------
 
+
 def test_local_layer_source_plugin(tmp_path, store, home):
     from dsec_core.plugins import registry, reset
 
@@ -376,8 +419,9 @@ def test_local_layer_source_plugin(tmp_path, store, home):
         cls = registry().layer_source("local")
     finally:
         reset()
-    info = build_layer(make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace",
-                       store=store)
+    info = build_layer(
+        make_tree(tmp_path / "src"), name="ws", version="1", kind="workspace", store=store
+    )
     source = cls(str(store.root))
     assert source.resolve(LayerRef.parse("ws@1")) == info
     assert source.resolve(LayerRef.parse("ws")) == info
@@ -389,6 +433,7 @@ def test_local_layer_source_plugin(tmp_path, store, home):
 
 
 # --- docker sources ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def docker_host(tmp_path_factory):
@@ -402,10 +447,24 @@ def docker_host(tmp_path_factory):
     host = f"unix://{base}/docker.sock"
     log = open(base / "dockerd.log", "w")
     proc = subprocess.Popen(
-        ["dockerd", "--host", host, "--data-root", str(base / "data"),
-         "--exec-root", str(base / "exec"), "--pidfile", str(base / "dockerd.pid"),
-         "--bridge", "none", "--iptables=false", "--ip6tables=false"],
-        stdout=log, stderr=subprocess.STDOUT)
+        [
+            "dockerd",
+            "--host",
+            host,
+            "--data-root",
+            str(base / "data"),
+            "--exec-root",
+            str(base / "exec"),
+            "--pidfile",
+            str(base / "dockerd.pid"),
+            "--bridge",
+            "none",
+            "--iptables=false",
+            "--ip6tables=false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         for _ in range(100):
             if subprocess.run(["docker", "-H", host, "info"], capture_output=True).returncode == 0:
@@ -413,10 +472,14 @@ def docker_host(tmp_path_factory):
             if proc.poll() is not None:
                 break
             time.sleep(0.2)
-        if proc.poll() is not None or subprocess.run(["docker", "-H", host, "info"],
-                                                     capture_output=True).returncode != 0:
-            pytest.skip("dockerd could not start: "
-                        + (base / "dockerd.log").read_text()[-500:].replace("\n", " "))
+        if (
+            proc.poll() is not None
+            or subprocess.run(["docker", "-H", host, "info"], capture_output=True).returncode != 0
+        ):
+            pytest.skip(
+                "dockerd could not start: "
+                + (base / "dockerd.log").read_text()[-500:].replace("\n", " ")
+            )
         yield host
     finally:
         proc.terminate()
@@ -447,14 +510,16 @@ def busybox_image(docker_host, tmp_path, monkeypatch):
 
 
 def _containers() -> list[str]:
-    return subprocess.run(["docker", "ps", "-aq"], capture_output=True, text=True,
-                          check=True).stdout.split()
+    return subprocess.run(
+        ["docker", "ps", "-aq"], capture_output=True, text=True, check=True
+    ).stdout.split()
 
 
 def test_build_from_docker_image(busybox_image, store, mount_image):
     before = _containers()
-    info = build_layer(f"docker:{busybox_image}", name="busybox", version="1", kind="base",
-                       store=store)
+    info = build_layer(
+        f"docker:{busybox_image}", name="busybox", version="1", kind="base", store=store
+    )
     assert _containers() == before  # the export container is gone
     root = mount_image(store.image_path(info))
     assert os.access(root / "bin/busybox", os.X_OK)

@@ -23,8 +23,7 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.lazy import ChunkCache, LazyBlob
 from dsec_core.lazy.chunks import ChunkIndex
-from dsec_core.lazy.layout import (AccessTrace, ReadProfile, check_layout, plan_layout,
-                                   write_packed)
+from dsec_core.lazy.layout import AccessTrace, ReadProfile, check_layout, plan_layout, write_packed
 from dsec_core.lazy.split import LazyForm, compress_split, pack_split
 from dsec_core.records import LayerRef
 from dsec_core.testing import leftovers, make_busybox_rootfs
@@ -36,7 +35,7 @@ def _apply(layout, data: bytes) -> bytes:
     """The physical blob a layout describes, built independently of write_packed."""
     out = bytearray(len(data))
     for logical, phys, n in layout:
-        out[phys:phys + n] = data[logical:logical + n]
+        out[phys : phys + n] = data[logical : logical + n]
     return bytes(out)
 
 
@@ -76,21 +75,30 @@ def test_layout_round_trips_through_the_index_and_lazy_blob(tmp_path):
     assert packed == _apply(layout, data) and packed != data
     stored = ChunkIndex.build(tmp_path / "packed.blob", 64 << 10)
     logical_digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    index = ChunkIndex(stored.blob_digest, stored.blob_size, stored.chunk_size, stored.chunks,
-                       layout, logical_digest)
+    index = ChunkIndex(
+        stored.blob_digest,
+        stored.blob_size,
+        stored.chunk_size,
+        stored.chunks,
+        layout,
+        logical_digest,
+    )
     assert ChunkIndex.from_json(index.to_json()) == index
     for _ in range(200):
         off = rng.randrange(len(data))
         n = rng.randint(1, 300_000)
-        got = b"".join(packed[p:p + k] for p, k in index.physical(off, n))
-        assert got == data[off:off + n]
+        got = b"".join(packed[p : p + k] for p, k in index.physical(off, n))
+        assert got == data[off : off + n]
 
     reads = []
-    blob = LazyBlob(index, ChunkCache(tmp_path / "cache", 1 << 30),
-                    lambda off, n: reads.append(off) or packed[off:off + n],
-                    trace=AccessTrace())
+    blob = LazyBlob(
+        index,
+        ChunkCache(tmp_path / "cache", 1 << 30),
+        lambda off, n: reads.append(off) or packed[off : off + n],
+        trace=AccessTrace(),
+    )
     for off, n in ranges:
-        assert blob.read(off, n) == data[off:off + n]
+        assert blob.read(off, n) == data[off : off + n]
     # the profile's reads were packed to the front: they need only the first few chunks
     hot = sum(-(-n // PAGE) + 1 for _, n in ranges) * PAGE
     assert max(reads) < hot + index.chunk_size
@@ -102,14 +110,22 @@ def test_bad_layouts_are_layer_corrupt():
     size = PAGE * 4
     good, _ = plan_layout(size, [(PAGE * 2, PAGE)])
     assert good[0] == (0, PAGE, 2 * PAGE)
-    for bad in ([(0, 0, PAGE * 3)],  # too short
-                [(0, 0, PAGE * 2), (PAGE * 2, PAGE, PAGE * 2)],  # stored ranges overlap
-                [(0, 0, PAGE * 4), (0, 0, PAGE)]):  # a logical range twice
+    for bad in (
+        [(0, 0, PAGE * 3)],  # too short
+        [(0, 0, PAGE * 2), (PAGE * 2, PAGE, PAGE * 2)],  # stored ranges overlap
+        [(0, 0, PAGE * 4), (0, 0, PAGE)],
+    ):  # a logical range twice
         with pytest.raises(LayerCorrupt):
             check_layout(tuple(bad), size)
         with pytest.raises(LayerCorrupt):
-            ChunkIndex("sha256:" + "a" * 64, size, size, ("sha256:" + "b" * 64,), tuple(bad),
-                       "sha256:" + "c" * 64)
+            ChunkIndex(
+                "sha256:" + "a" * 64,
+                size,
+                size,
+                ("sha256:" + "b" * 64,),
+                tuple(bad),
+                "sha256:" + "c" * 64,
+            )
     with pytest.raises(LayerCorrupt, match="logical digest"):
         ChunkIndex("sha256:" + "a" * 64, size, size, ("sha256:" + "b" * 64,), good)
 
@@ -118,9 +134,19 @@ def test_lazy_form_versions():
     index = ChunkIndex("sha256:" + "a" * 64, PAGE * 4, PAGE * 4, ("sha256:" + "b" * 64,))
     plain = LazyForm("sha256:" + "d" * 64, "sha256:" + "e" * 64, 10, index)
     assert json.loads(plain.to_json())["version"] == 1  # older nodes still read plain forms
-    packed = LazyForm(plain.layer_digest, plain.meta_digest, 10, ChunkIndex(
-        index.blob_digest, index.blob_size, index.chunk_size, index.chunks,
-        plan_layout(PAGE * 4, [(PAGE * 3, 1)])[0], "sha256:" + "c" * 64))
+    packed = LazyForm(
+        plain.layer_digest,
+        plain.meta_digest,
+        10,
+        ChunkIndex(
+            index.blob_digest,
+            index.blob_size,
+            index.chunk_size,
+            index.chunks,
+            plan_layout(PAGE * 4, [(PAGE * 3, 1)])[0],
+            "sha256:" + "c" * 64,
+        ),
+    )
     assert json.loads(packed.to_json())["version"] == 2
     assert LazyForm.from_json(packed.to_json()) == packed
     assert LazyForm.from_json(plain.to_json()) == plain
@@ -138,8 +164,9 @@ def test_trace_and_profiles():
     trace.touch(PAGE * 5, PAGE)  # again: no change in order
     trace.touch(0, 0)
     assert trace.ranges() == [(PAGE * 5, PAGE * 2), (0, PAGE)]
-    a = ReadProfile("sha256:" + "1" * 64, "sha256:" + "2" * 64, PAGE * 10, tuple(trace.ranges()),
-                    "first")
+    a = ReadProfile(
+        "sha256:" + "1" * 64, "sha256:" + "2" * 64, PAGE * 10, tuple(trace.ranges()), "first"
+    )
     assert ReadProfile.from_json(a.to_json()) == a
     assert a.read_bytes == PAGE * 3
     b = ReadProfile(a.layer_digest, a.blob_digest, a.blob_size, ((PAGE * 9, PAGE), (0, PAGE)), "b")
@@ -162,11 +189,14 @@ def test_pack_split_refuses_a_profile_of_another_blob(tmp_path):
     with pytest.raises(LayerCorrupt):
         pack_split(form, tmp_path / "data.blob", other)
     with pytest.raises(LayerCorrupt, match="is of layer"):
-        pack_split(form, tmp_path / "data.blob", ReadProfile(
-            "sha256:" + "a" * 64, index.blob_digest, len(data), ((0, PAGE),)))
+        pack_split(
+            form,
+            tmp_path / "data.blob",
+            ReadProfile("sha256:" + "a" * 64, index.blob_digest, len(data), ((0, PAGE),)),
+        )
     ok = ReadProfile(form.layer_digest, index.blob_digest, len(data), ((PAGE * 7, PAGE),))
     packed_form, packed = pack_split(form, tmp_path / "data.blob", ok)
-    assert packed.read_bytes()[:PAGE] == data[PAGE * 7:]
+    assert packed.read_bytes()[:PAGE] == data[PAGE * 7 :]
     assert packed_form.index.logical_digest == index.blob_digest
     assert packed_form.meta_digest == form.meta_digest
     assert packed_form.index.hot == PAGE and packed_form.index.hot_chunks == range(1)
@@ -175,15 +205,27 @@ def test_pack_split_refuses_a_profile_of_another_blob(tmp_path):
         ChunkIndex(index.blob_digest, index.blob_size, index.chunk_size, index.chunks, hot=PAGE)
     with pytest.raises(LayerCorrupt, match="hot region"):
         i = packed_form.index
-        ChunkIndex(i.blob_digest, i.blob_size, i.chunk_size, i.chunks, i.layout,
-                   i.logical_digest, hot=i.blob_size + 1)
+        ChunkIndex(
+            i.blob_digest,
+            i.blob_size,
+            i.chunk_size,
+            i.chunks,
+            i.layout,
+            i.logical_digest,
+            hot=i.blob_size + 1,
+        )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 def test_store_keeps_profiles_with_their_layer(tmp_path):
     store = LayerStore(tmp_path / "layers")
-    info = build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="p-base", version="1",
-                       kind="base", store=store)
+    info = build_layer(
+        make_busybox_rootfs(tmp_path / "rootfs"),
+        name="p-base",
+        version="1",
+        kind="base",
+        store=store,
+    )
     assert store.load_profile(info) is None
     profile = ReadProfile(info.digest, "sha256:" + "2" * 64, PAGE, ((0, PAGE),))
     store.save_profile(profile)
@@ -205,19 +247,37 @@ READ = [i for i in range(FILES) if i % 6 == 0]  # 8 files, 1.5 MiB apart in dire
 
 CATALOG = {
     "name": "scatter",
-    "environments": [{"name": "scatter-env", "base": "sc-base@1",
-                      "workspaces": ["sc-ws@1"], "workdir": "/workspace"}],
-    "tasks": [{"name": "read-some", "environment": "scatter-env", "timeout": 60,
-               "reward": "exit_code",
-               "command": "for i in " + " ".join(f"{i:02d}" for i in READ)
-                          + "; do head -c 3000 f$i.bin | md5sum; done"}],
+    "environments": [
+        {
+            "name": "scatter-env",
+            "base": "sc-base@1",
+            "workspaces": ["sc-ws@1"],
+            "workdir": "/workspace",
+        }
+    ],
+    "tasks": [
+        {
+            "name": "read-some",
+            "environment": "scatter-env",
+            "timeout": 60,
+            "reward": "exit_code",
+            "command": "for i in "
+            + " ".join(f"{i:02d}" for i in READ)
+            + "; do head -c 3000 f$i.bin | md5sum; done",
+        }
+    ],
 }
 
 
 def dsec_cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DSEC_HOME=os.fspath(home))
-    return subprocess.run([sys.executable, "-m", "dsec_core.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture
@@ -225,8 +285,13 @@ def author(tmp_path):
     """An author's home with a busybox base and a workspace of 48 random 256 KiB files."""
     home = Path(tempfile.mkdtemp(prefix="dsec-layout-"))
     store = LayerStore(home / "layers")
-    build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="sc-base", version="1",
-                kind="base", store=store)
+    build_layer(
+        make_busybox_rootfs(tmp_path / "rootfs"),
+        name="sc-base",
+        version="1",
+        kind="base",
+        store=store,
+    )
     ws = tmp_path / "ws" / "workspace"
     ws.mkdir(parents=True)
     rng = random.Random(5)
@@ -249,28 +314,31 @@ async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int, int, int]:
     home = Path(tempfile.mkdtemp(prefix="dsec-layout-node-"))
     config = NodeConfig(home=home, layer_sources=(f"posix:{shared}",), layer_linger=0.0)
     config.ensure_dirs()
-    CatalogStore(config.catalog_dir).save(parse_catalog(CATALOG, check_sources=False,
-                                                        check_layers=False))
+    CatalogStore(config.catalog_dir).save(
+        parse_catalog(CATALOG, check_sources=False, check_layers=False)
+    )
     node = Node(config)
     await node.open()
     try:
         sb = await node.create(SandboxSpec(environment="scatter-env"))
         for warmer in list(node.ondemand._warmers):
             warmer.join(30)
-        ws_blob = next(b for b in node.ondemand.blobs.values()
-                       if b.index.blob_size > FILES * FILE_BYTES // 2)
+        ws_blob = next(
+            b for b in node.ondemand.blobs.values() if b.index.blob_size > FILES * FILE_BYTES // 2
+        )
         warmed = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
         r = await node.exec(sb.id, CATALOG["tasks"][0]["command"])
-        want = [hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()[:3000]).hexdigest()
-                for i in READ]
+        want = [hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()[:3000]).hexdigest() for i in READ]
         assert [line.split()[0] for line in r.stdout.decode().splitlines()] == want
         fetched = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
         chunk = ws_blob.index.chunk_size
         # then every byte of every file reads back right through the packed layout
         r = await node.exec(sb.id, "md5sum f*.bin")
         sums = {line.split()[1]: line.split()[0] for line in r.stdout.decode().splitlines()}
-        assert sums == {f"f{i:02d}.bin": hashlib.md5((ws / f"f{i:02d}.bin").read_bytes())
-                        .hexdigest() for i in range(FILES)}
+        assert sums == {
+            f"f{i:02d}.bin": hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()).hexdigest()
+            for i in range(FILES)
+        }
     finally:
         await node.close(kill_all=True)
         left = leftovers(home)
@@ -299,14 +367,17 @@ async def test_profiled_layers_fetch_fewer_chunks_and_read_the_same(author, tmp_
     assert profile is not None and profile.workload == "catalog scatter: read-some"
     assert profile.read_bytes < ws_info.size / 4  # the task read a few pages of 8 files
     assert not list(Path(tempfile.gettempdir()).glob("dsec-profile-*"))  # cleaned up
-    listed = {row["name"]: row["read_profile"]
-              for row in json.loads(dsec_cli(home, "layer", "ls", "--json").stdout)}
+    listed = {
+        row["name"]: row["read_profile"]
+        for row in json.loads(dsec_cli(home, "layer", "ls", "--json").stdout)
+    }
     assert listed["sc-ws"]["read_bytes"] == profile.read_bytes
     assert listed["sc-ws"]["workload"] == "catalog scatter: read-some"
     table = dsec_cli(home, "layer", "ls").stdout.splitlines()
     assert "PROFILED" in table[0]
-    assert f"{profile.read_bytes / profile.blob_size:.1%}" in next(r for r in table
-                                                                   if r.startswith("sc-ws@1"))
+    assert f"{profile.read_bytes / profile.blob_size:.1%}" in next(
+        r for r in table if r.startswith("sc-ws@1")
+    )
 
     out = dsec_cli(home, "catalog", "publish", str(catalog_file), "--to", f"posix:{profiled}")
     assert out.returncode == 0, out.stderr
@@ -330,6 +401,7 @@ def test_profile_bad_input(tmp_path):
         out = dsec_cli(home, "catalog", "profile", "no-such-catalog")
         assert out.returncode == 1 and "Error:" in out.stderr and "Traceback" not in out.stderr
         from dsec_core.profiling import profile_catalog
+
         cat = parse_catalog(CATALOG, check_sources=False, check_layers=False)
         with pytest.raises(UnknownEnvironment, match="no task 'nope'"):
             profile_catalog(cat, NodeConfig(home=home), ["nope"])
@@ -342,6 +414,7 @@ def test_profile_bad_input(tmp_path):
 
 # --- chunk compression ----------------------------------------------------------------------
 
+
 def _compressed(tmp_path, data: bytes, compression: str, chunk: int = 64 << 10):
     (tmp_path / "data.blob").write_bytes(data)
     index = ChunkIndex.build(tmp_path / "data.blob", chunk)
@@ -352,8 +425,9 @@ def _compressed(tmp_path, data: bytes, compression: str, chunk: int = 64 << 10):
 @pytest.mark.parametrize("compression", ["zstd", "zlib"])
 def test_compressed_chunks_read_back_and_shrink(tmp_path, compression):
     rng = random.Random(4)
-    text = b"".join(rng.choice((b"import os\n", b"def f(x):\n", b"    return x\n"))
-                    for _ in range(30_000))
+    text = b"".join(
+        rng.choice((b"import os\n", b"def f(x):\n", b"    return x\n")) for _ in range(30_000)
+    )
     data = text + rng.randbytes(200_000) + text[:77_777]  # compressible, random, compressible
     index, (form, path) = _compressed(tmp_path, data, compression)
     stored = path.read_bytes()
@@ -363,14 +437,17 @@ def test_compressed_chunks_read_back_and_shrink(tmp_path, compression):
     assert form.index.chunks == index.chunks  # digests of what the cache keeps: uncompressed
     assert form.index.logical_digest == index.blob_digest  # profiles still match
     # random chunks do not shrink and are stored as they are
-    assert any(form.index.stored_range(i)[1] == form.index.chunk_range(i)[1]
-               for i in range(len(index.chunks)))
+    assert any(
+        form.index.stored_range(i)[1] == form.index.chunk_range(i)[1]
+        for i in range(len(index.chunks))
+    )
     assert LazyForm.from_json(form.to_json()) == form
     assert json.loads(form.to_json())["version"] == 2
-    blob = LazyBlob(form.index, ChunkCache(tmp_path / "cache", 1 << 30),
-                    lambda off, n: stored[off:off + n])
+    blob = LazyBlob(
+        form.index, ChunkCache(tmp_path / "cache", 1 << 30), lambda off, n: stored[off : off + n]
+    )
     for off, n in ((0, 10), (100_000, 300_000), (len(data) - 5, 50), (0, len(data))):
-        assert blob.read(off, n) == data[off:off + n]
+        assert blob.read(off, n) == data[off : off + n]
     assert compress_split(form, path) == (form, path)  # already compressed: unchanged
 
 
@@ -378,6 +455,7 @@ def _bomb(compression: str, size: int, n: int) -> bytes:
     """``n`` bytes of a valid stream that inflates to ``size`` bytes."""
     if compression == "zstd":
         import zstandard
+
         # no content size in the header: the decoder must bound the output by itself
         frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * size)
     else:
@@ -394,7 +472,7 @@ def test_damaged_compressed_chunks_are_layer_corrupt(tmp_path, compression):
     stored = bytearray(path.read_bytes())
     index = form.index
     off, n = index.stored_range(1)
-    piece = bytes(stored[off:off + n])
+    piece = bytes(stored[off : off + n])
     with pytest.raises(LayerCorrupt, match="expected"):
         index.decode(1, piece[:-1])  # truncated
     flipped = bytearray(piece)
@@ -405,8 +483,9 @@ def test_damaged_compressed_chunks_are_layer_corrupt(tmp_path, compression):
         index.decode(1, _bomb(compression, index.chunk_size * 64, n))
     # through the cache, a damaged stored chunk never reaches a reader as data
     stored[off + n // 2] ^= 0xFF
-    blob = LazyBlob(index, ChunkCache(tmp_path / "cache", 1 << 30),
-                    lambda o, k: bytes(stored[o:o + k]))
+    blob = LazyBlob(
+        index, ChunkCache(tmp_path / "cache", 1 << 30), lambda o, k: bytes(stored[o : o + k])
+    )
     with pytest.raises(LayerCorrupt):
         blob.read(index.chunk_range(1)[0], 10)
     assert blob.read(0, 10) == data[:10]  # other chunks are fine
@@ -416,21 +495,26 @@ def test_bad_compressed_indexes_are_layer_corrupt():
     size, cs = PAGE * 4, PAGE * 2
     chunks = ("sha256:" + "b" * 64, "sha256:" + "c" * 64)
     kw = dict(logical_digest="sha256:" + "c" * 64)
-    ChunkIndex("sha256:" + "a" * 64, size, cs, chunks, compression="zlib",
-               stored=((0, 10), (10, 20)), **kw)  # fine
-    for compression, stored in (("zlib", ((0, 10), (11, 20))),  # gap
-                                ("zlib", ((0, 10),)),  # a chunk missing
-                                ("zlib", ((0, cs + 1), (cs + 1, 5))),  # bigger than the chunk
-                                ("lz77", ((0, 10), (10, 20))),  # unknown
-                                ("", ((0, 10), (10, 20)))):  # ranges but no compression
+    ChunkIndex(
+        "sha256:" + "a" * 64, size, cs, chunks, compression="zlib", stored=((0, 10), (10, 20)), **kw
+    )  # fine
+    for compression, stored in (
+        ("zlib", ((0, 10), (11, 20))),  # gap
+        ("zlib", ((0, 10),)),  # a chunk missing
+        ("zlib", ((0, cs + 1), (cs + 1, 5))),  # bigger than the chunk
+        ("lz77", ((0, 10), (10, 20))),  # unknown
+        ("", ((0, 10), (10, 20))),
+    ):  # ranges but no compression
         with pytest.raises(LayerCorrupt):
-            ChunkIndex("sha256:" + "a" * 64, size, cs, chunks, compression=compression,
-                       stored=stored, **kw)
+            ChunkIndex(
+                "sha256:" + "a" * 64, size, cs, chunks, compression=compression, stored=stored, **kw
+            )
 
 
 def test_publish_compression_setting(monkeypatch):
     from dsec_core.errors import InvalidSpec
     from dsec_core.sources.base import publish_compression
+
     monkeypatch.delenv("DSEC_CHUNK_COMPRESSION", raising=False)
     assert publish_compression() == "zstd"
     monkeypatch.setenv("DSEC_CHUNK_COMPRESSION", "zlib")
@@ -448,8 +532,8 @@ def test_a_stale_profile_publishes_in_original_order(author, tmp_path, caplog):
     """A profile recorded on another split of the layer (say, at another chunk size, where
     dedupe laid the blob out differently) cannot be applied: the layer is published anyway,
     in directory order, with a warning."""
-    from dsec_core.sources.transfer import push_layer
     from dsec_core.plugins import open_source
+    from dsec_core.sources.transfer import push_layer
 
     _, store, _, _ = author
     info = store.resolve("sc-ws@1")

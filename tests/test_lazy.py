@@ -20,8 +20,16 @@ from pathlib import Path
 import pytest
 
 from dsec_core.errors import LayerCorrupt, SourceUnavailable
-from dsec_core.lazy import (ChunkCache, ChunkIndex, FuseServer, LazyBlob, mount_lazy_erofs,
-                            prefetch, recv_fuse_fd, send_fuse_fd)
+from dsec_core.lazy import (
+    ChunkCache,
+    ChunkIndex,
+    FuseServer,
+    LazyBlob,
+    mount_lazy_erofs,
+    prefetch,
+    recv_fuse_fd,
+    send_fuse_fd,
+)
 from dsec_core.linux.mounts import unmount
 from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
@@ -85,8 +93,11 @@ def build_layer(where: Path, files: dict[str, bytes]) -> Layer:
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(data)
     meta, blob = where / "meta.erofs", where / "data.blob"
-    subprocess.run(["mkfs.erofs", f"--blobdev={blob}", f"--chunksize={MiB}", str(meta), str(src)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["mkfs.erofs", f"--blobdev={blob}", f"--chunksize={MiB}", str(meta), str(src)],
+        check=True,
+        capture_output=True,
+    )
     return Layer(src, meta, blob)
 
 
@@ -167,12 +178,20 @@ def layer(tmp_path) -> Layer:
 
 
 def _tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
-def _setup(lazy: Lazy, layer: Layer, tmp_path: Path, *, max_bytes: int = 256 * MiB,
-           timeout: float = 5.0, cache: ChunkCache | None = None):
+def _setup(
+    lazy: Lazy,
+    layer: Layer,
+    tmp_path: Path,
+    *,
+    max_bytes: int = 256 * MiB,
+    timeout: float = 5.0,
+    cache: ChunkCache | None = None,
+):
     remote = lazy.remote(layer)
     cache = cache or ChunkCache(tmp_path / "cache", max_bytes)
     blob = LazyBlob(layer.index, cache, remote.read_range, fetch_timeout=timeout)
@@ -203,18 +222,20 @@ def test_small_file_fetches_only_its_chunk_then_everything_matches(lazy, layer, 
 
 def test_identical_chunks_of_two_layers_are_fetched_once(lazy, tmp_path):
     shared = os.urandom(4 * MiB)
-    a = build_layer(tmp_path / "a",
-                    {"lib/shared.so": shared, "a-only": os.urandom(MiB + 5)})
-    b = build_layer(tmp_path / "b",
-                    {"lib/shared.so": shared, "b-only": os.urandom(2 * MiB + 9)})
+    a = build_layer(tmp_path / "a", {"lib/shared.so": shared, "a-only": os.urandom(MiB + 5)})
+    b = build_layer(tmp_path / "b", {"lib/shared.so": shared, "b-only": os.urandom(2 * MiB + 9)})
     assert a.index.blob_digest != b.index.blob_digest
     common = set(a.index.chunks) & set(b.index.chunks)
     assert len(common) >= 4
 
     cache = ChunkCache(tmp_path / "cache", 256 * MiB)
     ra, rb = lazy.remote(a), lazy.remote(b)
-    server = lazy.serve({"a.blob": LazyBlob(a.index, cache, ra.read_range),
-                         "b.blob": LazyBlob(b.index, cache, rb.read_range)})
+    server = lazy.serve(
+        {
+            "a.blob": LazyBlob(a.index, cache, ra.read_range),
+            "b.blob": LazyBlob(b.index, cache, rb.read_range),
+        }
+    )
     root_a = lazy.mount_layer(a, server.path_of("a.blob"))
     root_b = lazy.mount_layer(b, server.path_of("b.blob"))
 
@@ -242,8 +263,10 @@ def test_concurrent_readers_of_a_missing_chunk_trigger_one_fetch(tmp_path):
         return data
 
     results: list[bytes] = []
-    threads = [threading.Thread(target=lambda: results.append(cache.get(_digest(data), fetch, 10)))
-               for _ in range(32)]
+    threads = [
+        threading.Thread(target=lambda: results.append(cache.get(_digest(data), fetch, 10)))
+        for _ in range(32)
+    ]
     for t in threads:
         t.start()
     time.sleep(0.2)  # let them all pile up behind the one fetch
@@ -264,7 +287,7 @@ def test_concurrent_reads_through_the_mount_fetch_each_chunk_once(lazy, layer, t
     def reader() -> None:
         try:
             assert (root / "other").read_bytes() == want
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=reader) for _ in range(8)]
@@ -405,8 +428,9 @@ def test_restart_hands_the_fd_to_a_successor(lazy, layer, tmp_path):
     cache2 = ChunkCache(tmp_path / "cache", 256 * MiB)
     assert len(cache2) == len(cache)
     successor = FuseServer.from_fd(fd, where)
-    successor.add_blob("data.blob", blob.size,
-                       LazyBlob(layer.index, cache2, remote.read_range).read)
+    successor.add_blob(
+        "data.blob", blob.size, LazyBlob(layer.index, cache2, remote.read_range).read
+    )
     successor.start()
     lazy.servers.append(successor)
 
@@ -424,8 +448,9 @@ def test_crashed_daemon_requests_are_resent_to_the_successor(lazy, layer, tmp_pa
     remote.mode = "hang"
 
     result: list[bytes] = []
-    reader = threading.Thread(target=lambda: result.append((root / "other").read_bytes()),
-                              daemon=True)
+    reader = threading.Thread(
+        target=lambda: result.append((root / "other").read_bytes()), daemon=True
+    )
     reader.start()
     assert remote.entered.wait(5)  # the old daemon took the READ and is fetching
     server.abandon()  # ... and dies without answering

@@ -16,12 +16,12 @@ import pytest
 
 from dsec_core.errors import LayerBuildError, LayerCorrupt, ToolError, UnknownLayer
 from dsec_core.layers.build import build_layer
-from dsec_core.sources.base import BlobStoreSource, LayerSource
 from dsec_core.layers.store import LayerStore
 from dsec_core.lazy import ChunkCache, FuseServer, LazyBlob, mount_lazy_erofs
 from dsec_core.lazy.split import LazyForm, compress_split, split_image
 from dsec_core.linux.mounts import mount_erofs_file, mounted_under, unmount
 from dsec_core.records import LayerInfo
+from dsec_core.sources.base import BlobStoreSource, LayerSource
 from dsec_core.testing.fixtures import leaves_no_mounts_or_threads
 
 pytestmark = [
@@ -115,8 +115,14 @@ def layer(tmp_path_factory) -> tuple[LayerInfo, Path]:
         pytest.skip("building EROFS layers needs root and mkfs.erofs")
     tmp = tmp_path_factory.mktemp("split-layer")
     store = LayerStore(tmp / "store")
-    info = build_layer(_make_tree(tmp / "src"), name="lazyws", version="1", kind="workspace",
-                       store=store, all_root=False)
+    info = build_layer(
+        _make_tree(tmp / "src"),
+        name="lazyws",
+        version="1",
+        kind="workspace",
+        store=store,
+        all_root=False,
+    )
     return info, store.image_path(info)
 
 
@@ -134,8 +140,14 @@ def _snapshot(root: Path) -> dict[str, tuple]:
                 what = hashlib.sha256(p.read_bytes()).hexdigest()
             else:
                 what = None
-            out[str(p.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns,
-                                             st.st_nlink, what)
+            out[str(p.relative_to(root))] = (
+                st.st_mode,
+                st.st_uid,
+                st.st_gid,
+                st.st_mtime_ns,
+                st.st_nlink,
+                what,
+            )
     return out
 
 
@@ -153,8 +165,10 @@ def test_split_mounts_as_the_same_tree(layer, mounts, tmp_path):
     # the duplicated 3 MiB file is stored once; metadata is a small fraction
     assert 5 * MiB < form.index.blob_size < 7 * MiB
     assert form.meta_size < 64 * 1024
-    assert [p.name for p in (tmp_path / "split").iterdir()] in (["meta.erofs", "data.blob"],
-                                                               ["data.blob", "meta.erofs"])
+    assert [p.name for p in (tmp_path / "split").iterdir()] in (
+        ["meta.erofs", "data.blob"],
+        ["data.blob", "meta.erofs"],
+    )
 
     whole = _snapshot(mounts.image(image))
     lazy = _snapshot(mounts.lazy(meta, blob))
@@ -247,6 +261,7 @@ def _count_uploads(source: LayerSource) -> list[str]:
         def counted(key, data):
             seen.append(key)
             return write(key, data)
+
         source._write = counted  # type: ignore[method-assign]
     else:
         request = source.client.do_request
@@ -255,6 +270,7 @@ def _count_uploads(source: LayerSource) -> list[str]:
             if method in ("POST", "PUT", "PATCH"):
                 seen.append(f"{method} {url.split('?')[0]}")
             return request(url, method, *a, **kw)
+
         source.client.do_request = counted_request  # type: ignore[method-assign]
     return seen
 
@@ -264,6 +280,7 @@ def s3_server():
     pytest.importorskip("boto3")
     pytest.importorskip("dsec_layer_s3")
     from s3server import running_s3_server
+
     with running_s3_server(buckets=("dsec",)) as s:
         yield s
 
@@ -272,6 +289,7 @@ def s3_server():
 def registry():
     pytest.importorskip("dsec_layer_oci")
     from oci_registry import local_registry, registry_binary
+
     if registry_binary() is None:
         pytest.skip("docker-registry is not installed")
     with local_registry() as reg:
@@ -290,14 +308,17 @@ def _flip(path: Path) -> None:
 def harness(request, tmp_path, monkeypatch) -> Harness:
     if request.param == "posix":
         from dsec_layer_posix import PosixLayerSource
+
         shared = tmp_path / "shared-fs"
         shared.mkdir()
-        return Harness("posix", lambda cache: PosixLayerSource(str(shared), cache_dir=cache),
-                       lambda src, digest: _flip(shared / src.blob_key(digest)))
+        return Harness(
+            "posix",
+            lambda cache: PosixLayerSource(str(shared), cache_dir=cache),
+            lambda src, digest: _flip(shared / src.blob_key(digest)),
+        )
     if request.param == "s3":
         server = request.getfixturevalue("s3_server")
-        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-                    "AWS_ENDPOINT_URL_S3"):
+        for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
             monkeypatch.delenv(var, raising=False)
         monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
@@ -305,6 +326,7 @@ def harness(request, tmp_path, monkeypatch) -> Harness:
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         from dsec_layer_s3 import S3LayerSource
+
         location = server.url("dsec", f"t-{uuid.uuid4().hex[:10]}").removeprefix("s3://")
 
         def damage_s3(src, digest):
@@ -312,14 +334,17 @@ def harness(request, tmp_path, monkeypatch) -> Harness:
             data = bytearray(src._read(key))
             data[len(data) // 2] ^= 0xFF
             src._write(key, bytes(data))
+
         return Harness("s3", lambda cache: S3LayerSource(location, cache_dir=cache), damage_s3)
     reg = request.getfixturevalue("registry")
     from dsec_layer_oci import OciLayerSource
+
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    return Harness("oci",
-                   lambda cache: OciLayerSource(f"{reg.address}/{prefix}?insecure=1",
-                                                cache_dir=cache),
-                   lambda src, digest: _flip(reg.blob_file(digest)))
+    return Harness(
+        "oci",
+        lambda cache: OciLayerSource(f"{reg.address}/{prefix}?insecure=1", cache_dir=cache),
+        lambda src, digest: _flip(reg.blob_file(digest)),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -348,8 +373,15 @@ def test_push_publishes_the_lazy_form_once(harness, layer, local_split, tmp_path
     assert uploads == []  # the same layer again: nothing uploaded
 
     # the same image under another version: only its name record goes up, no second split
-    again = LayerInfo(name=info.name, version="2", kind=info.kind, digest=info.digest,
-                      size=info.size, created=info.created, source=info.source)
+    again = LayerInfo(
+        name=info.name,
+        version="2",
+        kind=info.kind,
+        digest=info.digest,
+        size=info.size,
+        created=info.created,
+        source=info.source,
+    )
     assert src.push(again, image) is True
     assert len(uploads) == 1, uploads
     assert src.lazy_form(again) == want
@@ -388,7 +420,7 @@ def test_read_blob_returns_exact_ranges(harness, layer, local_split, tmp_path):
     form = src.lazy_form(info)
     d = form.index.blob_digest
     for off, n in ((0, 10), (MiB - 5, 10), (MiB, MiB), (len(data) - 100, 100), (12345, 1)):
-        assert src.read_blob(d, off, n) == data[off:off + n], (off, n)
+        assert src.read_blob(d, off, n) == data[off : off + n], (off, n)
     assert src.read_blob(d, len(data) - 3, 10) == data[-3:]  # short at the end
     assert src.read_blob(d, len(data) + 10, 10) == b""
     assert src.read_blob(d, 5, 0) == b""

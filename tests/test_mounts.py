@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from dsec_core.backend import IdMap
 from dsec_core.errors import MountError
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore

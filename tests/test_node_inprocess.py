@@ -16,11 +16,11 @@ from dsec_core.config import NodeConfig
 from dsec_core.errors import InvalidSpec, PolicyUnavailable, UnknownPolicy
 from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.build import build_layer
-from dsec_core.sources.base import LayerSource
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
 from dsec_core.records import LayerInfo, SandboxSpec
 from dsec_core.security import SecurityPolicy
+from dsec_core.sources.base import LayerSource
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -35,8 +35,9 @@ class ReadOnlyPaths(SecurityPolicy):
 
     def validate(self, settings):
         paths = settings.get("paths")
-        if not isinstance(paths, list) or not all(isinstance(p, str) and p.startswith("/")
-                                                  for p in paths):
+        if not isinstance(paths, list) or not all(
+            isinstance(p, str) and p.startswith("/") for p in paths
+        ):
             raise InvalidSpec("readonly-paths needs paths: a list of absolute paths")
 
     def apply_oci(self, rt, settings, config):
@@ -133,9 +134,13 @@ async def test_policies_apply_only_to_the_sandboxes_that_ask(node_with_plugin):
     try:
         plain = await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M"))
         assert (await node.exec(plain.id, "echo x > /etc/new-file")).exit_code == 0
-        guarded = await node.create(SandboxSpec(
-            layers=("kit-base@1",), memory="64M",
-            policies={"readonly-paths": {"paths": ["/etc", "/root"]}}))
+        guarded = await node.create(
+            SandboxSpec(
+                layers=("kit-base@1",),
+                memory="64M",
+                policies={"readonly-paths": {"paths": ["/etc", "/root"]}},
+            )
+        )
         for path in ("/etc/new-file", "/root/new-file"):
             r = await node.exec(guarded.id, f"echo x > {path}")
             assert r.exit_code != 0 and b"Read-only" in r.stderr, path
@@ -153,21 +158,24 @@ async def test_policies_apply_only_to_the_sandboxes_that_ask(node_with_plugin):
 
 
 async def test_a_policy_that_cannot_be_enforced_fails_the_create_and_leaves_nothing(
-        node_with_plugin):
+    node_with_plugin,
+):
     node = Node(node_with_plugin)
     await node.open()
     try:
         with pytest.raises(PolicyUnavailable) as e:
-            await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M",
-                                          policies={"cgroup-bpf-only": {}}))
+            await node.create(
+                SandboxSpec(layers=("kit-base@1",), memory="64M", policies={"cgroup-bpf-only": {}})
+            )
         assert e.value.policy == "cgroup-bpf-only" and e.value.backend == "container"
         assert "cgroup-bpf" in str(e.value) and "oci" in str(e.value)
         with pytest.raises(UnknownPolicy) as e2:
             await node.create(SandboxSpec(layers=("kit-base@1",), policies={"nope": {}}))
         assert "readonly-paths" in str(e2.value)  # names the known ones
         with pytest.raises(InvalidSpec):
-            await node.create(SandboxSpec(layers=("kit-base@1",),
-                                          policies={"readonly-paths": {"paths": "etc"}}))
+            await node.create(
+                SandboxSpec(layers=("kit-base@1",), policies={"readonly-paths": {"paths": "etc"}})
+            )
         assert node.sandboxes == {}
         assert list(node_with_plugin.sandbox_dir.iterdir()) == []
         assert list(node_with_plugin.runtime_dir.iterdir()) == []
@@ -184,9 +192,14 @@ async def test_network_modes_are_enforced_by_a_policy_or_refused(node_with_plugi
         assert "label-network" in str(e.value)  # says which loaded policy could do it
         with pytest.raises(PolicyUnavailable):
             await node.create(SandboxSpec(layers=("kit-base@1",), network="wide-open"))
-        sb = await node.create(SandboxSpec(
-            layers=("kit-base@1",), memory="64M", network="allowlist",
-            policies={"label-network": {"allow": ["pypi.org:443/tcp"]}}))
+        sb = await node.create(
+            SandboxSpec(
+                layers=("kit-base@1",),
+                memory="64M",
+                network="allowlist",
+                policies={"label-network": {"allow": ["pypi.org:443/tcp"]}},
+            )
+        )
         r = await node.exec(sb.id, "cat /proc/1/environ | tr '\\0' '\\n' | grep NETWORK_RULES")
         assert r.stdout == b"NETWORK_RULES=pypi.org:443/tcp\n"
         await node.kill(sb.id)

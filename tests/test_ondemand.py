@@ -15,11 +15,11 @@ import pytest
 
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
-from dsec_core.sources.transfer import push_layer
-from dsec_core.plugins import open_source
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
+from dsec_core.plugins import open_source
 from dsec_core.records import LayerRef, SandboxSpec
+from dsec_core.sources.transfer import push_layer
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -32,8 +32,13 @@ def setup(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     staging = LayerStore(tmp_path / "staging")
-    build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="od-base", version="1",
-                kind="base", store=staging)
+    build_layer(
+        make_busybox_rootfs(tmp_path / "rootfs"),
+        name="od-base",
+        version="1",
+        kind="base",
+        store=staging,
+    )
     ws = tmp_path / "ws" / "workspace"
     ws.mkdir(parents=True)
     rng = random.Random(3)
@@ -46,8 +51,7 @@ def setup(tmp_path):
     for ref in ("od-base@1", "od-ws@1"):
         push_layer(ref, dest, staging)
     home = Path(tempfile.mkdtemp(prefix="dsec-ondemand-"))
-    config = NodeConfig(home=home, layer_sources=("local", f"posix:{shared}"),
-                        fetch_timeout=2.0)
+    config = NodeConfig(home=home, layer_sources=("local", f"posix:{shared}"), fetch_timeout=2.0)
     yield config, shared
     left = leftovers(home)
     shutil.rmtree(home, ignore_errors=True)
@@ -63,7 +67,7 @@ async def test_reads_fetch_only_what_they_touch(setup):
         r = await node.exec(sb.id, "cat /workspace/small.txt")
         assert r.stdout == b"tiny file\n"
         cache = node.ondemand.cache
-        ws_blob = [b for b in node.ondemand.blobs.values() if b.index.blob_size > 10 << 20][0]
+        ws_blob = next(b for b in node.ondemand.blobs.values() if b.index.blob_size > 10 << 20)
         fetched_after_small = cache.fetches
         assert fetched_after_small * ws_blob.index.chunk_size < ws_blob.index.blob_size / 4
         r = await node.exec(sb.id, "md5sum /workspace/big3.bin")
@@ -107,8 +111,9 @@ async def test_damaged_compressed_chunk_gives_eio_not_garbage(setup):
     form = src.lazy_form(src.resolve(LayerRef("od-ws", "1")))
     index = form.index
     assert index.compression == "zstd" and form.blob_size < index.blob_size
-    packed = [i for i in range(len(index.chunks))
-              if index.stored_range(i)[1] < index.chunk_range(i)[1]]
+    packed = [
+        i for i in range(len(index.chunks)) if index.stored_range(i)[1] < index.chunk_range(i)[1]
+    ]
     assert packed  # text.txt's chunks shrank
     blob_file = shared / src.blob_key(index.blob_digest)
     off, n = index.stored_range(packed[0])
@@ -156,8 +161,8 @@ async def test_eager_mode_fetches_whole_images(setup):
 def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
     import signal
 
-    from dsec_core.sdk import Client
     from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
+    from dsec_core.sdk import Client
 
     config, shared = setup
     monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
@@ -167,8 +172,9 @@ def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
         with Client(os.fspath(config.socket_path)) as client:
             sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
             first = sb.exec("md5sum /workspace/big0.bin").check().stdout
-            chunks_before = {p.name for p in (config.cache_dir / "chunks").rglob("*")
-                             if p.is_file()}
+            chunks_before = {
+                p.name for p in (config.cache_dir / "chunks").rglob("*") if p.is_file()
+            }
             old = daemon_pid(config)
             os.kill(old, signal.SIGKILL)
             deadline = time.monotonic() + 10
@@ -181,8 +187,7 @@ def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
             again = client.get(sb.id)
             assert again.exec("md5sum /workspace/big0.bin").check().stdout == first
             again.exec("md5sum /workspace/big1.bin").check()  # chunks nobody had fetched
-            chunks_after = {p.name for p in (config.cache_dir / "chunks").rglob("*")
-                            if p.is_file()}
+            chunks_after = {p.name for p in (config.cache_dir / "chunks").rglob("*") if p.is_file()}
             assert chunks_before <= chunks_after  # the cache survived as it was
             again.kill()
     finally:

@@ -16,11 +16,23 @@ from dsec_core.records import NodeLoad, SandboxSpec
 SPEC = SandboxSpec(layers=("x@1",), cpu=1.0, memory="1G")
 
 
-def node(name: str, cpu: float = 0.0, memory: int = 0, sandboxes: int = 0,
-         backends: tuple[str, ...] = ("container",)) -> NodeLoad:
-    return NodeLoad(node=name, backends=backends, cpu_capacity=100.0, cpu_committed=cpu,
-                    memory_capacity=64 << 30, memory_committed=memory, sandboxes=sandboxes,
-                    max_sandboxes=1000)
+def node(
+    name: str,
+    cpu: float = 0.0,
+    memory: int = 0,
+    sandboxes: int = 0,
+    backends: tuple[str, ...] = ("container",),
+) -> NodeLoad:
+    return NodeLoad(
+        node=name,
+        backends=backends,
+        cpu_capacity=100.0,
+        cpu_committed=cpu,
+        memory_capacity=64 << 30,
+        memory_committed=memory,
+        sandboxes=sandboxes,
+        max_sandboxes=1000,
+    )
 
 
 def test_load_is_the_fullest_resource():

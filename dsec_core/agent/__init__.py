@@ -26,8 +26,10 @@ AGENT_SOURCE_DIR = Path(__file__).with_name("src")
 def agent_sources(source_dir: Path = AGENT_SOURCE_DIR) -> list[Path]:
     """The agent's source files (``*.c`` and ``*.h`` in ``source_dir``), sorted by name."""
     source_dir = Path(source_dir)
-    return sorted((p for p in source_dir.iterdir()
-                   if p.suffix in (".c", ".h") and p.is_file()), key=lambda p: p.name)
+    return sorted(
+        (p for p in source_dir.iterdir() if p.suffix in (".c", ".h") and p.is_file()),
+        key=lambda p: p.name,
+    )
 
 
 def _digest(sources: list[Path]) -> str:
@@ -61,17 +63,34 @@ def ensure_agent(bin_dir: Path, source_dir: Path = AGENT_SOURCE_DIR) -> Path:
         return target
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
-        raise BackendUnavailable("building the sandbox agent needs gcc and static glibc "
-                                 "(apt-get install gcc libc6-dev)", tool="gcc")
+        raise BackendUnavailable(
+            "building the sandbox agent needs gcc and static glibc (apt-get install gcc libc6-dev)",
+            tool="gcc",
+        )
     bin_dir.mkdir(parents=True, exist_ok=True)
     tmp = bin_dir / f".dsec-agent-{digest}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    command = [gcc, "-static", "-O2", "-Wall", "-Werror", "-I", str(source_dir),
-               "-o", str(tmp), *(str(p) for p in sources if p.suffix == ".c")]
+    command = [
+        gcc,
+        "-static",
+        "-O2",
+        "-Wall",
+        "-Werror",
+        "-I",
+        str(source_dir),
+        "-o",
+        str(tmp),
+        *(str(p) for p in sources if p.suffix == ".c"),
+    ]
     try:
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise ToolError("building the sandbox agent failed", command=command,
-                            exit_code=proc.returncode, stdout=proc.stdout, stderr=proc.stderr)
+            raise ToolError(
+                "building the sandbox agent failed",
+                command=command,
+                exit_code=proc.returncode,
+                stdout=proc.stdout,
+                stderr=proc.stderr,
+            )
         os.chmod(tmp, 0o755)
         os.rename(tmp, target)
     finally:

@@ -16,7 +16,8 @@ import os
 import shlex
 import socket
 import struct
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import (
     InvalidSpec,
@@ -28,7 +29,7 @@ from ..errors import (
 )
 from ..records import ExecResult, FileEntry
 
-__all__ = ["AgentClient", "MAX_FRAME", "MAX_OUTPUT", "CHUNK"]
+__all__ = ["CHUNK", "MAX_FRAME", "MAX_OUTPUT", "AgentClient"]
 
 MAX_FRAME = 16 << 20  # the agent refuses headers and bodies above this
 CHUNK = 8 << 20  # file transfers are split into pieces of this size
@@ -53,8 +54,10 @@ def _encode(fields: Sequence[tuple[str, Any]]) -> bytes:
         parts.append(struct.pack("<B", len(k)) + k + struct.pack("<I", len(v)) + v)
     payload = b"".join(parts)
     if len(payload) > MAX_FRAME:
-        raise InvalidSpec(f"request header of {len(payload)} bytes is over the agent's "
-                          f"{MAX_FRAME} byte limit (command or env too large)")
+        raise InvalidSpec(
+            f"request header of {len(payload)} bytes is over the agent's "
+            f"{MAX_FRAME} byte limit (command or env too large)"
+        )
     return struct.pack("<I", len(payload)) + payload
 
 
@@ -63,11 +66,11 @@ def _decode(payload: bytes) -> _Fields:
     i, n = 0, len(payload)
     while i < n:
         kl = payload[i]
-        key = payload[i + 1:i + 1 + kl].decode()
+        key = payload[i + 1 : i + 1 + kl].decode()
         i += 1 + kl
         (vl,) = struct.unpack_from("<I", payload, i)
         i += 4
-        out.setdefault(key, []).append(payload[i:i + vl])
+        out.setdefault(key, []).append(payload[i : i + vl])
         i += vl
     return out
 
@@ -84,8 +87,13 @@ def _num(fields: _Fields, key: str, default: int = 0) -> int:
 
 def _entry(value: bytes) -> FileEntry:
     kind, size, mode, sec, nsec, name = value.split(b" ", 5)
-    return FileEntry(name=os.fsdecode(name), type=_TYPES.get(kind, "other"), size=int(size),
-                     mode=int(mode), mtime=int(sec) + int(nsec) / 1e9)
+    return FileEntry(
+        name=os.fsdecode(name),
+        type=_TYPES.get(kind, "other"),
+        size=int(size),
+        mode=int(mode),
+        mtime=int(sec) + int(nsec) / 1e9,
+    )
 
 
 def _env_fields(env: Mapping[str, str] | None) -> list[tuple[str, str]]:
@@ -112,24 +120,33 @@ class AgentClient:
         return f"sandbox {self.sandbox_id}" if self.sandbox_id else f"agent {self.socket_path}"
 
     def _gone(self, why: object) -> SandboxNotRunning:
-        return SandboxNotRunning(f"{self._where()}: the agent is not reachable ({why})",
-                                 sandbox_id=self.sandbox_id, socket=self.socket_path)
+        return SandboxNotRunning(
+            f"{self._where()}: the agent is not reachable ({why})",
+            sandbox_id=self.sandbox_id,
+            socket=self.socket_path,
+        )
 
-    async def _call(self, fields: Sequence[tuple[str, Any]], body: bytes = b"",
-                    timeout: float | None = None) -> tuple[_Fields, bytes]:
+    async def _call(
+        self, fields: Sequence[tuple[str, Any]], body: bytes = b"", timeout: float | None = None
+    ) -> tuple[_Fields, bytes]:
         if timeout is None:
             return await self._roundtrip(fields, body)
         try:
             return await asyncio.wait_for(self._roundtrip(fields, body), timeout + _TIMEOUT_SLACK)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # wait_for closed our connection, which tells the agent to kill the command
-            raise SandboxError(f"{self._where()}: the agent did not answer within "
-                               f"{timeout + _TIMEOUT_SLACK:.0f}s", sandbox_id=self.sandbox_id) from None
+            raise SandboxError(
+                f"{self._where()}: the agent did not answer within {timeout + _TIMEOUT_SLACK:.0f}s",
+                sandbox_id=self.sandbox_id,
+            ) from None
 
-    async def _roundtrip(self, fields: Sequence[tuple[str, Any]], body: bytes) -> tuple[_Fields, bytes]:
+    async def _roundtrip(
+        self, fields: Sequence[tuple[str, Any]], body: bytes
+    ) -> tuple[_Fields, bytes]:
         if len(body) > MAX_FRAME:
-            raise InvalidSpec(f"request body of {len(body)} bytes is over the agent's "
-                              f"{MAX_FRAME} byte limit")
+            raise InvalidSpec(
+                f"request body of {len(body)} bytes is over the agent's {MAX_FRAME} byte limit"
+            )
         fields = list(fields)
         if body:
             fields.append(("body_len", len(body)))
@@ -176,8 +193,9 @@ class AgentClient:
         if kind == "path":
             path = os.fsdecode(_one(reply, "path"))
             code = _num(reply, "errno")
-            return SandboxPathError(f"{where}: {path}: {message}", path=path, errno=code,
-                                    sandbox_id=sid)
+            return SandboxPathError(
+                f"{where}: {path}: {message}", path=path, errno=code, sandbox_id=sid
+            )
         if kind == "unknown_session":
             known = [s.decode() for s in reply.get("session", [])]
             name = _one(reply, "name").decode()
@@ -190,31 +208,47 @@ class AgentClient:
 
     def _result(self, reply: _Fields, body: bytes, command: str) -> ExecResult:
         n = _num(reply, "stdout_len")
-        return ExecResult(exit_code=_num(reply, "exit_code"), stdout=body[:n], stderr=body[n:],
-                          duration=_num(reply, "duration_us") / 1e6,
-                          truncated=bool(_num(reply, "truncated")),
-                          timed_out=bool(_num(reply, "timed_out")),
-                          command=command, sandbox_id=self.sandbox_id)
+        return ExecResult(
+            exit_code=_num(reply, "exit_code"),
+            stdout=body[:n],
+            stderr=body[n:],
+            duration=_num(reply, "duration_us") / 1e6,
+            truncated=bool(_num(reply, "truncated")),
+            timed_out=bool(_num(reply, "timed_out")),
+            command=command,
+            sandbox_id=self.sandbox_id,
+        )
 
     @staticmethod
     def _timeout_ms(timeout: float | None) -> int:
         if timeout is None:
             return 0
         if timeout <= 0:
-            raise InvalidSpec(f"timeout must be positive seconds or None, got {timeout}",
-                              field="timeout")
+            raise InvalidSpec(
+                f"timeout must be positive seconds or None, got {timeout}", field="timeout"
+            )
         return max(1, int(timeout * 1000))
 
     # --- API ---------------------------------------------------------------------------------
     async def ping(self) -> dict[str, Any]:
         """The agent's pid (in its pid namespace), version and number of open sessions."""
         reply, _ = await self._call([("op", "ping")])
-        return {"pid": _num(reply, "pid"), "version": _one(reply, "version").decode(),
-                "sessions": _num(reply, "sessions")}
+        return {
+            "pid": _num(reply, "pid"),
+            "version": _one(reply, "version").decode(),
+            "sessions": _num(reply, "sessions"),
+        }
 
-    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-                   cwd: str | None = None, env: Mapping[str, str] | None = None,
-                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
         """Run a command: a string through ``/bin/sh -c``, a list directly (PATH lookup).
 
         ``env`` is merged over PATH/HOME/LANG defaults; ``cwd`` defaults to ``/``; ``stdin``
@@ -233,15 +267,23 @@ class AgentClient:
         fields: list[tuple[str, Any]] = [("op", "exec")]
         fields += [("arg", a) for a in argv]
         fields += _env_fields(env)
-        fields += [("cwd", cwd or "/"), ("timeout_ms", self._timeout_ms(timeout)),
-                   ("max_output", max(0, int(max_output)))]
+        fields += [
+            ("cwd", cwd or "/"),
+            ("timeout_ms", self._timeout_ms(timeout)),
+            ("max_output", max(0, int(max_output))),
+        ]
         if stdin is not None:
             fields.append(("stdin", 1))
         reply, body = await self._call(fields, bytes(stdin or b""), timeout)
         return self._result(reply, body, command)
 
-    async def session_open(self, *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-                           shell: str | None = None) -> str:
+    async def session_open(
+        self,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        shell: str | None = None,
+    ) -> str:
         """Start a persistent shell (bash if present, else sh); returns the session id."""
         fields: list[tuple[str, Any]] = [("op", "session_open"), ("cwd", cwd or "/")]
         fields += _env_fields(env)
@@ -250,8 +292,15 @@ class AgentClient:
         reply, _ = await self._call(fields)
         return _one(reply, "session").decode()
 
-    async def session_exec(self, session_id: str, cmd: str, *, timeout: float | None = None,
-                           stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+    async def session_exec(
+        self,
+        session_id: str,
+        cmd: str,
+        *,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
         """Run ``cmd`` in the session's shell; cwd, variables and functions persist.
 
         Calls on one session run one at a time in arrival order. A timeout kills the command's
@@ -259,8 +308,12 @@ class AgentClient:
         session is over (later calls raise ``SessionClosed``), as after ``exit``.
         """
         fields: list[tuple[str, Any]] = [
-            ("op", "session_exec"), ("session", session_id), ("cmd", cmd),
-            ("timeout_ms", self._timeout_ms(timeout)), ("max_output", max(0, int(max_output)))]
+            ("op", "session_exec"),
+            ("session", session_id),
+            ("cmd", cmd),
+            ("timeout_ms", self._timeout_ms(timeout)),
+            ("max_output", max(0, int(max_output))),
+        ]
         if stdin is not None:
             fields.append(("stdin", 1))
         reply, body = await self._call(fields, bytes(stdin or b""), timeout)
@@ -275,7 +328,9 @@ class AgentClient:
         reply, _ = await self._call([("op", "sessions")])
         return [s.decode() for s in reply.get("session", [])]
 
-    async def read_file(self, path: str | os.PathLike[str], offset: int = 0, length: int = -1) -> bytes:
+    async def read_file(
+        self, path: str | os.PathLike[str], offset: int = 0, length: int = -1
+    ) -> bytes:
         """Up to ``length`` bytes (-1: to the end) from ``offset``."""
         path = os.fspath(path)
         if offset < 0:
@@ -283,8 +338,9 @@ class AgentClient:
         parts, pos, left = [], offset, length
         while True:  # at least one request, so a bad path raises even for length 0
             want = CHUNK if left < 0 else min(CHUNK, left)
-            reply, data = await self._call([("op", "read"), ("path", path), ("offset", pos),
-                                            ("length", want)])
+            reply, data = await self._call(
+                [("op", "read"), ("path", path), ("offset", pos), ("length", want)]
+            )
             parts.append(data)
             pos += len(data)
             if left > 0:
@@ -293,8 +349,16 @@ class AgentClient:
                 break
         return b"".join(parts)
 
-    async def write_file(self, path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644,
-                         offset: int = 0, truncate: bool = True, make_parents: bool = True) -> None:
+    async def write_file(
+        self,
+        path: str | os.PathLike[str],
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        offset: int = 0,
+        truncate: bool = True,
+        make_parents: bool = True,
+    ) -> None:
         """Write ``data`` at ``offset``; ``truncate`` cuts the file at ``offset`` first.
 
         ``mode`` applies to a file this call creates (exactly, ignoring the umask); missing
@@ -306,10 +370,18 @@ class AgentClient:
         view = memoryview(data)
         pos, first = 0, True
         while first or pos < len(view):
-            piece = bytes(view[pos:pos + CHUNK])
-            await self._call([("op", "write"), ("path", path), ("mode", mode),
-                              ("offset", offset + pos), ("truncate", truncate and first),
-                              ("parents", make_parents and first)], piece)
+            piece = bytes(view[pos : pos + CHUNK])
+            await self._call(
+                [
+                    ("op", "write"),
+                    ("path", path),
+                    ("mode", mode),
+                    ("offset", offset + pos),
+                    ("truncate", truncate and first),
+                    ("parents", make_parents and first),
+                ],
+                piece,
+            )
             pos += len(piece)
             first = False
 

@@ -6,11 +6,30 @@
 """
 
 from .build import build_catalog
-from .model import (REWARDS, Catalog, Environment, Task, catalog_schema, default_catalog_file,
-                    load_catalog, parse_catalog)
+from .model import (
+    REWARDS,
+    Catalog,
+    Environment,
+    Task,
+    catalog_schema,
+    default_catalog_file,
+    load_catalog,
+    parse_catalog,
+)
 from .rewards import compute_reward, junit_pass_rate
 from .store import CatalogStore
 
-__all__ = ["Catalog", "Environment", "Task", "CatalogStore", "load_catalog", "parse_catalog",
-           "build_catalog", "catalog_schema", "default_catalog_file", "compute_reward",
-           "junit_pass_rate", "REWARDS"]
+__all__ = [
+    "REWARDS",
+    "Catalog",
+    "CatalogStore",
+    "Environment",
+    "Task",
+    "build_catalog",
+    "catalog_schema",
+    "compute_reward",
+    "default_catalog_file",
+    "junit_pass_rate",
+    "load_catalog",
+    "parse_catalog",
+]

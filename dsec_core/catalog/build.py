@@ -11,8 +11,12 @@ from .store import CatalogStore
 __all__ = ["build_catalog"]
 
 
-def build_catalog(catalog: Catalog, layer_store: LayerStore, catalog_store: CatalogStore,
-                  progress: Progress | None = None) -> list[LayerInfo]:
+def build_catalog(
+    catalog: Catalog,
+    layer_store: LayerStore,
+    catalog_store: CatalogStore,
+    progress: Progress | None = None,
+) -> list[LayerInfo]:
     """Build every recipe not yet in ``layer_store``, then register the catalog.
 
     Returns the layer of every recipe, built now or found in the store. ``progress`` gets
@@ -20,6 +24,7 @@ def build_catalog(catalog: Catalog, layer_store: LayerStore, catalog_store: Cata
     """
     infos = []
     for recipe in catalog.layers:
+
         def stage(name: str, fraction: float | None, _ref: str = recipe.ref) -> None:
             if progress:
                 progress(f"{_ref}: {name}", fraction)

@@ -7,7 +7,7 @@ in the destination is rejected before anything is uploaded.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import CatalogInvalid
 from ..layers.store import LayerStore
@@ -17,7 +17,7 @@ from ..sources.transfer import Transfer, pull_layer, push_layer
 from .model import Catalog, parse_catalog
 from .store import CatalogStore
 
-__all__ = ["publish_catalog", "pull_catalog", "catalog_layer_refs"]
+__all__ = ["catalog_layer_refs", "publish_catalog", "pull_catalog"]
 
 Report = Callable[[str], None]
 
@@ -31,8 +31,9 @@ def catalog_layer_refs(catalog: Catalog) -> list[str]:
     return list(seen)
 
 
-def publish_catalog(catalog: Catalog, dest: LayerSource, local: LayerStore,
-                    report: Report | None = None) -> list[Transfer]:
+def publish_catalog(
+    catalog: Catalog, dest: LayerSource, local: LayerStore, report: Report | None = None
+) -> list[Transfer]:
     """Push the catalog's layers that ``dest`` lacks, then the catalog itself."""
     refs = catalog_layer_refs(catalog)
     missing = []
@@ -48,13 +49,16 @@ def publish_catalog(catalog: Catalog, dest: LayerSource, local: LayerStore,
         raise CatalogInvalid(
             f"catalog {catalog.name}: layer(s) {', '.join(missing)} are neither built on this "
             f"node nor in {dest.url}; build them first (dsec catalog build)",
-            path="$.environments", missing=missing)
+            path="$.environments",
+            missing=missing,
+        )
     done = []
     for ref, have in plan:
         if have:
             t = push_layer(ref, dest, local)
         else:
             info = dest.resolve(LayerRef.parse(ref))
+            assert info is not None  # checked above: the destination has it
             t = Transfer(info.ref, info.digest, info.size, False)
         done.append(t)
         if report:
@@ -66,12 +70,18 @@ def publish_catalog(catalog: Catalog, dest: LayerSource, local: LayerStore,
     return done
 
 
-def pull_catalog(name: str, src: LayerSource, local: LayerStore, catalogs: CatalogStore,
-                 report: Report | None = None) -> tuple[Catalog, list[LayerInfo]]:
+def pull_catalog(
+    name: str,
+    src: LayerSource,
+    local: LayerStore,
+    catalogs: CatalogStore,
+    report: Report | None = None,
+) -> tuple[Catalog, list[LayerInfo]]:
     """Fetch catalog ``name`` and every layer it uses into this node; register it."""
     doc = src.get_catalog(name)
-    catalog = parse_catalog(doc, where=f"{src.url} catalog {name}", check_sources=False,
-                            check_layers=False)
+    catalog = parse_catalog(
+        doc, where=f"{src.url} catalog {name}", check_sources=False, check_layers=False
+    )
     pulled = []
     for ref in catalog_layer_refs(catalog):
         t = pull_layer(ref, src, local)

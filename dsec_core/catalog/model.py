@@ -11,9 +11,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import jsonschema
 import yaml
@@ -24,15 +25,15 @@ from ..layers.store import LayerStore
 from ..records import LayerRef
 
 __all__ = [
+    "REWARDS",
+    "Catalog",
     "Environment",
     "Task",
-    "Catalog",
-    "load_catalog",
-    "parse_catalog",
     "catalog_schema",
     "check_environment_layers",
     "default_catalog_file",
-    "REWARDS",
+    "load_catalog",
+    "parse_catalog",
 ]
 
 REWARDS = ("exit_code", "pass_rate")
@@ -98,9 +99,13 @@ class Task:
     catalog: str = ""
 
     def to_document(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"name": self.name, "environment": self.environment,
-                               "command": self.command, "reward": self.reward,
-                               "timeout": self.timeout}
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "environment": self.environment,
+            "command": self.command,
+            "reward": self.reward,
+            "timeout": self.timeout,
+        }
         for key in ("description", "expect", "report"):
             if getattr(self, key) not in (None, ""):
                 doc[key] = getattr(self, key)
@@ -127,15 +132,21 @@ class Catalog:
         for env in self.environments:
             if env.name == name:
                 return env
-        raise UnknownEnvironment(f"no environment {name!r} in catalog {self.name}", name=name,
-                                 known=[e.name for e in self.environments])
+        raise UnknownEnvironment(
+            f"no environment {name!r} in catalog {self.name}",
+            name=name,
+            known=[e.name for e in self.environments],
+        )
 
     def task(self, name: str) -> Task:
         for task in self.tasks:
             if task.name == name:
                 return task
-        raise UnknownEnvironment(f"no task {name!r} in catalog {self.name}", name=name,
-                                 known=[t.name for t in self.tasks])
+        raise UnknownEnvironment(
+            f"no task {name!r} in catalog {self.name}",
+            name=name,
+            known=[t.name for t in self.tasks],
+        )
 
     def to_document(self) -> dict[str, Any]:
         """The catalog as a document that validates against the schema."""
@@ -152,8 +163,12 @@ def _recipe_document(recipe: LayerRecipe) -> dict[str, Any]:
     source: dict[str, Any] = {}
     if recipe.debootstrap:
         d = recipe.debootstrap
-        source["debootstrap"] = {"suite": d.suite, "variant": d.variant, "include": list(d.include),
-                                 "components": list(d.components)}
+        source["debootstrap"] = {
+            "suite": d.suite,
+            "variant": d.variant,
+            "include": list(d.include),
+            "components": list(d.components),
+        }
         if d.mirror:
             source["debootstrap"]["mirror"] = d.mirror
     for key in ("tar", "docker", "dir"):
@@ -205,17 +220,19 @@ def _schema_fault(error: jsonschema.ValidationError) -> tuple[list[Any], str]:
         m = re.match(r"^'(.+)' is a required property$", error.message)
         if m:
             return [*path, m.group(1)], "required field is missing"
+    schema = error.schema if isinstance(error.schema, Mapping) else {}
     if error.validator == "additionalProperties" and isinstance(error.instance, dict):
-        allowed = set(error.schema.get("properties", {}))
+        allowed = set(schema.get("properties", {}))
         extra = sorted(k for k in error.instance if k not in allowed)
         if extra:
-            return [*path, extra[0]], (f"unknown field {extra[0]!r}; expected one of "
-                                       f"{', '.join(sorted(allowed))}")
+            return [*path, extra[0]], (
+                f"unknown field {extra[0]!r}; expected one of {', '.join(sorted(allowed))}"
+            )
     if error.validator == "dependentRequired" and isinstance(error.instance, dict):
-        for key, needs in error.validator_value.items():
+        for key, needs in dict(error.validator_value).items():  # type: ignore[arg-type]
             if key in error.instance and any(n not in error.instance for n in needs):
                 return [*path, key], f"{key!r} needs {', '.join(map(repr, needs))} too"
-    hint = error.schema.get("x-message") if isinstance(error.schema, dict) else None
+    hint = schema.get("x-message")
     if hint and error.validator == "pattern":
         return path, f"{error.instance!r}: {hint}"
     if hint and error.validator in ("anyOf", "oneOf", "not"):
@@ -235,24 +252,37 @@ def _validate_schema(doc: Any, where: str) -> None:
     raise _invalid(where, path, message)
 
 
-def _recipes(doc: Mapping[str, Any], root: Path, where: str,
-             check_sources: bool) -> list[LayerRecipe]:
+def _recipes(
+    doc: Mapping[str, Any], root: Path, where: str, check_sources: bool
+) -> list[LayerRecipe]:
     recipes: list[LayerRecipe] = []
     seen: dict[str, int] = {}
     for i, item in enumerate(doc.get("layers", [])):
         try:
-            recipe = LayerRecipe.from_source(item["name"], str(item["version"]), item["kind"],
-                                             item["source"], root, item.get("description", ""))
+            recipe = LayerRecipe.from_source(
+                item["name"],
+                str(item["version"]),
+                item["kind"],
+                item["source"],
+                root,
+                item.get("description", ""),
+            )
         except DsecError as e:
             raise _invalid(where, ["layers", i, "source"], str(e)) from e
         if recipe.ref in seen:
-            raise _invalid(where, ["layers", i, "version"],
-                           f"duplicate layer {recipe.ref} (also $.layers[{seen[recipe.ref]}])")
+            raise _invalid(
+                where,
+                ["layers", i, "version"],
+                f"duplicate layer {recipe.ref} (also $.layers[{seen[recipe.ref]}])",
+            )
         seen[recipe.ref] = i
         for key, path in (("dir", recipe.dir_path), ("tar", recipe.tar_path)):
             if check_sources and path is not None and not path.exists():
-                raise _invalid(where, ["layers", i, "source", key],
-                               f"{path} does not exist (relative paths start at {root})")
+                raise _invalid(
+                    where,
+                    ["layers", i, "source", key],
+                    f"{path} does not exist (relative paths start at {root})",
+                )
         recipes.append(recipe)
     return recipes
 
@@ -261,16 +291,23 @@ def _unique(items: Sequence[Any], section: str, where: str) -> None:
     seen: dict[str, int] = {}
     for i, item in enumerate(items):
         if item.name in seen:
-            raise _invalid(where, [section, i, "name"],
-                           f"duplicate name {item.name!r} (also $.{section}[{seen[item.name]}])")
+            raise _invalid(
+                where,
+                [section, i, "name"],
+                f"duplicate name {item.name!r} (also $.{section}[{seen[item.name]}])",
+            )
         seen[item.name] = i
 
 
-def check_environment_layers(environments: Sequence[Environment], recipes: Sequence[LayerRecipe],
-                  store: LayerStore | None, where: str) -> None:
+def check_environment_layers(
+    environments: Sequence[Environment],
+    recipes: Sequence[LayerRecipe],
+    store: LayerStore | None,
+    where: str,
+) -> None:
     kinds = {r.ref: r.kind for r in recipes}
     for i, env in enumerate(environments):
-        slots = [("base", None, env.base, "base")]
+        slots: list[tuple[str, int | None, str, str]] = [("base", None, env.base, "base")]
         slots += [("workspaces", j, ref, "workspace") for j, ref in enumerate(env.workspaces)]
         slots += [("toolkits", j, ref, "toolkit") for j, ref in enumerate(env.toolkits)]
         for key, j, ref, want in slots:
@@ -283,9 +320,12 @@ def check_environment_layers(environments: Sequence[Environment], recipes: Seque
                     pass
             if kind is None:
                 known = sorted(set(kinds) | ({i.ref for i in store.list()} if store else set()))
-                raise _invalid(where, path,
-                               f"layer {ref} is neither a layer of this catalog nor in the store"
-                               f" (known: {', '.join(known) or 'none'})")
+                raise _invalid(
+                    where,
+                    path,
+                    f"layer {ref} is neither a layer of this catalog nor in the store"
+                    f" (known: {', '.join(known) or 'none'})",
+                )
             if kind != want:
                 raise _invalid(where, path, f"layer {ref} is a {kind} layer, not a {want} layer")
 
@@ -295,9 +335,15 @@ def default_catalog_file() -> Path:
     return Path(__file__).resolve().with_name("default") / "default.yaml"
 
 
-def parse_catalog(doc: Any, *, where: str = "<catalog>", root: Path | str = ".",
-                  store: LayerStore | None = None, check_sources: bool = True,
-                  check_layers: bool = True) -> Catalog:
+def parse_catalog(
+    doc: Any,
+    *,
+    where: str = "<catalog>",
+    root: Path | str = ".",
+    store: LayerStore | None = None,
+    check_sources: bool = True,
+    check_layers: bool = True,
+) -> Catalog:
     """Check a catalog document (schema, then meaning) and make the records.
 
     Relative recipe paths start at ``root``; ``check_sources`` checks that they exist.
@@ -311,34 +357,59 @@ def parse_catalog(doc: Any, *, where: str = "<catalog>", root: Path | str = ".",
     name = doc["name"]
     recipes = _recipes(doc, root, where, check_sources)
     environments = [
-        Environment(name=e["name"], base=e["base"], workspaces=e.get("workspaces", ()),
-                    toolkits=e.get("toolkits", ()), env=e.get("env", {}),
-                    workdir=e.get("workdir", "/"), description=e.get("description", ""),
-                    catalog=name)
+        Environment(
+            name=e["name"],
+            base=e["base"],
+            workspaces=e.get("workspaces", ()),
+            toolkits=e.get("toolkits", ()),
+            env=e.get("env", {}),
+            workdir=e.get("workdir", "/"),
+            description=e.get("description", ""),
+            catalog=name,
+        )
         for e in doc.get("environments", [])
     ]
     _unique(environments, "environments", where)
     if check_layers:
         check_environment_layers(environments, recipes, store, where)
     tasks = [
-        Task(name=t["name"], environment=t["environment"], command=t["command"],
-             reward=t["reward"], timeout=float(t.get("timeout", 60.0)),
-             description=t.get("description", ""), expect=t.get("expect"),
-             report=t.get("report"), catalog=name)
+        Task(
+            name=t["name"],
+            environment=t["environment"],
+            command=t["command"],
+            reward=t["reward"],
+            timeout=float(t.get("timeout", 60.0)),
+            description=t.get("description", ""),
+            expect=t.get("expect"),
+            report=t.get("report"),
+            catalog=name,
+        )
         for t in doc.get("tasks", [])
     ]
     _unique(tasks, "tasks", where)
     env_names = [e.name for e in environments]
     for i, task in enumerate(tasks):
         if task.environment not in env_names:
-            raise _invalid(where, ["tasks", i, "environment"],
-                           f"unknown environment {task.environment!r} (known: "
-                           f"{', '.join(env_names) or 'none'})")
+            raise _invalid(
+                where,
+                ["tasks", i, "environment"],
+                f"unknown environment {task.environment!r} (known: "
+                f"{', '.join(env_names) or 'none'})",
+            )
         if task.reward == "exit_code" and task.expect not in (None, 0, 1):
-            raise _invalid(where, ["tasks", i, "expect"],
-                           f"an exit_code reward is 0.0 or 1.0, never {task.expect}")
-    return Catalog(name=name, layers=tuple(recipes), environments=tuple(environments),
-                   tasks=tuple(tasks), description=doc.get("description", ""), root=str(root))
+            raise _invalid(
+                where,
+                ["tasks", i, "expect"],
+                f"an exit_code reward is 0.0 or 1.0, never {task.expect}",
+            )
+    return Catalog(
+        name=name,
+        layers=tuple(recipes),
+        environments=tuple(environments),
+        tasks=tuple(tasks),
+        description=doc.get("description", ""),
+        root=str(root),
+    )
 
 
 def load_catalog(path: Path | str, *, store: LayerStore | None = None) -> Catalog:
@@ -352,8 +423,11 @@ def load_catalog(path: Path | str, *, store: LayerStore | None = None) -> Catalo
     try:
         doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise CatalogInvalid(f"{where}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}:"
-                             f" {e}", path="$", file=where) from e
+        raise CatalogInvalid(
+            f"{where}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}",
+            path="$",
+            file=where,
+        ) from e
     root = path.resolve().parent
     catalog = parse_catalog(doc, where=where, root=root, store=store)
     return Catalog(**{**catalog_fields(catalog), "path": str(path.resolve())})

@@ -7,13 +7,13 @@ a policy must never earn reward by making the judge fail.
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import DsecError, InvalidSpec
 from ..records import ExecResult
 from .model import Task
 
-__all__ = ["compute_reward", "junit_pass_rate", "MAX_REPORT_BYTES"]
+__all__ = ["MAX_REPORT_BYTES", "compute_reward", "junit_pass_rate"]
 
 MAX_REPORT_BYTES = 16 << 20  # a report bigger than this is a policy filling the disk, not tests
 
@@ -39,8 +39,9 @@ def junit_pass_rate(data: bytes) -> float:
     return passed / total if total else 0.0
 
 
-def compute_reward(task: Task, result: ExecResult,
-                   read_file: Callable[[str], bytes] | None = None) -> float:
+def compute_reward(
+    task: Task, result: ExecResult, read_file: Callable[[str], bytes] | None = None
+) -> float:
     """The reward of one run of ``task``.
 
     ``exit_code``: 1.0 if the command exited 0 in time, else 0.0. ``pass_rate``: the pass rate
@@ -57,5 +58,7 @@ def compute_reward(task: Task, result: ExecResult,
         except (DsecError, OSError):  # missing, a directory, unreadable: scores 0
             return 0.0
         return junit_pass_rate(data)
-    raise InvalidSpec(f"task {task.name}: unknown reward {task.reward!r}; expected exit_code or "
-                      "pass_rate", field="reward")
+    raise InvalidSpec(
+        f"task {task.name}: unknown reward {task.reward!r}; expected exit_code or pass_rate",
+        field="reward",
+    )

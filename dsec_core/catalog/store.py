@@ -28,8 +28,12 @@ class CatalogStore:
         return f"CatalogStore({str(self.root)!r})"
 
     def save(self, catalog: Catalog) -> Path:
-        record = {"saved": time.time(), "path": catalog.path, "root": catalog.root,
-                  "catalog": catalog.to_document()}
+        record = {
+            "saved": time.time(),
+            "path": catalog.path,
+            "root": catalog.root,
+            "catalog": catalog.to_document(),
+        }
         target = self.root / f"{catalog.name}.json"
         write_atomic(target, json.dumps(record, indent=2).encode() + b"\n")
         return target
@@ -37,8 +41,9 @@ class CatalogStore:
     def remove(self, name: str) -> None:
         target = self.root / f"{name}.json"
         if not target.exists():
-            raise UnknownEnvironment(f"no catalog {name!r}", name=name,
-                                     known=[c.name for c in self.catalogs()])
+            raise UnknownEnvironment(
+                f"no catalog {name!r}", name=name, known=[c.name for c in self.catalogs()]
+            )
         target.unlink()
 
     def catalogs(self) -> list[Catalog]:
@@ -55,11 +60,17 @@ class CatalogStore:
             except FileNotFoundError:
                 continue
             except json.JSONDecodeError as e:
-                raise CatalogInvalid(f"{file}: not valid JSON: {e}", path="$", file=str(file))
+                raise CatalogInvalid(
+                    f"{file}: not valid JSON: {e}", path="$", file=str(file)
+                ) from e
             # Built catalogs no longer need their sources: the layers are in the store.
-            catalog = parse_catalog(record["catalog"], where=str(file),
-                                    root=record.get("root", "."), check_sources=False,
-                                    check_layers=False)
+            catalog = parse_catalog(
+                record["catalog"],
+                where=str(file),
+                root=record.get("root", "."),
+                check_sources=False,
+                check_layers=False,
+            )
             catalog = Catalog(**{**catalog_fields(catalog), "path": record.get("path", "")})
             self._parsed[file] = (key, catalog)
             out.append(catalog)
@@ -77,8 +88,9 @@ class CatalogStore:
         for env in envs:
             if env.name == name:
                 return env
-        raise UnknownEnvironment(f"unknown environment {name!r}", name=name,
-                                 known=sorted(e.name for e in envs))
+        raise UnknownEnvironment(
+            f"unknown environment {name!r}", name=name, known=sorted(e.name for e in envs)
+        )
 
     def tasks(self) -> list[Task]:
         out: dict[str, Task] = {}
@@ -92,5 +104,6 @@ class CatalogStore:
         for task in tasks:
             if task.name == name:
                 return task
-        raise UnknownEnvironment(f"unknown task {name!r}", name=name,
-                                 known=sorted(t.name for t in tasks))
+        raise UnknownEnvironment(
+            f"unknown task {name!r}", name=name, known=sorted(t.name for t in tasks)
+        )

@@ -17,7 +17,7 @@ from ..linux.erofs import mkfs_erofs
 from ..records import LayerInfo, LayerRef
 from .store import LayerStore, Progress, check_kind
 
-__all__ = ["build_layer", "build_tree", "make_image", "extract_tar", "export_docker_image"]
+__all__ = ["build_layer", "build_tree", "export_docker_image", "extract_tar", "make_image"]
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -26,8 +26,14 @@ def _noop(stage: str, fraction: float | None) -> None:
     pass
 
 
-def make_image(tree: Path, image: Path, *, all_root: bool, timestamp: int | None = None,
-               progress: Progress | None = None) -> Path:
+def make_image(
+    tree: Path,
+    image: Path,
+    *,
+    all_root: bool,
+    timestamp: int | None = None,
+    progress: Progress | None = None,
+) -> Path:
     """Make a reproducible EROFS image of ``tree`` (``linux.erofs.mkfs_erofs``), reporting
     its ``mkfs`` stage to ``progress``."""
     progress = progress or _noop
@@ -38,6 +44,7 @@ def make_image(tree: Path, image: Path, *, all_root: bool, timestamp: int | None
 
 
 # --- tar and docker sources ----------------------------------------------------------------
+
 
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
@@ -62,20 +69,24 @@ def _member_check(root: str):
         else:
             real = os.path.realpath(target)
         if not _inside(real, root) or not _inside(os.path.normpath(target), root):
-            raise LayerBuildError(f"tar member {name!r} would be written outside the layer",
-                                  member=name)
+            raise LayerBuildError(
+                f"tar member {name!r} would be written outside the layer", member=name
+            )
         if member.islnk():
             if os.path.isabs(member.linkname):
-                raise LayerBuildError(f"tar hard link {name!r} -> {member.linkname!r} is absolute",
-                                      member=name)
+                raise LayerBuildError(
+                    f"tar hard link {name!r} -> {member.linkname!r} is absolute", member=name
+                )
             if not _inside(os.path.realpath(os.path.join(root, member.linkname)), root):
-                raise LayerBuildError(f"tar hard link {name!r} -> {member.linkname!r} leaves the "
-                                      "layer", member=name)
+                raise LayerBuildError(
+                    f"tar hard link {name!r} -> {member.linkname!r} leaves the layer", member=name
+                )
         if member.ischr() or member.isblk():
             top = os.path.normpath(name).split("/", 1)[0]
             if top != "dev":
-                raise LayerBuildError(f"tar member {name!r} is a device node outside /dev",
-                                      member=name)
+                raise LayerBuildError(
+                    f"tar member {name!r} is a device node outside /dev", member=name
+                )
         return member
 
     return check
@@ -91,6 +102,7 @@ def extract_tar(archive: Path, dest: Path, progress: Progress | None = None) -> 
     size = max(archive.stat().st_size, 1)
     try:
         with open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r:*") as tar:
+
             def filtered(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
                 progress("extract", min(raw.tell() / size, 1.0))
                 return check(member, path)
@@ -121,9 +133,13 @@ def export_docker_image(image: str, output: Path, progress: Progress | None = No
         container = docker.container.create(image, ["/bin/true"])
         docker.container.export(container, output)
     except DockerException as e:
-        raise ToolError(f"exporting docker image {image!r} failed",
-                        command=list(e.docker_command or []), exit_code=e.return_code,
-                        stdout=e.stdout or "", stderr=e.stderr or "") from e
+        raise ToolError(
+            f"exporting docker image {image!r} failed",
+            command=list(e.docker_command or []),
+            exit_code=e.return_code,
+            stdout=e.stdout or "",
+            stderr=e.stderr or "",
+        ) from e
     finally:
         if container is not None:
             with contextlib.suppress(DockerException):
@@ -134,15 +150,27 @@ def export_docker_image(image: str, output: Path, progress: Progress | None = No
 
 # --- layers --------------------------------------------------------------------------------
 
-def build_tree(tree: Path, *, name: str, version: str | None, kind: str, store: LayerStore,
-               all_root: bool, timestamp: int | None = None, source: str = "",
-               progress: Progress | None = None) -> LayerInfo:
+
+def build_tree(
+    tree: Path,
+    *,
+    name: str,
+    version: str | None,
+    kind: str,
+    store: LayerStore,
+    all_root: bool,
+    timestamp: int | None = None,
+    source: str = "",
+    progress: Progress | None = None,
+) -> LayerInfo:
     """Make an image of a prepared directory tree and add it to ``store``."""
     with store.scratch("image-") as scratch:
-        image = make_image(tree, scratch / "layer.erofs", all_root=all_root, timestamp=timestamp,
-                           progress=progress)
-        return store.add(image, name=name, version=version, kind=kind, source=source,
-                         progress=progress)
+        image = make_image(
+            tree, scratch / "layer.erofs", all_root=all_root, timestamp=timestamp, progress=progress
+        )
+        return store.add(
+            image, name=name, version=version, kind=kind, source=source, progress=progress
+        )
 
 
 def _source_kind(source: str | Path) -> str:
@@ -155,15 +183,28 @@ def _source_kind(source: str | Path) -> str:
     if path.is_file() and text.endswith(_TAR_SUFFIXES):
         return "tar"
     if not path.exists():
-        raise LayerBuildError(f"layer source {text!r} does not exist (expected a directory, "
-                              "a .tar/.tar.gz/.tgz file or docker:IMAGE)", source=text)
-    raise LayerBuildError(f"layer source {text!r} is neither a directory nor a .tar/.tar.gz/.tgz "
-                          "file (or docker:IMAGE)", source=text)
+        raise LayerBuildError(
+            f"layer source {text!r} does not exist (expected a directory, "
+            "a .tar/.tar.gz/.tgz file or docker:IMAGE)",
+            source=text,
+        )
+    raise LayerBuildError(
+        f"layer source {text!r} is neither a directory nor a .tar/.tar.gz/.tgz "
+        "file (or docker:IMAGE)",
+        source=text,
+    )
 
 
-def build_layer(source: str | Path, *, name: str, version: str | None = None, kind: str,
-                store: LayerStore, progress: Progress | None = None,
-                all_root: bool | None = None) -> LayerInfo:
+def build_layer(
+    source: str | Path,
+    *,
+    name: str,
+    version: str | None = None,
+    kind: str,
+    store: LayerStore,
+    progress: Progress | None = None,
+    all_root: bool | None = None,
+) -> LayerInfo:
     """Build an EROFS layer from a directory, a .tar/.tar.gz/.tgz file or ``docker:IMAGE``.
 
     Directory sources are owned by root inside the sandbox unless ``all_root=False``; tar and
@@ -177,17 +218,33 @@ def build_layer(source: str | Path, *, name: str, version: str | None = None, ki
     text = str(source)
     if what == "dir":
         tree = Path(source).resolve()
-        return build_tree(tree, name=name, version=version, kind=kind, store=store,
-                          all_root=True if all_root is None else all_root, source=text,
-                          progress=progress)
+        return build_tree(
+            tree,
+            name=name,
+            version=version,
+            kind=kind,
+            store=store,
+            all_root=True if all_root is None else all_root,
+            source=text,
+            progress=progress,
+        )
     with store.scratch() as scratch:
         if what == "docker":
-            archive = export_docker_image(text.removeprefix("docker:"), scratch / "image.tar",
-                                          progress)
+            archive = export_docker_image(
+                text.removeprefix("docker:"), scratch / "image.tar", progress
+            )
         else:
             archive = Path(source).resolve()
         tree = extract_tar(archive, scratch / "rootfs", progress)
         if what == "docker":
             archive.unlink()  # halve the scratch space needed
-        return build_tree(tree, name=name, version=version, kind=kind, store=store,
-                          all_root=bool(all_root), source=text, progress=progress)
+        return build_tree(
+            tree,
+            name=name,
+            version=version,
+            kind=kind,
+            store=store,
+            all_root=bool(all_root),
+            source=text,
+            progress=progress,
+        )

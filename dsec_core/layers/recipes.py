@@ -13,23 +13,24 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from ..errors import InvalidSpec, LayerBuildError, LayerExists, ToolError
-from ..records import LayerInfo
 from ..linux.tools import run_tool
+from ..records import LayerInfo
 from .build import build_tree, export_docker_image, extract_tar
 from .store import LayerStore, Progress, check_kind
 
 __all__ = [
+    "RECIPE_EPOCH",
     "Debootstrap",
-    "PipInstall",
     "LayerRecipe",
+    "PipInstall",
     "build_recipe",
     "debian_mirror",
-    "RECIPE_EPOCH",
 ]
 
 # 1980-01-01: the reproducible-builds habit (zip and wheels cannot go earlier).
@@ -104,18 +105,30 @@ class LayerRecipe:
         return None if self.tar is None else Path(self.root, self.tar)
 
     @classmethod
-    def from_source(cls, name: str, version: str, kind: str, source: Mapping[str, Any],
-                    root: str | Path = ".", description: str = "") -> "LayerRecipe":
+    def from_source(
+        cls,
+        name: str,
+        version: str,
+        kind: str,
+        source: Mapping[str, Any],
+        root: str | Path = ".",
+        description: str = "",
+    ) -> LayerRecipe:
         """Read the ``source`` mapping of a catalog entry (already schema-checked)."""
         deb = source.get("debootstrap")
         pip = source.get("pip")
         return cls(
-            name=name, version=str(version), kind=kind,
-            dir=source.get("dir"), to=source.get("to", "/"), tar=source.get("tar"),
+            name=name,
+            version=str(version),
+            kind=kind,
+            dir=source.get("dir"),
+            to=source.get("to", "/"),
+            tar=source.get("tar"),
             docker=source.get("docker"),
             debootstrap=None if deb is None else Debootstrap(**deb),
             pip=None if pip is None else PipInstall(**pip),
-            root=str(root), description=description,
+            root=str(root),
+            description=description,
         )
 
     def describe(self) -> str:
@@ -123,8 +136,10 @@ class LayerRecipe:
         parts = []
         if self.debootstrap:
             d = self.debootstrap
-            parts.append(f"debootstrap {d.suite}/{d.variant}"
-                         + (f" +{','.join(d.include)}" if d.include else ""))
+            parts.append(
+                f"debootstrap {d.suite}/{d.variant}"
+                + (f" +{','.join(d.include)}" if d.include else "")
+            )
         if self.tar:
             parts.append(f"tar {self.tar}")
         if self.docker:
@@ -137,6 +152,7 @@ class LayerRecipe:
 
 
 # --- debootstrap ---------------------------------------------------------------------------
+
 
 def _deb822(text: str) -> Iterable[dict[str, str]]:
     stanza: dict[str, str] = {}
@@ -165,10 +181,10 @@ def _apt_sources(apt_dir: Path) -> list[tuple[str, list[str]]]:
     for path in one_line:
         if not path.is_file():
             continue
-        for line in path.read_text(errors="replace").splitlines():
-            line = re.sub(r"\[[^\]]*\]", " ", line.split("#", 1)[0]).split()
-            if len(line) >= 3 and line[0] == "deb":
-                found.append((line[1], [line[2]]))
+        for text in path.read_text(errors="replace").splitlines():
+            words = re.sub(r"\[[^\]]*\]", " ", text.split("#", 1)[0]).split()
+            if len(words) >= 3 and words[0] == "deb":
+                found.append((words[1], [words[2]]))
     for path in sorted((apt_dir / "sources.list.d").glob("*.sources")):
         for stanza in _deb822(path.read_text(errors="replace")):
             if stanza.get("enabled", "yes").lower() == "no":
@@ -203,8 +219,11 @@ def _debootstrap(spec: Debootstrap, target: Path, progress: Progress) -> None:
     if spec.include:
         cmd.append(f"--include={','.join(spec.include)}")
     cmd += [spec.suite, str(target), mirror]
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive",
-               PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env = dict(
+        os.environ,
+        DEBIAN_FRONTEND="noninteractive",
+        PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    )
     progress("debootstrap", None)
     try:
         run_tool(cmd, f"debootstrap {spec.suite} from {mirror}", env=env, timeout=3600)
@@ -213,9 +232,13 @@ def _debootstrap(spec: Debootstrap, target: Path, progress: Progress) -> None:
         log = target / "debootstrap" / "debootstrap.log"
         if not log.is_file():
             raise
-        raise ToolError(f"debootstrap {spec.suite} from {mirror} failed", command=e.command,
-                        exit_code=e.exit_code, stdout=e.stdout,
-                        stderr=(e.stderr + "\n" + log.read_text(errors="replace")[-3000:])) from e
+        raise ToolError(
+            f"debootstrap {spec.suite} from {mirror} failed",
+            command=e.command,
+            exit_code=e.exit_code,
+            stdout=e.stdout,
+            stderr=(e.stderr + "\n" + log.read_text(errors="replace")[-3000:]),
+        ) from e
     _slim_rootfs(target)
     progress("debootstrap", 1.0)
 
@@ -247,6 +270,7 @@ def _slim_rootfs(root: Path) -> None:
 
 
 # --- dir and pip ---------------------------------------------------------------------------
+
 
 def _inside_layer(root: Path, to: str) -> Path:
     rel = Path(to.lstrip("/"))
@@ -300,11 +324,31 @@ def _pip_install(spec: PipInstall, root: Path, progress: Progress) -> None:
     site = root / f"usr/local/lib/python{spec.python}/dist-packages"
     progress("pip install", None)
     _make_dirs(site)
-    run_tool([sys.executable, "-m", "pip", "install", "--target", str(site), "--no-compile",
-              "--disable-pip-version-check", "--no-warn-script-location", "--only-binary=:all:",
-              "--python-version", spec.python, "--implementation", "py", "--abi", "none",
-              "--platform", "any", *spec.packages], f"pip install {' '.join(spec.packages)}",
-             timeout=1800)
+    run_tool(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--target",
+            str(site),
+            "--no-compile",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--only-binary=:all:",
+            "--python-version",
+            spec.python,
+            "--implementation",
+            "py",
+            "--abi",
+            "none",
+            "--platform",
+            "any",
+            *spec.packages,
+        ],
+        f"pip install {' '.join(spec.packages)}",
+        timeout=1800,
+    )
     # pip's scripts name the host's python; write our own for the image's python3.
     shutil.rmtree(site / "bin", ignore_errors=True)
     bin_dir = root / "usr/local/bin"
@@ -321,8 +365,10 @@ def _pip_install(spec: PipInstall, root: Path, progress: Progress) -> None:
 
 # --- building ------------------------------------------------------------------------------
 
-def build_recipe(recipe: LayerRecipe, store: LayerStore,
-                 progress: Progress | None = None) -> LayerInfo:
+
+def build_recipe(
+    recipe: LayerRecipe, store: LayerStore, progress: Progress | None = None
+) -> LayerInfo:
     """Build ``recipe`` into ``store``; a ref that is already there is returned as it is."""
     if store.exists(recipe.ref):
         return store.resolve(recipe.ref)
@@ -346,10 +392,17 @@ def build_recipe(recipe: LayerRecipe, store: LayerStore,
             _pip_install(recipe.pip, tree, progress)
         plain = not (recipe.debootstrap or recipe.tar or recipe.docker)
         try:
-            return build_tree(tree, name=recipe.name, version=recipe.version, kind=recipe.kind,
-                              store=store, all_root=plain,
-                              timestamp=RECIPE_EPOCH if plain else None,
-                              source=recipe.describe(), progress=progress)
+            return build_tree(
+                tree,
+                name=recipe.name,
+                version=recipe.version,
+                kind=recipe.kind,
+                store=store,
+                all_root=plain,
+                timestamp=RECIPE_EPOCH if plain else None,
+                source=recipe.describe(),
+                progress=progress,
+            )
         except LayerExists:
             # Another build of the same recipe finished first (debootstrap is not
             # reproducible, so the digests differ); versions are immutable, so take that one.

@@ -13,6 +13,7 @@ renamed into place, so the node daemon can resolve layers while the CLI adds or 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import json
@@ -20,8 +21,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from ..errors import InvalidSpec, LayerExists, UnknownLayer
 from ..lazy.layout import ReadProfile
@@ -33,13 +34,14 @@ __all__ = ["LayerStore", "Progress", "check_kind"]
 #: ``progress(stage, fraction)``: what a build is doing; fraction in [0, 1] or None if unknown.
 Progress = Callable[[str, "float | None"], None]
 
+
 def check_kind(kind: str) -> str:
     """Return ``kind`` if it is one of ``LAYER_KINDS``; raise ``InvalidSpec`` naming them if not."""
     if kind not in LAYER_KINDS:
-        raise InvalidSpec(f"unknown layer kind {kind!r}; expected one of {', '.join(LAYER_KINDS)}",
-                          field="kind")
+        raise InvalidSpec(
+            f"unknown layer kind {kind!r}; expected one of {', '.join(LAYER_KINDS)}", field="kind"
+        )
     return kind
-
 
 
 class LayerStore:
@@ -128,7 +130,7 @@ class LayerStore:
                     out.append(info)
         return sorted(out, key=lambda i: (i.name, i.created, i.version))
 
-    def _versions(self, name: str) -> list[LayerInfo]:
+    def _versions(self, name: str) -> builtins.list[LayerInfo]:
         d = self.ref_dir / name
         infos = [self._read_ref(p) for p in d.glob("*.json")] if d.is_dir() else []
         return sorted((i for i in infos if i is not None), key=lambda i: (i.created, i.version))
@@ -159,8 +161,11 @@ class LayerStore:
         want = f"sha256:{digest_hex(digest)}"
         matches = [i for i in self.list() if i.digest == want]
         if not matches:
-            raise UnknownLayer(f"no layer with digest {want} in {self.root}", name=want,
-                               known=[f"{i.ref} {i.digest[:19]}" for i in self.list()])
+            raise UnknownLayer(
+                f"no layer with digest {want} in {self.root}",
+                name=want,
+                known=[f"{i.ref} {i.digest[:19]}" for i in self.list()],
+            )
         return max(matches, key=lambda i: i.created)
 
     def image_path(self, info: LayerInfo) -> Path:
@@ -171,8 +176,16 @@ class LayerStore:
         return path
 
     # --- writing (under the lock) ---------------------------------------------------------
-    def add(self, image: Path | str, *, name: str, version: str | None, kind: str,
-            source: str = "", progress: Progress | None = None) -> LayerInfo:
+    def add(
+        self,
+        image: Path | str,
+        *,
+        name: str,
+        version: str | None,
+        kind: str,
+        source: str = "",
+        progress: Progress | None = None,
+    ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
         ``version=None`` names the layer by the first 12 hex digits of its digest. Adding the
@@ -190,8 +203,10 @@ class LayerStore:
                 if existing.digest != digest:
                     raise LayerExists(
                         f"layer {name}@{version} already exists with digest {existing.digest}; "
-                        f"this image is {digest}: pick a new version", ref=f"{name}@{version}",
-                        digest=existing.digest)
+                        f"this image is {digest}: pick a new version",
+                        ref=f"{name}@{version}",
+                        digest=existing.digest,
+                    )
                 image.unlink()
                 return existing
             blob = self._blob(digest)
@@ -199,10 +214,18 @@ class LayerStore:
                 image.unlink()  # same content under another name: share the blob
             else:
                 self._move_in(image, blob)
-            info = LayerInfo(name=name, version=version, kind=kind, digest=digest,
-                             size=blob.stat().st_size, created=time.time(), source=source)
-            write_atomic(self._ref_file(name, version),
-                          json.dumps(info.to_dict(), indent=2).encode() + b"\n")
+            info = LayerInfo(
+                name=name,
+                version=version,
+                kind=kind,
+                digest=digest,
+                size=blob.stat().st_size,
+                created=time.time(),
+                source=source,
+            )
+            write_atomic(
+                self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"
+            )
             if progress:
                 progress("store", 1.0)
             return info
@@ -238,8 +261,11 @@ class LayerStore:
             if ref.version is None:
                 versions = self._versions(ref.name)
                 if len(versions) > 1:
-                    raise InvalidSpec(f"{ref.name} has {len(versions)} versions; name one: "
-                                      + ", ".join(i.ref for i in versions), ref=str(ref))
+                    raise InvalidSpec(
+                        f"{ref.name} has {len(versions)} versions; name one: "
+                        + ", ".join(i.ref for i in versions),
+                        ref=str(ref),
+                    )
             info = self.resolve(ref)
             self._ref_file(info.name, info.version).unlink()
             with contextlib.suppress(OSError):

@@ -12,5 +12,14 @@ from .blob import LazyBlob, mount_lazy_erofs, prefetch
 from .chunks import DEFAULT_CHUNK_SIZE, ChunkCache, ChunkIndex
 from .fuse import FuseServer, recv_fuse_fd, send_fuse_fd
 
-__all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE", "FuseServer", "send_fuse_fd",
-           "recv_fuse_fd", "LazyBlob", "prefetch", "mount_lazy_erofs"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "ChunkCache",
+    "ChunkIndex",
+    "FuseServer",
+    "LazyBlob",
+    "mount_lazy_erofs",
+    "prefetch",
+    "recv_fuse_fd",
+    "send_fuse_fd",
+]

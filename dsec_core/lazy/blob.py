@@ -7,16 +7,16 @@ chunks ahead of use (e.g. the ones a previous run of the same image touched).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable
 
 from ..errors import DsecError
 from ..linux.mounts import mount_erofs_file
 from .chunks import ChunkCache, ChunkIndex
 from .layout import AccessTrace
 
-__all__ = ["LazyBlob", "prefetch", "mount_lazy_erofs"]
+__all__ = ["LazyBlob", "mount_lazy_erofs", "prefetch"]
 
 
 class LazyBlob:
@@ -29,9 +29,16 @@ class LazyBlob:
     which hides source latency for sequential reads at the price of fetching a little more.
     """
 
-    def __init__(self, index: ChunkIndex, cache: ChunkCache,
-                 read_range: Callable[[int, int], bytes], fetch_timeout: float = 30.0,
-                 *, readahead: int = 0, trace: AccessTrace | None = None) -> None:
+    def __init__(
+        self,
+        index: ChunkIndex,
+        cache: ChunkCache,
+        read_range: Callable[[int, int], bytes],
+        fetch_timeout: float = 30.0,
+        *,
+        readahead: int = 0,
+        trace: AccessTrace | None = None,
+    ) -> None:
         self.index = index
         self.trace = trace
         self.cache = cache
@@ -76,7 +83,7 @@ class LazyBlob:
         for i in range(offset // cs, (end - 1) // cs + 1):
             data = self.chunk(i)
             base = i * cs
-            parts.append(data[max(offset, base) - base:min(end, base + len(data)) - base])
+            parts.append(data[max(offset, base) - base : min(end, base + len(data)) - base])
         if self.readahead:
             self._read_ahead((end - 1) // cs + 1)
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -89,8 +96,9 @@ class LazyBlob:
                 if i in self._ahead:
                     continue
                 self._ahead.add(i)
-            threading.Thread(target=self._fetch_ahead, args=(i,), name=f"prefetch-chunk-{i}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._fetch_ahead, args=(i,), name=f"prefetch-chunk-{i}", daemon=True
+            ).start()
 
     def _fetch_ahead(self, i: int) -> None:
         try:

@@ -16,18 +16,18 @@ import uuid
 import zlib
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import zstandard
 
 from ..errors import LayerCorrupt, SourceUnavailable
 from .layout import check_layout
 
-__all__ = ["ChunkIndex", "ChunkCache", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkCache", "ChunkIndex"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 COMPRESSIONS = ("", "zstd", "zlib")
@@ -50,9 +50,9 @@ class ChunkIndex:
     (logical offset, stored offset, length) mapping the blob the metadata image addresses
     (``logical_digest``) onto the stored one (``blob_digest``). Without a layout both are one.
 
-    A blob stored compressed (``compression`` "zstd" or "zlib") is its chunks compressed one by one and
-    concatenated; ``stored`` gives each chunk's (offset, length) in it, and a chunk that did not
-    shrink is stored as is (its stored length equals its length). ``blob_digest`` and
+    A blob stored compressed (``compression`` "zstd" or "zlib") is its chunks compressed one by
+    one and concatenated; ``stored`` gives each chunk's (offset, length) in it, and a chunk that
+    did not shrink is stored as is (its stored length equals its length). ``blob_digest`` and
     ``stored_size`` are then those of the compressed object a source holds, while ``blob_size``,
     the chunk digests and the cache stay uncompressed: identical chunks dedupe either way.
 
@@ -75,16 +75,21 @@ class ChunkIndex:
         object.__setattr__(self, "layout", tuple(tuple(map(int, e)) for e in self.layout))
         expected = -(-self.blob_size // self.chunk_size) if self.chunk_size > 0 else -1
         if self.chunk_size <= 0 or len(self.chunks) != expected:
-            raise LayerCorrupt(f"chunk index of {self.blob_digest} lists {len(self.chunks)} chunks,"
-                               f" a {self.blob_size}-byte blob in {self.chunk_size}-byte chunks"
-                               f" has {expected}", digest=self.blob_digest)
+            raise LayerCorrupt(
+                f"chunk index of {self.blob_digest} lists {len(self.chunks)} chunks,"
+                f" a {self.blob_size}-byte blob in {self.chunk_size}-byte chunks"
+                f" has {expected}",
+                digest=self.blob_digest,
+            )
         if self.layout:
             check_layout(self.layout, self.blob_size)
             object.__setattr__(self, "layout", tuple(sorted(self.layout)))
         object.__setattr__(self, "stored", tuple((int(o), int(n)) for o, n in self.stored))
         if self.compression not in COMPRESSIONS:
-            raise LayerCorrupt(f"chunk index of {self.blob_digest}: unknown compression "
-                               f"{self.compression!r}", digest=self.blob_digest)
+            raise LayerCorrupt(
+                f"chunk index of {self.blob_digest}: unknown compression {self.compression!r}",
+                digest=self.blob_digest,
+            )
         if self.compression:
             at = 0
             for i, (offset, n) in enumerate(self.stored):
@@ -93,20 +98,29 @@ class ChunkIndex:
                     break
                 at += n
             if len(self.stored) != len(self.chunks) or at < 0:
-                raise LayerCorrupt(f"chunk index of {self.blob_digest}: stored chunk ranges do "
-                                   "not tile the blob", digest=self.blob_digest)
+                raise LayerCorrupt(
+                    f"chunk index of {self.blob_digest}: stored chunk ranges do not tile the blob",
+                    digest=self.blob_digest,
+                )
         elif self.stored:
-            raise LayerCorrupt(f"chunk index of {self.blob_digest}: stored ranges without "
-                               "compression", digest=self.blob_digest)
+            raise LayerCorrupt(
+                f"chunk index of {self.blob_digest}: stored ranges without compression",
+                digest=self.blob_digest,
+            )
         if not self.logical_digest:
             if self.layout or self.compression:
-                raise LayerCorrupt(f"chunk index of {self.blob_digest} is laid out or "
-                                   "compressed but names no logical digest",
-                                   digest=self.blob_digest)
+                raise LayerCorrupt(
+                    f"chunk index of {self.blob_digest} is laid out or "
+                    "compressed but names no logical digest",
+                    digest=self.blob_digest,
+                )
             object.__setattr__(self, "logical_digest", self.blob_digest)
         if not 0 <= self.hot <= (self.blob_size if self.layout else 0):
-            raise LayerCorrupt(f"chunk index of {self.blob_digest}: hot region of {self.hot} "
-                               "bytes without a layout, or past the blob", digest=self.blob_digest)
+            raise LayerCorrupt(
+                f"chunk index of {self.blob_digest}: hot region of {self.hot} "
+                "bytes without a layout, or past the blob",
+                digest=self.blob_digest,
+            )
         object.__setattr__(self, "_starts", [e[0] for e in self.layout])
 
     @property
@@ -129,19 +143,28 @@ class ChunkIndex:
         length = self.chunk_range(i)[1]
         stored = self.stored_range(i)[1]
         if len(data) != stored:
-            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i}: source returned "
-                               f"{len(data)} bytes, expected {stored}", digest=self.blob_digest,
-                               chunk=i)
+            raise LayerCorrupt(
+                f"blob {self.blob_digest} chunk {i}: source returned "
+                f"{len(data)} bytes, expected {stored}",
+                digest=self.blob_digest,
+                chunk=i,
+            )
         if stored == length:
             return data
         try:
             out = _inflate(self.compression, data, length)
         except (zlib.error, zstandard.ZstdError) as e:
-            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} does not decompress: {e}",
-                               digest=self.blob_digest, chunk=i) from None
+            raise LayerCorrupt(
+                f"blob {self.blob_digest} chunk {i} does not decompress: {e}",
+                digest=self.blob_digest,
+                chunk=i,
+            ) from None
         if out is None or len(out) != length:
-            raise LayerCorrupt(f"blob {self.blob_digest} chunk {i} decompresses to the wrong "
-                               "size", digest=self.blob_digest, chunk=i)
+            raise LayerCorrupt(
+                f"blob {self.blob_digest} chunk {i} decompresses to the wrong size",
+                digest=self.blob_digest,
+                chunk=i,
+            )
         return out
 
     def physical(self, offset: int, length: int) -> list[tuple[int, int]]:
@@ -149,8 +172,9 @@ class ChunkIndex:
         if not self.layout:
             return [(offset, length)]
         end = offset + length
-        i = max(0, bisect_right(self._starts, offset) - 1)
-        out = []
+        starts: list[int] = self._starts  # type: ignore[attr-defined]  # set in __post_init__
+        i = max(0, bisect_right(starts, offset) - 1)
+        out: list[tuple[int, int]] = []
         while offset < end and i < len(self.layout):
             logical, phys, n = self.layout[i]
             take = min(end, logical + n) - offset
@@ -164,7 +188,7 @@ class ChunkIndex:
         return out
 
     @classmethod
-    def build(cls, blob_path: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> "ChunkIndex":
+    def build(cls, blob_path: Path | str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> ChunkIndex:
         """Hash ``blob_path`` chunk by chunk (one pass, one chunk in memory at a time)."""
         whole = hashlib.sha256()
         chunks = []
@@ -185,8 +209,12 @@ class ChunkIndex:
         return start, min(self.blob_size, start + self.chunk_size) - start
 
     def to_json(self) -> str:
-        d = {"blob_digest": self.blob_digest, "blob_size": self.blob_size,
-             "chunk_size": self.chunk_size, "chunks": list(self.chunks)}
+        d = {
+            "blob_digest": self.blob_digest,
+            "blob_size": self.blob_size,
+            "chunk_size": self.chunk_size,
+            "chunks": list(self.chunks),
+        }
         if self.layout or self.compression:
             d["logical_digest"] = self.logical_digest
         if self.layout:
@@ -199,12 +227,19 @@ class ChunkIndex:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "ChunkIndex":
+    def from_json(cls, text: str | bytes) -> ChunkIndex:
         d = json.loads(text)
-        return cls(d["blob_digest"], int(d["blob_size"]), int(d["chunk_size"]), tuple(d["chunks"]),
-                   tuple(tuple(e) for e in d.get("layout", ())), d.get("logical_digest", ""),
-                   d.get("compression", ""), tuple(tuple(r) for r in d.get("stored", ())),
-                   int(d.get("hot", 0)))
+        return cls(
+            d["blob_digest"],
+            int(d["blob_size"]),
+            int(d["chunk_size"]),
+            tuple(d["chunks"]),
+            tuple(tuple(e) for e in d.get("layout", ())),
+            d.get("logical_digest", ""),
+            d.get("compression", ""),
+            tuple(tuple(r) for r in d.get("stored", ())),
+            int(d.get("hot", 0)),
+        )
 
 
 def deflate(compression: str, data: bytes) -> bytes:
@@ -252,8 +287,14 @@ class ChunkCache:
     survives daemon restarts. Thread-safe within one process; one process owns a root.
     """
 
-    def __init__(self, root: Path | str, max_bytes: int, *, verify_hits: bool = True,
-                 memory_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        max_bytes: int,
+        *,
+        verify_hits: bool = True,
+        memory_bytes: int = 32 << 20,
+    ) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.verify_hits = verify_hits
@@ -261,10 +302,10 @@ class ChunkCache:
         # last few verified chunks are kept in memory instead of re-reading and re-hashing a
         # whole chunk file for every piece.
         self.memory_bytes = memory_bytes
-        self._hot: "OrderedDict[str, bytes]" = OrderedDict()
+        self._hot: OrderedDict[str, bytes] = OrderedDict()
         self._hot_bytes = 0
         self._lock = threading.Lock()
-        self._sizes: "OrderedDict[str, int]" = OrderedDict()  # hex digest -> size, LRU first
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # hex digest -> size, LRU first
         self._pins: dict[str, int] = {}
         self._inflight: dict[str, _Fetch] = {}
         self.total_bytes = 0
@@ -343,15 +384,22 @@ class ChunkCache:
                     if h in self._sizes:  # stored between our look and now
                         continue
                     fut = self._inflight.get(h)
-                    if fut is not None and fut.stuck_until is not None \
-                            and time.monotonic() >= fut.stuck_until:
+                    if (
+                        fut is not None
+                        and fut.stuck_until is not None
+                        and time.monotonic() >= fut.stuck_until
+                    ):
                         fut = None  # backoff over: ask the source again, beside the stuck call
                     if fut is None:
                         fut = _Fetch()
                         self._inflight[h] = fut
                         self.fetches += 1
-                        threading.Thread(target=self._run_fetch, args=(h, fetch, fut),
-                                         name=f"chunk-fetch-{h[:12]}", daemon=True).start()
+                        threading.Thread(
+                            target=self._run_fetch,
+                            args=(h, fetch, fut),
+                            name=f"chunk-fetch-{h[:12]}",
+                            daemon=True,
+                        ).start()
                     wait = max(0.0, deadline - time.monotonic())
                     if fut.stuck_until is not None:
                         # The kernel retries a failed read a few times; fail those fast
@@ -363,8 +411,11 @@ class ChunkCache:
                     with self._lock:
                         if fut.stuck_until is None:
                             fut.stuck_until = time.monotonic() + timeout
-                    raise SourceUnavailable(f"fetching chunk {digest} took longer than {timeout}s",
-                                            digest=digest, timeout=timeout) from None
+                    raise SourceUnavailable(
+                        f"fetching chunk {digest} took longer than {timeout}s",
+                        digest=digest,
+                        timeout=timeout,
+                    ) from None
 
     def _remember(self, h: str, data: bytes) -> None:
         if len(data) > self.memory_bytes:
@@ -419,17 +470,21 @@ class ChunkCache:
             data = bytes(data)
             got = hashlib.sha256(data).hexdigest()
             if got != h:
-                raise LayerCorrupt(f"chunk sha256:{h} fetched as {len(data)} bytes with digest"
-                                   f" sha256:{got}", digest="sha256:" + h, got="sha256:" + got)
+                raise LayerCorrupt(
+                    f"chunk sha256:{h} fetched as {len(data)} bytes with digest sha256:{got}",
+                    digest="sha256:" + h,
+                    got="sha256:" + got,
+                )
             self._store(h, data)
             self._remember(h, data)
         except LayerCorrupt as e:
-            result: BaseException = e
+            result: BaseException | None = e
         except SourceUnavailable as e:
             result = e
         except Exception as e:  # the source's own errors
-            result = SourceUnavailable(f"fetching chunk sha256:{h} failed: {e}",
-                                       digest="sha256:" + h)
+            result = SourceUnavailable(
+                f"fetching chunk sha256:{h} failed: {e}", digest="sha256:" + h
+            )
             result.__cause__ = e
         else:
             result = None

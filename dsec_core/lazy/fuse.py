@@ -26,15 +26,15 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..errors import LayerCorrupt, MountError, SourceUnavailable
 from ..linux.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, mount, unmount
 
-__all__ = ["FuseServer", "send_fuse_fd", "recv_fuse_fd"]
+__all__ = ["FuseServer", "recv_fuse_fd", "send_fuse_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,10 @@ class FuseServer:
         """Mount a new FUSE connection read-only at ``path``, start serving; returns its fd."""
         path = Path(path)
         fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-        opts = (f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,"
-                f"max_read={MAX_READ}")
+        opts = (
+            f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions,"
+            f"max_read={MAX_READ}"
+        )
         try:
             mount("dsec-lazy", path, "fuse", MS_RDONLY | MS_NOSUID | MS_NODEV, opts)
         except BaseException:
@@ -158,8 +160,9 @@ class FuseServer:
         return fd
 
     @classmethod
-    def from_fd(cls, fd: int, mountpoint: Path | str | None = None, *, workers: int = 8,
-                resend: bool = True) -> "FuseServer":
+    def from_fd(
+        cls, fd: int, mountpoint: Path | str | None = None, *, workers: int = 8, resend: bool = True
+    ) -> FuseServer:
         """Adopt the already-mounted connection ``fd``; add blobs, then call ``start()``.
 
         With ``resend`` the kernel re-queues requests a dead predecessor had taken but not
@@ -242,7 +245,7 @@ class FuseServer:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "FuseServer":
+    def __enter__(self) -> FuseServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -272,7 +275,7 @@ class FuseServer:
                 continue
             self.requests += 1
             length, opcode, unique, nodeid = IN_HEADER.unpack_from(data)[:4]
-            body = memoryview(data)[IN_HEADER.size:length]
+            body = memoryview(data)[IN_HEADER.size : length]
             if opcode in (FORGET, BATCH_FORGET, INTERRUPT):
                 # Nodes are stateless (ids come from names), so lookup counts need no bookkeeping;
                 # interrupts are ignored and the request is answered when its fetch ends.
@@ -280,6 +283,7 @@ class FuseServer:
             if opcode == INIT:
                 self._init(unique, body)
                 continue
+            assert self._pool is not None  # made by start() before this loop runs
             self._pool.submit(self._handle, opcode, unique, nodeid, body)
 
     def _reply(self, unique: int, payload: bytes | list[bytes] = b"", error: int = 0) -> None:
@@ -301,8 +305,20 @@ class FuseServer:
             self._reply(unique, INIT_OUT.pack(7, 40, 0, 0, 0, 0, 0, 0, 0, 0, 0, *[0] * 7))
             return
         want = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_PARALLEL_DIROPS | FUSE_MAX_PAGES
-        out = INIT_OUT.pack(7, min(minor, 40), min(max_readahead, MAX_READ), flags & want,
-                            32, 24, MAX_WRITE, 1, MAX_PAGES, 0, 0, *[0] * 7)
+        out = INIT_OUT.pack(
+            7,
+            min(minor, 40),
+            min(max_readahead, MAX_READ),
+            flags & want,
+            32,
+            24,
+            MAX_WRITE,
+            1,
+            MAX_PAGES,
+            0,
+            0,
+            *[0] * 7,
+        )
         self._reply(unique, out)
 
     def _handle(self, opcode: int, unique: int, nodeid: int, body: memoryview) -> None:
@@ -334,15 +350,34 @@ class FuseServer:
         blob = self._by_ino.get(nodeid)
         if blob is None:
             return None
-        return ATTR.pack(blob.ino, blob.size, (blob.size + 511) // 512, 0, 0, 0, 0, 0, 0,
-                         0o100444, 1, 0, 0, 0, 4096, 0)
+        return ATTR.pack(
+            blob.ino,
+            blob.size,
+            (blob.size + 511) // 512,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0o100444,
+            1,
+            0,
+            0,
+            0,
+            4096,
+            0,
+        )
 
     def _lookup(self, nodeid: int, body: memoryview) -> bytes | int:
         name = bytes(body).split(b"\0", 1)[0].decode(errors="surrogateescape")
         blob = self._blobs.get(name) if nodeid == ROOT_ID else None
         if blob is None:
             return errno.ENOENT
-        return ENTRY_OUT.pack(blob.ino, 0, ENTRY_TTL, ENTRY_TTL, 0, 0) + self._attr(blob.ino)
+        attr = self._attr(blob.ino)
+        if attr is None:  # removed since the name lookup
+            return errno.ENOENT
+        return ENTRY_OUT.pack(blob.ino, 0, ENTRY_TTL, ENTRY_TTL, 0, 0) + attr
 
     def _getattr(self, nodeid: int, body: memoryview) -> bytes | int:
         attr = self._attr(nodeid)
@@ -378,8 +413,10 @@ class FuseServer:
             return errno.ENOTDIR
         _fh, offset, size = READ_IN.unpack_from(body)[:3]
         entries = [(ROOT_ID, b".", DT_DIR), (ROOT_ID, b"..", DT_DIR)]
-        entries += [(b.ino, b.name.encode(errors="surrogateescape"), DT_REG)
-                    for b in sorted(self._blobs.values(), key=lambda b: b.name)]
+        entries += [
+            (b.ino, b.name.encode(errors="surrogateescape"), DT_REG)
+            for b in sorted(self._blobs.values(), key=lambda b: b.name)
+        ]
         out = bytearray()
         for i in range(offset, len(entries)):
             ino, name, kind = entries[i]
@@ -392,8 +429,7 @@ class FuseServer:
 
     def _statfs(self, nodeid: int, body: memoryview) -> bytes:
         blocks = sum(-(-b.size // 4096) for b in self._blobs.values())
-        return STATFS_OUT.pack(blocks, 0, 0, len(self._blobs) + 1, 0, 4096, 255, 4096, 0,
-                               *[0] * 6)
+        return STATFS_OUT.pack(blocks, 0, 0, len(self._blobs) + 1, 0, 4096, 255, 4096, 0, *[0] * 6)
 
     def _ok(self, nodeid: int, body: memoryview) -> int:
         return 0

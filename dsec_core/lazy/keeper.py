@@ -32,8 +32,9 @@ def _ask(path: str, request: bytes, timeout: float) -> tuple[bytes, list[int], i
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        pid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                               struct.calcsize("3i")))[0]
+        pid = struct.unpack(
+            "3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )[0]
         s.sendall(request)
         msg, fds, _flags, _addr = socket.recv_fds(s, 4096, 1)
         return msg, fds, pid

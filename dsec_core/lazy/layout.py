@@ -31,8 +31,15 @@ from pathlib import Path
 
 from ..errors import LayerCorrupt
 
-__all__ = ["PAGE_SIZE", "AccessTrace", "ReadProfile", "Extent", "plan_layout", "write_packed",
-           "PROFILE_VERSION"]
+__all__ = [
+    "PAGE_SIZE",
+    "PROFILE_VERSION",
+    "AccessTrace",
+    "Extent",
+    "ReadProfile",
+    "plan_layout",
+    "write_packed",
+]
 
 PAGE_SIZE = 4096
 PROFILE_VERSION = 1
@@ -94,36 +101,54 @@ class ReadProfile:
         return sum(n for _, n in self.ranges)
 
     def to_json(self) -> str:
-        return json.dumps({"version": PROFILE_VERSION, "layer_digest": self.layer_digest,
-                           "blob_digest": self.blob_digest, "blob_size": self.blob_size,
-                           "workload": self.workload, "ranges": [list(r) for r in self.ranges]})
+        return json.dumps(
+            {
+                "version": PROFILE_VERSION,
+                "layer_digest": self.layer_digest,
+                "blob_digest": self.blob_digest,
+                "blob_size": self.blob_size,
+                "workload": self.workload,
+                "ranges": [list(r) for r in self.ranges],
+            }
+        )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "ReadProfile":
+    def from_json(cls, text: str | bytes) -> ReadProfile:
         try:
             d = json.loads(text)
             if d.get("version") != PROFILE_VERSION:
                 raise ValueError(f"unknown profile version {d.get('version')!r}")
-            return cls(str(d["layer_digest"]), str(d["blob_digest"]), int(d["blob_size"]),
-                       tuple((int(o), int(n)) for o, n in d["ranges"]), str(d.get("workload", "")))
+            return cls(
+                str(d["layer_digest"]),
+                str(d["blob_digest"]),
+                int(d["blob_size"]),
+                tuple((int(o), int(n)) for o, n in d["ranges"]),
+                str(d.get("workload", "")),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise LayerCorrupt(f"not a read profile: {e}") from e
 
-    def merged(self, other: "ReadProfile") -> "ReadProfile":
+    def merged(self, other: ReadProfile) -> ReadProfile:
         """This profile's ranges, then ``other``'s not already listed (same blob only)."""
         if (other.blob_digest, other.blob_size) != (self.blob_digest, self.blob_size):
-            raise LayerCorrupt(f"profiles of different blobs: {self.blob_digest} and "
-                               f"{other.blob_digest}", digest=self.blob_digest)
+            raise LayerCorrupt(
+                f"profiles of different blobs: {self.blob_digest} and {other.blob_digest}",
+                digest=self.blob_digest,
+            )
         trace = AccessTrace()
         for offset, length in self.ranges + other.ranges:
             trace.touch(offset, length)
         workload = ", ".join(w for w in (self.workload, other.workload) if w)
-        return ReadProfile(self.layer_digest, self.blob_digest, self.blob_size,
-                           tuple(trace.ranges()), workload)
+        return ReadProfile(
+            self.layer_digest, self.blob_digest, self.blob_size, tuple(trace.ranges()), workload
+        )
 
 
-def plan_layout(blob_size: int, ranges: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-                page_size: int = PAGE_SIZE) -> tuple[tuple[Extent, ...], int]:
+def plan_layout(
+    blob_size: int,
+    ranges: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    page_size: int = PAGE_SIZE,
+) -> tuple[tuple[Extent, ...], int]:
     """A permutation of the blob's pages: ``ranges`` first (in order, each page once, clipped
     to the blob), then every other page in its original order.
 
@@ -170,6 +195,7 @@ def plan_layout(blob_size: int, ranges: list[tuple[int, int]] | tuple[tuple[int,
 
 def check_layout(layout: tuple[Extent, ...], blob_size: int) -> None:
     """Raise ``LayerCorrupt`` unless ``layout`` maps [0, blob_size) one-to-one onto itself."""
+
     def contiguous(key: int) -> bool:
         at = 0
         for extent in sorted(layout, key=lambda e: e[key]):
@@ -179,8 +205,9 @@ def check_layout(layout: tuple[Extent, ...], blob_size: int) -> None:
         return at == blob_size
 
     if not (contiguous(0) and contiguous(1)):
-        raise LayerCorrupt(f"blob layout does not map {blob_size} bytes one-to-one",
-                           extents=len(layout))
+        raise LayerCorrupt(
+            f"blob layout does not map {blob_size} bytes one-to-one", extents=len(layout)
+        )
 
 
 def write_packed(blob: Path | str, layout: tuple[Extent, ...], dest: Path | str) -> None:
@@ -194,8 +221,9 @@ def write_packed(blob: Path | str, layout: tuple[Extent, ...], dest: Path | str)
                     n = min(8 << 20, logical + length - at)
                     data = os.pread(src.fileno(), n, at)
                     if len(data) != n:
-                        raise LayerCorrupt(f"{blob} is shorter than its layout says",
-                                           path=str(blob))
+                        raise LayerCorrupt(
+                            f"{blob} is shorter than its layout says", path=str(blob)
+                        )
                     out.write(data)
         os.replace(tmp, dest)
     finally:

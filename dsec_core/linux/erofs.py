@@ -93,7 +93,17 @@ def mkfs_erofs_split(tree: Path, meta: Path, blob: Path, chunk_size: int) -> Non
     uncompressed (erofs-utils 1.5 cannot compress chunked files), identical chunks once. Same
     UUID and per-file mtimes as ``mkfs_erofs``, so one tree always splits into the same bytes.
     """
-    run_tool(["mkfs.erofs", f"-U{LAYER_UUID}", "--quiet", "-Eforce-inode-extended",
-              f"--blobdev={blob}", f"--chunksize={chunk_size}", str(meta), str(tree)],
-             "mkfs.erofs (split)")
+    run_tool(
+        [
+            "mkfs.erofs",
+            f"-U{LAYER_UUID}",
+            "--quiet",
+            "-Eforce-inode-extended",
+            f"--blobdev={blob}",
+            f"--chunksize={chunk_size}",
+            str(meta),
+            str(tree),
+        ],
+        "mkfs.erofs (split)",
+    )
     zero_build_time(meta)

@@ -8,13 +8,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import InvalidSpec, LayerBuildError
 from .mounts import mounted_under
 
-__all__ = ["write_atomic", "file_digest", "digest_hex", "remove_tree"]
+__all__ = ["digest_hex", "file_digest", "remove_tree", "write_atomic"]
 
 _CHUNK = 1 << 20
 
@@ -57,8 +57,9 @@ def digest_hex(digest: str) -> str:
     if not hexpart:
         algo, hexpart = "sha256", algo
     if algo != "sha256" or len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
-        raise InvalidSpec(f"bad layer digest {digest!r}: expected sha256:<64 hex digits>",
-                          digest=digest)
+        raise InvalidSpec(
+            f"bad layer digest {digest!r}: expected sha256:<64 hex digits>", digest=digest
+        )
     return hexpart
 
 
@@ -74,8 +75,10 @@ def remove_tree(path: Path) -> None:
         subprocess.run(["umount", "-l", os.fspath(point)], capture_output=True)
     left = mounted_under(path)
     if left:
-        raise LayerBuildError(f"cannot remove {path}: still mounted: "
-                              f"{', '.join(map(os.fspath, left))}", path=str(path))
+        raise LayerBuildError(
+            f"cannot remove {path}: still mounted: {', '.join(map(os.fspath, left))}",
+            path=str(path),
+        )
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:

@@ -11,18 +11,33 @@ import errno
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import MountError
 
-__all__ = ["UserNamespaceHandle", "mount", "mount_erofs_file", "mount_overlay", "unmount",
-           "ensure_tmpfs", "mounted_under", "MS_RDONLY", "MS_NOSUID", "MS_NODEV"]
+__all__ = [
+    "MS_NODEV",
+    "MS_NOSUID",
+    "MS_RDONLY",
+    "UserNamespaceHandle",
+    "ensure_tmpfs",
+    "mount",
+    "mount_erofs_file",
+    "mount_overlay",
+    "mounted_under",
+    "unmount",
+]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
-                        ctypes.c_char_p]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
+]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 # x86_64 and aarch64 share these (they were added after the syscall tables were unified).
@@ -45,15 +60,20 @@ MS_NODEV = 0x4
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _check(ret: int, what: str, target: str | os.PathLike[str] = "") -> int:
     if ret < 0:
         err = ctypes.get_errno()
-        raise MountError(f"{what} {os.fspath(target)}: {os.strerror(err)}", errno=err,
-                         target=os.fspath(target))
+        raise MountError(
+            f"{what} {os.fspath(target)}: {os.strerror(err)}", errno=err, target=os.fspath(target)
+        )
     return ret
 
 
@@ -67,8 +87,11 @@ class UserNamespaceHandle:
 
     def __init__(self, host_base: int, size: int) -> None:
         self.host_base, self.size = host_base, size
-        proc = subprocess.Popen(["unshare", "--user", "sh", "-c", "read _"],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["unshare", "--user", "sh", "-c", "read _"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             ns_path = f"/proc/{proc.pid}/ns/user"
             own = os.stat("/proc/self/ns/user").st_ino
@@ -93,41 +116,77 @@ class UserNamespaceHandle:
             self.fd = -1
 
 
-def mount_erofs_file(image: Path, target: Path, userns: UserNamespaceHandle | None,
-                     device: Path | None = None) -> None:
+def mount_erofs_file(
+    image: Path, target: Path, userns: UserNamespaceHandle | None, device: Path | None = None
+) -> None:
     """Mount an EROFS image file read-only at ``target``, idmapped through ``userns``.
 
     With ``device``, ``image`` is a metadata image whose file data lives in that blob file (EROFS
     multi-device; the blob may sit on the node's on-demand FUSE filesystem)."""
     fs = _check(_libc.syscall(SYS_FSOPEN, b"erofs", FSOPEN_CLOEXEC), "fsopen erofs for", image)
     try:
-        _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source",
-                             os.fsencode(image), 0), "fsconfig source", image)
+        _check(
+            _libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"source", os.fsencode(image), 0),
+            "fsconfig source",
+            image,
+        )
         if device is not None:
-            _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"device",
-                                 os.fsencode(device), 0), "fsconfig device", device)
-        _check(_libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0),
-               "mounting EROFS image (is it a valid EROFS image?)", image)
-        mnt = _check(_libc.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC,
-                                   MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV), "fsmount", image)
+            _check(
+                _libc.syscall(
+                    SYS_FSCONFIG, fs, FSCONFIG_SET_STRING, b"device", os.fsencode(device), 0
+                ),
+                "fsconfig device",
+                device,
+            )
+        _check(
+            _libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0),
+            "mounting EROFS image (is it a valid EROFS image?)",
+            image,
+        )
+        mnt = _check(
+            _libc.syscall(SYS_FSMOUNT, fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV),
+            "fsmount",
+            image,
+        )
     finally:
         os.close(fs)
     try:
         if userns is not None:
             attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns.fd)
-            _check(_libc.syscall(SYS_MOUNT_SETATTR, mnt, b"", AT_EMPTY_PATH, ctypes.byref(attr),
-                                 ctypes.sizeof(attr)), "idmapping mount of", image)
-        _check(_libc.syscall(SYS_MOVE_MOUNT, mnt, b"", AT_FDCWD, os.fsencode(target),
-                             MOVE_MOUNT_F_EMPTY_PATH), "move_mount to", target)
+            _check(
+                _libc.syscall(
+                    SYS_MOUNT_SETATTR,
+                    mnt,
+                    b"",
+                    AT_EMPTY_PATH,
+                    ctypes.byref(attr),
+                    ctypes.sizeof(attr),
+                ),
+                "idmapping mount of",
+                image,
+            )
+        _check(
+            _libc.syscall(
+                SYS_MOVE_MOUNT, mnt, b"", AT_FDCWD, os.fsencode(target), MOVE_MOUNT_F_EMPTY_PATH
+            ),
+            "move_mount to",
+            target,
+        )
     finally:
         os.close(mnt)
 
 
-def mount(source: str, target: Path | str, fstype: str, flags: int = 0,
-          data: str | None = None) -> None:
+def mount(
+    source: str, target: Path | str, fstype: str, flags: int = 0, data: str | None = None
+) -> None:
     """mount(2): ``MountError`` on failure."""
-    ret = _libc.mount(source.encode(), os.fsencode(target), fstype.encode(), flags,
-                      data.encode() if data is not None else None)
+    ret = _libc.mount(
+        source.encode(),
+        os.fsencode(target),
+        fstype.encode(),
+        flags,
+        data.encode() if data is not None else None,
+    )
     _check(ret, f"{fstype} mount at", target)
 
 
@@ -138,10 +197,12 @@ def mount_overlay(lowers: Sequence[Path], upper: Path, work: Path, target: Path)
     # Relative lowerdirs would keep the option string short, but mount(2) resolves them
     # against our cwd; absolute paths are unambiguous and fit in a page for ~30 layers.
     opts = "lowerdir={},upperdir={},workdir={}".format(
-        ":".join(os.fspath(p) for p in lowers), upper, work)
+        ":".join(os.fspath(p) for p in lowers), upper, work
+    )
     if len(opts) >= 4000:
-        raise MountError(f"too many layers for one overlay ({len(lowers)})",
-                         target=os.fspath(target))
+        raise MountError(
+            f"too many layers for one overlay ({len(lowers)})", target=os.fspath(target)
+        )
     mount("overlay", target, "overlay", 0, opts)
 
 
@@ -163,8 +224,9 @@ def unmount(target: Path | str, *, lazy_fallback: bool = True, lazy: bool = Fals
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOENT):
         return
-    raise MountError(f"umount {os.fspath(target)}: {os.strerror(err)}", errno=err,
-                     target=os.fspath(target))
+    raise MountError(
+        f"umount {os.fspath(target)}: {os.strerror(err)}", errno=err, target=os.fspath(target)
+    )
 
 
 def ensure_tmpfs(target: Path, mode: int = 0o711, size: str = "256m") -> None:

@@ -115,11 +115,13 @@ class OnDemandLayers:
              os.fspath(self.keeper_socket), "--mountpoint", os.fspath(self.mountpoint)],
             pass_fds=(fd,), start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        if self._keeper.stdout.readline().strip() != b"ready":
+        out = self._keeper.stdout
+        assert out is not None  # stdout=PIPE
+        if out.readline().strip() != b"ready":
             self._keeper.kill()
             self._keeper.wait()
             raise NodeUnavailable("the on-demand loader's fd keeper did not start")
-        self._keeper.stdout.close()
+        out.close()
 
     # --- blobs ------------------------------------------------------------------------------
     def _register(self, server: FuseServer, source: LayerSource, info: LayerInfo,
@@ -127,6 +129,7 @@ class OnDemandLayers:
         index = form.index
         if index.blob_digest in self.blobs:
             return
+        assert self.cache is not None, "_open() first"
         blob = LazyBlob(index, self.cache,
                         lambda off, n: source.read_blob(index.blob_digest, off, n),
                         self.config.fetch_timeout,
@@ -192,16 +195,18 @@ class OnDemandLayers:
         name = form.index.blob_digest.split(":", 1)[-1]
         with self._lock:
             self._open()
+            server = self.server
+            assert server is not None
             if form.index.blob_digest not in self.blobs:
                 record = self.state_dir / f"{name}.json"
                 tmp = record.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"source": source.url, "layer": info.to_dict(),
                                            "form": form.to_json()}))
                 os.replace(tmp, record)
-                self._register(self.server, source, info, form)
+                self._register(server, source, info, form)
                 log.info("layer %s on demand: %d chunks of %d KiB from %s", info.ref,
                          len(form.index.chunks), form.index.chunk_size >> 10, source.url)
-        return meta, self.server.path_of(name)
+        return meta, server.path_of(name)
 
     def prefetch(self, blob_digest: str) -> int:
         """Warm every chunk of a registered blob; returns how many were fetched."""

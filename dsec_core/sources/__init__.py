@@ -7,5 +7,15 @@ from .chain import find_layer, split_url
 from .local import LocalLayerSource
 from .transfer import Transfer, pull_layer, push_layer
 
-__all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "split_for_publishing",
-           "find_layer", "split_url", "LocalLayerSource", "Transfer", "push_layer", "pull_layer"]
+__all__ = [
+    "BlobStoreSource",
+    "LayerSource",
+    "LocalLayerSource",
+    "Transfer",
+    "fetch_verified",
+    "find_layer",
+    "pull_layer",
+    "push_layer",
+    "split_for_publishing",
+    "split_url",
+]

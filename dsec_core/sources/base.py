@@ -15,6 +15,7 @@ read blob ranges are checked chunk by chunk by the node's ``ChunkCache``.
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 import hashlib
 import json
@@ -22,18 +23,35 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
-from ..errors import (DsecError, InvalidSpec, LayerBuildError, LayerCorrupt, LayerExists,
-                      SourceUnavailable, ToolError, UnknownEnvironment, UnknownLayer)
+from ..errors import (
+    DsecError,
+    InvalidSpec,
+    LayerBuildError,
+    LayerCorrupt,
+    LayerExists,
+    SourceUnavailable,
+    ToolError,
+    UnknownEnvironment,
+    UnknownLayer,
+)
 from ..lazy.chunks import DEFAULT_CHUNK_SIZE
 from ..lazy.layout import ReadProfile
 from ..lazy.split import LazyForm, compress_split, pack_split, split_image
 from ..records import LayerInfo, LayerRef, parse_size
 
-__all__ = ["LayerSource", "BlobStoreSource", "fetch_verified", "split_for_publishing",
-           "FETCH_CHUNK", "publish_chunk_size", "publish_compression"]
+__all__ = [
+    "FETCH_CHUNK",
+    "BlobStoreSource",
+    "LayerSource",
+    "fetch_verified",
+    "publish_chunk_size",
+    "publish_compression",
+    "split_for_publishing",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +110,10 @@ class LayerSource(abc.ABC):
 
     def fetch_meta(self, form: LazyForm) -> Path:
         """A local path to ``form``'s metadata image, fetched into ``cache_dir`` and verified."""
-        raise UnknownLayer(f"{self.url}: no lazy layers here (metadata {form.meta_digest})",
-                           digest=form.meta_digest)
+        raise UnknownLayer(
+            f"{self.url}: no lazy layers here (metadata {form.meta_digest})",
+            digest=form.meta_digest,
+        )
 
     def read_blob(self, digest: str, offset: int, length: int) -> bytes:
         """Raw bytes [offset, offset+length) of stored blob ``digest`` (short at its end).
@@ -108,24 +128,35 @@ class LayerSource(abc.ABC):
             raise InvalidSpec(f"layer source {self.url} needs a cache directory to fetch into")
         return self.cache_dir / f"{form.meta_digest.split(':', 1)[-1]}.meta.erofs"
 
-    def _fetch_meta_checked(self, form: LazyForm, size: int | None,
-                            read_range: Callable[[int, int], bytes], where: str = "") -> Path:
+    def _fetch_meta_checked(
+        self,
+        form: LazyForm,
+        size: int | None,
+        read_range: Callable[[int, int], bytes],
+        where: str = "",
+    ) -> Path:
         """What every ``fetch_meta`` does once it knows the stored size and how to read it:
         refuse a missing or wrongly sized metadata image, then fetch it verified."""
         dest = self._meta_dest(form)
         if size is None:
-            raise UnknownLayer(f"{self.url}: metadata image {form.meta_digest} of layer "
-                               f"{form.layer_digest} is missing{where}", digest=form.meta_digest)
+            raise UnknownLayer(
+                f"{self.url}: metadata image {form.meta_digest} of layer "
+                f"{form.layer_digest} is missing{where}",
+                digest=form.meta_digest,
+            )
         if size != form.meta_size:
-            raise LayerCorrupt(f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
-                               f" its lazy form says {form.meta_size}", digest=form.meta_digest,
-                               source=self.url)
-        return fetch_verified(read_range, digest=form.meta_digest, size=size, dest=dest,
-                              source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: metadata image {form.meta_digest} is {size} bytes,"
+                f" its lazy form says {form.meta_size}",
+                digest=form.meta_digest,
+                source=self.url,
+            )
+        return fetch_verified(
+            read_range, digest=form.meta_digest, size=size, dest=dest, source=self.url
+        )
 
     # --- publishing -----------------------------------------------------------------------
-    def push(self, info: LayerInfo, image: Path, *,
-             profile: ReadProfile | None = None) -> bool:
+    def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
         """Publish a layer; False (and nothing done) if this source already has it.
 
         A source that publishes lazy forms passes ``profile`` (what a workload read of this
@@ -142,7 +173,7 @@ class LayerSource(abc.ABC):
         """The catalog document stored under ``name``; ``UnknownEnvironment`` if none."""
         raise InvalidSpec(f"layer source {self.url} holds no catalogs")
 
-    def catalogs(self) -> list[str]:
+    def catalogs(self) -> builtins.list[str]:
         """Names of the catalogs this source holds."""
         return []
 
@@ -150,9 +181,16 @@ class LayerSource(abc.ABC):
         return f"{type(self).__name__}({self.url})"
 
 
-def fetch_verified(read_range: Callable[[int, int], bytes], *, digest: str, size: int,
-                   dest: Path, source: str, chunk: int = FETCH_CHUNK,
-                   progress: Callable[[int], None] | None = None) -> Path:
+def fetch_verified(
+    read_range: Callable[[int, int], bytes],
+    *,
+    digest: str,
+    size: int,
+    dest: Path,
+    source: str,
+    chunk: int = FETCH_CHUNK,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Download ``size`` bytes through ``read_range(offset, length)`` into ``dest``, hashing as
     it goes; ``dest`` only appears (atomically) if the sha256 matches ``digest``.
 
@@ -169,17 +207,23 @@ def fetch_verified(read_range: Callable[[int, int], bytes], *, digest: str, size
                 n = min(chunk, size - offset)
                 data = read_range(offset, n)
                 if len(data) != n:
-                    raise LayerCorrupt(f"{source}: blob {digest} is truncated: got {len(data)} "
-                                       f"bytes at offset {offset}, wanted {n}", digest=digest,
-                                       source=source)
+                    raise LayerCorrupt(
+                        f"{source}: blob {digest} is truncated: got {len(data)} "
+                        f"bytes at offset {offset}, wanted {n}",
+                        digest=digest,
+                        source=source,
+                    )
                 h.update(data)
                 f.write(data)
                 offset += n
                 if progress:
                     progress(offset)
         if h.hexdigest() != want:
-            raise LayerCorrupt(f"{source}: blob {digest} does not match its digest (got "
-                               f"sha256:{h.hexdigest()})", digest=digest, source=source)
+            raise LayerCorrupt(
+                f"{source}: blob {digest} does not match its digest (got sha256:{h.hexdigest()})",
+                digest=digest,
+                source=source,
+            )
         os.chmod(tmp, 0o444)
         os.rename(tmp, dest)
     except BaseException:
@@ -197,10 +241,12 @@ def publish_chunk_size() -> int:
     text = os.environ.get("DSEC_CHUNK_SIZE")
     if not text:
         return DEFAULT_CHUNK_SIZE
-    size = parse_size(text, "DSEC_CHUNK_SIZE")
+    size = parse_size(text, "DSEC_CHUNK_SIZE") or 0
     if size < (64 << 10) or size > (64 << 20) or size & (size - 1):
-        raise InvalidSpec(f"DSEC_CHUNK_SIZE must be a power of two from 64K to 64M, got {text}",
-                          field="DSEC_CHUNK_SIZE")
+        raise InvalidSpec(
+            f"DSEC_CHUNK_SIZE must be a power of two from 64K to 64M, got {text}",
+            field="DSEC_CHUNK_SIZE",
+        )
     return size
 
 
@@ -211,15 +257,21 @@ def publish_compression() -> str:
     if text in ("none", "off", "0", ""):
         return ""
     if text not in ("zstd", "zlib"):
-        raise InvalidSpec(f"DSEC_CHUNK_COMPRESSION must be zstd, zlib or none, got {text!r}",
-                          field="DSEC_CHUNK_COMPRESSION")
+        raise InvalidSpec(
+            f"DSEC_CHUNK_COMPRESSION must be zstd, zlib or none, got {text!r}",
+            field="DSEC_CHUNK_COMPRESSION",
+        )
     return text
 
 
 @contextlib.contextmanager
-def split_for_publishing(info: LayerInfo, image: Path, source: str,
-                         profile: ReadProfile | None = None, compression: str | None = None,
-                         ) -> Iterator[tuple[LazyForm, Path, Path] | None]:
+def split_for_publishing(
+    info: LayerInfo,
+    image: Path,
+    source: str,
+    profile: ReadProfile | None = None,
+    compression: str | None = None,
+) -> Iterator[tuple[LazyForm, Path, Path] | None]:
     """Split ``image`` (``split_image``) in a temporary directory, removed on exit.
 
     Yields (form, meta path, blob path), or None if this host cannot split it (no root for
@@ -241,8 +293,11 @@ def split_for_publishing(info: LayerInfo, image: Path, source: str,
             log.warning("%s: publishing %s without its lazy form: %s", source, info.ref, e)
             split = None
         if split is not None and split[0].layer_digest != info.digest:
-            raise LayerCorrupt(f"{image} is {split[0].layer_digest}, the layer record says "
-                               f"{info.digest}", digest=info.digest, source=str(image))
+            raise LayerCorrupt(
+                f"{image} is {split[0].layer_digest}, the layer record says {info.digest}",
+                digest=info.digest,
+                source=str(image),
+            )
         if split is not None and profile is not None:
             form, meta, blob = split
             try:
@@ -329,13 +384,24 @@ class BlobStoreSource(LayerSource):
         key = self.blob_key(info.digest)
         size = self._size(key)
         if size is None:
-            raise UnknownLayer(f"{self.url}: layer {info.ref} names blob {info.digest}, which "
-                               "is missing", name=info.ref)
+            raise UnknownLayer(
+                f"{self.url}: layer {info.ref} names blob {info.digest}, which is missing",
+                name=info.ref,
+            )
         if size != info.size:
-            raise LayerCorrupt(f"{self.url}: blob {info.digest} is {size} bytes, the layer "
-                               f"record says {info.size}", digest=info.digest, source=self.url)
-        return fetch_verified(lambda off, n: self._read(key, off, n), digest=info.digest,
-                              size=size, dest=dest, source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: blob {info.digest} is {size} bytes, the layer "
+                f"record says {info.size}",
+                digest=info.digest,
+                source=self.url,
+            )
+        return fetch_verified(
+            lambda off, n: self._read(key, off, n),
+            digest=info.digest,
+            size=size,
+            dest=dest,
+            source=self.url,
+        )
 
     # --- on-demand loading -----------------------------------------------------------------
     def lazy_form(self, info: LayerInfo) -> LazyForm | None:
@@ -345,9 +411,12 @@ class BlobStoreSource(LayerSource):
             return None  # pushed before lazy forms existed, or by a host that could not split
         form = LazyForm.from_json(text)
         if form.layer_digest != info.digest:
-            raise LayerCorrupt(f"{self.url}: {self.lazy_key(info.digest)} describes "
-                               f"{form.layer_digest}, not {info.digest}", digest=info.digest,
-                               source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: {self.lazy_key(info.digest)} describes "
+                f"{form.layer_digest}, not {info.digest}",
+                digest=info.digest,
+                source=self.url,
+            )
         return form
 
     def fetch_meta(self, form: LazyForm) -> Path:
@@ -355,8 +424,9 @@ class BlobStoreSource(LayerSource):
         if dest.exists():  # only fetch_verified puts files here, after checking them
             return dest
         key = self.blob_key(form.meta_digest)
-        return self._fetch_meta_checked(form, self._size(key),
-                                        lambda off, n: self._read(key, off, n))
+        return self._fetch_meta_checked(
+            form, self._size(key), lambda off, n: self._read(key, off, n)
+        )
 
     def read_blob(self, digest: str, offset: int, length: int) -> bytes:
         if length <= 0:
@@ -368,11 +438,13 @@ class BlobStoreSource(LayerSource):
         except DsecError:
             raise
         except OSError as e:
-            raise SourceUnavailable(f"{self.url}: reading blob {digest} at {offset}+{length} "
-                                    f"failed: {e}", source=self.url, digest=digest) from e
+            raise SourceUnavailable(
+                f"{self.url}: reading blob {digest} at {offset}+{length} failed: {e}",
+                source=self.url,
+                digest=digest,
+            ) from e
 
-    def _push_lazy(self, info: LayerInfo, image: Path,
-                   profile: ReadProfile | None = None) -> None:
+    def _push_lazy(self, info: LayerInfo, image: Path, profile: ReadProfile | None = None) -> None:
         """Store the layer's split form unless it is there already (from any name@version)."""
         if self._size(self.lazy_key(info.digest)) is not None:
             return
@@ -380,28 +452,33 @@ class BlobStoreSource(LayerSource):
             if split is None:
                 return
             form, meta, blob = split
-            for digest, size, path in ((form.meta_digest, form.meta_size, meta),
-                                       (form.blob_digest, form.index.stored_size, blob)):
+            for digest, size, path in (
+                (form.meta_digest, form.meta_size, meta),
+                (form.blob_digest, form.index.stored_size, blob),
+            ):
                 if self._size(self.blob_key(digest)) != size:
                     self._write(self.blob_key(digest), path)
             # Written last: a reader that finds the form finds both blobs.
             self._write(self.lazy_key(info.digest), form.to_json().encode())
 
     # --- publishing -----------------------------------------------------------------------
-    def push(self, info: LayerInfo, image: Path, *,
-             profile: ReadProfile | None = None) -> bool:
+    def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
         existing = self._info(self.ref_key(info.name, info.version))
         if existing is not None:
             if existing.digest != info.digest:
-                raise LayerExists(f"{self.url}: {info.ref} is already {existing.digest}, not "
-                                  f"{info.digest}; versions are immutable", name=info.ref)
+                raise LayerExists(
+                    f"{self.url}: {info.ref} is already {existing.digest}, not "
+                    f"{info.digest}; versions are immutable",
+                    name=info.ref,
+                )
             return False
         key = self.blob_key(info.digest)
         if self._size(key) != info.size:
             self._write(key, image)
         self._push_lazy(info, image, profile)
-        self._write(self.ref_key(info.name, info.version),
-                    json.dumps(info.to_dict(), indent=2).encode())
+        self._write(
+            self.ref_key(info.name, info.version), json.dumps(info.to_dict(), indent=2).encode()
+        )
         return True
 
     def put_catalog(self, name: str, document: dict[str, Any]) -> None:
@@ -411,9 +488,13 @@ class BlobStoreSource(LayerSource):
         try:
             return json.loads(self._read(f"catalogs/{name}.json"))
         except KeyError:
-            raise UnknownEnvironment(f"{self.url}: no catalog {name!r}", name=name,
-                                     known=self.catalogs()) from None
+            raise UnknownEnvironment(
+                f"{self.url}: no catalog {name!r}", name=name, known=self.catalogs()
+            ) from None
 
-    def catalogs(self) -> list[str]:
-        return sorted(k[len("catalogs/"):-len(".json")] for k in self._keys("catalogs/")
-                      if k.endswith(".json"))
+    def catalogs(self) -> builtins.list[str]:
+        return sorted(
+            k[len("catalogs/") : -len(".json")]
+            for k in self._keys("catalogs/")
+            if k.endswith(".json")
+        )

@@ -6,13 +6,13 @@ Opening a source by URL needs the plugins that provide its scheme: that is
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import InvalidSpec, UnknownLayer
 from ..records import LayerInfo, LayerRef
 from .base import LayerSource
 
-__all__ = ["split_url", "find_layer"]
+__all__ = ["find_layer", "split_url"]
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -38,5 +38,6 @@ def find_layer(sources: Sequence[LayerSource], text: str) -> tuple[LayerSource, 
         if info is not None:
             return source, info
     known = sorted({i.ref for s in sources for i in s.list()})
-    raise UnknownLayer(f"unknown layer {text!r} in {', '.join(s.url for s in sources)}",
-                       name=text, known=known)
+    raise UnknownLayer(
+        f"unknown layer {text!r} in {', '.join(s.url for s in sources)}", name=text, known=known
+    )

@@ -6,6 +6,7 @@ i.e. ``$DSEC_HOME/layers``). Images are used in place (``LayerSource.local``).
 
 from __future__ import annotations
 
+import builtins
 import json
 import shutil
 from pathlib import Path
@@ -51,18 +52,21 @@ class LocalLayerSource(LayerSource):
         return self.store.image_path(info)
 
     def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
-        moved = not (self.store.exists(info.ref)
-                     and self.store.resolve(info.ref).digest == info.digest)
+        moved = not (
+            self.store.exists(info.ref) and self.store.resolve(info.ref).digest == info.digest
+        )
         if moved:
             with self.store.scratch("push-") as tmp:
                 copy = tmp / "image.erofs"
                 shutil.copyfile(image, copy)  # add() moves its input into the store
-                added = self.store.add(copy, name=info.name, version=info.version,
-                                       kind=info.kind, source=info.source)
+                added = self.store.add(
+                    copy, name=info.name, version=info.version, kind=info.kind, source=info.source
+                )
             if added.digest != info.digest:
                 self.store.remove(info.ref)
-                raise LayerCorrupt(f"{image} is not {info.digest}", digest=info.digest,
-                                   source=self.url)
+                raise LayerCorrupt(
+                    f"{image} is not {info.digest}", digest=info.digest, source=self.url
+                )
         if profile is not None and profile.layer_digest == info.digest:
             self.store.save_profile(profile)  # a profile travels with its layer
         return moved
@@ -77,10 +81,11 @@ class LocalLayerSource(LayerSource):
         try:
             return json.loads(self._catalog_file(name).read_text())
         except FileNotFoundError:
-            raise UnknownEnvironment(f"{self.url}: no catalog {name!r}", name=name,
-                                     known=self.catalogs()) from None
+            raise UnknownEnvironment(
+                f"{self.url}: no catalog {name!r}", name=name, known=self.catalogs()
+            ) from None
 
-    def catalogs(self) -> list[str]:
+    def catalogs(self) -> builtins.list[str]:
         d = Path(self.location) / "published-catalogs"
         return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []
 

@@ -15,7 +15,7 @@ from ..layers.store import LayerStore
 from ..records import LayerRef
 from .base import LayerSource
 
-__all__ = ["Transfer", "push_layer", "pull_layer"]
+__all__ = ["Transfer", "pull_layer", "push_layer"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ def pull_layer(ref: str, src: LayerSource, local: LayerStore) -> Transfer:
     with local.scratch("pull-") as tmp:
         copy = tmp / "image.erofs"
         shutil.copyfile(image, copy)  # add() moves its input; the source's copy stays
-        added = local.add(copy, name=info.name, version=info.version, kind=info.kind,
-                          source=src.url)
+        added = local.add(
+            copy, name=info.name, version=info.version, kind=info.kind, source=src.url
+        )
     return Transfer(added.ref, added.digest, added.size, True)

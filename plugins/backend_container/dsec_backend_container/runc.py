@@ -3,9 +3,10 @@
 The node composes the root filesystem (``RootfsForm.COMPOSED``). ``runc run -d`` starts the
 sandbox with the in-sandbox agent as its init, handed the listening socket this backend binds
 at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforce through the
-OCI config (target ``"oci"``). Stopping does not go through ``runc kill``/``runc delete`` (two more Go
-process start-ups and a polling loop, ~100 ms): killing the namespace's init with a pidfd makes
-the kernel kill every process in it, then we remove the cgroups and runc's state ourselves.
+OCI config (target ``"oci"``). Stopping does not go through ``runc kill``/``runc delete`` (two
+more Go process start-ups and a polling loop, ~100 ms): killing the namespace's init with a
+pidfd makes the kernel kill every process in it, then we remove the cgroups and runc's state
+ourselves.
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ import resource
 import shutil
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from dsec_core.backend import (AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm,
-                               SandboxRuntime, cgroup_path)
+from dsec_core.backend import (
+    AGENT_PATH,
+    AgentChannel,
+    Backend,
+    Feature,
+    RootfsForm,
+    SandboxRuntime,
+    cgroup_path,
+)
 from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, SandboxError, ToolError
 from dsec_core.records import SandboxUsage
@@ -34,17 +43,35 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # The OCI defaults, plus the kernel page-info files: DSec saw a recursive grep touching
 # /proc/kpagecgroup crash a kernel.
 MASKED_PATHS = [
-    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-    "/proc/kpagecgroup", "/proc/kpageflags", "/proc/kpagecount", "/sys/firmware",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kpagecgroup",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/sys/firmware",
     "/sys/devices/virtual/powercap",
 ]
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 # Enough for root in the sandbox to own, chmod and run services; no raw sockets, no mknod,
 # nothing that reaches outside the user namespace.
 CAPABILITIES = [
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
-    "CAP_SETUID", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_SETPCAP",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_SETPCAP",
 ]
 CFS_PERIOD = 100_000
 
@@ -54,15 +81,21 @@ def find_runtime() -> str:
         path = shutil.which(name)
         if path:
             return path
-    raise BackendUnavailable("container backend: no OCI runtime found (install runc: "
-                             "apt-get install runc)", missing="runc")
+    raise BackendUnavailable(
+        "container backend: no OCI runtime found (install runc: apt-get install runc)",
+        missing="runc",
+    )
 
 
 def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
     """The OCI runtime config of a sandbox."""
     lim = rt.limits
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "HOME": "/root", "LANG": "C.UTF-8", "DSEC_SANDBOX_ID": rt.id}
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "DSEC_SANDBOX_ID": rt.id,
+    }
     env.update(rt.spec.env)
     idmap = [{"containerID": 0, "hostID": rt.idmap.host_base, "size": rt.idmap.size}]
     caps = list(CAPABILITIES)
@@ -84,31 +117,63 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
         "root": {"path": os.fspath(rt.rootfs or ""), "readonly": False},
         "hostname": "dsec-" + rt.id[:12],
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc",
-             "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-             "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
-            {"destination": AGENT_PATH, "type": "bind", "source": os.fspath(rt.agent_binary),
-             "options": ["bind", "ro", "nosuid", "nodev"]},
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            {
+                "destination": AGENT_PATH,
+                "type": "bind",
+                "source": os.fspath(rt.agent_binary),
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            },
         ],
         "linux": {
             "uidMappings": idmap,
             "gidMappings": idmap,
-            "namespaces": [{"type": t} for t in
-                           ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")],
+            "namespaces": [
+                {"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")
+            ],
             "cgroupsPath": "/" + cgroup_path(rt.id),
             "resources": {
                 "memory": {"limit": lim.memory},
-                "cpu": {"quota": max(1000, int(lim.cpu * CFS_PERIOD)), "period": CFS_PERIOD,
-                        "shares": max(2, int(lim.cpu * 1024))},
+                "cpu": {
+                    "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
+                    "period": CFS_PERIOD,
+                    "shares": max(2, int(lim.cpu * 1024)),
+                },
                 "pids": {"limit": lim.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
@@ -132,8 +197,15 @@ class ContainerBackend(Backend):
     """Sandboxes as runc containers; root inside maps to an unprivileged host uid range."""
 
     name = "container"
-    features = frozenset({Feature.USERNS, Feature.CGROUPS, Feature.PID_NAMESPACE,
-                          Feature.NET_NAMESPACE, Feature.SHARED_KERNEL})
+    features = frozenset(
+        {
+            Feature.USERNS,
+            Feature.CGROUPS,
+            Feature.PID_NAMESPACE,
+            Feature.NET_NAMESPACE,
+            Feature.SHARED_KERNEL,
+        }
+    )
     rootfs = RootfsForm.COMPOSED
     agent_channel = AgentChannel.UNIX
     policy_targets = frozenset({"oci"})
@@ -161,9 +233,24 @@ class ContainerBackend(Backend):
             json.dump(config, f)
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"
-        argv = [self.runtime, "--root", os.fspath(self.state_root), "--log", os.fspath(log),
-                "--log-format", "json", "run", "-d", "--preserve-fds", "1",
-                "--pid-file", os.fspath(pid_file), "--bundle", os.fspath(bundle), rt.id]
+        argv = [
+            self.runtime,
+            "--root",
+            os.fspath(self.state_root),
+            "--log",
+            os.fspath(log),
+            "--log-format",
+            "json",
+            "run",
+            "-d",
+            "--preserve-fds",
+            "1",
+            "--pid-file",
+            os.fspath(pid_file),
+            "--bundle",
+            os.fspath(bundle),
+            rt.id,
+        ]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if rt.agent_socket.exists():
@@ -175,16 +262,20 @@ class ContainerBackend(Backend):
             listener.close()  # the agent holds it now; if it dies, connects fail at once
         if exit_code != 0:
             await self._cleanup(rt, None)
-            raise ToolError(f"sandbox {rt.id}: runc could not start the container",
-                            command=argv, exit_code=exit_code, stderr=_runc_errors(log),
-                            sandbox_id=rt.id)
+            raise ToolError(
+                f"sandbox {rt.id}: runc could not start the container",
+                command=argv,
+                exit_code=exit_code,
+                stderr=_runc_errors(log),
+                sandbox_id=rt.id,
+            )
         pid = int(pid_file.read_text().strip())
         return {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
 
     # --- liveness -------------------------------------------------------------------------
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         pid = state.get("pid")
-        return bool(pid) and _start_time(pid) == state.get("start_time")
+        return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
 
     # --- stop -----------------------------------------------------------------------------
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
@@ -200,9 +291,11 @@ class ContainerBackend(Backend):
     def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
         cg = cgroup_path(rt.id)
         cpu_ns = _read_int(CGROUP_ROOT / "cpuacct" / cg / "cpuacct.usage")
-        return SandboxUsage(memory=_read_int(CGROUP_ROOT / "memory" / cg / "memory.usage_in_bytes"),
-                            cpu_seconds=None if cpu_ns is None else cpu_ns * 1e-9,
-                            pids=_read_int(CGROUP_ROOT / "pids" / cg / "pids.current"))
+        return SandboxUsage(
+            memory=_read_int(CGROUP_ROOT / "memory" / cg / "memory.usage_in_bytes"),
+            cpu_seconds=None if cpu_ns is None else cpu_ns * 1e-9,
+            pids=_read_int(CGROUP_ROOT / "pids" / cg / "pids.current"),
+        )
 
 
 def _read_int(path: Path) -> int | None:
@@ -236,9 +329,17 @@ async def _spawn_and_wait(argv: list[str], fd3: int) -> int:
     """
     devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     try:
-        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=[
-            (os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
-            (os.POSIX_SPAWN_DUP2, devnull, 2), (os.POSIX_SPAWN_DUP2, fd3, 3)])
+        pid = os.posix_spawn(
+            argv[0],
+            argv,
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, devnull, 0),
+                (os.POSIX_SPAWN_DUP2, devnull, 1),
+                (os.POSIX_SPAWN_DUP2, devnull, 2),
+                (os.POSIX_SPAWN_DUP2, fd3, 3),
+            ],
+        )
     finally:
         os.close(devnull)
     return await _wait_child(pid)
@@ -256,8 +357,13 @@ async def _wait_child(pid: int) -> int:
 
 async def _readable(fd: int) -> None:
     loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, ready)
     try:
         await fut
     finally:
@@ -276,8 +382,8 @@ async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
         await asyncio.wait_for(_readable(pidfd), timeout)
     except ProcessLookupError:
         pass
-    except asyncio.TimeoutError:
-        raise SandboxError(f"init process {pid} did not die within {timeout}s", pid=pid)
+    except TimeoutError:
+        raise SandboxError(f"init process {pid} did not die within {timeout}s", pid=pid) from None
     finally:
         os.close(pidfd)
 
@@ -327,5 +433,8 @@ async def _remove_cgroups(sandbox_id: str) -> None:
             except OSError:
                 still.append(d)
         busy = still
-    raise SandboxError(f"sandbox {sandbox_id}: cannot remove cgroups {busy}",
-                       sandbox_id=sandbox_id, cgroups=[os.fspath(d) for d in busy])
+    raise SandboxError(
+        f"sandbox {sandbox_id}: cannot remove cgroups {busy}",
+        sandbox_id=sandbox_id,
+        cgroups=[os.fspath(d) for d in busy],
+    )

@@ -30,6 +30,7 @@ lazily read data-blob ranges (``read_blob``, a Range GET) are checked per chunk 
 
 from __future__ import annotations
 
+import builtins
 import functools
 import hashlib
 import json
@@ -37,25 +38,40 @@ import os
 import re
 import time
 import urllib.parse
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import oras.auth
 import oras.container
 import oras.provider
 import requests
 
-from dsec_core.errors import (DsecError, InvalidSpec, LayerCorrupt, LayerExists,
-                              SourceUnavailable, UnknownEnvironment, UnknownLayer)
+from dsec_core.errors import (
+    DsecError,
+    InvalidSpec,
+    LayerCorrupt,
+    LayerExists,
+    SourceUnavailable,
+    UnknownEnvironment,
+    UnknownLayer,
+)
 from dsec_core.hookspecs import hookimpl
-from dsec_core.sources.base import LayerSource, fetch_verified, split_for_publishing
 from dsec_core.lazy.layout import ReadProfile
 from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
+from dsec_core.sources.base import LayerSource, fetch_verified, split_for_publishing
 
-__all__ = ["OciLayerSource", "LAYER_MEDIA_TYPE", "META_MEDIA_TYPE", "BLOB_MEDIA_TYPE",
-           "CHUNK_INDEX_MEDIA_TYPE", "CATALOG_MEDIA_TYPE", "ANNOTATION_PREFIX"]
+__all__ = [
+    "ANNOTATION_PREFIX",
+    "BLOB_MEDIA_TYPE",
+    "CATALOG_MEDIA_TYPE",
+    "CHUNK_INDEX_MEDIA_TYPE",
+    "LAYER_MEDIA_TYPE",
+    "META_MEDIA_TYPE",
+    "OciLayerSource",
+]
 
 LAYER_MEDIA_TYPE = "application/vnd.erofs.layer.v1"
 META_MEDIA_TYPE = "application/vnd.erofs.meta.v1"
@@ -84,7 +100,7 @@ def _digest_of(data: bytes) -> str:
 
 
 def _rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _Registry(oras.provider.Registry):
@@ -95,8 +111,9 @@ class _Registry(oras.provider.Registry):
         self.source = source
         self.basic_challenge = False  # set once the registry asked for basic auth
         # oras's token auth calls the session directly, so the timeout goes on the session.
-        self.session.request = functools.partial(  # type: ignore[method-assign]
-            self.session.request, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT))
+        self.session.request = functools.partial(
+            self.session.request, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)
+        )
         user, password = os.environ.get("DSEC_OCI_USERNAME"), os.environ.get("DSEC_OCI_PASSWORD")
         if user and password:
             self.auth.set_basic_auth(user, password)
@@ -110,9 +127,15 @@ class _Registry(oras.provider.Registry):
         # With the host written first, a prefix such as "my.org/x" is not taken for a registry.
         return oras.container.Container(f"{self.hostname}/{name}", registry=self.hostname)
 
-    def do_request(self, url: str, method: str = "GET", data: Any = None,
-                   headers: dict | None = None, json: dict | None = None,
-                   stream: bool = False) -> requests.Response:
+    def do_request(
+        self,
+        url: str,
+        method: str = "GET",
+        data: Any = None,
+        headers: dict | None = None,
+        json: dict | None = None,
+        stream: bool = False,
+    ) -> requests.Response:
         headers = dict(headers or {})
         headers.update(self.headers)
         try:
@@ -121,8 +144,15 @@ class _Registry(oras.provider.Registry):
                 headers["Authorization"] = f"Basic {basic}"
             elif isinstance(self.auth, oras.auth.TokenAuth) and self.auth.token is not None:
                 headers.update(self.auth.get_auth_header())
-            response = self.session.request(method, url, data=data, json=json, headers=headers,
-                                            stream=stream, verify=self._tls_verify)
+            response = self.session.request(
+                method,
+                url,
+                data=data,
+                json=json,
+                headers=headers,
+                stream=stream,
+                verify=self._tls_verify,
+            )
             if response.status_code in (401, 403):
                 challenge = response.headers.get("Www-Authenticate", "")
                 if challenge.lower().startswith("basic") and basic:
@@ -135,17 +165,28 @@ class _Registry(oras.provider.Registry):
                 if changed:
                     if hasattr(data, "seek"):
                         data.seek(0)
-                    response = self.session.request(method, url, data=data, json=json,
-                                                    headers=headers, stream=stream,
-                                                    verify=self._tls_verify)
+                    response = self.session.request(
+                        method,
+                        url,
+                        data=data,
+                        json=json,
+                        headers=headers,
+                        stream=stream,
+                        verify=self._tls_verify,
+                    )
         except requests.RequestException as e:
-            raise SourceUnavailable(f"{self.source}: cannot reach the registry ({method} {url}: "
-                                    f"{type(e).__name__})", source=self.source) from e
+            raise SourceUnavailable(
+                f"{self.source}: cannot reach the registry ({method} {url}: {type(e).__name__})",
+                source=self.source,
+            ) from e
         if response.status_code in (401, 403):
-            raise SourceUnavailable(f"{self.source}: the registry refused our credentials "
-                                    f"(HTTP {response.status_code} to {method} {url}); set "
-                                    "DSEC_OCI_USERNAME/DSEC_OCI_PASSWORD or docker login",
-                                    source=self.source, status=response.status_code)
+            raise SourceUnavailable(
+                f"{self.source}: the registry refused our credentials "
+                f"(HTTP {response.status_code} to {method} {url}); set "
+                "DSEC_OCI_USERNAME/DSEC_OCI_PASSWORD or docker login",
+                source=self.source,
+                status=response.status_code,
+            )
         return response
 
 
@@ -158,16 +199,19 @@ class OciLayerSource(LayerSource):
         super().__init__(location, cache_dir=cache_dir)
         parts = urllib.parse.urlsplit(f"//{location}")
         if not parts.netloc:
-            raise InvalidSpec(f"oci layer source needs a registry host: oci://HOST:PORT/prefix, "
-                              f"got {self.url!r}")
+            raise InvalidSpec(
+                f"oci layer source needs a registry host: oci://HOST:PORT/prefix, got {self.url!r}"
+            )
         query = urllib.parse.parse_qs(parts.query)
         insecure = query.get("insecure", ["0"])[-1].lower() in ("1", "true", "yes")
         self.host = parts.netloc
         self.prefix = parts.path.strip("/")
         for component in filter(None, self.prefix.split("/")):
             if not _COMPONENT.fullmatch(component):
-                raise InvalidSpec(f"{self.url}: {component!r} cannot be part of an OCI "
-                                  "repository name (lowercase letters, digits, . _ -)")
+                raise InvalidSpec(
+                    f"{self.url}: {component!r} cannot be part of an OCI "
+                    "repository name (lowercase letters, digits, . _ -)"
+                )
         self.base = f"{'http' if insecure else 'https'}://{self.host}"
         self.client = _Registry(self.host, insecure=insecure, source=self.url)
         # OCI blobs live in a repository, a LazyForm names only digests: remember which
@@ -185,30 +229,35 @@ class OciLayerSource(LayerSource):
     @staticmethod
     def _representable(name: str, version: str | None = None) -> bool:
         return bool(_COMPONENT.fullmatch(name)) and (
-            version is None or bool(_TAG.fullmatch(OciLayerSource._tag(version))))
+            version is None or bool(_TAG.fullmatch(OciLayerSource._tag(version)))
+        )
 
     # --- HTTP -----------------------------------------------------------------------------
-    def _request(self, method: str, url: str, *, ok: tuple[int, ...] = (200,),
-                 **kw: Any) -> requests.Response:
+    def _request(
+        self, method: str, url: str, *, ok: tuple[int, ...] = (200,), **kw: Any
+    ) -> requests.Response:
         response = self.client.do_request(url, method, **kw)
         if response.status_code not in ok:
-            raise SourceUnavailable(f"{self.url}: the registry answered HTTP "
-                                    f"{response.status_code} to {method} {url}: "
-                                    f"{response.text[:300].strip()}", source=self.url,
-                                    status=response.status_code)
+            raise SourceUnavailable(
+                f"{self.url}: the registry answered HTTP "
+                f"{response.status_code} to {method} {url}: "
+                f"{response.text[:300].strip()}",
+                source=self.url,
+                status=response.status_code,
+            )
         return response
 
     def _manifest(self, repo: str, tag: str) -> dict | None:
         url = f"{self.client.prefix}://{self.client.container(f'{repo}:{tag}').manifest_url()}"
-        response = self._request("GET", url, ok=(200, 404),
-                                 headers={"Accept": MANIFEST_MEDIA_TYPE})
+        response = self._request("GET", url, ok=(200, 404), headers={"Accept": MANIFEST_MEDIA_TYPE})
         if response.status_code == 404:
             return None
         try:
             return response.json()
         except ValueError as e:
-            raise SourceUnavailable(f"{self.url}: manifest {repo}:{tag} is not JSON",
-                                    source=self.url) from e
+            raise SourceUnavailable(
+                f"{self.url}: manifest {repo}:{tag} is not JSON", source=self.url
+            ) from e
 
     def _paged(self, url: str, key: str) -> Iterator[str]:
         """Items of a paginated list endpoint (``_catalog``, ``tags/list``); none on 404."""
@@ -237,12 +286,16 @@ class OciLayerSource(LayerSource):
         return int(response.headers.get("Content-Length", -1))
 
     def _read_range(self, repo: str, digest: str, offset: int, length: int) -> bytes:
-        response = self._request("GET", self._blob_url(repo, digest), ok=(200, 206, 416),
-                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        response = self._request(
+            "GET",
+            self._blob_url(repo, digest),
+            ok=(200, 206, 416),
+            headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+        )
         if response.status_code == 416:
             return b""
         if response.status_code == 200:  # a registry that ignores Range sends the whole blob
-            return response.content[offset:offset + length]
+            return response.content[offset : offset + length]
         return response.content
 
     def _upload(self, repo: str, digest: str, size: int, data: bytes | Path) -> None:
@@ -250,12 +303,17 @@ class OciLayerSource(LayerSource):
         if self._blob_size(repo, digest) == size:
             return
         container = self.client.container(repo)
-        started = self._request("POST", f"{self.client.prefix}://{container.upload_blob_url()}",
-                                ok=(202,), headers={"Content-Length": "0"})
+        started = self._request(
+            "POST",
+            f"{self.client.prefix}://{container.upload_blob_url()}",
+            ok=(202,),
+            headers={"Content-Length": "0"},
+        )
         location = self.client._get_location(started, container)
         if not location:
-            raise SourceUnavailable(f"{self.url}: the registry gave no upload location",
-                                    source=self.url)
+            raise SourceUnavailable(
+                f"{self.url}: the registry gave no upload location", source=self.url
+            )
         sep = "&" if "?" in location else "?"
         url = f"{location}{sep}digest={urllib.parse.quote(digest)}"
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
@@ -265,22 +323,33 @@ class OciLayerSource(LayerSource):
         else:
             response = self.client.do_request(url, "PUT", data=data, headers=headers)
         if response.status_code == 400 and "DIGEST_INVALID" in response.text:
-            raise LayerCorrupt(f"{self.url}: the registry says the upload does not match "
-                               f"{digest}", digest=digest, source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: the registry says the upload does not match {digest}",
+                digest=digest,
+                source=self.url,
+            )
         if response.status_code != 201:
-            raise SourceUnavailable(f"{self.url}: uploading {digest} to {repo} failed: HTTP "
-                                    f"{response.status_code} {response.text[:300].strip()}",
-                                    source=self.url, status=response.status_code)
+            raise SourceUnavailable(
+                f"{self.url}: uploading {digest} to {repo} failed: HTTP "
+                f"{response.status_code} {response.text[:300].strip()}",
+                source=self.url,
+                status=response.status_code,
+            )
 
-    def _put_manifest(self, repo: str, tag: str, blobs: list[dict],
-                      annotations: dict[str, str]) -> None:
+    def _put_manifest(
+        self, repo: str, tag: str, blobs: list[dict], annotations: dict[str, str]
+    ) -> None:
         self._upload(repo, EMPTY_DIGEST, len(EMPTY_BLOB), EMPTY_BLOB)
         manifest = {
             "schemaVersion": 2,
             "mediaType": MANIFEST_MEDIA_TYPE,
             "artifactType": blobs[0]["mediaType"],
-            "config": {"mediaType": EMPTY_MEDIA_TYPE, "digest": EMPTY_DIGEST,
-                       "size": len(EMPTY_BLOB), "data": "e30="},
+            "config": {
+                "mediaType": EMPTY_MEDIA_TYPE,
+                "digest": EMPTY_DIGEST,
+                "size": len(EMPTY_BLOB),
+                "data": "e30=",
+            },
             "layers": blobs,
             "annotations": annotations,
         }
@@ -292,9 +361,12 @@ class OciLayerSource(LayerSource):
         except Exception as e:  # jsonschema's ValidationError: a bug in the manifest above
             raise InvalidSpec(f"{self.url}: bad manifest for {repo}:{tag}: {e}") from e
         if response.status_code != 201:
-            raise SourceUnavailable(f"{self.url}: storing manifest {repo}:{tag} failed: HTTP "
-                                    f"{response.status_code} {response.text[:300].strip()}",
-                                    source=self.url, status=response.status_code)
+            raise SourceUnavailable(
+                f"{self.url}: storing manifest {repo}:{tag} failed: HTTP "
+                f"{response.status_code} {response.text[:300].strip()}",
+                source=self.url,
+                status=response.status_code,
+            )
 
     # --- layers ---------------------------------------------------------------------------
     @staticmethod
@@ -307,12 +379,15 @@ class OciLayerSource(LayerSource):
         if len(layers) != 1 or layers[0].get("mediaType") != LAYER_MEDIA_TYPE:
             return None
         try:
-            return LayerInfo(name=notes[ANNOTATION_PREFIX + "name"],
-                             version=notes[ANNOTATION_PREFIX + "version"],
-                             kind=notes[ANNOTATION_PREFIX + "kind"],
-                             digest=layers[0]["digest"], size=int(layers[0]["size"]),
-                             created=float(notes.get(ANNOTATION_PREFIX + "created", 0)),
-                             source=notes.get(ANNOTATION_PREFIX + "source", ""))
+            return LayerInfo(
+                name=notes[ANNOTATION_PREFIX + "name"],
+                version=notes[ANNOTATION_PREFIX + "version"],
+                kind=notes[ANNOTATION_PREFIX + "kind"],
+                digest=layers[0]["digest"],
+                size=int(layers[0]["size"]),
+                created=float(notes.get(ANNOTATION_PREFIX + "created", 0)),
+                source=notes.get(ANNOTATION_PREFIX + "source", ""),
+            )
         except (KeyError, ValueError, TypeError):
             return None
 
@@ -338,7 +413,7 @@ class OciLayerSource(LayerSource):
         start = f"{self.prefix}/" if self.prefix else ""
         out = []
         for repo in self._repositories():
-            rest = repo[len(start):]
+            rest = repo[len(start) :]
             if repo.startswith(start) and rest and "/" not in rest:
                 out.extend(self._versions(rest))
         return sorted(out, key=lambda i: (i.name, i.created))
@@ -352,55 +427,90 @@ class OciLayerSource(LayerSource):
         repo = self._repo(info.name)
         size = self._blob_size(repo, info.digest)
         if size is None:
-            raise UnknownLayer(f"{self.url}: layer {info.ref} names blob {info.digest}, which "
-                               f"is missing from {repo}", name=info.ref)
+            raise UnknownLayer(
+                f"{self.url}: layer {info.ref} names blob {info.digest}, which "
+                f"is missing from {repo}",
+                name=info.ref,
+            )
         if size != info.size:
-            raise LayerCorrupt(f"{self.url}: blob {info.digest} is {size} bytes, the layer "
-                               f"record says {info.size}", digest=info.digest, source=self.url)
-        return fetch_verified(lambda off, n: self._read_range(repo, info.digest, off, n),
-                              digest=info.digest, size=size, dest=dest, source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: blob {info.digest} is {size} bytes, the layer "
+                f"record says {info.size}",
+                digest=info.digest,
+                source=self.url,
+            )
+        return fetch_verified(
+            lambda off, n: self._read_range(repo, info.digest, off, n),
+            digest=info.digest,
+            size=size,
+            dest=dest,
+            source=self.url,
+        )
 
     def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:
         if not self._representable(info.name, info.version):
-            raise InvalidSpec(f"{self.url}: layer {info.ref} cannot be an OCI repository and "
-                              "tag (names: lowercase letters, digits, . _ -)", name=info.ref)
+            raise InvalidSpec(
+                f"{self.url}: layer {info.ref} cannot be an OCI repository and "
+                "tag (names: lowercase letters, digits, . _ -)",
+                name=info.ref,
+            )
         repo, tag = self._repo(info.name), self._tag(info.version)
         manifest = self._manifest(repo, tag)
         if manifest is not None:
             existing = self._info(manifest)
             if existing is None or (existing.name, existing.version) != (info.name, info.version):
-                raise LayerExists(f"{self.url}: {repo}:{tag} already holds something other "
-                                  f"than {info.ref}", name=info.ref)
+                raise LayerExists(
+                    f"{self.url}: {repo}:{tag} already holds something other than {info.ref}",
+                    name=info.ref,
+                )
             if existing.digest != info.digest:
-                raise LayerExists(f"{self.url}: {info.ref} is already {existing.digest}, not "
-                                  f"{info.digest}; versions are immutable", name=info.ref)
+                raise LayerExists(
+                    f"{self.url}: {info.ref} is already {existing.digest}, not "
+                    f"{info.digest}; versions are immutable",
+                    name=info.ref,
+                )
             return False
         size = Path(image).stat().st_size
         if size != info.size:
-            raise LayerCorrupt(f"{image} is {size} bytes, the layer record says {info.size}",
-                               digest=info.digest, source=str(image))
+            raise LayerCorrupt(
+                f"{image} is {size} bytes, the layer record says {info.size}",
+                digest=info.digest,
+                source=str(image),
+            )
         self._upload(repo, info.digest, size, Path(image))
         self._push_lazy(repo, info, Path(image), profile)
         created = info.created or time.time()
-        self._put_manifest(repo, tag, [{
-            "mediaType": LAYER_MEDIA_TYPE, "digest": info.digest, "size": size,
-            "annotations": {"org.opencontainers.image.title": f"{info.name}-{info.version}.erofs"},
-        }], {
-            ANNOTATION_PREFIX + "name": info.name,
-            ANNOTATION_PREFIX + "version": info.version,
-            ANNOTATION_PREFIX + "kind": info.kind,
-            ANNOTATION_PREFIX + "created": repr(float(created)),
-            ANNOTATION_PREFIX + "source": info.source,
-            "org.opencontainers.image.created": _rfc3339(created),
-        })
+        self._put_manifest(
+            repo,
+            tag,
+            [
+                {
+                    "mediaType": LAYER_MEDIA_TYPE,
+                    "digest": info.digest,
+                    "size": size,
+                    "annotations": {
+                        "org.opencontainers.image.title": f"{info.name}-{info.version}.erofs"
+                    },
+                }
+            ],
+            {
+                ANNOTATION_PREFIX + "name": info.name,
+                ANNOTATION_PREFIX + "version": info.version,
+                ANNOTATION_PREFIX + "kind": info.kind,
+                ANNOTATION_PREFIX + "created": repr(float(created)),
+                ANNOTATION_PREFIX + "source": info.source,
+                "org.opencontainers.image.created": _rfc3339(created),
+            },
+        )
         return True
 
     @staticmethod
     def _lazy_tag(layer_digest: str) -> str:
         return LAZY_TAG_PREFIX + layer_digest.split(":", 1)[-1]
 
-    def _push_lazy(self, repo: str, info: LayerInfo, image: Path,
-                   profile: ReadProfile | None = None) -> None:
+    def _push_lazy(
+        self, repo: str, info: LayerInfo, image: Path, profile: ReadProfile | None = None
+    ) -> None:
         """Split the image and push its lazy form, unless ``repo`` has it already."""
         tag = self._lazy_tag(info.digest)
         if self._manifest(repo, tag) is not None:
@@ -415,18 +525,34 @@ class OciLayerSource(LayerSource):
             self._upload(repo, form.meta_digest, form.meta_size, meta)
             self._upload(repo, form.blob_digest, form.blob_size, blob)
             self._upload(repo, index_digest, len(index), index)
-            self._put_manifest(repo, tag, [
-                {"mediaType": META_MEDIA_TYPE, "digest": form.meta_digest,
-                 "size": form.meta_size,
-                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.meta.erofs"}},
-                {"mediaType": BLOB_MEDIA_TYPE, "digest": form.blob_digest,
-                 "size": form.blob_size,
-                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.blob"}},
-                {"mediaType": CHUNK_INDEX_MEDIA_TYPE, "digest": index_digest,
-                 "size": len(index),
-                 "annotations": {"org.opencontainers.image.title": f"{hexpart}.lazy.json"}},
-            ], {ANNOTATION_PREFIX + "digest": info.digest,
-                "org.opencontainers.image.created": _rfc3339(time.time())})
+            self._put_manifest(
+                repo,
+                tag,
+                [
+                    {
+                        "mediaType": META_MEDIA_TYPE,
+                        "digest": form.meta_digest,
+                        "size": form.meta_size,
+                        "annotations": {"org.opencontainers.image.title": f"{hexpart}.meta.erofs"},
+                    },
+                    {
+                        "mediaType": BLOB_MEDIA_TYPE,
+                        "digest": form.blob_digest,
+                        "size": form.blob_size,
+                        "annotations": {"org.opencontainers.image.title": f"{hexpart}.blob"},
+                    },
+                    {
+                        "mediaType": CHUNK_INDEX_MEDIA_TYPE,
+                        "digest": index_digest,
+                        "size": len(index),
+                        "annotations": {"org.opencontainers.image.title": f"{hexpart}.lazy.json"},
+                    },
+                ],
+                {
+                    ANNOTATION_PREFIX + "digest": info.digest,
+                    "org.opencontainers.image.created": _rfc3339(time.time()),
+                },
+            )
             self._remember(repo, form)
 
     # --- on-demand loading ----------------------------------------------------------------
@@ -438,9 +564,11 @@ class OciLayerSource(LayerSource):
         try:
             return self._blob_repos[digest]
         except KeyError:
-            raise UnknownLayer(f"{self.url}: blob {digest} is not part of a lazy form this "
-                               "source has looked up (call lazy_form first)",
-                               digest=digest) from None
+            raise UnknownLayer(
+                f"{self.url}: blob {digest} is not part of a lazy form this "
+                "source has looked up (call lazy_form first)",
+                digest=digest,
+            ) from None
 
     def lazy_form(self, info: LayerInfo) -> LazyForm | None:
         if not self._representable(info.name, info.version):
@@ -450,33 +578,51 @@ class OciLayerSource(LayerSource):
         if manifest is None:
             return None  # pushed whole only
         if (manifest.get("annotations") or {}).get(ANNOTATION_PREFIX + "digest") != info.digest:
-            raise LayerCorrupt(f"{self.url}: {repo}:{self._lazy_tag(info.digest)} is not the "
-                               f"lazy form of {info.digest}", digest=info.digest,
-                               source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: {repo}:{self._lazy_tag(info.digest)} is not the "
+                f"lazy form of {info.digest}",
+                digest=info.digest,
+                source=self.url,
+            )
         by_type: dict[str, dict] = {}
         for b in manifest.get("layers") or []:
             if isinstance(b, dict):
                 by_type.setdefault(str(b.get("mediaType")), b)
         wanted = (META_MEDIA_TYPE, BLOB_MEDIA_TYPE, CHUNK_INDEX_MEDIA_TYPE)
         if not all(t in by_type for t in wanted):
-            raise LayerCorrupt(f"{self.url}: the lazy form of {info.ref} lacks a metadata "
-                               "image, data blob or chunk index", digest=info.digest,
-                               source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: the lazy form of {info.ref} lacks a metadata "
+                "image, data blob or chunk index",
+                digest=info.digest,
+                source=self.url,
+            )
         digest = by_type[CHUNK_INDEX_MEDIA_TYPE]["digest"]
         response = self._request("GET", self._blob_url(repo, digest), ok=(200, 404))
         if response.status_code == 404:
-            raise UnknownLayer(f"{self.url}: the chunk index {digest} of {info.ref} is missing "
-                               f"from {repo}", name=info.ref)
+            raise UnknownLayer(
+                f"{self.url}: the chunk index {digest} of {info.ref} is missing from {repo}",
+                name=info.ref,
+            )
         if _digest_of(response.content) != digest:
-            raise LayerCorrupt(f"{self.url}: the chunk index of {info.ref} does not match its "
-                               f"digest {digest}", digest=digest, source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: the chunk index of {info.ref} does not match its digest {digest}",
+                digest=digest,
+                source=self.url,
+            )
         form = LazyForm.from_json(response.content)
         meta, blob = by_type[META_MEDIA_TYPE], by_type[BLOB_MEDIA_TYPE]
-        if (form.layer_digest != info.digest or form.meta_digest != meta.get("digest")
-                or form.blob_digest != blob.get("digest")
-                or form.meta_size != meta.get("size") or form.blob_size != blob.get("size")):
-            raise LayerCorrupt(f"{self.url}: the lazy form of {info.ref} disagrees with its "
-                               "manifest", digest=info.digest, source=self.url)
+        if (
+            form.layer_digest != info.digest
+            or form.meta_digest != meta.get("digest")
+            or form.blob_digest != blob.get("digest")
+            or form.meta_size != meta.get("size")
+            or form.blob_size != blob.get("size")
+        ):
+            raise LayerCorrupt(
+                f"{self.url}: the lazy form of {info.ref} disagrees with its manifest",
+                digest=info.digest,
+                source=self.url,
+            )
         self._remember(repo, form)
         return form
 
@@ -486,8 +632,11 @@ class OciLayerSource(LayerSource):
             return dest
         repo, _ = self._blob_repo(form.meta_digest)
         return self._fetch_meta_checked(
-            form, self._blob_size(repo, form.meta_digest),
-            lambda off, n: self._read_range(repo, form.meta_digest, off, n), f" from {repo}")
+            form,
+            self._blob_size(repo, form.meta_digest),
+            lambda off, n: self._read_range(repo, form.meta_digest, off, n),
+            f" from {repo}",
+        )
 
     def read_blob(self, digest: str, offset: int, length: int) -> bytes:
         repo, size = self._blob_repo(digest)
@@ -496,49 +645,75 @@ class OciLayerSource(LayerSource):
         length = min(length, size - offset)
         if length <= 0 or offset < 0:
             return b""
-        response = self._request("GET", self._blob_url(repo, digest), ok=(200, 206, 404, 416),
-                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        response = self._request(
+            "GET",
+            self._blob_url(repo, digest),
+            ok=(200, 206, 404, 416),
+            headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+        )
         if response.status_code == 404:
             raise UnknownLayer(f"{self.url}: no blob {digest} in {repo}", digest=digest)
         if response.status_code == 416:
             return b""
         if response.status_code == 200:  # a registry that ignores Range sends the whole blob
-            return response.content[offset:offset + length]
+            return response.content[offset : offset + length]
         return response.content
 
     # --- catalogs -------------------------------------------------------------------------
     def put_catalog(self, name: str, document: dict[str, Any]) -> None:
         if not _COMPONENT.fullmatch(name):
-            raise InvalidSpec(f"{self.url}: catalog name {name!r} cannot be an OCI repository "
-                              "(lowercase letters, digits, . _ -)", name=name)
+            raise InvalidSpec(
+                f"{self.url}: catalog name {name!r} cannot be an OCI repository "
+                "(lowercase letters, digits, . _ -)",
+                name=name,
+            )
         data = json.dumps(document, indent=2).encode()
         digest = _digest_of(data)
         repo = self._repo(CATALOG_REPO, name)
         self._upload(repo, digest, len(data), data)
-        self._put_manifest(repo, "latest", [{
-            "mediaType": CATALOG_MEDIA_TYPE, "digest": digest, "size": len(data),
-            "annotations": {"org.opencontainers.image.title": f"{name}.json"},
-        }], {CATALOG_ANNOTATION: name, "org.opencontainers.image.created": _rfc3339(time.time())})
+        self._put_manifest(
+            repo,
+            "latest",
+            [
+                {
+                    "mediaType": CATALOG_MEDIA_TYPE,
+                    "digest": digest,
+                    "size": len(data),
+                    "annotations": {"org.opencontainers.image.title": f"{name}.json"},
+                }
+            ],
+            {CATALOG_ANNOTATION: name, "org.opencontainers.image.created": _rfc3339(time.time())},
+        )
 
     def get_catalog(self, name: str) -> dict[str, Any]:
         repo = self._repo(CATALOG_REPO, name)
         manifest = self._manifest(repo, "latest") if _COMPONENT.fullmatch(name) else None
-        blobs = [b for b in (manifest or {}).get("layers") or []
-                 if b.get("mediaType") == CATALOG_MEDIA_TYPE]
+        blobs = [
+            b
+            for b in (manifest or {}).get("layers") or []
+            if b.get("mediaType") == CATALOG_MEDIA_TYPE
+        ]
         if not blobs:
-            raise UnknownEnvironment(f"{self.url}: no catalog {name!r}", name=name,
-                                     known=self.catalogs())
+            raise UnknownEnvironment(
+                f"{self.url}: no catalog {name!r}", name=name, known=self.catalogs()
+            )
         digest = blobs[0]["digest"]
         data = self._request("GET", self._blob_url(repo, digest)).content
         if _digest_of(data) != digest:
-            raise LayerCorrupt(f"{self.url}: catalog {name!r} does not match its digest "
-                               f"{digest}", digest=digest, source=self.url)
+            raise LayerCorrupt(
+                f"{self.url}: catalog {name!r} does not match its digest {digest}",
+                digest=digest,
+                source=self.url,
+            )
         return json.loads(data)
 
-    def catalogs(self) -> list[str]:
+    def catalogs(self) -> builtins.list[str]:
         start = self._repo(CATALOG_REPO) + "/"
-        return sorted(r[len(start):] for r in self._repositories()
-                      if r.startswith(start) and "/" not in r[len(start):])
+        return sorted(
+            r[len(start) :]
+            for r in self._repositories()
+            if r.startswith(start) and "/" not in r[len(start) :]
+        )
 
 
 @hookimpl

@@ -34,8 +34,10 @@ class PosixLayerSource(BlobStoreSource):
 
     def _check_root(self) -> None:
         if not self.root.is_dir():
-            raise SourceUnavailable(f"{self.url}: no such directory (is the shared filesystem "
-                                    "mounted?)", source=self.url)
+            raise SourceUnavailable(
+                f"{self.url}: no such directory (is the shared filesystem mounted?)",
+                source=self.url,
+            )
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
@@ -98,8 +100,11 @@ class PosixLayerSource(BlobStoreSource):
         base = self.root / prefix
         if not base.is_dir():
             return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*")
-                      if p.is_file() and not p.name.startswith("."))
+        return sorted(
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        )
 
 
 @hookimpl

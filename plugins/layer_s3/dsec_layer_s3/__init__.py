@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError,
-                                 PartialCredentialsError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 
 from dsec_core.errors import InvalidSpec, SourceUnavailable
 from dsec_core.hookspecs import hookimpl
@@ -26,8 +31,17 @@ from dsec_core.sources.base import BlobStoreSource
 __all__ = ["S3LayerSource"]
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
-_REFUSED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-            "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "AuthorizationHeaderMalformed"}
+_REFUSED = {
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+}
 _OPTIONS = {"endpoint", "region", "profile"}
 
 
@@ -49,13 +63,16 @@ class S3LayerSource(BlobStoreSource):
         super().__init__(location, cache_dir=cache_dir)
         parts = urlsplit(f"s3://{location}")
         if not parts.netloc:
-            raise InvalidSpec(f"s3 layer source needs a bucket: s3://BUCKET/prefix, got "
-                              f"{self.url!r}")
+            raise InvalidSpec(
+                f"s3 layer source needs a bucket: s3://BUCKET/prefix, got {self.url!r}"
+            )
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         unknown = sorted(set(query) - _OPTIONS)
         if unknown:
-            raise InvalidSpec(f"{self.url}: unknown option(s) {', '.join(unknown)} (known: "
-                              f"{', '.join(sorted(_OPTIONS))})")
+            raise InvalidSpec(
+                f"{self.url}: unknown option(s) {', '.join(unknown)} (known: "
+                f"{', '.join(sorted(_OPTIONS))})"
+            )
         self.bucket = parts.netloc
         prefix = parts.path.strip("/")
         self.prefix = f"{prefix}/" if prefix else ""
@@ -79,20 +96,24 @@ class S3LayerSource(BlobStoreSource):
         import boto3
 
         s3_options = {"addressing_style": "path"} if self.endpoint else {}
-        config = Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
-                        retries={"max_attempts": self.max_attempts, "mode": "standard"},
-                        s3=s3_options,
-                        # S3-compatible servers differ in which flexible checksums they accept;
-                        # only send them where the protocol requires. Integrity of layers is
-                        # checked end to end by sha256 anyway.
-                        request_checksum_calculation="when_required",
-                        response_checksum_validation="when_required")
+        config = Config(
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries={"max_attempts": self.max_attempts, "mode": "standard"},
+            s3=s3_options,
+            # S3-compatible servers differ in which flexible checksums they accept;
+            # only send them where the protocol requires. Integrity of layers is
+            # checked end to end by sha256 anyway.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
         try:
             session = boto3.session.Session(profile_name=self.profile, region_name=self.region)
             return session.client("s3", endpoint_url=self.endpoint, config=config)
         except BotoCoreError as e:  # an unknown profile, a malformed endpoint, ...
-            raise SourceUnavailable(f"{self.url}: cannot set up an S3 client: {e}",
-                                    source=self.url) from e
+            raise SourceUnavailable(
+                f"{self.url}: cannot set up an S3 client: {e}", source=self.url
+            ) from e
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -107,23 +128,32 @@ class S3LayerSource(BlobStoreSource):
             code = str(err.get("Code", ""))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
-                raise SourceUnavailable(f"{self.url}: bucket {self.bucket!r} does not exist",
-                                        source=self.url) from e
+                raise SourceUnavailable(
+                    f"{self.url}: bucket {self.bucket!r} does not exist", source=self.url
+                ) from e
             if key is not None and (code in _MISSING or status == 404):
                 raise KeyError(key) from e
             if code in _REFUSED or status == 403:
-                raise SourceUnavailable(f"{self.url}: the S3 server refused our credentials "
-                                        f"({code or status}: {err.get('Message', '')})".rstrip(),
-                                        source=self.url) from e
-            raise SourceUnavailable(f"{self.url}: S3 request failed: {code or status}: "
-                                    f"{err.get('Message', e)}", source=self.url) from e
+                raise SourceUnavailable(
+                    f"{self.url}: the S3 server refused our credentials "
+                    f"({code or status}: {err.get('Message', '')})".rstrip(),
+                    source=self.url,
+                ) from e
+            raise SourceUnavailable(
+                f"{self.url}: S3 request failed: {code or status}: {err.get('Message', e)}",
+                source=self.url,
+            ) from e
         except (NoCredentialsError, PartialCredentialsError) as e:
-            raise SourceUnavailable(f"{self.url}: no S3 credentials found ({e}); set "
-                                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws or "
-                                    "?profile=", source=self.url) from e
+            raise SourceUnavailable(
+                f"{self.url}: no S3 credentials found ({e}); set "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws or "
+                "?profile=",
+                source=self.url,
+            ) from e
         except BotoCoreError as e:  # connection refused, timeouts, DNS, ...
-            raise SourceUnavailable(f"{self.url}: cannot reach the S3 server: {e}",
-                                    source=self.url) from e
+            raise SourceUnavailable(
+                f"{self.url}: cannot reach the S3 server: {e}", source=self.url
+            ) from e
 
     # --- primitives -----------------------------------------------------------------------
     def _read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -145,10 +175,10 @@ class S3LayerSource(BlobStoreSource):
             # A range starting past the end of the object: it is shorter than asked, which
             # the caller sees as a short read (and so a truncated blob).
             cause = e.__cause__
-            if (isinstance(cause, ClientError)
-                    and (cause.response.get("Error", {}).get("Code") == "InvalidRange"
-                         or cause.response.get("ResponseMetadata", {})
-                         .get("HTTPStatusCode") == 416)):
+            if isinstance(cause, ClientError) and (
+                cause.response.get("Error", {}).get("Code") == "InvalidRange"
+                or cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416
+            ):
                 return b""
             raise
 
@@ -160,37 +190,42 @@ class S3LayerSource(BlobStoreSource):
                 from boto3.exceptions import S3UploadFailedError
                 from boto3.s3.transfer import TransferConfig
 
-                transfer = TransferConfig(multipart_threshold=self.multipart_threshold,
-                                          multipart_chunksize=self.multipart_chunksize,
-                                          max_concurrency=4)
+                transfer = TransferConfig(
+                    multipart_threshold=self.multipart_threshold,
+                    multipart_chunksize=self.multipart_chunksize,
+                    max_concurrency=4,
+                )
                 try:
-                    self.client.upload_file(str(data), self.bucket, self._key(key),
-                                            Config=transfer)
+                    self.client.upload_file(str(data), self.bucket, self._key(key), Config=transfer)
                 except S3UploadFailedError as e:
                     # boto3 wraps the ClientError (implicitly chained); unwrap it for _edge.
                     if isinstance(e.__context__, ClientError):
                         raise e.__context__ from None
-                    raise SourceUnavailable(f"{self.url}: upload of {key} failed: {e}",
-                                            source=self.url) from e
+                    raise SourceUnavailable(
+                        f"{self.url}: upload of {key} failed: {e}", source=self.url
+                    ) from e
             else:
                 self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def _size(self, key: str) -> int | None:
         try:
             with self._edge(key):
-                return int(self.client.head_object(Bucket=self.bucket,
-                                                   Key=self._key(key))["ContentLength"])
+                return int(
+                    self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"]
+                )
         except KeyError:
             return None
 
     def _keys(self, prefix: str) -> list[str]:
-        out = []
+        out: list[str] = []
         with self._edge():
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(prefix),
-                PaginationConfig={"PageSize": self.list_page_size})
+                Bucket=self.bucket,
+                Prefix=self._key(prefix),
+                PaginationConfig={"PageSize": self.list_page_size},
+            )
             for page in pages:
-                out.extend(obj["Key"][len(self.prefix):] for obj in page.get("Contents", []))
+                out.extend(obj["Key"][len(self.prefix) :] for obj in page.get("Contents", []))
         return sorted(out)
 
 
