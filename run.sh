@@ -3,7 +3,8 @@
 # fast when already done), then runs the main job or the tests.
 #
 #   sudo bash run.sh demo     # dsec demo on the embedded single-node default
-#   sudo bash run.sh test     # the test suite
+#   sudo bash run.sh test     # the checks below, then the test suite
+#   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
 #   sudo bash run.sh setup    # only the set-up
 #   sudo bash run.sh bench    # bench/create.py --quick and bench/layers.py --quick
 set -euo pipefail
@@ -95,6 +96,14 @@ setup() {
     setup_python
 }
 
+checks() {
+    log "checks: ruff, ruff format, mypy, import floors"
+    "$venv/bin/ruff" check --quiet .
+    "$venv/bin/ruff" format --check --quiet .
+    "$venv/bin/mypy" --no-error-summary
+    "$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache
+}
+
 cmd="${1:-demo}"
 shift || true
 case "$cmd" in
@@ -105,8 +114,13 @@ case "$cmd" in
         setup
         exec "$venv/bin/dsec" demo "$@"
         ;;
+    check)
+        setup
+        checks
+        ;;
     test)
         setup
+        checks
         # The suite's end-to-end demo test keeps its built catalog here between runs.
         export DSEC_TEST_HOME="${DSEC_TEST_HOME:-/var/lib/dsec-test}"
         DSEC_HOME="$DSEC_TEST_HOME" "$venv/bin/dsec" catalog build
@@ -123,7 +137,7 @@ case "$cmd" in
         exec "$venv/bin/python" bench/layers.py --quick
         ;;
     *)
-        echo "usage: run.sh [setup|demo|test|bench] [args...]" >&2
+        echo "usage: run.sh [setup|demo|test|check|bench] [args...]" >&2
         exit 2
         ;;
 esac
