@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ from dsec_core.errors import CatalogInvalid, InvalidSpec, SandboxPathError, Unkn
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.recipes import debian_mirror
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.mounts import mount, unmount
 from dsec_core.records import ExecResult
 
 needs_root = pytest.mark.skipif(
@@ -669,19 +669,6 @@ def test_cli_validate_reports_faults_without_traceback(catalog_dir, home, capsys
 
 # --- the real default catalog (debootstrap, PyPI; about a minute) --------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
-    if _libc.mount(
-        source.encode(),
-        str(target).encode(),
-        fstype.encode(),
-        flags,
-        data.encode() if data else None,
-    ):
-        raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
-
 
 @pytest.fixture(scope="session")
 def default_catalog_home(built_catalog_config):
@@ -703,16 +690,16 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
     assert list(layers.tmp_dir.iterdir()) == []
     mounts: list[Path] = []
 
-    def mount(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
+    def mount_at(source: str, target: Path, fstype: str, flags: int = 0, data: str | None = None):
         target.mkdir(parents=True, exist_ok=True)
-        _mount(source, target, fstype, flags, data)
+        mount(source, target, fstype, flags, data)
         mounts.append(target)
 
     try:
         lowers = {}
         for info in infos:
             lowers[info.ref] = tmp_path / "layers" / info.ref
-            mount(str(layers.image_path(info)), lowers[info.ref], "erofs", 1)
+            mount_at(str(layers.image_path(info)), lowers[info.ref], "erofs", 1)
         base = lowers["debian-python@12"]
         assert os.access(base / "usr/bin/python3", os.X_OK) and os.access(
             base / "bin/bash", os.X_OK
@@ -724,7 +711,7 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
             upper.mkdir(parents=True)
             work.mkdir()
             lowerdir = ":".join(str(lowers[ref]) for ref in env.layer_refs())
-            mount(
+            mount_at(
                 "overlay",
                 root,
                 "overlay",
@@ -756,7 +743,7 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
             assert reward == pytest.approx(task.expect), (task.name, proc.stdout, proc.stderr)
     finally:
         for target in reversed(mounts):
-            _libc.umount2(str(target).encode(), 0)
+            unmount(target, lazy_fallback=False)
     assert not [line for line in open("/proc/self/mounts") if str(tmp_path) in line]
 
 

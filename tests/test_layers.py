@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
 import json
 import os
@@ -19,27 +18,16 @@ import pytest
 from dsec_core.errors import InvalidSpec, LayerBuildError, LayerExists, ToolError, UnknownLayer
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.mounts import MS_RDONLY, mount, mounted_under, unmount
 from dsec_core.records import LayerRef
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("mkfs.erofs"), reason="needs root and mkfs.erofs"
 )
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-MS_RDONLY = 1
-
 
 def _mounts_below(prefix: Path) -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line.split()[1] for line in f if line.split()[1].startswith(str(prefix))]
+    return [str(p) for p in mounted_under(prefix)]
 
 
 @pytest.fixture
@@ -52,17 +40,16 @@ def mount_image(tmp_path):
     """mount(2) an EROFS image file read-only (no loop device); all unmounted at teardown."""
     mounted: list[Path] = []
 
-    def mount(image: Path) -> Path:
+    def mount_it(image: Path) -> Path:
         target = tmp_path / f"mnt{len(mounted)}"
         target.mkdir()
-        if _libc.mount(str(image).encode(), str(target).encode(), b"erofs", MS_RDONLY, None):
-            raise OSError(ctypes.get_errno(), f"mount {image}: {os.strerror(ctypes.get_errno())}")
+        mount(str(image), target, "erofs", MS_RDONLY)
         mounted.append(target)
         return target
 
-    yield mount
+    yield mount_it
     for target in reversed(mounted):
-        assert _libc.umount2(str(target).encode(), 0) == 0, os.strerror(ctypes.get_errno())
+        unmount(target, lazy_fallback=False)
     assert _mounts_below(tmp_path) == []
 
 
