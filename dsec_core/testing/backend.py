@@ -162,6 +162,19 @@ class BackendConformance:
 
     def test_timeout_kills_process_tree(self, dsec_sandboxes):
         sb = dsec_sandboxes.create()
+        marker = self._time_out_a_process_tree(sb)
+        assert not _sandbox_has(sb, f"sleep {marker}"), "timed-out processes live on"
+        assert sb.exec("echo alive").stdout == b"alive\n"
+
+    def test_timeout_leaves_no_process_on_the_host(self, dsec_sandboxes):
+        self.need(Feature.SHARED_KERNEL)
+        marker = self._time_out_a_process_tree(dsec_sandboxes.create())
+        assert _host_pids_with(f"sleep {marker}") == []
+
+    @staticmethod
+    def _time_out_a_process_tree(sb: Any) -> str:
+        """Run a command that leaves a setsid'd and a double-forked child, let it time out,
+        and return the marker in their argv."""
         marker = _marker()
         started = time.monotonic()
         r = sb.exec(f"setsid sleep {marker} & (sleep {marker} &) ; sleep {marker}", timeout=1.0)
@@ -169,10 +182,7 @@ class BackendConformance:
         with pytest.raises(ExecTimeout):
             r.check()
         time.sleep(0.3)
-        assert not _sandbox_has(sb, f"sleep {marker}"), "timed-out processes live on"
-        if Feature.SHARED_KERNEL in self.backend_class().features:
-            assert _host_pids_with(f"sleep {marker}") == []
-        assert sb.exec("echo alive").stdout == b"alive\n"
+        return marker
 
     def test_output_cap_bounds_memory(self, dsec_sandboxes, dsec_node):
         sb = dsec_sandboxes.create()
@@ -369,18 +379,21 @@ class BackendConformance:
 
     def test_kill_leaves_nothing(self, dsec_sandboxes, dsec_node, dsec_client):
         sb = dsec_sandboxes.create()
-        marker = _marker()
-        sb.exec(f"sleep {marker} > /dev/null 2>&1 &")
+        sb.exec("sleep 1000 > /dev/null 2>&1 &").check()
         sb.write_file("/tmp/data", b"x" * 1000)
-        shared = Feature.SHARED_KERNEL in self.backend_class().features
-        if shared:
-            assert _host_pids_with(f"sleep {marker}")
         sb.kill()
-        if shared:
-            assert _host_pids_with(f"sleep {marker}") == []
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)
         self._assert_nothing_left(dsec_node, sb.id)
+
+    def test_kill_leaves_no_process_on_the_host(self, dsec_sandboxes):
+        self.need(Feature.SHARED_KERNEL)
+        sb = dsec_sandboxes.create()
+        marker = _marker()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        assert _host_pids_with(f"sleep {marker}")
+        sb.kill()
+        assert _host_pids_with(f"sleep {marker}") == []
 
     def test_node_notices_a_sandbox_that_died(self, dsec_sandboxes, dsec_node, dsec_client):
         sb = dsec_sandboxes.create()
@@ -399,7 +412,7 @@ class BackendConformance:
             time.sleep(0.2)
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)
-        if Feature.SHARED_KERNEL in self.backend_class().features:
+        if Feature.SHARED_KERNEL in self.backend_class().features:  # else it has no host view
             assert _host_pids_with(f"sleep {marker}") == []
         self._assert_nothing_left(dsec_node, sb.id)
 
