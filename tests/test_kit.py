@@ -4,7 +4,9 @@ harmless, and the kit's nodes live where configuration says."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -12,8 +14,24 @@ from pathlib import Path
 
 import pytest
 
+from dsec_core.backend import Feature
 from dsec_core.errors import PluginInvalid
 from dsec_core.testing import BackendConformance, kit_home_parent, running_kit_node
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.mark.parametrize("feature", list(Feature), ids=lambda f: f.name)
+def test_every_feature_is_documented_and_checked(feature):
+    # datasette's rule, for the backend contract: a feature nobody documents or checks is a
+    # promise nobody can rely on.
+    rows = [line for line in README.read_text().splitlines()
+            if line.startswith(f"| `{feature.name}` | `{feature.value}` |")]
+    assert rows, f"README's feature table has no row for {feature.name}"
+    checks = [name for name, fn in inspect.getmembers(BackendConformance, inspect.isfunction)
+              if name.startswith("test_") and re.search(
+                  rf"self\.need\([^)]*Feature\.{feature.name}\b", inspect.getsource(fn))]
+    assert checks, f"no kit check needs Feature.{feature.name}"
 
 
 def test_a_backend_kit_without_backend_name_fails_at_class_creation():
