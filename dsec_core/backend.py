@@ -2,52 +2,74 @@
 
 A backend starts and stops the isolation around a sandbox; everything inside (exec, sessions,
 files) goes through the in-sandbox agent, ``dsec-agent``, which the node reaches at
-``SandboxRuntime.agent_socket``. A backend declares what it needs and what it gives, and the
-node hands it exactly that:
+``SandboxRuntime.agent_socket``. A backend declares what it needs and what it gives as class
+attributes, and the node hands it exactly that:
 
 ``rootfs`` (``RootfsForm``)
     ``COMPOSED``: the node mounts every layer and an overlay with the writable upper on local
-    disk, and hands the backend the mounted directory (``rt.rootfs``): containers.
-    ``IMAGES``: the node mounts nothing; it hands the layer image files (``rt.images``, top
-    first; on-demand layers as a metadata image plus a data blob ``device``) and a writable
-    disk file (``rt.disk``, sparse, unformatted, ``rt.disk_size`` bytes) for the backend to
-    attach (virtio-pmem/blk): microVMs and full VMs.
+    disk, and hands the backend the mounted directory (``rt.rootfs``): containers. The node
+    unmounts it after ``stop``.
+    ``IMAGES``: the node mounts nothing (``rt.rootfs`` is None); it hands the layer image files
+    (``rt.images``, top first; on-demand layers as a metadata image plus a data blob
+    ``device``) and a writable disk file (``rt.disk``, sparse, unformatted, ``rt.disk_size``
+    bytes) for the backend to attach (virtio-pmem/blk): microVMs and full VMs.
 
 ``agent_channel`` (``AgentChannel``)
-    ``UNIX``: the backend binds and listens on the unix socket ``rt.agent_socket`` itself and
-    hands the listening socket to ``dsec-agent`` as an inherited descriptor:
-    ``<AGENT_PATH> --fd N`` (the container backend passes it as fd 3). Connections made before
-    the agent runs wait in the socket's backlog.
+    ``UNIX``: the backend itself binds a unix stream socket at ``rt.agent_socket`` (unlinking
+    any stale file first), calls ``listen``, and hands the listening socket to ``dsec-agent``
+    as an inherited descriptor (not close-on-exec in the child): ``<AGENT_PATH> --fd N``. The
+    container backend passes it as fd 3 through ``os.posix_spawn`` file actions (runc
+    ``--preserve-fds 1``). The backend then closes its own copy, so that if the agent dies,
+    connects fail at once instead of hanging. ``start`` may return before the agent runs:
+    connections made earlier wait in the socket's backlog. The socket file stays where it is
+    for the sandbox's life; a restarted daemon connects to the same path.
     ``FORWARDED``: the agent runs where the host cannot pass it a descriptor (a guest kernel);
-    the backend makes ``rt.agent_socket`` a unix socket that forwards each connection to the
-    agent (over vsock or a serial port) and returns from ``start`` once it does.
+    the backend makes ``rt.agent_socket`` a unix socket that forwards each connection, both
+    half-closes included, to the agent (over vsock or a serial port) and returns from
+    ``start`` once it does.
 
-``features`` (a set of ``Feature``)
-    What the backend's isolation gives. The node relies on ``NET_NAMESPACE`` to enforce
-    ``SandboxSpec.network="none"``; the conformance kit reads all of them to pick its checks
-    (``SHARED_KERNEL`` tells it whether sandbox processes can be looked for in the host's
-    /proc) and reports every check it skips for an unclaimed feature.
+``features`` (a frozenset of ``Feature`` members)
+    What the backend's isolation gives; claim only what it really gives. The node relies on
+    ``NET_NAMESPACE`` to enforce ``SandboxSpec.network="none"`` (the default: without it, such
+    creates fail with ``PolicyUnavailable``). The conformance kit reads all of them to pick its
+    checks and reports every check it skips for an unclaimed feature, naming the feature.
+    Unknown names are refused at registration (``PluginInvalid``).
 
-``policy_targets``
+``policy_targets`` (a frozenset of str)
     The enforcement points the backend offers security policies. At each one the backend calls
-    ``rt.enforce(target, subject)``, which applies every policy the sandbox asked for that works
-    through ``target``: the container backend offers ``"oci"`` and calls
-    ``rt.enforce("oci", config)`` with the OCI runtime config before starting the container. A
-    policy a sandbox asks for must work through one of the backend's targets, or the create
-    fails (``SecurityPolicy.enforceable_on``).
+    ``rt.enforce(target, subject)``, which applies every policy the sandbox asked for (in
+    ``SandboxSpec.policies``) that works through ``target``: the container backend offers
+    ``"oci"`` and calls ``rt.enforce("oci", config)`` with the OCI runtime config before
+    starting the container. A policy a sandbox asks for must work through one of the backend's
+    targets, or the create fails (``SecurityPolicy.enforceable_on``). Empty: sandboxes of this
+    backend cannot ask for policies.
 
 Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
 
-- The agent is the sandbox's init (PID 1 in its pid namespace or guest) and sits at
-  ``AGENT_PATH`` (``/.dsec/agent``) in the sandbox; ``rt.agent_binary`` is the static binary.
-- ``start`` returns a JSON-able state (saved with the sandbox, handed back to ``alive``,
-  ``stop`` and ``usage``, also after a daemon restart); its ``"pid"``, if any, is the host
-  process whose death ends the sandbox (the kit kills it to check ``alive``). On failure,
+- The agent is the sandbox's init: PID 1 in its pid namespace (or guest), run as
+  ``AGENT_PATH`` (``/.dsec/agent``) in the sandbox, so ``/proc/1/exe`` and ``/proc/1/cmdline``
+  name it there. ``rt.agent_binary`` is the static binary to put there (a read-only bind mount
+  or a copy). The agent needs ``/proc`` mounted (it walks process trees to kill timed-out
+  commands) and ``/dev/null``; string commands and sessions run ``/bin/sh`` from the layers.
+  It builds each command's environment itself, so what the backend passes it does not matter.
+- ``start`` returns a JSON-able state dict, saved with the sandbox and handed back to
+  ``alive``, ``stop`` and ``usage``, also in a restarted daemon whose backend instance never
+  saw the start. Its ``"pid"``, if any, is the host process whose death ends the sandbox
+  (``SandboxInfo.pid``; the kit kills it to check that the node notices). On failure,
   ``start`` leaves nothing running and raises a ``DsecError``.
+- ``alive`` answers from the state alone (a pid and its start time, say, so a reused pid is
+  not mistaken for the sandbox), cheaply: the node asks it for every sandbox once a second
+  and when it re-adopts sandboxes after a restart. A process that has exited but not been
+  reaped is not alive.
+- ``stop`` kills every process of the sandbox and frees what ``start`` took, and returns only
+  when they are gone; it is idempotent and works from the state alone.
 - With ``CGROUPS``, the sandbox's cgroups are ``<hierarchy>/dsec/<sandbox id>``
-  (``cgroup_path``), so leak checks find them, and ``usage`` reports memory, CPU seconds and
-  pids.
-- ``stop`` kills every process of the sandbox and frees what ``start`` took; it is idempotent.
+  (``cgroup_path``; the node's leak checks look there and nowhere else) while it lives and
+  gone after ``stop``, and ``usage`` returns a ``SandboxUsage`` with ``memory``,
+  ``cpu_seconds`` and ``pids`` all set. Without it, ``usage`` reports what it can (None
+  where unknown).
+- ``check_available`` raises ``BackendUnavailable`` saying what is missing, quickly, without
+  side effects: the node calls it before it first uses the backend.
 """
 
 from __future__ import annotations
@@ -146,7 +168,7 @@ class SandboxRuntime:
     limits: Limits
     dir: Path  # the sandbox's runtime directory (tmpfs): bundle, sockets, state; 0711, root's
     data_dir: Path  # the sandbox's directory on local disk: its writable layer or disk
-    agent_socket: Path  # where the node connects to the agent (see AgentChannel)
+    agent_socket: Path  # where the node connects to the agent; UNIX: the backend binds it
     agent_binary: Path  # the static dsec-agent, to run as the sandbox's init at AGENT_PATH
     idmap: IdMap
     rootfs: Path | None = None  # COMPOSED: the mounted overlay (layers + writable upper)

@@ -26,6 +26,7 @@ from ..plugins import get_plugin_manager, plugin_descriptions, registry
 from ..records import SandboxSpec
 from ..sdk import AsyncClient, Client
 from .layers import catalog, layer
+from .plugin import plugin
 
 __all__ = ["cli", "main"]
 
@@ -255,6 +256,7 @@ def demo_cmd(catalog_file, as_json) -> None:
 def _add_plugin_commands() -> None:
     cli.add_command(layer)
     cli.add_command(catalog)
+    cli.add_command(plugin)
     get_plugin_manager().hook.dsec_register_commands(cli=cli)
 
 

@@ -7,12 +7,18 @@ or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then
 - ``BackendConformance``: every backend plugin's checks (set ``backend_name``).
 - ``LayerSourceConformance``: every layer-source plugin's checks (provide ``dsec_source``,
   ``corrupt`` and ``unreachable``).
-- fixtures ``dsec_node``, ``dsec_client``, ``dsec_sandboxes``: a real node daemon in a private
-  home, a client of it, and a recorder that kills every sandbox a test made.
+- fixtures ``dsec_node``, ``dsec_client``, ``dsec_backend_name``, ``dsec_sandboxes``: a real
+  node daemon in a private home (under ``DSEC_KIT_HOME``, else ``DSEC_HOME``, else the temporary
+  directory), a client of it, the backend under test, and a recorder that kills every sandbox
+  a test made.
+
+Loading it twice (``-p dsec_core.testing`` and a conftest line) is harmless: pytest registers a
+plugin module once.
 """
 
 from .backend import BackendConformance
-from .fixtures import (KitNode, SandboxRecorder, dsec_client, dsec_node, dsec_sandboxes,
+from .fixtures import (KitNode, SandboxRecorder, cgroup_hierarchies, dsec_backend_name,
+                       dsec_client, dsec_node, dsec_sandboxes, kit_home_parent,
                        leaves_no_mounts_or_threads, leftovers, make_busybox_rootfs,
                        running_kit_node)
 from .procs import free_port, stop_process
@@ -20,4 +26,5 @@ from .sources import LayerSourceConformance
 
 __all__ = ["BackendConformance", "LayerSourceConformance", "KitNode", "SandboxRecorder",
            "leftovers", "leaves_no_mounts_or_threads", "make_busybox_rootfs", "running_kit_node",
-           "free_port", "stop_process", "dsec_node", "dsec_client", "dsec_sandboxes"]
+           "free_port", "stop_process", "dsec_node", "dsec_client", "dsec_backend_name",
+           "dsec_sandboxes", "kit_home_parent", "cgroup_hierarchies"]

@@ -5,9 +5,12 @@
     class TestMyBackend(BackendConformance):
         backend_name = "mybackend"
 
-The checks run against a real node daemon (fixtures in ``dsec_core.testing.fixtures``): exec
-semantics, timeouts, output caps, sessions, files, limits, TTL and cleanup. Checks that need a
-feature a backend does not claim in ``Backend.features`` are skipped, not failed.
+The checks run against a real node daemon (fixtures in ``dsec_core.testing.fixtures``): the
+declared contract, exec semantics, timeouts, output caps, sessions, files, isolation, limits,
+TTL, cleanup, a sandbox dying on its own, and re-adoption after a daemon restart. A check that
+needs a ``Feature`` the backend does not claim is reported as a skip naming the feature; checks
+that look into the host's /proc or the host side of the writable layer need
+``Feature.SHARED_KERNEL``.
 """
 
 from __future__ import annotations
@@ -15,17 +18,28 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import re
+import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
-from ..errors import (ExecTimeout, SandboxPathError, SessionClosed, UnknownSandbox,
-                      UnknownSession)
+from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
+from ..errors import (DsecError, ExecTimeout, PluginInvalid, SandboxPathError, SessionClosed,
+                      UnknownSandbox, UnknownSession)
+from ..localnode import daemon_pid
 from ..plugins import registry
-from .fixtures import leftovers
+from ..records import SandboxUsage
+from .fixtures import cgroup_hierarchies, leftovers
 
 __all__ = ["BackendConformance"]
+
+#: Seconds the node may take to notice a sandbox that died on its own (it looks every second).
+NOTICE_WITHIN = 5.0
+#: Seconds ``check_available`` may take: the node calls it before it first uses the backend.
+AVAILABLE_WITHIN = 2.0
 
 
 def _rss_kib(pid: int) -> int:
@@ -35,7 +49,12 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def _pids_with_marker(marker: str) -> list[int]:
+def _marker() -> str:
+    """A number no other test's ``sleep`` uses, to find the processes a check started."""
+    return f"9{os.getpid() % 1000}{time.monotonic_ns() % 10**7}1"
+
+
+def _host_pids_with(marker: str) -> list[int]:
     """Host pids whose argv contains ``marker`` (words split as in argv)."""
     needle = marker.replace(" ", "\0").encode()
     found = []
@@ -49,17 +68,70 @@ def _pids_with_marker(marker: str) -> list[int]:
     return found
 
 
+def _sandbox_has(sb: Any, marker: str) -> bool:
+    """Whether a process in the sandbox has ``marker`` in its argv, as the sandbox's /proc
+    shows it (the agent itself needs /proc, so every backend has one). The reading command's
+    own argv names only /proc paths, so it never matches itself."""
+    out = sb.exec("cat /proc/[0-9]*/cmdline 2>/dev/null; true").stdout
+    return marker.replace(" ", "\0").encode() in out
+
+
 class BackendConformance:
-    """Behaviour every dsec backend must show. Set ``backend_name`` in the subclass."""
+    """Behaviour every dsec backend must show. Set ``backend_name`` in the subclass.
 
-    backend_name: str = ""
+    ``sandbox_spec`` adds ``SandboxSpec`` fields to every sandbox the kit creates: a backend
+    without ``Feature.NET_NAMESPACE`` cannot run the default ``network="none"`` and names a
+    network mode and the security policy that enforces it here. A base class of your own that
+    sets no ``backend_name`` is declared with ``class Base(BackendConformance, abstract=True)``.
+    """
 
-    def _features(self, dsec_node) -> frozenset[str]:
-        return registry().backend(self.backend_name).features
+    backend_name: ClassVar[str] = ""
+    sandbox_spec: ClassVar[Mapping[str, Any]] = {}
 
-    def _need(self, dsec_node, feature: str) -> None:
-        if feature not in self._features(dsec_node):
-            pytest.skip(f"backend {self.backend_name} does not claim {feature!r}")
+    def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        name = getattr(cls, "backend_name", "")
+        if not abstract and (not isinstance(name, str) or not name):
+            # Without a name the checks would run against whatever backend a default picked.
+            raise PluginInvalid(
+                f"{cls.__module__}.{cls.__qualname__} subclasses BackendConformance but sets no "
+                "backend_name: add `backend_name = \"<the name your Backend registers>\"` to the "
+                "class (or declare a base class of your own with abstract=True)",
+                test_class=cls.__qualname__)
+
+    # --- what the backend claims ----------------------------------------------------------
+    def backend_class(self) -> type[Backend]:
+        """The class registered as ``backend_name`` (``UnknownBackend`` if none is)."""
+        return registry().backend(self.backend_name)
+
+    def need(self, *features: Feature) -> None:
+        """Skip the calling check unless the backend claims every one of ``features``."""
+        claimed = self.backend_class().features
+        missing = [f for f in features if f not in claimed]
+        if missing:
+            names = ", ".join(f"Feature.{f.name} ({f.value!r})" for f in missing)
+            pytest.skip(f"backend {self.backend_name!r} does not claim {names}")
+
+    # --- the declared contract ------------------------------------------------------------
+    def test_declares_the_contract(self):
+        cls = self.backend_class()
+        assert cls.name == self.backend_name
+        assert isinstance(cls.rootfs, RootfsForm), \
+            f"rootfs must be a RootfsForm member, not {cls.rootfs!r}"
+        assert isinstance(cls.agent_channel, AgentChannel), \
+            f"agent_channel must be an AgentChannel member, not {cls.agent_channel!r}"
+        assert isinstance(cls.features, frozenset), "features must be a frozenset of Feature"
+        loose = [f for f in cls.features if not isinstance(f, Feature)]
+        assert not loose, f"features must be Feature members, not strings: {loose}"
+        assert isinstance(cls.policy_targets, frozenset) and all(
+            isinstance(t, str) and t for t in cls.policy_targets), \
+            "policy_targets must be a frozenset of enforcement point names (str)"
+
+    def test_check_available_here(self):
+        started = time.monotonic()
+        self.backend_class().check_available()
+        took = time.monotonic() - started
+        assert took < AVAILABLE_WITHIN, f"check_available took {took:.1f}s"
 
     # --- exec -----------------------------------------------------------------------------
     def test_exec_shell_and_argv(self, dsec_sandboxes):
@@ -90,15 +162,27 @@ class BackendConformance:
 
     def test_timeout_kills_process_tree(self, dsec_sandboxes):
         sb = dsec_sandboxes.create()
-        marker = f"4{os.getpid() % 1000}{int(time.time()) % 1000}7"
+        marker = self._time_out_a_process_tree(sb)
+        assert not _sandbox_has(sb, f"sleep {marker}"), "timed-out processes live on"
+        assert sb.exec("echo alive").stdout == b"alive\n"
+
+    def test_timeout_leaves_no_process_on_the_host(self, dsec_sandboxes):
+        self.need(Feature.SHARED_KERNEL)
+        marker = self._time_out_a_process_tree(dsec_sandboxes.create())
+        assert _host_pids_with(f"sleep {marker}") == []
+
+    @staticmethod
+    def _time_out_a_process_tree(sb: Any) -> str:
+        """Run a command that leaves a setsid'd and a double-forked child, let it time out,
+        and return the marker in their argv."""
+        marker = _marker()
         started = time.monotonic()
         r = sb.exec(f"setsid sleep {marker} & (sleep {marker} &) ; sleep {marker}", timeout=1.0)
         assert r.timed_out and time.monotonic() - started < 10
         with pytest.raises(ExecTimeout):
             r.check()
         time.sleep(0.3)
-        assert _pids_with_marker(f"sleep {marker}") == []
-        assert sb.exec("echo alive").stdout == b"alive\n"
+        return marker
 
     def test_output_cap_bounds_memory(self, dsec_sandboxes, dsec_node):
         sb = dsec_sandboxes.create()
@@ -167,41 +251,83 @@ class BackendConformance:
         with pytest.raises(SandboxPathError):
             sb.list_dir("/no/such/dir")
 
-    # --- isolation and limits -------------------------------------------------------------
-    def test_root_inside_is_not_root_outside(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "userns")
+    # --- isolation ------------------------------------------------------------------------
+    def test_agent_is_pid_1_at_its_path(self, dsec_sandboxes):
+        self.need(Feature.PID_NAMESPACE)
+        sb = dsec_sandboxes.create()
+        pids = [p for p in sb.exec("ls /proc").stdout.split() if p.isdigit()]
+        assert b"1" in pids and len(pids) < 10, f"the sandbox sees other processes: {pids}"
+        argv = sb.exec("cat /proc/1/cmdline").stdout.split(b"\0")
+        assert argv[0] == AGENT_PATH.encode(), f"PID 1 is {argv}, not the agent at {AGENT_PATH}"
+        exe = sb.exec("readlink /proc/1/exe").stdout.strip()
+        assert exe == AGENT_PATH.encode(), f"PID 1 runs {exe!r}, not {AGENT_PATH}"
+
+    def test_network_is_loopback_only(self, dsec_sandboxes):
+        self.need(Feature.NET_NAMESPACE)
+        sb = dsec_sandboxes.create()
+        # /proc/net follows the reader's network namespace, and needs no /sys in the sandbox
+        r = sb.exec("cut -d: -f1 /proc/net/dev | tail -n +3")
+        assert r.stdout.split() == [b"lo"], f"interfaces in the sandbox: {r.stdout!r}"
+
+    def test_root_inside_is_not_root_outside(self, dsec_sandboxes):
+        self.need(Feature.USERNS)
         sb = dsec_sandboxes.create()
         assert sb.exec("id -u").stdout == b"0\n"
         uid_map = sb.exec("cat /proc/self/uid_map").stdout.split()
         assert uid_map[0] == b"0" and uid_map[1] != b"0"
-        sb.exec("echo x > /root/owned").check()
-        upper = dsec_node.config.sandbox_dir / sb.id / "upper" / "root" / "owned"  # on disk
-        assert upper.stat().st_uid == int(uid_map[1])
         assert b"NoNewPrivs:\t1" in sb.exec("cat /proc/self/status").stdout
         # mknod and raw sockets are not in the capability set
         assert sb.exec("mknod /tmp/sda b 8 0").exit_code != 0
 
-    def test_namespaces(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "pid-namespace")
+    def test_writable_layer_belongs_to_the_mapped_uid(self, dsec_sandboxes, dsec_node):
+        self.need(Feature.USERNS, Feature.SHARED_KERNEL)
+        if self.backend_class().rootfs is not RootfsForm.COMPOSED:
+            pytest.skip(f"backend {self.backend_name!r} takes RootfsForm.IMAGES: its writable "
+                        "layer is a disk the host does not look into")
         sb = dsec_sandboxes.create()
-        pids = [p for p in sb.exec("ls /proc").stdout.split() if p.isdigit()]
-        assert b"1" in pids and len(pids) < 10
-        assert sb.exec("cat /proc/1/cmdline").stdout.startswith(b"/.dsec/agent")
-        if "net-namespace" in self._features(dsec_node):
-            links = sb.exec("ls /sys/class/net").stdout.split()
-            assert links == [b"lo"]
-        assert sb.exec("hostname").stdout.strip() != os.uname().nodename.encode()
+        host_uid = int(sb.exec("cat /proc/self/uid_map").stdout.split()[1])
+        sb.exec("echo x > /root/owned").check()
+        upper = dsec_node.config.sandbox_dir / sb.id / "upper" / "root" / "owned"  # on disk
+        assert upper.stat().st_uid == host_uid
 
-    def test_masked_and_readonly_proc(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "userns")
+    def test_masked_and_readonly_proc(self, dsec_sandboxes):
+        self.need(Feature.USERNS)
         sb = dsec_sandboxes.create()
         assert sb.exec("cat /proc/kcore | head -c 10 | wc -c").stdout.strip() == b"0"
         assert sb.exec("cat /proc/kpagecgroup | head -c 10 | wc -c").stdout.strip() == b"0"
         r = sb.exec("echo 1 > /proc/sys/kernel/domainname")
         assert r.exit_code != 0
 
-    def test_memory_limit(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "cgroups")
+    # --- cgroups and limits ---------------------------------------------------------------
+    def test_cgroups_live_at_the_contract_path(self, dsec_sandboxes):
+        self.need(Feature.CGROUPS)
+        sb = dsec_sandboxes.create()
+        rel = cgroup_path(sb.id)
+        found = [h / rel for h in cgroup_hierarchies() if (h / rel).is_dir()]
+        assert found, f"no hierarchy under /sys/fs/cgroup has the sandbox's cgroup {rel}"
+        held = set()
+        for d in found:
+            try:
+                held |= set((d / "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        assert held, f"no process is in the sandbox's cgroups {found}"
+        sb.kill()
+        left = [os.fspath(d) for d in found if d.exists()]
+        assert left == [], f"cgroups outlive the sandbox: {left}"
+
+    def test_usage_reports_memory_cpu_and_pids(self, dsec_sandboxes):
+        self.need(Feature.CGROUPS)
+        sb = dsec_sandboxes.create()
+        sb.exec("sleep 30 > /dev/null 2>&1 &").check()
+        u = sb.usage()
+        assert isinstance(u, SandboxUsage)
+        assert u.memory is not None and u.memory > 0, u
+        assert u.cpu_seconds is not None and u.cpu_seconds >= 0, u
+        assert u.pids is not None and u.pids >= 2, u  # the agent and the sleep
+
+    def test_memory_limit(self, dsec_sandboxes):
+        self.need(Feature.CGROUPS)
         sb = dsec_sandboxes.create(memory="64M")
         r = sb.exec("dd if=/dev/zero of=/dev/null bs=200M count=1", timeout=30)
         assert r.exit_code != 0  # killed by the OOM killer, not allowed 200M
@@ -210,30 +336,28 @@ class BackendConformance:
         assert sb.exec("cat /proc/self/oom_score_adj").stdout == b"1000\n"
         assert sb.exec("cat /proc/1/oom_score_adj").stdout.strip() != b"1000"
 
-    def test_pids_limit(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "cgroups")
+    def test_pids_limit(self, dsec_sandboxes):
+        self.need(Feature.CGROUPS)
         sb = dsec_sandboxes.create(pids=40)
         r = sb.exec("for i in $(seq 100); do sleep 4 & done; wait", timeout=30)
-        assert r.exit_code != 0 and re.search(rb"fork|resource|again", r.stderr, re.I)
+        assert r.exit_code != 0 and re.search(rb"fork|resource|again", r.stderr, re.IGNORECASE)
         held = sb.usage().pids
-        if held is not None:
-            assert 30 <= held <= 40  # the sleeps that did start hold the sandbox at its limit
+        assert held is not None and 30 <= held <= 40  # the sleeps that started hold the limit
         deadline = time.monotonic() + 15
         while True:  # once they exit, the sandbox works again
             try:
                 if sb.exec("echo recovered").stdout == b"recovered\n":
                     break
-            except Exception:
+            except DsecError:
                 pass
             assert time.monotonic() < deadline, "sandbox did not recover from its pids limit"
             time.sleep(0.5)
 
-    def test_cpu_limit(self, dsec_sandboxes, dsec_node):
-        self._need(dsec_node, "cgroups")
+    def test_cpu_limit(self, dsec_sandboxes):
+        self.need(Feature.CGROUPS)
         sb = dsec_sandboxes.create(cpu=0.25)
         before = sb.usage().cpu_seconds
-        if before is None:
-            pytest.skip("backend reports no cpu usage")
+        assert before is not None, "a backend that claims CGROUPS reports cpu_seconds"
         sb.exec("timeout 2 sh -c 'while :; do :; done'", timeout=10)
         used = sb.usage().cpu_seconds - before
         assert used < 0.25 * 2 * 1.6 + 0.1, f"used {used:.2f}s of CPU in 2s at 0.25 cores"
@@ -255,18 +379,62 @@ class BackendConformance:
 
     def test_kill_leaves_nothing(self, dsec_sandboxes, dsec_node, dsec_client):
         sb = dsec_sandboxes.create()
-        marker = f"9{os.getpid() % 1000}{int(time.time() * 10) % 10000}1"
-        sb.exec(f"sleep {marker} > /dev/null 2>&1 &")
+        sb.exec("sleep 1000 > /dev/null 2>&1 &").check()
         sb.write_file("/tmp/data", b"x" * 1000)
-        assert _pids_with_marker(f"sleep {marker}")
         sb.kill()
-        assert _pids_with_marker(f"sleep {marker}") == []
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)
-        left = leftovers(dsec_node.home)
-        assert sb.id not in left["sandbox_dirs"]
-        assert not [m for m in left["mounts"] if sb.id in m]
-        assert not [c for c in left["cgroups"] if sb.id in c]
+        self._assert_nothing_left(dsec_node, sb.id)
+
+    def test_kill_leaves_no_process_on_the_host(self, dsec_sandboxes):
+        self.need(Feature.SHARED_KERNEL)
+        sb = dsec_sandboxes.create()
+        marker = _marker()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        assert _host_pids_with(f"sleep {marker}")
+        sb.kill()
+        assert _host_pids_with(f"sleep {marker}") == []
+
+    def test_node_notices_a_sandbox_that_died(self, dsec_sandboxes, dsec_node, dsec_client):
+        sb = dsec_sandboxes.create()
+        pid = dsec_client.get(sb.id).info.pid
+        if pid is None:
+            pytest.skip(f"backend {self.backend_name!r} reports no host pid (state['pid']), "
+                        "so the kit cannot kill the sandbox behind the node's back")
+        marker = _marker()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + NOTICE_WITHIN
+        while sb.id in {i.id for i in dsec_client.list()}:
+            assert time.monotonic() < deadline, (
+                f"the node still lists the sandbox {NOTICE_WITHIN}s after its pid {pid} died: "
+                "alive() must say False once that process is gone (and reaped)")
+            time.sleep(0.2)
+        with pytest.raises(UnknownSandbox):
+            dsec_client.get(sb.id)
+        if Feature.SHARED_KERNEL in self.backend_class().features:  # else it has no host view
+            assert _host_pids_with(f"sleep {marker}") == []
+        self._assert_nothing_left(dsec_node, sb.id)
+
+    def test_sandboxes_survive_a_daemon_restart(self, dsec_sandboxes, dsec_node):
+        sb = dsec_sandboxes.create()
+        sb.write_file("/root/kept", b"written before the restart")
+        marker = _marker()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        before = daemon_pid(dsec_node.config)
+        try:
+            dsec_node.restart()
+        finally:
+            dsec_node.ensure_running()  # later checks need a daemon whatever happened here
+        assert daemon_pid(dsec_node.config) not in (None, before)
+        with dsec_node.client() as client:
+            assert sb.id in {i.id for i in client.list()}, "the restarted node lost the sandbox"
+            again = client.get(sb.id)
+            assert again.exec("echo adopted").stdout == b"adopted\n"
+            assert again.read_file("/root/kept") == b"written before the restart"
+            assert _sandbox_has(again, f"sleep {marker}"), "processes did not survive"
+            again.kill()
+        self._assert_nothing_left(dsec_node, sb.id)
 
     def test_create_many(self, dsec_sandboxes):
         sbs = dsec_sandboxes.create_many(4)
@@ -279,3 +447,11 @@ class BackendConformance:
         a.exec("echo mine > /etc/motd-a; rm -f /bin/true").check()
         assert b.exec("cat /etc/motd-a").exit_code != 0
         assert b.exec("/bin/true").exit_code == 0
+
+    # --- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _assert_nothing_left(dsec_node: Any, sandbox_id: str) -> None:
+        left = leftovers(dsec_node.home)
+        assert sandbox_id not in left["sandbox_dirs"], left
+        assert not [m for m in left["mounts"] if sandbox_id in m], left
+        assert not [c for c in left["cgroups"] if sandbox_id in c], left

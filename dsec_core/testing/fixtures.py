@@ -3,8 +3,14 @@
 Opt-in, as pytester is: ``-p dsec_core.testing`` on the command line (or ``addopts``), or
 ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. A third-party plugin's
 tests then get the fixtures ours use: ``dsec_node`` (a daemon in a private home with a busybox
-base layer ``kit-base@1``), ``dsec_client``, and ``dsec_sandboxes`` (creates sandboxes and
+base layer ``kit-base@1``), ``dsec_client``, ``dsec_backend_name`` (the backend the kit's
+sandboxes use: the test class's ``backend_name``) and ``dsec_sandboxes`` (creates sandboxes and
 kills every one of them at teardown).
+
+Where the kit's nodes live: each gets a fresh directory ``dsec-kit-*``, removed afterwards,
+inside ``DSEC_KIT_HOME`` if that is set, else inside ``DSEC_HOME`` if that is set, else in the
+system's temporary directory. Sandboxes' unprivileged root must be able to enter every parent
+of that directory (``NodeConfig.ensure_dirs`` refuses otherwise).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import pytest
 
 from ..backend import cgroup_path
 from ..config import NodeConfig
-from ..errors import DsecError
+from ..errors import DsecError, InvalidSpec
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
 from ..linux.mounts import mounted_under
@@ -32,9 +38,30 @@ from ..records import LayerInfo, SandboxSpec
 from ..sdk import Client
 
 __all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node",
-           "leaves_no_mounts_or_threads"]
+           "leaves_no_mounts_or_threads", "kit_home_parent", "cgroup_hierarchies"]
 
 BUSYBOX = "/bin/busybox"
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def kit_home_parent() -> Path:
+    """Where the kit makes its nodes' homes: ``DSEC_KIT_HOME``, else ``DSEC_HOME``, else the
+    system's temporary directory."""
+    for var in ("DSEC_KIT_HOME", "DSEC_HOME"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    return Path(tempfile.gettempdir())
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """Every cgroup hierarchy mounted under /sys/fs/cgroup: the root itself on cgroup v2, each
+    controller's directory (and ``unified``) on v1 and hybrid hosts. Symlinked aliases such as
+    ``cpu`` -> ``cpu,cpuacct`` are listed once."""
+    if not CGROUP_ROOT.is_dir():
+        return []
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return [CGROUP_ROOT]
+    return sorted(d for d in CGROUP_ROOT.iterdir() if d.is_dir() and not d.is_symlink())
 
 
 def make_busybox_rootfs(root: Path) -> Path:
@@ -71,7 +98,7 @@ def leftovers(home: Path) -> dict[str, list[str]]:
     dirs = sorted({p.name for sdir in (home / "sandboxes", home / "run" / "sandboxes")
                    if sdir.exists() for p in sdir.iterdir()})
     cgroups = []
-    for hier in Path("/sys/fs/cgroup").iterdir():
+    for hier in cgroup_hierarchies():
         for sid in dirs:
             if (hier / cgroup_path(sid)).exists():
                 cgroups.append(os.fspath(hier / cgroup_path(sid)))
@@ -134,10 +161,20 @@ class KitNode:
     def client(self) -> Client:
         return Client(os.fspath(self.config.socket_path))
 
-    def stop(self) -> None:
-        """Kill every sandbox and stop the daemon (starting it first if a test stopped it)."""
+    def ensure_running(self) -> None:
+        """Start the daemon again if a test stopped it."""
         if daemon_pid(self.config) is None:
             ensure_daemon(self.config)
+
+    def restart(self) -> None:
+        """Stop the daemon (its sandboxes keep running) and start a new one, which re-adopts
+        them. The new daemon inherits this process's environment, as the first one did."""
+        stop_daemon(self.config)
+        ensure_daemon(self.config)
+
+    def stop(self) -> None:
+        """Kill every sandbox and stop the daemon (starting it first if a test stopped it)."""
+        self.ensure_running()
         try:
             with self.client() as c:
                 for info in c.list():
@@ -181,9 +218,16 @@ class SandboxRecorder:
 
 @contextlib.contextmanager
 def running_kit_node(prefix: str = "dsec-kit-") -> Iterator[KitNode]:
-    """A ``KitNode`` in a fresh temporary home; on exit everything is stopped and removed, and
-    anything the node left behind (mounts, cgroups, dirs, processes) fails the caller."""
-    home = Path(tempfile.mkdtemp(prefix=prefix))
+    """A ``KitNode`` in a fresh home ``<kit_home_parent()>/<prefix>*``; on exit everything is
+    stopped and removed, and anything the node left behind (mounts, cgroups, dirs, processes)
+    fails the caller."""
+    parent = kit_home_parent()
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidSpec(f"the kit cannot make its node home in {parent}: {e} (set "
+                          "DSEC_KIT_HOME to a writable directory)", path=os.fspath(parent)) from e
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     node = KitNode.start(home)
     try:
         yield node
@@ -210,14 +254,29 @@ def dsec_client(dsec_node: KitNode) -> Iterator[Client]:
 
 
 @pytest.fixture
-def dsec_sandboxes(dsec_client: Client, dsec_node: KitNode, request) -> Iterator[SandboxRecorder]:
-    """Create sandboxes with ``sandboxes.create(**spec)``; all are killed at teardown.
+def dsec_backend_name(request) -> str:
+    """The backend the kit's sandboxes use: the test class's ``backend_name``. Tests outside
+    such a class override this fixture (there is no default backend)."""
+    name = getattr(request.instance, "backend_name", None)
+    if not name:
+        pytest.fail(f"{request.node.nodeid}: dsec_sandboxes needs a backend; set "
+                    "`backend_name = \"<backend>\"` on the test class, or override the "
+                    "`dsec_backend_name` fixture in the module or its conftest.py", pytrace=False)
+    return name
 
-    The default spec uses the kit's busybox layer and the test class's ``backend_name``.
+
+@pytest.fixture
+def dsec_sandboxes(dsec_client: Client, dsec_node: KitNode, dsec_backend_name: str,
+                   request) -> Iterator[SandboxRecorder]:
+    """Create sandboxes with ``dsec_sandboxes.create(**spec)``; all are killed at teardown.
+
+    The default spec uses the kit's busybox layer, ``dsec_backend_name``, and the fields of
+    the test class's ``sandbox_spec`` (if any) on top.
     """
-    backend = getattr(request.instance, "backend_name", None) or "container"
-    rec = SandboxRecorder(dsec_client, {"layers": (dsec_node.layer.ref,), "backend": backend,
-                                        "cpu": 1.0, "memory": "256M", "pids": 256, "ttl": 600})
+    extra = dict(getattr(request.instance, "sandbox_spec", None) or {})
+    rec = SandboxRecorder(dsec_client, {"layers": (dsec_node.layer.ref,),
+                                        "backend": dsec_backend_name, "cpu": 1.0,
+                                        "memory": "256M", "pids": 256, "ttl": 600, **extra})
     try:
         yield rec
     finally:

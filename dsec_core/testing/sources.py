@@ -8,18 +8,22 @@
 
 The checks publish real EROFS layers and fetch them back: naming and versions, idempotent
 pushes, immutable versions, byte-for-byte verification (damaged or truncated blobs never reach
-the cache), catalogs, and fast typed failures when the source is gone.
+the cache), catalogs, lazy forms, None or ``UnknownLayer`` for what is not there, and fast,
+typed failures (``SourceUnavailable`` naming the source) from every call when the source is
+gone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from ..errors import LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment
+from ..errors import (LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment,
+                      UnknownLayer)
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
 from ..records import LayerInfo, LayerRef
@@ -30,6 +34,7 @@ from ..sources.local import LocalLayerSource
 __all__ = ["LayerSourceConformance"]
 
 UNREACHABLE_WITHIN = 10.0  # seconds a source that is gone may take to say so
+NO_SUCH_DIGEST = "sha256:" + "0" * 64
 
 
 def _build(store: LayerStore, tmp: Path, name: str, version: str, payload: bytes) -> LayerInfo:
@@ -142,11 +147,45 @@ class LayerSourceConformance:
             data = index.decode(i, dsec_source.read_blob(index.blob_digest, offset, length))
             assert "sha256:" + hashlib.sha256(data).hexdigest() == index.chunks[i]
 
-    def test_a_source_that_is_gone_fails_fast_and_typed(self, tmp_path):
+    def test_what_is_not_there_is_none_or_unknown_layer(self, dsec_source, dsec_store,
+                                                         dsec_layer):
+        assert dsec_source.resolve(LayerRef("kit-absent", "1")) is None
+        assert dsec_source.resolve(LayerRef("kit-absent")) is None
+        assert dsec_source.lazy_form(dsec_layer) is None  # not pushed: None, not an error
+        with pytest.raises(UnknownLayer):
+            dsec_source.image_path(dsec_layer)
+        with pytest.raises(UnknownLayer):
+            dsec_source.read_blob(NO_SUCH_DIGEST, 0, 100)
+        dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        with pytest.raises(UnknownLayer):
+            dsec_source.read_blob(NO_SUCH_DIGEST, 0, 100)
+        form = dsec_source.lazy_form(dsec_source.resolve(LayerRef("kit-ws", "1")))
+        if form is not None:
+            with pytest.raises(UnknownLayer):
+                dsec_source.fetch_meta(replace(form, meta_digest=NO_SUCH_DIGEST))
+
+    def test_a_source_that_is_gone_fails_fast_and_typed(self, tmp_path, dsec_store, dsec_layer):
+        # read_blob is not among these: a source may only know where a blob is once
+        # lazy_form has found its form (the OCI source does), which a gone source cannot.
         gone = self.unreachable(tmp_path)
-        for call in (gone.list, lambda: gone.resolve(LayerRef("kit-ws", "1")), gone.catalogs):
+        image = dsec_store.image_path(dsec_layer)
+        calls = {
+            "list": gone.list,
+            "resolve": lambda: gone.resolve(LayerRef("kit-ws", "1")),
+            "catalogs": gone.catalogs,
+            "get_catalog": lambda: gone.get_catalog("kit-catalog"),
+            "image_path": lambda: gone.image_path(dsec_layer),
+            "lazy_form": lambda: gone.lazy_form(dsec_layer),
+        }
+        if not gone.read_only:
+            calls["push"] = lambda: gone.push(dsec_layer, image)
+            calls["put_catalog"] = lambda: gone.put_catalog("kit-catalog", {"name": "kit"})
+        for what, call in calls.items():
             started = time.monotonic()
             with pytest.raises(SourceUnavailable) as e:
                 call()
-            assert time.monotonic() - started < UNREACHABLE_WITHIN
-            assert e.value.source  # names the source
+            took = time.monotonic() - started
+            assert took < UNREACHABLE_WITHIN, f"{what} took {took:.1f}s to give up"
+            assert e.value.source, f"{what}: SourceUnavailable must name the source"
+        if gone.cache_dir is not None and gone.cache_dir.exists():
+            assert [p for p in gone.cache_dir.rglob("*") if p.is_file()] == []
