@@ -147,6 +147,13 @@ def _collect(hook: Any, what: str, base: type, attr: str) -> dict[str, Any]:
             )
         if issubclass(cls, Backend):
             cls.check_contract()
+        if name in found and found[name] is not cls:
+            raise PluginInvalid(
+                f"two plugins register a {what} named {name!r}: {found[name].__module__}."
+                f"{found[name].__qualname__} and {cls.__module__}.{cls.__qualname__}",
+                what=what,
+                offered=repr(cls),
+            )
         found[name] = cls
 
     hook(register=register)

@@ -166,6 +166,25 @@ def test_registering_a_class_that_breaks_the_contract_is_typed():
             plugins.reset()
 
 
+def test_two_plugins_claiming_one_name_is_typed():
+    class Twin(_ThirdPartyBackend):
+        name = "container"  # the shipped runc backend's name
+
+    class Plugin:
+        @plugins.hookspecs.hookimpl
+        def dsec_register_backends(self, register):
+            register(Twin)
+
+    plugins.reset()
+    plugins.get_plugin_manager().register(Plugin(), name="twin")
+    try:
+        with pytest.raises(PluginInvalid) as e:
+            plugins.registry()
+        assert "'container'" in str(e.value) and "Twin" in str(e.value)
+    finally:
+        plugins.reset()
+
+
 def test_unimplemented_hookimpl_is_rejected():
     class Bad:
         @plugins.hookspecs.hookimpl

@@ -7,8 +7,9 @@
  * proctree.c (process trees) and util.c; agent.h declares what they share.
  *
  * Usage: dsec-agent [--fd N]
- * The daemon binds and listens on a unix stream socket before the container starts and passes it
- * as fd N (default 3, runc --preserve-fds), so it can connect before the agent is even running.
+ * The backend binds and listens on a unix stream socket (the node connects to it) before the
+ * sandbox starts and passes it as fd N (default 3; runc --preserve-fds), so the node can connect
+ * before the agent is even running.
  *
  * ARCHITECTURE
  * The main process accepts connections and reads just the request header (non-blocking, so a
