@@ -57,6 +57,11 @@ class DsecError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    def __getattr__(self, name: str) -> Any:
+        # Context is set as attributes in __init__; this only answers for what is not there,
+        # and tells type checkers that a ``DsecError`` carries context attributes.
+        raise AttributeError(f"{type(self).__name__} has no context {name!r}")
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "type": type(self).__name__,
@@ -155,16 +160,25 @@ class ToolError(DsecError):
     stdout: str
     stderr: str
 
-    def __init__(self, message: str, *, command: list[str] | None = None, exit_code: int | None = None,
-                 stdout: str = "", stderr: str = "", **ctx: Any):
+    def __init__(
+        self,
+        message: str,
+        *,
+        command: list[str] | None = None,
+        exit_code: int | None = None,
+        stdout: str = "",
+        stderr: str = "",
+        **ctx: Any,
+    ):
         tail = (stderr or stdout or "").strip()[-2000:]
         full = message
         if command:
             full += f"\n  command: {' '.join(command)}\n  exit code: {exit_code}"
         if tail:
             full += f"\n  stderr: {tail}"
-        super().__init__(full, command=command or [], exit_code=exit_code, stdout=stdout,
-                         stderr=stderr, **ctx)
+        super().__init__(
+            full, command=command or [], exit_code=exit_code, stdout=stdout, stderr=stderr, **ctx
+        )
 
 
 class BackendUnavailable(DsecError):

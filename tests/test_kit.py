@@ -25,19 +25,27 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_every_feature_is_documented_and_checked(feature):
     # datasette's rule, for the backend contract: a feature nobody documents or checks is a
     # promise nobody can rely on.
-    rows = [line for line in README.read_text().splitlines()
-            if line.startswith(f"| `{feature.name}` | `{feature.value}` |")]
+    rows = [
+        line
+        for line in README.read_text().splitlines()
+        if line.startswith(f"| `{feature.name}` | `{feature.value}` |")
+    ]
     assert rows, f"README's feature table has no row for {feature.name}"
-    checks = [name for name, fn in inspect.getmembers(BackendConformance, inspect.isfunction)
-              if name.startswith("test_") and re.search(
-                  rf"self\.need\([^)]*Feature\.{feature.name}\b", inspect.getsource(fn))]
+    checks = [
+        name
+        for name, fn in inspect.getmembers(BackendConformance, inspect.isfunction)
+        if name.startswith("test_")
+        and re.search(rf"self\.need\([^)]*Feature\.{feature.name}\b", inspect.getsource(fn))
+    ]
     assert checks, f"no kit check needs Feature.{feature.name}"
 
 
 def test_a_backend_kit_without_backend_name_fails_at_class_creation():
     with pytest.raises(PluginInvalid) as e:
+
         class TestForgotTheName(BackendConformance):
             pass
+
     assert "backend_name" in str(e.value) and "TestForgotTheName" in str(e.value)
 
 
@@ -51,6 +59,7 @@ def test_an_abstract_base_leaves_the_name_to_its_subclasses():
 
     assert TestMine.backend_name == "container"
     with pytest.raises(PluginInvalid):
+
         class TestNamesNothing(MyChecks):
             pass
 
@@ -82,14 +91,21 @@ def test_a_kit_node_lives_in_DSEC_KIT_HOME_and_leaves_it_empty(monkeypatch):
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a node needs root")
 def test_sandboxes_outside_a_kit_class_must_name_their_backend(tmp_path):
     (tmp_path / "test_no_backend.py").write_text(
-        "def test_makes_a_sandbox(dsec_sandboxes):\n    dsec_sandboxes.create()\n")
+        "def test_makes_a_sandbox(dsec_sandboxes):\n    dsec_sandboxes.create()\n"
+    )
     out = _pytest(tmp_path, "-p", "dsec_core.testing", "test_no_backend.py")
     assert out.returncode != 0
     assert "backend_name" in out.stdout and "dsec_backend_name" in out.stdout, out.stdout
@@ -100,6 +116,7 @@ def test_loading_the_kit_twice_is_harmless(tmp_path):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["dsec_core.testing"]\n')
     (tmp_path / "test_twice.py").write_text(
         "def test_loaded(request):\n"
-        "    assert request.config.pluginmanager.get_plugin('dsec_core.testing')\n")
+        "    assert request.config.pluginmanager.get_plugin('dsec_core.testing')\n"
+    )
     out = _pytest(tmp_path, "-p", "dsec_core.testing", "test_twice.py")
     assert out.returncode == 0, out.stdout + out.stderr

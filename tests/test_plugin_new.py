@@ -17,16 +17,36 @@ from dsec_core.errors import InvalidSpec
 
 
 def dsec(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsec_core.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def install(pkg: Path, site: Path) -> None:
     """What a third party does, offline: build and install the package (entry point included)
     from the tree as generated."""
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                          "--no-build-isolation", "--no-index", "--target", os.fspath(site),
-                          os.fspath(pkg)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            os.fspath(site),
+            os.fspath(pkg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, f"pip install {pkg.name} failed:\n{out.stdout}\n{out.stderr}"
 
 
@@ -34,12 +54,20 @@ def run_kit(pkg: Path, site: Path) -> subprocess.CompletedProcess:
     """``pytest <pkg>/tests`` from the directory above it, with only the installed copy on the
     path (the kit's daemon inherits the environment, so it loads the new entry point too). The
     package's own pyproject opts into the kit."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "DSEC_PLUGINS") and not k.startswith("PYTEST_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "DSEC_PLUGINS") and not k.startswith("PYTEST_")
+    }
     env["PYTHONPATH"] = os.fspath(site)
-    return subprocess.run([sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider",
-                           os.fspath(pkg / "tests")], cwd=pkg.parent, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", os.fspath(pkg / "tests")],
+        cwd=pkg.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def summary(out: subprocess.CompletedProcess) -> dict[str, int]:
@@ -50,14 +78,23 @@ def summary(out: subprocess.CompletedProcess) -> dict[str, int]:
 def test_names_of_a_generated_plugin():
     s = plugin_skeleton("backend", "my-box")
     assert (s.dist, s.module, s.entry_point, s.class_name) == (
-        "dsec-backend-my-box", "dsec_backend_my_box", "backend_my_box", "MyBoxBackend")
+        "dsec-backend-my-box",
+        "dsec_backend_my_box",
+        "backend_my_box",
+        "MyBoxBackend",
+    )
     s = plugin_skeleton("source", "vault")
     assert (s.dist, s.module, s.entry_point, s.class_name) == (
-        "dsec-layer-vault", "dsec_layer_vault", "layer_vault", "VaultLayerSource")
+        "dsec-layer-vault",
+        "dsec_layer_vault",
+        "layer_vault",
+        "VaultLayerSource",
+    )
 
 
-@pytest.mark.parametrize("name", ["", "Box", "my_box", "-box", "box-", "my--box", "9box",
-                                  "b" * 41, "box/../x"])
+@pytest.mark.parametrize(
+    "name", ["", "Box", "my_box", "-box", "box-", "my--box", "9box", "b" * 41, "box/../x"]
+)
 def test_bad_names_are_typed_errors(name, tmp_path):
     with pytest.raises(InvalidSpec) as e:
         write_plugin("backend", name, tmp_path)
@@ -84,7 +121,9 @@ def test_an_existing_directory_is_never_overwritten(tmp_path):
     assert "already exists" in str(e.value)
     assert [p.name for p in (tmp_path / "dsec-layer-vault").iterdir()] == ["mine.txt"]
     out = dsec("plugin", "new", "source", "vault", cwd=tmp_path)
-    assert out.returncode == 1 and out.stderr.startswith("Error: ") and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 1 and out.stderr.startswith("Error: ") and "Traceback" not in out.stderr
+    )
 
 
 def test_the_cli_writes_a_whole_package(tmp_path):
@@ -92,7 +131,11 @@ def test_the_cli_writes_a_whole_package(tmp_path):
     assert out.returncode == 0, out.stderr
     pkg = tmp_path / "plugins" / "dsec-backend-mybox"
     assert sorted(os.fspath(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file()) == [
-        "README.md", "dsec_backend_mybox/__init__.py", "pyproject.toml", "tests/test_mybox.py"]
+        "README.md",
+        "dsec_backend_mybox/__init__.py",
+        "pyproject.toml",
+        "tests/test_mybox.py",
+    ]
     pyproject = (pkg / "pyproject.toml").read_text()
     assert 'backend_mybox = "dsec_backend_mybox"' in pyproject
     assert 'addopts = "-p dsec_core.testing"' in pyproject
@@ -123,6 +166,9 @@ def test_a_generated_backend_installs_and_passes_its_kit(tmp_path):
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
     assert any("Feature.USERNS" in line for line in skips), skips
     assert any("Feature.CGROUPS" in line for line in skips), skips
-    assert not [line for line in skips if "PID_NAMESPACE" in line or "NET_NAMESPACE" in line
-                or "SHARED_KERNEL" in line], skips
+    assert not [
+        line
+        for line in skips
+        if "PID_NAMESPACE" in line or "NET_NAMESPACE" in line or "SHARED_KERNEL" in line
+    ], skips
     assert f"rootdir: {pkg}" in out.stdout and "configfile: pyproject.toml" in out.stdout

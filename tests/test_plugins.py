@@ -16,8 +16,11 @@ from dsec_core.backend import Backend
 from dsec_core.errors import PluginInvalid, UnknownBackend, UnknownSource
 from dsec_core.records import NodeLoad, SandboxSpec
 
-HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-         if name.startswith("dsec_")]
+HOOKS = [
+    name
+    for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+    if name.startswith("dsec_")
+]
 
 
 @pytest.mark.parametrize("name", HOOKS)
@@ -32,8 +35,11 @@ def test_every_hook_is_tested(name):
     import pathlib
 
     here = pathlib.Path(__file__).parent
-    uses = [p for p in here.glob("test_*.py")
-            if f"def {name}(" in p.read_text() or f"hook.{name}(" in p.read_text()]
+    uses = [
+        p
+        for p in here.glob("test_*.py")
+        if f"def {name}(" in p.read_text() or f"hook.{name}(" in p.read_text()
+    ]
     assert uses, f"hook {name} is not exercised by any test"
 
 
@@ -56,8 +62,12 @@ def test_shipped_plugins_load_through_entry_points():
 
 
 def test_cli_plugins_json():
-    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "plugins", "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     data = json.loads(out.stdout)
     names = {p["name"]: p for p in data["plugins"]}
     assert {"backend_container", "layer_posix", "core_local_source"} <= set(names)
@@ -70,7 +80,10 @@ def test_env_var_limits_plugins_but_core_always_loads(monkeypatch):
     plugins.reset()
     try:
         assert [d["name"] for d in plugins.plugin_descriptions()] == [
-            "core_local_source", "core_placement", "layer_posix"]
+            "core_local_source",
+            "core_placement",
+            "layer_posix",
+        ]
         with pytest.raises(UnknownBackend) as e:
             plugins.registry().backend("container")
         assert "container" in str(e.value)
@@ -137,9 +150,14 @@ def test_third_party_plugin_registers():
 
 
 def _load(name: str, fraction: float) -> NodeLoad:
-    return NodeLoad(node=name, backends=("container",), cpu_capacity=100.0,
-                    cpu_committed=100.0 * fraction, memory_capacity=1 << 30,
-                    memory_committed=0)
+    return NodeLoad(
+        node=name,
+        backends=("container",),
+        cpu_capacity=100.0,
+        cpu_committed=100.0 * fraction,
+        memory_capacity=1 << 30,
+        memory_committed=0,
+    )
 
 
 def test_registering_a_class_that_breaks_the_contract_is_typed():
@@ -151,6 +169,7 @@ def test_registering_a_class_that_breaks_the_contract_is_typed():
         features = frozenset({"gpu-teleport"})
 
     for offered, words in ((NotABackend, "not a subclass"), (BadFeatures, "gpu-teleport")):
+
         class Plugin:
             @plugins.hookspecs.hookimpl
             def dsec_register_backends(self, register, _cls=offered):

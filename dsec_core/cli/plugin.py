@@ -20,7 +20,7 @@ import click
 from ..errors import InvalidSpec
 from ..plugins import registry
 
-__all__ = ["plugin", "PluginSkeleton", "plugin_skeleton", "write_plugin", "KINDS"]
+__all__ = ["KINDS", "PluginSkeleton", "plugin", "plugin_skeleton", "write_plugin"]
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
 #: A backend name or source scheme: lowercase, digits, inner hyphens (a URL scheme and, with
@@ -30,8 +30,12 @@ NAME_MAX = 40
 #: kind -> (distribution prefix, what the class is called after its name)
 KINDS = {"backend": ("dsec-backend-", "Backend"), "source": ("dsec-layer-", "LayerSource")}
 #: template file -> where it goes in the package ("{module}" and "{stem}" filled in)
-LAYOUT = {"pyproject.toml.tmpl": "pyproject.toml", "README.md.tmpl": "README.md",
-          "module.py.tmpl": "{module}/__init__.py", "test.py.tmpl": "tests/test_{stem}.py"}
+LAYOUT = {
+    "pyproject.toml.tmpl": "pyproject.toml",
+    "README.md.tmpl": "README.md",
+    "module.py.tmpl": "{module}/__init__.py",
+    "test.py.tmpl": "tests/test_{stem}.py",
+}
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,15 @@ class PluginSkeleton:
     class_name: str  # NameBackend, NameLayerSource
 
     def values(self) -> dict[str, str]:
-        return {"kind": self.kind, "name": self.name, "dist": self.dist, "module": self.module,
-                "entry_point": self.entry_point, "class_name": self.class_name,
-                "stem": self.name.replace("-", "_")}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "dist": self.dist,
+            "module": self.module,
+            "entry_point": self.entry_point,
+            "class_name": self.class_name,
+            "stem": self.name.replace("-", "_"),
+        }
 
 
 def plugin_skeleton(kind: str, name: str) -> PluginSkeleton:
@@ -56,25 +66,37 @@ def plugin_skeleton(kind: str, name: str) -> PluginSkeleton:
     unknown, the name is not a valid backend name or URL scheme, or a loaded plugin already
     offers it."""
     if kind not in KINDS:
-        raise InvalidSpec(f"plugin kind must be one of {', '.join(KINDS)}, not {kind!r}",
-                          field="kind")
+        raise InvalidSpec(
+            f"plugin kind must be one of {', '.join(KINDS)}, not {kind!r}", field="kind"
+        )
     if not NAME_PATTERN.fullmatch(name) or len(name) > NAME_MAX:
-        raise InvalidSpec(f"plugin name {name!r} must be lowercase letters and digits, starting "
-                          f"with a letter, words joined by single hyphens, at most {NAME_MAX} "
-                          "characters (it becomes the backend name or URL scheme and, with "
-                          "underscores, a Python module name)", field="name")
+        raise InvalidSpec(
+            f"plugin name {name!r} must be lowercase letters and digits, starting "
+            f"with a letter, words joined by single hyphens, at most {NAME_MAX} "
+            "characters (it becomes the backend name or URL scheme and, with "
+            "underscores, a Python module name)",
+            field="name",
+        )
     reg = registry()
     taken = reg.backends if kind == "backend" else reg.layer_sources
     if name in taken:
         owner = taken[name]
-        raise InvalidSpec(f"a {kind} named {name!r} is already loaded ({owner.__module__}); "
-                          "choose another name", field="name", module=owner.__module__)
+        raise InvalidSpec(
+            f"a {kind} named {name!r} is already loaded ({owner.__module__}); choose another name",
+            field="name",
+            module=owner.__module__,
+        )
     prefix, suffix = KINDS[kind]
     dist = prefix + name
     stem = name.replace("-", "_")
-    return PluginSkeleton(kind=kind, name=name, dist=dist, module=dist.replace("-", "_"),
-                          entry_point=f"{'backend' if kind == 'backend' else 'layer'}_{stem}",
-                          class_name="".join(w.capitalize() for w in name.split("-")) + suffix)
+    return PluginSkeleton(
+        kind=kind,
+        name=name,
+        dist=dist,
+        module=dist.replace("-", "_"),
+        entry_point=f"{'backend' if kind == 'backend' else 'layer'}_{stem}",
+        class_name="".join(w.capitalize() for w in name.split("-")) + suffix,
+    )
 
 
 def write_plugin(kind: str, name: str, dest: Path) -> Path:
@@ -87,8 +109,11 @@ def write_plugin(kind: str, name: str, dest: Path) -> Path:
     dest = Path(dest)
     target = dest / skel.dist
     if target.exists() or target.is_symlink():
-        raise InvalidSpec(f"{target} already exists; dsec plugin new does not overwrite "
-                          "anything (remove it or pass another --dir)", path=os.fspath(target))
+        raise InvalidSpec(
+            f"{target} already exists; dsec plugin new does not overwrite "
+            "anything (remove it or pass another --dir)",
+            path=os.fspath(target),
+        )
     dest.mkdir(parents=True, exist_ok=True)
     values = skel.values()
     work = Path(tempfile.mkdtemp(prefix=f".{skel.dist}.", dir=dest))
@@ -114,14 +139,21 @@ def plugin() -> None:
 @plugin.command("new")
 @click.argument("kind", type=click.Choice(sorted(KINDS)))
 @click.argument("name")
-@click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("."), show_default=True,
-              help="Where to write the package directory.")
+@click.option(
+    "--dir",
+    "dest",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Where to write the package directory.",
+)
 def plugin_new(kind: str, name: str, dest: Path) -> None:
     """Write dsec-backend-NAME/ or dsec-layer-NAME/: a plugin package with its entry point, a
     working minimal module and the conformance kit's tests, ready to install and run."""
     target = write_plugin(kind, name, dest)
-    click.echo(f"wrote {target}\n"
-               f"  pip install -e {target}\n"
-               f"  pytest {target / 'tests'}    # dsec's conformance kit"
-               f"{' (as root: it runs a real node)' if kind == 'backend' else ''}")
+    click.echo(
+        f"wrote {target}\n"
+        f"  pip install -e {target}\n"
+        f"  pytest {target / 'tests'}    # dsec's conformance kit"
+        f"{' (as root: it runs a real node)' if kind == 'backend' else ''}"
+    )

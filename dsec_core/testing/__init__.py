@@ -17,14 +17,38 @@ plugin module once.
 """
 
 from .backend import BackendConformance
-from .fixtures import (KitNode, SandboxRecorder, cgroup_hierarchies, dsec_backend_name,
-                       dsec_client, dsec_node, dsec_sandboxes, kit_home_parent,
-                       leaves_no_mounts_or_threads, leftovers, make_busybox_rootfs,
-                       running_kit_node)
+from .fixtures import (
+    KitNode,
+    SandboxRecorder,
+    cgroup_hierarchies,
+    dsec_backend_name,
+    dsec_client,
+    dsec_node,
+    dsec_sandboxes,
+    kit_home_parent,
+    leaves_no_mounts_or_threads,
+    leftovers,
+    make_busybox_rootfs,
+    running_kit_node,
+)
 from .procs import free_port, stop_process
 from .sources import LayerSourceConformance
 
-__all__ = ["BackendConformance", "LayerSourceConformance", "KitNode", "SandboxRecorder",
-           "leftovers", "leaves_no_mounts_or_threads", "make_busybox_rootfs", "running_kit_node",
-           "free_port", "stop_process", "dsec_node", "dsec_client", "dsec_backend_name",
-           "dsec_sandboxes", "kit_home_parent", "cgroup_hierarchies"]
+__all__ = [
+    "BackendConformance",
+    "KitNode",
+    "LayerSourceConformance",
+    "SandboxRecorder",
+    "cgroup_hierarchies",
+    "dsec_backend_name",
+    "dsec_client",
+    "dsec_node",
+    "dsec_sandboxes",
+    "free_port",
+    "kit_home_parent",
+    "leaves_no_mounts_or_threads",
+    "leftovers",
+    "make_busybox_rootfs",
+    "running_kit_node",
+    "stop_process",
+]

@@ -27,8 +27,15 @@ from typing import Any, ClassVar
 import pytest
 
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
-from ..errors import (DsecError, ExecTimeout, PluginInvalid, SandboxPathError, SessionClosed,
-                      UnknownSandbox, UnknownSession)
+from ..errors import (
+    DsecError,
+    ExecTimeout,
+    PluginInvalid,
+    SandboxPathError,
+    SessionClosed,
+    UnknownSandbox,
+    UnknownSession,
+)
 from ..localnode import daemon_pid
 from ..plugins import registry
 from ..records import SandboxUsage
@@ -95,9 +102,10 @@ class BackendConformance:
             # Without a name the checks would run against whatever backend a default picked.
             raise PluginInvalid(
                 f"{cls.__module__}.{cls.__qualname__} subclasses BackendConformance but sets no "
-                "backend_name: add `backend_name = \"<the name your Backend registers>\"` to the "
+                'backend_name: add `backend_name = "<the name your Backend registers>"` to the '
                 "class (or declare a base class of your own with abstract=True)",
-                test_class=cls.__qualname__)
+                test_class=cls.__qualname__,
+            )
 
     # --- what the backend claims ----------------------------------------------------------
     def backend_class(self) -> type[Backend]:
@@ -116,16 +124,18 @@ class BackendConformance:
     def test_declares_the_contract(self):
         cls = self.backend_class()
         assert cls.name == self.backend_name
-        assert isinstance(cls.rootfs, RootfsForm), \
+        assert isinstance(cls.rootfs, RootfsForm), (
             f"rootfs must be a RootfsForm member, not {cls.rootfs!r}"
-        assert isinstance(cls.agent_channel, AgentChannel), \
+        )
+        assert isinstance(cls.agent_channel, AgentChannel), (
             f"agent_channel must be an AgentChannel member, not {cls.agent_channel!r}"
+        )
         assert isinstance(cls.features, frozenset), "features must be a frozenset of Feature"
         loose = [f for f in cls.features if not isinstance(f, Feature)]
         assert not loose, f"features must be Feature members, not strings: {loose}"
         assert isinstance(cls.policy_targets, frozenset) and all(
-            isinstance(t, str) and t for t in cls.policy_targets), \
-            "policy_targets must be a frozenset of enforcement point names (str)"
+            isinstance(t, str) and t for t in cls.policy_targets
+        ), "policy_targets must be a frozenset of enforcement point names (str)"
 
     def test_check_available_here(self):
         started = time.monotonic()
@@ -149,8 +159,12 @@ class BackendConformance:
 
     def test_exec_stdin_env_cwd(self, dsec_sandboxes):
         sb = dsec_sandboxes.create(env={"FROM_SPEC": "spec"})
-        r = sb.exec("cat; echo $FROM_SPEC $FROM_CALL; pwd", stdin=b"in\n",
-                    env={"FROM_CALL": "call"}, cwd="/tmp")
+        r = sb.exec(
+            "cat; echo $FROM_SPEC $FROM_CALL; pwd",
+            stdin=b"in\n",
+            env={"FROM_CALL": "call"},
+            cwd="/tmp",
+        )
         assert r.stdout == b"in\nspec call\n/tmp\n"
         with pytest.raises(SandboxPathError):
             sb.exec("true", cwd="/no/such/dir")
@@ -282,8 +296,10 @@ class BackendConformance:
     def test_writable_layer_belongs_to_the_mapped_uid(self, dsec_sandboxes, dsec_node):
         self.need(Feature.USERNS, Feature.SHARED_KERNEL)
         if self.backend_class().rootfs is not RootfsForm.COMPOSED:
-            pytest.skip(f"backend {self.backend_name!r} takes RootfsForm.IMAGES: its writable "
-                        "layer is a disk the host does not look into")
+            pytest.skip(
+                f"backend {self.backend_name!r} takes RootfsForm.IMAGES: its writable "
+                "layer is a disk the host does not look into"
+            )
         sb = dsec_sandboxes.create()
         host_uid = int(sb.exec("cat /proc/self/uid_map").stdout.split()[1])
         sb.exec("echo x > /root/owned").check()
@@ -399,8 +415,10 @@ class BackendConformance:
         sb = dsec_sandboxes.create()
         pid = dsec_client.get(sb.id).info.pid
         if pid is None:
-            pytest.skip(f"backend {self.backend_name!r} reports no host pid (state['pid']), "
-                        "so the kit cannot kill the sandbox behind the node's back")
+            pytest.skip(
+                f"backend {self.backend_name!r} reports no host pid (state['pid']), "
+                "so the kit cannot kill the sandbox behind the node's back"
+            )
         marker = _marker()
         sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
         os.kill(pid, signal.SIGKILL)
@@ -408,7 +426,8 @@ class BackendConformance:
         while sb.id in {i.id for i in dsec_client.list()}:
             assert time.monotonic() < deadline, (
                 f"the node still lists the sandbox {NOTICE_WITHIN}s after its pid {pid} died: "
-                "alive() must say False once that process is gone (and reaped)")
+                "alive() must say False once that process is gone (and reaped)"
+            )
             time.sleep(0.2)
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)

@@ -21,9 +21,10 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -37,8 +38,16 @@ from ..localnode import daemon_pid, ensure_daemon, stop_daemon
 from ..records import LayerInfo, SandboxSpec
 from ..sdk import Client
 
-__all__ = ["KitNode", "SandboxRecorder", "make_busybox_rootfs", "leftovers", "running_kit_node",
-           "leaves_no_mounts_or_threads", "kit_home_parent", "cgroup_hierarchies"]
+__all__ = [
+    "KitNode",
+    "SandboxRecorder",
+    "cgroup_hierarchies",
+    "kit_home_parent",
+    "leaves_no_mounts_or_threads",
+    "leftovers",
+    "make_busybox_rootfs",
+    "running_kit_node",
+]
 
 BUSYBOX = "/bin/busybox"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -68,20 +77,34 @@ def make_busybox_rootfs(root: Path) -> Path:
     """A minimal root filesystem: static busybox with all its applets, and the usual dirs."""
     if not Path(BUSYBOX).exists():
         pytest.skip("busybox-static is not installed (apt-get install busybox-static)")
-    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "tmp", "proc", "sys", "dev",
-              "var/tmp", "home"):
+    for d in (
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "etc",
+        "root",
+        "tmp",
+        "proc",
+        "sys",
+        "dev",
+        "var/tmp",
+        "home",
+    ):
         (root / d).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "tmp", 0o1777)
     shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run([BUSYBOX, "--list-full"], capture_output=True, text=True,
-                             check=True).stdout.split()
+    applets = subprocess.run(
+        [BUSYBOX, "--list-full"], capture_output=True, text=True, check=True
+    ).stdout.split()
     for applet in applets:
         link = root / applet
         if not link.exists() and not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to("/bin/busybox")
-    (root / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n"
-                                         "nobody:x:65534:65534:nobody:/:/bin/false\n")
+    (root / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
+    )
     (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
     return root
 
@@ -95,8 +118,14 @@ def leftovers(home: Path) -> dict[str, list[str]]:
             mp = line.split()[4]
             if mp.startswith(prefix):
                 mounts.append(mp)
-    dirs = sorted({p.name for sdir in (home / "sandboxes", home / "run" / "sandboxes")
-                   if sdir.exists() for p in sdir.iterdir()})
+    dirs = sorted(
+        {
+            p.name
+            for sdir in (home / "sandboxes", home / "run" / "sandboxes")
+            if sdir.exists()
+            for p in sdir.iterdir()
+        }
+    )
     cgroups = []
     for hier in cgroup_hierarchies():
         for sid in dirs:
@@ -125,8 +154,11 @@ def leaves_no_mounts_or_threads(tmp_path: Path, *thread_prefixes: str) -> Iterat
     assert mounted_under(tmp_path) == []
     with open("/proc/mounts") as f:
         assert str(tmp_path) not in f.read()
-    leftover = [t for t in set(threading.enumerate()) - before
-                if t.is_alive() and t.name.startswith(thread_prefixes)]
+    leftover = [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.is_alive() and t.name.startswith(thread_prefixes)
+    ]
     assert leftover == []
 
 
@@ -140,7 +172,7 @@ class KitNode:
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, home: Path) -> "KitNode":
+    def start(cls, home: Path) -> KitNode:
         config = NodeConfig(home=home)
         config.ensure_dirs()
         store = LayerStore(config.layer_dir)
@@ -225,8 +257,11 @@ def running_kit_node(prefix: str = "dsec-kit-") -> Iterator[KitNode]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise InvalidSpec(f"the kit cannot make its node home in {parent}: {e} (set "
-                          "DSEC_KIT_HOME to a writable directory)", path=os.fspath(parent)) from e
+        raise InvalidSpec(
+            f"the kit cannot make its node home in {parent}: {e} (set "
+            "DSEC_KIT_HOME to a writable directory)",
+            path=os.fspath(parent),
+        ) from e
     home = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     node = KitNode.start(home)
     try:
@@ -259,24 +294,37 @@ def dsec_backend_name(request) -> str:
     such a class override this fixture (there is no default backend)."""
     name = getattr(request.instance, "backend_name", None)
     if not name:
-        pytest.fail(f"{request.node.nodeid}: dsec_sandboxes needs a backend; set "
-                    "`backend_name = \"<backend>\"` on the test class, or override the "
-                    "`dsec_backend_name` fixture in the module or its conftest.py", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid}: dsec_sandboxes needs a backend; set "
+            '`backend_name = "<backend>"` on the test class, or override the '
+            "`dsec_backend_name` fixture in the module or its conftest.py",
+            pytrace=False,
+        )
     return name
 
 
 @pytest.fixture
-def dsec_sandboxes(dsec_client: Client, dsec_node: KitNode, dsec_backend_name: str,
-                   request) -> Iterator[SandboxRecorder]:
+def dsec_sandboxes(
+    dsec_client: Client, dsec_node: KitNode, dsec_backend_name: str, request
+) -> Iterator[SandboxRecorder]:
     """Create sandboxes with ``dsec_sandboxes.create(**spec)``; all are killed at teardown.
 
     The default spec uses the kit's busybox layer, ``dsec_backend_name``, and the fields of
     the test class's ``sandbox_spec`` (if any) on top.
     """
     extra = dict(getattr(request.instance, "sandbox_spec", None) or {})
-    rec = SandboxRecorder(dsec_client, {"layers": (dsec_node.layer.ref,),
-                                        "backend": dsec_backend_name, "cpu": 1.0,
-                                        "memory": "256M", "pids": 256, "ttl": 600, **extra})
+    rec = SandboxRecorder(
+        dsec_client,
+        {
+            "layers": (dsec_node.layer.ref,),
+            "backend": dsec_backend_name,
+            "cpu": 1.0,
+            "memory": "256M",
+            "pids": 256,
+            "ttl": 600,
+            **extra,
+        },
+    )
     try:
         yield rec
     finally:

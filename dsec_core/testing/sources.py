@@ -1,4 +1,5 @@
-"""The layer-source conformance kit: every layer-source plugin subclasses ``LayerSourceConformance``.
+"""The layer-source conformance kit: every layer-source plugin subclasses
+``LayerSourceConformance``.
 
     class TestMySource(LayerSourceConformance):
         @pytest.fixture
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ..errors import (LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment,
-                      UnknownLayer)
+from ..errors import LayerCorrupt, LayerExists, SourceUnavailable, UnknownEnvironment, UnknownLayer
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
 from ..records import LayerInfo, LayerRef
@@ -84,8 +86,9 @@ class LayerSourceConformance:
         got = dsec_source.resolve(LayerRef("kit-ws", "1"))
         assert (got.kind, got.size) == (dsec_layer.kind, dsec_layer.size)
 
-    def test_pushing_again_is_a_noop_and_versions_are_immutable(self, dsec_source, dsec_store, dsec_layer,
-                                                                tmp_path):
+    def test_pushing_again_is_a_noop_and_versions_are_immutable(
+        self, dsec_source, dsec_store, dsec_layer, tmp_path
+    ):
         dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
         assert dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer)) is False
         other_store = LayerStore(tmp_path / "other-store")
@@ -113,8 +116,11 @@ class LayerSourceConformance:
             assert [p for p in dsec_source.cache_dir.rglob("*") if p.is_file()] == []
 
     def test_catalogs(self, dsec_source):
-        doc = {"name": "kit-catalog", "layers": [], "environments": [
-            {"name": "kit-env", "base": "kit-ws@1"}]}
+        doc: dict[str, Any] = {
+            "name": "kit-catalog",
+            "layers": [],
+            "environments": [{"name": "kit-env", "base": "kit-ws@1"}],
+        }
         dsec_source.put_catalog("kit-catalog", doc)
         assert "kit-catalog" in dsec_source.catalogs()
         assert dsec_source.get_catalog("kit-catalog") == doc
@@ -132,7 +138,9 @@ class LayerSourceConformance:
         local.push(dsec_layer, dsec_store.image_path(dsec_layer))
         assert find_layer([local, dsec_source], "kit-ws@1")[0] is local
 
-    def test_lazy_form_is_published_and_readable_by_chunk(self, dsec_source, dsec_store, dsec_layer):
+    def test_lazy_form_is_published_and_readable_by_chunk(
+        self, dsec_source, dsec_store, dsec_layer
+    ):
         dsec_source.push(dsec_layer, dsec_store.image_path(dsec_layer))
         info = dsec_source.resolve(LayerRef("kit-ws", "1"))
         form = dsec_source.lazy_form(info)
@@ -147,8 +155,7 @@ class LayerSourceConformance:
             data = index.decode(i, dsec_source.read_blob(index.blob_digest, offset, length))
             assert "sha256:" + hashlib.sha256(data).hexdigest() == index.chunks[i]
 
-    def test_what_is_not_there_is_none_or_unknown_layer(self, dsec_source, dsec_store,
-                                                         dsec_layer):
+    def test_what_is_not_there_is_none_or_unknown_layer(self, dsec_source, dsec_store, dsec_layer):
         assert dsec_source.resolve(LayerRef("kit-absent", "1")) is None
         assert dsec_source.resolve(LayerRef("kit-absent")) is None
         assert dsec_source.lazy_form(dsec_layer) is None  # not pushed: None, not an error
@@ -169,7 +176,7 @@ class LayerSourceConformance:
         # lazy_form has found its form (the OCI source does), which a gone source cannot.
         gone = self.unreachable(tmp_path)
         image = dsec_store.image_path(dsec_layer)
-        calls = {
+        calls: dict[str, Callable[[], object]] = {
             "list": gone.list,
             "resolve": lambda: gone.resolve(LayerRef("kit-ws", "1")),
             "catalogs": gone.catalogs,

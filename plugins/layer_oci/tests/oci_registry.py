@@ -18,14 +18,14 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from dsec_core.errors import ToolError
 from dsec_core.testing import free_port, stop_process
 
-__all__ = ["LocalRegistry", "local_registry", "registry_binary", "free_port"]
+__all__ = ["LocalRegistry", "free_port", "local_registry", "registry_binary"]
 
 DEFAULT_BINARY = "/usr/bin/docker-registry"
 
@@ -59,8 +59,17 @@ class LocalRegistry:
     def blob_file(self, digest: str) -> Path:
         """The file the registry serves blob ``digest`` from (tests corrupt it on purpose)."""
         hexd = digest.split(":", 1)[-1]
-        return (self.storage / "docker" / "registry" / "v2" / "blobs" / "sha256" / hexd[:2]
-                / hexd / "data")
+        return (
+            self.storage
+            / "docker"
+            / "registry"
+            / "v2"
+            / "blobs"
+            / "sha256"
+            / hexd[:2]
+            / hexd
+            / "data"
+        )
 
 
 def _bcrypt(password: str) -> str:
@@ -74,8 +83,7 @@ def _bcrypt(password: str) -> str:
     return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
 
 
-def _config(storage: Path, port: int, auth: str | tuple[str, str] | None,
-            workdir: Path) -> dict:
+def _config(storage: Path, port: int, auth: str | tuple[str, str] | None, workdir: Path) -> dict:
     config: dict = {
         "version": 0.1,
         "log": {"level": "error", "accesslog": {"disabled": True}},
@@ -89,8 +97,9 @@ def _config(storage: Path, port: int, auth: str | tuple[str, str] | None,
     if auth == "silly":
         # Answers 401 to any request without an Authorization header; enough to see that a
         # client turns "credentials refused" into a clear error.
-        config["auth"] = {"silly": {"realm": f"http://127.0.0.1:{port}/nowhere",
-                                    "service": "dsec-test"}}
+        config["auth"] = {
+            "silly": {"realm": f"http://127.0.0.1:{port}/nowhere", "service": "dsec-test"}
+        }
     elif isinstance(auth, tuple):
         user, password = auth
         htpasswd = workdir / "htpasswd"
@@ -112,8 +121,9 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def local_registry(*, auth: str | tuple[str, str] | None = None,
-                   startup_timeout: float = 15.0) -> Iterator[LocalRegistry]:
+def local_registry(
+    *, auth: str | tuple[str, str] | None = None, startup_timeout: float = 15.0
+) -> Iterator[LocalRegistry]:
     """Start ``docker-registry`` on a free 127.0.0.1 port; stop it and delete its data at exit.
 
     ``auth="silly"`` makes it refuse requests that carry no credentials (HTTP 401);
@@ -121,8 +131,10 @@ def local_registry(*, auth: str | tuple[str, str] | None = None,
     """
     binary = registry_binary()
     if binary is None:
-        raise ToolError("docker-registry is not installed (apt-get install docker-registry)",
-                        command=["docker-registry"])
+        raise ToolError(
+            "docker-registry is not installed (apt-get install docker-registry)",
+            command=["docker-registry"],
+        )
     workdir = Path(tempfile.mkdtemp(prefix="dsec-registry-"))
     proc: subprocess.Popen | None = None
     try:
@@ -135,8 +147,13 @@ def local_registry(*, auth: str | tuple[str, str] | None = None,
         log = open(workdir / "registry.log", "wb")
         try:
             command = [binary, "serve", str(config_file)]
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
         reg = LocalRegistry("127.0.0.1", port, storage, proc)
@@ -144,9 +161,13 @@ def local_registry(*, auth: str | tuple[str, str] | None = None,
         while not _answers(f"{reg.base_url}/v2/"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 text = (workdir / "registry.log").read_text(errors="replace")
-                raise ToolError("docker-registry did not come up"
-                                + ("" if proc.poll() is None else f" (exit {proc.returncode})"),
-                                command=command, exit_code=proc.poll(), stderr=text)
+                raise ToolError(
+                    "docker-registry did not come up"
+                    + ("" if proc.poll() is None else f" (exit {proc.returncode})"),
+                    command=command,
+                    exit_code=proc.poll(),
+                    stderr=text,
+                )
             time.sleep(0.05)
         yield reg
     finally:

@@ -11,27 +11,34 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from oci_registry import local_registry, registry_binary
 
 from dsec_core import plugins
 from dsec_core.config import NodeConfig
-from dsec_core.errors import (InvalidSpec, LayerCorrupt, LayerExists, SourceUnavailable,
-                              UnknownEnvironment)
+from dsec_core.errors import (
+    InvalidSpec,
+    LayerCorrupt,
+    LayerExists,
+    SourceUnavailable,
+    UnknownEnvironment,
+)
 from dsec_core.layers.build import build_layer
-from dsec_core.plugins import open_source
-from dsec_core.sources.chain import find_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.plugins import open_source
 from dsec_core.records import LayerInfo, LayerRef
-from dsec_core.testing import free_port
-from oci_registry import local_registry, registry_binary
-from dsec_core.testing import LayerSourceConformance
+from dsec_core.sources.chain import find_layer
+from dsec_core.testing import LayerSourceConformance, free_port
 
-dsec_layer_oci = pytest.importorskip("dsec_layer_oci",
-                                     reason="pip install -e plugins/layer_oci first")
+dsec_layer_oci = pytest.importorskip(
+    "dsec_layer_oci", reason="pip install -e plugins/layer_oci first"
+)
 OciLayerSource = dsec_layer_oci.OciLayerSource
 
 pytestmark = [
-    pytest.mark.skipif(registry_binary() is None,
-                       reason="docker-registry is not installed (apt-get install docker-registry)"),
+    pytest.mark.skipif(
+        registry_binary() is None,
+        reason="docker-registry is not installed (apt-get install docker-registry)",
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="mkfs.erofs layers need root"),
 ]
 
@@ -56,8 +63,9 @@ def _source(reg, tmp_path: Path, prefix: str = "dsec") -> OciLayerSource:
     return OciLayerSource(f"{reg.address}/{prefix}?insecure=1", cache_dir=tmp_path / "cache")
 
 
-def _layer(store: LayerStore, tmp: Path, name: str, text: str, version: str = "1",
-           kind: str = "workspace") -> LayerInfo:
+def _layer(
+    store: LayerStore, tmp: Path, name: str, text: str, version: str = "1", kind: str = "workspace"
+) -> LayerInfo:
     src = tmp / f"src-{name}-{version}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
     src.mkdir()
     (src / "file").write_text(text)
@@ -65,8 +73,10 @@ def _layer(store: LayerStore, tmp: Path, name: str, text: str, version: str = "1
 
 
 def _manifest(reg, repo: str, tag: str) -> dict:
-    req = urllib.request.Request(f"{reg.base_url}/v2/{repo}/manifests/{tag}",
-                                 headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    req = urllib.request.Request(
+        f"{reg.base_url}/v2/{repo}/manifests/{tag}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
@@ -210,9 +220,14 @@ def test_unreachable_registry_fails_fast(store, tmp_path):
     port = free_port()  # nothing listens here
     src = OciLayerSource(f"127.0.0.1:{port}/dsec?insecure=1", cache_dir=tmp_path / "cache")
     info = _layer(store, tmp_path, "ws", "x\n")
-    for call in (lambda: src.resolve(LayerRef.parse("ws@1")), src.list, src.catalogs,
-                 lambda: src.push(info, store.image_path(info)),
-                 lambda: src.image_path(info), lambda: src.get_catalog("main")):
+    for call in (
+        lambda: src.resolve(LayerRef.parse("ws@1")),
+        src.list,
+        src.catalogs,
+        lambda: src.push(info, store.image_path(info)),
+        lambda: src.image_path(info),
+        lambda: src.get_catalog("main"),
+    ):
         t0 = time.monotonic()
         with pytest.raises(SourceUnavailable) as e:
             call()
@@ -271,8 +286,10 @@ def test_no_registry_process_remains():
     with local_registry() as reg:
         _started.append(reg.process.pid)
     for pid in _started:
-        assert not Path(f"/proc/{pid}").exists() or \
-            "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], f"registry {pid} survived"
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        ), f"registry {pid} survived"
 
 
 class TestOciConformance(LayerSourceConformance):
@@ -293,5 +310,6 @@ class TestOciConformance(LayerSourceConformance):
         blob.write_bytes(bytes(data))
 
     def unreachable(self, tmp_path):
-        return OciLayerSource(f"127.0.0.1:{free_port()}/dsec?insecure=1",
-                              cache_dir=tmp_path / "cache")
+        return OciLayerSource(
+            f"127.0.0.1:{free_port()}/dsec?insecure=1", cache_dir=tmp_path / "cache"
+        )

@@ -7,24 +7,32 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from dsec_layer_posix import PosixLayerSource
 
 from dsec_core.catalog import CatalogStore, parse_catalog
-from dsec_core.config import NodeConfig
-from dsec_core.errors import (CatalogInvalid, InvalidSpec, LayerCorrupt, LayerExists,
-                              SourceUnavailable, UnknownEnvironment, UnknownLayer, UnknownSource)
-from dsec_core.layers.build import build_layer
 from dsec_core.catalog.distribution import publish_catalog, pull_catalog
-from dsec_core.sources.transfer import pull_layer, push_layer
+from dsec_core.config import NodeConfig
+from dsec_core.errors import (
+    CatalogInvalid,
+    InvalidSpec,
+    LayerCorrupt,
+    LayerExists,
+    SourceUnavailable,
+    UnknownEnvironment,
+    UnknownLayer,
+    UnknownSource,
+)
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.store import LayerStore
 from dsec_core.plugins import open_source
 from dsec_core.sources.chain import find_layer, split_url
-from dsec_core.layers.store import LayerStore
+from dsec_core.sources.transfer import pull_layer, push_layer
 from dsec_core.testing import LayerSourceConformance
-from dsec_layer_posix import PosixLayerSource
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mkfs.erofs layers need root")
 
@@ -41,8 +49,9 @@ def shared(tmp_path) -> Path:
     return d
 
 
-def _layer(store: LayerStore, tmp: Path, name: str, text: str, version: str = "1",
-           kind: str = "workspace"):
+def _layer(
+    store: LayerStore, tmp: Path, name: str, text: str, version: str = "1", kind: str = "workspace"
+):
     src = tmp / f"src-{name}-{version}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
     src.mkdir()
     (src / "file").write_text(text)
@@ -107,8 +116,9 @@ def test_damaged_blob_never_reaches_the_store(node, shared, tmp_path, damage):
     with pytest.raises(LayerCorrupt):
         pull_layer("ws@1", dest, b)
     assert b.list() == []
-    cached = [p for p in node.cache_dir.rglob("*") if p.is_file()] \
-        if node.cache_dir.exists() else []
+    cached = (
+        [p for p in node.cache_dir.rglob("*") if p.is_file()] if node.cache_dir.exists() else []
+    )
     assert cached == []
 
 
@@ -116,8 +126,11 @@ def test_publish_and_pull_catalog(node, shared, tmp_path):
     a = LayerStore(tmp_path / "a")
     _layer(a, tmp_path, "base", "b", kind="base")
     _layer(a, tmp_path, "ws", "w")
-    doc = {"name": "mini", "layers": [], "environments": [
-        {"name": "mini-env", "base": "base@1", "workspaces": ["ws@1"]}]}
+    doc = {
+        "name": "mini",
+        "layers": [],
+        "environments": [{"name": "mini-env", "base": "base@1", "workspaces": ["ws@1"]}],
+    }
     cat = parse_catalog(doc, store=a)
     dest = open_source(f"posix:{shared}", node)
     lines = []
@@ -136,8 +149,11 @@ def test_publish_and_pull_catalog(node, shared, tmp_path):
 def test_publish_rejects_a_catalog_naming_a_missing_layer(node, shared, tmp_path):
     a = LayerStore(tmp_path / "a")
     _layer(a, tmp_path, "base", "b", kind="base")
-    doc = {"name": "broken", "layers": [], "environments": [
-        {"name": "e", "base": "base@1", "workspaces": ["ghost@3"]}]}
+    doc = {
+        "name": "broken",
+        "layers": [],
+        "environments": [{"name": "e", "base": "base@1", "workspaces": ["ghost@3"]}],
+    }
     cat = parse_catalog(doc, check_layers=False)
     dest = open_source(f"posix:{shared}", node)
     with pytest.raises(CatalogInvalid) as e:
@@ -166,13 +182,19 @@ def test_cli_push_pull_and_errors(shared, tmp_path):
 
     def dsec(home, *args):
         env = dict(os.environ, DSEC_HOME=str(home))
-        return subprocess.run([sys.executable, "-m", "dsec_core.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "dsec_core.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     out = dsec(home_a, "layer", "push", "ws@1", "--to", f"posix:{shared}")
     assert out.returncode == 0 and out.stdout.startswith("pushed"), out.stderr
     assert dsec(home_a, "layer", "push", "ws@1", "--to", f"posix:{shared}").stdout.startswith(
-        "present")
+        "present"
+    )
     out = dsec(home_b, "layer", "pull", "ws@1", "--from", f"posix:{shared}")
     assert out.returncode == 0 and out.stdout.startswith("pulled"), out.stderr
     listing = json.loads(dsec(home_b, "layer", "ls", "--json").stdout)
@@ -191,8 +213,13 @@ async def test_node_runs_a_sandbox_from_a_layer_only_in_the_shared_source(tmp_pa
     from dsec_core.testing import leftovers, make_busybox_rootfs
 
     staging = LayerStore(tmp_path / "staging")
-    info = build_layer(make_busybox_rootfs(tmp_path / "rootfs"), name="shared-base",
-                       version="1", kind="base", store=staging)
+    info = build_layer(
+        make_busybox_rootfs(tmp_path / "rootfs"),
+        name="shared-base",
+        version="1",
+        kind="base",
+        store=staging,
+    )
     push_layer("shared-base@1", open_source(f"posix:{shared}"), staging)
     # pytest's tmp_path sits in a 0700 directory that the sandbox's uid cannot enter
     home = Path(tempfile.mkdtemp(prefix="dsec-posix-"))

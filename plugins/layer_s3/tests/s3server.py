@@ -16,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import boto3
 import pytest
@@ -26,8 +27,14 @@ from botocore.config import Config
 
 from dsec_core.testing import free_port, stop_process
 
-__all__ = ["S3Server", "running_s3_server", "free_port", "find_rclone", "s3_server",
-           "DIR_CACHE_SECONDS"]
+__all__ = [
+    "DIR_CACHE_SECONDS",
+    "S3Server",
+    "find_rclone",
+    "free_port",
+    "running_s3_server",
+    "s3_server",
+]
 
 ACCESS_KEY = "dsec-test-access"
 SECRET_KEY = "dsec-test-secret-0123456789"
@@ -63,17 +70,26 @@ class S3Server:
 
     def env(self) -> dict[str, str]:
         """Environment variables that give boto3 this server's credentials."""
-        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
-                "AWS_DEFAULT_REGION": self.region}
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
 
     def client(self) -> Any:
         """A boto3 client for poking at the server directly (bypassing the layer source)."""
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.region,
-                            aws_access_key_id=self.access_key,
-                            aws_secret_access_key=self.secret_key,
-                            config=Config(s3={"addressing_style": "path"},
-                                          request_checksum_calculation="when_required",
-                                          response_checksum_validation="when_required"))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(
+                s3={"addressing_style": "path"},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> bool:
@@ -90,8 +106,9 @@ def _wait_listening(port: int, proc: subprocess.Popen, timeout: float) -> bool:
 
 
 @contextlib.contextmanager
-def running_s3_server(buckets: tuple[str, ...] = ("dsec",), *,
-                      timeout: float = 15.0) -> Iterator[S3Server]:
+def running_s3_server(
+    buckets: tuple[str, ...] = ("dsec",), *, timeout: float = 15.0
+) -> Iterator[S3Server]:
     """Start ``rclone serve s3`` on a free 127.0.0.1 port; stop it and delete its data after.
 
     Skips the calling test if rclone is not installed.
@@ -109,27 +126,55 @@ def running_s3_server(buckets: tuple[str, ...] = ("dsec",), *,
         for _attempt in range(3):  # the free port may be taken between probing and binding
             port = free_port()
             log = open(root / "rclone.log", "wb")
-            cmd = [rclone, "serve", "s3", str(data),
-                   "--addr", f"127.0.0.1:{port}",
-                   "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
-                   # Tests change objects behind the server's back, so keep the listing cache
-                   # short (DIR_CACHE_SECONDS); 0s makes rclone 1.75 hang on some PUTs.
-                   "--dir-cache-time", f"{DIR_CACHE_SECONDS}s", "--poll-interval", "0",
-                   "--vfs-cache-mode", "off",
-                   "--config", str(root / "rclone.conf"), "--cache-dir", str(root / "cache"),
-                   "--log-level", "NOTICE"]
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            cmd = [
+                rclone,
+                "serve",
+                "s3",
+                str(data),
+                "--addr",
+                f"127.0.0.1:{port}",
+                "--auth-key",
+                f"{ACCESS_KEY},{SECRET_KEY}",
+                # Tests change objects behind the server's back, so keep the listing cache
+                # short (DIR_CACHE_SECONDS); 0s makes rclone 1.75 hang on some PUTs.
+                "--dir-cache-time",
+                f"{DIR_CACHE_SECONDS}s",
+                "--poll-interval",
+                "0",
+                "--vfs-cache-mode",
+                "off",
+                "--config",
+                str(root / "rclone.conf"),
+                "--cache-dir",
+                str(root / "cache"),
+                "--log-level",
+                "NOTICE",
+            ]
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             log.close()
             if _wait_listening(port, proc, timeout):
                 break
             stop_process(proc)
             proc = None
         if proc is None:
-            raise RuntimeError("rclone serve s3 did not start:\n"
-                               + (root / "rclone.log").read_text(errors="replace")[-4000:])
-        yield S3Server(endpoint=f"http://127.0.0.1:{port}", access_key=ACCESS_KEY,
-                       secret_key=SECRET_KEY, region=REGION, data_dir=data, pid=proc.pid)
+            raise RuntimeError(
+                "rclone serve s3 did not start:\n"
+                + (root / "rclone.log").read_text(errors="replace")[-4000:]
+            )
+        yield S3Server(
+            endpoint=f"http://127.0.0.1:{port}",
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+            region=REGION,
+            data_dir=data,
+            pid=proc.pid,
+        )
     finally:
         if proc is not None:
             stop_process(proc)

@@ -12,26 +12,32 @@ import uuid
 from pathlib import Path
 
 import pytest
+from s3server import DIR_CACHE_SECONDS, S3Server, free_port, running_s3_server
 
 from dsec_core import plugins
 from dsec_core.config import NodeConfig
-from dsec_core.errors import (InvalidSpec, LayerCorrupt, LayerExists, SourceUnavailable,
-                              UnknownEnvironment)
+from dsec_core.errors import (
+    InvalidSpec,
+    LayerCorrupt,
+    LayerExists,
+    SourceUnavailable,
+    UnknownEnvironment,
+)
 from dsec_core.layers.build import build_layer
-from dsec_core.plugins import open_source
-from dsec_core.sources.chain import find_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.plugins import open_source
 from dsec_core.records import LayerRef
+from dsec_core.sources.chain import find_layer
 from dsec_core.testing import LayerSourceConformance
-from s3server import (DIR_CACHE_SECONDS, S3Server, free_port,
-                                        running_s3_server)
 
 boto3 = pytest.importorskip("boto3")
 dsec_layer_s3 = pytest.importorskip("dsec_layer_s3")
 S3LayerSource = dsec_layer_s3.S3LayerSource
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
-                                reason="building EROFS layers needs root and mkfs.erofs")
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("mkfs.erofs"),
+    reason="building EROFS layers needs root and mkfs.erofs",
+)
 
 
 def _rclone_pids(marker: str) -> list[int]:
@@ -118,8 +124,12 @@ def test_open_source_through_the_plugin_registry(server, node):
     assert "s3" in plugins.registry().layer_sources
     src = open_source(f"s3://dsec/a/b/?endpoint={server.endpoint}&region=us-east-1", node)
     assert isinstance(src, S3LayerSource)
-    assert (src.bucket, src.prefix, src.endpoint, src.region) == ("dsec", "a/b/",
-                                                                   server.endpoint, "us-east-1")
+    assert (src.bucket, src.prefix, src.endpoint, src.region) == (
+        "dsec",
+        "a/b/",
+        server.endpoint,
+        "us-east-1",
+    )
     assert src.url.startswith("s3://dsec/a/b/")
     assert src.cache_dir == node.cache_dir
     bare = open_source("s3://bucket", node)
@@ -147,7 +157,7 @@ def test_primitives_ranges_multipart_and_paging(source, server, prefix, tmp_path
     source.multipart_threshold = source.multipart_chunksize = 5 << 20  # three parts
     source._write("blobs/big", big)
     assert source._size("blobs/big") == big.stat().st_size
-    assert source._read("blobs/big", 6 << 20, 1 << 20) == big.read_bytes()[6 << 20:7 << 20]
+    assert source._read("blobs/big", 6 << 20, 1 << 20) == big.read_bytes()[6 << 20 : 7 << 20]
 
     for i in range(5):
         source._write(f"many/{i}", b"x")
@@ -173,8 +183,10 @@ def test_push_resolve_list_and_fetch(source, layers, node):
     assert source.resolve(LayerRef.parse("ws")).digest == v2.digest  # newest version
     assert source.resolve(LayerRef.parse("ws@9")) is None
     assert source.resolve(LayerRef.parse("nope")) is None
-    assert [(i.ref, i.digest) for i in source.list()] == [("ws@1", info.digest),
-                                                         ("ws@2", v2.digest)]
+    assert [(i.ref, i.digest) for i in source.list()] == [
+        ("ws@1", info.digest),
+        ("ws@2", v2.digest),
+    ]
 
     path = source.image_path(info)
     assert path.parent == node.cache_dir and path.exists()
@@ -268,9 +280,9 @@ def test_credentials_from_a_profile(server, node, tmp_path, monkeypatch):
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     (tmp_path / "aws-credentials").write_text(
         f"[dsec-test]\naws_access_key_id = {server.access_key}\n"
-        f"aws_secret_access_key = {server.secret_key}\n")
-    src = open_source(server.url("dsec", f"p-{uuid.uuid4().hex[:8]}") + "&profile=dsec-test",
-                      node)
+        f"aws_secret_access_key = {server.secret_key}\n"
+    )
+    src = open_source(server.url("dsec", f"p-{uuid.uuid4().hex[:8]}") + "&profile=dsec-test", node)
     src.put_catalog("c", {"ok": True})
     assert src.get_catalog("c") == {"ok": True}
     with pytest.raises(SourceUnavailable, match="no-such-profile"):
@@ -308,5 +320,7 @@ class TestS3Conformance(LayerSourceConformance):
         time.sleep(DIR_CACHE_SECONDS + 0.2)
 
     def unreachable(self, tmp_path):
-        return open_source(f"s3://dsec?endpoint=http://127.0.0.1:{free_port()}",
-                           NodeConfig(home=tmp_path / "gone-node"))
+        return open_source(
+            f"s3://dsec?endpoint=http://127.0.0.1:{free_port()}",
+            NodeConfig(home=tmp_path / "gone-node"),
+        )
