@@ -10,6 +10,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import InvalidSpec
 from .records import parse_size
@@ -63,7 +64,7 @@ class NodeConfig:
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
-        kw = {}
+        kw: dict[str, Any] = {}
         if "DSEC_CPU_OVERCOMMIT" in os.environ:
             kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
         if "DSEC_MEMORY_OVERCOMMIT" in os.environ:

@@ -9,7 +9,6 @@ socket, so the SDK can start the embedded single-node default without importing 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import signal

@@ -162,7 +162,7 @@ class Client:
 
     def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
-        return [row.to_dict() for row in self._call("prefetch", PrefetchRequest(refs)).layers]
+        return [row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers]
 
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = 300.0,
@@ -284,7 +284,7 @@ class AsyncClient:
         return list((await self._call("layers")).layers)
 
     async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
-        made = await self._call("prefetch", PrefetchRequest(refs))
+        made = await self._call("prefetch", PrefetchRequest(tuple(refs)))
         return [row.to_dict() for row in made.layers]
 
     async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *,

@@ -127,6 +127,11 @@ def test_records_encode_as_their_to_dict_and_round_trip(record):
     assert decoder(type(record))(json.loads(json.dumps(wire)), "x") == record
 
 
+def test_strings_may_carry_raw_bytes_of_file_names():
+    # surrogateescape's U+DC80-U+DCFF stand for bytes that are not UTF-8 (fsdecode)
+    assert ExecRequest.from_dict({"cmd": ["cat", "/tmp/\udcff"]}).cmd == ("cat", "/tmp/\udcff")
+
+
 def test_exec_request_keeps_the_old_wire_shape():
     body = ExecRequest(["echo", "hi"], 5, None, {"A": "b"}, "in", 100).to_dict()
     assert body == {"cmd": ["echo", "hi"], "timeout": 5, "cwd": None, "env": {"A": "b"},
@@ -137,7 +142,7 @@ def test_exec_request_keeps_the_old_wire_shape():
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"cmd": 5}, "expected a string or tuple"),
+    ({"cmd": 5}, "expected a string or an array"),
     ({"cmd": []}, "cmd"),
     ({"cmd": "x", "timeout": "soon"}, "ExecRequest.timeout"),
     ({"cmd": "x", "timeout": float("nan")}, "finite"),
@@ -146,6 +151,7 @@ def test_exec_request_keeps_the_old_wire_shape():
     ({"cmd": "x", "max_output": 1 << 64}, "64-bit integer"),
     ({"cmd": "x", "stdin": "not base64!"}, "base64"),
     ({"cmd": "x", "env": {"A": 1}}, "ExecRequest.env.A"),
+    ({"cmd": "echo \ud800"}, "ExecRequest.cmd"),  # a lone surrogate is no text (was a 500)
     ({"cmd": "x", "shell": True}, "unknown field"),
     ({"timeout": 1}, "missing field 'cmd'"),
     ([], "ExecRequest object"),

@@ -36,11 +36,11 @@ class Message:
     """Base of the API's messages: JSON through the shape read from the type hints."""
 
     def to_dict(self) -> dict[str, Any]:
-        return encoder(type(self))(self)  # type: ignore[misc]
+        return encoder(type(self))(self)  # type: ignore[arg-type, misc]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        return decoder(cls)(data, cls.__name__)
+        return decoder(cls)(data, cls.__name__)  # type: ignore[arg-type]
 
 
 # --- the node ---------------------------------------------------------------------------------

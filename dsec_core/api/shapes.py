@@ -91,6 +91,14 @@ def _has_default(f: dataclasses.Field) -> bool:
 
 def _decode_str(v: Any, where: str) -> str:
     if type(v) is str:
+        if v.isascii():
+            return v
+        # JSON may carry lone surrogates ("\ud800"), which are no text; the ones that stand
+        # for raw bytes in file names (surrogateescape, U+DC80-U+DCFF) round-trip as bytes.
+        try:
+            v.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise _bad(where, "a string of Unicode text", v) from None
         return v
     raise _bad(where, "a string", v)
 
@@ -194,10 +202,16 @@ def decoder(tp: Any, strict: bool = True) -> Decoder:
     raise TypeError(f"no JSON shape for type {tp!r}")
 
 
+def _describe(tp: Any) -> str:
+    if tp in _SCALAR_NAMES:
+        return _SCALAR_NAMES[tp]
+    return "an array" if _sequence_item(tp) is not None else "an object"
+
+
 def _union_decoder(options: tuple[Any, ...], strict: bool) -> Decoder:
     decoders = [decoder(o, strict) for o in options if o is not type(None)]
     nullable = type(None) in options
-    names = " or ".join(_SCALAR_NAMES.get(o, getattr(o, "__name__", str(o))) for o in options)
+    names = " or ".join(_describe(o) for o in options)
 
     def decode(v: Any, where: str) -> Any:
         if v is None and nullable:
@@ -306,17 +320,25 @@ def encoder(tp: Any) -> Encoder | None:
         return _encode_value
     item = _sequence_item(tp)
     if item is not None:
-        enc = encoder(item)
-        return list if enc is None else (lambda v: [enc(x) for x in v])
+        each = encoder(item)
+        return list if each is None else _list_of(each)
     value = _mapping_value(tp)
     if value is not None:
-        enc = encoder(value)
         if value is Any:
             return _encode_value
-        return dict if enc is None else (lambda v: {k: enc(x) for k, x in v.items()})
+        each = encoder(value)
+        return dict if each is None else _dict_of(each)
     if is_record(tp):
         return _record_encoder(tp)
     raise TypeError(f"no JSON shape for type {tp!r}")
+
+
+def _list_of(each: Encoder) -> Encoder:
+    return lambda v: [each(x) for x in v]
+
+
+def _dict_of(each: Encoder) -> Encoder:
+    return lambda v: {k: each(x) for k, x in v.items()}
 
 
 def _record_encoder(cls: type) -> Encoder:
@@ -370,7 +392,8 @@ def _record_schema(cls: type, defs: dict[str, Any], ref_prefix: str) -> dict[str
         prop = json_schema(tp, defs, ref_prefix)
         prop.update(f.metadata.get("schema", {}))
         if _has_default(f):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = f.default if f.default is not dataclasses.MISSING \
+                else f.default_factory()  # type: ignore[misc, operator]
             enc = encoder(tp)
             prop["default"] = default if enc is None or default is None else enc(default)
         else:
@@ -458,7 +481,9 @@ def query_decoder(cls: type) -> Callable[[Mapping[str, str]], Any]:
 @functools.cache
 def query_encoder(cls: type) -> Callable[[Any], list[tuple[str, str]]]:
     """A function ``record -> [(name, text)]``, leaving out fields that are None."""
-    names = [f.name for f, tp in _fields(cls) if _query_scalar(tp)]
+    names = [f.name for f, tp in _fields(cls)]
+    for _, tp in _fields(cls):
+        _query_scalar(tp)  # a field that is no scalar fails here, once, not per request
 
     def encode(obj: Any) -> list[tuple[str, str]]:
         out = []

@@ -53,7 +53,7 @@ def _bind_tcp(address: Address) -> socket.socket:
 
 def _listener(app: Any, address: Address, config: NodeConfig, options: dict[str, Any]) -> _Listener:
     """The server of one TCP address: the app behind the token, with TLS for https."""
-    tls = {}
+    tls: dict[str, Any] = {}
     if address.scheme == "https":  # listen_addresses checked that both load
         tls = {"ssl_certfile": os.fspath(config.tls_cert or ""),
                "ssl_keyfile": os.fspath(config.tls_key or "")}
@@ -122,7 +122,7 @@ def serve(config: NodeConfig | None = None) -> None:
                                    access_log=False, timeout_keep_alive=300)
     try:
         listeners.extend((_listener(app, a, config, options), s)
-                         for a, s in zip(addresses, tcp_socks))
+                         for a, s in zip(addresses, tcp_socks, strict=True))
         server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), lifespan="on", **options))
         server.run()
     finally:
