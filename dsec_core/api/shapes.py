@@ -33,7 +33,8 @@ __all__ = ["decoder", "encoder", "json_schema", "query_decoder", "query_encoder"
 #: Integers on the wire are 64-bit signed, as in most JSON readers that are not Python.
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
-Decoder = Callable[[Any, str], Any]
+Decoder = Callable[[Any, str], Any]  # (json value, where) -> value
+Decode = Callable[[Any], Any]  # the inner form, without names: see _Mismatch
 Encoder = Callable[[Any], Any]
 
 _SCALAR_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
@@ -43,13 +44,6 @@ _CONSTRAINTS = ("minimum", "maximum", "minLength", "maxLength", "pattern", "minI
 
 def is_record(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _bad(where: str, what: str, value: Any) -> InvalidSpec:
-    shown = repr(value)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return InvalidSpec(f"{where}: expected {what}, got {shown}", field=where)
 
 
 def _is_union(tp: Any) -> bool:
@@ -87,9 +81,32 @@ def _has_default(f: dataclasses.Field) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
-# --- decoding: JSON values in, typed values out, InvalidSpec naming the field on a mismatch ---
+# --- decoding: JSON values in, typed values out ----------------------------------------------
+#
+# The inner decoders take only the value and raise ``_Mismatch``; each container adds its key
+# to the mismatch's path as it passes up, and ``decoder``'s outer function names the field in
+# the ``InvalidSpec``. A good value so costs no path strings at all.
 
-def _decode_str(v: Any, where: str) -> str:
+class _Mismatch(Exception):
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+        self.path: list[str] = []  # innermost first
+
+    def at(self, where: str) -> InvalidSpec:
+        field = where + "".join(reversed(self.path))
+        return InvalidSpec(f"{field}: {self.message}", field=field, **self.context)
+
+
+def _expected(what: str, value: Any) -> _Mismatch:
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return _Mismatch(f"expected {what}, got {shown}")
+
+
+def _decode_str(v: Any) -> str:
     if type(v) is str:
         if v.isascii():
             return v
@@ -98,105 +115,119 @@ def _decode_str(v: Any, where: str) -> str:
         try:
             v.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
-            raise _bad(where, "a string of Unicode text", v) from None
+            raise _expected("a string of Unicode text", v) from None
         return v
-    raise _bad(where, "a string", v)
+    raise _expected("a string", v)
 
 
-def _decode_int(v: Any, where: str) -> int:
+def _decode_int(v: Any) -> int:
     if type(v) is int and INT64[0] <= v <= INT64[1]:
         return v
-    raise _bad(where, "a 64-bit integer", v)
+    raise _expected("a 64-bit integer", v)
 
 
-def _decode_float(v: Any, where: str) -> float:
+def _decode_float(v: Any) -> float:
     if type(v) is float or type(v) is int:
         try:
             f = float(v)
         except OverflowError:
-            raise _bad(where, "a finite number", v) from None
+            raise _expected("a finite number", v) from None
         if math.isfinite(f):
             return f
-    raise _bad(where, "a finite number", v)
+    raise _expected("a finite number", v)
 
 
-def _decode_bool(v: Any, where: str) -> bool:
+def _decode_bool(v: Any) -> bool:
     if type(v) is bool:
         return v
-    raise _bad(where, "a boolean", v)
+    raise _expected("a boolean", v)
 
 
-def _decode_none(v: Any, where: str) -> None:
-    if v is None:
-        return None
-    raise _bad(where, "null", v)
+def _decode_none(v: Any) -> None:
+    if v is not None:
+        raise _expected("null", v)
 
 
-def _decode_bytes(v: Any, where: str) -> bytes:
+def _decode_bytes(v: Any) -> bytes:
     if type(v) is str:
         try:
             return base64.b64decode(v, validate=True)
         except (binascii.Error, ValueError):
             pass
-    raise _bad(where, "a base64 string", v)
+    raise _expected("a base64 string", v)
 
 
-def _decode_any(v: Any, where: str) -> Any:
+def _decode_any(v: Any) -> Any:
     return v
 
 
-_SCALAR_DECODERS: dict[Any, Decoder] = {
+_SCALAR_DECODERS: dict[Any, Decode] = {
     str: _decode_str, int: _decode_int, float: _decode_float, bool: _decode_bool,
     type(None): _decode_none, bytes: _decode_bytes, Any: _decode_any}
 
 
-def _constrained(decode: Decoder, schema: Mapping[str, Any]) -> Decoder:
+def _constrained(decode: Decode, schema: Mapping[str, Any]) -> Decode:
     """Wrap ``decode`` so it enforces the JSON Schema constraints a field's metadata names."""
     low, high = schema.get("minimum"), schema.get("maximum")
     min_len, max_len = schema.get("minLength"), schema.get("maxLength")
     pattern = re.compile(schema["pattern"]) if "pattern" in schema else None
     min_items = schema.get("minItems")
 
-    def check(v: Any, where: str) -> Any:
-        out = decode(v, where)
+    def check(v: Any) -> Any:
+        out = decode(v)
         if isinstance(out, (int, float)) and not isinstance(out, bool):
             if low is not None and out < low:
-                raise InvalidSpec(f"{where}: must be at least {low}, got {out}", field=where)
+                raise _Mismatch(f"must be at least {low}, got {out}")
             if high is not None and out > high:
-                raise InvalidSpec(f"{where}: must be at most {high}, got {out}", field=where)
+                raise _Mismatch(f"must be at most {high}, got {out}")
         elif isinstance(out, str):
             if min_len is not None and len(out) < min_len:
-                raise InvalidSpec(f"{where}: must not be shorter than {min_len}", field=where)
+                raise _Mismatch(f"must not be shorter than {min_len}")
             if max_len is not None and len(out) > max_len:
-                raise InvalidSpec(f"{where}: must not be longer than {max_len}", field=where)
+                raise _Mismatch(f"must not be longer than {max_len}")
             if pattern is not None and not pattern.search(out):
-                raise _bad(where, f"a string matching {pattern.pattern}", out)
-        elif isinstance(out, (tuple, list)):
-            if min_items is not None and len(out) < min_items:
-                raise InvalidSpec(f"{where}: needs at least {min_items} item(s)", field=where)
+                raise _expected(f"a string matching {pattern.pattern}", out)
+        elif isinstance(out, (tuple, list)) and min_items is not None and len(out) < min_items:
+            raise _Mismatch(f"needs at least {min_items} item(s)")
         return out
 
     return check
 
 
-@functools.cache
 def decoder(tp: Any, strict: bool = True) -> Decoder:
-    """A function ``(json_value, where) -> value of type tp``; raises ``InvalidSpec``.
+    """A function ``(json_value, where) -> value of type tp``; raises ``InvalidSpec`` naming
+    the field (``where`` and the path below it) that does not fit.
 
     ``strict`` refuses fields a record does not have (requests); responses are read without it,
     so a client keeps working against a newer node that added fields.
     """
+    return _outer(_decoder(tp, strict))
+
+
+@functools.cache
+def _outer(decode: Decode) -> Decoder:
+    def decode_at(v: Any, where: str) -> Any:
+        try:
+            return decode(v)
+        except _Mismatch as e:
+            raise e.at(where) from None
+
+    return decode_at
+
+
+@functools.cache
+def _decoder(tp: Any, strict: bool) -> Decode:
     if tp in _SCALAR_DECODERS:
         return _SCALAR_DECODERS[tp]
     if _is_union(tp):
         return _union_decoder(typing.get_args(tp), strict)
     item = _sequence_item(tp)
     if item is not None:
-        return _sequence_decoder(decoder(item, strict), list if typing.get_origin(tp) is list
+        return _sequence_decoder(_decoder(item, strict), list if typing.get_origin(tp) is list
                                  else tuple)
     value = _mapping_value(tp)
     if value is not None:
-        return _mapping_decoder(decoder(value, strict), value is Any)
+        return _mapping_decoder(_decoder(value, strict), value is Any)
     if is_record(tp):
         return _record_decoder(tp, strict)
     raise TypeError(f"no JSON shape for type {tp!r}")
@@ -208,80 +239,99 @@ def _describe(tp: Any) -> str:
     return "an array" if _sequence_item(tp) is not None else "an object"
 
 
-def _union_decoder(options: tuple[Any, ...], strict: bool) -> Decoder:
-    decoders = [decoder(o, strict) for o in options if o is not type(None)]
+def _union_decoder(options: tuple[Any, ...], strict: bool) -> Decode:
+    decoders = [_decoder(o, strict) for o in options if o is not type(None)]
     nullable = type(None) in options
     names = " or ".join(_describe(o) for o in options)
+    if nullable and len(decoders) == 1:
+        only = decoders[0]
 
-    def decode(v: Any, where: str) -> Any:
+        def decode_optional(v: Any) -> Any:
+            return None if v is None else only(v)
+
+        return decode_optional
+
+    def decode(v: Any) -> Any:
         if v is None and nullable:
             return None
         for d in decoders:
             try:
-                return d(v, where)
-            except InvalidSpec:
+                return d(v)
+            except _Mismatch:
                 continue
-        raise _bad(where, names, v)
+        raise _expected(names, v)
 
-    if nullable and len(decoders) == 1:
-        only = decoders[0]
-
-        def decode_optional(v: Any, where: str) -> Any:
-            return None if v is None else only(v, where)
-
-        return decode_optional
     return decode
 
 
-def _sequence_decoder(item: Decoder, kind: type) -> Decoder:
-    def decode(v: Any, where: str) -> Any:
+def _sequence_decoder(item: Decode, kind: type) -> Decode:
+    def decode(v: Any) -> Any:
         if type(v) is not list:
-            raise _bad(where, "an array", v)
-        return kind(item(x, f"{where}[{i}]") for i, x in enumerate(v))
+            raise _expected("an array", v)
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(item(x))
+            except _Mismatch as e:
+                e.path.append(f"[{i}]")
+                raise
+        return kind(out)
 
     return decode
 
 
-def _mapping_decoder(value: Decoder, anything: bool) -> Decoder:
-    def decode(v: Any, where: str) -> Any:
+def _mapping_decoder(value: Decode, anything: bool) -> Decode:
+    def decode(v: Any) -> Any:
         if type(v) is not dict:
-            raise _bad(where, "an object", v)
+            raise _expected("an object", v)
         if anything:
             return dict(v)
-        return {k: value(x, f"{where}.{k}") for k, x in v.items()}
+        out = {}
+        for k, x in v.items():
+            try:
+                out[k] = value(x)
+            except _Mismatch as e:
+                e.path.append(f".{k}")
+                raise
+        return out
 
     return decode
 
 
-def _record_decoder(cls: type, strict: bool) -> Decoder:
+def _record_decoder(cls: type, strict: bool) -> Decode:
     plan = []
     for f, tp in _fields(cls):
-        d = decoder(tp, strict)
+        d = _decoder(tp, strict)
         extra = f.metadata.get("schema", {})
         if any(k in extra for k in _CONSTRAINTS):
             d = _constrained(d, extra)
         plan.append((f.name, d, not _has_default(f)))
     names = frozenset(name for name, _, _ in plan)
+    what = f"a {cls.__name__} object"
 
-    def decode(v: Any, where: str) -> Any:
+    def decode(v: Any) -> Any:
         if type(v) is not dict:
-            raise _bad(where, f"a {cls.__name__} object", v)
+            raise _expected(what, v)
         if strict and not names.issuperset(v):
             unknown = sorted(set(v) - names)
-            raise InvalidSpec(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}",
-                              fields=unknown)
+            raise _Mismatch(f"unknown field(s) {unknown}; known: {sorted(names)}",
+                            fields=unknown)
         kw = {}
         for name, d, required in plan:
             if name in v:
-                kw[name] = d(v[name], f"{where}.{name}")
+                try:
+                    kw[name] = d(v[name])
+                except _Mismatch as e:
+                    e.path.append(f".{name}")
+                    raise
             elif required:
-                raise InvalidSpec(f"{where}: missing field {name!r}", field=f"{where}.{name}")
+                raise _Mismatch(f"missing field {name!r}")
         try:
             return cls(**kw)
         except DsecError:
             raise
         except (TypeError, ValueError, OverflowError) as e:  # a record's own checks
-            raise InvalidSpec(f"{where}: {e}") from e
+            raise _Mismatch(str(e)) from e
 
     return decode
 
@@ -426,22 +476,22 @@ def _query_scalar(tp: Any) -> Any:
     raise TypeError(f"query parameters are scalars, not {tp!r}")
 
 
-def _parse_query_value(tp: Any, text: str, where: str) -> Any:
+def _parse_query_value(tp: Any, text: str) -> Any:
     if tp is str:
-        return text
+        return _decode_str(text)
     if tp is bool:
         low = text.lower()
         if low in _TRUE or low in _FALSE:
             return low in _TRUE
-        raise _bad(where, "true/false or 1/0", text)
+        raise _expected("true/false or 1/0", text)
     if tp is int:
         if _INT_RE.fullmatch(text):
-            return _decode_int(int(text), where)
-        raise _bad(where, "an integer", text)
+            return _decode_int(int(text))
+        raise _expected("an integer", text)
     try:
-        return _decode_float(float(text), where)
+        return _decode_float(float(text))
     except ValueError:
-        raise _bad(where, "a number", text) from None
+        raise _expected("a number", text) from None
 
 
 @functools.cache
@@ -466,8 +516,11 @@ def query_decoder(cls: type) -> Callable[[Mapping[str, str]], Any]:
                 if required:
                     raise InvalidSpec(f"missing query parameter: {name}", field=name)
                 continue
-            value = _parse_query_value(tp, text, name)
-            kw[name] = check(value, name) if check is not None else value
+            try:
+                value = _parse_query_value(tp, text)
+                kw[name] = check(value) if check is not None else value
+            except _Mismatch as e:
+                raise e.at(name) from None
         try:
             return cls(**kw)
         except DsecError:

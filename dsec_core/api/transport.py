@@ -155,7 +155,20 @@ class ResponseParser:
         """Add what the socket gave; the response once it is complete, else None."""
         if data:
             self.received = True
+            if self._mode == "head" and not self._buf:
+                # The common case, a whole small answer in one read: no buffer copies.
+                end = data.find(b"\r\n\r\n")
+                if end >= 0:
+                    self._head(data[:end])
+                    start = end + 4
+                    if self._mode == "length" and len(data) - start >= self._need:
+                        self._parts.append(data[start:start + self._need])
+                        return self._done()
+                    data = data[start:]
             self._buf += data
+        return self._advance()
+
+    def _advance(self) -> Response | None:
         while True:
             mode = self._mode
             if mode == "head":
