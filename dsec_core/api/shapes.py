@@ -30,7 +30,7 @@ from ..errors import DsecError, InvalidSpec
 __all__ = ["decoder", "encoder", "json_schema", "query_decoder", "query_encoder", "is_record",
            "INT64"]
 
-#: Integers on the wire are 64-bit signed, as in most JSON readers that are not Python.
+#: Integers on the wire are 64-bit signed, what readers in other languages (and C) can hold.
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 Decoder = Callable[[Any, str], Any]  # (json value, where) -> value

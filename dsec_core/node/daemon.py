@@ -36,7 +36,11 @@ log = logging.getLogger("dsec.daemon")
 
 
 class _Listener(uvicorn.Server):
-    """A TCP listener run inside the unix server's lifespan; that server owns the signals."""
+    """A TCP listener run inside the unix server's lifespan; that server owns the signals.
+
+    uvicorn (0.29 on) installs its SIGINT/SIGTERM handlers in ``capture_signals``; a second
+    server doing so would take them from the first, so listeners install none and stop when
+    the lifespan ends."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
