@@ -10,6 +10,7 @@ import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import InvalidSpec
 from .records import parse_size
@@ -54,10 +55,16 @@ class NodeConfig:
     trace_reads: bool = False
     # Fetch the chunks a profiled layer's sandboxes read first as soon as it is mounted
     prefetch_hot: bool = True
+    # Network listeners besides the unix socket (``http://127.0.0.1:8400``, ``https://...``);
+    # every request on them must carry ``api_token``, and https needs ``tls_cert``/``tls_key``.
+    listen: tuple[str, ...] = ()
+    api_token: str | None = field(default=None, repr=False)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
-        kw = {}
+        kw: dict[str, Any] = {}
         if "DSEC_CPU_OVERCOMMIT" in os.environ:
             kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
         if "DSEC_MEMORY_OVERCOMMIT" in os.environ:
@@ -78,6 +85,15 @@ class NodeConfig:
         if os.environ.get("DSEC_LAYER_SOURCES"):
             kw["layer_sources"] = tuple(u.strip() for u in
                                         os.environ["DSEC_LAYER_SOURCES"].split(",") if u.strip())
+        if os.environ.get("DSEC_LISTEN"):
+            kw["listen"] = tuple(a.strip() for a in os.environ["DSEC_LISTEN"].split(",")
+                                 if a.strip())
+        if os.environ.get("DSEC_API_TOKEN"):
+            kw["api_token"] = os.environ["DSEC_API_TOKEN"]
+        if os.environ.get("DSEC_TLS_CERT"):
+            kw["tls_cert"] = Path(os.environ["DSEC_TLS_CERT"])
+        if os.environ.get("DSEC_TLS_KEY"):
+            kw["tls_key"] = Path(os.environ["DSEC_TLS_KEY"])
         return cls(**kw)
 
     # --- capacity -------------------------------------------------------------------------

@@ -37,6 +37,7 @@ __all__ = [
     "SessionClosed",
     "MountError",
     "NodeUnavailable",
+    "AuthenticationFailed",
     "ToolError",
     "error_from_wire",
 ]
@@ -251,6 +252,12 @@ class NodeUnavailable(DsecError):
     """The node daemon cannot be reached or started."""
 
     http_status = 503
+
+
+class AuthenticationFailed(DsecError):
+    """A request to the node's network API carried no bearer token, or the wrong one."""
+
+    http_status = 401
 
 
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:

@@ -4,36 +4,66 @@ One daemon per ``DSEC_HOME``, guarded by a lock on its pid file (``NodeConfig.pi
 Sandboxes outlive the daemon: stopping it leaves them running, and the next daemon re-adopts
 them. This module only runs ``python -m dsec_core.node.daemon`` and talks to it over its
 socket, so the SDK can start the embedded single-node default without importing the node.
+``listen_addresses`` checks the daemon's network listeners before one is started.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .api.transport import UnixTransport
+from .api.routes import ROUTES
+from .api.transport import Address, HTTPTransport
 from .config import NodeConfig
-from .errors import NodeUnavailable
+from .errors import InvalidSpec, NodeUnavailable
 
-__all__ = ["ensure_daemon", "daemon_pid", "stop_daemon", "ping", "DAEMON_MODULE"]
+__all__ = ["ensure_daemon", "daemon_pid", "stop_daemon", "ping", "listen_addresses",
+           "DAEMON_MODULE"]
 
 #: What ``ensure_daemon`` runs (``python -m ...``): the node daemon's entry point.
 DAEMON_MODULE = "dsec_core.node.daemon"
 
 
+def listen_addresses(config: NodeConfig) -> tuple[Address, ...]:
+    """The TCP addresses the daemon is to listen on, checked: each needs the API token, and
+    https ones a certificate and key. ``InvalidSpec`` says what is missing."""
+    addresses = tuple(Address.parse(text) for text in config.listen)
+    for a in addresses:
+        if not a.tcp:
+            raise InvalidSpec(f"DSEC_LISTEN: {a} is not a network address (the unix socket is "
+                              "always served)", address=str(a))
+        if not config.api_token:
+            raise InvalidSpec(f"refusing to listen on {a} without an API token: set "
+                              "DSEC_API_TOKEN (clients send it as DSEC_TOKEN)", address=str(a))
+        if a.scheme == "https" and not (config.tls_cert and config.tls_key):
+            raise InvalidSpec(f"listening on {a} needs DSEC_TLS_CERT and DSEC_TLS_KEY",
+                              address=str(a))
+    if any(a.scheme == "https" for a in addresses):
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                os.fspath(config.tls_cert or ""), os.fspath(config.tls_key or ""))
+        except (OSError, ssl.SSLError) as e:
+            raise InvalidSpec(f"cannot load DSEC_TLS_CERT {config.tls_cert} with DSEC_TLS_KEY "
+                              f"{config.tls_key}: {e}") from e
+    return addresses
+
+
 def ping(config: NodeConfig, timeout: float = 2.0) -> dict | None:
-    """The daemon's ``/v1/node`` answer, or None if no daemon answers on the socket."""
+    """The daemon's ``node_info`` answer, or None if no daemon answers on the socket.
+
+    Read as plain JSON, not as a typed ``NodeStatus``, so any daemon version answers."""
     if not config.socket_path.exists():
         return None
-    transport = UnixTransport(os.fspath(config.socket_path))
+    transport = HTTPTransport(Address("unix", path=os.fspath(config.socket_path)))
     try:
-        r = transport.request("GET", "/v1/node", timeout=timeout)
+        route = ROUTES["node_info"]
+        r = transport.request(route.method, route.path, timeout=timeout)
         return r.json() if r.status_code == 200 else None
     except (OSError, ValueError):
         return None
@@ -66,6 +96,7 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
     info = ping(config)
     if info:
         return info
+    listen_addresses(config)  # a misconfigured listener fails here, not in the daemon's log
     if os.geteuid() != 0:
         raise NodeUnavailable(f"no node daemon at {config.socket_path}, and starting one needs "
                               "root (mounts, cgroups, runc); run `sudo dsec node start`")

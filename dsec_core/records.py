@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 LAYER_KINDS = ("base", "workspace", "toolkit")
+#: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
+MAX_PIDS = 1 << 22
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -121,8 +123,8 @@ class Limits(_Record):
             raise InvalidSpec(f"cpu must be in (0, 1024] cores, got {self.cpu}", field="cpu")
         if int(self.memory) < (8 << 20):
             raise InvalidSpec(f"memory must be at least 8M, got {self.memory}", field="memory")
-        if int(self.pids) < 8:
-            raise InvalidSpec(f"pids must be at least 8, got {self.pids}", field="pids")
+        if not 8 <= int(self.pids) <= MAX_PIDS:
+            raise InvalidSpec(f"pids must be in [8, {MAX_PIDS}], got {self.pids}", field="pids")
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,10 @@ class SandboxSpec(_Record):
                 "policies must map policy names to settings objects", field="policies"
             )
         object.__setattr__(self, "policies", {k: dict(v) for k, v in self.policies.items()})
+        for key, value in self.env.items():  # what runc would refuse, refused here as input
+            if not key or "=" in key or "\0" in key or "\0" in str(value):
+                raise InvalidSpec(f"bad environment variable {key!r}: a name is not empty and "
+                                  "has no '=' or NUL, a value has no NUL", field="env")
         if not isinstance(self.network, str) or not self.network:
             raise InvalidSpec(
                 f"network must be a mode name such as 'none', got {self.network!r}", field="network"

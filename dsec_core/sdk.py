@@ -1,21 +1,25 @@
 """The SDK: ``Client`` (sync) and ``AsyncClient`` (asyncio) with the same methods.
 
-Every call is described once as a ``_Call`` (HTTP method, path, body, how to read the answer);
-the two clients only differ in how they send it. ``Client()`` with no address talks to the local
-node daemon and starts it if none runs (the embedded single-node default).
+Every method is a line or two over the route table (``dsec_core.api.routes``): it names its
+route and hands over the route's messages; the two clients only differ in how they send them.
+``Client()`` with no address talks to ``DSEC_ADDRESS`` (with ``DSEC_TOKEN``) if set, else to
+the local node daemon on its unix socket, starting it if none runs (the embedded single-node
+default).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-from .api.transport import (AsyncUnixTransport, Response, TransportError, TransportTimeout,
-                            UnixTransport)
+from .api.messages import (DEFAULT_MAX_OUTPUT, CreateRequest, ExecRequest, FileQuery,
+                           PrefetchRequest, ReadQuery, RemoveQuery, SessionExecRequest,
+                           SessionOpenRequest, WriteQuery)
+from .api.routes import ROUTES, Route
+from .api.transport import (Address, AsyncHTTPTransport, HTTPTransport, Response,
+                            TransportError, TransportTimeout)
 from .config import NodeConfig
 from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
 from .localnode import ensure_daemon
@@ -24,19 +28,7 @@ from .records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec,
 __all__ = ["Client", "AsyncClient", "Sandbox", "AsyncSandbox", "Session", "AsyncSession"]
 
 CHUNK = 8 << 20  # file transfers move in pieces of this size
-DEFAULT_MAX_OUTPUT = 1 << 20
-
-
-@dataclass(frozen=True)
-class _Call:
-    method: str
-    path: str
-    json: Any = None
-    content: bytes | None = None
-    params: Mapping[str, Any] | None = None
-    timeout: float | None = 60.0
-    parse: Callable[[Response], Any] = lambda r: r.json()
-    exec_timeout: float | None = None  # a client-side read timeout here means ExecTimeout
+EXEC_GRACE = 30.0  # past an exec's own timeout, how long a client waits for the node's answer
 
 
 def _spec(spec: SandboxSpec | None, kw: dict[str, Any]) -> SandboxSpec:
@@ -47,121 +39,6 @@ def _spec(spec: SandboxSpec | None, kw: dict[str, Any]) -> SandboxSpec:
     return spec
 
 
-def _exec_body(cmd: str | Sequence[str], timeout: float | None, cwd: str | None,
-               env: Mapping[str, str] | None, stdin: bytes | str | None,
-               max_output: int) -> dict[str, Any]:
-    if isinstance(stdin, str):
-        stdin = stdin.encode()
-    if not isinstance(cmd, str):
-        cmd = list(cmd)
-    return {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": dict(env) if env else None,
-            "stdin": base64.b64encode(stdin).decode() if stdin is not None else None,
-            "max_output": max_output}
-
-
-def _http_timeout(timeout: float | None) -> float | None:
-    return None if timeout is None else timeout + 30.0
-
-
-class _Calls:
-    """Builds the ``_Call`` of every API operation; shared by both clients."""
-
-    @staticmethod
-    def node() -> _Call:
-        return _Call("GET", "/v1/node")
-
-    @staticmethod
-    def create(spec: SandboxSpec, count: int = 1) -> _Call:
-        def parse(r: Response) -> tuple[list[SandboxInfo], list[DsecError]]:
-            data = r.json()
-            return ([SandboxInfo.from_dict(d) for d in data["sandboxes"]],
-                    [error_from_wire(e) for e in data.get("errors", [])])
-        return _Call("POST", "/v1/sandboxes", json={"spec": spec.to_dict(), "count": count},
-                     timeout=300.0, parse=parse)
-
-    @staticmethod
-    def list() -> _Call:
-        return _Call("GET", "/v1/sandboxes", parse=lambda r: [
-            SandboxInfo.from_dict(d) for d in r.json()["sandboxes"]])
-
-    @staticmethod
-    def get(sid: str) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}", parse=lambda r: SandboxInfo.from_dict(r.json()))
-
-    @staticmethod
-    def kill(sid: str) -> _Call:
-        return _Call("DELETE", f"/v1/sandboxes/{sid}", parse=lambda r: None)
-
-    @staticmethod
-    def usage(sid: str) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}/usage",
-                     parse=lambda r: SandboxUsage.from_dict(r.json()))
-
-    @staticmethod
-    def exec(sid: str, body: dict[str, Any]) -> _Call:
-        return _Call("POST", f"/v1/sandboxes/{sid}/exec", json=body,
-                     timeout=_http_timeout(body["timeout"]), exec_timeout=body["timeout"],
-                     parse=lambda r: ExecResult.from_dict(r.json()))
-
-    @staticmethod
-    def session_open(sid: str, cwd: str | None, env: Mapping[str, str] | None) -> _Call:
-        return _Call("POST", f"/v1/sandboxes/{sid}/sessions",
-                     json={"cwd": cwd, "env": dict(env) if env else None},
-                     parse=lambda r: r.json()["session"])
-
-    @staticmethod
-    def sessions(sid: str) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}/sessions", parse=lambda r: r.json()["sessions"])
-
-    @staticmethod
-    def session_exec(sid: str, ses: str, body: dict[str, Any]) -> _Call:
-        return _Call("POST", f"/v1/sandboxes/{sid}/sessions/{ses}/exec", json=body,
-                     timeout=_http_timeout(body["timeout"]), exec_timeout=body["timeout"],
-                     parse=lambda r: ExecResult.from_dict(r.json()))
-
-    @staticmethod
-    def session_close(sid: str, ses: str) -> _Call:
-        return _Call("DELETE", f"/v1/sandboxes/{sid}/sessions/{ses}", parse=lambda r: None)
-
-    @staticmethod
-    def read(sid: str, path: str, offset: int = 0, length: int = -1) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}/file",
-                     params={"path": path, "offset": offset, "length": length},
-                     parse=lambda r: r.content)
-
-    @staticmethod
-    def write(sid: str, path: str, data: bytes, mode: int, offset: int, truncate: bool) -> _Call:
-        return _Call("PUT", f"/v1/sandboxes/{sid}/file", content=data,
-                     params={"path": path, "mode": f"{mode:o}", "offset": offset,
-                             "truncate": "1" if truncate else "0"}, parse=lambda r: None)
-
-    @staticmethod
-    def remove(sid: str, path: str, recursive: bool) -> _Call:
-        return _Call("DELETE", f"/v1/sandboxes/{sid}/file",
-                     params={"path": path, "recursive": "1" if recursive else "0"},
-                     parse=lambda r: None)
-
-    @staticmethod
-    def list_dir(sid: str, path: str) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}/ls", params={"path": path},
-                     parse=lambda r: [FileEntry.from_dict(e) for e in r.json()["entries"]])
-
-    @staticmethod
-    def stat(sid: str, path: str) -> _Call:
-        return _Call("GET", f"/v1/sandboxes/{sid}/stat", params={"path": path},
-                     parse=lambda r: FileEntry.from_dict(r.json()))
-
-    @staticmethod
-    def prefetch(refs: Sequence[str]) -> _Call:
-        return _Call("POST", "/v1/layers/prefetch", json={"refs": list(refs)}, timeout=None,
-                     parse=lambda r: r.json()["layers"])
-
-    @staticmethod
-    def layers() -> _Call:
-        return _Call("GET", "/v1/layers",
-                     parse=lambda r: [LayerInfo.from_dict(d) for d in r.json()["layers"]])
-
-
 def _write_chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
     if not data:
         yield 0, b""
@@ -169,43 +46,69 @@ def _write_chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
         yield off, data[off:off + CHUNK]
 
 
-def _check_response(call: _Call, r: Response) -> Any:
-    if r.status_code >= 400:
+def _resolve(address: str | os.PathLike[str] | None, token: str | None,
+             autostart: bool) -> tuple[Address, str | None]:
+    """Where to connect and with which token: the address given, else ``DSEC_ADDRESS`` (and
+    ``DSEC_TOKEN``), else the local node's unix socket (started if ``autostart``)."""
+    if address is None and os.environ.get("DSEC_ADDRESS"):
+        address = os.environ["DSEC_ADDRESS"]
+        if token is None:  # the token goes with the address it was set for, never elsewhere
+            token = os.environ.get("DSEC_TOKEN") or None
+    if address is not None:
+        return Address.parse(address), token
+    config = NodeConfig.from_env()
+    if autostart:
+        ensure_daemon(config)
+    return Address("unix", path=os.fspath(config.socket_path)), token
+
+
+def _timeout(route: Route, body: Any) -> float | None:
+    """How long to wait for the answer: the route's default, or an exec's own timeout plus a
+    grace period for the node to kill the command and answer."""
+    if route.exec_timeout:
+        return None if body.timeout is None else body.timeout + EXEC_GRACE
+    return route.timeout
+
+
+def _answer(route: Route, r: Response) -> Any:
+    """The typed answer of a response, or the typed error the node sent."""
+    if r.status_code >= 300:
         try:
             payload = r.json()["error"]
+            payload["type"]
         except (ValueError, KeyError, TypeError):
-            raise DsecError(f"node daemon answered {r.status_code} to {call.method} {call.path}: "
+            raise DsecError(f"the node answered {r.status_code} to {route.method} {route.path}: "
                             f"{r.text[:500]}") from None
         raise error_from_wire(payload)
-    return call.parse(r)
+    try:
+        return route.decode_response(r.content)
+    except InvalidSpec as e:
+        raise DsecError(f"the node's answer to {route.method} {route.path} does not fit the "
+                        f"API: {e}") from e
 
 
-def _transport_error(call: _Call, e: TransportError, address: str) -> DsecError:
-    if isinstance(e, TransportTimeout) and call.exec_timeout is not None:
-        return ExecTimeout(f"no answer from the node within {call.exec_timeout}s + grace",
-                           timeout=call.exec_timeout)
-    return NodeUnavailable(f"node daemon at {address}: {type(e).__name__}: {e}", address=address)
-
-
-def _resolve_address(address: str | None, autostart: bool) -> str:
-    if address is None:
-        config = NodeConfig.from_env()
-        if autostart:
-            ensure_daemon(config)
-        return os.fspath(config.socket_path)
-    if address.startswith("unix://"):
-        return address[len("unix://"):]
-    if "://" in address:
-        raise InvalidSpec(f"unsupported address {address!r}: only unix sockets for now")
-    return address
+def _transport_error(route: Route, body: Any, e: TransportError, address: str) -> DsecError:
+    if isinstance(e, TransportTimeout) and route.exec_timeout:
+        return ExecTimeout(f"no answer from the node within {body.timeout}s + {EXEC_GRACE}s",
+                           timeout=body.timeout)
+    return NodeUnavailable(f"node at {address}: {type(e).__name__}: {e}", address=address)
 
 
 class Client:
-    """Synchronous client of a dsec node. ``Client()`` uses (and starts) the local node."""
+    """Synchronous client of a dsec node.
 
-    def __init__(self, address: str | None = None, *, autostart: bool = True) -> None:
-        self.address = _resolve_address(address, autostart)
-        self._http = UnixTransport(self.address)
+    ``address`` is ``unix:///path`` (or a path), ``http://host:port`` or ``https://host:port``;
+    ``token`` is the node's API token (TCP only); ``verify`` checks the node's TLS certificate
+    against the system's CAs (True), a CA file (a path), or not at all (False). ``Client()``
+    uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed).
+    """
+
+    def __init__(self, address: str | os.PathLike[str] | None = None, *,
+                 token: str | None = None, verify: bool | str | os.PathLike[str] = True,
+                 autostart: bool = True) -> None:
+        where, token = _resolve(address, token, autostart)
+        self.address = str(where)
+        self._http = HTTPTransport(where, token=token, verify=verify)
 
     def __enter__(self) -> "Client":
         return self
@@ -216,77 +119,79 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, call: _Call) -> Any:
+    def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
+        route = ROUTES[name]
         try:
-            r = self._http.request(call.method, call.path, json=call.json, content=call.content,
-                                   params=call.params, timeout=call.timeout)
+            r = self._http.request(route.method, route.target(params, query),
+                                   body=route.encode_body(body), content_type=route.body_type,
+                                   timeout=_timeout(route, body))
         except TransportError as e:
-            raise _transport_error(call, e, self.address) from e
-        return _check_response(call, r)
+            raise _transport_error(route, body, e, self.address) from e
+        return _answer(route, r)
 
     # --- node and sandboxes ---------------------------------------------------------------
     def node_info(self) -> dict[str, Any]:
-        return self._call(_Calls.node())
+        return self._call("node_info").to_dict()
 
     def create(self, spec: SandboxSpec | None = None, **kw: Any) -> "Sandbox":
-        infos, errors = self._call(_Calls.create(_spec(spec, kw)))
-        return Sandbox(self, infos[0])
+        return Sandbox(self, self._call("create", CreateRequest(_spec(spec, kw))).sandboxes[0])
 
     def create_many(self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> list["Sandbox"]:
         """Create ``n`` sandboxes concurrently; all or nothing (the created are killed on error)."""
-        infos, errors = self._call(_Calls.create(_spec(spec, kw), n))
-        if errors:
-            for info in infos:
+        made = self._call("create", CreateRequest(_spec(spec, kw), n))
+        if made.errors:
+            for info in made.sandboxes:
                 self.kill(info.id)
-            raise errors[0]
-        return [Sandbox(self, i) for i in infos]
+            raise error_from_wire(made.errors[0].to_dict())
+        return [Sandbox(self, i) for i in made.sandboxes]
 
     def get(self, sandbox_id: str) -> "Sandbox":
-        return Sandbox(self, self._call(_Calls.get(sandbox_id)))
+        return Sandbox(self, self._call("get", sid=sandbox_id))
 
     def list(self) -> list[SandboxInfo]:
-        return self._call(_Calls.list())
+        return list(self._call("list").sandboxes)
 
     def kill(self, sandbox_id: str) -> None:
-        self._call(_Calls.kill(sandbox_id))
+        self._call("kill", sid=sandbox_id)
 
     def usage(self, sandbox_id: str) -> SandboxUsage:
-        return self._call(_Calls.usage(sandbox_id))
+        return self._call("usage", sid=sandbox_id)
 
     def layers(self) -> list[LayerInfo]:
-        return self._call(_Calls.layers())
+        return list(self._call("layers").layers)
 
     def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
-        return self._call(_Calls.prefetch(refs))
+        return [row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers]
 
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = 300.0,
              cwd: str | None = None, env: Mapping[str, str] | None = None,
              stdin: bytes | str | None = None, max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        return self._call(_Calls.exec(sandbox_id, _exec_body(cmd, timeout, cwd, env, stdin,
-                                                             max_output)))
+        body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
+        return self._call("exec", body, sid=sandbox_id)
 
     def session_open(self, sandbox_id: str, *, cwd: str | None = None,
                      env: Mapping[str, str] | None = None) -> "Session":
-        return Session(self, sandbox_id, self._call(_Calls.session_open(sandbox_id, cwd, env)))
+        opened = self._call("session_open", SessionOpenRequest(cwd, env), sid=sandbox_id)
+        return Session(self, sandbox_id, opened.session)
 
     def sessions(self, sandbox_id: str) -> list[str]:
-        return self._call(_Calls.sessions(sandbox_id))
+        return list(self._call("sessions", sid=sandbox_id).sessions)
 
     def session_exec(self, sandbox_id: str, session_id: str, cmd: str, *,
                      timeout: float | None = 300.0, stdin: bytes | str | None = None,
                      max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        body = _exec_body(cmd, timeout, None, None, stdin, max_output)
-        return self._call(_Calls.session_exec(sandbox_id, session_id, body))
+        body = SessionExecRequest(cmd, timeout, stdin, max_output)  # type: ignore[arg-type]
+        return self._call("session_exec", body, sid=sandbox_id, ses=session_id)
 
     def session_close(self, sandbox_id: str, session_id: str) -> None:
-        self._call(_Calls.session_close(sandbox_id, session_id))
+        self._call("session_close", sid=sandbox_id, ses=session_id)
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
         out = bytearray()
         while True:
-            piece = self._call(_Calls.read(sandbox_id, path, len(out), CHUNK))
+            piece = self._call("read_file", query=ReadQuery(path, len(out), CHUNK), sid=sandbox_id)
             out += piece
             if len(piece) < CHUNK:
                 return bytes(out)
@@ -295,7 +200,8 @@ class Client:
                    mode: int = 0o644) -> None:
         data = data.encode() if isinstance(data, str) else data
         for off, piece in _write_chunks(data):
-            self._call(_Calls.write(sandbox_id, path, piece, mode, off, truncate=off == 0))
+            self._call("write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0),
+                       sid=sandbox_id)
 
     def upload(self, sandbox_id: str, local: str | os.PathLike, remote: str, *,
                mode: int | None = None) -> None:
@@ -307,21 +213,24 @@ class Client:
         Path(local).write_bytes(self.read_file(sandbox_id, remote))
 
     def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
-        return self._call(_Calls.list_dir(sandbox_id, path))
+        return list(self._call("list_dir", query=FileQuery(path), sid=sandbox_id).entries)
 
     def stat(self, sandbox_id: str, path: str) -> FileEntry:
-        return self._call(_Calls.stat(sandbox_id, path))
+        return self._call("stat", query=FileQuery(path), sid=sandbox_id)
 
     def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        self._call(_Calls.remove(sandbox_id, path, recursive))
+        self._call("remove", query=RemoveQuery(path, recursive), sid=sandbox_id)
 
 
 class AsyncClient:
     """Asyncio client of a dsec node; the same methods as ``Client``, awaited."""
 
-    def __init__(self, address: str | None = None, *, autostart: bool = True) -> None:
-        self.address = _resolve_address(address, autostart)
-        self._http = AsyncUnixTransport(self.address)
+    def __init__(self, address: str | os.PathLike[str] | None = None, *,
+                 token: str | None = None, verify: bool | str | os.PathLike[str] = True,
+                 autostart: bool = True) -> None:
+        where, token = _resolve(address, token, autostart)
+        self.address = str(where)
+        self._http = AsyncHTTPTransport(where, token=token, verify=verify)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -332,76 +241,81 @@ class AsyncClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, call: _Call) -> Any:
+    async def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
+        route = ROUTES[name]
         try:
-            r = await self._http.request(call.method, call.path, json=call.json,
-                                         content=call.content, params=call.params,
-                                         timeout=call.timeout)
+            r = await self._http.request(route.method, route.target(params, query),
+                                         body=route.encode_body(body),
+                                         content_type=route.body_type,
+                                         timeout=_timeout(route, body))
         except TransportError as e:
-            raise _transport_error(call, e, self.address) from e
-        return _check_response(call, r)
+            raise _transport_error(route, body, e, self.address) from e
+        return _answer(route, r)
 
     async def node_info(self) -> dict[str, Any]:
-        return await self._call(_Calls.node())
+        return (await self._call("node_info")).to_dict()
 
     async def create(self, spec: SandboxSpec | None = None, **kw: Any) -> "AsyncSandbox":
-        infos, _ = await self._call(_Calls.create(_spec(spec, kw)))
-        return AsyncSandbox(self, infos[0])
+        made = await self._call("create", CreateRequest(_spec(spec, kw)))
+        return AsyncSandbox(self, made.sandboxes[0])
 
     async def create_many(self, spec: SandboxSpec | None = None, n: int = 1,
                           **kw: Any) -> list["AsyncSandbox"]:
-        infos, errors = await self._call(_Calls.create(_spec(spec, kw), n))
-        if errors:
-            await asyncio.gather(*(self.kill(i.id) for i in infos), return_exceptions=True)
-            raise errors[0]
-        return [AsyncSandbox(self, i) for i in infos]
+        made = await self._call("create", CreateRequest(_spec(spec, kw), n))
+        if made.errors:
+            await asyncio.gather(*(self.kill(i.id) for i in made.sandboxes),
+                                 return_exceptions=True)
+            raise error_from_wire(made.errors[0].to_dict())
+        return [AsyncSandbox(self, i) for i in made.sandboxes]
 
     async def get(self, sandbox_id: str) -> "AsyncSandbox":
-        return AsyncSandbox(self, await self._call(_Calls.get(sandbox_id)))
+        return AsyncSandbox(self, await self._call("get", sid=sandbox_id))
 
     async def list(self) -> list[SandboxInfo]:
-        return await self._call(_Calls.list())
+        return list((await self._call("list")).sandboxes)
 
     async def kill(self, sandbox_id: str) -> None:
-        await self._call(_Calls.kill(sandbox_id))
+        await self._call("kill", sid=sandbox_id)
 
     async def usage(self, sandbox_id: str) -> SandboxUsage:
-        return await self._call(_Calls.usage(sandbox_id))
+        return await self._call("usage", sid=sandbox_id)
 
     async def layers(self) -> list[LayerInfo]:
-        return await self._call(_Calls.layers())
+        return list((await self._call("layers")).layers)
 
     async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
-        return await self._call(_Calls.prefetch(refs))
+        made = await self._call("prefetch", PrefetchRequest(tuple(refs)))
+        return [row.to_dict() for row in made.layers]
 
     async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *,
                    timeout: float | None = 300.0, cwd: str | None = None,
                    env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
                    max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        return await self._call(_Calls.exec(sandbox_id, _exec_body(cmd, timeout, cwd, env, stdin,
-                                                                   max_output)))
+        body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
+        return await self._call("exec", body, sid=sandbox_id)
 
     async def session_open(self, sandbox_id: str, *, cwd: str | None = None,
                            env: Mapping[str, str] | None = None) -> "AsyncSession":
-        return AsyncSession(self, sandbox_id,
-                            await self._call(_Calls.session_open(sandbox_id, cwd, env)))
+        opened = await self._call("session_open", SessionOpenRequest(cwd, env), sid=sandbox_id)
+        return AsyncSession(self, sandbox_id, opened.session)
 
     async def sessions(self, sandbox_id: str) -> list[str]:
-        return await self._call(_Calls.sessions(sandbox_id))
+        return list((await self._call("sessions", sid=sandbox_id)).sessions)
 
     async def session_exec(self, sandbox_id: str, session_id: str, cmd: str, *,
                            timeout: float | None = 300.0, stdin: bytes | str | None = None,
                            max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        body = _exec_body(cmd, timeout, None, None, stdin, max_output)
-        return await self._call(_Calls.session_exec(sandbox_id, session_id, body))
+        body = SessionExecRequest(cmd, timeout, stdin, max_output)  # type: ignore[arg-type]
+        return await self._call("session_exec", body, sid=sandbox_id, ses=session_id)
 
     async def session_close(self, sandbox_id: str, session_id: str) -> None:
-        await self._call(_Calls.session_close(sandbox_id, session_id))
+        await self._call("session_close", sid=sandbox_id, ses=session_id)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         out = bytearray()
         while True:
-            piece = await self._call(_Calls.read(sandbox_id, path, len(out), CHUNK))
+            piece = await self._call("read_file", query=ReadQuery(path, len(out), CHUNK),
+                                     sid=sandbox_id)
             out += piece
             if len(piece) < CHUNK:
                 return bytes(out)
@@ -410,7 +324,8 @@ class AsyncClient:
                          mode: int = 0o644) -> None:
         data = data.encode() if isinstance(data, str) else data
         for off, piece in _write_chunks(data):
-            await self._call(_Calls.write(sandbox_id, path, piece, mode, off, truncate=off == 0))
+            await self._call("write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0),
+                             sid=sandbox_id)
 
     async def upload(self, sandbox_id: str, local: str | os.PathLike, remote: str, *,
                      mode: int | None = None) -> None:
@@ -424,13 +339,13 @@ class AsyncClient:
         await asyncio.to_thread(Path(local).write_bytes, data)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
-        return await self._call(_Calls.list_dir(sandbox_id, path))
+        return list((await self._call("list_dir", query=FileQuery(path), sid=sandbox_id)).entries)
 
     async def stat(self, sandbox_id: str, path: str) -> FileEntry:
-        return await self._call(_Calls.stat(sandbox_id, path))
+        return await self._call("stat", query=FileQuery(path), sid=sandbox_id)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        await self._call(_Calls.remove(sandbox_id, path, recursive))
+        await self._call("remove", query=RemoveQuery(path, recursive), sid=sandbox_id)
 
 
 # --- handles: a sandbox or session bound to its client -------------------------------------
@@ -472,7 +387,7 @@ class Sandbox(_Bound):
         return self.client.session_open(self.id, **kw)
 
     def refresh(self) -> SandboxInfo:
-        self.info = self.client._call(_Calls.get(self.id))
+        self.info = self.client._call("get", sid=self.id)
         return self.info
 
 
@@ -492,7 +407,7 @@ class AsyncSandbox(_Bound):
         return await self.client.session_open(self.id, **kw)
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self.client._call(_Calls.get(self.id))
+        self.info = await self.client._call("get", sid=self.id)
         return self.info
 
 

@@ -1,11 +1,17 @@
 """Fixtures shared by the suite's own tests (the node fixtures come from dsec_core.testing)."""
 
+import contextlib
 import os
+import secrets
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from dsec_core.config import NodeConfig
+from dsec_core.testing import KitNode, free_port, running_kit_node
 
 
 def built_catalog_home() -> Path:
@@ -25,3 +31,43 @@ def home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("DSEC_HOME", str(home))
     return home
+
+
+def make_self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A self-signed certificate for ``host`` (its own CA) and its key, made by openssl."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
+                    f"/CN={host}", "-addext", f"subjectAltName=IP:{host}",
+                    "-keyout", os.fspath(key), "-out", os.fspath(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@dataclass
+class NetworkNode:
+    """A kit node that also listens on loopback TCP: plain http and https, one token."""
+
+    node: KitNode
+    http: str
+    https: str
+    token: str
+    ca: Path
+
+
+@pytest.fixture(scope="session")
+def network_node(tmp_path_factory) -> Iterator[NetworkNode]:
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    cert, key = make_self_signed(tmp_path_factory.mktemp("tls"))
+    token = secrets.token_urlsafe(24)
+    http, https = f"http://127.0.0.1:{free_port()}", f"https://127.0.0.1:{free_port()}"
+    with contextlib.ExitStack() as stack:
+        # What the daemon reads as it starts; the rest of the session must not see it.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DSEC_LISTEN", f"{http},{https}")
+            mp.setenv("DSEC_API_TOKEN", token)
+            mp.setenv("DSEC_TLS_CERT", os.fspath(cert))
+            mp.setenv("DSEC_TLS_KEY", os.fspath(key))
+            node = stack.enter_context(running_kit_node("dsec-net-"))
+        yield NetworkNode(node, http, https, token, cert)

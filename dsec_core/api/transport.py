@@ -1,32 +1,104 @@
-"""A small HTTP/1.1 client over the node daemon's unix socket, sync and async, with keep-alive.
+"""A small HTTP/1.1 client for the node API, sync and async, over unix sockets and TCP (TLS for
+``https://``), with kept-alive pooled connections.
 
 A general client (httpx) spent as much CPU per request as the daemon serving it, and on a
 two-core node a create -> exec -> kill loop made that a fifth of the machine. This speaks just
-the HTTP the daemon answers: requests with a Content-Length body, responses with a
-Content-Length or chunked body.
+the HTTP the API needs: requests with a Content-Length body; responses with a Content-Length,
+chunked, or close-delimited body. Building a request and parsing a response are sans-IO
+(``request_head``, ``ResponseParser``) and shared, so the two twins differ only in how they
+wait: ``HTTPTransport.request`` and ``AsyncHTTPTransport.request`` read the same way, like
+httpx's: take a pooled connection or connect, send, receive, and once retry on a fresh
+connection if a kept-alive one turns out to be closed before any answer came.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
-from urllib.parse import quote, urlencode
+from urllib.parse import urlsplit
 
-__all__ = ["Response", "UnixTransport", "AsyncUnixTransport", "TransportError", "TransportTimeout"]
+from ..errors import InvalidSpec
+
+__all__ = ["Address", "Response", "ResponseParser", "HTTPTransport", "AsyncHTTPTransport",
+           "TransportError", "TransportTimeout", "ssl_context"]
 
 _MAX_HEAD = 64 << 10
+_READ = 256 << 10
 
 
 class TransportError(OSError):
-    """The daemon could not be reached, or the connection broke mid-request."""
+    """The node could not be reached, or the connection broke mid-request."""
 
 
 class TransportTimeout(TransportError):
     """No complete answer within the call's timeout."""
+
+
+class _Stale(TransportError):
+    """The connection was closed before any byte of an answer came back."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a node listens: ``unix:///path`` (or a bare path), ``http://host:port`` or
+    ``https://host:port``."""
+
+    scheme: str  # "unix" | "http" | "https"
+    host: str = ""
+    port: int = 0
+    path: str = ""  # the unix socket
+
+    @classmethod
+    def parse(cls, text: str | os.PathLike[str]) -> "Address":
+        text = os.fspath(text)
+        if text.startswith("unix://"):
+            text = text[len("unix://"):]
+        if "://" not in text:
+            if not text:
+                raise InvalidSpec("an empty address; expected unix:///path, http://host:port "
+                                  "or https://host:port", address=text)
+            return cls("unix", path=text)
+        url = urlsplit(text)
+        try:
+            port = url.port
+        except ValueError:
+            port = -1
+        if url.scheme not in ("http", "https") or not url.hostname or port == -1 or \
+                url.path not in ("", "/") or url.query or url.username:
+            raise InvalidSpec(f"bad address {text!r}: expected unix:///path, http://host:port "
+                              "or https://host:port", address=text)
+        return cls(url.scheme, url.hostname, port or (443 if url.scheme == "https" else 80))
+
+    @property
+    def tcp(self) -> bool:
+        return self.scheme != "unix"
+
+    def __str__(self) -> str:
+        if not self.tcp:
+            return f"unix://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def ssl_context(verify: bool | str | os.PathLike[str] = True) -> ssl.SSLContext:
+    """A client TLS context: the system's CAs (True), one CA file (a path), or none (False)."""
+    if verify is False:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    if verify is True:
+        return ssl.create_default_context()
+    try:
+        return ssl.create_default_context(cafile=os.fspath(verify))
+    except (OSError, ssl.SSLError) as e:
+        raise InvalidSpec(f"cannot load CA file {verify}: {e}", path=os.fspath(verify)) from e
 
 
 @dataclass(frozen=True)
@@ -34,6 +106,7 @@ class Response:
     status_code: int
     content: bytes
     headers: Mapping[str, str]
+    keep_alive: bool = True
 
     def json(self) -> Any:
         return json.loads(self.content)
@@ -43,235 +116,300 @@ class Response:
         return self.content.decode("utf-8", "replace")
 
 
-def _request_bytes(method: str, path: str, params: Mapping[str, Any] | None, body: bytes | None,
-                   content_type: str) -> bytes:
-    target = quote(path)
-    if params:
-        target += "?" + urlencode({k: v for k, v in params.items() if v is not None})
-    head = f"{method} {target} HTTP/1.1\r\nhost: dsec\r\n"
-    if body is not None:
-        head += f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
-    elif method in ("POST", "PUT"):
-        head += "content-length: 0\r\n"
-    return (head + "\r\n").encode() + (body or b"")
+# --- sans-IO: the bytes of a request, and a parser fed the bytes of a response ---------------
+
+def request_head(address: Address, token: str | None) -> bytes:
+    """The header lines every request to ``address`` carries (host, authorization)."""
+    host = "dsec" if not address.tcp else str(address).split("://", 1)[1]
+    head = f"host: {host}\r\n"
+    if token:
+        if any(c in token for c in "\r\n\0"):
+            raise InvalidSpec("an API token must not contain line breaks")
+        head += f"authorization: Bearer {token}\r\n"
+    return head.encode()
 
 
-def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    try:
-        status = int(lines[0].split(" ", 2)[1])
-    except (IndexError, ValueError):
-        raise TransportError(f"malformed status line from the daemon: {lines[0]!r}") from None
-    headers = {}
-    for line in lines[1:]:
-        if line:
+def request_bytes(method: str, target: str, head: bytes, body: bytes | None,
+                  content_type: str | None) -> bytes:
+    if body is None:
+        extra = b"content-length: 0\r\n" if method in ("POST", "PUT") else b""
+        return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (method.encode(), target.encode(), head, extra)
+    return b"%s %s HTTP/1.1\r\n%scontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
+        method.encode(), target.encode(), head, (content_type or "").encode(), len(body), body)
+
+
+class ResponseParser:
+    """Reads one HTTP/1.1 response from the bytes fed to it; knows nothing of sockets."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._mode = "head"  # head | length | chunk-size | chunk-data | trailer | close
+        self._need = 0
+        self._parts: list[bytes] = []
+        self._http10 = False
+        self.received = False  # any byte of an answer
+
+    def feed(self, data: bytes) -> Response | None:
+        """Add what the socket gave; the response once it is complete, else None."""
+        if data:
+            self.received = True
+            if self._mode == "head" and not self._buf:
+                # The common case, a whole small answer in one read: no buffer copies.
+                end = data.find(b"\r\n\r\n")
+                if end >= 0:
+                    self._head(data[:end])
+                    start = end + 4
+                    if self._mode == "length" and len(data) - start >= self._need:
+                        self._parts.append(data[start:start + self._need])
+                        return self._done()
+                    data = data[start:]
+            self._buf += data
+        return self._advance()
+
+    def _advance(self) -> Response | None:
+        while True:
+            mode = self._mode
+            if mode == "head":
+                end = self._buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(self._buf) > _MAX_HEAD:
+                        raise TransportError("response head too large")
+                    return None
+                self._head(bytes(self._buf[:end]))
+                del self._buf[:end + 4]
+            elif mode == "length":
+                if len(self._buf) < self._need:
+                    return None
+                self._parts.append(bytes(self._buf[:self._need]))
+                del self._buf[:self._need]
+                return self._done()
+            elif mode == "chunk-size":
+                end = self._buf.find(b"\r\n")
+                if end < 0:
+                    return None
+                try:
+                    size = int(bytes(self._buf[:end]).split(b";")[0], 16)
+                except ValueError:
+                    raise TransportError("malformed chunk size in the response") from None
+                del self._buf[:end + 2]
+                self._mode, self._need = ("trailer", 0) if size == 0 else ("chunk-data", size)
+            elif mode == "chunk-data":
+                if len(self._buf) < self._need + 2:
+                    return None
+                self._parts.append(bytes(self._buf[:self._need]))
+                del self._buf[:self._need + 2]
+                self._mode = "chunk-size"
+            elif mode == "trailer":
+                end = self._buf.find(b"\r\n")
+                if end < 0:
+                    return None
+                del self._buf[:end + 2]
+                if end == 0:
+                    return self._done()
+            else:  # "close": the body runs until the server closes the connection
+                self._parts.append(bytes(self._buf))
+                self._buf.clear()
+                return None
+
+    def eof(self) -> Response:
+        """The server closed the connection: the response if it ends there."""
+        if self._mode == "close":
+            return self._done(keep_alive=False)
+        if not self.received:
+            raise _Stale("the connection was closed without an answer")
+        raise TransportError("the node closed the connection mid-response")
+
+    def _head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        try:
+            version, code = lines[0].split(" ", 2)[:2]
+            self._status = int(code)
+        except ValueError:
+            raise TransportError(f"malformed status line: {lines[0][:100]!r}") from None
+        headers = {}
+        for line in lines[1:]:
             key, _, value = line.partition(":")
             headers[key.strip().lower()] = value.strip()
-    return status, headers
-
-
-def _encode(json_body: Any, content: bytes | None) -> tuple[bytes | None, str]:
-    if json_body is not None:
-        return json.dumps(json_body, separators=(",", ":")).encode(), "application/json"
-    return content, "application/octet-stream"
-
-
-class _SyncConn:
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self.sock.connect(path)
-        except OSError:
-            self.sock.close()
-            raise
-        self.buf = b""
-
-    def _fill(self) -> bool:
-        data = self.sock.recv(65536)
-        if not data:
-            return False
-        self.buf += data
-        return True
-
-    def _take(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            if not self._fill():
-                raise TransportError("the daemon closed the connection mid-response")
-        out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self.buf:
-            if not self._fill():
-                raise TransportError("the daemon closed the connection mid-response")
-        line, _, self.buf = self.buf.partition(b"\r\n")
-        return line
-
-    def roundtrip(self, data: bytes, timeout: float | None) -> Response | None:
-        """Send one request, read one response; None if the (reused) connection was closed
-        before any byte of an answer came back."""
-        self.sock.settimeout(timeout)
-        self.sock.sendall(data)
-        while b"\r\n\r\n" not in self.buf:
-            if not self._fill():
-                if not self.buf:
-                    return None
-                raise TransportError("the daemon closed the connection mid-response")
-            if len(self.buf) > _MAX_HEAD:
-                raise TransportError("response head too large")
-        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
-        status, headers = _parse_head(head)
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            parts = []
-            while True:
-                size = int(self._line().split(b";")[0], 16)
-                if size == 0:
-                    self._line()
-                    break
-                parts.append(self._take(size))
-                self._take(2)
-            body = b"".join(parts)
+        if 100 <= self._status < 200:  # an interim answer: the real one follows
+            return
+        self._headers = headers
+        self._http10 = version == "HTTP/1.0"
+        if self._status in (204, 304):
+            self._mode, self._need = "length", 0
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            self._mode = "chunk-size"
+        elif "content-length" in headers:
+            try:
+                self._mode, self._need = "length", int(headers["content-length"])
+            except ValueError:
+                raise TransportError("malformed content-length in the response") from None
         else:
-            body = self._take(int(headers.get("content-length", "0")))
-        return Response(status, body, headers)
+            self._mode = "close"
 
-    def close(self) -> None:
-        self.sock.close()
+    def _done(self, keep_alive: bool = True) -> Response:
+        conn = self._headers.get("connection", "").lower()
+        keep_alive = keep_alive and conn != "close" and (not self._http10 or conn == "keep-alive")
+        return Response(self._status, b"".join(self._parts), self._headers, keep_alive)
 
 
-class UnixTransport:
-    """Blocking requests to a unix-socket HTTP server; thread-safe, pooled connections."""
+# --- the blocking twin -------------------------------------------------------------------------
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._idle: list[_SyncConn] = []
+class HTTPTransport:
+    """Blocking requests to one node; thread-safe, with a pool of kept-alive connections."""
+
+    def __init__(self, address: Address | str, *, token: str | None = None,
+                 verify: bool | str | os.PathLike[str] = True) -> None:
+        self.address = address if isinstance(address, Address) else Address.parse(address)
+        self._head = request_head(self.address, token)
+        self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
+        self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
-                params: Mapping[str, Any] | None = None,
-                timeout: float | None = None) -> Response:
-        body, ctype = _encode(json, content)
-        data = _request_bytes(method, path, params, body, ctype)
-        for attempt in range(2):
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            fresh = conn is None
+    def request(self, method: str, target: str, *, body: bytes | None = None,
+                content_type: str | None = None, timeout: float | None = None) -> Response:
+        data = request_bytes(method, target, self._head, body, content_type)
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
             try:
-                if conn is None:
-                    conn = _SyncConn(self.path)
-                resp = conn.roundtrip(data, timeout)
-            except socket.timeout as e:
-                conn.close()
-                raise TransportTimeout(f"no answer within {timeout}s") from e
-            except OSError as e:
-                if conn is not None:
-                    conn.close()
-                if isinstance(e, TransportError) or fresh:
-                    raise TransportError(f"{self.path}: {e}") from e
-                continue  # a kept-alive connection went stale; try a fresh one
-            if resp is None:
-                conn.close()
-                if fresh:
-                    raise TransportError(f"{self.path}: connection closed without an answer")
-                continue
-            if resp.headers.get("connection", "").lower() == "close":
-                conn.close()
-            else:
-                with self._lock:
-                    self._idle.append(conn)
-            return resp
-        raise TransportError(f"{self.path}: connection closed without an answer")
+                return self._exchange(conn, data, timeout)
+            except _Stale:
+                self.close()  # the node closed its kept-alive connections (restart, idle)
+        return self._exchange(self._connect(timeout), data, timeout)
+
+    def _connect(self, timeout: float | None) -> socket.socket:
+        a = self.address
+        try:
+            if not a.tcp:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                try:
+                    sock.settimeout(timeout)
+                    sock.connect(a.path)
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock
+            sock = socket.create_connection((a.host, a.port), timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=a.host)
+            return sock
+        except TimeoutError as e:
+            raise TransportTimeout(f"{a}: no connection within {timeout}s") from e
+        except OSError as e:
+            raise TransportError(f"{a}: {e}") from e
+
+    def _exchange(self, sock: socket.socket, data: bytes, timeout: float | None) -> Response:
+        parser = ResponseParser()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(data)
+            response = None
+            while response is None:
+                chunk = sock.recv(_READ)
+                response = parser.feed(chunk) if chunk else parser.eof()
+        except TimeoutError as e:
+            sock.close()
+            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+        except TransportError:
+            sock.close()
+            raise
+        except OSError as e:
+            sock.close()
+            if not parser.received:  # reset or broken pipe before any answer: stale
+                raise _Stale(f"{self.address}: {e}") from e
+            raise TransportError(f"{self.address}: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
+        if response.keep_alive:
+            with self._lock:
+                self._idle.append(sock)
+        else:
+            sock.close()
+        return response
 
     def close(self) -> None:
         with self._lock:
-            for conn in self._idle:
-                conn.close()
-            self._idle.clear()
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
 
 
-class _AsyncConn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+# --- the asyncio twin --------------------------------------------------------------------------
 
-    async def roundtrip(self, data: bytes) -> Response | None:
-        self.writer.write(data)
-        await self.writer.drain()
+class AsyncHTTPTransport:
+    """The asyncio twin of ``HTTPTransport`` (one event loop at a time)."""
+
+    def __init__(self, address: Address | str, *, token: str | None = None,
+                 verify: bool | str | os.PathLike[str] = True) -> None:
+        self.address = address if isinstance(address, Address) else Address.parse(address)
+        self._head = request_head(self.address, token)
+        self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, method: str, target: str, *, body: bytes | None = None,
+                      content_type: str | None = None, timeout: float | None = None) -> Response:
+        data = request_bytes(method, target, self._head, body, content_type)
         try:
-            head = await self.reader.readuntil(b"\r\n\r\n")
-        except asyncio.IncompleteReadError as e:
-            if not e.partial:
-                return None
-            raise TransportError("the daemon closed the connection mid-response") from e
-        except asyncio.LimitOverrunError as e:
-            raise TransportError("response head too large") from e
-        status, headers = _parse_head(head[:-4])
+            async with asyncio.timeout(timeout):
+                conn = self._idle.pop() if self._idle else None
+                if conn is not None:
+                    try:
+                        return await self._exchange(conn, data)
+                    except _Stale:
+                        await self.aclose()  # the node closed its kept-alive connections
+                return await self._exchange(await self._connect(), data)
+        except TimeoutError as e:
+            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        a = self.address
         try:
-            if headers.get("transfer-encoding", "").lower() == "chunked":
-                parts = []
-                while True:
-                    size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-                    if size == 0:
-                        await self.reader.readuntil(b"\r\n")
-                        break
-                    parts.append(await self.reader.readexactly(size))
-                    await self.reader.readexactly(2)
-                body = b"".join(parts)
-            else:
-                body = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        except asyncio.IncompleteReadError as e:
-            raise TransportError("the daemon closed the connection mid-response") from e
-        return Response(status, body, headers)
+            if not a.tcp:
+                return await asyncio.open_unix_connection(a.path, limit=_READ)
+            return await asyncio.open_connection(
+                a.host, a.port, ssl=self._ssl, limit=_READ,
+                server_hostname=a.host if self._ssl is not None else None)
+        except TimeoutError:
+            raise
+        except OSError as e:
+            raise TransportError(f"{a}: {e}") from e
 
-    def close(self) -> None:
-        self.writer.close()
-
-
-class AsyncUnixTransport:
-    """The asyncio twin of ``UnixTransport``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._idle: list[_AsyncConn] = []
-
-    async def request(self, method: str, path: str, *, json: Any = None,
-                      content: bytes | None = None, params: Mapping[str, Any] | None = None,
-                      timeout: float | None = None) -> Response:
-        body, ctype = _encode(json, content)
-        data = _request_bytes(method, path, params, body, ctype)
-        for attempt in range(2):
-            conn = self._idle.pop() if self._idle else None
-            fresh = conn is None
-            try:
-                if conn is None:
-                    conn = _AsyncConn(*await asyncio.open_unix_connection(
-                        self.path, limit=_MAX_HEAD))
-                resp = await asyncio.wait_for(conn.roundtrip(data), timeout)
-            except asyncio.TimeoutError as e:
-                conn.close()
-                raise TransportTimeout(f"no answer within {timeout}s") from e
-            except asyncio.CancelledError:
-                if conn is not None:
-                    conn.close()
-                raise
-            except OSError as e:
-                if conn is not None:
-                    conn.close()
-                if isinstance(e, TransportError) or fresh:
-                    raise TransportError(f"{self.path}: {e}") from e
-                continue
-            if resp is None:
-                conn.close()
-                if fresh:
-                    raise TransportError(f"{self.path}: connection closed without an answer")
-                continue
-            if resp.headers.get("connection", "").lower() == "close":
-                conn.close()
-            else:
-                self._idle.append(conn)
-            return resp
-        raise TransportError(f"{self.path}: connection closed without an answer")
+    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                        data: bytes) -> Response:
+        reader, writer = conn
+        parser = ResponseParser()
+        try:
+            writer.write(data)
+            await writer.drain()
+            response = None
+            while response is None:
+                chunk = await reader.read(_READ)
+                response = parser.feed(chunk) if chunk else parser.eof()
+        except TransportError:
+            writer.close()
+            raise
+        except TimeoutError:
+            writer.close()
+            raise
+        except OSError as e:
+            writer.close()
+            if not parser.received:
+                raise _Stale(f"{self.address}: {e}") from e
+            raise TransportError(f"{self.address}: {e}") from e
+        except BaseException:  # cancelled: the connection is mid-exchange, not reusable
+            writer.close()
+            raise
+        if response.keep_alive:
+            self._idle.append(conn)
+        else:
+            writer.close()
+        return response
 
     async def aclose(self) -> None:
-        for conn in self._idle:
-            conn.close()
-        self._idle.clear()
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from .. import __version__
+from ..api.openapi import openapi_document
 from ..config import NodeConfig
 from ..demo import run_demo
 from ..errors import DsecError
@@ -236,6 +237,12 @@ def node_status(as_json) -> None:
                    f"{info['sandboxes']} sandboxes, backends {', '.join(info['backends'])}")
     if info is None:
         sys.exit(3)
+
+
+@node.command("openapi")
+def node_openapi() -> None:
+    """Print the node API's OpenAPI 3.1 document (JSON), e.g. for schemathesis."""
+    _dump(openapi_document())
 
 
 # --- demo ----------------------------------------------------------------------------------

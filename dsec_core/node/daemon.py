@@ -2,33 +2,73 @@
 
 Started and stopped by ``dsec_core.localnode`` (or ``dsec node start --foreground``). It holds
 the pid-file lock while it lives; sandboxes outlive it and the next daemon re-adopts them.
+
+The root-only unix socket is always served, without a token. ``DSEC_LISTEN`` adds TCP
+listeners (plain or TLS) for an apiserver or remote trainers; each is its own uvicorn server,
+behind the bearer token, started once the node is open and stopped before it closes, in the
+unix server's lifespan (which owns the signals).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
 import os
 import socket
 import sys
+from typing import Any, Iterator
 
 import uvicorn
 
+from ..api.transport import Address
 from ..config import NodeConfig
-from ..errors import NodeUnavailable
+from ..errors import DsecError, NodeUnavailable
 from ..linux.mounts import ensure_tmpfs
+from ..localnode import listen_addresses
 from .node import Node
-from .server import make_app
+from .server import make_app, require_token
 
 __all__ = ["serve"]
 
 log = logging.getLogger("dsec.daemon")
 
 
+class _Listener(uvicorn.Server):
+    """A TCP listener run inside the unix server's lifespan; that server owns the signals.
+
+    uvicorn (0.29 on) installs its SIGINT/SIGTERM handlers in ``capture_signals``; a second
+    server doing so would take them from the first, so listeners install none and stop when
+    the lifespan ends."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind_tcp(address: Address) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        return socket.create_server((address.host, address.port), family=family, backlog=4096)
+    except OSError as e:
+        raise NodeUnavailable(f"cannot listen on {address}: {e}", address=str(address)) from e
+
+
+def _listener(app: Any, address: Address, config: NodeConfig, options: dict[str, Any]) -> _Listener:
+    """The server of one TCP address: the app behind the token, with TLS for https."""
+    tls: dict[str, Any] = {}
+    if address.scheme == "https":  # listen_addresses checked that both load
+        tls = {"ssl_certfile": os.fspath(config.tls_cert or ""),
+               "ssl_keyfile": os.fspath(config.tls_key or "")}
+    return _Listener(uvicorn.Config(require_token(app, config.api_token or ""), lifespan="off",
+                                    proxy_headers=False, **tls, **options))
+
+
 def serve(config: NodeConfig | None = None) -> None:
     """Run the daemon in this process until SIGTERM/SIGINT."""
     config = config or NodeConfig.from_env()
+    addresses = listen_addresses(config)
     config.ensure_dirs()
     ensure_tmpfs(config.run_dir)
     logging.basicConfig(level=os.environ.get("DSEC_LOG_LEVEL", "INFO"),
@@ -40,6 +80,7 @@ def serve(config: NodeConfig | None = None) -> None:
         raise NodeUnavailable(f"a node daemon already runs for {config.home}") from None
     os.ftruncate(pid_fd, 0)
     os.pwrite(pid_fd, str(os.getpid()).encode(), 0)
+    tcp_socks = [_bind_tcp(a) for a in addresses]  # a port in use fails before anything else
 
     # Bind the socket ourselves so it is root-only from the first moment (uvicorn's own uds
     # handling makes it world-writable).
@@ -55,15 +96,20 @@ def serve(config: NodeConfig | None = None) -> None:
     sock.listen(4096)
 
     node = Node(config)
+    listeners: list[tuple[_Listener, socket.socket]] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await node.open()
-        log.info("dsec node daemon %d serving %s with %d adopted sandboxes", os.getpid(), path,
-                 len(node.sandboxes))
+        tasks = [asyncio.create_task(srv.serve(sockets=[s])) for srv, s in listeners]
+        log.info("dsec node daemon %d serving %s with %d adopted sandboxes", os.getpid(),
+                 ", ".join([os.fspath(path), *map(str, addresses)]), len(node.sandboxes))
         try:
             yield
         finally:
+            for srv, _ in listeners:
+                srv.should_exit = True
+            await asyncio.gather(*tasks, return_exceptions=True)
             await node.close(kill_all=False, release_runtime=False)
             log.info("node daemon stopped; %d sandboxes left running", len(node.sandboxes))
             # uvicorn re-raises the stop signal after shutdown, so this is our last word.
@@ -76,13 +122,17 @@ def serve(config: NodeConfig | None = None) -> None:
     app = make_app(node, lifespan=lifespan)
     loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
     http = "httptools" if _has("httptools") else "h11"
-    server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), loop=loop, http=http,
-                                           log_level="warning", access_log=False,
-                                           timeout_keep_alive=300, lifespan="on"))
+    options: dict[str, Any] = dict(loop=loop, http=http, log_level="warning",
+                                   access_log=False, timeout_keep_alive=300)
     try:
+        listeners.extend((_listener(app, a, config, options), s)
+                         for a, s in zip(addresses, tcp_socks, strict=True))
+        server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), lifespan="on", **options))
         server.run()
     finally:
         sock.close()
+        for s in tcp_socks:
+            s.close()
         os.close(pid_fd)
     if not server.started:
         sys.exit(1)
@@ -99,7 +149,7 @@ def _has(module: str) -> bool:
 if __name__ == "__main__":
     try:
         serve()
-    except NodeUnavailable as e:
+    except DsecError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

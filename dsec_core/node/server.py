@@ -1,203 +1,262 @@
-"""The node daemon's HTTP API (served on a unix socket): a thin JSON skin over ``Node``.
+"""The node daemon's HTTP API: the route table (``dsec_core.api.routes``) served over ``Node``.
 
+One generic endpoint per route decodes the path parameters, the typed query and the body (bad
+input is ``InvalidSpec``, 400), calls the route's handler below, and encodes the answer.
 Errors travel as ``{"error": {"type", "message", "context"}}`` with the error's HTTP status, so
-the client raises the same ``DsecError`` subclass the node raised.
+the client raises the same ``DsecError`` subclass the node raised. ``require_token`` guards the
+TCP listeners with a bearer token; the root-only unix socket needs none.
 """
 
 from __future__ import annotations
 
-import base64
+import hashlib
+import hmac
 import logging
 import os
 import traceback
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
+from starlette.routing import Route as StarletteRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..errors import DsecError, InvalidSpec
-from ..records import SandboxSpec
+from ..api.messages import (Closed, CreateResult, DirListing, ErrorBody, Killed, LayerList,
+                            NodeCapacity, NodeStatus, PrefetchedLayer, PrefetchResult, Removed,
+                            SandboxList, SessionList, SessionOpened, Written)
+from ..api.openapi import openapi_document
+from ..api.routes import JSON, ROUTES, Route, dump_json
+from ..errors import AdmissionRejected, AuthenticationFailed, DsecError, InvalidSpec, NotFound
 from .node import Node
 
-__all__ = ["make_app"]
+__all__ = ["make_app", "require_token", "error_response", "HANDLERS"]
 
 log = logging.getLogger("dsec.api")
 
 
-def _json(data: Any, status: int = 200) -> JSONResponse:
-    return JSONResponse(data, status_code=status)
+@dataclass(frozen=True)
+class Call:
+    """One decoded request: path parameters, the query message and the body."""
+
+    path: Mapping[str, str]
+    query: Any
+    body: Any
+
+    @property
+    def sid(self) -> str:
+        return self.path["sid"]
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        data = await request.json()
-    except ValueError as e:
-        raise InvalidSpec(f"request body is not JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise InvalidSpec("request body must be a JSON object")
-    return data
+Handler = Callable[[Node, Call], Awaitable[Any]]
+
+#: What each route does on the node, by route name; ``make_app`` checks that it covers the table.
+HANDLERS: dict[str, Handler] = {}
 
 
-def _exec_args(data: dict[str, Any]) -> dict[str, Any]:
-    stdin = data.get("stdin")
-    return {
-        "timeout": data.get("timeout"),
-        "stdin": base64.b64decode(stdin) if stdin is not None else None,
-        "max_output": int(data.get("max_output") or (1 << 20)),
-    }
+def _handles(name: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        HANDLERS[name] = fn
+        return fn
+
+    return register
 
 
-def _int_param(request: Request, name: str, default: int) -> int:
-    try:
-        return int(request.query_params.get(name, default))
-    except ValueError:
-        raise InvalidSpec(f"query parameter {name} must be an integer") from None
+@_handles("node_info")
+async def _node_info(node: Node, c: Call) -> NodeStatus:
+    cfg = node.config
+    return NodeStatus(
+        version=__version__, pid=os.getpid(), home=os.fspath(cfg.home),
+        sandboxes=len(node.sandboxes),
+        capacity=NodeCapacity(cpu=cfg.cpu_capacity, memory=cfg.memory_capacity,
+                              sandboxes=cfg.max_sandboxes),
+        backends=tuple(sorted(node.registry.backends)),
+        layer_sources=tuple(repr(s) for s in node.layer_sources))
 
 
-def _path_param(request: Request) -> str:
-    path = request.query_params.get("path")
-    if not path:
-        raise InvalidSpec("missing query parameter: path")
-    return path
+@_handles("openapi")
+async def _openapi(node: Node, c: Call) -> dict[str, Any]:
+    return openapi_document()
 
 
-def make_app(node: Node, lifespan=None) -> Starlette:
-    async def node_info(request: Request) -> Response:
-        return _json({
-            "version": __version__, "pid": os.getpid(), "home": os.fspath(node.config.home),
-            "sandboxes": len(node.sandboxes),
-            "capacity": {"cpu": node.config.cpu_capacity, "memory": node.config.memory_capacity,
-                         "sandboxes": node.config.max_sandboxes},
-            "backends": sorted(node.registry.backends),
-            "layer_sources": [repr(s) for s in node.layer_sources],
-        })
+@_handles("create")
+async def _create(node: Node, c: Call) -> CreateResult:
+    spec, count = c.body.spec, c.body.count
+    if count == 1:
+        return CreateResult(sandboxes=(await node.create(spec),))
+    if count > node.config.max_sandboxes:  # refused before any work, not once per slot
+        raise AdmissionRejected(f"count {count} is over the node's {node.config.max_sandboxes} "
+                                "sandboxes", reason="count")
+    results = await node.create_many_settled(spec, count)
+    return CreateResult(
+        sandboxes=tuple(r for r in results if not isinstance(r, DsecError)),
+        errors=tuple(ErrorBody(**r.to_wire()) for r in results if isinstance(r, DsecError)))
 
-    async def create(request: Request) -> Response:
-        data = await _body(request)
-        spec = SandboxSpec.from_dict(data.get("spec") or {})
-        count = int(data.get("count") or 1)
-        if count < 1:
-            raise InvalidSpec(f"count must be at least 1, got {count}")
-        if count == 1:
-            return _json({"sandboxes": [(await node.create(spec)).to_dict()]}, 201)
-        results = await node.create_many_settled(spec, count)
-        return _json({"sandboxes": [r.to_dict() for r in results if not isinstance(r, Exception)],
-                      "errors": [r.to_wire() for r in results if isinstance(r, DsecError)]}, 201)
 
-    async def list_sandboxes(request: Request) -> Response:
-        return _json({"sandboxes": [s.to_dict() for s in node.list()]})
+@_handles("list")
+async def _list(node: Node, c: Call) -> SandboxList:
+    return SandboxList(sandboxes=tuple(node.list()))
 
-    async def get_sandbox(request: Request) -> Response:
-        return _json(node.get(request.path_params["sid"]).to_dict())
 
-    async def kill(request: Request) -> Response:
-        await node.kill(request.path_params["sid"])
-        return _json({"killed": request.path_params["sid"]})
+@_handles("get")
+async def _get(node: Node, c: Call) -> Any:
+    return node.get(c.sid)
 
-    async def usage(request: Request) -> Response:
-        return _json(node.usage(request.path_params["sid"]).to_dict())
 
-    async def exec_(request: Request) -> Response:
-        data = await _body(request)
-        cmd = data.get("cmd")
-        if not cmd or not isinstance(cmd, (str, list)):
-            raise InvalidSpec("exec needs cmd: a string or a list of strings")
-        result = await node.exec(request.path_params["sid"], cmd, cwd=data.get("cwd"),
-                                 env=data.get("env"), **_exec_args(data))
-        return _json(result.to_dict())
+@_handles("kill")
+async def _kill(node: Node, c: Call) -> Killed:
+    await node.kill(c.sid)
+    return Killed(killed=c.sid)
 
-    async def session_open(request: Request) -> Response:
-        data = await _body(request)
-        ses = await node.session_open(request.path_params["sid"], cwd=data.get("cwd"),
-                                      env=data.get("env"))
-        return _json({"session": ses}, 201)
 
-    async def session_list(request: Request) -> Response:
-        return _json({"sessions": await node.sessions(request.path_params["sid"])})
+@_handles("usage")
+async def _usage(node: Node, c: Call) -> Any:
+    return node.usage(c.sid)
 
-    async def session_exec(request: Request) -> Response:
-        data = await _body(request)
-        cmd = data.get("cmd")
-        if not isinstance(cmd, str) or not cmd:
-            raise InvalidSpec("session exec needs cmd: a shell command string")
-        result = await node.session_exec(request.path_params["sid"],
-                                         request.path_params["ses"], cmd, **_exec_args(data))
-        return _json(result.to_dict())
 
-    async def session_close(request: Request) -> Response:
-        await node.session_close(request.path_params["sid"], request.path_params["ses"])
-        return _json({"closed": request.path_params["ses"]})
+@_handles("exec")
+async def _exec(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.exec(c.sid, b.cmd, timeout=b.timeout, cwd=b.cwd, env=b.env, stdin=b.stdin,
+                           max_output=b.max_output)
 
-    async def file_get(request: Request) -> Response:
-        data = await node.read_file(request.path_params["sid"], _path_param(request),
-                                    _int_param(request, "offset", 0),
-                                    _int_param(request, "length", -1))
-        return Response(data, media_type="application/octet-stream")
 
-    async def file_put(request: Request) -> Response:
-        body = await request.body()
-        await node.write_file(request.path_params["sid"], _path_param(request), body,
-                              mode=int(request.query_params.get("mode", "644"), 8),
-                              offset=_int_param(request, "offset", 0),
-                              truncate=request.query_params.get("truncate", "1") == "1")
-        return _json({"written": len(body)})
+@_handles("session_open")
+async def _session_open(node: Node, c: Call) -> SessionOpened:
+    return SessionOpened(session=await node.session_open(c.sid, cwd=c.body.cwd, env=c.body.env))
 
-    async def file_delete(request: Request) -> Response:
-        await node.remove(request.path_params["sid"], _path_param(request),
-                          recursive=request.query_params.get("recursive") == "1")
-        return _json({"removed": _path_param(request)})
 
-    async def list_dir(request: Request) -> Response:
-        entries = await node.list_dir(request.path_params["sid"], _path_param(request))
-        return _json({"entries": [e.to_dict() for e in entries]})
+@_handles("sessions")
+async def _sessions(node: Node, c: Call) -> SessionList:
+    return SessionList(sessions=tuple(await node.sessions(c.sid)))
 
-    async def stat(request: Request) -> Response:
-        return _json((await node.stat(request.path_params["sid"], _path_param(request))).to_dict())
 
-    async def prefetch(request: Request) -> Response:
-        data = await _body(request)
-        refs = data.get("refs")
-        if not isinstance(refs, list) or not refs:
-            raise InvalidSpec("prefetch needs refs: a list of name@version")
-        return _json({"layers": await node.prefetch(refs)})
+@_handles("session_exec")
+async def _session_exec(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.session_exec(c.sid, c.path["ses"], b.cmd, timeout=b.timeout,
+                                   stdin=b.stdin, max_output=b.max_output)
 
-    async def layers(request: Request) -> Response:
-        return _json({"layers": [i.to_dict() for s in node.layer_sources for i in s.list()]})
 
-    async def on_dsec_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, DsecError)
-        return _json({"error": exc.to_wire()}, exc.http_status)
+@_handles("session_close")
+async def _session_close(node: Node, c: Call) -> Closed:
+    await node.session_close(c.sid, c.path["ses"])
+    return Closed(closed=c.path["ses"])
+
+
+@_handles("read_file")
+async def _read_file(node: Node, c: Call) -> bytes:
+    q = c.query
+    return await node.read_file(c.sid, q.path, q.offset, q.length)
+
+
+@_handles("write_file")
+async def _write_file(node: Node, c: Call) -> Written:
+    q = c.query
+    await node.write_file(c.sid, q.path, c.body, mode=int(q.mode, 8), offset=q.offset,
+                          truncate=q.truncate)
+    return Written(written=len(c.body))
+
+
+@_handles("remove")
+async def _remove(node: Node, c: Call) -> Removed:
+    await node.remove(c.sid, c.query.path, recursive=c.query.recursive)
+    return Removed(removed=c.query.path)
+
+
+@_handles("list_dir")
+async def _list_dir(node: Node, c: Call) -> DirListing:
+    return DirListing(entries=tuple(await node.list_dir(c.sid, c.query.path)))
+
+
+@_handles("stat")
+async def _stat(node: Node, c: Call) -> Any:
+    return await node.stat(c.sid, c.query.path)
+
+
+@_handles("layers")
+async def _layers(node: Node, c: Call) -> LayerList:
+    return LayerList(layers=tuple(i for s in node.layer_sources for i in s.list()))
+
+
+@_handles("prefetch")
+async def _prefetch(node: Node, c: Call) -> PrefetchResult:
+    rows = await node.prefetch(c.body.refs)
+    return PrefetchResult(layers=tuple(PrefetchedLayer(**row) for row in rows))
+
+
+# --- the generic endpoint ----------------------------------------------------------------------
+
+def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(dump_json({"error": err.to_wire()}), err.http_status, headers=headers,
+                    media_type=JSON)
+
+
+def _endpoint(route: Route, handler: Handler, node: Node) -> Callable[[Request], Awaitable[Response]]:
+    status, media_type = route.status, route.response_type
+    takes_body = route.body is not None
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            call = Call(request.path_params, route.decode_query(request.query_params),
+                        route.decode_body(await request.body()) if takes_body else None)
+            answer = await handler(node, call)
+        except DsecError as e:
+            return error_response(e)
+        return Response(route.encode_response(answer), status, media_type=media_type)
+
+    return endpoint
+
+
+def make_app(node: Node, lifespan: Any = None) -> Starlette:
+    """The ASGI app of every route in the table, over ``node``."""
+    if set(HANDLERS) != set(ROUTES):
+        raise RuntimeError(f"routes without a handler: {sorted(set(ROUTES) - set(HANDLERS))}; "
+                           f"handlers without a route: {sorted(set(HANDLERS) - set(ROUTES))}")
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own answers (no such path, wrong method) in the API's error shape.
+        assert isinstance(exc, HTTPException)
+        err = NotFound(f"no route {request.method} {request.url.path}") \
+            if exc.status_code == 404 else DsecError(f"{request.method} {request.url.path}: "
+                                                     f"{exc.detail}")
+        return Response(dump_json({"error": err.to_wire()}), exc.status_code, media_type=JSON,
+                        headers=exc.headers)
 
     async def on_other_error(request: Request, exc: Exception) -> Response:
         log.error("internal error on %s %s\n%s", request.method, request.url.path,
                   "".join(traceback.format_exception(exc)))
-        return _json({"error": {"type": "DsecError", "message":
-                                f"internal error in the node daemon: {type(exc).__name__}: {exc}",
-                                "context": {}}}, 500)
+        err = DsecError(f"internal error in the node daemon: {type(exc).__name__}: {exc}")
+        return Response(dump_json({"error": err.to_wire()}), 500, media_type=JSON)
 
-    sb = "/v1/sandboxes/{sid}"
-    routes = [
-        Route("/v1/node", node_info),
-        Route("/v1/sandboxes", create, methods=["POST"]),
-        Route("/v1/sandboxes", list_sandboxes, methods=["GET"]),
-        Route(sb, get_sandbox, methods=["GET"]),
-        Route(sb, kill, methods=["DELETE"]),
-        Route(sb + "/usage", usage),
-        Route(sb + "/exec", exec_, methods=["POST"]),
-        Route(sb + "/sessions", session_open, methods=["POST"]),
-        Route(sb + "/sessions", session_list, methods=["GET"]),
-        Route(sb + "/sessions/{ses}/exec", session_exec, methods=["POST"]),
-        Route(sb + "/sessions/{ses}", session_close, methods=["DELETE"]),
-        Route(sb + "/file", file_get, methods=["GET"]),
-        Route(sb + "/file", file_put, methods=["PUT"]),
-        Route(sb + "/file", file_delete, methods=["DELETE"]),
-        Route(sb + "/ls", list_dir),
-        Route(sb + "/stat", stat),
-        Route("/v1/layers", layers),
-        Route("/v1/layers/prefetch", prefetch, methods=["POST"]),
-    ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={DsecError: on_dsec_error, Exception: on_other_error})
+    routes = [StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
+              for r in ROUTES.values()]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: on_http_error, Exception: on_other_error})
+    app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
+    return app
+
+
+def require_token(app: ASGIApp, token: str) -> ASGIApp:
+    """``app`` behind a bearer token: any HTTP request without ``Authorization: Bearer
+    <token>`` gets a 401 ``AuthenticationFailed``. Compared as SHA-256 digests in constant time,
+    so neither the token nor its length leaks through timing."""
+    if not token:
+        raise InvalidSpec("a TCP listener needs a non-empty API token")
+    expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            if given is None or not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
+                why = "no bearer token" if given is None else "a wrong bearer token"
+                err = AuthenticationFailed(f"the request carried {why}; send Authorization: "
+                                           "Bearer <token> (DSEC_TOKEN)")
+                await error_response(err, {"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded

@@ -1,0 +1,190 @@
+"""The one route table of the node API: the daemon serves it, the SDK calls it, and the OpenAPI
+document (``dsec node openapi``) describes it.
+
+Each ``Route`` names the ``Node``/SDK method it maps to, its HTTP method and path template, and
+the types of its query parameters, body and answer: a message or record (JSON), ``RAW`` bytes
+(``application/octet-stream``), or ``dict`` (any JSON object). The per-route encoders and
+decoders are built from those types on first use and kept, so a request costs no reflection.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+from urllib.parse import quote, urlencode
+
+from ..errors import InvalidSpec
+from .messages import (Closed, CreateRequest, CreateResult, DirListing, ExecRequest, ExecResult,
+                       FileEntry, FileQuery, Killed, LayerList, NodeStatus, PrefetchRequest,
+                       PrefetchResult, ReadQuery, RemoveQuery, Removed, SandboxInfo, SandboxList,
+                       SandboxUsage, SessionExecRequest, SessionList, SessionOpened,
+                       SessionOpenRequest, WriteQuery, Written)
+from .shapes import decoder, encoder, query_decoder, query_encoder
+
+__all__ = ["Route", "ROUTES", "RAW", "JSON", "OCTETS", "dump_json"]
+
+#: A body or answer of raw bytes (``application/octet-stream``).
+RAW = bytes
+JSON = "application/json"
+OCTETS = "application/octet-stream"
+
+
+def dump_json(value: Any) -> bytes:
+    """Compact JSON; NaN and infinities are refused (they are not JSON)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Route:
+    """One operation of the API."""
+
+    name: str  # the SDK and Node method it maps to
+    method: str
+    path: str  # a template: /v1/sandboxes/{sid}/exec
+    summary: str
+    response: Any  # a message or record class, RAW, or dict
+    body: Any = None  # a message class, RAW, or None
+    query: type | None = None  # a message of scalar fields, one query parameter each
+    status: int = 200
+    timeout: float | None = 60.0  # how long a client waits for the answer by default
+    #: The body's ``timeout`` bounds the call instead: a client waits that long plus a grace
+    #: period, and running out of it means the command timed out (``ExecTimeout``).
+    exec_timeout: bool = False
+    params: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(re.findall(r"{(\w+)}", self.path)))
+
+    @property
+    def body_type(self) -> str | None:
+        """The request's content type, or None if it has no body."""
+        return None if self.body is None else OCTETS if self.body is RAW else JSON
+
+    @property
+    def response_type(self) -> str:
+        return OCTETS if self.response is RAW else JSON
+
+    # --- the client's side ----------------------------------------------------------------
+    def target(self, params: Mapping[str, str], query: Any = None) -> str:
+        """The request target: the path with ``params`` filled in, and the query string."""
+        path = self.path
+        if self.params:
+            path = path.format_map({k: quote(params[k], safe="") for k in self.params})
+        if query is not None:
+            path += "?" + urlencode(self._encode_query(query), quote_via=quote)
+        return path
+
+    def encode_body(self, body: Any) -> bytes | None:
+        if self.body is None:
+            return None
+        if self.body is RAW:
+            return bytes(body)
+        return dump_json(self._encode_body(body))
+
+    def decode_response(self, content: bytes) -> Any:
+        """The answer of a 2xx response, typed; ``InvalidSpec`` if it does not fit."""
+        return self._decode_response(content)
+
+    # --- the server's side ----------------------------------------------------------------
+    def decode_query(self, params: Mapping[str, str]) -> Any:
+        if self.query is None:
+            if params:
+                raise _no_query(self)
+            return None
+        return self._decode_query(params)
+
+    def decode_body(self, content: bytes) -> Any:
+        return self._decode_body(content)
+
+    def encode_response(self, value: Any) -> bytes:
+        return self._encode_response(value)
+
+    # --- built once per route -------------------------------------------------------------
+    @functools.cached_property
+    def _encode_query(self) -> Callable[[Any], list[tuple[str, str]]]:
+        assert self.query is not None, f"route {self.name} takes no query parameters"
+        return query_encoder(self.query)
+
+    @functools.cached_property
+    def _decode_query(self) -> Callable[[Mapping[str, str]], Any]:
+        assert self.query is not None
+        return query_decoder(self.query)
+
+    @functools.cached_property
+    def _encode_body(self) -> Callable[[Any], Any]:
+        return encoder(self.body) or _same
+
+    @functools.cached_property
+    def _decode_body(self) -> Callable[[bytes], Any]:
+        if self.body is None:
+            return lambda content: None
+        if self.body is RAW:
+            return bytes
+        decode = decoder(self.body, strict=True)
+        where = self.body.__name__
+        return lambda content: decode(_load_json(content or b"{}", where), where)
+
+    @functools.cached_property
+    def _encode_response(self) -> Callable[[Any], bytes]:
+        if self.response is RAW:
+            return bytes
+        encode = encoder(self.response) or _same
+        return lambda value: dump_json(encode(value))
+
+    @functools.cached_property
+    def _decode_response(self) -> Callable[[bytes], Any]:
+        if self.response is RAW:
+            return bytes
+        decode = decoder(self.response, strict=False)
+        where = getattr(self.response, "__name__", "answer")
+        return lambda content: decode(_load_json(content, where), where)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _load_json(content: bytes, where: str) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise InvalidSpec(f"{where}: the body is not JSON: {e}") from None
+
+
+def _no_query(route: Route) -> InvalidSpec:
+    return InvalidSpec(f"{route.method} {route.path} takes no query parameters")
+
+
+_SB = "/v1/sandboxes/{sid}"
+
+ROUTES: dict[str, Route] = {r.name: r for r in (
+    Route("node_info", "GET", "/v1/node", "What the node daemon is and holds", NodeStatus),
+    Route("openapi", "GET", "/v1/openapi.json", "This API as an OpenAPI 3.1 document", dict),
+    Route("create", "POST", "/v1/sandboxes", "Create one or more sandboxes from a spec",
+          CreateResult, body=CreateRequest, status=201, timeout=300.0),
+    Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
+    Route("get", "GET", _SB, "One sandbox", SandboxInfo),
+    Route("kill", "DELETE", _SB, "Kill a sandbox and remove everything it left", Killed),
+    Route("usage", "GET", _SB + "/usage", "What a sandbox uses now", SandboxUsage),
+    Route("exec", "POST", _SB + "/exec", "Run a command in a sandbox", ExecResult,
+          body=ExecRequest, exec_timeout=True),
+    Route("session_open", "POST", _SB + "/sessions", "Start a persistent shell", SessionOpened,
+          body=SessionOpenRequest, status=201),
+    Route("sessions", "GET", _SB + "/sessions", "The sandbox's live sessions", SessionList),
+    Route("session_exec", "POST", _SB + "/sessions/{ses}/exec", "Run a command in a session",
+          ExecResult, body=SessionExecRequest, exec_timeout=True),
+    Route("session_close", "DELETE", _SB + "/sessions/{ses}", "Close a session", Closed),
+    Route("read_file", "GET", _SB + "/file", "Read (part of) a file", RAW, query=ReadQuery),
+    Route("write_file", "PUT", _SB + "/file", "Write (part of) a file", Written, body=RAW,
+          query=WriteQuery),
+    Route("remove", "DELETE", _SB + "/file", "Remove a file or a tree", Removed,
+          query=RemoveQuery),
+    Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
+    Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),
+    Route("layers", "GET", "/v1/layers", "Every layer of the node's layer sources", LayerList),
+    Route("prefetch", "POST", "/v1/layers/prefetch", "Warm layers on the node", PrefetchResult,
+          body=PrefetchRequest, timeout=None),
+)}
