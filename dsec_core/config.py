@@ -61,6 +61,8 @@ class NodeConfig:
     api_token: str | None = field(default=None, repr=False)
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # The daemon's log rotates at this size (three old files are kept beside it)
+    log_max_bytes: int = 10 << 20
 
     @classmethod
     def from_env(cls) -> "NodeConfig":
@@ -94,6 +96,8 @@ class NodeConfig:
             kw["tls_cert"] = Path(os.environ["DSEC_TLS_CERT"])
         if os.environ.get("DSEC_TLS_KEY"):
             kw["tls_key"] = Path(os.environ["DSEC_TLS_KEY"])
+        if os.environ.get("DSEC_LOG_MAX"):
+            kw["log_max_bytes"] = parse_size(os.environ["DSEC_LOG_MAX"], "DSEC_LOG_MAX")
         return cls(**kw)
 
     # --- capacity -------------------------------------------------------------------------
@@ -155,7 +159,13 @@ class NodeConfig:
 
     @property
     def log_path(self) -> Path:
+        """The daemon's log, rotated at ``log_max_bytes`` (``dsecd.log.1`` .. ``.3``)."""
         return self.home / "dsecd.log"
+
+    @property
+    def stderr_path(self) -> Path:
+        """What the daemon printed outside its log (a crash); started afresh on each start."""
+        return self.home / "dsecd.stderr"
 
     @property
     def bin_dir(self) -> Path:

@@ -106,7 +106,9 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
         info = ping(config)
         if info:
             return info
-        logf = open(config.log_path, "ab")
+        # The daemon logs to its rotated log file itself; what it prints before its logging
+        # is set up (or as it crashes) lands here, and each start begins it afresh.
+        logf = open(config.stderr_path, "wb")
         env = dict(os.environ, DSEC_HOME=os.fspath(config.home))
         proc = subprocess.Popen([sys.executable, "-m", DAEMON_MODULE],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
@@ -122,11 +124,11 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
                 if info:
                     return info
                 raise NodeUnavailable(f"the node daemon exited with {proc.returncode} while "
-                                      f"starting:\n{_log_tail(config.log_path)}",
+                                      f"starting:\n{_log_tail(config)}",
                                       log=os.fspath(config.log_path))
             time.sleep(0.05)
         raise NodeUnavailable(f"the node daemon did not answer within {timeout}s; see "
-                              f"{config.log_path}:\n{_log_tail(config.log_path)}")
+                              f"{config.log_path}:\n{_log_tail(config)}")
 
 
 def stop_daemon(config: NodeConfig | None = None, timeout: float = 30.0) -> int | None:
@@ -144,8 +146,12 @@ def stop_daemon(config: NodeConfig | None = None, timeout: float = 30.0) -> int 
     raise NodeUnavailable(f"daemon {pid} did not stop within {timeout}s")
 
 
-def _log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def _log_tail(config: NodeConfig, lines: int = 20) -> str:
+    """The last lines of the daemon's log, then of what it printed outside it (a traceback)."""
+    out = []
+    for path in (config.log_path, config.stderr_path):
+        try:
+            out += path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            pass
+    return "\n".join(out)

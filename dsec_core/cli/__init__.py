@@ -209,7 +209,7 @@ def node_start(foreground) -> None:
         # to every other command's start-up.
         from ..node.daemon import serve
 
-        serve()
+        serve(foreground=True)
         return
     info = ensure_daemon()
     click.echo(f"node daemon {info['pid']} serving {NodeConfig.from_env().socket_path} "

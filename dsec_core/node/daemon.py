@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import logging.handlers
 import os
 import socket
 import sys
@@ -65,14 +66,34 @@ def _listener(app: Any, address: Address, config: NodeConfig, options: dict[str,
                                     proxy_headers=False, **tls, **options))
 
 
-def serve(config: NodeConfig | None = None) -> None:
-    """Run the daemon in this process until SIGTERM/SIGINT."""
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+LOG_BACKUPS = 3  # dsecd.log.1 .. .3 beside the live file
+
+
+def log_to_file(config: NodeConfig) -> logging.Handler:
+    """Send every log record of this process to ``config.log_path``, rotated at
+    ``config.log_max_bytes`` with ``LOG_BACKUPS`` old files kept, so a long-lived daemon's log
+    never grows without bound. Returns the handler (to remove it again)."""
+    handler = logging.handlers.RotatingFileHandler(
+        config.log_path, maxBytes=config.log_max_bytes, backupCount=LOG_BACKUPS
+    )
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None:
+    """Run the daemon in this process until SIGTERM/SIGINT. Logs go to the rotated log file,
+    or with ``foreground`` to stderr."""
     config = config or NodeConfig.from_env()
     addresses = listen_addresses(config)
     config.ensure_dirs()
     ensure_tmpfs(config.run_dir)
-    logging.basicConfig(level=os.environ.get("DSEC_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+    if foreground:
+        logging.basicConfig(format=LOG_FORMAT)
+    else:
+        log_to_file(config)
     pid_fd = os.open(config.pid_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(pid_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -122,7 +143,8 @@ def serve(config: NodeConfig | None = None) -> None:
     app = make_app(node, lifespan=lifespan)
     loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
     http = "httptools" if _has("httptools") else "h11"
-    options: dict[str, Any] = dict(loop=loop, http=http, log_level="warning",
+    # log_config=None: uvicorn's records go to our (rotated) handlers, not to its own stderr
+    options: dict[str, Any] = dict(loop=loop, http=http, log_level="warning", log_config=None,
                                    access_log=False, timeout_keep_alive=300)
     try:
         listeners.extend((_listener(app, a, config, options), s)
