@@ -65,7 +65,7 @@ class NodeConfig:
     log_max_bytes: int = 10 << 20
 
     @classmethod
-    def from_env(cls) -> "NodeConfig":
+    def from_env(cls) -> NodeConfig:
         kw: dict[str, Any] = {}
         if "DSEC_CPU_OVERCOMMIT" in os.environ:
             kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
@@ -80,16 +80,17 @@ class NodeConfig:
         if "DSEC_PREFETCH_HOT" in os.environ:
             kw["prefetch_hot"] = os.environ["DSEC_PREFETCH_HOT"] not in ("0", "false", "no", "")
         if "DSEC_CHUNK_CACHE" in os.environ:
-            kw["chunk_cache_bytes"] = parse_size(os.environ["DSEC_CHUNK_CACHE"],
-                                                 "DSEC_CHUNK_CACHE")
+            kw["chunk_cache_bytes"] = parse_size(os.environ["DSEC_CHUNK_CACHE"], "DSEC_CHUNK_CACHE")
         if "DSEC_FETCH_TIMEOUT" in os.environ:
             kw["fetch_timeout"] = float(os.environ["DSEC_FETCH_TIMEOUT"])
         if os.environ.get("DSEC_LAYER_SOURCES"):
-            kw["layer_sources"] = tuple(u.strip() for u in
-                                        os.environ["DSEC_LAYER_SOURCES"].split(",") if u.strip())
+            kw["layer_sources"] = tuple(
+                u.strip() for u in os.environ["DSEC_LAYER_SOURCES"].split(",") if u.strip()
+            )
         if os.environ.get("DSEC_LISTEN"):
-            kw["listen"] = tuple(a.strip() for a in os.environ["DSEC_LISTEN"].split(",")
-                                 if a.strip())
+            kw["listen"] = tuple(
+                a.strip() for a in os.environ["DSEC_LISTEN"].split(",") if a.strip()
+            )
         if os.environ.get("DSEC_API_TOKEN"):
             kw["api_token"] = os.environ["DSEC_API_TOKEN"]
         if os.environ.get("DSEC_TLS_CERT"):
@@ -173,19 +174,34 @@ class NodeConfig:
         return self.home / "bin"
 
     def ensure_dirs(self) -> None:
-        for d in (self.layer_dir, self.catalog_dir, self.mount_dir, self.sandbox_dir, self.run_dir,
-                  self.bin_dir, self.runtime_dir):
+        for d in (
+            self.layer_dir,
+            self.catalog_dir,
+            self.mount_dir,
+            self.sandbox_dir,
+            self.run_dir,
+            self.bin_dir,
+            self.runtime_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         # Root in a sandbox is an unprivileged host uid; runc, inside the sandbox's user
         # namespace, must still traverse to the sandbox's rootfs and to the agent binary.
-        for d in (self.home, self.sandbox_dir, self.mount_dir, self.bin_dir, self.run_dir,
-                  self.runtime_dir):
+        for d in (
+            self.home,
+            self.sandbox_dir,
+            self.mount_dir,
+            self.bin_dir,
+            self.run_dir,
+            self.runtime_dir,
+        ):
             if d.stat().st_mode & 0o111 != 0o111:
                 os.chmod(d, d.stat().st_mode | 0o111)
         for d in self.home.resolve().parents:
             if d.stat().st_mode & 0o001 == 0:
-                raise InvalidSpec(f"DSEC_HOME {self.home} is inside {d}, which others cannot "
-                                  "enter (mode {:o}); a sandbox's root is an unprivileged uid "
-                                  "and must reach its root filesystem there. Use another "
-                                  "DSEC_HOME or chmod o+x it.".format(d.stat().st_mode & 0o777),
-                                  path=str(d))
+                raise InvalidSpec(
+                    f"DSEC_HOME {self.home} is inside {d}, which others cannot "
+                    "enter (mode {:o}); a sandbox's root is an unprivileged uid "
+                    "and must reach its root filesystem there. Use another "
+                    "DSEC_HOME or chmod o+x it.".format(d.stat().st_mode & 0o777),
+                    path=str(d),
+                )

@@ -16,15 +16,20 @@ import ssl
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from .api.routes import ROUTES
 from .api.transport import Address, HTTPTransport
 from .config import NodeConfig
 from .errors import InvalidSpec, NodeUnavailable
 
-__all__ = ["ensure_daemon", "daemon_pid", "stop_daemon", "ping", "listen_addresses",
-           "DAEMON_MODULE"]
+__all__ = [
+    "DAEMON_MODULE",
+    "daemon_pid",
+    "ensure_daemon",
+    "listen_addresses",
+    "ping",
+    "stop_daemon",
+]
 
 #: What ``ensure_daemon`` runs (``python -m ...``): the node daemon's entry point.
 DAEMON_MODULE = "dsec_core.node.daemon"
@@ -36,21 +41,30 @@ def listen_addresses(config: NodeConfig) -> tuple[Address, ...]:
     addresses = tuple(Address.parse(text) for text in config.listen)
     for a in addresses:
         if not a.tcp:
-            raise InvalidSpec(f"DSEC_LISTEN: {a} is not a network address (the unix socket is "
-                              "always served)", address=str(a))
+            raise InvalidSpec(
+                f"DSEC_LISTEN: {a} is not a network address (the unix socket is always served)",
+                address=str(a),
+            )
         if not config.api_token:
-            raise InvalidSpec(f"refusing to listen on {a} without an API token: set "
-                              "DSEC_API_TOKEN (clients send it as DSEC_TOKEN)", address=str(a))
+            raise InvalidSpec(
+                f"refusing to listen on {a} without an API token: set "
+                "DSEC_API_TOKEN (clients send it as DSEC_TOKEN)",
+                address=str(a),
+            )
         if a.scheme == "https" and not (config.tls_cert and config.tls_key):
-            raise InvalidSpec(f"listening on {a} needs DSEC_TLS_CERT and DSEC_TLS_KEY",
-                              address=str(a))
+            raise InvalidSpec(
+                f"listening on {a} needs DSEC_TLS_CERT and DSEC_TLS_KEY", address=str(a)
+            )
     if any(a.scheme == "https" for a in addresses):
         try:
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                os.fspath(config.tls_cert or ""), os.fspath(config.tls_key or ""))
+                os.fspath(config.tls_cert or ""), os.fspath(config.tls_key or "")
+            )
         except (OSError, ssl.SSLError) as e:
-            raise InvalidSpec(f"cannot load DSEC_TLS_CERT {config.tls_cert} with DSEC_TLS_KEY "
-                              f"{config.tls_key}: {e}") from e
+            raise InvalidSpec(
+                f"cannot load DSEC_TLS_CERT {config.tls_cert} with DSEC_TLS_KEY "
+                f"{config.tls_key}: {e}"
+            ) from e
     return addresses
 
 
@@ -98,8 +112,10 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
         return info
     listen_addresses(config)  # a misconfigured listener fails here, not in the daemon's log
     if os.geteuid() != 0:
-        raise NodeUnavailable(f"no node daemon at {config.socket_path}, and starting one needs "
-                              "root (mounts, cgroups, runc); run `sudo dsec node start`")
+        raise NodeUnavailable(
+            f"no node daemon at {config.socket_path}, and starting one needs "
+            "root (mounts, cgroups, runc); run `sudo dsec node start`"
+        )
     config.ensure_dirs()
     with open(config.home / ".start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one starter at a time
@@ -110,9 +126,15 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
         # is set up (or as it crashes) lands here, and each start begins it afresh.
         logf = open(config.stderr_path, "wb")
         env = dict(os.environ, DSEC_HOME=os.fspath(config.home))
-        proc = subprocess.Popen([sys.executable, "-m", DAEMON_MODULE],
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, env=env, close_fds=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", DAEMON_MODULE],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            env=env,
+            close_fds=True,
+        )
         logf.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -123,12 +145,16 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
                 info = ping(config, timeout=1.0)  # lost a race to another starter?
                 if info:
                     return info
-                raise NodeUnavailable(f"the node daemon exited with {proc.returncode} while "
-                                      f"starting:\n{_log_tail(config)}",
-                                      log=os.fspath(config.log_path))
+                raise NodeUnavailable(
+                    f"the node daemon exited with {proc.returncode} while "
+                    f"starting:\n{_log_tail(config)}",
+                    log=os.fspath(config.log_path),
+                )
             time.sleep(0.05)
-        raise NodeUnavailable(f"the node daemon did not answer within {timeout}s; see "
-                              f"{config.log_path}:\n{_log_tail(config)}")
+        raise NodeUnavailable(
+            f"the node daemon did not answer within {timeout}s; see "
+            f"{config.log_path}:\n{_log_tail(config)}"
+        )
 
 
 def stop_daemon(config: NodeConfig | None = None, timeout: float = 30.0) -> int | None:

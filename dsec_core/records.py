@@ -176,8 +176,11 @@ class SandboxSpec(_Record):
         object.__setattr__(self, "policies", {k: dict(v) for k, v in self.policies.items()})
         for key, value in self.env.items():  # what runc would refuse, refused here as input
             if not key or "=" in key or "\0" in key or "\0" in str(value):
-                raise InvalidSpec(f"bad environment variable {key!r}: a name is not empty and "
-                                  "has no '=' or NUL, a value has no NUL", field="env")
+                raise InvalidSpec(
+                    f"bad environment variable {key!r}: a name is not empty and "
+                    "has no '=' or NUL, a value has no NUL",
+                    field="env",
+                )
         if not isinstance(self.network, str) or not self.network:
             raise InvalidSpec(
                 f"network must be a mode name such as 'none', got {self.network!r}", field="network"

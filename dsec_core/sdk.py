@@ -10,22 +10,39 @@ default).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
-from .api.messages import (DEFAULT_MAX_OUTPUT, CreateRequest, ExecRequest, FileQuery,
-                           PrefetchRequest, ReadQuery, RemoveQuery, SessionExecRequest,
-                           SessionOpenRequest, WriteQuery)
+from .api.messages import (
+    DEFAULT_MAX_OUTPUT,
+    CreateRequest,
+    ExecRequest,
+    FileQuery,
+    PrefetchRequest,
+    ReadQuery,
+    RemoveQuery,
+    SessionExecRequest,
+    SessionOpenRequest,
+    WriteQuery,
+)
 from .api.routes import ROUTES, Route
-from .api.transport import (Address, AsyncHTTPTransport, HTTPTransport, Response,
-                            TransportError, TransportTimeout)
+from .api.transport import (
+    Address,
+    AsyncHTTPTransport,
+    HTTPTransport,
+    Response,
+    TransportError,
+    TransportTimeout,
+)
 from .config import NodeConfig
 from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
 from .localnode import ensure_daemon
 from .records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec, SandboxUsage
 
-__all__ = ["Client", "AsyncClient", "Sandbox", "AsyncSandbox", "Session", "AsyncSession"]
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "Sandbox", "Session"]
 
 CHUNK = 8 << 20  # file transfers move in pieces of this size
 EXEC_GRACE = 30.0  # past an exec's own timeout, how long a client waits for the node's answer
@@ -43,11 +60,12 @@ def _write_chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
     if not data:
         yield 0, b""
     for off in range(0, len(data), CHUNK):
-        yield off, data[off:off + CHUNK]
+        yield off, data[off : off + CHUNK]
 
 
-def _resolve(address: str | os.PathLike[str] | None, token: str | None,
-             autostart: bool) -> tuple[Address, str | None]:
+def _resolve(
+    address: str | os.PathLike[str] | None, token: str | None, autostart: bool
+) -> tuple[Address, str | None]:
     """Where to connect and with which token: the address given, else ``DSEC_ADDRESS`` (and
     ``DSEC_TOKEN``), else the local node's unix socket (started if ``autostart``)."""
     if address is None and os.environ.get("DSEC_ADDRESS"):
@@ -77,20 +95,23 @@ def _answer(route: Route, r: Response) -> Any:
             payload = r.json()["error"]
             payload["type"]
         except (ValueError, KeyError, TypeError):
-            raise DsecError(f"the node answered {r.status_code} to {route.method} {route.path}: "
-                            f"{r.text[:500]}") from None
+            raise DsecError(
+                f"the node answered {r.status_code} to {route.method} {route.path}: {r.text[:500]}"
+            ) from None
         raise error_from_wire(payload)
     try:
         return route.decode_response(r.content)
     except InvalidSpec as e:
-        raise DsecError(f"the node's answer to {route.method} {route.path} does not fit the "
-                        f"API: {e}") from e
+        raise DsecError(
+            f"the node's answer to {route.method} {route.path} does not fit the API: {e}"
+        ) from e
 
 
 def _transport_error(route: Route, body: Any, e: TransportError, address: str) -> DsecError:
     if isinstance(e, TransportTimeout) and route.exec_timeout:
-        return ExecTimeout(f"no answer from the node within {body.timeout}s + {EXEC_GRACE}s",
-                           timeout=body.timeout)
+        return ExecTimeout(
+            f"no answer from the node within {body.timeout}s + {EXEC_GRACE}s", timeout=body.timeout
+        )
     return NodeUnavailable(f"node at {address}: {type(e).__name__}: {e}", address=address)
 
 
@@ -103,14 +124,19 @@ class Client:
     uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed).
     """
 
-    def __init__(self, address: str | os.PathLike[str] | None = None, *,
-                 token: str | None = None, verify: bool | str | os.PathLike[str] = True,
-                 autostart: bool = True) -> None:
+    def __init__(
+        self,
+        address: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] = True,
+        autostart: bool = True,
+    ) -> None:
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = HTTPTransport(where, token=token, verify=verify)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -122,9 +148,13 @@ class Client:
     def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
         route = ROUTES[name]
         try:
-            r = self._http.request(route.method, route.target(params, query),
-                                   body=route.encode_body(body), content_type=route.body_type,
-                                   timeout=_timeout(route, body))
+            r = self._http.request(
+                route.method,
+                route.target(params, query),
+                body=route.encode_body(body),
+                content_type=route.body_type,
+                timeout=_timeout(route, body),
+            )
         except TransportError as e:
             raise _transport_error(route, body, e, self.address) from e
         return _answer(route, r)
@@ -133,10 +163,10 @@ class Client:
     def node_info(self) -> dict[str, Any]:
         return self._call("node_info").to_dict()
 
-    def create(self, spec: SandboxSpec | None = None, **kw: Any) -> "Sandbox":
+    def create(self, spec: SandboxSpec | None = None, **kw: Any) -> Sandbox:
         return Sandbox(self, self._call("create", CreateRequest(_spec(spec, kw))).sandboxes[0])
 
-    def create_many(self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> list["Sandbox"]:
+    def create_many(self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> list[Sandbox]:
         """Create ``n`` sandboxes concurrently; all or nothing (the created are killed on error)."""
         made = self._call("create", CreateRequest(_spec(spec, kw), n))
         if made.errors:
@@ -145,10 +175,10 @@ class Client:
             raise error_from_wire(made.errors[0].to_dict())
         return [Sandbox(self, i) for i in made.sandboxes]
 
-    def get(self, sandbox_id: str) -> "Sandbox":
+    def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self, self._call("get", sid=sandbox_id))
 
-    def list(self) -> list[SandboxInfo]:
+    def list(self) -> builtins.list[SandboxInfo]:
         return list(self._call("list").sandboxes)
 
     def kill(self, sandbox_id: str) -> None:
@@ -157,31 +187,49 @@ class Client:
     def usage(self, sandbox_id: str) -> SandboxUsage:
         return self._call("usage", sid=sandbox_id)
 
-    def layers(self) -> list[LayerInfo]:
+    def layers(self) -> builtins.list[LayerInfo]:
         return list(self._call("layers").layers)
 
-    def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+    def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
-        return [row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers]
+        return [
+            row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers
+        ]
 
     # --- inside a sandbox -----------------------------------------------------------------
-    def exec(self, sandbox_id: str, cmd: str | Sequence[str], *, timeout: float | None = 300.0,
-             cwd: str | None = None, env: Mapping[str, str] | None = None,
-             stdin: bytes | str | None = None, max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+    def exec(
+        self,
+        sandbox_id: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = 300.0,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
         body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
         return self._call("exec", body, sid=sandbox_id)
 
-    def session_open(self, sandbox_id: str, *, cwd: str | None = None,
-                     env: Mapping[str, str] | None = None) -> "Session":
+    def session_open(
+        self, sandbox_id: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None
+    ) -> Session:
         opened = self._call("session_open", SessionOpenRequest(cwd, env), sid=sandbox_id)
         return Session(self, sandbox_id, opened.session)
 
-    def sessions(self, sandbox_id: str) -> list[str]:
+    def sessions(self, sandbox_id: str) -> builtins.list[str]:
         return list(self._call("sessions", sid=sandbox_id).sessions)
 
-    def session_exec(self, sandbox_id: str, session_id: str, cmd: str, *,
-                     timeout: float | None = 300.0, stdin: bytes | str | None = None,
-                     max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+    def session_exec(
+        self,
+        sandbox_id: str,
+        session_id: str,
+        cmd: str,
+        *,
+        timeout: float | None = 300.0,
+        stdin: bytes | str | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
         body = SessionExecRequest(cmd, timeout, stdin, max_output)  # type: ignore[arg-type]
         return self._call("session_exec", body, sid=sandbox_id, ses=session_id)
 
@@ -196,23 +244,30 @@ class Client:
             if len(piece) < CHUNK:
                 return bytes(out)
 
-    def write_file(self, sandbox_id: str, path: str, data: bytes | str, *,
-                   mode: int = 0o644) -> None:
+    def write_file(
+        self, sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o644
+    ) -> None:
         data = data.encode() if isinstance(data, str) else data
         for off, piece in _write_chunks(data):
-            self._call("write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0),
-                       sid=sandbox_id)
+            self._call(
+                "write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0), sid=sandbox_id
+            )
 
-    def upload(self, sandbox_id: str, local: str | os.PathLike, remote: str, *,
-               mode: int | None = None) -> None:
+    def upload(
+        self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
+    ) -> None:
         local = Path(local)
-        self.write_file(sandbox_id, remote, local.read_bytes(),
-                        mode=mode if mode is not None else local.stat().st_mode & 0o7777)
+        self.write_file(
+            sandbox_id,
+            remote,
+            local.read_bytes(),
+            mode=mode if mode is not None else local.stat().st_mode & 0o7777,
+        )
 
     def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
         Path(local).write_bytes(self.read_file(sandbox_id, remote))
 
-    def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+    def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         return list(self._call("list_dir", query=FileQuery(path), sid=sandbox_id).entries)
 
     def stat(self, sandbox_id: str, path: str) -> FileEntry:
@@ -225,14 +280,19 @@ class Client:
 class AsyncClient:
     """Asyncio client of a dsec node; the same methods as ``Client``, awaited."""
 
-    def __init__(self, address: str | os.PathLike[str] | None = None, *,
-                 token: str | None = None, verify: bool | str | os.PathLike[str] = True,
-                 autostart: bool = True) -> None:
+    def __init__(
+        self,
+        address: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] = True,
+        autostart: bool = True,
+    ) -> None:
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = AsyncHTTPTransport(where, token=token, verify=verify)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -244,10 +304,13 @@ class AsyncClient:
     async def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
         route = ROUTES[name]
         try:
-            r = await self._http.request(route.method, route.target(params, query),
-                                         body=route.encode_body(body),
-                                         content_type=route.body_type,
-                                         timeout=_timeout(route, body))
+            r = await self._http.request(
+                route.method,
+                route.target(params, query),
+                body=route.encode_body(body),
+                content_type=route.body_type,
+                timeout=_timeout(route, body),
+            )
         except TransportError as e:
             raise _transport_error(route, body, e, self.address) from e
         return _answer(route, r)
@@ -255,23 +318,23 @@ class AsyncClient:
     async def node_info(self) -> dict[str, Any]:
         return (await self._call("node_info")).to_dict()
 
-    async def create(self, spec: SandboxSpec | None = None, **kw: Any) -> "AsyncSandbox":
+    async def create(self, spec: SandboxSpec | None = None, **kw: Any) -> AsyncSandbox:
         made = await self._call("create", CreateRequest(_spec(spec, kw)))
         return AsyncSandbox(self, made.sandboxes[0])
 
-    async def create_many(self, spec: SandboxSpec | None = None, n: int = 1,
-                          **kw: Any) -> list["AsyncSandbox"]:
+    async def create_many(
+        self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
+    ) -> list[AsyncSandbox]:
         made = await self._call("create", CreateRequest(_spec(spec, kw), n))
         if made.errors:
-            await asyncio.gather(*(self.kill(i.id) for i in made.sandboxes),
-                                 return_exceptions=True)
+            await asyncio.gather(*(self.kill(i.id) for i in made.sandboxes), return_exceptions=True)
             raise error_from_wire(made.errors[0].to_dict())
         return [AsyncSandbox(self, i) for i in made.sandboxes]
 
-    async def get(self, sandbox_id: str) -> "AsyncSandbox":
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
         return AsyncSandbox(self, await self._call("get", sid=sandbox_id))
 
-    async def list(self) -> list[SandboxInfo]:
+    async def list(self) -> builtins.list[SandboxInfo]:
         return list((await self._call("list")).sandboxes)
 
     async def kill(self, sandbox_id: str) -> None:
@@ -280,31 +343,46 @@ class AsyncClient:
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         return await self._call("usage", sid=sandbox_id)
 
-    async def layers(self) -> list[LayerInfo]:
+    async def layers(self) -> builtins.list[LayerInfo]:
         return list((await self._call("layers")).layers)
 
-    async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+    async def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         made = await self._call("prefetch", PrefetchRequest(tuple(refs)))
         return [row.to_dict() for row in made.layers]
 
-    async def exec(self, sandbox_id: str, cmd: str | Sequence[str], *,
-                   timeout: float | None = 300.0, cwd: str | None = None,
-                   env: Mapping[str, str] | None = None, stdin: bytes | str | None = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+    async def exec(
+        self,
+        sandbox_id: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = 300.0,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
         body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
         return await self._call("exec", body, sid=sandbox_id)
 
-    async def session_open(self, sandbox_id: str, *, cwd: str | None = None,
-                           env: Mapping[str, str] | None = None) -> "AsyncSession":
+    async def session_open(
+        self, sandbox_id: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None
+    ) -> AsyncSession:
         opened = await self._call("session_open", SessionOpenRequest(cwd, env), sid=sandbox_id)
         return AsyncSession(self, sandbox_id, opened.session)
 
-    async def sessions(self, sandbox_id: str) -> list[str]:
+    async def sessions(self, sandbox_id: str) -> builtins.list[str]:
         return list((await self._call("sessions", sid=sandbox_id)).sessions)
 
-    async def session_exec(self, sandbox_id: str, session_id: str, cmd: str, *,
-                           timeout: float | None = 300.0, stdin: bytes | str | None = None,
-                           max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
+    async def session_exec(
+        self,
+        sandbox_id: str,
+        session_id: str,
+        cmd: str,
+        *,
+        timeout: float | None = 300.0,
+        stdin: bytes | str | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
         body = SessionExecRequest(cmd, timeout, stdin, max_output)  # type: ignore[arg-type]
         return await self._call("session_exec", body, sid=sandbox_id, ses=session_id)
 
@@ -314,31 +392,39 @@ class AsyncClient:
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         out = bytearray()
         while True:
-            piece = await self._call("read_file", query=ReadQuery(path, len(out), CHUNK),
-                                     sid=sandbox_id)
+            piece = await self._call(
+                "read_file", query=ReadQuery(path, len(out), CHUNK), sid=sandbox_id
+            )
             out += piece
             if len(piece) < CHUNK:
                 return bytes(out)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes | str, *,
-                         mode: int = 0o644) -> None:
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o644
+    ) -> None:
         data = data.encode() if isinstance(data, str) else data
         for off, piece in _write_chunks(data):
-            await self._call("write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0),
-                             sid=sandbox_id)
+            await self._call(
+                "write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0), sid=sandbox_id
+            )
 
-    async def upload(self, sandbox_id: str, local: str | os.PathLike, remote: str, *,
-                     mode: int | None = None) -> None:
+    async def upload(
+        self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
+    ) -> None:
         local = Path(local)
         data = await asyncio.to_thread(local.read_bytes)
-        await self.write_file(sandbox_id, remote, data,
-                              mode=mode if mode is not None else local.stat().st_mode & 0o7777)
+        await self.write_file(
+            sandbox_id,
+            remote,
+            data,
+            mode=mode if mode is not None else local.stat().st_mode & 0o7777,
+        )
 
     async def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
         data = await self.read_file(sandbox_id, remote)
         await asyncio.to_thread(Path(local).write_bytes, data)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         return list((await self._call("list_dir", query=FileQuery(path), sid=sandbox_id)).entries)
 
     async def stat(self, sandbox_id: str, path: str) -> FileEntry:
@@ -350,8 +436,20 @@ class AsyncClient:
 
 # --- handles: a sandbox or session bound to its client -------------------------------------
 
-_SANDBOX_METHODS = ("exec", "session_open", "sessions", "read_file", "write_file", "upload",
-                    "download", "list_dir", "stat", "remove", "usage", "kill")
+_SANDBOX_METHODS = (
+    "exec",
+    "session_open",
+    "sessions",
+    "read_file",
+    "write_file",
+    "upload",
+    "download",
+    "list_dir",
+    "stat",
+    "remove",
+    "usage",
+    "kill",
+)
 
 
 class _Bound:
@@ -374,7 +472,7 @@ class Sandbox(_Bound):
     """A sandbox handle: ``sb.exec(...)``, ``sb.read_file(...)``, ``sb.kill()``; a context
     manager that kills the sandbox on exit."""
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -383,7 +481,7 @@ class Sandbox(_Bound):
         except DsecError:
             pass
 
-    def session(self, **kw: Any) -> "Session":
+    def session(self, **kw: Any) -> Session:
         return self.client.session_open(self.id, **kw)
 
     def refresh(self) -> SandboxInfo:
@@ -394,7 +492,7 @@ class Sandbox(_Bound):
 class AsyncSandbox(_Bound):
     """The asyncio twin of ``Sandbox`` (``async with`` kills it on exit)."""
 
-    async def __aenter__(self) -> "AsyncSandbox":
+    async def __aenter__(self) -> AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -403,7 +501,7 @@ class AsyncSandbox(_Bound):
         except DsecError:
             pass
 
-    async def session(self, **kw: Any) -> "AsyncSession":
+    async def session(self, **kw: Any) -> AsyncSession:
         return await self.client.session_open(self.id, **kw)
 
     async def refresh(self) -> SandboxInfo:
@@ -423,7 +521,7 @@ class Session:
     def close(self) -> None:
         self.client.session_close(self.sandbox_id, self.id)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -445,7 +543,7 @@ class AsyncSession:
     async def close(self) -> None:
         await self.client.session_close(self.sandbox_id, self.id)
 
-    async def __aenter__(self) -> "AsyncSession":
+    async def __aenter__(self) -> AsyncSession:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

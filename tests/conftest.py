@@ -4,9 +4,9 @@ import contextlib
 import os
 import secrets
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -36,11 +36,30 @@ def home(tmp_path, monkeypatch) -> Path:
 def make_self_signed(directory: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
     """A self-signed certificate for ``host`` (its own CA) and its key, made by openssl."""
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
-                    f"/CN={host}", "-addext", f"subjectAltName=IP:{host}",
-                    "-keyout", os.fspath(key), "-out", os.fspath(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN={host}",
+            "-addext",
+            f"subjectAltName=IP:{host}",
+            "-keyout",
+            os.fspath(key),
+            "-out",
+            os.fspath(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 

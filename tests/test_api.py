@@ -20,23 +20,34 @@ from dsec_core.api.messages import ExecRequest, WriteQuery
 from dsec_core.api.openapi import openapi_document
 from dsec_core.api.routes import RAW, ROUTES
 from dsec_core.api.shapes import decoder, encoder
-from dsec_core.api.transport import (Address, HTTPTransport, ResponseParser, TransportError,
-                                     TransportTimeout)
+from dsec_core.api.transport import (
+    Address,
+    HTTPTransport,
+    ResponseParser,
+    TransportError,
+    TransportTimeout,
+)
 from dsec_core.config import NodeConfig
 from dsec_core.errors import error_from_wire
 from dsec_core.node.node import Node
 from dsec_core.node.server import HANDLERS, make_app
-from dsec_core.records import (ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec,
-                               SandboxUsage)
+from dsec_core.records import (
+    ExecResult,
+    FileEntry,
+    LayerInfo,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxUsage,
+)
 
 #: Public client methods that are not one route each, and the route they are made of.
-COMPOSED = {"create_many": "create", "upload": "write_file", "download": "read_file",
-            "close": None}
+COMPOSED = {"create_many": "create", "upload": "write_file", "download": "read_file", "close": None}
 #: Routes no SDK method needs: tools read the document.
 NOT_IN_SDK = {"openapi"}
 
 
 # --- the table covers the server and the SDK -------------------------------------------------
+
 
 def test_the_server_serves_exactly_the_table(tmp_path):
     app = make_app(Node(NodeConfig(home=tmp_path)))
@@ -61,6 +72,7 @@ def test_route_names_and_paths_are_unique():
 
 # --- the OpenAPI document ---------------------------------------------------------------------
 
+
 def test_openapi_document_is_valid_and_documents_every_route():
     doc = openapi_document()
     validate_openapi(doc)  # OpenAPI 3.1, with its JSON Schema 2020-12 dialect
@@ -83,19 +95,27 @@ def test_openapi_document_is_valid_and_documents_every_route():
 def test_openapi_schemas_follow_the_records():
     schemas = openapi_document()["components"]["schemas"]
     spec = schemas["SandboxSpec"]["properties"]
-    assert spec["memory"]["anyOf"] == [{"type": "integer", "format": "int64"},
-                                       {"type": "string"}]
-    assert spec["env"] == {"type": "object", "additionalProperties": {"type": "string"},
-                           "default": {}}
+    assert spec["memory"]["anyOf"] == [{"type": "integer", "format": "int64"}, {"type": "string"}]
+    assert spec["env"] == {
+        "type": "object",
+        "additionalProperties": {"type": "string"},
+        "default": {},
+    }
     assert schemas["ExecResult"]["properties"]["stdout"]["contentEncoding"] == "base64"
     assert schemas["SandboxList"]["properties"]["sandboxes"]["items"] == {
-        "$ref": "#/components/schemas/SandboxInfo"}
+        "$ref": "#/components/schemas/SandboxInfo"
+    }
     assert schemas["CreateRequest"]["properties"]["count"]["minimum"] == 1
 
 
 def test_cli_prints_the_document():
-    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "node", "openapi"],
-                         capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "node", "openapi"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert json.loads(out.stdout) == json.loads(json.dumps(openapi_document()))
 
 
@@ -110,10 +130,26 @@ def test_the_daemon_serves_the_document(dsec_node):
 
 SAMPLES = [
     SandboxSpec(layers=("a@1",), env={"A": "1"}, policies={"p": {"x": [1]}}, memory=64 << 20),
-    SandboxInfo(id="abc", backend="container", state="running", created=1.5, expires=None,
-                layers=("a@1", "b@2"), environment=None, limits={"cpu": 1.0}, pid=7),
-    ExecResult(exit_code=3, stdout=b"\x00\xffout", stderr=b"err", duration=0.25,
-               truncated=True, command="x", sandbox_id="abc"),
+    SandboxInfo(
+        id="abc",
+        backend="container",
+        state="running",
+        created=1.5,
+        expires=None,
+        layers=("a@1", "b@2"),
+        environment=None,
+        limits={"cpu": 1.0},
+        pid=7,
+    ),
+    ExecResult(
+        exit_code=3,
+        stdout=b"\x00\xffout",
+        stderr=b"err",
+        duration=0.25,
+        truncated=True,
+        command="x",
+        sandbox_id="abc",
+    ),
     FileEntry(name="f", type="file", size=3, mode=0o644, mtime=2.5),
     LayerInfo(name="a", version="1", kind="base", digest="sha256:" + "0" * 64, size=10),
     SandboxUsage(memory=1, cpu_seconds=0.5, pids=None),
@@ -134,28 +170,39 @@ def test_strings_may_carry_raw_bytes_of_file_names():
 
 def test_exec_request_keeps_the_old_wire_shape():
     body = ExecRequest(["echo", "hi"], 5, None, {"A": "b"}, "in", 100).to_dict()
-    assert body == {"cmd": ["echo", "hi"], "timeout": 5, "cwd": None, "env": {"A": "b"},
-                    "stdin": base64.b64encode(b"in").decode(), "max_output": 100}
+    assert body == {
+        "cmd": ["echo", "hi"],
+        "timeout": 5,
+        "cwd": None,
+        "env": {"A": "b"},
+        "stdin": base64.b64encode(b"in").decode(),
+        "max_output": 100,
+    }
     assert ExecRequest.from_dict(body).stdin == b"in"
-    assert ROUTES["write_file"].target({"sid": "a/b"}, WriteQuery("/t x", "755", 0, False)) == \
-        "/v1/sandboxes/a%2Fb/file?path=%2Ft%20x&mode=755&offset=0&truncate=0"
+    assert (
+        ROUTES["write_file"].target({"sid": "a/b"}, WriteQuery("/t x", "755", 0, False))
+        == "/v1/sandboxes/a%2Fb/file?path=%2Ft%20x&mode=755&offset=0&truncate=0"
+    )
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"cmd": 5}, "expected a string or an array"),
-    ({"cmd": []}, "cmd"),
-    ({"cmd": "x", "timeout": "soon"}, "ExecRequest.timeout"),
-    ({"cmd": "x", "timeout": float("nan")}, "finite"),
-    ({"cmd": "x", "max_output": -1}, "at least 0"),
-    ({"cmd": "x", "max_output": True}, "64-bit integer"),
-    ({"cmd": "x", "max_output": 1 << 64}, "64-bit integer"),
-    ({"cmd": "x", "stdin": "not base64!"}, "base64"),
-    ({"cmd": "x", "env": {"A": 1}}, "ExecRequest.env.A"),
-    ({"cmd": "echo \ud800"}, "ExecRequest.cmd"),  # a lone surrogate is no text (was a 500)
-    ({"cmd": "x", "shell": True}, "unknown field"),
-    ({"timeout": 1}, "missing field 'cmd'"),
-    ([], "ExecRequest object"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"cmd": 5}, "expected a string or an array"),
+        ({"cmd": []}, "cmd"),
+        ({"cmd": "x", "timeout": "soon"}, "ExecRequest.timeout"),
+        ({"cmd": "x", "timeout": float("nan")}, "finite"),
+        ({"cmd": "x", "max_output": -1}, "at least 0"),
+        ({"cmd": "x", "max_output": True}, "64-bit integer"),
+        ({"cmd": "x", "max_output": 1 << 64}, "64-bit integer"),
+        ({"cmd": "x", "stdin": "not base64!"}, "base64"),
+        ({"cmd": "x", "env": {"A": 1}}, "ExecRequest.env.A"),
+        ({"cmd": "echo \ud800"}, "ExecRequest.cmd"),  # a lone surrogate is no text (was a 500)
+        ({"cmd": "x", "shell": True}, "unknown field"),
+        ({"timeout": 1}, "missing field 'cmd'"),
+        ([], "ExecRequest object"),
+    ],
+)
 def test_bad_messages_are_invalid_spec(data, message):
     with pytest.raises(dsec.InvalidSpec, match=message):
         ExecRequest.from_dict(data)
@@ -166,14 +213,34 @@ def test_bad_messages_are_invalid_spec(data, message):
 BAD_REQUESTS = [
     ("POST", "/v1/sandboxes", b"not json", 400, "InvalidSpec"),
     ("POST", "/v1/sandboxes", b"[]", 400, "InvalidSpec"),
-    ("POST", "/v1/sandboxes", b'{"spec": {"layers": ["kit-base@1"], "cpu": "lots"}}', 400,
-     "InvalidSpec"),
-    ("POST", "/v1/sandboxes", b'{"spec": {"layers": ["kit-base@1"]}, "count": 0}', 400,
-     "InvalidSpec"),
-    ("POST", "/v1/sandboxes", b'{"spec": {"layers": ["kit-base@1"], "ttl": 1e400}}', 400,
-     "InvalidSpec"),
-    ("POST", "/v1/sandboxes", b'{"spec": {"layers": ["kit-base@1"]}, "count": 100000}', 429,
-     "AdmissionRejected"),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"], "cpu": "lots"}}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"]}, "count": 0}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"], "ttl": 1e400}}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"]}, "count": 100000}',
+        429,
+        "AdmissionRejected",
+    ),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": 5}', 400, "InvalidSpec"),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "stdin": "%%%"}', 400, "InvalidSpec"),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true"}', 404, "UnknownSandbox"),
@@ -217,8 +284,10 @@ def test_sdk_raises_the_typed_errors(dsec_client, dsec_sandboxes):
     assert sb.exec("echo ok", max_output=0).stdout == b""  # 0 is no output, as asked
 
 
-@pytest.mark.parametrize("spec", [dict(pids=1 << 31), dict(env={"": "x"}),
-                                  dict(env={"A=B": "x"}), dict(env={"A": "a\0b"})])
+@pytest.mark.parametrize(
+    "spec",
+    [dict(pids=1 << 31), dict(env={"": "x"}), dict(env={"A=B": "x"}), dict(env={"A": "a\0b"})],
+)
 def test_specs_runc_would_refuse_are_invalid(dsec_sandboxes, spec):
     # found by fuzzing: these used to reach runc and come back as a 500 ToolError
     with pytest.raises(dsec.InvalidSpec):
@@ -227,11 +296,12 @@ def test_specs_runc_would_refuse_are_invalid(dsec_sandboxes, spec):
 
 # --- the transport's sans-IO parser -----------------------------------------------------------
 
+
 def _feed_bytewise(data: bytes):
     p = ResponseParser()
     out = None
     for i in range(len(data)):
-        out = p.feed(data[i:i + 1])
+        out = p.feed(data[i : i + 1])
         if out is not None:
             assert i == len(data) - 1
     return p, out
@@ -240,9 +310,11 @@ def _feed_bytewise(data: bytes):
 def test_parser_reads_content_length_chunked_and_interim_answers():
     _, r = _feed_bytewise(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: b\r\n\r\nhello")
     assert (r.status_code, r.content, r.headers["x-a"], r.keep_alive) == (200, b"hello", "b", True)
-    _, r = _feed_bytewise(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n"
-                          b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
-                          b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\n")
+    _, r = _feed_bytewise(
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\n"
+        b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\n"
+    )
     assert (r.status_code, r.content, r.keep_alive) == (201, b"abcde", False)
     _, r = _feed_bytewise(b"HTTP/1.1 204 No Content\r\n\r\n")
     assert r.content == b""

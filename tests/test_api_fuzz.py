@@ -53,14 +53,20 @@ def _bound_exec(body) -> None:
     """A random command must not run long: bound its timeout (invalid ones stay invalid)."""
     if isinstance(body, dict) and "cmd" in body:
         timeout = body.get("timeout")
-        if timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                               and timeout > 2):
+        if timeout is None or (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 2
+        ):
             body["timeout"] = 2
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
 def test_api_fuzz(case, target):
     node, client, sid, ses = target
     params = case.path_parameters or {}
@@ -69,14 +75,17 @@ def test_api_fuzz(case, target):
         params["sid"] = sid
         if "ses" in params and len(str(case.body)) % 2:
             params["ses"] = ses
-    creates = case.operation.label == "POST /v1/sandboxes" and \
-        _aim_create(case.body, node.node.layer.ref)
+    creates = case.operation.label == "POST /v1/sandboxes" and _aim_create(
+        case.body, node.node.layer.ref
+    )
     _bound_exec(case.body)
     try:
-        case.call_and_validate(base_url=node.http,
-                               headers={"Authorization": f"Bearer {node.token}"},
-                               checks=[not_a_server_error, response_schema_conformance],
-                               timeout=30)
+        case.call_and_validate(
+            base_url=node.http,
+            headers={"Authorization": f"Bearer {node.token}"},
+            checks=[not_a_server_error, response_schema_conformance],
+            timeout=30,
+        )
     finally:
         if creates:
             for info in client.list():

@@ -45,10 +45,10 @@ def test_sdk_over_tcp(network_node, scheme):
 
 
 async def test_async_sdk_over_tls(network_node):
-    async with dsec.AsyncClient(network_node.https, token=network_node.token,
-                                verify=network_node.ca) as client:
-        sbs = await client.create_many(layers=(network_node.node.layer.ref,), n=2,
-                                       memory="64M")
+    async with dsec.AsyncClient(
+        network_node.https, token=network_node.token, verify=network_node.ca
+    ) as client:
+        sbs = await client.create_many(layers=(network_node.node.layer.ref,), n=2, memory="64M")
         try:
             results = await asyncio.gather(*(sb.exec(["echo", sb.id]) for sb in sbs))
             assert [r.stdout for r in results] == [f"{sb.id}\n".encode() for sb in sbs]
@@ -117,13 +117,19 @@ def test_kept_alive_connections_survive_a_server_closing_them(network_node):
 
 # --- a daemon refuses what it cannot serve safely -------------------------------------------
 
+
 def _start(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     full = dict(os.environ, DSEC_HOME=os.fspath(tmp_path / "home"), **env)
     for key in ("DSEC_API_TOKEN", "DSEC_TLS_CERT", "DSEC_TLS_KEY"):
         if key not in env:
             full.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "dsec_core.cli", "node", "start"], env=full,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "node", "start"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_no_tcp_without_a_token(tmp_path):
@@ -131,11 +137,15 @@ def test_no_tcp_without_a_token(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "Error: refusing to listen on http://127.0.0.1:1 without an API token" in out.stderr
     # the daemon itself refuses too, should anything start it without the check
-    env = dict(os.environ, DSEC_HOME=os.fspath(tmp_path / "home"),
-               DSEC_LISTEN="http://127.0.0.1:1")
+    env = dict(os.environ, DSEC_HOME=os.fspath(tmp_path / "home"), DSEC_LISTEN="http://127.0.0.1:1")
     env.pop("DSEC_API_TOKEN", None)
-    out = subprocess.run([sys.executable, "-m", "dsec_core.node.daemon"], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.node.daemon"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "without an API token" in out.stderr
 
 
@@ -143,9 +153,13 @@ def test_no_https_without_a_certificate(tmp_path):
     out = _start(tmp_path, DSEC_LISTEN="https://127.0.0.1:1", DSEC_API_TOKEN="t")
     assert out.returncode == 1 and "needs DSEC_TLS_CERT and DSEC_TLS_KEY" in out.stderr
     (tmp_path / "junk.pem").write_text("not a certificate")
-    out = _start(tmp_path, DSEC_LISTEN="https://127.0.0.1:1", DSEC_API_TOKEN="t",
-                 DSEC_TLS_CERT=os.fspath(tmp_path / "junk.pem"),
-                 DSEC_TLS_KEY=os.fspath(tmp_path / "junk.pem"))
+    out = _start(
+        tmp_path,
+        DSEC_LISTEN="https://127.0.0.1:1",
+        DSEC_API_TOKEN="t",
+        DSEC_TLS_CERT=os.fspath(tmp_path / "junk.pem"),
+        DSEC_TLS_KEY=os.fspath(tmp_path / "junk.pem"),
+    )
     assert out.returncode == 1 and "cannot load DSEC_TLS_CERT" in out.stderr
     out = _start(tmp_path, DSEC_LISTEN="ftp://127.0.0.1:1", DSEC_API_TOKEN="t")
     assert out.returncode == 1 and "bad address" in out.stderr

@@ -17,21 +17,41 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 def dsec(node, *args: str, input: bytes | None = None, check: bool = True):
     env = dict(os.environ, DSEC_HOME=os.fspath(node.home))
-    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", *args], env=env,
-                         capture_output=True, input=input, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", *args],
+        env=env,
+        capture_output=True,
+        input=input,
+        timeout=120,
+    )
     if check and out.returncode != 0:
-        raise AssertionError(f"dsec {' '.join(args)} exited {out.returncode}:\n"
-                             f"{out.stderr.decode()}")
+        raise AssertionError(
+            f"dsec {' '.join(args)} exited {out.returncode}:\n{out.stderr.decode()}"
+        )
     return out
 
 
 def test_sandbox_lifecycle(dsec_node):
     layer = dsec_node.layer.ref
-    sid = dsec(dsec_node, "sandbox", "create", "--layer", layer, "--memory", "64M",
-               "-e", "GREETING=hello").stdout.decode().strip()
+    sid = (
+        dsec(
+            dsec_node,
+            "sandbox",
+            "create",
+            "--layer",
+            layer,
+            "--memory",
+            "64M",
+            "-e",
+            "GREETING=hello",
+        )
+        .stdout.decode()
+        .strip()
+    )
     try:
-        out = dsec(dsec_node, "sandbox", "exec", sid, "echo $GREETING; echo err >&2; exit 7",
-                   check=False)
+        out = dsec(
+            dsec_node, "sandbox", "exec", sid, "echo $GREETING; echo err >&2; exit 7", check=False
+        )
         assert out.returncode == 7
         assert out.stdout == b"hello\n" and out.stderr == b"err\n"
         out = dsec(dsec_node, "sandbox", "exec", sid, "--", "cat", input=b"piped in")
@@ -47,8 +67,18 @@ def test_sandbox_lifecycle(dsec_node):
 
 
 def test_batch_create_with_progress_and_rm_all(dsec_node):
-    out = dsec(dsec_node, "sandbox", "create", "--layer", dsec_node.layer.ref, "-n", "4",
-               "--memory", "64M", "--json")
+    out = dsec(
+        dsec_node,
+        "sandbox",
+        "create",
+        "--layer",
+        dsec_node.layer.ref,
+        "-n",
+        "4",
+        "--memory",
+        "64M",
+        "--json",
+    )
     ids = [s["id"] for s in json.loads(out.stdout)]
     assert len(set(ids)) == 4
     assert b"creating sandboxes" in out.stderr  # the progress bar
@@ -65,11 +95,27 @@ def test_errors_are_one_line_without_traceback(dsec_node):
     assert dsec_node.layer.ref in err  # names what exists
     out = dsec(dsec_node, "sandbox", "exec", "deadbeef0000", "true", check=False)
     assert out.returncode == 1 and b"Error: no sandbox 'deadbeef0000'" in out.stderr
-    out = dsec(dsec_node, "sandbox", "create", "--layer", dsec_node.layer.ref,
-               "--memory", "9T", check=False)
+    out = dsec(
+        dsec_node,
+        "sandbox",
+        "create",
+        "--layer",
+        dsec_node.layer.ref,
+        "--memory",
+        "9T",
+        check=False,
+    )
     assert out.returncode == 1 and b"Error: not enough memory" in out.stderr
-    out = dsec(dsec_node, "sandbox", "create", "--layer", dsec_node.layer.ref,
-               "--backend", "nope", check=False)
+    out = dsec(
+        dsec_node,
+        "sandbox",
+        "create",
+        "--layer",
+        dsec_node.layer.ref,
+        "--backend",
+        "nope",
+        check=False,
+    )
     assert out.returncode == 1 and b"known: container" in out.stderr
 
 
@@ -84,8 +130,13 @@ def test_node_start_stop():
     env = dict(os.environ, DSEC_HOME=os.fspath(home))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "dsec_core.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "dsec_core.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     assert run("node", "status").returncode == 3
     started = run("node", "start")
@@ -102,6 +153,13 @@ def test_node_start_stop():
 
 def test_unenterable_home_is_a_clear_error(tmp_path):
     env = dict(os.environ, DSEC_HOME=os.fspath(tmp_path / "home"))
-    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "node", "start"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and "Error: DSEC_HOME" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "node", "start"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 1 and "Error: DSEC_HOME" in out.stderr and "Traceback" not in out.stderr
+    )

@@ -7,13 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from dsec_core.catalog import load_catalog
-from dsec_core.config import NodeConfig
-from dsec_core.catalog import default_catalog_file
+from dsec_core.catalog import default_catalog_file, load_catalog
 from dsec_core.localnode import daemon_pid, stop_daemon
 from dsec_core.testing import leftovers
 
@@ -29,17 +26,22 @@ def demo_home(built_catalog_config):
     yield config
     if daemon_pid(config):
         stop_daemon(config)
-    left = leftovers(home)
+    left = leftovers(config.home)
     assert not any(left.values()), left
 
 
 def test_demo_runs_every_task_and_scores_them(demo_home):
     env = dict(os.environ, DSEC_HOME=os.fspath(demo_home.home))
-    out = subprocess.run([sys.executable, "-m", "dsec_core.cli", "demo", "--json"], env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "demo", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dsec demo rollouts" in out.stdout
-    results = json.loads(out.stdout[out.stdout.index("[\n"):])
+    results = json.loads(out.stdout[out.stdout.index("[\n") :])
     tasks = load_catalog(default_catalog_file()).tasks
     assert {r["task"] for r in results} == {t.name for t in tasks}
     for r in results:

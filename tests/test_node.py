@@ -46,6 +46,7 @@ def _assert_clean(home: Path, sandbox_id: str | None = None) -> None:
 
 # --- bad input gets typed errors and leaves nothing ------------------------------------------
 
+
 def test_unknown_layer_names_known(dsec_sandboxes, dsec_node):
     with pytest.raises(dsec.UnknownLayer) as e:
         dsec_sandboxes.create(layers=("no-such-layer@1",))
@@ -76,7 +77,7 @@ def test_invalid_spec_is_typed():
     with pytest.raises(dsec.InvalidSpec):
         dsec.SandboxSpec(layers=("kit-base@1",), memory="lots")
     with pytest.raises(dsec.InvalidSpec):
-        dsec.SandboxSpec(layers=("kit-base@1",), memory="1M").limits
+        _ = dsec.SandboxSpec(layers=("kit-base@1",), memory="1M").limits
     with pytest.raises(dsec.InvalidSpec):
         dsec.SandboxSpec()
 
@@ -93,8 +94,7 @@ def test_admission_rejects_beyond_capacity(dsec_sandboxes, dsec_node):
 def test_corrupt_layer_image_fails_cleanly(dsec_sandboxes, dsec_node, tmp_path):
     junk = tmp_path / "junk.erofs"
     junk.write_bytes(os.urandom(1 << 16))
-    info = LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1",
-                                                       kind="base")
+    info = LayerStore(dsec_node.config.layer_dir).add(junk, name="junk", version="1", kind="base")
     with pytest.raises(dsec.MountError):
         dsec_sandboxes.create(layers=("junk@1",))
     _assert_clean(dsec_node.home)
@@ -116,6 +116,7 @@ def test_runtime_failure_fails_cleanly(dsec_sandboxes, dsec_node, tmp_path):
 
 
 # --- the SDK ---------------------------------------------------------------------------------
+
 
 def test_async_client_same_methods():
     sync = {n for n in dir(dsec.Client) if not n.startswith("_")}
@@ -147,6 +148,7 @@ def test_sandbox_context_manager_kills(dsec_client, dsec_node):
 
 
 # --- restarts: sandboxes outlive the daemon and are re-adopted -------------------------------
+
 
 @pytest.fixture
 def private_node():
@@ -188,10 +190,22 @@ def test_daemon_restart_readopts(private_node, how):
 
 
 def test_sandboxes_outlive_client_process(private_node):
-    code = ("import dsec, sys; c = dsec.Client(sys.argv[1]); "
-            "sb = c.create(layers=(sys.argv[2],), memory='64M'); print(sb.id)")
-    out = subprocess.run([sys.executable, "-c", code, os.fspath(private_node.config.socket_path),
-                          private_node.layer.ref], capture_output=True, text=True, check=True)
+    code = (
+        "import dsec, sys; c = dsec.Client(sys.argv[1]); "
+        "sb = c.create(layers=(sys.argv[2],), memory='64M'); print(sb.id)"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            os.fspath(private_node.config.socket_path),
+            private_node.layer.ref,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     sid = out.stdout.strip()
     with private_node.client() as c:
         assert c.exec(sid, "echo here").stdout == b"here\n"
@@ -218,11 +232,19 @@ def test_explicit_layers_stack_on_an_environment(dsec_client, dsec_node, tmp_pat
     (extra / "opt" / "tool").write_text("extra layer\n")
     store = LayerStore(dsec_node.config.layer_dir)
     build_layer(extra, name="extra-tool", version="1", kind="toolkit", store=store)
-    catalog = parse_catalog({"name": "kit", "layers": [], "environments": [
-        {"name": "kit-env", "base": dsec_node.layer.ref, "env": {"FROM_ENV": "yes"}}]},
-        where="test", root=tmp_path, store=store)
+    catalog = parse_catalog(
+        {
+            "name": "kit",
+            "layers": [],
+            "environments": [
+                {"name": "kit-env", "base": dsec_node.layer.ref, "env": {"FROM_ENV": "yes"}}
+            ],
+        },
+        where="test",
+        root=tmp_path,
+        store=store,
+    )
     CatalogStore(dsec_node.config.catalog_dir).save(catalog)
-    with dsec_client.create(environment="kit-env", layers=("extra-tool@1",),
-                            memory="64M") as sb:
+    with dsec_client.create(environment="kit-env", layers=("extra-tool@1",), memory="64M") as sb:
         assert sb.info.layers == ("extra-tool@1", dsec_node.layer.ref)
         assert sb.exec("cat /opt/tool; echo $FROM_ENV").stdout == b"extra layer\nyes\n"

@@ -7,21 +7,48 @@ Each is a small frozen dataclass; ``to_dict``/``from_dict`` go through its JSON 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import InvalidSpec
 from ..records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec, SandboxUsage
 from .shapes import decoder, encoder
 
 __all__ = [
-    "Message", "NodeCapacity", "NodeStatus", "CreateRequest", "CreateResult", "ErrorBody",
-    "ErrorResponse", "SandboxList", "Killed", "ExecRequest", "SessionOpenRequest",
-    "SessionOpened", "SessionList", "SessionExecRequest", "Closed", "FileQuery", "ReadQuery",
-    "WriteQuery", "RemoveQuery", "Written", "Removed", "DirListing", "LayerList",
-    "PrefetchRequest", "PrefetchedLayer", "PrefetchResult",
+    "Closed",
+    "CreateRequest",
+    "CreateResult",
+    "DirListing",
+    "ErrorBody",
+    "ErrorResponse",
+    "ExecRequest",
+    "ExecResult",
+    "FileEntry",
+    "FileQuery",
+    "Killed",
+    "LayerInfo",
+    "LayerList",
+    "Message",
+    "NodeCapacity",
+    "NodeStatus",
+    "PrefetchRequest",
+    "PrefetchResult",
+    "PrefetchedLayer",
+    "ReadQuery",
+    "RemoveQuery",
+    "Removed",
+    "SandboxInfo",
+    "SandboxList",
     # records that travel as they are
-    "SandboxSpec", "SandboxInfo", "SandboxUsage", "ExecResult", "FileEntry", "LayerInfo",
+    "SandboxSpec",
+    "SandboxUsage",
+    "SessionExecRequest",
+    "SessionList",
+    "SessionOpenRequest",
+    "SessionOpened",
+    "WriteQuery",
+    "Written",
 ]
 
 DEFAULT_MAX_OUTPUT = 1 << 20
@@ -40,10 +67,11 @@ class Message:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Any:
-        return decoder(cls)(data, cls.__name__)  # type: ignore[arg-type]
+        return decoder(cls)(data, cls.__name__)
 
 
 # --- the node ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class NodeCapacity(Message):
@@ -85,6 +113,7 @@ class ErrorResponse(Message):
 
 # --- sandboxes --------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class CreateRequest(Message):
     """Create ``count`` sandboxes from one spec."""
@@ -117,6 +146,7 @@ class Killed(Message):
 
 # --- commands and sessions --------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ExecRequest(Message):
     """Run a command: a string through ``/bin/sh -c``, an array as argv (PATH lookup).
@@ -141,8 +171,7 @@ class ExecRequest(Message):
         if self.env is not None:
             object.__setattr__(self, "env", dict(self.env) or None)
         if not self.cmd:
-            raise InvalidSpec("exec needs cmd: a non-empty string or list of strings",
-                              field="cmd")
+            raise InvalidSpec("exec needs cmd: a non-empty string or list of strings", field="cmd")
 
 
 @dataclass(frozen=True)
@@ -256,6 +285,7 @@ class DirListing(Message):
 
 
 # --- layers -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LayerList(Message):

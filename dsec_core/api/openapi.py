@@ -18,8 +18,9 @@ __all__ = ["openapi_document"]
 _DESCRIPTION = (
     "The API of one dsec node daemon. Locally it is served on a root-only unix socket and "
     "needs no token; on TCP (DSEC_LISTEN) every request carries `Authorization: Bearer "
-    "<DSEC_API_TOKEN>`. Every error answer is `{\"error\": {\"type\", \"message\", "
-    "\"context\"}}`, where `type` names the DsecError subclass the SDK raises.")
+    '<DSEC_API_TOKEN>`. Every error answer is `{"error": {"type", "message", '
+    '"context"}}`, where `type` names the DsecError subclass the SDK raises.'
+)
 
 
 def openapi_document() -> dict[str, Any]:
@@ -35,8 +36,12 @@ def openapi_document() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": schemas,
-            "responses": {"Error": {"description": "A typed error (DsecError)",
-                                    "content": {"application/json": {"schema": error}}}},
+            "responses": {
+                "Error": {
+                    "description": "A typed error (DsecError)",
+                    "content": {"application/json": {"schema": error}},
+                }
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         # a token on TCP; none on the unix socket
@@ -46,31 +51,42 @@ def openapi_document() -> dict[str, Any]:
 
 def _operation(route: Route, schemas: dict[str, Any]) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": route.name, "summary": route.summary}
-    params = [{"name": p, "in": "path", "required": True,
-               "schema": {"type": "string", "minLength": 1}} for p in route.params]
+    params = [
+        {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+        for p in route.params
+    ]
     if route.query is not None:
         params += _query_parameters(route.query)
     if params:
         op["parameters"] = params
     if route.body is RAW:
-        op["requestBody"] = {"required": True, "content": {
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+        op["requestBody"] = {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+            },
+        }
     elif route.body is not None:
-        required = any(f.default is dataclasses.MISSING and
-                       f.default_factory is dataclasses.MISSING
-                       for f in dataclasses.fields(route.body))
-        op["requestBody"] = {"required": required, "content": {
-            "application/json": {"schema": json_schema(route.body, schemas)}}}
+        required = any(
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            for f in dataclasses.fields(route.body)
+        )
+        op["requestBody"] = {
+            "required": required,
+            "content": {"application/json": {"schema": json_schema(route.body, schemas)}},
+        }
     if route.response is RAW:
-        content = {"application/octet-stream": {"schema": {"type": "string",
-                                                           "format": "binary"}}}
+        content = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
     elif route.response is dict:
         content = {"application/json": {"schema": {"type": "object"}}}
     else:
         content = {"application/json": {"schema": json_schema(route.response, schemas)}}
     error = {"$ref": "#/components/responses/Error"}
-    op["responses"] = {str(route.status): {"description": route.summary, "content": content},
-                       "4XX": error, "5XX": error}
+    op["responses"] = {
+        str(route.status): {"description": route.summary, "content": content},
+        "4XX": error,
+        "5XX": error,
+    }
     return op
 
 
@@ -81,8 +97,10 @@ def _query_parameters(query: type) -> list[dict[str, Any]]:
     json_schema(query, own)
     record = own[query.__name__]
     required = set(record.get("required", ()))
-    return [{"name": name, "in": "query", "required": name in required,
-             "schema": _scalar(schema)} for name, schema in record["properties"].items()]
+    return [
+        {"name": name, "in": "query", "required": name in required, "schema": _scalar(schema)}
+        for name, schema in record["properties"].items()
+    ]
 
 
 def _scalar(schema: dict[str, Any]) -> dict[str, Any]:
@@ -91,4 +109,3 @@ def _scalar(schema: dict[str, Any]) -> dict[str, Any]:
     if isinstance(kinds, list) and "null" in kinds:
         schema = {**schema, "type": next(k for k in kinds if k != "null")}
     return schema
-

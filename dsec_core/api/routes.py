@@ -12,19 +12,42 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from ..errors import InvalidSpec
-from .messages import (Closed, CreateRequest, CreateResult, DirListing, ExecRequest, ExecResult,
-                       FileEntry, FileQuery, Killed, LayerList, NodeStatus, PrefetchRequest,
-                       PrefetchResult, ReadQuery, RemoveQuery, Removed, SandboxInfo, SandboxList,
-                       SandboxUsage, SessionExecRequest, SessionList, SessionOpened,
-                       SessionOpenRequest, WriteQuery, Written)
+from .messages import (
+    Closed,
+    CreateRequest,
+    CreateResult,
+    DirListing,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileQuery,
+    Killed,
+    LayerList,
+    NodeStatus,
+    PrefetchRequest,
+    PrefetchResult,
+    ReadQuery,
+    Removed,
+    RemoveQuery,
+    SandboxInfo,
+    SandboxList,
+    SandboxUsage,
+    SessionExecRequest,
+    SessionList,
+    SessionOpened,
+    SessionOpenRequest,
+    WriteQuery,
+    Written,
+)
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
-__all__ = ["Route", "ROUTES", "RAW", "JSON", "OCTETS", "dump_json"]
+__all__ = ["JSON", "OCTETS", "RAW", "ROUTES", "Route", "dump_json"]
 
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
@@ -160,31 +183,78 @@ def _no_query(route: Route) -> InvalidSpec:
 
 _SB = "/v1/sandboxes/{sid}"
 
-ROUTES: dict[str, Route] = {r.name: r for r in (
-    Route("node_info", "GET", "/v1/node", "What the node daemon is and holds", NodeStatus),
-    Route("openapi", "GET", "/v1/openapi.json", "This API as an OpenAPI 3.1 document", dict),
-    Route("create", "POST", "/v1/sandboxes", "Create one or more sandboxes from a spec",
-          CreateResult, body=CreateRequest, status=201, timeout=300.0),
-    Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
-    Route("get", "GET", _SB, "One sandbox", SandboxInfo),
-    Route("kill", "DELETE", _SB, "Kill a sandbox and remove everything it left", Killed),
-    Route("usage", "GET", _SB + "/usage", "What a sandbox uses now", SandboxUsage),
-    Route("exec", "POST", _SB + "/exec", "Run a command in a sandbox", ExecResult,
-          body=ExecRequest, exec_timeout=True),
-    Route("session_open", "POST", _SB + "/sessions", "Start a persistent shell", SessionOpened,
-          body=SessionOpenRequest, status=201),
-    Route("sessions", "GET", _SB + "/sessions", "The sandbox's live sessions", SessionList),
-    Route("session_exec", "POST", _SB + "/sessions/{ses}/exec", "Run a command in a session",
-          ExecResult, body=SessionExecRequest, exec_timeout=True),
-    Route("session_close", "DELETE", _SB + "/sessions/{ses}", "Close a session", Closed),
-    Route("read_file", "GET", _SB + "/file", "Read (part of) a file", RAW, query=ReadQuery),
-    Route("write_file", "PUT", _SB + "/file", "Write (part of) a file", Written, body=RAW,
-          query=WriteQuery),
-    Route("remove", "DELETE", _SB + "/file", "Remove a file or a tree", Removed,
-          query=RemoveQuery),
-    Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
-    Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),
-    Route("layers", "GET", "/v1/layers", "Every layer of the node's layer sources", LayerList),
-    Route("prefetch", "POST", "/v1/layers/prefetch", "Warm layers on the node", PrefetchResult,
-          body=PrefetchRequest, timeout=None),
-)}
+ROUTES: dict[str, Route] = {
+    r.name: r
+    for r in (
+        Route("node_info", "GET", "/v1/node", "What the node daemon is and holds", NodeStatus),
+        Route("openapi", "GET", "/v1/openapi.json", "This API as an OpenAPI 3.1 document", dict),
+        Route(
+            "create",
+            "POST",
+            "/v1/sandboxes",
+            "Create one or more sandboxes from a spec",
+            CreateResult,
+            body=CreateRequest,
+            status=201,
+            timeout=300.0,
+        ),
+        Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
+        Route("get", "GET", _SB, "One sandbox", SandboxInfo),
+        Route("kill", "DELETE", _SB, "Kill a sandbox and remove everything it left", Killed),
+        Route("usage", "GET", _SB + "/usage", "What a sandbox uses now", SandboxUsage),
+        Route(
+            "exec",
+            "POST",
+            _SB + "/exec",
+            "Run a command in a sandbox",
+            ExecResult,
+            body=ExecRequest,
+            exec_timeout=True,
+        ),
+        Route(
+            "session_open",
+            "POST",
+            _SB + "/sessions",
+            "Start a persistent shell",
+            SessionOpened,
+            body=SessionOpenRequest,
+            status=201,
+        ),
+        Route("sessions", "GET", _SB + "/sessions", "The sandbox's live sessions", SessionList),
+        Route(
+            "session_exec",
+            "POST",
+            _SB + "/sessions/{ses}/exec",
+            "Run a command in a session",
+            ExecResult,
+            body=SessionExecRequest,
+            exec_timeout=True,
+        ),
+        Route("session_close", "DELETE", _SB + "/sessions/{ses}", "Close a session", Closed),
+        Route("read_file", "GET", _SB + "/file", "Read (part of) a file", RAW, query=ReadQuery),
+        Route(
+            "write_file",
+            "PUT",
+            _SB + "/file",
+            "Write (part of) a file",
+            Written,
+            body=RAW,
+            query=WriteQuery,
+        ),
+        Route(
+            "remove", "DELETE", _SB + "/file", "Remove a file or a tree", Removed, query=RemoveQuery
+        ),
+        Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
+        Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),
+        Route("layers", "GET", "/v1/layers", "Every layer of the node's layer sources", LayerList),
+        Route(
+            "prefetch",
+            "POST",
+            "/v1/layers/prefetch",
+            "Warm layers on the node",
+            PrefetchResult,
+            body=PrefetchRequest,
+            timeout=None,
+        ),
+    )
+}

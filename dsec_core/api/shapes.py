@@ -21,14 +21,22 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable, Mapping
 from collections.abc import Mapping as AbcMapping
 from collections.abc import Sequence as AbcSequence
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Union
 
 from ..errors import DsecError, InvalidSpec
 
-__all__ = ["decoder", "encoder", "json_schema", "query_decoder", "query_encoder", "is_record",
-           "INT64"]
+__all__ = [
+    "INT64",
+    "decoder",
+    "encoder",
+    "is_record",
+    "json_schema",
+    "query_decoder",
+    "query_encoder",
+]
 
 #: Integers on the wire are 64-bit signed, what readers in other languages (and C) can hold.
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -37,8 +45,14 @@ Decoder = Callable[[Any, str], Any]  # (json value, where) -> value
 Decode = Callable[[Any], Any]  # the inner form, without names: see _Mismatch
 Encoder = Callable[[Any], Any]
 
-_SCALAR_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-                 type(None): "null", bytes: "a base64 string"}
+_SCALAR_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+    bytes: "a base64 string",
+}
 _CONSTRAINTS = ("minimum", "maximum", "minLength", "maxLength", "pattern", "minItems")
 
 
@@ -86,6 +100,7 @@ def _has_default(f: dataclasses.Field) -> bool:
 # The inner decoders take only the value and raise ``_Mismatch``; each container adds its key
 # to the mismatch's path as it passes up, and ``decoder``'s outer function names the field in
 # the ``InvalidSpec``. A good value so costs no path strings at all.
+
 
 class _Mismatch(Exception):
     def __init__(self, message: str, **context: Any) -> None:
@@ -162,8 +177,14 @@ def _decode_any(v: Any) -> Any:
 
 
 _SCALAR_DECODERS: dict[Any, Decode] = {
-    str: _decode_str, int: _decode_int, float: _decode_float, bool: _decode_bool,
-    type(None): _decode_none, bytes: _decode_bytes, Any: _decode_any}
+    str: _decode_str,
+    int: _decode_int,
+    float: _decode_float,
+    bool: _decode_bool,
+    type(None): _decode_none,
+    bytes: _decode_bytes,
+    Any: _decode_any,
+}
 
 
 def _constrained(decode: Decode, schema: Mapping[str, Any]) -> Decode:
@@ -223,8 +244,9 @@ def _decoder(tp: Any, strict: bool) -> Decode:
         return _union_decoder(typing.get_args(tp), strict)
     item = _sequence_item(tp)
     if item is not None:
-        return _sequence_decoder(_decoder(item, strict), list if typing.get_origin(tp) is list
-                                 else tuple)
+        return _sequence_decoder(
+            _decoder(item, strict), list if typing.get_origin(tp) is list else tuple
+        )
     value = _mapping_value(tp)
     if value is not None:
         return _mapping_decoder(_decoder(value, strict), value is Any)
@@ -314,8 +336,7 @@ def _record_decoder(cls: type, strict: bool) -> Decode:
             raise _expected(what, v)
         if strict and not names.issuperset(v):
             unknown = sorted(set(v) - names)
-            raise _Mismatch(f"unknown field(s) {unknown}; known: {sorted(names)}",
-                            fields=unknown)
+            raise _Mismatch(f"unknown field(s) {unknown}; known: {sorted(names)}", fields=unknown)
         kw = {}
         for name, d, required in plan:
             if name in v:
@@ -337,6 +358,7 @@ def _record_decoder(cls: type, strict: bool) -> Decode:
 
 
 # --- encoding: typed values in, JSON values out (None: the value is already JSON) -------------
+
 
 def _encode_bytes(v: bytes) -> str:
     return base64.b64encode(v).decode()
@@ -407,9 +429,14 @@ def _record_encoder(cls: type) -> Encoder:
 # --- JSON Schema (2020-12, as OpenAPI 3.1 uses it) -------------------------------------------
 
 _SCALAR_SCHEMAS: dict[Any, dict[str, Any]] = {
-    str: {"type": "string"}, int: {"type": "integer", "format": "int64"},
-    float: {"type": "number"}, bool: {"type": "boolean"}, type(None): {"type": "null"},
-    bytes: {"type": "string", "contentEncoding": "base64"}, Any: {}}
+    str: {"type": "string"},
+    int: {"type": "integer", "format": "int64"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    type(None): {"type": "null"},
+    bytes: {"type": "string", "contentEncoding": "base64"},
+    Any: {},
+}
 
 
 def json_schema(tp: Any, defs: dict[str, Any], ref_prefix: str = "#/components/schemas/") -> dict:
@@ -442,15 +469,13 @@ def _record_schema(cls: type, defs: dict[str, Any], ref_prefix: str) -> dict[str
         prop = json_schema(tp, defs, ref_prefix)
         prop.update(f.metadata.get("schema", {}))
         if _has_default(f):
-            default = f.default if f.default is not dataclasses.MISSING \
-                else f.default_factory()  # type: ignore[misc, operator]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
             enc = encoder(tp)
             prop["default"] = default if enc is None or default is None else enc(default)
         else:
             required.append(f.name)
         props[f.name] = prop
-    schema: dict[str, Any] = {"type": "object", "properties": props,
-                              "additionalProperties": False}
+    schema: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         schema["required"] = required
     doc = (cls.__doc__ or "").strip()
@@ -499,16 +524,20 @@ def query_decoder(cls: type) -> Callable[[Mapping[str, str]], Any]:
     """A function ``query params -> record``; raises ``InvalidSpec`` on unknown or bad ones."""
     plan = []
     for f, tp in _fields(cls):
-        check = _constrained(_decode_any, f.metadata["schema"]) \
-            if any(k in f.metadata.get("schema", {}) for k in _CONSTRAINTS) else None
+        check = (
+            _constrained(_decode_any, f.metadata["schema"])
+            if any(k in f.metadata.get("schema", {}) for k in _CONSTRAINTS)
+            else None
+        )
         plan.append((f.name, _query_scalar(tp), not _has_default(f), check))
     names = frozenset(name for name, _, _, _ in plan)
 
     def decode(params: Mapping[str, str]) -> Any:
         if not names.issuperset(params):
             unknown = sorted(set(params) - names)
-            raise InvalidSpec(f"unknown query parameter(s) {unknown}; known: {sorted(names)}",
-                              fields=unknown)
+            raise InvalidSpec(
+                f"unknown query parameter(s) {unknown}; known: {sorted(names)}", fields=unknown
+            )
         kw = {}
         for name, tp, required, check in plan:
             text = params.get(name)

@@ -19,14 +19,23 @@ import os
 import socket
 import ssl
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import InvalidSpec
 
-__all__ = ["Address", "Response", "ResponseParser", "HTTPTransport", "AsyncHTTPTransport",
-           "TransportError", "TransportTimeout", "ssl_context"]
+__all__ = [
+    "Address",
+    "AsyncHTTPTransport",
+    "HTTPTransport",
+    "Response",
+    "ResponseParser",
+    "TransportError",
+    "TransportTimeout",
+    "ssl_context",
+]
 
 _MAX_HEAD = 64 << 10
 _READ = 256 << 10
@@ -55,24 +64,36 @@ class Address:
     path: str = ""  # the unix socket
 
     @classmethod
-    def parse(cls, text: str | os.PathLike[str]) -> "Address":
+    def parse(cls, text: str | os.PathLike[str]) -> Address:
         text = os.fspath(text)
         if text.startswith("unix://"):
-            text = text[len("unix://"):]
+            text = text[len("unix://") :]
         if "://" not in text:
             if not text:
-                raise InvalidSpec("an empty address; expected unix:///path, http://host:port "
-                                  "or https://host:port", address=text)
+                raise InvalidSpec(
+                    "an empty address; expected unix:///path, http://host:port "
+                    "or https://host:port",
+                    address=text,
+                )
             return cls("unix", path=text)
         url = urlsplit(text)
         try:
             port = url.port
         except ValueError:
             port = -1
-        if url.scheme not in ("http", "https") or not url.hostname or port == -1 or \
-                url.path not in ("", "/") or url.query or url.username:
-            raise InvalidSpec(f"bad address {text!r}: expected unix:///path, http://host:port "
-                              "or https://host:port", address=text)
+        if (
+            url.scheme not in ("http", "https")
+            or not url.hostname
+            or port == -1
+            or url.path not in ("", "/")
+            or url.query
+            or url.username
+        ):
+            raise InvalidSpec(
+                f"bad address {text!r}: expected unix:///path, http://host:port "
+                "or https://host:port",
+                address=text,
+            )
         return cls(url.scheme, url.hostname, port or (443 if url.scheme == "https" else 80))
 
     @property
@@ -118,6 +139,7 @@ class Response:
 
 # --- sans-IO: the bytes of a request, and a parser fed the bytes of a response ---------------
 
+
 def request_head(address: Address, token: str | None) -> bytes:
     """The header lines every request to ``address`` carries (host, authorization)."""
     host = "dsec" if not address.tcp else str(address).split("://", 1)[1]
@@ -129,13 +151,20 @@ def request_head(address: Address, token: str | None) -> bytes:
     return head.encode()
 
 
-def request_bytes(method: str, target: str, head: bytes, body: bytes | None,
-                  content_type: str | None) -> bytes:
+def request_bytes(
+    method: str, target: str, head: bytes, body: bytes | None, content_type: str | None
+) -> bytes:
     if body is None:
         extra = b"content-length: 0\r\n" if method in ("POST", "PUT") else b""
         return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (method.encode(), target.encode(), head, extra)
     return b"%s %s HTTP/1.1\r\n%scontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (
-        method.encode(), target.encode(), head, (content_type or "").encode(), len(body), body)
+        method.encode(),
+        target.encode(),
+        head,
+        (content_type or "").encode(),
+        len(body),
+        body,
+    )
 
 
 class ResponseParser:
@@ -162,7 +191,7 @@ class ResponseParser:
                     self._head(data[:end])
                     start = end + 4
                     if self._mode == "length" and len(data) - start >= self._need:
-                        self._parts.append(data[start:start + self._need])
+                        self._parts.append(data[start : start + self._need])
                         return self._done()
                     data = data[start:]
             self._buf += data
@@ -178,12 +207,12 @@ class ResponseParser:
                         raise TransportError("response head too large")
                     return None
                 self._head(bytes(self._buf[:end]))
-                del self._buf[:end + 4]
+                del self._buf[: end + 4]
             elif mode == "length":
                 if len(self._buf) < self._need:
                     return None
-                self._parts.append(bytes(self._buf[:self._need]))
-                del self._buf[:self._need]
+                self._parts.append(bytes(self._buf[: self._need]))
+                del self._buf[: self._need]
                 return self._done()
             elif mode == "chunk-size":
                 end = self._buf.find(b"\r\n")
@@ -193,19 +222,19 @@ class ResponseParser:
                     size = int(bytes(self._buf[:end]).split(b";")[0], 16)
                 except ValueError:
                     raise TransportError("malformed chunk size in the response") from None
-                del self._buf[:end + 2]
+                del self._buf[: end + 2]
                 self._mode, self._need = ("trailer", 0) if size == 0 else ("chunk-data", size)
             elif mode == "chunk-data":
                 if len(self._buf) < self._need + 2:
                     return None
-                self._parts.append(bytes(self._buf[:self._need]))
-                del self._buf[:self._need + 2]
+                self._parts.append(bytes(self._buf[: self._need]))
+                del self._buf[: self._need + 2]
                 self._mode = "chunk-size"
             elif mode == "trailer":
                 end = self._buf.find(b"\r\n")
                 if end < 0:
                     return None
-                del self._buf[:end + 2]
+                del self._buf[: end + 2]
                 if end == 0:
                     return self._done()
             else:  # "close": the body runs until the server closes the connection
@@ -256,19 +285,32 @@ class ResponseParser:
 
 # --- the blocking twin -------------------------------------------------------------------------
 
+
 class HTTPTransport:
     """Blocking requests to one node; thread-safe, with a pool of kept-alive connections."""
 
-    def __init__(self, address: Address | str, *, token: str | None = None,
-                 verify: bool | str | os.PathLike[str] = True) -> None:
+    def __init__(
+        self,
+        address: Address | str,
+        *,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] = True,
+    ) -> None:
         self.address = address if isinstance(address, Address) else Address.parse(address)
         self._head = request_head(self.address, token)
         self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def request(self, method: str, target: str, *, body: bytes | None = None,
-                content_type: str | None = None, timeout: float | None = None) -> Response:
+    def request(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        timeout: float | None = None,
+    ) -> Response:
         data = request_bytes(method, target, self._head, body, content_type)
         with self._lock:
             conn = self._idle.pop() if self._idle else None
@@ -340,18 +382,31 @@ class HTTPTransport:
 
 # --- the asyncio twin --------------------------------------------------------------------------
 
+
 class AsyncHTTPTransport:
     """The asyncio twin of ``HTTPTransport`` (one event loop at a time)."""
 
-    def __init__(self, address: Address | str, *, token: str | None = None,
-                 verify: bool | str | os.PathLike[str] = True) -> None:
+    def __init__(
+        self,
+        address: Address | str,
+        *,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] = True,
+    ) -> None:
         self.address = address if isinstance(address, Address) else Address.parse(address)
         self._head = request_head(self.address, token)
         self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def request(self, method: str, target: str, *, body: bytes | None = None,
-                      content_type: str | None = None, timeout: float | None = None) -> Response:
+    async def request(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        timeout: float | None = None,
+    ) -> Response:
         data = request_bytes(method, target, self._head, body, content_type)
         try:
             async with asyncio.timeout(timeout):
@@ -371,15 +426,20 @@ class AsyncHTTPTransport:
             if not a.tcp:
                 return await asyncio.open_unix_connection(a.path, limit=_READ)
             return await asyncio.open_connection(
-                a.host, a.port, ssl=self._ssl, limit=_READ,
-                server_hostname=a.host if self._ssl is not None else None)
+                a.host,
+                a.port,
+                ssl=self._ssl,
+                limit=_READ,
+                server_hostname=a.host if self._ssl is not None else None,
+            )
         except TimeoutError:
             raise
         except OSError as e:
             raise TransportError(f"{a}: {e}") from e
 
-    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                        data: bytes) -> Response:
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], data: bytes
+    ) -> Response:
         reader, writer = conn
         parser = ResponseParser()
         try:

@@ -56,14 +56,18 @@ def cli() -> None:
 
 # --- plugins -------------------------------------------------------------------------------
 
+
 @cli.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plugins_cmd(as_json: bool) -> None:
     """List loaded plugins with their versions and hooks."""
     descs = plugin_descriptions()
     reg = registry()
-    provided = {"backends": sorted(reg.backends), "layer_sources": sorted(reg.layer_sources),
-                "security_policies": sorted(reg.security_policies)}
+    provided = {
+        "backends": sorted(reg.backends),
+        "layer_sources": sorted(reg.layer_sources),
+        "security_policies": sorted(reg.security_policies),
+    }
     if as_json:
         _dump({"plugins": descs, **provided})
         return
@@ -76,6 +80,7 @@ def plugins_cmd(as_json: bool) -> None:
 
 
 # --- sandboxes -----------------------------------------------------------------------------
+
 
 @cli.group()
 def sandbox() -> None:
@@ -93,20 +98,35 @@ def sandbox() -> None:
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
 @click.option("-n", "--count", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def sandbox_create(environment, layers, backend, cpu, memory, pids, ttl, setenv, count,
-                   as_json) -> None:
+def sandbox_create(
+    environment, layers, backend, cpu, memory, pids, ttl, setenv, count, as_json
+) -> None:
     """Create sandboxes and print their ids."""
-    spec = SandboxSpec(environment=environment, layers=tuple(layers), backend=backend, cpu=cpu,
-                       memory=memory, pids=pids, ttl=ttl, env=_kv(setenv, "--setenv"))
+    spec = SandboxSpec(
+        environment=environment,
+        layers=tuple(layers),
+        backend=backend,
+        cpu=cpu,
+        memory=memory,
+        pids=pids,
+        ttl=ttl,
+        env=_kv(setenv, "--setenv"),
+    )
     Client().close()  # starts the node if needed, before the progress bar
     if count == 1:
         with Client() as client:
             infos = [client.create(spec).info]
     else:
+
         async def many() -> list:
             async with AsyncClient() as client:
-                with Progress(TextColumn("creating sandboxes"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=Console(stderr=True)) as bar:
+                with Progress(
+                    TextColumn("creating sandboxes"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    console=Console(stderr=True),
+                ) as bar:
                     task = bar.add_task("create", total=count)
 
                     async def one():
@@ -114,14 +134,16 @@ def sandbox_create(environment, layers, backend, cpu, memory, pids, ttl, setenv,
                         bar.advance(task)
                         return sb
 
-                    results = await asyncio.gather(*(one() for _ in range(count)),
-                                                   return_exceptions=True)
+                    results = await asyncio.gather(
+                        *(one() for _ in range(count)), return_exceptions=True
+                    )
                 made = [r for r in results if not isinstance(r, BaseException)]
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
                     await asyncio.gather(*(s.kill() for s in made), return_exceptions=True)
                     raise failed[0]
                 return [s.info for s in made]
+
         infos = asyncio.run(many())
     if as_json:
         _dump([i.to_dict() for i in infos])
@@ -141,12 +163,20 @@ def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, as_json) -> None:
     """Run COMMAND in a sandbox (one argument: through /bin/sh -c; several: as argv)."""
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     with Client() as client:
-        r = client.exec(sandbox_id, cmd, timeout=timeout, cwd=cwd, env=_kv(setenv, "--setenv"),
-                        stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read())
+        r = client.exec(
+            sandbox_id,
+            cmd,
+            timeout=timeout,
+            cwd=cwd,
+            env=_kv(setenv, "--setenv"),
+            stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+        )
     if as_json:
         d = r.to_dict()
-        d["stdout"], d["stderr"] = r.stdout.decode(errors="replace"), \
-            r.stderr.decode(errors="replace")
+        d["stdout"], d["stderr"] = (
+            r.stdout.decode(errors="replace"),
+            r.stderr.decode(errors="replace"),
+        )
         _dump(d)
     else:
         sys.stdout.buffer.write(r.stdout)
@@ -167,15 +197,20 @@ def sandbox_ls(as_json) -> None:
     if as_json:
         _dump([i.to_dict() for i in infos])
         return
-    table = Table("state", "backend", "environment / layers", "cpu", "memory", "age",
-                  "expires in")
+    table = Table("state", "backend", "environment / layers", "cpu", "memory", "age", "expires in")
     table.columns.insert(0, Column("id", no_wrap=True))
     now = time.time()
     for i in infos:
-        table.add_row(i.id, i.state, i.backend, i.environment or ",".join(i.layers),
-                      str(i.limits.get("cpu")), f"{int(i.limits.get('memory', 0)) >> 20}M",
-                      f"{now - i.created:.0f}s",
-                      f"{i.expires - now:.0f}s" if i.expires else "-")
+        table.add_row(
+            i.id,
+            i.state,
+            i.backend,
+            i.environment or ",".join(i.layers),
+            str(i.limits.get("cpu")),
+            f"{int(i.limits.get('memory', 0)) >> 20}M",
+            f"{now - i.created:.0f}s",
+            f"{i.expires - now:.0f}s" if i.expires else "-",
+        )
     console.print(table)
 
 
@@ -195,6 +230,7 @@ def sandbox_rm(sandbox_ids, all_) -> None:
 
 # --- node ----------------------------------------------------------------------------------
 
+
 @cli.group()
 def node() -> None:
     """Start, stop and inspect the local node daemon."""
@@ -212,8 +248,10 @@ def node_start(foreground) -> None:
         serve(foreground=True)
         return
     info = ensure_daemon()
-    click.echo(f"node daemon {info['pid']} serving {NodeConfig.from_env().socket_path} "
-               f"({info['sandboxes']} sandboxes)")
+    click.echo(
+        f"node daemon {info['pid']} serving {NodeConfig.from_env().socket_path} "
+        f"({info['sandboxes']} sandboxes)"
+    )
 
 
 @node.command("stop")
@@ -233,8 +271,10 @@ def node_status(as_json) -> None:
     elif info is None:
         click.echo("node daemon: not running")
     else:
-        click.echo(f"node daemon: running (pid {info['pid']}), home {info['home']}, "
-                   f"{info['sandboxes']} sandboxes, backends {', '.join(info['backends'])}")
+        click.echo(
+            f"node daemon: running (pid {info['pid']}), home {info['home']}, "
+            f"{info['sandboxes']} sandboxes, backends {', '.join(info['backends'])}"
+        )
     if info is None:
         sys.exit(3)
 
@@ -247,9 +287,14 @@ def node_openapi() -> None:
 
 # --- demo ----------------------------------------------------------------------------------
 
+
 @cli.command("demo")
-@click.option("--catalog", "catalog_file", type=click.Path(exists=True, dir_okay=False),
-              help="Catalog file (default: the shipped catalog/default.yaml).")
+@click.option(
+    "--catalog",
+    "catalog_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Catalog file (default: the shipped catalog/default.yaml).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
 def demo_cmd(catalog_file, as_json) -> None:
     """Build the default catalog if missing, run one rollout per task in parallel, score them."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import click
 from rich.console import Console
@@ -31,7 +31,7 @@ from ..sdk import Client
 from ..sources.base import LayerSource
 from ..sources.transfer import Transfer, pull_layer, push_layer
 
-__all__ = ["layer", "catalog"]
+__all__ = ["catalog", "layer"]
 
 
 def _stores() -> tuple[NodeConfig, LayerStore, CatalogStore]:
@@ -55,8 +55,14 @@ def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
     """
     console = Console(stderr=True)
     bars: dict[str, TaskID] = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=False, disable=not console.is_terminal) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    ) as progress:
 
         def update(stage: str, fraction: float | None) -> None:
             owner, sep, what = stage.partition(": ")
@@ -78,11 +84,14 @@ def _progress_bars() -> Iterator[Callable[[str, float | None], None]]:
 def _layer_line(info: LayerInfo, profiled: str | None = None) -> str:
     created = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.created))
     extra = "" if profiled is None else f"{profiled:>8}  "
-    return (f"{info.ref:<32} {info.kind:<9} {_size(info.size):>10}  "
-            f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {extra}{info.source}")
+    return (
+        f"{info.ref:<32} {info.kind:<9} {_size(info.size):>10}  "
+        f"{info.digest.removeprefix('sha256:')[:12]}  {created}  {extra}{info.source}"
+    )
 
 
 # --- dsec layer ----------------------------------------------------------------------------
+
 
 @click.group()
 def layer() -> None:
@@ -92,20 +101,34 @@ def layer() -> None:
 @layer.command("build")
 @click.argument("source")
 @click.option("--name", required=True, help="Layer name.")
-@click.option("--version", default=None, help="Layer version (default: 12 hex digits of the digest).")
-@click.option("--kind", required=True, type=click.Choice(LAYER_KINDS), help="What the layer is for.")
-@click.option("--keep-owners/--all-root", default=None,
-              help="Keep file owners, or make root own everything (default: all-root for "
-                   "directories, keep for tar and docker sources).")
-def layer_build(source: str, name: str, version: str | None, kind: str,
-                keep_owners: bool | None) -> None:
+@click.option(
+    "--version", default=None, help="Layer version (default: 12 hex digits of the digest)."
+)
+@click.option(
+    "--kind", required=True, type=click.Choice(LAYER_KINDS), help="What the layer is for."
+)
+@click.option(
+    "--keep-owners/--all-root",
+    default=None,
+    help="Keep file owners, or make root own everything (default: all-root for "
+    "directories, keep for tar and docker sources).",
+)
+def layer_build(
+    source: str, name: str, version: str | None, kind: str, keep_owners: bool | None
+) -> None:
     """Build a layer from SOURCE: a directory, a .tar/.tar.gz/.tgz file or docker:IMAGE."""
     _, store, _ = _stores()
     all_root = None if keep_owners is None else not keep_owners
     with _progress_bars() as progress:
-        info = build_layer(source, name=name, version=version, kind=kind, store=store,
-                           progress=lambda stage, f: progress(f"{name}: {stage}", f),
-                           all_root=all_root)
+        info = build_layer(
+            source,
+            name=name,
+            version=version,
+            kind=kind,
+            store=store,
+            progress=lambda stage, f: progress(f"{name}: {stage}", f),
+            all_root=all_root,
+        )
     click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
 
 
@@ -129,12 +152,24 @@ def layer_ls(as_json: bool) -> None:
         rows = []
         for info in infos:
             p = profiles[info.digest]
-            rows.append(info.to_dict() | {"read_profile": None if p is None else {
-                "read_bytes": p.read_bytes, "blob_bytes": p.blob_size, "workload": p.workload}})
+            rows.append(
+                info.to_dict()
+                | {
+                    "read_profile": None
+                    if p is None
+                    else {
+                        "read_bytes": p.read_bytes,
+                        "blob_bytes": p.blob_size,
+                        "workload": p.workload,
+                    }
+                }
+            )
         click.echo(json.dumps(rows, indent=2))
         return
-    click.echo(f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  "
-               f"{'PROFILED':>8}  SOURCE")
+    click.echo(
+        f"{'LAYER':<32} {'KIND':<9} {'SIZE':>10}  {'DIGEST':<12}  {'CREATED':<16}  "
+        f"{'PROFILED':>8}  SOURCE"
+    )
     for info in infos:
         p = profiles[info.digest]
         click.echo(_layer_line(info, f"{p.read_bytes / max(1, p.blob_size):.1%}" if p else "-"))
@@ -150,6 +185,7 @@ def layer_rm(ref: str) -> None:
 
 
 # --- dsec catalog --------------------------------------------------------------------------
+
 
 @click.group()
 def catalog() -> None:
@@ -169,9 +205,13 @@ def catalog_build(file: str | None) -> None:
         infos = build_catalog(cat, layers, catalogs, progress)
     for info in infos:
         state = "present" if info.ref in had else "built"
-        click.echo(f"{state:8} {info.ref:32} {info.kind:9} {_size(info.size):>10}  {info.digest[:19]}")
-    click.echo(f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
-               f"({time.monotonic() - started:.1f}s)")
+        click.echo(
+            f"{state:8} {info.ref:32} {info.kind:9} {_size(info.size):>10}  {info.digest[:19]}"
+        )
+    click.echo(
+        f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
+        f"({time.monotonic() - started:.1f}s)"
+    )
 
 
 @catalog.command("ls")
@@ -181,11 +221,18 @@ def catalog_ls(as_json: bool) -> None:
     _, _, catalogs = _stores()
     envs, tasks = catalogs.environments(), catalogs.tasks()
     if as_json:
-        click.echo(json.dumps({
-            "environments": [{**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
-                             for e in envs],
-            "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "environments": [
+                        {**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
+                        for e in envs
+                    ],
+                    "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
+                },
+                indent=2,
+            )
+        )
         return
     click.echo(f"{'ENVIRONMENT':<24} {'CATALOG':<12} {'WORKDIR':<28} LAYERS (top first)")
     for e in envs:
@@ -203,11 +250,14 @@ def catalog_validate(file: str) -> None:
     """Check catalog FILE against the schema and for missing layers, without building."""
     _, layers, _ = _stores()
     cat = load_catalog(file, store=layers)
-    click.echo(f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
-               f"{len(cat.environments)} environments, {len(cat.tasks)} tasks")
+    click.echo(
+        f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
+        f"{len(cat.environments)} environments, {len(cat.tasks)} tasks"
+    )
 
 
 # --- distribution: layer sources --------------------------------------------------------------
+
 
 def _transfer_line(verb: str, t: Transfer) -> str:
     """``pushed``/``pulled`` (or ``present`` when nothing moved), ref, size, short digest."""
@@ -221,7 +271,9 @@ def _source(url: str) -> LayerSource:
 
 @layer.command("push")
 @click.argument("refs", nargs=-1, required=True)
-@click.option("--to", "url", required=True, help="Layer source URL (posix:/path, s3://..., oci://...).")
+@click.option(
+    "--to", "url", required=True, help="Layer source URL (posix:/path, s3://..., oci://...)."
+)
 def layer_push(refs: tuple[str, ...], url: str) -> None:
     """Upload layers from this node's store to a layer source (already there: no-op).
 
@@ -264,8 +316,11 @@ def _catalog_arg(catalog_ref: str) -> Catalog:
         return load_catalog(path, store=store)
     matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
     if not matches:
-        raise UnknownEnvironment(f"no built catalog {catalog_ref!r}", name=catalog_ref,
-                                 known=[c.name for c in catalogs.catalogs()])
+        raise UnknownEnvironment(
+            f"no built catalog {catalog_ref!r}",
+            name=catalog_ref,
+            known=[c.name for c in catalogs.catalogs()],
+        )
     return matches[0]
 
 
@@ -311,6 +366,9 @@ def layer_prefetch(refs: tuple[str, ...]) -> None:
     """Warm layers on the local node: every chunk of on-demand layers, whole remote images."""
     with Client() as client:
         for row in client.prefetch(list(refs)):
-            extra = f" ({row['fetched']} of {row['chunks']} chunks fetched)" \
-                if row["mode"] == "on-demand" else ""
+            extra = (
+                f" ({row['fetched']} of {row['chunks']} chunks fetched)"
+                if row["mode"] == "on-demand"
+                else ""
+            )
             click.echo(f"{row['layer']}: {row['mode']} from {row['source']}{extra}")

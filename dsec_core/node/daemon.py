@@ -19,7 +19,8 @@ import logging.handlers
 import os
 import socket
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -60,10 +61,19 @@ def _listener(app: Any, address: Address, config: NodeConfig, options: dict[str,
     """The server of one TCP address: the app behind the token, with TLS for https."""
     tls: dict[str, Any] = {}
     if address.scheme == "https":  # listen_addresses checked that both load
-        tls = {"ssl_certfile": os.fspath(config.tls_cert or ""),
-               "ssl_keyfile": os.fspath(config.tls_key or "")}
-    return _Listener(uvicorn.Config(require_token(app, config.api_token or ""), lifespan="off",
-                                    proxy_headers=False, **tls, **options))
+        tls = {
+            "ssl_certfile": os.fspath(config.tls_cert or ""),
+            "ssl_keyfile": os.fspath(config.tls_key or ""),
+        }
+    return _Listener(
+        uvicorn.Config(
+            require_token(app, config.api_token or ""),
+            lifespan="off",
+            proxy_headers=False,
+            **tls,
+            **options,
+        )
+    )
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -123,8 +133,12 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
     async def lifespan(app):
         await node.open()
         tasks = [asyncio.create_task(srv.serve(sockets=[s])) for srv, s in listeners]
-        log.info("dsec node daemon %d serving %s with %d adopted sandboxes", os.getpid(),
-                 ", ".join([os.fspath(path), *map(str, addresses)]), len(node.sandboxes))
+        log.info(
+            "dsec node daemon %d serving %s with %d adopted sandboxes",
+            os.getpid(),
+            ", ".join([os.fspath(path), *map(str, addresses)]),
+            len(node.sandboxes),
+        )
         try:
             yield
         finally:
@@ -144,11 +158,19 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
     loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
     http = "httptools" if _has("httptools") else "h11"
     # log_config=None: uvicorn's records go to our (rotated) handlers, not to its own stderr
-    options: dict[str, Any] = dict(loop=loop, http=http, log_level="warning", log_config=None,
-                                   access_log=False, timeout_keep_alive=300)
+    options: dict[str, Any] = dict(
+        loop=loop,
+        http=http,
+        log_level="warning",
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=300,
+    )
     try:
-        listeners.extend((_listener(app, a, config, options), s)
-                         for a, s in zip(addresses, tcp_socks, strict=True))
+        listeners.extend(
+            (_listener(app, a, config, options), s)
+            for a, s in zip(addresses, tcp_socks, strict=True)
+        )
         server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), lifespan="on", **options))
         server.run()
     finally:

@@ -16,8 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..linux.mounts import (UserNamespaceHandle, mount_erofs_file, mount_overlay, mounted_under,
-                            unmount)
+from ..linux.mounts import (
+    UserNamespaceHandle,
+    mount_erofs_file,
+    mount_overlay,
+    mounted_under,
+    unmount,
+)
 
 __all__ = ["MountCache", "OverlayStack"]
 
@@ -83,8 +88,11 @@ class MountCache:
         now = time.monotonic() if now is None else now
         with self._lock:
             for digest, entry in list(self._entries.items()):
-                if entry.refs == 0 and entry.idle_since is not None and \
-                        now - entry.idle_since >= self.linger:
+                if (
+                    entry.refs == 0
+                    and entry.idle_since is not None
+                    and now - entry.idle_since >= self.linger
+                ):
                     self._drop(digest)
 
     def _drop(self, digest: str) -> None:

@@ -17,9 +17,10 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .. import plugins
 from ..agent import ensure_agent
@@ -27,10 +28,24 @@ from ..agent.rpc import AgentClient
 from ..backend import Backend, Feature, LayerImage, RootfsForm, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import AdmissionRejected, DsecError, PolicyUnavailable, SandboxNotRunning, UnknownSandbox
+from ..errors import (
+    AdmissionRejected,
+    DsecError,
+    PolicyUnavailable,
+    SandboxNotRunning,
+    UnknownSandbox,
+)
 from ..linux.mounts import UserNamespaceHandle, ensure_tmpfs, mounted_under, unmount
-from ..records import (ExecResult, FileEntry, IdMap, LayerInfo, NodeLoad, SandboxInfo,
-                       SandboxSpec, SandboxUsage)
+from ..records import (
+    ExecResult,
+    FileEntry,
+    IdMap,
+    LayerInfo,
+    NodeLoad,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxUsage,
+)
 from ..security import SecurityPolicy
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
@@ -66,21 +81,34 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
         return SandboxInfo(
-            id=self.rt.id, backend=self.backend.name, state=self.status, created=self.created,
-            expires=self.expires, layers=tuple(layer.ref for layer in self.layers),
-            environment=spec.environment, limits=self.rt.limits.to_dict(),
-            labels=dict(spec.labels), pid=self.backend_state.get("pid"))
+            id=self.rt.id,
+            backend=self.backend.name,
+            state=self.status,
+            created=self.created,
+            expires=self.expires,
+            layers=tuple(layer.ref for layer in self.layers),
+            environment=spec.environment,
+            limits=self.rt.limits.to_dict(),
+            labels=dict(spec.labels),
+            pid=self.backend_state.get("pid"),
+        )
 
     def state_doc(self) -> dict[str, Any]:
         return {
-            "id": self.rt.id, "spec": self.rt.spec.to_dict(), "backend": self.backend.name,
-            "created": self.created, "expires": self.expires, "status": self.status,
+            "id": self.rt.id,
+            "spec": self.rt.spec.to_dict(),
+            "backend": self.backend.name,
+            "created": self.created,
+            "expires": self.expires,
+            "status": self.status,
             "layers": [layer.to_dict() for layer in self.layers],
             "backend_state": self.backend_state,
             "idmap": [self.rt.idmap.host_base, self.rt.idmap.size],
             "rootfs": None if self.rt.rootfs is None else os.fspath(self.rt.rootfs),
-            "images": [[i.ref, i.digest, os.fspath(i.image), i.device and os.fspath(i.device)]
-                       for i in self.rt.images],
+            "images": [
+                [i.ref, i.digest, os.fspath(i.image), i.device and os.fspath(i.device)]
+                for i in self.rt.images
+            ],
             "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
             "disk_size": self.rt.disk_size,
         }
@@ -128,8 +156,9 @@ class Node:
         if self._watch:
             self._watch.cancel()
         if kill_all:
-            await asyncio.gather(*(self.kill(sid) for sid in list(self.sandboxes)),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                *(self.kill(sid) for sid in list(self.sandboxes)), return_exceptions=True
+            )
         for sb in self.sandboxes.values():
             if sb.ttl_handle:
                 sb.ttl_handle.cancel()
@@ -166,8 +195,9 @@ class Node:
             policy = self._policies[name] = cls()
         return policy
 
-    def policies_for(self, spec: SandboxSpec,
-                     backend: Backend) -> list[tuple[SecurityPolicy, dict[str, Any]]]:
+    def policies_for(
+        self, spec: SandboxSpec, backend: Backend
+    ) -> list[tuple[SecurityPolicy, dict[str, Any]]]:
         """The policies ``spec`` asks for, with their settings, each checked to be enforceable
         on ``backend``; ``spec.network`` must be enforced by the backend ("none") or by one of
         them. Raises before anything is set up: ``UnknownPolicy``, ``InvalidSpec`` (settings)
@@ -180,25 +210,38 @@ class Node:
                     f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "
                     f"it works through {sorted(policy.targets) or 'nothing'}, the backend "
                     f"offers {sorted(backend.policy_targets) or 'nothing'}",
-                    policy=name, backend=backend.name)
+                    policy=name,
+                    backend=backend.name,
+                )
             policy.validate(settings)
             chosen.append((policy, dict(settings)))
         if spec.network == "none":
             if Feature.NET_NAMESPACE not in backend.features:
                 raise PolicyUnavailable(
                     f"backend {backend.name!r} does not isolate the network, so network='none' "
-                    "(loopback only) cannot be enforced", policy="network", backend=backend.name)
+                    "(loopback only) cannot be enforced",
+                    policy="network",
+                    backend=backend.name,
+                )
         elif not any(spec.network in p.network_modes for p, _ in chosen):
-            able = sorted(n for n, c in self.registry.security_policies.items()
-                          if spec.network in c.network_modes)
+            able = sorted(
+                n
+                for n, c in self.registry.security_policies.items()
+                if spec.network in c.network_modes
+            )
             raise PolicyUnavailable(
                 f"network mode {spec.network!r} needs a security policy that enforces it in the "
                 f"sandbox's policies ({', '.join(able) or 'no loaded policy does'})",
-                policy="network", backend=backend.name, network=spec.network, able=able)
+                policy="network",
+                backend=backend.name,
+                network=spec.network,
+                able=able,
+            )
         return chosen
 
     def _enforcer(self, sid: str) -> Callable[[str, Any], None]:
         """``SandboxRuntime.enforce`` of sandbox ``sid``: apply its policies at a target."""
+
         def enforce(target: str, subject: Any) -> None:
             sb = self._get(sid)
             for policy, settings in sb.policies:
@@ -217,12 +260,16 @@ class Node:
         """This node as placement sees it: capacity and what live sandboxes reserve."""
         live = [s for s in self.sandboxes.values() if s.status in ("creating", "running")]
         cfg = self.config
-        return NodeLoad(node=os.fspath(cfg.home), backends=tuple(sorted(self.registry.backends)),
-                        cpu_capacity=cfg.cpu_capacity,
-                        cpu_committed=sum(s.rt.limits.cpu for s in live),
-                        memory_capacity=cfg.memory_capacity,
-                        memory_committed=sum(s.rt.limits.memory for s in live),
-                        sandboxes=len(live), max_sandboxes=cfg.max_sandboxes)
+        return NodeLoad(
+            node=os.fspath(cfg.home),
+            backends=tuple(sorted(self.registry.backends)),
+            cpu_capacity=cfg.cpu_capacity,
+            cpu_committed=sum(s.rt.limits.cpu for s in live),
+            memory_capacity=cfg.memory_capacity,
+            memory_committed=sum(s.rt.limits.memory for s in live),
+            sandboxes=len(live),
+            max_sandboxes=cfg.max_sandboxes,
+        )
 
     def _admit(self, spec: SandboxSpec) -> None:
         """Local admission: this node is the one eligible node if ``spec`` fits, and the
@@ -232,13 +279,13 @@ class Node:
         if refusal is not None:
             raise refusal
         if plugins.place(spec, [load]) is None:
-            raise AdmissionRejected(f"placement declined node {load.node}", reason="placement",
-                                    node=load.node)
+            raise AdmissionRejected(
+                f"placement declined node {load.node}", reason="placement", node=load.node
+            )
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
         backend = self.backend(spec.backend)
-        limits = spec.limits
         chosen = self.policies_for(spec, backend)
         self._admit(spec)
         refs = list(spec.layers)  # explicit layers go on top of the environment's
@@ -254,8 +301,14 @@ class Node:
         rt = self._runtime(sid, spec, backend)
         rt.dir.mkdir(mode=0o711)
         now = time.time()
-        sb = Sandbox(rt=rt, backend=backend, layers=layers, created=now,
-                     expires=now + spec.ttl if spec.ttl else None, policies=chosen)
+        sb = Sandbox(
+            rt=rt,
+            backend=backend,
+            layers=layers,
+            created=now,
+            expires=now + spec.ttl if spec.ttl else None,
+            policies=chosen,
+        )
         self.sandboxes[sid] = sb  # counted by admission from here on
         taken: list[str] = []
         t_prep = time.perf_counter()
@@ -267,9 +320,14 @@ class Node:
             t_start = time.perf_counter()
             sb.status = "running"
             self._write_state(sb)
-            log.debug("created %s: prepare %.1f ms, layers %.1f ms, backend %.1f ms, "
-                      "total %.1f ms", sid, 1e3 * (t_prep - t0), 1e3 * (t_layers - t_prep),
-                      1e3 * (t_start - t_layers), 1e3 * (time.perf_counter() - t0))
+            log.debug(
+                "created %s: prepare %.1f ms, layers %.1f ms, backend %.1f ms, total %.1f ms",
+                sid,
+                1e3 * (t_prep - t0),
+                1e3 * (t_layers - t_prep),
+                1e3 * (t_start - t_layers),
+                1e3 * (time.perf_counter() - t0),
+            )
         except BaseException:
             self.sandboxes.pop(sid, None)
             await asyncio.shield(self._undo_create(taken, rt, chosen))
@@ -282,35 +340,47 @@ class Node:
         """A sandbox's runtime record before its root filesystem is prepared."""
         sdir = self.config.runtime_dir / sid
         assert self.agent_binary is not None, "Node.open() first"
-        return SandboxRuntime(id=sid, spec=spec, limits=spec.limits, dir=sdir,
-                              data_dir=self.config.sandbox_dir / sid,
-                              agent_socket=sdir / "agent.sock", agent_binary=self.agent_binary,
-                              idmap=self.idmap, enforce=self._enforcer(sid))
+        return SandboxRuntime(
+            id=sid,
+            spec=spec,
+            limits=spec.limits,
+            dir=sdir,
+            data_dir=self.config.sandbox_dir / sid,
+            agent_socket=sdir / "agent.sock",
+            agent_binary=self.agent_binary,
+            idmap=self.idmap,
+            enforce=self._enforcer(sid),
+        )
 
-    async def _prepare_rootfs(self, rt: SandboxRuntime, backend: Backend,
-                              sources: list[tuple[LayerSource, LayerInfo]],
-                              taken: list[str]) -> SandboxRuntime:
+    async def _prepare_rootfs(
+        self,
+        rt: SandboxRuntime,
+        backend: Backend,
+        sources: list[tuple[LayerSource, LayerInfo]],
+        taken: list[str],
+    ) -> SandboxRuntime:
         """What the backend asks for: mounted layers under an overlay (``COMPOSED``; each
         layer mount taken is appended to ``taken``), or the image files and a writable disk
         (``IMAGES``: nothing is mounted)."""
         files = [await self._layer_files(source, info) for source, info in sources]
         if backend.rootfs is RootfsForm.IMAGES:
-            images = tuple(LayerImage(info.ref, info.digest, image, device)
-                           for (_, info), (image, device) in zip(sources, files))
+            images = tuple(
+                LayerImage(info.ref, info.digest, image, device)
+                for (_, info), (image, device) in zip(sources, files, strict=True)
+            )
             size = rt.limits.disk or DEFAULT_DISK_SIZE
             disk = _sparse_disk(rt.data_dir, size)
             return replace(rt, images=images, disk=disk, disk_size=size)
         assert self.mounts is not None
         mounts = []
-        for (_, info), (image, device) in zip(sources, files):
+        for (_, info), (image, device) in zip(sources, files, strict=True):
             mounts.append(self.mounts.acquire(info.digest, image, device))
             taken.append(info.digest)
         rootfs = rt.dir / "rootfs"
         OverlayStack(rt.data_dir, rootfs).mount(mounts, owner=self.idmap.host_base)
         return replace(rt, rootfs=rootfs)
 
-    async def _layer_files(self, source: LayerSource,
-                           info: LayerInfo) -> tuple[Path, Path | None]:
+    async def _layer_files(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path | None]:
         """What to mount for a layer: (image, None) for a whole image, or (metadata image,
         data blob) to load it on demand."""
         if source.local:
@@ -337,23 +407,34 @@ class Node:
         out = []
         for source, info in self.resolve_layers(refs):
             if source.local:
-                out.append({"layer": info.ref, "source": source.url, "fetched": 0,
-                            "mode": "local"})
+                out.append({"layer": info.ref, "source": source.url, "fetched": 0, "mode": "local"})
                 continue
             image, device = await self._layer_files(source, info)
             form = source.lazy_form(info) if device is not None else None
             if form is None:
-                out.append({"layer": info.ref, "source": source.url, "mode": "whole",
-                            "fetched": info.size})
+                out.append(
+                    {"layer": info.ref, "source": source.url, "mode": "whole", "fetched": info.size}
+                )
                 continue
             assert self.ondemand is not None
             n = await asyncio.to_thread(self.ondemand.prefetch, form.index.blob_digest)
-            out.append({"layer": info.ref, "source": source.url, "mode": "on-demand",
-                        "fetched": n, "chunks": len(form.index.chunks)})
+            out.append(
+                {
+                    "layer": info.ref,
+                    "source": source.url,
+                    "mode": "on-demand",
+                    "fetched": n,
+                    "chunks": len(form.index.chunks),
+                }
+            )
         return out
 
-    async def _undo_create(self, taken: list[str], rt: SandboxRuntime,
-                           chosen: list[tuple[SecurityPolicy, dict[str, Any]]]) -> None:
+    async def _undo_create(
+        self,
+        taken: list[str],
+        rt: SandboxRuntime,
+        chosen: list[tuple[SecurityPolicy, dict[str, Any]]],
+    ) -> None:
         try:
             OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount()  # no-op if never mounted
         finally:
@@ -371,12 +452,15 @@ class Node:
 
     async def create_many_settled(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | DsecError]:
         """Create ``n`` sandboxes concurrently; each slot holds its sandbox or its typed error."""
-        results = await asyncio.gather(*(self.create(spec) for _ in range(n)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.create(spec) for _ in range(n)), return_exceptions=True
+        )
+        out: list[SandboxInfo | DsecError] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, DsecError):
                 raise r
-        return list(results)
+            out.append(r)
+        return out
 
     def _arm_ttl(self, sb: Sandbox) -> None:
         loop = asyncio.get_running_loop()
@@ -393,14 +477,15 @@ class Node:
     def _get(self, sid: str) -> Sandbox:
         sb = self.sandboxes.get(sid)
         if sb is None:
-            raise UnknownSandbox(f"no sandbox {sid!r} on this node", name=sid,
-                                 known=sorted(self.sandboxes))
+            raise UnknownSandbox(
+                f"no sandbox {sid!r} on this node", name=sid, known=sorted(self.sandboxes)
+            )
         return sb
 
     def get(self, sid: str) -> SandboxInfo:
         return self._get(sid).info()
 
-    def list(self) -> list[SandboxInfo]:
+    def list_sandboxes(self) -> list[SandboxInfo]:
         return [sb.info() for sb in sorted(self.sandboxes.values(), key=lambda s: s.created)]
 
     def usage(self, sid: str) -> SandboxUsage:
@@ -445,26 +530,45 @@ class Node:
             sb.agent = AgentClient(sb.rt.agent_socket, sandbox_id=sid)
         return sb.agent
 
-    async def exec(self, sid: str, cmd: str | Sequence[str], *, timeout: float | None = None,
-                   cwd: str | None = None, env: dict[str, str] | None = None,
-                   stdin: bytes | None = None, max_output: int = 1 << 20) -> ExecResult:
+    async def exec(
+        self,
+        sid: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
         sb = self._get(sid)
         merged = {**sb.rt.spec.env, **(env or {})} or None
         cwd = cwd or sb.rt.spec.workdir or "/"
-        return await self.agent(sid).exec(cmd, timeout=timeout, cwd=cwd, env=merged,
-                                          stdin=stdin, max_output=max_output)
+        return await self.agent(sid).exec(
+            cmd, timeout=timeout, cwd=cwd, env=merged, stdin=stdin, max_output=max_output
+        )
 
-    async def session_open(self, sid: str, cwd: str | None = None,
-                           env: dict[str, str] | None = None) -> str:
+    async def session_open(
+        self, sid: str, cwd: str | None = None, env: dict[str, str] | None = None
+    ) -> str:
         sb = self._get(sid)
         return await self.agent(sid).session_open(
-            cwd=cwd or sb.rt.spec.workdir or "/", env={**sb.rt.spec.env, **(env or {})} or None)
+            cwd=cwd or sb.rt.spec.workdir or "/", env={**sb.rt.spec.env, **(env or {})} or None
+        )
 
-    async def session_exec(self, sid: str, session: str, cmd: str, *,
-                           timeout: float | None = None, stdin: bytes | None = None,
-                           max_output: int = 1 << 20) -> ExecResult:
-        return await self.agent(sid).session_exec(session, cmd, timeout=timeout, stdin=stdin,
-                                                  max_output=max_output)
+    async def session_exec(
+        self,
+        sid: str,
+        session: str,
+        cmd: str,
+        *,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
+        return await self.agent(sid).session_exec(
+            session, cmd, timeout=timeout, stdin=stdin, max_output=max_output
+        )
 
     async def session_close(self, sid: str, session: str) -> None:
         await self.agent(sid).session_close(session)
@@ -475,8 +579,15 @@ class Node:
     async def read_file(self, sid: str, path: str, offset: int = 0, length: int = -1) -> bytes:
         return await self.agent(sid).read_file(path, offset, length)
 
-    async def write_file(self, sid: str, path: str, data: bytes, mode: int = 0o644,
-                         offset: int = 0, truncate: bool = True) -> None:
+    async def write_file(
+        self,
+        sid: str,
+        path: str,
+        data: bytes,
+        mode: int = 0o644,
+        offset: int = 0,
+        truncate: bool = True,
+    ) -> None:
         await self.agent(sid).write_file(path, data, mode=mode, offset=offset, truncate=truncate)
 
     async def list_dir(self, sid: str, path: str) -> list[FileEntry]:
@@ -523,6 +634,7 @@ class Node:
         for ddir in sorted(self.config.sandbox_dir.iterdir()):
             if ddir.name not in self.sandboxes:
                 await self._scrub_dir(ddir)
+        assert self.mounts is not None  # open() made it
         self.mounts.adopt(in_use)
         for sb in self.sandboxes.values():
             if sb.expires:
@@ -537,22 +649,32 @@ class Node:
         # State written before runtimes recorded their form: a composed root is at rootfs/.
         composed = os.fspath(sdir / "rootfs") if backend.rootfs is RootfsForm.COMPOSED else None
         rootfs = doc.get("rootfs", composed)
-        rt = replace(self._runtime(sid, spec, backend), idmap=IdMap(*doc["idmap"]),
-                     rootfs=Path(rootfs) if rootfs else None,
-                     images=tuple(LayerImage(ref, digest, Path(image),
-                                             Path(device) if device else None)
-                                  for ref, digest, image, device in doc.get("images", [])),
-                     disk=Path(doc["disk"]) if doc.get("disk") else None,
-                     disk_size=int(doc.get("disk_size") or 0))
+        rt = replace(
+            self._runtime(sid, spec, backend),
+            idmap=IdMap(*doc["idmap"]),
+            rootfs=Path(rootfs) if rootfs else None,
+            images=tuple(
+                LayerImage(ref, digest, Path(image), Path(device) if device else None)
+                for ref, digest, image, device in doc.get("images", [])
+            ),
+            disk=Path(doc["disk"]) if doc.get("disk") else None,
+            disk_size=int(doc.get("disk_size") or 0),
+        )
         try:
             chosen = self.policies_for(spec, backend)
         except DsecError as e:  # it ran with them; it keeps running, but cannot release them
-            log.warning("sandbox %s: its security policies are not all here any more: %s",
-                        sid, e)
+            log.warning("sandbox %s: its security policies are not all here any more: %s", sid, e)
             chosen = []
-        return Sandbox(rt=rt, backend=backend, layers=layers, created=doc["created"],
-                       expires=doc["expires"], backend_state=doc.get("backend_state") or {},
-                       status=doc.get("status", "creating"), policies=chosen)
+        return Sandbox(
+            rt=rt,
+            backend=backend,
+            layers=layers,
+            created=doc["created"],
+            expires=doc["expires"],
+            backend_state=doc.get("backend_state") or {},
+            status=doc.get("status", "creating"),
+            policies=chosen,
+        )
 
     async def _scrub_dir(self, sdir: Path) -> None:
         for mp in mounted_under(sdir):
@@ -564,10 +686,12 @@ class Node:
         while True:
             await asyncio.sleep(1.0)
             try:
+                assert self.mounts is not None
                 self.mounts.sweep()
                 for sid, sb in list(self.sandboxes.items()):
-                    if sb.status == "running" and not await sb.backend.alive(sb.rt,
-                                                                              sb.backend_state):
+                    if sb.status == "running" and not await sb.backend.alive(
+                        sb.rt, sb.backend_state
+                    ):
                         log.warning("sandbox %s died on its own; cleaning up", sid)
                         self._spawn(self.kill(sid, reason="died"))
             except Exception:  # the watcher must not die; log and go on

@@ -31,15 +31,15 @@ from pathlib import Path
 
 from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
+from ..lazy.blob import LazyBlob, prefetch
 from ..lazy.chunks import ChunkCache
 from ..lazy.fuse import FuseServer
 from ..lazy.keeper import ask_keeper, dismiss_keeper
 from ..lazy.layout import AccessTrace, ReadProfile
-from ..lazy.blob import LazyBlob, prefetch
 from ..lazy.split import LazyForm
 from ..plugins import Registry
-from ..sources.base import LayerSource
 from ..records import LayerInfo
+from ..sources.base import LayerSource
 
 __all__ = ["OnDemandLayers"]
 
@@ -100,8 +100,12 @@ class OnDemandLayers:
             doc = json.loads(path.read_text())
             try:
                 source = self.registry.open_source(doc["source"], self.config)
-                self._register(server, source, LayerInfo.from_dict(doc["layer"]),
-                               LazyForm.from_json(doc["form"]))
+                self._register(
+                    server,
+                    source,
+                    LayerInfo.from_dict(doc["layer"]),
+                    LazyForm.from_json(doc["form"]),
+                )
             except DsecError as e:  # the blob stays unregistered; its reads fail with ENOENT
                 log.error("cannot serve on-demand blob %s again: %s", path.stem, e)
         server.start()  # re-sends what the dead daemon had taken
@@ -111,10 +115,23 @@ class OnDemandLayers:
 
     def _start_keeper(self, fd: int) -> None:
         self._keeper = subprocess.Popen(
-            [sys.executable, "-m", "dsec_core.lazy.keeper", "--fd", str(fd), "--socket",
-             os.fspath(self.keeper_socket), "--mountpoint", os.fspath(self.mountpoint)],
-            pass_fds=(fd,), start_new_session=True, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "dsec_core.lazy.keeper",
+                "--fd",
+                str(fd),
+                "--socket",
+                os.fspath(self.keeper_socket),
+                "--mountpoint",
+                os.fspath(self.mountpoint),
+            ],
+            pass_fds=(fd,),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         out = self._keeper.stdout
         assert out is not None  # stdout=PIPE
         if out.readline().strip() != b"ready":
@@ -124,23 +141,31 @@ class OnDemandLayers:
         out.close()
 
     # --- blobs ------------------------------------------------------------------------------
-    def _register(self, server: FuseServer, source: LayerSource, info: LayerInfo,
-                  form: LazyForm) -> None:
+    def _register(
+        self, server: FuseServer, source: LayerSource, info: LayerInfo, form: LazyForm
+    ) -> None:
         index = form.index
         if index.blob_digest in self.blobs:
             return
         assert self.cache is not None, "_open() first"
-        blob = LazyBlob(index, self.cache,
-                        lambda off, n: source.read_blob(index.blob_digest, off, n),
-                        self.config.fetch_timeout,
-                        trace=AccessTrace() if self.config.trace_reads else None)
+        blob = LazyBlob(
+            index,
+            self.cache,
+            lambda off, n: source.read_blob(index.blob_digest, off, n),
+            self.config.fetch_timeout,
+            trace=AccessTrace() if self.config.trace_reads else None,
+        )
         server.add_blob(index.blob_digest.split(":", 1)[-1], index.blob_size, blob.read)
         self.blobs[index.blob_digest] = blob
         self.layer_of[index.blob_digest] = info.digest
         if index.hot and self.config.prefetch_hot:
             self._warmers = [w for w in self._warmers if w.is_alive()]
-            warmer = threading.Thread(target=self._warm_hot, args=(blob, info.ref),
-                                      name=f"warm-{index.blob_digest[7:19]}", daemon=True)
+            warmer = threading.Thread(
+                target=self._warm_hot,
+                args=(blob, info.ref),
+                name=f"warm-{index.blob_digest[7:19]}",
+                daemon=True,
+            )
             self._warmers.append(warmer)
             warmer.start()
 
@@ -165,8 +190,12 @@ class OnDemandLayers:
                     return
                 done.append(i)
 
-        helpers = [threading.Thread(target=work, name=f"{threading.current_thread().name}-{n}",
-                                    daemon=True) for n in range(1, WARM_PARALLEL)]
+        helpers = [
+            threading.Thread(
+                target=work, name=f"{threading.current_thread().name}-{n}", daemon=True
+            )
+            for n in range(1, WARM_PARALLEL)
+        ]
         for t in helpers:
             t.start()
         work()
@@ -181,8 +210,15 @@ class OnDemandLayers:
         for digest, blob in list(self.blobs.items()):
             if blob.trace is None or not len(blob.trace):
                 continue
-            out.append(ReadProfile(self.layer_of[digest], blob.index.logical_digest,
-                                   blob.index.blob_size, tuple(blob.trace.ranges()), workload))
+            out.append(
+                ReadProfile(
+                    self.layer_of[digest],
+                    blob.index.logical_digest,
+                    blob.index.blob_size,
+                    tuple(blob.trace.ranges()),
+                    workload,
+                )
+            )
         return out
 
     def prepare(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path] | None:
@@ -200,12 +236,20 @@ class OnDemandLayers:
             if form.index.blob_digest not in self.blobs:
                 record = self.state_dir / f"{name}.json"
                 tmp = record.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"source": source.url, "layer": info.to_dict(),
-                                           "form": form.to_json()}))
+                tmp.write_text(
+                    json.dumps(
+                        {"source": source.url, "layer": info.to_dict(), "form": form.to_json()}
+                    )
+                )
                 os.replace(tmp, record)
                 self._register(server, source, info, form)
-                log.info("layer %s on demand: %d chunks of %d KiB from %s", info.ref,
-                         len(form.index.chunks), form.index.chunk_size >> 10, source.url)
+                log.info(
+                    "layer %s on demand: %d chunks of %d KiB from %s",
+                    info.ref,
+                    len(form.index.chunks),
+                    form.index.chunk_size >> 10,
+                    source.url,
+                )
         return meta, server.path_of(name)
 
     def prefetch(self, blob_digest: str) -> int:

@@ -14,8 +14,9 @@ import hmac
 import logging
 import os
 import traceback
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -25,15 +26,29 @@ from starlette.routing import Route as StarletteRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
-from ..api.messages import (Closed, CreateResult, DirListing, ErrorBody, Killed, LayerList,
-                            NodeCapacity, NodeStatus, PrefetchedLayer, PrefetchResult, Removed,
-                            SandboxList, SessionList, SessionOpened, Written)
+from ..api.messages import (
+    Closed,
+    CreateResult,
+    DirListing,
+    ErrorBody,
+    Killed,
+    LayerList,
+    NodeCapacity,
+    NodeStatus,
+    PrefetchedLayer,
+    PrefetchResult,
+    Removed,
+    SandboxList,
+    SessionList,
+    SessionOpened,
+    Written,
+)
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, ROUTES, Route, dump_json
 from ..errors import AdmissionRejected, AuthenticationFailed, DsecError, InvalidSpec, NotFound
 from .node import Node
 
-__all__ = ["make_app", "require_token", "error_response", "HANDLERS"]
+__all__ = ["HANDLERS", "error_response", "make_app", "require_token"]
 
 log = logging.getLogger("dsec.api")
 
@@ -69,12 +84,16 @@ def _handles(name: str) -> Callable[[Handler], Handler]:
 async def _node_info(node: Node, c: Call) -> NodeStatus:
     cfg = node.config
     return NodeStatus(
-        version=__version__, pid=os.getpid(), home=os.fspath(cfg.home),
+        version=__version__,
+        pid=os.getpid(),
+        home=os.fspath(cfg.home),
         sandboxes=len(node.sandboxes),
-        capacity=NodeCapacity(cpu=cfg.cpu_capacity, memory=cfg.memory_capacity,
-                              sandboxes=cfg.max_sandboxes),
+        capacity=NodeCapacity(
+            cpu=cfg.cpu_capacity, memory=cfg.memory_capacity, sandboxes=cfg.max_sandboxes
+        ),
         backends=tuple(sorted(node.registry.backends)),
-        layer_sources=tuple(repr(s) for s in node.layer_sources))
+        layer_sources=tuple(repr(s) for s in node.layer_sources),
+    )
 
 
 @_handles("openapi")
@@ -88,17 +107,20 @@ async def _create(node: Node, c: Call) -> CreateResult:
     if count == 1:
         return CreateResult(sandboxes=(await node.create(spec),))
     if count > node.config.max_sandboxes:  # refused before any work, not once per slot
-        raise AdmissionRejected(f"count {count} is over the node's {node.config.max_sandboxes} "
-                                "sandboxes", reason="count")
+        raise AdmissionRejected(
+            f"count {count} is over the node's {node.config.max_sandboxes} sandboxes",
+            reason="count",
+        )
     results = await node.create_many_settled(spec, count)
     return CreateResult(
         sandboxes=tuple(r for r in results if not isinstance(r, DsecError)),
-        errors=tuple(ErrorBody(**r.to_wire()) for r in results if isinstance(r, DsecError)))
+        errors=tuple(ErrorBody(**r.to_wire()) for r in results if isinstance(r, DsecError)),
+    )
 
 
 @_handles("list")
 async def _list(node: Node, c: Call) -> SandboxList:
-    return SandboxList(sandboxes=tuple(node.list()))
+    return SandboxList(sandboxes=tuple(node.list_sandboxes()))
 
 
 @_handles("get")
@@ -120,8 +142,15 @@ async def _usage(node: Node, c: Call) -> Any:
 @_handles("exec")
 async def _exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.exec(c.sid, b.cmd, timeout=b.timeout, cwd=b.cwd, env=b.env, stdin=b.stdin,
-                           max_output=b.max_output)
+    return await node.exec(
+        c.sid,
+        b.cmd,
+        timeout=b.timeout,
+        cwd=b.cwd,
+        env=b.env,
+        stdin=b.stdin,
+        max_output=b.max_output,
+    )
 
 
 @_handles("session_open")
@@ -137,8 +166,9 @@ async def _sessions(node: Node, c: Call) -> SessionList:
 @_handles("session_exec")
 async def _session_exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.session_exec(c.sid, c.path["ses"], b.cmd, timeout=b.timeout,
-                                   stdin=b.stdin, max_output=b.max_output)
+    return await node.session_exec(
+        c.sid, c.path["ses"], b.cmd, timeout=b.timeout, stdin=b.stdin, max_output=b.max_output
+    )
 
 
 @_handles("session_close")
@@ -156,8 +186,9 @@ async def _read_file(node: Node, c: Call) -> bytes:
 @_handles("write_file")
 async def _write_file(node: Node, c: Call) -> Written:
     q = c.query
-    await node.write_file(c.sid, q.path, c.body, mode=int(q.mode, 8), offset=q.offset,
-                          truncate=q.truncate)
+    await node.write_file(
+        c.sid, q.path, c.body, mode=int(q.mode, 8), offset=q.offset, truncate=q.truncate
+    )
     return Written(written=len(c.body))
 
 
@@ -190,19 +221,26 @@ async def _prefetch(node: Node, c: Call) -> PrefetchResult:
 
 # --- the generic endpoint ----------------------------------------------------------------------
 
+
 def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(dump_json({"error": err.to_wire()}), err.http_status, headers=headers,
-                    media_type=JSON)
+    return Response(
+        dump_json({"error": err.to_wire()}), err.http_status, headers=headers, media_type=JSON
+    )
 
 
-def _endpoint(route: Route, handler: Handler, node: Node) -> Callable[[Request], Awaitable[Response]]:
+def _endpoint(
+    route: Route, handler: Handler, node: Node
+) -> Callable[[Request], Awaitable[Response]]:
     status, media_type = route.status, route.response_type
     takes_body = route.body is not None
 
     async def endpoint(request: Request) -> Response:
         try:
-            call = Call(request.path_params, route.decode_query(request.query_params),
-                        route.decode_body(await request.body()) if takes_body else None)
+            call = Call(
+                request.path_params,
+                route.decode_query(request.query_params),
+                route.decode_body(await request.body()) if takes_body else None,
+            )
             answer = await handler(node, call)
         except DsecError as e:
             return error_response(e)
@@ -214,28 +252,45 @@ def _endpoint(route: Route, handler: Handler, node: Node) -> Callable[[Request],
 def make_app(node: Node, lifespan: Any = None) -> Starlette:
     """The ASGI app of every route in the table, over ``node``."""
     if set(HANDLERS) != set(ROUTES):
-        raise RuntimeError(f"routes without a handler: {sorted(set(ROUTES) - set(HANDLERS))}; "
-                           f"handlers without a route: {sorted(set(HANDLERS) - set(ROUTES))}")
+        raise RuntimeError(
+            f"routes without a handler: {sorted(set(ROUTES) - set(HANDLERS))}; "
+            f"handlers without a route: {sorted(set(HANDLERS) - set(ROUTES))}"
+        )
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         # Starlette's own answers (no such path, wrong method) in the API's error shape.
         assert isinstance(exc, HTTPException)
-        err = NotFound(f"no route {request.method} {request.url.path}") \
-            if exc.status_code == 404 else DsecError(f"{request.method} {request.url.path}: "
-                                                     f"{exc.detail}")
-        return Response(dump_json({"error": err.to_wire()}), exc.status_code, media_type=JSON,
-                        headers=exc.headers)
+        err = (
+            NotFound(f"no route {request.method} {request.url.path}")
+            if exc.status_code == 404
+            else DsecError(f"{request.method} {request.url.path}: {exc.detail}")
+        )
+        return Response(
+            dump_json({"error": err.to_wire()}),
+            exc.status_code,
+            media_type=JSON,
+            headers=exc.headers,
+        )
 
     async def on_other_error(request: Request, exc: Exception) -> Response:
-        log.error("internal error on %s %s\n%s", request.method, request.url.path,
-                  "".join(traceback.format_exception(exc)))
+        log.error(
+            "internal error on %s %s\n%s",
+            request.method,
+            request.url.path,
+            "".join(traceback.format_exception(exc)),
+        )
         err = DsecError(f"internal error in the node daemon: {type(exc).__name__}: {exc}")
         return Response(dump_json({"error": err.to_wire()}), 500, media_type=JSON)
 
-    routes = [StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
-              for r in ROUTES.values()]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: on_http_error, Exception: on_other_error})
+    routes = [
+        StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
+        for r in ROUTES.values()
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: on_http_error, Exception: on_other_error},
+    )
     app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
     return app
 
@@ -253,8 +308,9 @@ def require_token(app: ASGIApp, token: str) -> ASGIApp:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             if given is None or not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
                 why = "no bearer token" if given is None else "a wrong bearer token"
-                err = AuthenticationFailed(f"the request carried {why}; send Authorization: "
-                                           "Bearer <token> (DSEC_TOKEN)")
+                err = AuthenticationFailed(
+                    f"the request carried {why}; send Authorization: Bearer <token> (DSEC_TOKEN)"
+                )
                 await error_response(err, {"www-authenticate": "Bearer"})(scope, receive, send)
                 return
         await app(scope, receive, send)
