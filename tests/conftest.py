@@ -26,6 +26,12 @@ def built_catalog_config() -> NodeConfig:
 
 
 @pytest.fixture
+def dsec_backend_name() -> str:
+    """Core's own tests run the kit's sandboxes on the shipped container backend."""
+    return "container"
+
+
+@pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     """A private DSEC_HOME for tests that use stores directly, without a node."""
     home = tmp_path / "home"

@@ -19,12 +19,6 @@ from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
 from dsec_core.testing import leftovers, running_kit_node
 
 
-@pytest.fixture
-def dsec_backend_name() -> str:
-    """The kit's sandboxes in this module run on the container backend."""
-    return "container"
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
