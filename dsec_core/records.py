@@ -24,6 +24,7 @@ __all__ = [
     "LayerRef",
     "Limits",
     "NodeLoad",
+    "PolicyState",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxUsage",
@@ -219,6 +220,10 @@ class SandboxInfo(_Record):
     limits: Mapping[str, Any]
     labels: Mapping[str, str] = field(default_factory=dict)
     pid: int | None = None
+    #: Every security policy considered for the sandbox: "enforced", or why it is not
+    #: ("off: ..." turned off by the spec, "skipped: ..." best effort or a default the backend
+    #: cannot enforce).
+    policies: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -240,6 +245,17 @@ class SandboxUsage(_Record):
     memory: int | None = None
     cpu_seconds: float | None = None
     pids: int | None = None
+
+
+@dataclass(frozen=True)
+class PolicyState(_Record):
+    """One security policy of a sandbox: ``state`` is "enforced" (then ``settings`` are those in
+    force and ``stats`` what the policy saw so far, e.g. denied attempts) or why it is not."""
+
+    name: str
+    state: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    stats: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from .api.messages import (
     CreateRequest,
     ExecRequest,
     FileQuery,
+    PolicySettings,
     PrefetchRequest,
     ReadQuery,
     RemoveQuery,
@@ -40,7 +41,15 @@ from .api.transport import (
 from .config import NodeConfig
 from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
 from .localnode import ensure_daemon
-from .records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec, SandboxUsage
+from .records import (
+    ExecResult,
+    FileEntry,
+    LayerInfo,
+    PolicyState,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxUsage,
+)
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "Sandbox", "Session"]
 
@@ -186,6 +195,16 @@ class Client:
 
     def usage(self, sandbox_id: str) -> SandboxUsage:
         return self._call("usage", sid=sandbox_id)
+
+    def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
+        """The sandbox's security policies: in force (with what they saw), or why not."""
+        return list(self._call("policies", sid=sandbox_id).policies)
+
+    def set_policy(self, sandbox_id: str, policy: str, settings: Mapping[str, Any]) -> PolicyState:
+        """Change a live policy (e.g. a network allowlist) of a running sandbox."""
+        return self._call(
+            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
+        )
 
     def layers(self) -> builtins.list[LayerInfo]:
         return list(self._call("layers").layers)
@@ -343,6 +362,16 @@ class AsyncClient:
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         return await self._call("usage", sid=sandbox_id)
 
+    async def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
+        return list((await self._call("policies", sid=sandbox_id)).policies)
+
+    async def set_policy(
+        self, sandbox_id: str, policy: str, settings: Mapping[str, Any]
+    ) -> PolicyState:
+        return await self._call(
+            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
+        )
+
     async def layers(self) -> builtins.list[LayerInfo]:
         return list((await self._call("layers")).layers)
 
@@ -448,6 +477,8 @@ _SANDBOX_METHODS = (
     "stat",
     "remove",
     "usage",
+    "policies",
+    "set_policy",
     "kill",
 )
 

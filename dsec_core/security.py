@@ -1,12 +1,17 @@
 """The contract for security policy plugins (file rules, network allowlists, seccomp, ...).
 
-A sandbox names the policies it wants in ``SandboxSpec.policies`` (name -> settings); only
-those apply to it. Before anything is set up, the node checks each one: the policy exists
-(``UnknownPolicy``), its settings are valid (``validate``: ``InvalidSpec``), this host can run it
-(``check_available``) and it can be enforced on the sandbox's backend (``enforceable_on``): if
-not, the create fails with ``PolicyUnavailable``, never silently without the policy.
-``SandboxSpec.network`` modes other than ``"none"`` must be enforced by a requested policy that
-lists the mode in ``network_modes``.
+A sandbox names the policies it wants in ``SandboxSpec.policies`` (name -> settings); those
+apply to it, plus the ``default`` policies its backend can enforce. Before anything is set up,
+the node checks each one: the policy exists (``UnknownPolicy``), its settings are valid
+(``validate``: ``InvalidSpec``), this host can run it (``check_available``) and it can be
+enforced on the sandbox's backend (``enforceable_on``): if not, the create fails with
+``PolicyUnavailable``, never silently without the policy. ``SandboxSpec.network`` modes other
+than ``"none"`` must be enforced by a requested policy that lists the mode in ``network_modes``.
+
+Two settings keys belong to the node, not the policy (it never sees them): ``"enabled": false``
+turns a policy off for the sandbox (a ``default`` one, typically), and ``"best_effort": true``
+lets the sandbox start without a policy the host or backend cannot enforce. Either way the
+sandbox's ``SandboxInfo.policies`` says which policies are in force and why others are not.
 
 Enforcement happens at the backend's enforcement points (``Backend.policy_targets``): there the
 backend calls ``rt.enforce(target, subject)`` and the node calls ``apply(target, ...)`` of each
@@ -37,6 +42,12 @@ class SecurityPolicy:
     targets: ClassVar[frozenset[str]] = frozenset()
     #: ``SandboxSpec.network`` modes this policy enforces (e.g. ``{"allowlist"}``).
     network_modes: ClassVar[frozenset[str]] = frozenset()
+    #: Applied to every sandbox whose backend can enforce it, unless the sandbox's spec turns
+    #: it off (``{"enabled": false}``); where the backend cannot, the sandbox runs without it
+    #: and its ``SandboxInfo.policies`` says so.
+    default: ClassVar[bool] = False
+    #: Settings can change while the sandbox runs (``update``).
+    live: ClassVar[bool] = False
 
     @classmethod
     def check_available(cls) -> None:
@@ -62,6 +73,19 @@ class SecurityPolicy:
         self, rt: SandboxRuntime, settings: Mapping[str, Any], config: dict[str, Any]
     ) -> None:
         """Tighten a container's OCI runtime config in place before it starts (target "oci")."""
+
+    def update(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
+        """Enforce new (already validated) ``settings`` on a running sandbox (``live`` only)."""
+        raise NotImplementedError(f"security policy {self.name!r} cannot change live")
+
+    def adopted(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
+        """A restarted node daemon took over this running sandbox: pick up what the policy
+        keeps for it (pinned objects, counters)."""
+
+    def stats(self, rt: SandboxRuntime) -> Mapping[str, Any]:
+        """What the policy saw of the sandbox so far (e.g. denied attempts), for
+        ``dsec sandbox inspect``; JSON values."""
+        return {}
 
     def released(self, rt: SandboxRuntime) -> None:
         """The sandbox is gone; drop anything kept for it."""

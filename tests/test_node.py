@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -242,3 +243,24 @@ def test_explicit_layers_stack_on_an_environment(dsec_client, dsec_node, tmp_pat
     with dsec_client.create(environment="kit-env", layers=("extra-tool@1",), memory="64M") as sb:
         assert sb.info.layers == ("extra-tool@1", dsec_node.layer.ref)
         assert sb.exec("cat /opt/tool; echo $FROM_ENV").stdout == b"extra layer\nyes\n"
+
+
+def test_policies_over_the_api_and_the_cli(dsec_sandboxes, dsec_node):
+    sb = dsec_sandboxes.create()
+    states = {p.name: p.state for p in sb.policies()}
+    assert states == sb.info.policies  # what create reported is what inspect shows
+    with pytest.raises(dsec.PolicyUnavailable) as e:
+        sb.set_policy("no-such-policy-here", {"x": 1})
+    assert e.value.policy == "no-such-policy-here"
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "sandbox", "inspect", sb.id, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["sandbox"]["id"] == sb.id and doc["usage"]["pids"] >= 1
+    assert {p["name"] for p in doc["policies"]} == set(states)

@@ -92,10 +92,45 @@ class ElsewhereSource(LayerSource):
         return self.images[info.name][1]
 
 
+class HostnameByDefault(SecurityPolicy):
+    """A default policy: every sandbox gets it unless its spec turns it off."""
+
+    name = "hostname-default"
+    targets = frozenset({"oci"})
+    default = True
+
+    def apply_oci(self, rt, settings, config):
+        config["hostname"] = "by-default"
+
+
+class LiveMarker(SecurityPolicy):
+    """A live policy: its settings land in the sandbox at start and again on each update, and
+    it counts updates (its stats)."""
+
+    name = "live-marker"
+    targets = frozenset({"oci"})
+    live = True
+    updates: dict[str, int] = {}
+
+    def validate(self, settings):
+        if not isinstance(settings.get("mark"), str):
+            raise InvalidSpec("live-marker needs mark: a string")
+
+    def apply_oci(self, rt, settings, config):
+        self.update(rt, settings)
+
+    def update(self, rt, settings):
+        (rt.data_dir / "upper" / "mark").write_text(settings["mark"])
+        LiveMarker.updates[rt.id] = LiveMarker.updates.get(rt.id, 0) + 1
+
+    def stats(self, rt):
+        return {"updates": LiveMarker.updates.get(rt.id, 0)}
+
+
 class PolicyAndSourcePlugin:
     @hookimpl
     def dsec_register_security_policies(self, register):
-        for policy in (ReadOnlyPaths, CgroupBpfOnly, LabelNetwork):
+        for policy in (ReadOnlyPaths, CgroupBpfOnly, LabelNetwork, HostnameByDefault, LiveMarker):
             register(policy)
 
     @hookimpl
@@ -215,5 +250,64 @@ async def test_a_second_layer_source(node_with_plugin):
         other = await node.create(SandboxSpec(layers=("only-elsewhere@2",), memory="64M"))
         assert (await node.exec(other.id, "echo from-elsewhere")).stdout == b"from-elsewhere\n"
         await node.kill(other.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_default_policies_apply_unless_turned_off_and_best_effort_skips(node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
+        plain = await node.create(SandboxSpec(layers=("kit-base@1",), memory="64M"))
+        assert (await node.exec(plain.id, "hostname")).stdout == b"by-default\n"
+        assert plain.policies == {"hostname-default": "enforced"}
+        off = await node.create(
+            SandboxSpec(
+                layers=("kit-base@1",),
+                memory="64M",
+                policies={
+                    "hostname-default": {"enabled": False},
+                    "cgroup-bpf-only": {"best_effort": True},
+                },
+            )
+        )
+        assert (await node.exec(off.id, "hostname")).stdout != b"by-default\n"
+        assert off.policies["hostname-default"].startswith("off:")
+        assert off.policies["cgroup-bpf-only"].startswith("skipped:")
+        assert "cgroup-bpf" in off.policies["cgroup-bpf-only"]
+        # what the node reports is what is in force
+        states = {p.name: p.state for p in node.policy_states(off.id)}
+        assert states == off.policies
+        await node.kill(plain.id)
+        await node.kill(off.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_a_live_policy_changes_on_a_running_sandbox_and_survives_a_restart(node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
+        sb = await node.create(
+            SandboxSpec(
+                layers=("kit-base@1",), memory="64M", policies={"live-marker": {"mark": "one"}}
+            )
+        )
+        assert (await node.exec(sb.id, "cat /mark")).stdout == b"one"
+        state = node.set_policy(sb.id, "live-marker", {"mark": "two"})
+        assert state.settings == {"mark": "two"} and state.stats == {"updates": 2}
+        assert (await node.exec(sb.id, "cat /mark")).stdout == b"two"
+        with pytest.raises(InvalidSpec):
+            node.set_policy(sb.id, "live-marker", {"mark": 3})
+        with pytest.raises(PolicyUnavailable):  # in force, but not live
+            node.set_policy(sb.id, "hostname-default", {})
+        with pytest.raises(PolicyUnavailable):  # not in force on this sandbox
+            node.set_policy(sb.id, "readonly-paths", {"paths": ["/etc"]})
+        await node.close()  # the daemon goes; the sandbox stays
+        node = Node(node_with_plugin)
+        await node.open()
+        states = {p.name: p for p in node.policy_states(sb.id)}
+        assert states["live-marker"].settings == {"mark": "two"}  # as last set, not as created
+        await node.kill(sb.id)
     finally:
         await node.close(kill_all=True)

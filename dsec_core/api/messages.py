@@ -12,7 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidSpec
-from ..records import ExecResult, FileEntry, LayerInfo, SandboxInfo, SandboxSpec, SandboxUsage
+from ..records import (
+    ExecResult,
+    FileEntry,
+    LayerInfo,
+    PolicyState,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxUsage,
+)
 from .shapes import decoder, encoder
 
 __all__ = [
@@ -32,6 +40,9 @@ __all__ = [
     "Message",
     "NodeCapacity",
     "NodeStatus",
+    "PolicySettings",
+    "PolicyState",
+    "PolicyStates",
     "PrefetchRequest",
     "PrefetchResult",
     "PrefetchedLayer",
@@ -135,6 +146,20 @@ class SandboxList(Message):
     """Every sandbox on the node, oldest first."""
 
     sandboxes: tuple[SandboxInfo, ...]
+
+
+@dataclass(frozen=True)
+class PolicyStates(Message):
+    """Every security policy considered for a sandbox (``dsec sandbox inspect``)."""
+
+    policies: tuple[PolicyState, ...]
+
+
+@dataclass(frozen=True)
+class PolicySettings(Message):
+    """New settings for a live security policy in force on a running sandbox."""
+
+    settings: Mapping[str, Any]
 
 
 @dataclass(frozen=True)

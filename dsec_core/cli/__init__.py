@@ -214,6 +214,58 @@ def sandbox_ls(as_json) -> None:
     console.print(table)
 
 
+@sandbox.command("inspect")
+@click.argument("sandbox_id")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_inspect(sandbox_id, as_json) -> None:
+    """Show a sandbox: what it is, what it uses, and its security policies (in force, with
+    what they saw, such as denied connections; or why not)."""
+    with Client() as client:
+        info = client.get(sandbox_id).info
+        usage = client.usage(sandbox_id)
+        policies = client.policies(sandbox_id)
+    if as_json:
+        _dump(
+            {
+                "sandbox": info.to_dict(),
+                "usage": usage.to_dict(),
+                "policies": [p.to_dict() for p in policies],
+            }
+        )
+        return
+    console.print(
+        f"sandbox {info.id}: {info.state}, backend {info.backend}, "
+        f"{info.environment or ', '.join(info.layers)}"
+    )
+    console.print(f"usage: memory {usage.memory}, cpu {usage.cpu_seconds} s, pids {usage.pids}")
+    table = Table("policy", "state", "settings", "seen")
+    for p in policies:
+        table.add_row(
+            p.name,
+            p.state,
+            json.dumps(dict(p.settings)) if p.settings else "",
+            ", ".join(f"{k}={v}" for k, v in p.stats.items()),
+        )
+    console.print(table)
+
+
+@sandbox.command("policy")
+@click.argument("sandbox_id")
+@click.argument("policy")
+@click.argument("settings")
+def sandbox_policy(sandbox_id, policy, settings) -> None:
+    """Change live POLICY of a running sandbox to SETTINGS (a JSON object)."""
+    try:
+        new = json.loads(settings)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="SETTINGS") from None
+    if not isinstance(new, dict):
+        raise click.BadParameter("expected a JSON object", param_hint="SETTINGS")
+    with Client() as client:
+        state = client.set_policy(sandbox_id, policy, new)
+    click.echo(f"{state.name}: {state.state} {json.dumps(dict(state.settings))}")
+
+
 @sandbox.command("rm")
 @click.argument("sandbox_ids", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Remove every sandbox on the node.")

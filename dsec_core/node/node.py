@@ -17,7 +17,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from ..records import (
     IdMap,
     LayerInfo,
     NodeLoad,
+    PolicyState,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
@@ -62,6 +63,25 @@ STATE_FILE = "state.json"
 DEFAULT_DISK_SIZE = 10 << 30
 
 
+#: Settings keys the node reads itself; a policy never sees them.
+NODE_SETTINGS = ("enabled", "best_effort")
+
+
+@dataclass
+class PolicyPlan:
+    """The security policies of one sandbox: those in force, with their settings, and those
+    considered but not in force, with the reason."""
+
+    chosen: list[tuple[SecurityPolicy, dict[str, Any]]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def states(self) -> dict[str, str]:
+        return {**{p.name: "enforced" for p, _ in self.chosen}, **self.skipped}
+
+    def find(self, name: str) -> tuple[SecurityPolicy, dict[str, Any]] | None:
+        return next(((p, s) for p, s in self.chosen if p.name == name), None)
+
+
 @dataclass
 class Sandbox:
     """A sandbox as the daemon tracks it."""
@@ -76,7 +96,7 @@ class Sandbox:
     ttl_handle: asyncio.TimerHandle | None = None
     agent: AgentClient | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
-    policies: list[tuple[SecurityPolicy, dict[str, Any]]] = field(default_factory=list)
+    policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -91,6 +111,7 @@ class Sandbox:
             limits=self.rt.limits.to_dict(),
             labels=dict(spec.labels),
             pid=self.backend_state.get("pid"),
+            policies=self.policies.states(),
         )
 
     def state_doc(self) -> dict[str, Any]:
@@ -111,6 +132,10 @@ class Sandbox:
             ],
             "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
             "disk_size": self.rt.disk_size,
+            "policy_plan": {
+                "chosen": {p.name: s for p, s in self.policies.chosen},
+                "skipped": self.policies.skipped,
+            },
         }
 
 
@@ -195,26 +220,47 @@ class Node:
             policy = self._policies[name] = cls()
         return policy
 
-    def policies_for(
-        self, spec: SandboxSpec, backend: Backend
-    ) -> list[tuple[SecurityPolicy, dict[str, Any]]]:
-        """The policies ``spec`` asks for, with their settings, each checked to be enforceable
-        on ``backend``; ``spec.network`` must be enforced by the backend ("none") or by one of
-        them. Raises before anything is set up: ``UnknownPolicy``, ``InvalidSpec`` (settings)
-        or ``PolicyUnavailable``."""
-        chosen = []
-        for name, settings in spec.policies.items():
-            policy = self._policy(name)
-            if not policy.enforceable_on(type(backend)):
-                raise PolicyUnavailable(
-                    f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "
-                    f"it works through {sorted(policy.targets) or 'nothing'}, the backend "
-                    f"offers {sorted(backend.policy_targets) or 'nothing'}",
-                    policy=name,
-                    backend=backend.name,
-                )
+    def policies_for(self, spec: SandboxSpec, backend: Backend) -> PolicyPlan:
+        """The policies for a sandbox of ``spec`` on ``backend``: those it asks for and the
+        ``default`` ones, each checked to be enforceable there; ``spec.network`` must be
+        enforced by the backend ("none") or by one of them. Raises before anything is set up:
+        ``UnknownPolicy``, ``InvalidSpec`` (settings) or ``PolicyUnavailable`` (unless the
+        policy is a default or ``best_effort``: then it is skipped, with the reason)."""
+        plan = PolicyPlan()
+        requested = {n: dict(s) for n, s in spec.policies.items()}
+        defaults = {n for n, c in self.registry.security_policies.items() if c.default}
+        for name in sorted(defaults - set(requested)):
+            requested[name] = {}
+        for name, raw in requested.items():
+            settings = {k: v for k, v in raw.items() if k not in NODE_SETTINGS}
+            if raw.get("enabled", True) is False:
+                plan.skipped[name] = "off: the sandbox's spec turned it off"
+                continue
+            try:
+                policy = self._enforceable(name, backend)
+            except PolicyUnavailable as e:
+                if name in spec.policies and not raw.get("best_effort", False):
+                    raise
+                plan.skipped[name] = f"skipped: {e}"
+                continue
             policy.validate(settings)
-            chosen.append((policy, dict(settings)))
+            plan.chosen.append((policy, settings))
+        self._check_network(spec, backend, plan)
+        return plan
+
+    def _enforceable(self, name: str, backend: Backend) -> SecurityPolicy:
+        policy = self._policy(name)  # UnknownPolicy, or PolicyUnavailable from the host
+        if not policy.enforceable_on(type(backend)):
+            raise PolicyUnavailable(
+                f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "
+                f"it works through {sorted(policy.targets) or 'nothing'}, the backend "
+                f"offers {sorted(backend.policy_targets) or 'nothing'}",
+                policy=name,
+                backend=backend.name,
+            )
+        return policy
+
+    def _check_network(self, spec: SandboxSpec, backend: Backend, plan: PolicyPlan) -> None:
         if spec.network == "none":
             if Feature.NET_NAMESPACE not in backend.features:
                 raise PolicyUnavailable(
@@ -223,7 +269,7 @@ class Node:
                     policy="network",
                     backend=backend.name,
                 )
-        elif not any(spec.network in p.network_modes for p, _ in chosen):
+        elif not any(spec.network in p.network_modes for p, _ in plan.chosen):
             able = sorted(
                 n
                 for n, c in self.registry.security_policies.items()
@@ -237,14 +283,13 @@ class Node:
                 network=spec.network,
                 able=able,
             )
-        return chosen
 
     def _enforcer(self, sid: str) -> Callable[[str, Any], None]:
         """``SandboxRuntime.enforce`` of sandbox ``sid``: apply its policies at a target."""
 
         def enforce(target: str, subject: Any) -> None:
             sb = self._get(sid)
-            for policy, settings in sb.policies:
+            for policy, settings in sb.policies.chosen:
                 if target in policy.targets:
                     policy.apply(target, sb.rt, settings, subject)
 
@@ -286,7 +331,7 @@ class Node:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
         backend = self.backend(spec.backend)
-        chosen = self.policies_for(spec, backend)
+        plan = self.policies_for(spec, backend)
         self._admit(spec)
         refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
@@ -307,7 +352,7 @@ class Node:
             layers=layers,
             created=now,
             expires=now + spec.ttl if spec.ttl else None,
-            policies=chosen,
+            policies=plan,
         )
         self.sandboxes[sid] = sb  # counted by admission from here on
         taken: list[str] = []
@@ -330,7 +375,7 @@ class Node:
             )
         except BaseException:
             self.sandboxes.pop(sid, None)
-            await asyncio.shield(self._undo_create(taken, rt, chosen))
+            await asyncio.shield(self._undo_create(taken, rt, plan))
             raise
         if sb.expires:
             self._arm_ttl(sb)
@@ -433,7 +478,7 @@ class Node:
         self,
         taken: list[str],
         rt: SandboxRuntime,
-        chosen: list[tuple[SecurityPolicy, dict[str, Any]]],
+        plan: PolicyPlan,
     ) -> None:
         try:
             OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount()  # no-op if never mounted
@@ -442,7 +487,7 @@ class Node:
             for digest in taken:
                 self.mounts.release(digest)
             self._remove_dirs(rt)
-            for policy, _ in chosen:
+            for policy, _ in plan.chosen:
                 policy.released(rt)
 
     @staticmethod
@@ -492,6 +537,46 @@ class Node:
         sb = self._get(sid)
         return sb.backend.usage(sb.rt, sb.backend_state)
 
+    def policy_states(self, sid: str) -> list[PolicyState]:
+        """Every policy considered for the sandbox: in force (with its settings and what it
+        saw so far) or not (with the reason)."""
+        sb = self._get(sid)
+        out = [
+            PolicyState(name=p.name, state="enforced", settings=dict(s), stats=dict(p.stats(sb.rt)))
+            for p, s in sb.policies.chosen
+        ]
+        out += [PolicyState(name=n, state=r) for n, r in sb.policies.skipped.items()]
+        return sorted(out, key=lambda p: p.name)
+
+    def set_policy(self, sid: str, name: str, settings: Mapping[str, Any]) -> PolicyState:
+        """Change the settings of a ``live`` policy in force on a running sandbox."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        found = sb.policies.find(name)
+        if found is None:
+            raise PolicyUnavailable(
+                f"security policy {name!r} is not in force on sandbox {sid} (in force: "
+                f"{', '.join(p.name for p, _ in sb.policies.chosen) or 'none'})",
+                policy=name,
+                sandbox_id=sid,
+            )
+        policy, _ = found
+        if not policy.live:
+            raise PolicyUnavailable(
+                f"security policy {name!r} cannot change on a running sandbox",
+                policy=name,
+                sandbox_id=sid,
+            )
+        new = {k: v for k, v in settings.items() if k not in NODE_SETTINGS}
+        policy.validate(new)
+        policy.update(sb.rt, new)
+        sb.policies.chosen = [(p, new if p is policy else s) for p, s in sb.policies.chosen]
+        self._write_state(sb)
+        return PolicyState(
+            name=name, state="enforced", settings=new, stats=dict(policy.stats(sb.rt))
+        )
+
     # --- kill -----------------------------------------------------------------------------
     async def kill(self, sid: str, reason: str = "request") -> None:
         sb = self._get(sid)
@@ -518,7 +603,7 @@ class Node:
             for info in sb.layers:
                 self.mounts.release(info.digest)
         self._remove_dirs(sb.rt)
-        for policy, _ in sb.policies:
+        for policy, _ in sb.policies.chosen:
             policy.released(sb.rt)
 
     # --- inside the sandbox ---------------------------------------------------------------
@@ -621,6 +706,8 @@ class Node:
             alive = sb.status == "running" and await sb.backend.alive(sb.rt, sb.backend_state)
             if alive and (sb.expires is None or sb.expires > time.time()):
                 self.sandboxes[sb.rt.id] = sb
+                for policy, settings in sb.policies.chosen:
+                    policy.adopted(sb.rt, settings)
                 for info in sb.layers if sb.rt.rootfs is not None else ():
                     in_use[info.digest] = in_use.get(info.digest, 0) + 1
             else:
@@ -660,11 +747,7 @@ class Node:
             disk=Path(doc["disk"]) if doc.get("disk") else None,
             disk_size=int(doc.get("disk_size") or 0),
         )
-        try:
-            chosen = self.policies_for(spec, backend)
-        except DsecError as e:  # it ran with them; it keeps running, but cannot release them
-            log.warning("sandbox %s: its security policies are not all here any more: %s", sid, e)
-            chosen = []
+        plan = self._load_plan(sid, doc, spec, backend)
         return Sandbox(
             rt=rt,
             backend=backend,
@@ -673,8 +756,24 @@ class Node:
             expires=doc["expires"],
             backend_state=doc.get("backend_state") or {},
             status=doc.get("status", "creating"),
-            policies=chosen,
+            policies=plan,
         )
+
+    def _load_plan(
+        self, sid: str, doc: dict[str, Any], spec: SandboxSpec, backend: Backend
+    ) -> PolicyPlan:
+        """The policies a sandbox started with, as its state recorded them."""
+        saved = doc.get("policy_plan")
+        try:
+            if saved is None:  # state written before plans were recorded
+                return self.policies_for(spec, backend)
+            plan = PolicyPlan(skipped=dict(saved.get("skipped") or {}))
+            for name, settings in (saved.get("chosen") or {}).items():
+                plan.chosen.append((self._policy(name), dict(settings)))
+            return plan
+        except DsecError as e:  # it ran with them and keeps running, but cannot release them
+            log.warning("sandbox %s: its security policies are not all here any more: %s", sid, e)
+            return PolicyPlan()
 
     async def _scrub_dir(self, sdir: Path) -> None:
         for mp in mounted_under(sdir):

@@ -35,6 +35,7 @@ from ..api.messages import (
     LayerList,
     NodeCapacity,
     NodeStatus,
+    PolicyStates,
     PrefetchedLayer,
     PrefetchResult,
     Removed,
@@ -137,6 +138,16 @@ async def _kill(node: Node, c: Call) -> Killed:
 @_handles("usage")
 async def _usage(node: Node, c: Call) -> Any:
     return node.usage(c.sid)
+
+
+@_handles("policies")
+async def _policies(node: Node, c: Call) -> PolicyStates:
+    return PolicyStates(policies=tuple(node.policy_states(c.sid)))
+
+
+@_handles("set_policy")
+async def _set_policy(node: Node, c: Call) -> Any:
+    return node.set_policy(c.sid, c.path["policy"], c.body.settings)
 
 
 @_handles("exec")
