@@ -48,6 +48,9 @@ class SecurityPolicy:
     default: ClassVar[bool] = False
     #: Settings can change while the sandbox runs (``update``).
     live: ClassVar[bool] = False
+    #: Settings that show the policy at work (for the docs and ``bench/security.py``), with
+    #: the ``SandboxSpec.network`` mode they need, if any: ``(settings, network)``.
+    example: ClassVar[tuple[Mapping[str, Any], str]] = ({}, "none")
 
     @classmethod
     def check_available(cls) -> None:
