@@ -198,6 +198,7 @@ class EgressKitNode:
     zone: Path
     record: Path
     refresh: float
+    dns_port: int  # the DNS server's, on 127.0.0.1
 
     def set_zone(self, zone: dict[str, list[str]]) -> None:
         tmp = self.zone.with_suffix(".tmp")
@@ -235,7 +236,7 @@ def egress_kit_node(
         try:
             with running_kit_node("dsec-egress-kit-") as node:
                 egress = EgressNetwork(node.home)
-                yield EgressKitNode(node, zone, record, refresh)
+                yield EgressKitNode(node, zone, record, refresh, port)
         finally:
             for k, v in saved.items():
                 if v is None:
