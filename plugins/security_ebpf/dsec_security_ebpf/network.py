@@ -154,13 +154,9 @@ class EgressNetwork:
             addr = self._allocate(veth, sandbox_id)
             try:
                 ip_batch(
-                    None,
-                    [f"link add {veth} netns {self.name} type veth peer name eth0 netns {pid}"],
-                    f"sandbox {sandbox_id}: creating its veth",
-                )
-                ip_batch(
                     self.name,
                     [
+                        f"link add {veth} type veth peer name eth0 netns {pid}",
                         f"addr add {GATEWAY}/32 dev {veth}",
                         f"link set {veth} up",
                         f"route add {addr}/32 dev {veth}",
