@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dsec_core.errors import PolicyUnavailable, ToolError
@@ -314,6 +314,16 @@ class PinnedMaps:
         rc = libbpf().bpf_map_delete_elem(self.fds[name], key)
         if rc and abs(rc) != errno.ENOENT:
             raise _failed(f"removing a rule from {name}", rc)
+
+    def sync(self, wanted: Mapping[str, set[bytes]]) -> None:
+        """Make the tries hold exactly ``wanted`` (name -> keys): new entries first, so nothing
+        that stays allowed is ever refused in between."""
+        for name, keys in wanted.items():
+            have = set(self.keys(name))
+            for key in keys - have:
+                self.put(name, key)
+            for key in have - keys:
+                self.delete(name, key)
 
     def denied(self) -> dict[str, int]:
         """The refusals counted so far, by hook."""

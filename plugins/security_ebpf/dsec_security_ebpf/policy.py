@@ -165,7 +165,7 @@ class EgressPolicy(SecurityPolicy):
         pins = pin_dir(rt.id)
         try:
             with attach_programs(obj, s.cgroup2, pins) as maps:
-                _sync(maps, trie_entries(tracked.rules, tracked.resolved))
+                maps.sync(trie_entries(tracked.rules, tracked.resolved))
             if rt.spec.network == "allowlist":
                 tracked.address = self.network.attach(rt.id, s.pid)
             self._write_hosts(tracked)
@@ -181,7 +181,7 @@ class EgressPolicy(SecurityPolicy):
             new = _Tracked(rt, rules, address=tracked.address)
             new.resolved = self.resolver.resolve(new.domains)
             with PinnedMaps.open(pin_dir(rt.id)) as maps:
-                _sync(maps, trie_entries(new.rules, new.resolved))
+                maps.sync(trie_entries(new.rules, new.resolved))
             self._write_hosts(new)
             self._track(new)
 
@@ -191,7 +191,7 @@ class EgressPolicy(SecurityPolicy):
         tracked.address = self.network.address_of(rt.id)
         try:
             with PinnedMaps.open(pin_dir(rt.id)) as maps:
-                _sync(maps, trie_entries(tracked.rules, tracked.resolved))
+                maps.sync(trie_entries(tracked.rules, tracked.resolved))
         except DsecError as e:
             log.warning("sandbox %s: its egress maps are gone: %s", rt.id, e)
             return
@@ -276,7 +276,7 @@ class EgressPolicy(SecurityPolicy):
                     continue  # released or updated meanwhile
                 try:
                     with PinnedMaps.open(pin_dir(t.rt.id)) as maps:
-                        _sync(maps, trie_entries(t.rules, resolved))
+                        maps.sync(trie_entries(t.rules, resolved))
                 except DsecError as e:
                     log.warning("sandbox %s: egress maps: %s", t.rt.id, e)
                     continue
@@ -294,17 +294,6 @@ class EgressPolicy(SecurityPolicy):
             f.seek(0)
             f.write(_hosts_text(hostname, t.resolved))
             f.truncate()
-
-
-def _sync(maps: PinnedMaps, wanted: Mapping[str, set[bytes]]) -> None:
-    """Make the tries hold exactly ``wanted``: new entries first, so nothing that stays allowed
-    is ever refused in between."""
-    for name, keys in wanted.items():
-        have = set(maps.keys(name))
-        for key in keys - have:
-            maps.put(name, key)
-        for key in have - keys:
-            maps.delete(name, key)
 
 
 def _hosts_text(hostname: str, resolved: Mapping[str, tuple[str, ...]]) -> str:
