@@ -40,7 +40,10 @@ attributes, and the node hands it exactly that:
     ``rt.enforce(target, subject)``, which applies every policy the sandbox asked for (in
     ``SandboxSpec.policies``) that works through ``target``: the container backend offers
     ``"oci"`` and calls ``rt.enforce("oci", config)`` with the OCI runtime config before
-    starting the container. A policy a sandbox asks for must work through one of the backend's
+    starting the container, and ``"started"`` with a ``StartedSandbox`` (the init's pid, its
+    network namespace and cgroup v2 directory) once the container runs, before ``start``
+    returns and so before any command runs in it; if that raises, the backend stops the
+    sandbox and ``start`` raises. A policy a sandbox asks for must work through the backend's
     targets, or the create fails (``SecurityPolicy.enforceable_on``). Empty: sandboxes of this
     backend cannot ask for policies.
 
@@ -95,6 +98,7 @@ __all__ = [
     "LayerImage",
     "RootfsForm",
     "SandboxRuntime",
+    "StartedSandbox",
     "cgroup_path",
 ]
 
@@ -153,6 +157,16 @@ class LayerImage:
     digest: str
     image: Path
     device: Path | None = None
+
+
+@dataclass(frozen=True)
+class StartedSandbox:
+    """The subject of enforcement point ``"started"``: a sandbox whose init runs and in which
+    no command has run yet."""
+
+    pid: int  # the init's host pid
+    netns: Path  # its network namespace: /proc/<pid>/ns/net
+    cgroup2: Path | None = None  # its cgroup v2 directory (cgroup BPF attaches here), if any
 
 
 def _no_policies(target: str, subject: Any) -> None:

@@ -16,8 +16,9 @@ sandbox's ``SandboxInfo.policies`` says which policies are in force and why othe
 Enforcement happens at the backend's enforcement points (``Backend.policy_targets``): there the
 backend calls ``rt.enforce(target, subject)`` and the node calls ``apply(target, ...)`` of each
 policy the sandbox asked for that lists ``target``. The container backend offers ``"oci"``
-(``apply_oci`` gets the container's OCI runtime config before it starts). ``released`` is
-called when the sandbox is gone.
+(``apply_oci`` gets the container's OCI runtime config before it starts) and ``"started"``
+(a ``StartedSandbox`` once it runs, before any command does). ``released`` is called when the
+sandbox is gone, ``close`` when the node closes.
 """
 
 from __future__ import annotations
@@ -92,3 +93,8 @@ class SecurityPolicy:
 
     def released(self, rt: SandboxRuntime) -> None:
         """The sandbox is gone; drop anything kept for it."""
+
+    def close(self) -> None:
+        """The node is closing: stop the policy's threads and drop what it made for the node
+        as a whole (on first use, say) that no sandbox still running needs; sandboxes may
+        outlive the daemon, and a restarted one adopts them."""

@@ -16,8 +16,10 @@ def run_tool(
     *,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run an external program; a non-zero exit raises ``ToolError`` with its output."""
+    """Run an external program (``input`` on its stdin, else nothing); a non-zero exit raises
+    ``ToolError`` with its output."""
     argv = [str(c) for c in command]
     try:
         proc = subprocess.run(
@@ -27,7 +29,7 @@ def run_tool(
             errors="replace",
             env=env,
             timeout=timeout,
-            stdin=subprocess.DEVNULL,
+            **({"input": input} if input is not None else {"stdin": subprocess.DEVNULL}),
         )
     except FileNotFoundError as e:
         raise ToolError(f"{what}: {argv[0]} is not installed", command=argv) from e

@@ -189,6 +189,11 @@ class Node:
                 sb.ttl_handle.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for policy in self._policies.values():
+            try:
+                policy.close()
+            except Exception:  # one policy's failure must not keep the node from closing
+                log.exception("closing security policy %s", policy.name)
         if self.mounts:
             self.mounts.close()
         if self.ondemand and not self.sandboxes:
@@ -717,6 +722,11 @@ class Node:
                 except DsecError as e:
                     log.warning("stopping %s: %s", sb.rt.id, e)
                 await self._scrub_dir(sdir)
+                for policy, _ in sb.policies.chosen:  # pinned objects, devices it made
+                    try:
+                        policy.released(sb.rt)
+                    except DsecError as e:
+                        log.warning("releasing policy %s of %s: %s", policy.name, sb.rt.id, e)
         # Writable layers with no runtime state (after a reboot, or a crash mid-create).
         for ddir in sorted(self.config.sandbox_dir.iterdir()):
             if ddir.name not in self.sandboxes:

@@ -3,10 +3,11 @@
 The node composes the root filesystem (``RootfsForm.COMPOSED``). ``runc run -d`` starts the
 sandbox with the in-sandbox agent as its init, handed the listening socket this backend binds
 at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforce through the
-OCI config (target ``"oci"``). Stopping does not go through ``runc kill``/``runc delete`` (two
-more Go process start-ups and a polling loop, ~100 ms): killing the namespace's init with a
-pidfd makes the kernel kill every process in it, then we remove the cgroups and runc's state
-ourselves.
+OCI config (target ``"oci"``) and once the container runs (``"started"``: its init pid,
+network namespace and cgroup v2 directory, before ``start`` returns). Stopping does not go
+through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
+~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
+then we remove the cgroups and runc's state ourselves.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dsec_core.backend import (
     Feature,
     RootfsForm,
     SandboxRuntime,
+    StartedSandbox,
     cgroup_path,
 )
 from dsec_core.config import NodeConfig
@@ -208,7 +210,7 @@ class ContainerBackend(Backend):
     )
     rootfs = RootfsForm.COMPOSED
     agent_channel = AgentChannel.UNIX
-    policy_targets = frozenset({"oci"})
+    policy_targets = frozenset({"oci", "started"})
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
@@ -270,7 +272,17 @@ class ContainerBackend(Backend):
                 sandbox_id=rt.id,
             )
         pid = int(pid_file.read_text().strip())
-        return {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
+        state = {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
+        started = StartedSandbox(
+            pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
+        )
+        try:
+            # in a thread: policies may run tools (ip, clang) and must not stall the loop
+            await asyncio.to_thread(rt.enforce, "started", started)
+        except BaseException:
+            await self.stop(rt, state)
+            raise
+        return state
 
     # --- liveness -------------------------------------------------------------------------
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
@@ -386,6 +398,16 @@ async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
         raise SandboxError(f"init process {pid} did not die within {timeout}s", pid=pid) from None
     finally:
         os.close(pidfd)
+
+
+def _cgroup2_dir(sandbox_id: str) -> Path | None:
+    """The sandbox's cgroup v2 directory: under /sys/fs/cgroup on a v2 host, under its
+    ``unified`` mount on a hybrid one (runc places the container there too)."""
+    for root in (CGROUP_ROOT, CGROUP_ROOT / "unified"):
+        if (root / "cgroup.controllers").exists():
+            d = root / cgroup_path(sandbox_id)
+            return d if d.is_dir() else None
+    return None
 
 
 def _hierarchies() -> list[Path]:

@@ -1,0 +1,24 @@
+"""dsec security policy plugin ``egress``: a per-sandbox egress allowlist (CIDR or domain, port,
+protocol; default deny) enforced by BPF programs on the sandbox's cgroup, changed live by map
+updates, with egress through a per-node network namespace."""
+
+from dsec_core.hookspecs import hookimpl
+
+from .network import EgressNetwork, egress_namespace, veth_name
+from .policy import EgressPolicy
+from .rules import Rule, parse_rule, parse_settings
+
+__all__ = [
+    "EgressNetwork",
+    "EgressPolicy",
+    "Rule",
+    "egress_namespace",
+    "parse_rule",
+    "parse_settings",
+    "veth_name",
+]
+
+
+@hookimpl
+def dsec_register_security_policies(register):
+    register(EgressPolicy)

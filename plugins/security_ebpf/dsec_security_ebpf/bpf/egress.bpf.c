@@ -1,0 +1,243 @@
+// The egress allowlist of one sandbox, attached to the sandbox's cgroup (v2).
+//
+// Default deny. A destination passes when (protocol, port, address) matches a rule in the
+// longest-prefix-match tries allow4/allow6 (a rule with port 0 matches any port), or when it is
+// the sandbox's own loopback. Four hooks enforce it:
+//   cgroup/connect4|6   connect() of TCP and UDP sockets (and TCP fast open): EPERM;
+//   cgroup/sendmsg4|6   sendto()/sendmsg() with an address on UDP sockets: EPERM;
+//   cgroup/sock_create  raw and ICMP sockets are refused outright: they bypass the hooks above;
+//   cgroup_skb/egress   every IP packet a socket of the cgroup sends is checked again: a backstop
+//                       for whatever reaches the wire without a connect or sendmsg hook, and what
+//                       makes a rule removed live cut connections already open.
+// Each refusal is counted in `denied` (one slot per hook), which the node shows per sandbox.
+// The node creates one instance of these maps per sandbox and pins them under
+// /sys/fs/bpf/dsec/<sandbox id>/, so it updates rules live and a restarted daemon finds them.
+
+#include <linux/bpf.h>
+#include <linux/in.h>
+#include <linux/in6.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/if_ether.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define SOCK_RAW_TYPE 3
+#define MAX_RULES 4096
+
+// Trie keys: prefixlen counts bits from `proto` on, so 32 + the CIDR's length. Port and
+// address are in network byte order, as the kernel hands them over.
+struct rule4 {
+    __u32 prefixlen;
+    __u8 proto;
+    __u8 pad;
+    __u16 port;
+    __u32 addr;
+};
+
+struct rule6 {
+    __u32 prefixlen;
+    __u8 proto;
+    __u8 pad;
+    __u16 port;
+    __u32 addr[4];
+};
+
+struct {
+    __uint(type, BPF_MAP_TYPE_LPM_TRIE);
+    __uint(max_entries, MAX_RULES);
+    __uint(map_flags, BPF_F_NO_PREALLOC);
+    __type(key, struct rule4);
+    __type(value, __u32);
+} allow4 SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_LPM_TRIE);
+    __uint(max_entries, MAX_RULES);
+    __uint(map_flags, BPF_F_NO_PREALLOC);
+    __type(key, struct rule6);
+    __type(value, __u32);
+} allow6 SEC(".maps");
+
+// Slots of `denied`; dsec_security_ebpf.bpf.COUNTERS names them in this order.
+enum {
+    DENIED_CONNECT4,
+    DENIED_CONNECT6,
+    DENIED_SENDMSG4,
+    DENIED_SENDMSG6,
+    DENIED_SOCKET,
+    DENIED_PACKET,
+    DENIED_SLOTS,
+};
+
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, DENIED_SLOTS);
+    __type(key, __u32);
+    __type(value, __u64);
+} denied SEC(".maps");
+
+static __always_inline int deny(__u32 slot)
+{
+    __u64 *n = bpf_map_lookup_elem(&denied, &slot);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+    return 0;
+}
+
+// MPTCP is TCP on the wire; its socket reports IPPROTO_MPTCP (262).
+static __always_inline __u8 wire_proto(__u32 protocol)
+{
+    return protocol == 262 ? IPPROTO_TCP : (protocol > 255 ? 255 : protocol);
+}
+
+static __always_inline int local4(__u32 addr)
+{
+    __u32 host = bpf_ntohl(addr);
+    // the sandbox's own loopback (it has its own network namespace) and INADDR_ANY, which
+    // connect() takes to mean this host
+    return (host >> 24) == 127 || host == 0;
+}
+
+static __always_inline int allowed4(__u32 addr, __u16 port, __u8 proto)
+{
+    struct rule4 key = {.prefixlen = 64, .proto = proto, .port = port, .addr = addr};
+
+    if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+        return 0;
+    if (bpf_map_lookup_elem(&allow4, &key))
+        return 1;
+    key.port = 0;
+    return bpf_map_lookup_elem(&allow4, &key) != 0;
+}
+
+static __always_inline int mapped4(const __u32 *a)
+{
+    return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0xffff);
+}
+
+static __always_inline int local6(const __u32 *a)
+{
+    if (a[0] || a[1] || a[2])
+        return 0;
+    return a[3] == 0 || a[3] == bpf_htonl(1);
+}
+
+static __always_inline int allowed6(const __u32 *a, __u16 port, __u8 proto)
+{
+    struct rule6 key = {.prefixlen = 160, .proto = proto, .port = port};
+
+    if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+        return 0;
+    key.addr[0] = a[0];
+    key.addr[1] = a[1];
+    key.addr[2] = a[2];
+    key.addr[3] = a[3];
+    if (bpf_map_lookup_elem(&allow6, &key))
+        return 1;
+    key.port = 0;
+    return bpf_map_lookup_elem(&allow6, &key) != 0;
+}
+
+static __always_inline int check6(const __u32 *a, __u16 port, __u8 proto)
+{
+    // an IPv4-mapped address on a dual-stack socket goes out as IPv4: judge it as such
+    if (mapped4(a))
+        return local4(a[3]) || allowed4(a[3], port, proto);
+    return local6(a) || allowed6(a, port, proto);
+}
+
+SEC("cgroup/connect4")
+int egress_connect4(struct bpf_sock_addr *ctx)
+{
+    __u32 addr = ctx->user_ip4;
+    __u16 port = (__u16)ctx->user_port;
+
+    if (local4(addr) || allowed4(addr, port, wire_proto(ctx->protocol)))
+        return 1;
+    return deny(DENIED_CONNECT4);
+}
+
+SEC("cgroup/sendmsg4")
+int egress_sendmsg4(struct bpf_sock_addr *ctx)
+{
+    __u32 addr = ctx->user_ip4;
+    __u16 port = (__u16)ctx->user_port;
+
+    if (local4(addr) || allowed4(addr, port, wire_proto(ctx->protocol)))
+        return 1;
+    return deny(DENIED_SENDMSG4);
+}
+
+SEC("cgroup/connect6")
+int egress_connect6(struct bpf_sock_addr *ctx)
+{
+    __u32 a[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+
+    if (check6(a, (__u16)ctx->user_port, wire_proto(ctx->protocol)))
+        return 1;
+    return deny(DENIED_CONNECT6);
+}
+
+SEC("cgroup/sendmsg6")
+int egress_sendmsg6(struct bpf_sock_addr *ctx)
+{
+    __u32 a[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+
+    if (check6(a, (__u16)ctx->user_port, wire_proto(ctx->protocol)))
+        return 1;
+    return deny(DENIED_SENDMSG6);
+}
+
+SEC("cgroup/sock_create")
+int egress_sock_create(struct bpf_sock *sk)
+{
+    // Raw sockets write their own headers and skip connect/sendmsg; ICMP "ping" sockets have
+    // no port. Neither can be allowlisted.
+    if (sk->type == SOCK_RAW_TYPE || sk->protocol == IPPROTO_ICMP ||
+        sk->protocol == IPPROTO_ICMPV6)
+        return deny(DENIED_SOCKET);
+    return 1;
+}
+
+SEC("cgroup_skb/egress")
+int egress_packet(struct __sk_buff *skb)
+{
+    __u16 ports[2];
+
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+
+        if (bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)))
+            return deny(DENIED_PACKET);
+        if (local4(ip.daddr))
+            return 1;
+        // later fragments carry no ports: they cannot be matched, so they never pass
+        if (ip.frag_off & bpf_htons(0x1fff))
+            return deny(DENIED_PACKET);
+        if (bpf_skb_load_bytes(skb, ip.ihl * 4, ports, sizeof(ports)))
+            return deny(DENIED_PACKET);
+        if (allowed4(ip.daddr, ports[1], ip.protocol))
+            return 1;
+        return deny(DENIED_PACKET);
+    }
+    if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        __u32 a[4];
+
+        if (bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)))
+            return deny(DENIED_PACKET);
+        __builtin_memcpy(a, &ip6.daddr, sizeof(a));
+        if (local6(a))
+            return 1;
+        // extension headers (fragments among them) are not walked: such packets never pass
+        if (bpf_skb_load_bytes(skb, sizeof(ip6), ports, sizeof(ports)))
+            return deny(DENIED_PACKET);
+        if (check6(a, ports[1], ip6.nexthdr))
+            return 1;
+        return deny(DENIED_PACKET);
+    }
+    return deny(DENIED_PACKET);
+}
+
+char LICENSE[] SEC("license") = "GPL";

@@ -1,0 +1,316 @@
+"""The ``egress`` security policy: a sandbox's network allowlist, enforced by BPF programs on its
+cgroup and changed live by map updates, with egress through the node's egress namespace.
+
+Settings: ``{"allow": ["10.77.0.2/32:8080/tcp", "[fd00::/64]:*/udp", "pypi.example:443/tcp"]}``
+(``rules``). With ``SandboxSpec.network="allowlist"`` the sandbox also gets a veth into the
+egress namespace (``network``); with ``"none"`` it stays loopback-only and the programs only
+count what it tries. Domains are resolved on the node when the policy is set and every
+``DSEC_EGRESS_REFRESH`` seconds after (``resolve``); the sandbox's ``/etc/hosts`` (a read-only
+file the node rewrites) names what they resolved to, so programs in it find them without DNS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec_core.backend import Backend, SandboxRuntime, StartedSandbox
+from dsec_core.config import NodeConfig
+from dsec_core.errors import DsecError, PolicyUnavailable
+from dsec_core.security import SecurityPolicy
+
+from .bpf import (
+    COUNTERS,
+    PinnedMaps,
+    attach_programs,
+    ensure_bpffs,
+    ensure_object,
+    libbpf,
+    pin_dir,
+    remove_pins,
+)
+from .network import EgressNetwork
+from .resolve import Resolver
+from .rules import Rule, parse_settings, trie_entries
+
+__all__ = ["EgressPolicy", "hosts_file"]
+
+log = logging.getLogger("dsec.egress")
+
+HOSTS_FILE = "egress-hosts"
+TOOLS = ("ip", "nsenter", "nft")
+
+
+def hosts_file(rt: SandboxRuntime) -> Path:
+    """The node's side of the sandbox's /etc/hosts (bind-mounted read-only)."""
+    return rt.dir / HOSTS_FILE
+
+
+@dataclass
+class _Tracked:
+    """What the policy keeps for one running sandbox."""
+
+    rt: SandboxRuntime
+    rules: tuple[Rule, ...]
+    resolved: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    address: str | None = None
+
+    @property
+    def domains(self) -> set[str]:
+        return {r.domain for r in self.rules if r.domain}
+
+
+class EgressPolicy(SecurityPolicy):
+    """Default-deny egress allowlist: CIDR, port and protocol, or domain, port and protocol."""
+
+    name = "egress"
+    targets = frozenset({"oci", "started"})
+    network_modes = frozenset({"allowlist"})
+    live = True
+
+    def __init__(self) -> None:
+        self._sandboxes: dict[str, _Tracked] = {}
+        self._lock = threading.RLock()
+        self._config: NodeConfig | None = None
+        self._network: EgressNetwork | None = None
+        self._resolver: Resolver | None = None
+        self._refresher: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # --- what the node asks first ----------------------------------------------------------
+    @classmethod
+    def check_available(cls) -> None:
+        if os.geteuid() != 0:
+            raise PolicyUnavailable("the egress policy needs root (BPF, netns)", policy=cls.name)
+        missing = [t for t in (*TOOLS, "clang") if shutil.which(t) is None]
+        if missing:
+            raise PolicyUnavailable(
+                f"the egress policy needs {', '.join(missing)} (apt-get install iproute2 "
+                "util-linux nftables clang libbpf-dev)",
+                policy=cls.name,
+                missing=missing,
+            )
+        libbpf()
+        cgroup = Path("/sys/fs/cgroup")
+        if not any((d / "cgroup.controllers").exists() for d in (cgroup, cgroup / "unified")):
+            raise PolicyUnavailable(
+                "the egress policy attaches to cgroup v2, which is not mounted", policy=cls.name
+            )
+
+    @classmethod
+    def enforceable_on(cls, backend: type[Backend]) -> bool:
+        # the OCI config for /etc/hosts and the running sandbox for its cgroup and netns: both
+        return cls.targets <= backend.policy_targets
+
+    def validate(self, settings: Mapping[str, Any]) -> None:
+        parse_settings(settings)
+
+    # --- lazily made node-wide parts -------------------------------------------------------
+    @property
+    def config(self) -> NodeConfig:
+        if self._config is None:
+            self._config = NodeConfig.from_env()
+        return self._config
+
+    @property
+    def network(self) -> EgressNetwork:
+        if self._network is None:
+            self._network = EgressNetwork(self.config.home)
+        return self._network
+
+    @property
+    def resolver(self) -> Resolver:
+        if self._resolver is None:
+            self._resolver = Resolver.from_env()
+        return self._resolver
+
+    # --- enforcement -----------------------------------------------------------------------
+    def apply(
+        self, target: str, rt: SandboxRuntime, settings: Mapping[str, Any], subject: Any
+    ) -> None:
+        if target == "oci":
+            self._apply_oci(rt, subject)
+        elif target == "started":
+            self._started(rt, settings, subject)
+
+    def _apply_oci(self, rt: SandboxRuntime, config: dict[str, Any]) -> None:
+        path = hosts_file(rt)
+        path.write_text(_hosts_text(config.get("hostname", ""), {}))
+        config["mounts"].append(
+            {
+                "destination": "/etc/hosts",
+                "type": "bind",
+                "source": os.fspath(path),
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+            }
+        )
+
+    def _started(self, rt: SandboxRuntime, settings: Mapping[str, Any], s: StartedSandbox) -> None:
+        if s.cgroup2 is None:
+            raise PolicyUnavailable(
+                f"sandbox {rt.id} has no cgroup v2 directory to attach the egress programs to",
+                policy=self.name,
+                sandbox_id=rt.id,
+            )
+        tracked = _Tracked(rt, parse_settings(settings))
+        tracked.resolved = self.resolver.resolve(tracked.domains)
+        ensure_bpffs()
+        obj = ensure_object(self.config.bin_dir)
+        pins = pin_dir(rt.id)
+        try:
+            with attach_programs(obj, s.cgroup2, pins) as maps:
+                maps.sync(trie_entries(tracked.rules, tracked.resolved))
+            if rt.spec.network == "allowlist":
+                tracked.address = self.network.attach(rt.id, s.pid)
+            self._write_hosts(tracked)
+        except BaseException:
+            self._release(rt.id)
+            raise
+        self._track(tracked)
+
+    def update(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
+        rules = parse_settings(settings)
+        with self._lock:
+            tracked = self._sandboxes.get(rt.id) or _Tracked(rt, rules)
+            new = _Tracked(rt, rules, address=tracked.address)
+            new.resolved = self.resolver.resolve(new.domains)
+            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+                maps.sync(trie_entries(new.rules, new.resolved))
+            self._write_hosts(new)
+            self._track(new)
+
+    def adopted(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
+        tracked = _Tracked(rt, parse_settings(settings))
+        tracked.resolved = self.resolver.resolve(tracked.domains)
+        tracked.address = self.network.address_of(rt.id)
+        try:
+            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+                maps.sync(trie_entries(tracked.rules, tracked.resolved))
+        except DsecError as e:
+            log.warning("sandbox %s: its egress maps are gone: %s", rt.id, e)
+            return
+        self._write_hosts(tracked)
+        self._track(tracked)
+
+    def stats(self, rt: SandboxRuntime) -> Mapping[str, Any]:
+        try:
+            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+                denied = maps.denied()
+                rules = sum(len(list(maps.keys(n))) for n in ("allow4", "allow6"))
+        except DsecError:
+            return {}
+        with self._lock:
+            tracked = self._sandboxes.get(rt.id)
+        out: dict[str, Any] = {
+            "denied": sum(denied.values()),
+            "denied_by": {k: denied[k] for k in COUNTERS if denied[k]},
+            "rules": rules,
+        }
+        if tracked is not None:
+            out["address"] = tracked.address
+            if tracked.domains:
+                out["resolved"] = {d: list(tracked.resolved.get(d, ())) for d in tracked.domains}
+                out["unresolved"] = sorted(
+                    d for d in tracked.domains if not tracked.resolved.get(d)
+                )
+        return out
+
+    def released(self, rt: SandboxRuntime) -> None:
+        self._release(rt.id)
+
+    def _release(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._sandboxes.pop(sandbox_id, None)
+        remove_pins(pin_dir(sandbox_id))
+        if self._network is not None or EgressNetwork(self.config.home).exists():
+            self.network.detach(sandbox_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=10)
+            self._refresher = None
+        network = self._network or EgressNetwork(self.config.home)
+        if network.exists() and not network.remove_if_unused():
+            log.info("egress namespace %s stays: sandboxes still use it", network.name)
+
+    # --- domains, on a schedule ------------------------------------------------------------
+    def _track(self, tracked: _Tracked) -> None:
+        with self._lock:
+            self._sandboxes[tracked.rt.id] = tracked
+            if tracked.domains and self._refresher is None:
+                self._stop.clear()
+                self._refresher = threading.Thread(
+                    target=self._refresh_loop, name="dsec-egress-resolve", daemon=True
+                )
+                self._refresher.start()
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.resolver.refresh):
+            try:
+                self.refresh()
+            except Exception:  # the schedule must go on
+                log.exception("re-resolving egress domains")
+
+    def refresh(self) -> None:
+        """Resolve every sandbox's domains again and update the maps and hosts files of those
+        whose answers changed."""
+        with self._lock:
+            tracked = list(self._sandboxes.values())
+        names = set().union(*(t.domains for t in tracked)) if tracked else set()
+        if not names:
+            return
+        answers = self.resolver.resolve(names, fresh=True)
+        for t in tracked:
+            resolved = {d: answers.get(d, ()) for d in t.domains}
+            if resolved == t.resolved:
+                continue
+            with self._lock:
+                if self._sandboxes.get(t.rt.id) is not t:
+                    continue  # released or updated meanwhile
+                try:
+                    with PinnedMaps.open(pin_dir(t.rt.id)) as maps:
+                        maps.sync(trie_entries(t.rules, resolved))
+                except DsecError as e:
+                    log.warning("sandbox %s: egress maps: %s", t.rt.id, e)
+                    continue
+                t.resolved = resolved
+                self._write_hosts(t)
+                log.info("sandbox %s: egress domains now resolve to %s", t.rt.id, resolved)
+
+    def _write_hosts(self, t: _Tracked) -> None:
+        path = hosts_file(t.rt)
+        if not path.exists():
+            return
+        # in place: the sandbox's bind mount holds this inode
+        with open(path, "r+") as f:
+            hostname = _hostname_of(f.read())
+            f.seek(0)
+            f.write(_hosts_text(hostname, t.resolved))
+            f.truncate()
+
+
+def _hosts_text(hostname: str, resolved: Mapping[str, tuple[str, ...]]) -> str:
+    lines = [
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+    ]
+    if hostname:
+        lines.append(f"127.0.1.1\t{hostname}")
+    lines.append("# dsec egress: what the allowlist's domains resolved to on the node")
+    for name in sorted(resolved):
+        lines += [f"{addr}\t{name}" for addr in resolved[name]]
+    return "\n".join(lines) + "\n"
+
+
+def _hostname_of(text: str) -> str:
+    for line in text.splitlines():
+        if line.startswith("127.0.1.1\t"):
+            return line.split("\t", 1)[1]
+    return ""
