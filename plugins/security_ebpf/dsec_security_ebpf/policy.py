@@ -73,6 +73,9 @@ class EgressPolicy(SecurityPolicy):
     targets = frozenset({"oci", "started"})
     network_modes = frozenset({"allowlist"})
     live = True
+    # One TEST-NET-1 destination: the programs, maps, veth and egress namespace all come up,
+    # and nothing leaves the node (documentation addresses, routed nowhere).
+    example = ({"allow": ["192.0.2.10/32:443/tcp"]}, "allowlist")
 
     def __init__(self) -> None:
         self._sandboxes: dict[str, _Tracked] = {}
