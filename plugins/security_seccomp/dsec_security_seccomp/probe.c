@@ -283,6 +283,16 @@ static int p_socket_raw(void) { return sock(AF_INET, SOCK_RAW, IPPROTO_ICMP); }
 static int p_socket_vsock(void) { return sock(AF_VSOCK, SOCK_STREAM, 0); }
 static int p_socket_tcp(void) { return sock(AF_INET, SOCK_STREAM, 0); }
 
+/* AF_VSOCK with junk in the upper half of the register: the kernel reads an int. */
+static int p_socket_vsock_hibits(void)
+{
+    long fd = syscall(SYS_socket, 0x100000000L | AF_VSOCK, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return errno;
+    close((int)fd);
+    return 0;
+}
+
 static void nl_put(char *buf, size_t *off, uint16_t type, uint16_t flags, uint32_t seq,
                    uint8_t family, const char *table)
 {
@@ -700,6 +710,7 @@ static const struct probe PROBES[] = {
     {"socket_packet", p_socket_packet},
     {"socket_raw", p_socket_raw},
     {"socket_vsock", p_socket_vsock},
+    {"socket_vsock_hibits", p_socket_vsock_hibits},
     {"nft_table", p_nft_table},
     {"keyctl", p_keyctl},
     {"add_key", p_add_key},
