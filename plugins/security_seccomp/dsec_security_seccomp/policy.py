@@ -15,6 +15,9 @@ Settings (``SandboxSpec.policies["seccomp"]``):
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import platform
 import re
 from collections.abc import Mapping
@@ -39,6 +42,24 @@ NAMESPACE_MAKERS = ("clone", "clone3", "unshare")
 
 def _field(key: str) -> str:
     return f"policies.seccomp.{key}"
+
+
+X32_SYSCALL_BIT = 0x40000000
+NR_GETPID_X86_64 = 39
+
+
+@functools.cache
+def absent_architectures(machine: str) -> frozenset[str]:
+    """Compat ABIs of ``machine`` that this kernel does not run, so the profile can leave them
+    out: on x86_64, x32 (``CONFIG_X86_X32_ABI``, off in most kernels), found by asking for
+    getpid through it. The native ABI and i386 are always kept."""
+    if machine != "x86_64":
+        return frozenset()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(ctypes.c_long(X32_SYSCALL_BIT | NR_GETPID_X86_64)) == os.getpid():
+        return frozenset()
+    return frozenset({"SCMP_ARCH_X32"})
 
 
 class SeccompPolicy(SecurityPolicy):
@@ -122,21 +143,21 @@ class SeccompPolicy(SecurityPolicy):
                 policy=self.name,
                 sandbox_id=rt.id,
             )
-        profile = build_profile(
-            self.machine,
-            userns=bool(settings.get("userns", False)),
-            allow=settings.get("allow", ()),
-        )
+        profile = self.profile(settings)
         linux["seccomp"] = profile
         self._in_force[rt.id] = self._summary(settings, profile)
 
     def adopted(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
-        profile = build_profile(
+        self._in_force[rt.id] = self._summary(settings, self.profile(settings))
+
+    def profile(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The OCI ``linux.seccomp`` section for a sandbox with these (valid) settings."""
+        return build_profile(
             self.machine,
             userns=bool(settings.get("userns", False)),
             allow=settings.get("allow", ()),
+            without=absent_architectures(self.machine),
         )
-        self._in_force[rt.id] = self._summary(settings, profile)
 
     def stats(self, rt: SandboxRuntime) -> Mapping[str, Any]:
         return self._in_force.get(rt.id, {})
