@@ -6,7 +6,7 @@
 #   sudo bash run.sh test     # the checks below, then the test suite
 #   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py --quick and bench/layers.py --quick
+#   sudo bash run.sh bench    # bench/create.py, bench/seccomp.py and bench/layers.py, --quick
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -134,6 +134,7 @@ case "$cmd" in
     bench)
         setup
         "$venv/bin/python" bench/create.py --quick "$@"
+        "$venv/bin/python" bench/seccomp.py --quick
         exec "$venv/bin/python" bench/layers.py --quick
         ;;
     *)

@@ -36,10 +36,11 @@ The filter covers every ABI of the machine: on x86_64 the rules are compiled for
 (``int $0x80``) and x32, so a 32-bit call does not bypass them. An ABI the kernel does not run
 (x32, on most kernels: the policy asks) is left out, as each one costs runc about a third of
 the compile time at every start; a call through it then meets libseccomp's bad-architecture
-action and the caller is killed with SIGSYS, where the kernel would have said ENOSYS. Known gap, shared with Docker:
-on i386, ``socketcall`` multiplexes socket calls through a pointer the filter cannot read, so
-the rule refusing AF_VSOCK sockets does not hold there (raw and packet sockets need
-CAP_NET_RAW, which the sandbox lacks either way).
+action and the caller is killed with SIGSYS, where the kernel would have said ENOSYS.
+
+Known gap, shared with Docker: on i386, ``socketcall`` multiplexes socket calls through a
+pointer the filter cannot read, so the rule refusing AF_VSOCK sockets does not hold there (raw
+and packet sockets need CAP_NET_RAW, which the sandbox lacks either way).
 
 How rules are written matters because of how runc hands them to libseccomp: a rule whose action
 equals the default is dropped, and one comparison per argument is allowed per rule. So a call
