@@ -15,7 +15,7 @@ venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
 APT_PACKAGES=(runc erofs-utils debootstrap busybox-static gcc libc6-dev python3-venv
-              util-linux iproute2 docker.io docker-registry ca-certificates)
+              util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs nftables)
 
 log() { printf '\033[1m[dsec setup]\033[0m %s\n' "$*" >&2; }
 

@@ -10,9 +10,14 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from dsec_core.records import SandboxSpec
+from dsec_core.testing import KitNode, kit_home_parent, running_kit_node
 
 probe_module = pytest.importorskip(
     "dsec_security_seccomp.probe", reason="the security_seccomp plugin is not installed"
@@ -167,6 +172,61 @@ def test_clone_range_into_a_file_it_may_not_write(dsec_sandboxes, witness, probe
     assert run_probe(sb, probe, *names, env=env) == dict.fromkeys(names, "EPERM")
     assert agents and {p: _sha256(p) for p in agents} == sums
     assert sb.exec(["/.dsec/agent", "--version"]).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def xfs_node() -> Iterator[KitNode]:
+    """A second node whose home (so its writable layers) is on XFS with reflink, as DSec's
+    production disks were: there the extent-sharing ioctls really work, unless refused."""
+    mkfs = shutil.which("mkfs.xfs")
+    if mkfs is None:
+        pytest.skip("mkfs.xfs is not installed (apt-get install xfsprogs)")
+    base = Path(tempfile.mkdtemp(prefix="dsec-xfs-", dir=kit_home_parent()))
+    os.chmod(base, 0o755)  # the sandboxes' root must be able to enter it
+    image, mnt = base / "disk.img", base / "mnt"
+    mnt.mkdir()
+    try:
+        with open(image, "wb") as f:
+            f.truncate(512 << 20)  # sparse; XFS wants at least 300 MiB
+        subprocess.run([mkfs, "-q", "-m", "reflink=1", os.fspath(image)], check=True)
+        subprocess.run(["mount", "-o", "loop", os.fspath(image), os.fspath(mnt)], check=True)
+        try:
+            os.chmod(mnt, 0o755)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DSEC_KIT_HOME", os.fspath(mnt))
+                node = running_kit_node("dsec-kit-xfs-")
+                kit = node.__enter__()
+            try:
+                yield kit
+            finally:
+                node.__exit__(None, None, None)
+        finally:
+            subprocess.run(["umount", os.fspath(mnt)], check=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.attack("FICLONE/FICLONERANGE/FIDEDUPERANGE between files on an XFS writable layer")
+def test_clone_range_on_an_xfs_writable_layer(xfs_node, witness, probe):
+    names = ["ficlone", "ficlonerange", "fideduperange", "xfs_swapext"]  # in this order
+    env = {"PROBE_SRC": "/tmp/a", "PROBE_DST": "/tmp/b"}
+    results = {}
+    with xfs_node.client() as c:
+        for mode, policies in (("on", {}), ("off", OFF)):
+            sb = c.create(SandboxSpec(layers=(xfs_node.layer.ref,), policies=policies))
+            try:
+                sb.exec("head -c 65536 /dev/urandom > /tmp/a; head -c 65536 /dev/zero > /tmp/b")
+                results[mode] = run_probe(sb, probe, *names, env=env)
+                results[mode]["b"] = sb.exec("cmp -s /tmp/a /tmp/b && echo same || echo kept")
+            finally:
+                sb.kill()
+    on, off = results["on"], results["off"]
+    # without the filter the kernel shares the extents (overlayfs passes clone and dedupe on
+    # to XFS; not XFS's own ioctls, which it answers ENOTTY), and b becomes a
+    assert (off["ficlone"], off["ficlonerange"], off["fideduperange"]) == ("ok",) * 3, off
+    assert off["b"].stdout == b"same\n"
+    assert {n: on[n] for n in names} == dict.fromkeys(names, "EPERM")
+    assert on["b"].stdout == b"kept\n"
 
 
 @pytest.mark.attack("XFS_IOC_SWAPEXT and EXT4_IOC_MOVE_EXT on the writable layer")
