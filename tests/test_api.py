@@ -238,10 +238,29 @@ BAD_REQUESTS = [
     (
         "POST",
         "/v1/sandboxes",
-        b'{"spec": {"layers": ["kit-base@1"]}, "count": 100000}',
-        429,
-        "AdmissionRejected",
+        b'{"spec": {"layers": ["kit-base@1"]}, "count": 100000}',  # over DSEC_MAX_BATCH
+        400,
+        "InvalidSpec",
     ),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"], "workdir": "/a\\u0000b"}}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes/x/exec",
+        b'{"cmd": "true", "max_output": 16777217}',
+        400,
+        "InvalidSpec",
+    ),
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 1e12}', 400, "InvalidSpec"),
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 0}', 400, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/file?path=/a&length=268435457", None, 400, "InvalidSpec"),
+    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=999", None, 400, "InvalidSpec"),
+    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=1644", None, 400, "InvalidSpec"),  # sticky
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": 5}', 400, "InvalidSpec"),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "stdin": "%%%"}', 400, "InvalidSpec"),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true"}', 404, "UnknownSandbox"),
@@ -350,9 +369,9 @@ def test_addresses():
 
 def test_unreachable_and_slow_nodes(tmp_path):
     with pytest.raises(dsec.NodeUnavailable):
-        dsec.Client(os.fspath(tmp_path / "no.sock")).list()
+        dsec.Client(os.fspath(tmp_path / "no.sock"), retry=0).list()
     with pytest.raises(dsec.NodeUnavailable):
-        dsec.Client("http://127.0.0.1:9", token="t").list()  # discard port: refused
+        dsec.Client("http://127.0.0.1:9", token="t", retry=0).list()  # discard port: refused
     with socket.socket() as srv:  # accepts, never answers
         srv.bind(("127.0.0.1", 0))
         srv.listen()
