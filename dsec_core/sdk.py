@@ -143,6 +143,8 @@ def _resolve(
 ) -> tuple[Address, str | None]:
     """Where to connect and with which token: the address given, else ``DSEC_ADDRESS`` (and
     ``DSEC_TOKEN``), else the local node's unix socket (started if ``autostart``)."""
+    if token is not None and not isinstance(token, str):
+        raise InvalidSpec(f"token must be a string, got {type(token).__name__}", field="token")
     if address is None and os.environ.get("DSEC_ADDRESS"):
         address = os.environ["DSEC_ADDRESS"]
         if token is None:  # the token goes with the address it was set for, never elsewhere
@@ -273,18 +275,15 @@ class Client:
 
     def set_policy(self, sandbox_id: str, policy: str, settings: Mapping[str, Any]) -> PolicyState:
         """Change a live policy (e.g. a network allowlist) of a running sandbox."""
-        return self._call(
-            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
-        )
+        return self._call("set_policy", PolicySettings(settings), sid=sandbox_id, policy=policy)
 
     def layers(self) -> builtins.list[LayerInfo]:
         return list(self._call("layers").layers)
 
     def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
-        return [
-            row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers
-        ]
+        body = PrefetchRequest(refs)  # type: ignore[arg-type]
+        return [row.to_dict() for row in self._call("prefetch", body).layers]
 
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(
@@ -352,15 +351,17 @@ class Client:
             )
 
     def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
-        """Copy a file out of the sandbox piece by piece, never holding all of it."""
+        """Copy a file out of the sandbox piece by piece, never holding all of it. The local
+        file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        piece = self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
         with open(local, "wb") as f:
             off = 0
             while True:
-                piece = self._call("read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id)
                 f.write(piece)
                 off += len(piece)
                 if len(piece) < CHUNK:
                     return
+                piece = self._call("read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id)
 
     def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         return list(self._call("list_dir", query=FileQuery(path), sid=sandbox_id).entries)
@@ -449,14 +450,15 @@ class AsyncClient:
         self, sandbox_id: str, policy: str, settings: Mapping[str, Any]
     ) -> PolicyState:
         return await self._call(
-            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
+            "set_policy", PolicySettings(settings), sid=sandbox_id, policy=policy
         )
 
     async def layers(self) -> builtins.list[LayerInfo]:
         return list((await self._call("layers")).layers)
 
     async def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
-        made = await self._call("prefetch", PrefetchRequest(tuple(refs)))
+        body = PrefetchRequest(refs)  # type: ignore[arg-type]
+        made = await self._call("prefetch", body)
         return [row.to_dict() for row in made.layers]
 
     async def exec(
@@ -533,18 +535,20 @@ class AsyncClient:
             pieces.close()
 
     async def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
-        """Copy a file out of the sandbox piece by piece, never holding all of it."""
+        """Copy a file out of the sandbox piece by piece, never holding all of it. The local
+        file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        piece = await self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
         f = await asyncio.to_thread(open, local, "wb")
         try:
             off = 0
             while True:
-                piece = await self._call(
-                    "read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id
-                )
                 await asyncio.to_thread(f.write, piece)
                 off += len(piece)
                 if len(piece) < CHUNK:
                     return
+                piece = await self._call(
+                    "read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id
+                )
         finally:
             f.close()
 

@@ -174,6 +174,10 @@ class PolicySettings(Message):
 
     settings: Mapping[str, Any]
 
+    def __post_init__(self) -> None:
+        if isinstance(self.settings, Mapping):
+            object.__setattr__(self, "settings", dict(self.settings))
+
 
 @dataclass(frozen=True)
 class Killed(Message):
@@ -384,7 +388,13 @@ class PrefetchRequest(Message):
     refs: tuple[str, ...] = field(metadata=_limits(minItems=1))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "refs", tuple(self.refs))
+        if isinstance(self.refs, str):
+            raise InvalidSpec(
+                f"refs must be a list of name@version strings, not one string: {self.refs!r}",
+                field="refs",
+            )
+        if isinstance(self.refs, AbcSequence) and not isinstance(self.refs, (bytes, tuple)):
+            object.__setattr__(self, "refs", tuple(self.refs))
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,13 @@ class Address:
 
     @classmethod
     def parse(cls, text: str | os.PathLike[str]) -> Address:
+        if not isinstance(text, (str, os.PathLike)):
+            raise InvalidSpec(
+                f"an address is a string or a path, got {type(text).__name__}", field="address"
+            )
         text = os.fspath(text)
+        if not isinstance(text, str):
+            raise InvalidSpec("an address is text, not bytes", field="address")
         if text.startswith("unix://"):
             text = text[len("unix://") :]
         if "://" not in text:
@@ -352,7 +358,7 @@ class ResponseParser:
 # --- the blocking twin -------------------------------------------------------------------------
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
+def _closed_by_peer(sock: Any) -> bool:
     """Whether an idle kept-alive connection has something to read: the node closed it (a
     restart, an idle timeout) or sent what no request asked for. Either way it is no use."""
     try:
@@ -529,7 +535,15 @@ class AsyncHTTPTransport:
         """A pooled connection the node has not closed, if there is one."""
         while self._idle:
             reader, writer = conn = self._idle.pop()
-            if not (reader.at_eof() or writer.is_closing() or reader.exception() is not None):
+            sock = writer.get_extra_info("socket")
+            # Asked of the socket itself: the loop may not have run since the node closed it.
+            if not (
+                reader.at_eof()
+                or writer.is_closing()
+                or reader.exception() is not None
+                or sock is None
+                or _closed_by_peer(sock)
+            ):
                 return conn
             writer.close()
         return None
@@ -556,9 +570,11 @@ class AsyncHTTPTransport:
     ) -> Response:
         reader, writer = conn
         parser = ResponseParser()
+        sent = False
         try:
             writer.write(data)
             await writer.drain()
+            sent = True
             response = None
             while response is None:
                 chunk = await reader.read(_READ)
@@ -571,8 +587,11 @@ class AsyncHTTPTransport:
             raise
         except OSError as e:
             writer.close()
-            # Unlike a blocking send, a failed drain does not say whether the node has the
-            # whole request: it counts as sent.
+            # A failed drain says only that the connection is lost, which the node may have
+            # done after reading the whole request. A broken pipe left on the reader is the
+            # send itself failing: then the node cannot have read a whole request.
+            if not sent and isinstance(reader.exception(), BrokenPipeError):
+                raise _Unsent(f"{self.address}: {reader.exception()}") from e
             if not parser.received:
                 raise _Stale(f"{self.address}: {e}") from e
             raise _Broken(f"{self.address}: {e}") from e
