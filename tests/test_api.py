@@ -488,6 +488,27 @@ def test_files_stream_in_pieces_both_ways(dsec_node, dsec_sandboxes):
         t.close()
 
 
+def test_a_read_cut_off_mid_stream_is_incomplete_not_short(dsec_node, dsec_sandboxes):
+    """The sandbox dies while its file streams out: the answer ends without its last chunk, so
+    no client can take what came for the whole file."""
+    sb = dsec_sandboxes.create()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(os.fspath(dsec_node.config.socket_path))
+        s.sendall(
+            f"GET /v1/sandboxes/{sb.id}/file?path=/dev/zero HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+        )
+        data = s.recv(1 << 16)
+        assert data.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in data
+        sb.kill()
+        while chunk := s.recv(1 << 20):
+            data += chunk
+    assert len(data) < MAX_READ and not data.endswith(b"\r\n0\r\n\r\n")
+    parser = ResponseParser()
+    assert parser.feed(data) is None
+    with pytest.raises(TransportError, match="mid-response"):
+        parser.eof()
+
+
 def test_upload_and_download_stream_files(dsec_sandboxes, tmp_path):
     sb = dsec_sandboxes.create()
     local = tmp_path / "in.bin"

@@ -300,6 +300,24 @@ def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> 
     )
 
 
+class _Streamed(StreamingResponse):
+    """A streamed answer that, when a later piece cannot be had (the sandbox died mid-read),
+    ends without the final chunk: the client sees the answer cut off, never a short one that
+    looks whole. One warning is logged rather than a traceback."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for piece in self.body_iterator:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except DsecError as e:
+            log.warning("answer cut off: %s", e)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def _json_body(request: Request) -> bytes:
     """The body of a JSON request, refused as soon as it is known to be over ``MAX_BODY``."""
     declared = request.headers.get("content-length", "")
@@ -339,7 +357,7 @@ def _endpoint(
         except DsecError as e:
             return error_response(e)
         if route.response is RAW and not isinstance(answer, bytes):
-            return StreamingResponse(answer, status, media_type=media_type)
+            return _Streamed(answer, status, media_type=media_type)
         return Response(route.encode_response(answer), status, media_type=media_type)
 
     return endpoint
