@@ -18,6 +18,7 @@ import asyncio
 import builtins
 import dataclasses
 import os
+import stat
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,9 +119,23 @@ def _file_chunks(local: Path) -> Generator[tuple[int, bytes], None, None]:
             off += len(piece)
 
 
+def _local(local: Any) -> Path:
+    """A local path argument (an int would be taken for a file descriptor by ``open``)."""
+    if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
+        raise InvalidSpec(f"local must be a path, got {local!r}", field="local")
+    return Path(local)
+
+
 def _upload_mode(local: Path, mode: int | None) -> int:
+    """The mode to give the uploaded file; ``InvalidSpec`` if ``local`` is no readable file."""
+    try:
+        st = local.stat()
+    except OSError as e:
+        raise InvalidSpec(f"local: cannot upload {local}: {e.strerror}", field="local") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidSpec(f"local: {local} is not a regular file", field="local")
     # The sticky bit means nothing on a file and WriteQuery refuses it: leave it behind.
-    return mode if mode is not None else local.stat().st_mode & 0o6777
+    return mode if mode is not None else st.st_mode & 0o6777
 
 
 def _retry_timeout(retry: float | None) -> float:
@@ -343,7 +358,7 @@ class Client:
     def upload(
         self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
     ) -> None:
-        local = Path(local)
+        local = _local(local)
         octal = _octal(_upload_mode(local, mode))
         for off, piece in _file_chunks(local):
             self._call(
@@ -353,8 +368,9 @@ class Client:
     def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
         """Copy a file out of the sandbox piece by piece, never holding all of it. The local
         file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        where = _local(local)
         piece = self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
-        with open(local, "wb") as f:
+        with open(where, "wb") as f:
             off = 0
             while True:
                 f.write(piece)
@@ -522,7 +538,7 @@ class AsyncClient:
     async def upload(
         self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
     ) -> None:
-        local = Path(local)
+        local = _local(local)
         octal = _octal(await asyncio.to_thread(_upload_mode, local, mode))
         pieces = _file_chunks(local)
         try:
@@ -537,8 +553,9 @@ class AsyncClient:
     async def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
         """Copy a file out of the sandbox piece by piece, never holding all of it. The local
         file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        where = _local(local)
         piece = await self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
-        f = await asyncio.to_thread(open, local, "wb")
+        f = await asyncio.to_thread(open, where, "wb")
         try:
             off = 0
             while True:

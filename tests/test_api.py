@@ -358,6 +358,11 @@ BAD_CALLS = [
     ("write_file", ("s", "", b"d"), {}, "path"),
     ("read_file", ("s", None), {}, "path"),
     ("download", ("s", 5, "/dev/null"), {}, "path"),
+    ("download", ("s", "/etc/hosts", 1), {}, "local"),  # not a file descriptor
+    ("upload", ("s", "/no/such/local/file", "/r"), {}, "local"),
+    ("upload", ("s", "/", "/r"), {}, "local"),
+    ("upload", ("s", None, "/r"), {}, "local"),
+    ("upload", ("s", "/etc/hostname", "/r"), dict(mode=999), "mode"),
     ("list_dir", ("s", 5), {}, "path"),
     ("stat", ("s", b"/etc"), {}, "path"),
     ("remove", ("s", "/f"), dict(recursive="yes"), "recursive"),
