@@ -361,11 +361,12 @@ class ResponseParser:
 def _closed_by_peer(sock: Any) -> bool:
     """Whether an idle kept-alive connection has something to read: the node closed it (a
     restart, an idle timeout) or sent what no request asked for. Either way it is no use."""
+    poller = select.poll()  # not select(): a client may hold more than 1024 descriptors
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class HTTPTransport:
