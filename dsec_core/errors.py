@@ -26,6 +26,7 @@ __all__ = [
     "NotFound",
     "PluginInvalid",
     "PolicyUnavailable",
+    "RequestTooLarge",
     "SandboxError",
     "SandboxNotRunning",
     "SandboxPathError",
@@ -122,6 +123,12 @@ class InvalidSpec(DsecError):
     """A request or spec is malformed: wrong type, bad size string, conflicting fields."""
 
     http_status = 400
+
+
+class RequestTooLarge(InvalidSpec):
+    """A request body is over the API's limit; ``limit`` says how many bytes it may have."""
+
+    http_status = 413
 
 
 class CatalogInvalid(InvalidSpec):

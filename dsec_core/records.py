@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,39 @@ def parse_size(value: int | str | None, what: str = "size") -> int | None:
     raise InvalidSpec(
         f"{what}: cannot read {value!r} as a size (try 512M, 2G or bytes)", field=what
     )
+
+
+def _check_type(name: str, value: Any, kinds: type | tuple[type, ...], what: str) -> None:
+    """``InvalidSpec`` naming field ``name`` unless ``value`` is one of ``kinds`` (never a bool
+    where a number or string is asked for: ``True`` is an int to Python, not to JSON)."""
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        raise InvalidSpec(f"{name} must be {what}, got {_shown(value)}", field=name)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_finite(name: str, value: float) -> None:
+    try:
+        ok = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise InvalidSpec(f"{name} must be a finite number, got {_shown(value)}", field=name)
+
+
+def _check_strings(name: str, value: Any) -> None:
+    """A mapping of strings to strings (environment variables, labels)."""
+    _check_type(name, value, Mapping, "an object of strings")
+    for key, item in value.items():
+        _check_type(name, key, str, "an object with string keys")
+        _check_type(f"{name}.{key}", item, str, "a string")
 
 
 class _Record:
@@ -165,6 +199,7 @@ class SandboxSpec(_Record):
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
@@ -190,9 +225,39 @@ class SandboxSpec(_Record):
             raise InvalidSpec("a sandbox needs an environment or at least one layer")
         if self.ttl is not None and self.ttl <= 0:
             raise InvalidSpec(f"ttl must be positive seconds or None, got {self.ttl}", field="ttl")
+        if not self.workdir.startswith("/") or "\0" in self.workdir:
+            raise InvalidSpec(
+                f"workdir must be an absolute path without NUL, got {self.workdir!r}",
+                field="workdir",
+            )
         for ref in self.layers:
             LayerRef.parse(ref)
         self.limits  # noqa: B018 - reject bad sizes and limits at construction
+
+    def _check_types(self) -> None:
+        """What the fields' types promise, checked before anything converts them: a caller's
+        ``cpu="abc"`` is an ``InvalidSpec`` naming ``cpu``, not a ``ValueError`` from deep
+        inside (the API's decoder checks the same for JSON; this covers the SDK's callers)."""
+        _check_type("environment", self.environment, (str, type(None)), "a string or None")
+        if isinstance(self.layers, str):
+            raise InvalidSpec(
+                f"layers must be a list of name@version strings, not one string: {self.layers!r}",
+                field="layers",
+            )
+        _check_type("layers", self.layers, (list, tuple), "a list of name@version strings")
+        for i, ref in enumerate(self.layers):
+            _check_type(f"layers[{i}]", ref, str, "a name@version string")
+        _check_type("backend", self.backend, str, "a backend name")
+        _check_type("cpu", self.cpu, (int, float), "a number of cores")
+        _check_finite("cpu", self.cpu)
+        _check_type("memory", self.memory, (int, str), "bytes or a size such as 512M")
+        _check_type("pids", self.pids, int, "an integer")
+        _check_type("ttl", self.ttl, (int, float, type(None)), "seconds or None")
+        if self.ttl is not None:
+            _check_finite("ttl", self.ttl)
+        _check_strings("env", self.env)
+        _check_type("workdir", self.workdir, str, "an absolute path")
+        _check_strings("labels", self.labels)
 
     @property
     def limits(self) -> Limits:

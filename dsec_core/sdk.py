@@ -5,14 +5,21 @@ route and hands over the route's messages; the two clients only differ in how th
 ``Client()`` with no address talks to ``DSEC_ADDRESS`` (with ``DSEC_TOKEN``) if set, else to
 the local node daemon on its unix socket, starting it if none runs (the embedded single-node
 default).
+
+Bad arguments raise ``InvalidSpec`` naming the argument before anything is sent: each request is
+checked against the same decoders the node runs. While the node is away (its daemon restarting)
+a request is retried for up to ``retry`` seconds (``DSEC_RETRY_TIMEOUT``, 15 by default) if it
+never reached the node, and GETs and deletes also if it broke before the answer came.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import stat
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +62,95 @@ __all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "Sandbox", "
 
 CHUNK = 8 << 20  # file transfers move in pieces of this size
 EXEC_GRACE = 30.0  # past an exec's own timeout, how long a client waits for the node's answer
+RETRY_TIMEOUT = 15.0  # seconds a request keeps trying while the node is away (a restart)
+
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(SandboxSpec))
 
 
 def _spec(spec: SandboxSpec | None, kw: dict[str, Any]) -> SandboxSpec:
+    unknown = sorted(set(kw) - _SPEC_FIELDS)
+    if unknown:
+        raise InvalidSpec(
+            f"unknown sandbox spec field(s) {unknown}; known: {sorted(_SPEC_FIELDS)}",
+            fields=unknown,
+        )
     if spec is None:
         return SandboxSpec(**kw)
+    if not isinstance(spec, SandboxSpec):
+        raise InvalidSpec(f"spec must be a SandboxSpec, got {type(spec).__name__}", field="spec")
     if kw:
         return SandboxSpec(**{**spec.to_dict(), **kw})
     return spec
 
 
-def _write_chunks(data: bytes) -> Iterator[tuple[int, bytes]]:
-    if not data:
+def _data(data: Any) -> bytes | bytearray | memoryview:
+    if isinstance(data, str):
+        return data.encode()
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidSpec(f"data must be bytes or str, got {type(data).__name__}", field="data")
+    return data
+
+
+def _octal(mode: Any) -> str:
+    """A file mode for ``WriteQuery``; ``WriteQuery`` itself refuses the sticky bit."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidSpec(f"mode must be permission bits such as 0o644, got {mode!r}", field="mode")
+    return f"{mode:o}"
+
+
+def _write_chunks(data: bytes | bytearray | memoryview) -> Iterator[tuple[int, bytes]]:
+    view = memoryview(data).cast("B")
+    if not view:
         yield 0, b""
-    for off in range(0, len(data), CHUNK):
-        yield off, data[off : off + CHUNK]
+    for off in range(0, len(view), CHUNK):
+        yield off, bytes(view[off : off + CHUNK])
+
+
+def _file_chunks(local: Path) -> Generator[tuple[int, bytes], None, None]:
+    """A local file in pieces, read as they are sent, so an upload never holds all of it."""
+    with open(local, "rb") as f:
+        off = 0
+        while True:
+            piece = f.read(CHUNK)
+            if piece or off == 0:
+                yield off, piece
+            if len(piece) < CHUNK:
+                return
+            off += len(piece)
+
+
+def _local(local: Any) -> Path:
+    """A local path argument (an int would be taken for a file descriptor by ``open``)."""
+    if not isinstance(local, (str, os.PathLike)) or not os.fspath(local):
+        raise InvalidSpec(f"local must be a path, got {local!r}", field="local")
+    return Path(local)
+
+
+def _upload_mode(local: Path, mode: int | None) -> int:
+    """The mode to give the uploaded file; ``InvalidSpec`` if ``local`` is no readable file."""
+    try:
+        st = local.stat()
+    except OSError as e:
+        raise InvalidSpec(f"local: cannot upload {local}: {e.strerror}", field="local") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidSpec(f"local: {local} is not a regular file", field="local")
+    # The sticky bit means nothing on a file and WriteQuery refuses it: leave it behind.
+    return mode if mode is not None else st.st_mode & 0o6777
+
+
+def _retry_timeout(retry: float | None) -> float:
+    if retry is None:
+        text = os.environ.get("DSEC_RETRY_TIMEOUT", "").strip()
+        try:
+            retry = float(text) if text else RETRY_TIMEOUT
+        except ValueError:
+            retry = -1.0
+        field = "DSEC_RETRY_TIMEOUT"
+    else:
+        field = "retry"
+    if isinstance(retry, bool) or not isinstance(retry, (int, float)) or not 0 <= retry < 1e9:
+        raise InvalidSpec(f"{field} must be seconds (0 or more), got {retry!r}", field=field)
+    return float(retry)
 
 
 def _resolve(
@@ -77,6 +158,8 @@ def _resolve(
 ) -> tuple[Address, str | None]:
     """Where to connect and with which token: the address given, else ``DSEC_ADDRESS`` (and
     ``DSEC_TOKEN``), else the local node's unix socket (started if ``autostart``)."""
+    if token is not None and not isinstance(token, str):
+        raise InvalidSpec(f"token must be a string, got {type(token).__name__}", field="token")
     if address is None and os.environ.get("DSEC_ADDRESS"):
         address = os.environ["DSEC_ADDRESS"]
         if token is None:  # the token goes with the address it was set for, never elsewhere
@@ -121,7 +204,7 @@ def _transport_error(route: Route, body: Any, e: TransportError, address: str) -
         return ExecTimeout(
             f"no answer from the node within {body.timeout}s + {EXEC_GRACE}s", timeout=body.timeout
         )
-    return NodeUnavailable(f"node at {address}: {type(e).__name__}: {e}", address=address)
+    return NodeUnavailable(f"the node did not answer: {e}", address=address)
 
 
 class Client:
@@ -130,7 +213,8 @@ class Client:
     ``address`` is ``unix:///path`` (or a path), ``http://host:port`` or ``https://host:port``;
     ``token`` is the node's API token (TCP only); ``verify`` checks the node's TLS certificate
     against the system's CAs (True), a CA file (a path), or not at all (False). ``Client()``
-    uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed).
+    uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed). ``retry`` is
+    how many seconds a request keeps trying while the node is away (``DSEC_RETRY_TIMEOUT``).
     """
 
     def __init__(
@@ -140,10 +224,12 @@ class Client:
         token: str | None = None,
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
+        retry: float | None = None,
     ) -> None:
+        retry = _retry_timeout(retry)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
-        self._http = HTTPTransport(where, token=token, verify=verify)
+        self._http = HTTPTransport(where, token=token, verify=verify, retry=retry)
 
     def __enter__(self) -> Client:
         return self
@@ -156,13 +242,15 @@ class Client:
 
     def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
         route = ROUTES[name]
+        target, content = route.target(params, query), route.encode_body(body)
         try:
             r = self._http.request(
                 route.method,
-                route.target(params, query),
-                body=route.encode_body(body),
+                target,
+                body=content,
                 content_type=route.body_type,
                 timeout=_timeout(route, body),
+                idempotent=bool(route.idempotent),
             )
         except TransportError as e:
             raise _transport_error(route, body, e, self.address) from e
@@ -202,18 +290,15 @@ class Client:
 
     def set_policy(self, sandbox_id: str, policy: str, settings: Mapping[str, Any]) -> PolicyState:
         """Change a live policy (e.g. a network allowlist) of a running sandbox."""
-        return self._call(
-            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
-        )
+        return self._call("set_policy", PolicySettings(settings), sid=sandbox_id, policy=policy)
 
     def layers(self) -> builtins.list[LayerInfo]:
         return list(self._call("layers").layers)
 
     def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
-        return [
-            row.to_dict() for row in self._call("prefetch", PrefetchRequest(tuple(refs))).layers
-        ]
+        body = PrefetchRequest(refs)  # type: ignore[arg-type]
+        return [row.to_dict() for row in self._call("prefetch", body).layers]
 
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(
@@ -266,25 +351,33 @@ class Client:
     def write_file(
         self, sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o644
     ) -> None:
-        data = data.encode() if isinstance(data, str) else data
-        for off, piece in _write_chunks(data):
-            self._call(
-                "write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0), sid=sandbox_id
-            )
+        octal = _octal(mode)
+        for off, piece in _write_chunks(_data(data)):
+            self._call("write_file", piece, WriteQuery(path, octal, off, off == 0), sid=sandbox_id)
 
     def upload(
         self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
     ) -> None:
-        local = Path(local)
-        self.write_file(
-            sandbox_id,
-            remote,
-            local.read_bytes(),
-            mode=mode if mode is not None else local.stat().st_mode & 0o7777,
-        )
+        local = _local(local)
+        octal = _octal(_upload_mode(local, mode))
+        for off, piece in _file_chunks(local):
+            self._call(
+                "write_file", piece, WriteQuery(remote, octal, off, off == 0), sid=sandbox_id
+            )
 
     def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
-        Path(local).write_bytes(self.read_file(sandbox_id, remote))
+        """Copy a file out of the sandbox piece by piece, never holding all of it. The local
+        file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        where = _local(local)
+        piece = self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
+        with open(where, "wb") as f:
+            off = 0
+            while True:
+                f.write(piece)
+                off += len(piece)
+                if len(piece) < CHUNK:
+                    return
+                piece = self._call("read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id)
 
     def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         return list(self._call("list_dir", query=FileQuery(path), sid=sandbox_id).entries)
@@ -306,10 +399,12 @@ class AsyncClient:
         token: str | None = None,
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
+        retry: float | None = None,
     ) -> None:
+        retry = _retry_timeout(retry)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
-        self._http = AsyncHTTPTransport(where, token=token, verify=verify)
+        self._http = AsyncHTTPTransport(where, token=token, verify=verify, retry=retry)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -322,13 +417,15 @@ class AsyncClient:
 
     async def _call(self, name: str, body: Any = None, query: Any = None, **params: str) -> Any:
         route = ROUTES[name]
+        target, content = route.target(params, query), route.encode_body(body)
         try:
             r = await self._http.request(
                 route.method,
-                route.target(params, query),
-                body=route.encode_body(body),
+                target,
+                body=content,
                 content_type=route.body_type,
                 timeout=_timeout(route, body),
+                idempotent=bool(route.idempotent),
             )
         except TransportError as e:
             raise _transport_error(route, body, e, self.address) from e
@@ -369,14 +466,15 @@ class AsyncClient:
         self, sandbox_id: str, policy: str, settings: Mapping[str, Any]
     ) -> PolicyState:
         return await self._call(
-            "set_policy", PolicySettings(dict(settings)), sid=sandbox_id, policy=policy
+            "set_policy", PolicySettings(settings), sid=sandbox_id, policy=policy
         )
 
     async def layers(self) -> builtins.list[LayerInfo]:
         return list((await self._call("layers")).layers)
 
     async def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
-        made = await self._call("prefetch", PrefetchRequest(tuple(refs)))
+        body = PrefetchRequest(refs)  # type: ignore[arg-type]
+        made = await self._call("prefetch", body)
         return [row.to_dict() for row in made.layers]
 
     async def exec(
@@ -431,27 +529,45 @@ class AsyncClient:
     async def write_file(
         self, sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o644
     ) -> None:
-        data = data.encode() if isinstance(data, str) else data
-        for off, piece in _write_chunks(data):
+        octal = _octal(mode)
+        for off, piece in _write_chunks(_data(data)):
             await self._call(
-                "write_file", piece, WriteQuery(path, f"{mode:o}", off, off == 0), sid=sandbox_id
+                "write_file", piece, WriteQuery(path, octal, off, off == 0), sid=sandbox_id
             )
 
     async def upload(
         self, sandbox_id: str, local: str | os.PathLike, remote: str, *, mode: int | None = None
     ) -> None:
-        local = Path(local)
-        data = await asyncio.to_thread(local.read_bytes)
-        await self.write_file(
-            sandbox_id,
-            remote,
-            data,
-            mode=mode if mode is not None else local.stat().st_mode & 0o7777,
-        )
+        local = _local(local)
+        octal = _octal(await asyncio.to_thread(_upload_mode, local, mode))
+        pieces = _file_chunks(local)
+        try:
+            while (next_piece := await asyncio.to_thread(next, pieces, None)) is not None:
+                off, piece = next_piece
+                await self._call(
+                    "write_file", piece, WriteQuery(remote, octal, off, off == 0), sid=sandbox_id
+                )
+        finally:
+            pieces.close()
 
     async def download(self, sandbox_id: str, remote: str, local: str | os.PathLike) -> None:
-        data = await self.read_file(sandbox_id, remote)
-        await asyncio.to_thread(Path(local).write_bytes, data)
+        """Copy a file out of the sandbox piece by piece, never holding all of it. The local
+        file is opened once the first piece came (a bad remote path leaves it as it was)."""
+        where = _local(local)
+        piece = await self._call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
+        f = await asyncio.to_thread(open, where, "wb")
+        try:
+            off = 0
+            while True:
+                await asyncio.to_thread(f.write, piece)
+                off += len(piece)
+                if len(piece) < CHUNK:
+                    return
+                piece = await self._call(
+                    "read_file", query=ReadQuery(remote, off, CHUNK), sid=sandbox_id
+                )
+        finally:
+            f.close()
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         return list((await self._call("list_dir", query=FileQuery(path), sid=sandbox_id)).entries)

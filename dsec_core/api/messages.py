@@ -7,10 +7,14 @@ Each is a small frozen dataclass; ``to_dict``/``from_dict`` go through its JSON 
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
+from collections.abc import Sequence as AbcSequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..agent.rpc import MAX_OUTPUT
 from ..errors import InvalidSpec
 from ..records import (
     ExecResult,
@@ -24,6 +28,8 @@ from ..records import (
 from .shapes import decoder, encoder
 
 __all__ = [
+    "MAX_READ",
+    "MAX_TIMEOUT",
     "Closed",
     "CreateRequest",
     "CreateResult",
@@ -63,6 +69,12 @@ __all__ = [
 ]
 
 DEFAULT_MAX_OUTPUT = 1 << 20
+#: The most one read answers: a length of -1 (to the end) stops here too, so reading a device
+#: such as /dev/zero ends. The node streams an answer in pieces, whatever its size.
+MAX_READ = 256 << 20
+#: The longest command timeout, in seconds (30 days): anything longer is a mistake, and the
+#: agent counts deadlines in 64-bit milliseconds.
+MAX_TIMEOUT = 30 * 86400.0
 
 
 def _limits(**schema: Any) -> dict[str, Any]:
@@ -127,7 +139,8 @@ class ErrorResponse(Message):
 
 @dataclass(frozen=True)
 class CreateRequest(Message):
-    """Create ``count`` sandboxes from one spec."""
+    """Create ``count`` sandboxes from one spec; a node takes at most ``DSEC_MAX_BATCH`` in one
+    request, and no more than it has room for, or refuses the whole request before any work."""
 
     spec: SandboxSpec
     count: int = field(default=1, metadata=_limits(minimum=1))
@@ -161,6 +174,10 @@ class PolicySettings(Message):
 
     settings: Mapping[str, Any]
 
+    def __post_init__(self) -> None:
+        if isinstance(self.settings, Mapping):
+            object.__setattr__(self, "settings", dict(self.settings))
+
 
 @dataclass(frozen=True)
 class Killed(Message):
@@ -170,6 +187,24 @@ class Killed(Message):
 
 
 # --- commands and sessions --------------------------------------------------------------------
+
+_TIMEOUT = _limits(exclusiveMinimum=0, maximum=MAX_TIMEOUT)
+#: The agent keeps at most MAX_OUTPUT of each stream: asking for more is refused, not ignored.
+_MAX_OUTPUT = _limits(minimum=0, maximum=MAX_OUTPUT)
+
+
+def _text_to_bytes(msg: Any, name: str) -> None:
+    value = getattr(msg, name)
+    if isinstance(value, str):
+        object.__setattr__(msg, name, value.encode("utf-8", "surrogateescape"))
+    elif isinstance(value, (bytearray, memoryview)):
+        object.__setattr__(msg, name, bytes(value))
+
+
+def _plain_env(msg: Any) -> None:
+    """Any mapping becomes a dict (an empty one None); anything else stays for the decoder."""
+    if isinstance(msg.env, Mapping):
+        object.__setattr__(msg, "env", dict(msg.env) or None)
 
 
 @dataclass(frozen=True)
@@ -181,20 +216,23 @@ class ExecRequest(Message):
     """
 
     cmd: str | tuple[str, ...] = field(metadata=_limits(minLength=1, minItems=1))
-    timeout: float | None = None
+    timeout: float | None = field(default=None, metadata=_TIMEOUT)
     cwd: str | None = None
     env: Mapping[str, str] | None = None
     stdin: bytes | None = None
-    max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_limits(minimum=0))
+    max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_MAX_OUTPUT)
 
     def __post_init__(self) -> None:
-        # The SDK hands over what its callers pass: a list, a str stdin, any mapping.
-        if not isinstance(self.cmd, (str, tuple)):
-            object.__setattr__(self, "cmd", tuple(self.cmd))
-        if isinstance(self.stdin, str):
-            object.__setattr__(self, "stdin", self.stdin.encode())
-        if self.env is not None:
-            object.__setattr__(self, "env", dict(self.env) or None)
+        # The SDK hands over what its callers pass: a list (paths in it too), a str stdin, any
+        # mapping. Anything else is left as it is for the decoder to name (``cmd: expected ...``).
+        cmd = self.cmd
+        if isinstance(cmd, AbcSequence) and not isinstance(cmd, (str, bytes, tuple)):
+            cmd = tuple(cmd)
+        if isinstance(cmd, tuple):
+            cmd = tuple(os.fspath(a) if isinstance(a, os.PathLike) else a for a in cmd)
+        object.__setattr__(self, "cmd", cmd)
+        _text_to_bytes(self, "stdin")
+        _plain_env(self)
         if not self.cmd:
             raise InvalidSpec("exec needs cmd: a non-empty string or list of strings", field="cmd")
 
@@ -207,8 +245,7 @@ class SessionOpenRequest(Message):
     env: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
-        if self.env is not None:
-            object.__setattr__(self, "env", dict(self.env) or None)
+        _plain_env(self)
 
 
 @dataclass(frozen=True)
@@ -230,13 +267,12 @@ class SessionExecRequest(Message):
     """Run a shell command in a session; cwd, variables and functions persist between calls."""
 
     cmd: str = field(metadata=_limits(minLength=1))
-    timeout: float | None = None
+    timeout: float | None = field(default=None, metadata=_TIMEOUT)
     stdin: bytes | None = None
-    max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_limits(minimum=0))
+    max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_MAX_OUTPUT)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stdin, str):
-            object.__setattr__(self, "stdin", self.stdin.encode())
+        _text_to_bytes(self, "stdin")
         if not self.cmd:
             raise InvalidSpec("session exec needs cmd: a shell command string", field="cmd")
 
@@ -251,37 +287,63 @@ class Closed(Message):
 # --- files (query parameters, raw bodies) -----------------------------------------------------
 
 _PATH = _limits(minLength=1)
+_OCTAL_MODE = re.compile(r"[0-7]{1,4}")
+
+
+class _PathQuery(Message):
+    """A query naming a path in the sandbox; the SDK's callers may pass a ``Path``."""
+
+    path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
 
 
 @dataclass(frozen=True)
-class FileQuery(Message):
+class FileQuery(_PathQuery):
     """A path inside the sandbox."""
 
     path: str = field(metadata=_PATH)
 
 
 @dataclass(frozen=True)
-class ReadQuery(Message):
-    """Up to ``length`` bytes (-1: to the end) of a file from ``offset``."""
+class ReadQuery(_PathQuery):
+    """Up to ``length`` bytes of a file from ``offset``; -1 reads to the end. One answer holds at
+    most ``MAX_READ`` bytes (256 MiB), -1 too: a full answer may have more after it."""
 
     path: str = field(metadata=_PATH)
     offset: int = field(default=0, metadata=_limits(minimum=0))
-    length: int = field(default=-1, metadata=_limits(minimum=-1))
+    length: int = field(default=-1, metadata=_limits(minimum=-1, maximum=MAX_READ))
 
 
 @dataclass(frozen=True)
-class WriteQuery(Message):
+class WriteQuery(_PathQuery):
     """Write the body at ``offset``; ``truncate`` cuts the file there first; ``mode`` (octal)
-    applies to a file this call creates."""
+    applies to a file this call creates. The sticky bit is refused: it means nothing on a file,
+    and it is where a mode written in decimal lands (755 is 0o1363)."""
 
     path: str = field(metadata=_PATH)
     mode: str = field(default="644", metadata=_limits(pattern="^[0-7]{1,4}$"))
     offset: int = field(default=0, metadata=_limits(minimum=0))
     truncate: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (
+            isinstance(self.mode, str)
+            and _OCTAL_MODE.fullmatch(self.mode)
+            and int(self.mode, 8) & 0o1000
+        ):
+            raise InvalidSpec(
+                f"mode {self.mode} (octal) sets the sticky bit, which means nothing on a file; "
+                "was it written in decimal? (write 0o755, not 755)",
+                field="mode",
+            )
+
 
 @dataclass(frozen=True)
-class RemoveQuery(Message):
+class RemoveQuery(_PathQuery):
     """Remove a file, symlink or empty directory; ``recursive`` removes a tree."""
 
     path: str = field(metadata=_PATH)
@@ -326,7 +388,13 @@ class PrefetchRequest(Message):
     refs: tuple[str, ...] = field(metadata=_limits(minItems=1))
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "refs", tuple(self.refs))
+        if isinstance(self.refs, str):
+            raise InvalidSpec(
+                f"refs must be a list of name@version strings, not one string: {self.refs!r}",
+                field="refs",
+            )
+        if isinstance(self.refs, AbcSequence) and not isinstance(self.refs, (bytes, tuple)):
+            object.__setattr__(self, "refs", tuple(self.refs))
 
 
 @dataclass(frozen=True)

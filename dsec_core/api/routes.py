@@ -50,12 +50,16 @@ from .messages import (
 )
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
-__all__ = ["JSON", "OCTETS", "RAW", "ROUTES", "Route", "dump_json"]
+__all__ = ["JSON", "MAX_BODY", "OCTETS", "RAW", "ROUTES", "Route", "dump_json"]
 
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
 JSON = "application/json"
 OCTETS = "application/octet-stream"
+#: The largest JSON body a node reads (``RequestTooLarge`` beyond it): room for an exec's 16 MiB
+#: of stdin in base64 and a command and environment as large as the agent takes. Raw bodies
+#: (file writes) are streamed and have no such limit.
+MAX_BODY = 64 << 20
 
 
 def dump_json(value: Any) -> bytes:
@@ -76,6 +80,9 @@ class Route:
     query: type | None = None  # a message of scalar fields, one query parameter each
     status: int = 200
     timeout: float | None = 60.0  # how long a client waits for the answer by default
+    #: Sending it twice does no more than sending it once, so a client may send it again when
+    #: the node went away before answering (GETs, and deletes of a named thing).
+    idempotent: bool | None = None  # None: only a GET is
     #: The body's ``timeout`` bounds the call instead: a client waits that long plus a grace
     #: period, and running out of it means the command timed out (``ExecTimeout``).
     exec_timeout: bool = False
@@ -83,6 +90,8 @@ class Route:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(re.findall(r"{(\w+)}", self.path)))
+        if self.idempotent is None:
+            object.__setattr__(self, "idempotent", self.method == "GET")
 
     @property
     def body_type(self) -> str | None:
@@ -94,11 +103,15 @@ class Route:
         return OCTETS if self.response is RAW else JSON
 
     # --- the client's side ----------------------------------------------------------------
-    def target(self, params: Mapping[str, str], query: Any = None) -> str:
+    #
+    # Both check what they encode as the node's decoders would, so a bad argument is an
+    # ``InvalidSpec`` naming its field in the caller, before anything is sent.
+
+    def target(self, params: Mapping[str, Any], query: Any = None) -> str:
         """The request target: the path with ``params`` filled in, and the query string."""
         path = self.path
         if self.params:
-            path = path.format_map({k: quote(params[k], safe="") for k in self.params})
+            path = path.format_map({k: _path_param(k, params.get(k)) for k in self.params})
         if query is not None:
             path += "?" + urlencode(self._encode_query(query), quote_via=quote)
         return path
@@ -107,8 +120,12 @@ class Route:
         if self.body is None:
             return None
         if self.body is RAW:
+            if not isinstance(body, (bytes, bytearray, memoryview)):
+                raise InvalidSpec(
+                    f"{self.name}: data must be bytes, got {type(body).__name__}", field="data"
+                )
             return bytes(body)
-        return dump_json(self._encode_body(body))
+        return self._encode_body(body)
 
     def decode_response(self, content: bytes) -> Any:
         """The answer of a 2xx response, typed; ``InvalidSpec`` if it does not fit."""
@@ -132,7 +149,9 @@ class Route:
     @functools.cached_property
     def _encode_query(self) -> Callable[[Any], list[tuple[str, str]]]:
         assert self.query is not None, f"route {self.name} takes no query parameters"
-        return query_encoder(self.query)
+        encode = query_encoder(self.query)
+        check = _checked(self.query)
+        return lambda query: encode(check(query))
 
     @functools.cached_property
     def _decode_query(self) -> Callable[[Mapping[str, str]], Any]:
@@ -140,8 +159,19 @@ class Route:
         return query_decoder(self.query)
 
     @functools.cached_property
-    def _encode_body(self) -> Callable[[Any], Any]:
-        return encoder(self.body) or _same
+    def _encode_body(self) -> Callable[[Any], bytes]:
+        encode = encoder(self.body) or _same
+        check = _checked(self.body)
+        where = self.body.__name__
+
+        def encode_checked(body: Any) -> bytes:
+            value = encode(check(body))
+            try:
+                return dump_json(value)
+            except ValueError as e:  # NaN or infinity in a free-form (Any) value
+                raise InvalidSpec(f"{where}: not JSON: {e}") from None
+
+        return encode_checked
 
     @functools.cached_property
     def _decode_body(self) -> Callable[[bytes], Any]:
@@ -171,6 +201,40 @@ class Route:
 
 def _same(value: Any) -> Any:
     return value
+
+
+#: How the SDK names path parameters in its methods' arguments.
+_PARAM_ARGS = {"sid": "sandbox_id", "ses": "session_id"}
+
+
+def _path_param(name: str, value: Any) -> str:
+    arg = _PARAM_ARGS.get(name, name)
+    if not isinstance(value, str) or not value:
+        raise InvalidSpec(f"{arg} must be a non-empty string, got {value!r}", field=arg)
+    try:
+        return quote(value, safe="")
+    except UnicodeEncodeError:  # a lone surrogate is no text
+        raise InvalidSpec(f"{arg} must be text, got {value!r}", field=arg) from None
+
+
+def _checked(cls: type) -> Callable[[Any], Any]:
+    """A function that returns a message unchanged if the node's decoder would take its JSON
+    form, and raises the decoder's ``InvalidSpec`` (naming the field) if not."""
+    encode = encoder(cls) or _same
+    decode = decoder(cls, strict=True)
+    where = cls.__name__
+
+    def check(message: Any) -> Any:
+        if not isinstance(message, cls):
+            raise InvalidSpec(f"expected a {where}, got {type(message).__name__}")
+        try:
+            value = encode(message)
+        except (TypeError, ValueError) as e:  # a value with no JSON form: a set, an object
+            raise InvalidSpec(f"{where}: {e}") from None
+        decode(value, where)
+        return message
+
+    return check
 
 
 def _load_json(content: bytes, where: str) -> Any:
@@ -203,7 +267,14 @@ ROUTES: dict[str, Route] = {
         ),
         Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
         Route("get", "GET", _SB, "One sandbox", SandboxInfo),
-        Route("kill", "DELETE", _SB, "Kill a sandbox and remove everything it left", Killed),
+        Route(
+            "kill",
+            "DELETE",
+            _SB,
+            "Kill a sandbox and remove everything it left",
+            Killed,
+            idempotent=True,
+        ),
         Route("usage", "GET", _SB + "/usage", "What a sandbox uses now", SandboxUsage),
         Route(
             "policies",
@@ -248,7 +319,14 @@ ROUTES: dict[str, Route] = {
             body=SessionExecRequest,
             exec_timeout=True,
         ),
-        Route("session_close", "DELETE", _SB + "/sessions/{ses}", "Close a session", Closed),
+        Route(
+            "session_close",
+            "DELETE",
+            _SB + "/sessions/{ses}",
+            "Close a session",
+            Closed,
+            idempotent=True,
+        ),
         Route("read_file", "GET", _SB + "/file", "Read (part of) a file", RAW, query=ReadQuery),
         Route(
             "write_file",
@@ -260,7 +338,13 @@ ROUTES: dict[str, Route] = {
             query=WriteQuery,
         ),
         Route(
-            "remove", "DELETE", _SB + "/file", "Remove a file or a tree", Removed, query=RemoveQuery
+            "remove",
+            "DELETE",
+            _SB + "/file",
+            "Remove a file or a tree",
+            Removed,
+            query=RemoveQuery,
+            idempotent=True,
         ),
         Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
         Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),

@@ -4,8 +4,9 @@ encoder, and the JSON Schema that the OpenAPI document shows, so the three canno
 Records are frozen dataclasses; a field's type is one of ``str``, ``int``, ``float``, ``bool``,
 ``None``, ``bytes`` (base64 on the wire), ``Any``, unions of these, ``tuple[X, ...]``/
 ``list[X]``, ``Mapping[str, X]``, or another record (``$ref`` in the document). A field's
-``metadata={"schema": {...}}`` adds JSON Schema constraints (``minimum``, ``maximum``,
-``minLength``, ``maxLength``, ``pattern``, ``minItems``) that the decoder enforces too.
+``metadata={"schema": {...}}`` adds JSON Schema constraints (``minimum``, ``exclusiveMinimum``,
+``maximum``, ``minLength``, ``maxLength``, ``pattern``, ``minItems``) that the decoder enforces
+too.
 
 Each decoder and encoder is built once per type and cached: the exec round trip pays a few
 microseconds for validation, not a walk over type hints.
@@ -53,7 +54,15 @@ _SCALAR_NAMES = {
     type(None): "null",
     bytes: "a base64 string",
 }
-_CONSTRAINTS = ("minimum", "maximum", "minLength", "maxLength", "pattern", "minItems")
+_CONSTRAINTS = (
+    "minimum",
+    "exclusiveMinimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+)
 
 
 def is_record(tp: Any) -> bool:
@@ -190,6 +199,7 @@ _SCALAR_DECODERS: dict[Any, Decode] = {
 def _constrained(decode: Decode, schema: Mapping[str, Any]) -> Decode:
     """Wrap ``decode`` so it enforces the JSON Schema constraints a field's metadata names."""
     low, high = schema.get("minimum"), schema.get("maximum")
+    above = schema.get("exclusiveMinimum")
     min_len, max_len = schema.get("minLength"), schema.get("maxLength")
     pattern = re.compile(schema["pattern"]) if "pattern" in schema else None
     min_items = schema.get("minItems")
@@ -199,6 +209,8 @@ def _constrained(decode: Decode, schema: Mapping[str, Any]) -> Decode:
         if isinstance(out, (int, float)) and not isinstance(out, bool):
             if low is not None and out < low:
                 raise _Mismatch(f"must be at least {low}, got {out}")
+            if above is not None and out <= above:
+                raise _Mismatch(f"must be more than {above}, got {out}")
             if high is not None and out > high:
                 raise _Mismatch(f"must be at most {high}, got {out}")
         elif isinstance(out, str):

@@ -6,19 +6,27 @@ two-core node a create -> exec -> kill loop made that a fifth of the machine. Th
 the HTTP the API needs: requests with a Content-Length body; responses with a Content-Length,
 chunked, or close-delimited body. Building a request and parsing a response are sans-IO
 (``request_head``, ``ResponseParser``) and shared, so the two twins differ only in how they
-wait: ``HTTPTransport.request`` and ``AsyncHTTPTransport.request`` read the same way, like
-httpx's: take a pooled connection or connect, send, receive, and once retry on a fresh
-connection if a kept-alive one turns out to be closed before any answer came.
+wait: ``HTTPTransport.request`` and ``AsyncHTTPTransport.request`` read the same way: take a
+pooled connection that is still open, or connect; send; receive.
+
+While the node is away (its daemon restarting: the socket is gone or refuses connections) a
+request is sent again, with a short backoff, for up to ``retry`` seconds: any request whose
+bytes never reached the node (the connect failed, or the send did), and an ``idempotent`` one
+also when the connection broke before its answer was complete. A request that was sent is
+never sent twice otherwise: the node may have acted on it (a create, an exec).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
+import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +47,7 @@ __all__ = [
 
 _MAX_HEAD = 64 << 10
 _READ = 256 << 10
+_BACKOFF = (0.05, 0.5)  # first and longest pause between attempts while the node is away
 
 
 class TransportError(OSError):
@@ -49,8 +58,65 @@ class TransportTimeout(TransportError):
     """No complete answer within the call's timeout."""
 
 
+class _Unsent(TransportError):
+    """Nothing of the request reached the node: the connect or the send failed."""
+
+
 class _Stale(TransportError):
     """The connection was closed before any byte of an answer came back."""
+
+
+class _Broken(TransportError):
+    """The connection was closed or reset in the middle of the answer."""
+
+
+#: What a node that is restarting answers a connect or a send with: its socket is gone, refuses,
+#: or was closed under us. Anything else (a TLS certificate, a permission) will not pass.
+_AWAY = frozenset(
+    {
+        errno.ENOENT,
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.EPIPE,
+        errno.EAGAIN,
+    }
+)
+
+
+def _failed(where: Address, e: OSError) -> TransportError:
+    """The error of a connect or send that failed: ``_Unsent`` if the node is only away."""
+    away = e.errno in _AWAY and not isinstance(e, ssl.SSLError)
+    return (_Unsent if away else TransportError)(f"{where}: {e}")
+
+
+def _may_retry(e: TransportError, idempotent: bool) -> bool:
+    return isinstance(e, _Unsent) or (idempotent and isinstance(e, (_Stale, _Broken)))
+
+
+class _Retry:
+    """The backoff of one request while the node is away, within ``window`` seconds of the
+    first failure."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.deadline: float | None = None
+        self.pause = _BACKOFF[0]
+        self.failures = 0
+
+    def next_pause(self, e: TransportError) -> float:
+        """Seconds to wait before the next attempt; raises ``e`` when the window has passed."""
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.window
+        self.failures += 1
+        left = self.deadline - now
+        if left <= 0:
+            if self.failures > 1:
+                raise TransportError(f"{e} (still, after {self.window:g}s of retrying)") from e
+            raise e
+        pause, self.pause = min(self.pause, left), min(self.pause * 2, _BACKOFF[1])
+        return pause
 
 
 @dataclass(frozen=True)
@@ -65,7 +131,13 @@ class Address:
 
     @classmethod
     def parse(cls, text: str | os.PathLike[str]) -> Address:
+        if not isinstance(text, (str, os.PathLike)):
+            raise InvalidSpec(
+                f"an address is a string or a path, got {type(text).__name__}", field="address"
+            )
         text = os.fspath(text)
+        if not isinstance(text, str):
+            raise InvalidSpec("an address is text, not bytes", field="address")
         if text.startswith("unix://"):
             text = text[len("unix://") :]
         if "://" not in text:
@@ -248,7 +320,7 @@ class ResponseParser:
             return self._done(keep_alive=False)
         if not self.received:
             raise _Stale("the connection was closed without an answer")
-        raise TransportError("the node closed the connection mid-response")
+        raise _Broken("the node closed the connection mid-response")
 
     def _head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
@@ -286,8 +358,22 @@ class ResponseParser:
 # --- the blocking twin -------------------------------------------------------------------------
 
 
+def _closed_by_peer(sock: Any) -> bool:
+    """Whether an idle kept-alive connection has something to read: the node closed it (a
+    restart, an idle timeout) or sent what no request asked for. Either way it is no use."""
+    poller = select.poll()  # not select(): a client may hold more than 1024 descriptors
+    try:
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
 class HTTPTransport:
-    """Blocking requests to one node; thread-safe, with a pool of kept-alive connections."""
+    """Blocking requests to one node; thread-safe, with a pool of kept-alive connections.
+
+    ``retry`` is how many seconds a request keeps trying while the node is away (see the
+    module's docstring); 0 gives up at the first failure."""
 
     def __init__(
         self,
@@ -295,12 +381,14 @@ class HTTPTransport:
         *,
         token: str | None = None,
         verify: bool | str | os.PathLike[str] = True,
+        retry: float = 0.0,
     ) -> None:
         self.address = address if isinstance(address, Address) else Address.parse(address)
         self._head = request_head(self.address, token)
         self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
+        self.retry = retry
 
     def request(
         self,
@@ -310,16 +398,31 @@ class HTTPTransport:
         body: bytes | None = None,
         content_type: str | None = None,
         timeout: float | None = None,
+        idempotent: bool = False,
     ) -> Response:
         data = request_bytes(method, target, self._head, body, content_type)
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is not None:
+        backoff = _Retry(self.retry)
+        while True:
             try:
-                return self._exchange(conn, data, timeout)
-            except _Stale:
-                self.close()  # the node closed its kept-alive connections (restart, idle)
-        return self._exchange(self._connect(timeout), data, timeout)
+                return self._exchange(self._take() or self._connect(timeout), data, timeout)
+            except TransportTimeout:
+                raise
+            except TransportError as e:
+                if not _may_retry(e, idempotent):
+                    raise
+                self.close()  # whatever else is pooled went the same way
+                time.sleep(backoff.next_pause(e))
+
+    def _take(self) -> socket.socket | None:
+        """A pooled connection the node has not closed, if there is one."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    return None
+                conn = self._idle.pop()
+            if not _closed_by_peer(conn):
+                return conn
+            conn.close()
 
     def _connect(self, timeout: float | None) -> socket.socket:
         a = self.address
@@ -341,13 +444,18 @@ class HTTPTransport:
         except TimeoutError as e:
             raise TransportTimeout(f"{a}: no connection within {timeout}s") from e
         except OSError as e:
-            raise TransportError(f"{a}: {e}") from e
+            raise _failed(a, e) from e
 
     def _exchange(self, sock: socket.socket, data: bytes, timeout: float | None) -> Response:
         parser = ResponseParser()
         try:
             sock.settimeout(timeout)
-            sock.sendall(data)
+            try:
+                sock.sendall(data)
+            except TimeoutError:
+                raise
+            except OSError as e:  # the node cannot have read a whole request
+                raise _failed(self.address, e) from e
             response = None
             while response is None:
                 chunk = sock.recv(_READ)
@@ -360,9 +468,9 @@ class HTTPTransport:
             raise
         except OSError as e:
             sock.close()
-            if not parser.received:  # reset or broken pipe before any answer: stale
+            if not parser.received:  # reset before any answer: stale
                 raise _Stale(f"{self.address}: {e}") from e
-            raise TransportError(f"{self.address}: {e}") from e
+            raise _Broken(f"{self.address}: {e}") from e
         except BaseException:
             sock.close()
             raise
@@ -392,11 +500,13 @@ class AsyncHTTPTransport:
         *,
         token: str | None = None,
         verify: bool | str | os.PathLike[str] = True,
+        retry: float = 0.0,
     ) -> None:
         self.address = address if isinstance(address, Address) else Address.parse(address)
         self._head = request_head(self.address, token)
         self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.retry = retry
 
     async def request(
         self,
@@ -406,19 +516,38 @@ class AsyncHTTPTransport:
         body: bytes | None = None,
         content_type: str | None = None,
         timeout: float | None = None,
+        idempotent: bool = False,
     ) -> Response:
         data = request_bytes(method, target, self._head, body, content_type)
-        try:
-            async with asyncio.timeout(timeout):
-                conn = self._idle.pop() if self._idle else None
-                if conn is not None:
-                    try:
-                        return await self._exchange(conn, data)
-                    except _Stale:
-                        await self.aclose()  # the node closed its kept-alive connections
-                return await self._exchange(await self._connect(), data)
-        except TimeoutError as e:
-            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+        backoff = _Retry(self.retry)
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await self._exchange(self._take() or await self._connect(), data)
+            except TimeoutError as e:
+                raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+            except TransportError as e:
+                if not _may_retry(e, idempotent):
+                    raise
+                await self.aclose()
+                await asyncio.sleep(backoff.next_pause(e))
+
+    def _take(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A pooled connection the node has not closed, if there is one."""
+        while self._idle:
+            reader, writer = conn = self._idle.pop()
+            sock = writer.get_extra_info("socket")
+            # Asked of the socket itself: the loop may not have run since the node closed it.
+            if not (
+                reader.at_eof()
+                or writer.is_closing()
+                or reader.exception() is not None
+                or sock is None
+                or _closed_by_peer(sock)
+            ):
+                return conn
+            writer.close()
+        return None
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         a = self.address
@@ -435,16 +564,18 @@ class AsyncHTTPTransport:
         except TimeoutError:
             raise
         except OSError as e:
-            raise TransportError(f"{a}: {e}") from e
+            raise _failed(a, e) from e
 
     async def _exchange(
         self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], data: bytes
     ) -> Response:
         reader, writer = conn
         parser = ResponseParser()
+        sent = False
         try:
             writer.write(data)
             await writer.drain()
+            sent = True
             response = None
             while response is None:
                 chunk = await reader.read(_READ)
@@ -457,9 +588,14 @@ class AsyncHTTPTransport:
             raise
         except OSError as e:
             writer.close()
+            # A failed drain says only that the connection is lost, which the node may have
+            # done after reading the whole request. A broken pipe left on the reader is the
+            # send itself failing: then the node cannot have read a whole request.
+            if not sent and isinstance(reader.exception(), BrokenPipeError):
+                raise _Unsent(f"{self.address}: {reader.exception()}") from e
             if not parser.received:
                 raise _Stale(f"{self.address}: {e}") from e
-            raise TransportError(f"{self.address}: {e}") from e
+            raise _Broken(f"{self.address}: {e}") from e
         except BaseException:  # cancelled: the connection is mid-exchange, not reusable
             writer.close()
             raise

@@ -1,7 +1,10 @@
 """The node daemon's HTTP API: the route table (``dsec_core.api.routes``) served over ``Node``.
 
 One generic endpoint per route decodes the path parameters, the typed query and the body (bad
-input is ``InvalidSpec``, 400), calls the route's handler below, and encodes the answer.
+input is ``InvalidSpec``, 400; a JSON body over ``MAX_BODY`` is ``RequestTooLarge``, 413), calls
+the route's handler below, and encodes the answer. File contents stream both ways in pieces of
+``PIECE`` bytes between the client and the sandbox's agent, so what a read or write holds in the
+daemon does not grow with the file.
 Errors travel as ``{"error": {"type", "message", "context"}}`` with the error's HTTP status, so
 the client raises the same ``DsecError`` subclass the node raised. ``require_token`` guards the
 TCP listeners with a bearer token; the root-only unix socket needs none.
@@ -14,19 +17,20 @@ import hmac
 import logging
 import os
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..api.messages import (
+    MAX_READ,
     Closed,
     CreateResult,
     DirListing,
@@ -45,13 +49,23 @@ from ..api.messages import (
     Written,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, ROUTES, Route, dump_json
-from ..errors import AdmissionRejected, AuthenticationFailed, DsecError, InvalidSpec, NotFound
+from ..api.routes import JSON, MAX_BODY, RAW, ROUTES, Route, dump_json
+from ..errors import (
+    AdmissionRejected,
+    AuthenticationFailed,
+    DsecError,
+    InvalidSpec,
+    NotFound,
+    RequestTooLarge,
+)
 from .node import Node
 
-__all__ = ["HANDLERS", "error_response", "make_app", "require_token"]
+__all__ = ["HANDLERS", "PIECE", "error_response", "make_app", "require_token"]
 
 log = logging.getLogger("dsec.api")
+
+#: File contents move between client and agent in pieces of this size (one agent call each).
+PIECE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -105,11 +119,22 @@ async def _openapi(node: Node, c: Call) -> dict[str, Any]:
 @_handles("create")
 async def _create(node: Node, c: Call) -> CreateResult:
     spec, count = c.body.spec, c.body.count
+    cfg = node.config
+    # Both refused before any work, not once per slot: each pending create costs memory.
+    if count > cfg.max_batch:
+        raise InvalidSpec(
+            f"count {count} is over this node's limit of {cfg.max_batch} sandboxes per "
+            "request (DSEC_MAX_BATCH)",
+            field="count",
+            limit=cfg.max_batch,
+        )
     if count == 1:
         return CreateResult(sandboxes=(await node.create(spec),))
-    if count > node.config.max_sandboxes:  # refused before any work, not once per slot
+    room = cfg.max_sandboxes - node.load().sandboxes
+    if count > room:
         raise AdmissionRejected(
-            f"count {count} is over the node's {node.config.max_sandboxes} sandboxes",
+            f"count {count} is over the node's room for {max(room, 0)} more sandboxes "
+            f"(of {cfg.max_sandboxes})",
             reason="count",
         )
     results = await node.create_many_settled(spec, count)
@@ -189,18 +214,54 @@ async def _session_close(node: Node, c: Call) -> Closed:
 
 
 @_handles("read_file")
-async def _read_file(node: Node, c: Call) -> bytes:
+async def _read_file(node: Node, c: Call) -> bytes | AsyncIterator[bytes]:
+    """The first piece is read before answering, so a bad path is a typed error, not a broken
+    stream; the rest streams one piece at a time, as fast as the client takes it."""
     q = c.query
-    return await node.read_file(c.sid, q.path, q.offset, q.length)
+    left = MAX_READ if q.length < 0 else q.length
+    first = await node.read_file(c.sid, q.path, q.offset, min(PIECE, left))
+    if len(first) < PIECE or left <= PIECE:
+        return first
+
+    async def pieces() -> AsyncIterator[bytes]:
+        piece, pos, rest = first, q.offset, left
+        while True:
+            yield piece
+            pos, rest = pos + len(piece), rest - len(piece)
+            want = min(PIECE, rest)
+            if len(piece) < PIECE or want == 0:
+                return
+            # An error from here on breaks the answer off (the client sees it incomplete).
+            piece = await node.read_file(c.sid, q.path, pos, want)
+
+    return pieces()
 
 
 @_handles("write_file")
 async def _write_file(node: Node, c: Call) -> Written:
     q = c.query
-    await node.write_file(
-        c.sid, q.path, c.body, mode=int(q.mode, 8), offset=q.offset, truncate=q.truncate
-    )
-    return Written(written=len(c.body))
+    mode, pos, first = int(q.mode, 8), q.offset, True
+    async for piece in _pieces(c.body):
+        await node.write_file(
+            c.sid, q.path, piece, mode=mode, offset=pos, truncate=q.truncate and first
+        )
+        pos, first = pos + len(piece), False
+    return Written(written=pos - q.offset)
+
+
+async def _pieces(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A request body in pieces of ``PIECE`` bytes (the last shorter; one empty piece for an
+    empty body), as it arrives."""
+    buf = bytearray()
+    sent = False
+    async for data in stream:
+        buf += data
+        while len(buf) >= PIECE:
+            yield bytes(buf[:PIECE])
+            del buf[:PIECE]
+            sent = True
+    if buf or not sent:
+        yield bytes(buf)
 
 
 @_handles("remove")
@@ -239,22 +300,64 @@ def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> 
     )
 
 
+class _Streamed(StreamingResponse):
+    """A streamed answer that, when a later piece cannot be had (the sandbox died mid-read),
+    ends without the final chunk: the client sees the answer cut off, never a short one that
+    looks whole. One warning is logged rather than a traceback."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for piece in self.body_iterator:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except DsecError as e:
+            log.warning("answer cut off: %s", e)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body of a JSON request, refused as soon as it is known to be over ``MAX_BODY``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise _too_large(int(declared))
+    body = bytearray()
+    async for data in request.stream():
+        body += data
+        if len(body) > MAX_BODY:
+            raise _too_large(len(body))
+    return bytes(body)
+
+
+def _too_large(size: int) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"the request body has {size} bytes or more; the limit is {MAX_BODY}",
+        field="body",
+        limit=MAX_BODY,
+    )
+
+
 def _endpoint(
     route: Route, handler: Handler, node: Node
 ) -> Callable[[Request], Awaitable[Response]]:
     status, media_type = route.status, route.response_type
-    takes_body = route.body is not None
 
     async def endpoint(request: Request) -> Response:
         try:
-            call = Call(
-                request.path_params,
-                route.decode_query(request.query_params),
-                route.decode_body(await request.body()) if takes_body else None,
-            )
-            answer = await handler(node, call)
+            query = route.decode_query(request.query_params)  # before any of the body is read
+            if route.body is None:
+                body = None
+            elif route.body is RAW:
+                body = request.stream()  # the handler takes it piece by piece
+            else:
+                body = route.decode_body(await _json_body(request))
+            answer = await handler(node, Call(request.path_params, query, body))
         except DsecError as e:
             return error_response(e)
+        if route.response is RAW and not isinstance(answer, bytes):
+            return _Streamed(answer, status, media_type=media_type)
         return Response(route.encode_response(answer), status, media_type=media_type)
 
     return endpoint

@@ -30,7 +30,7 @@ import pytest
 
 from ..backend import cgroup_path
 from ..config import NodeConfig
-from ..errors import DsecError, InvalidSpec
+from ..errors import DsecError, InvalidSpec, NodeUnavailable
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
 from ..linux.mounts import mounted_under
@@ -192,6 +192,17 @@ class KitNode:
 
     def client(self) -> Client:
         return Client(os.fspath(self.config.socket_path))
+
+    def daemon_rss(self) -> int:
+        """The node daemon's resident memory in bytes (VmRSS), for checks that it stays
+        bounded while clients misbehave."""
+        pid = daemon_pid(self.config)
+        if pid is None:
+            raise NodeUnavailable(f"no node daemon runs for {self.home}")
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise NodeUnavailable(f"daemon {pid} shows no VmRSS")
 
     def ensure_running(self) -> None:
         """Start the daemon again if a test stopped it."""
