@@ -392,10 +392,60 @@ async def test_timeout_kills_the_whole_tree(agent):
 async def test_background_processes_do_not_hold_exec(agent):
     m = agent.marker
     start = time.monotonic()
-    r = await agent.client.exec(f"sleep {m} & echo bg")
+    r = await agent.client.exec(f"sleep {m} & echo bg", background=True)
     assert r.exit_code == 0 and r.stdout == b"bg\n" and time.monotonic() - start < 1
     # allowed to keep running; the fixture's teardown checks it dies with the agent
     assert await wait_until(lambda: len(procs_with(m)) == 1)
+    # its handler stays as the keeper (subreaper) of what it left, and goes with it
+    (sleeper,) = procs_with(m)
+    keeper = proc_table()[sleeper][0]
+    assert keeper in agent.pids() and keeper != agent.proc.pid
+    os.kill(sleeper, signal.SIGKILL)
+    assert await wait_until(lambda: keeper not in proc_table())
+
+
+async def test_exec_kills_what_it_left_running(agent):
+    m = agent.marker
+    r = await agent.client.exec(
+        f"setsid sleep {m} & (sleep {m} &); sh -c 'sleep {m} & exec sleep {m}' & echo left"
+    )
+    assert r.exit_code == 0 and r.stdout == b"left\n" and not r.timed_out
+    assert procs_with(m) == []  # gone before the answer came back
+    assert descendants(agent.proc.pid) == []
+
+
+async def test_a_command_that_kills_its_handler_leaves_no_orphans(agent):
+    """SIGKILL to its own handler would hand a command's processes to main; main kills
+    children it did not start."""
+    m = agent.marker
+    with pytest.raises(SandboxNotRunning):
+        await agent.client.exec(f"sleep {m} & setsid sleep {m} & sleep 0.1; kill -9 $PPID; wait")
+    assert await wait_until(lambda: not procs_with(m))
+    assert (await agent.client.exec("echo fine")).stdout == b"fine\n"
+    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
+
+
+async def test_a_stopped_handler_is_continued(agent):
+    start = time.monotonic()
+    r = await agent.client.exec("kill -STOP $PPID; sleep 0.2; echo after", timeout=10)
+    assert r.stdout == b"after\n" and r.exit_code == 0 and time.monotonic() - start < 3
+
+
+async def test_exclusive_kills_every_other_process(agent):
+    c, m = agent.client, agent.marker
+    sid = await c.session_open()
+    await c.session_exec(sid, f"sleep {m} &")
+    await c.exec(f"sleep {m} > /dev/null &", background=True)
+    other = asyncio.create_task(c.exec(["sleep", m]))
+    assert await wait_until(lambda: len(procs_with(m)) == 3)
+    r = await c.exec(["sh", "-c", "echo alone"], exclusive=True)
+    assert r.stdout == b"alone\n"
+    assert procs_with(m) == []
+    with pytest.raises(SandboxNotRunning):  # its handler died with it
+        await other
+    with pytest.raises(SessionClosed):
+        await c.session_exec(sid, "true")
+    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
 
 
 async def test_concurrent_execs_run_in_parallel(agent):

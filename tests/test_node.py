@@ -161,7 +161,7 @@ def test_daemon_restart_readopts(private_node, how):
         keep = c.create(layers=(private_node.layer.ref,), memory="64M")
         short = c.create(layers=(private_node.layer.ref,), memory="64M", ttl=2)
         keep.write_file("/root/state", b"before restart")
-        keep.exec("sleep 3000 > /dev/null 2>&1 &").check()
+        keep.exec("sleep 3000 > /dev/null 2>&1 &", background=True).check()
         init_pid = keep.info.pid
     old = daemon_pid(cfg)
     if how == "stop":

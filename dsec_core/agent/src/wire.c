@@ -11,9 +11,11 @@
  * "bad_request" error without allocating it; clients split bigger file transfers.
  *
  *   op=ping                                   -> pid, version, sessions
- *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, body=stdin
- *                                             -> exit_code, duration_us, truncated, timed_out,
+ *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, background, exclusive,
+ *            body=stdin                       -> exit_code, duration_us, truncated, timed_out,
  *                                                stdout_len; body = stdout ++ stderr
+ *            When the command exits, what it left running is killed unless background=1;
+ *            exclusive=1 kills every other process in the sandbox before it starts.
  *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died
