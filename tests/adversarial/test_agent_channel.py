@@ -115,6 +115,16 @@ def test_agent_memory_and_proc_links(target, witness):
         assert_refused(nested, at_least=10)
 
 
+@pytest.mark.attack("lower the agent's resource limits (prlimit NOFILE) to break later execs")
+def test_prlimit_the_agent(target, witness):
+    seen = assert_refused(target.exec(f"{PROBE} prlimit 1 $PPID"), at_least=2)
+    assert set(seen.values()) == {"EPERM"}, seen
+    nested = in_userns(target, "prlimit 1 $PPID")
+    if nested is not None:
+        assert_refused(nested, at_least=2)
+    assert target.exec("echo still runs").stdout == b"still runs\n"
+
+
 # --- signals --------------------------------------------------------------------------------
 @pytest.mark.attack("signal the agent: TERM, INT, HUP, USR1, QUIT, STOP, KILL and forged si_pid")
 def test_signal_the_agent(target, witness):
@@ -203,8 +213,10 @@ def test_exclusive_verifier_cannot_be_tampered_with(target, witness):
 @pytest.mark.attack("a fork bomb outliving its command")
 def test_fork_bomb_does_not_outlive_its_command(dsec_sandboxes, witness):
     sb = dsec_sandboxes.create(pids=128)
-    r = sb.exec("f() { f | f & }; f; sleep 1; echo spawned", timeout=30)
-    assert r.stdout.endswith(b"spawned\n") or r.exit_code != 0
+    # every process forks another every 0.1 s, forever: it fills the pids limit within a
+    # second and holds it, so the sandbox could run nothing else if it outlived its command
+    r = sb.exec("b() { while :; do b & sleep 0.1; done; }; b & sleep 1.5; echo spawned", timeout=30)
+    assert r.stdout.endswith(b"spawned\n"), r
     start = time.monotonic()
     assert sb.exec("echo next").stdout == b"next\n"  # at once, not once the bomb runs dry
     took = time.monotonic() - start
@@ -326,6 +338,8 @@ def test_probe_detects_what_works(target):
     assert r.exit_code == 2 and list(steps(r.stdout).values()) == ["ok", "ok"], r.text
     r = target.exec(f"sleep 5 & {PROBE} getfd $!; s=$?; kill $!; exit $s")
     assert r.exit_code >= 3, r.text  # its stdin, stdout and stderr at least
+    r = target.exec(f"sleep 5 & {PROBE} prlimit $!; s=$?; kill $!; exit $s")
+    assert r.exit_code == 1 and steps(r.stdout) == {f"prlimit {r.text.split()[1]} NOFILE 16": "ok"}
     r = target.exec(f"sleep 5 & {PROBE} mem $!; s=$?; kill $!; exit $s")
     seen = steps(r.stdout)
     assert r.exit_code > 5 and seen[next(w for w in seen if w.endswith("/mem rw"))] == "ok"

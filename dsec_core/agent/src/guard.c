@@ -23,6 +23,11 @@
  *   can SIGKILL its own handler to escape the end-of-exec kill) and is killed with its subtree
  *   whenever main reaps a child that died by a signal, a session shell, or a stranger.
  * - Freezing. A handler or shell stopped by a signal is continued at once.
+ * - Resource limits. prlimit(2) on another process needs the caller's uid and gid to equal all
+ *   of the target's (real, effective, saved), or CAP_SYS_RESOURCE, which the sandbox lacks. The
+ *   agent's saved ids are set to ones no process inside holds as all three, so root inside
+ *   cannot lower, say, its RLIMIT_NOFILE and make every later exec fail. Commands get saved
+ *   ids equal to their effective ones back from execve.
  */
 #include "agent.h"
 
@@ -38,9 +43,19 @@ static int g_is_init;
 static pid_t *g_handlers;  /* live handlers main forked (unsorted) */
 static int g_nhandlers, g_caphandlers;
 
+/* The first of these ids the user namespace maps becomes the agent's saved uid and gid. */
+static const unsigned GUARD_IDS[] = {65535, 65534, 1};
+
 void guard_init(void)
 {
     g_is_init = getpid() == 1;
+    unsigned i = 0;
+    while (i < sizeof GUARD_IDS / sizeof GUARD_IDS[0] &&
+           (setresgid(-1, -1, GUARD_IDS[i]) < 0 || setresuid(-1, -1, GUARD_IDS[i]) < 0))
+        i++;
+    if (i == sizeof GUARD_IDS / sizeof GUARD_IDS[0])
+        logmsg("setresuid: cannot change the agent's saved ids; prlimit can reach it");
+    /* after the id change: a credential change may reset the dumpable flag */
     if (prctl(PR_SET_DUMPABLE, 0) < 0)
         logmsg("PR_SET_DUMPABLE: cannot make the agent non-dumpable");
 }
