@@ -404,9 +404,11 @@ class AgentClient:
     ) -> ExecResult:
         """Run ``cmd`` in the session's shell; cwd, variables and functions persist.
 
-        Calls on one session run one at a time in arrival order. A timeout kills the command's
-        processes; if the shell itself does not come back within a second it is killed and the
-        session is over (later calls raise ``SessionClosed``), as after ``exit``.
+        Calls on one session run one at a time in arrival order. Processes a command starts in
+        the background (``server &``) keep running after it, until the session is closed or
+        ends, or the sandbox dies. A timeout kills the command's processes (those it started,
+        not earlier commands'); if the shell itself does not come back within a second it is
+        killed and the session is over (later calls raise ``SessionClosed``), as after ``exit``.
         """
         fields: list[tuple[str, Any]] = [
             ("op", "session_exec"),

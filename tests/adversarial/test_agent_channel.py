@@ -201,9 +201,12 @@ def test_exclusive_verifier_cannot_be_tampered_with(target, witness):
     target.exec(f"{PROBE} tamper judge 60 > /dev/null 2>&1 &", background=True).check()
     time.sleep(0.3)
     # What exclusive is for: without it, code that ran earlier can reach a later command's
-    # output (the command is the sandbox's own process), though never the agent's answer.
+    # output (the command is the sandbox's own process), though never the agent's answer. (A
+    # policy that scopes /proc access between commands would stop this part by itself.)
     plain = target.exec(judge, timeout=20)
-    assert plain.exit_code == 3 and b"all cases passed" in plain.stdout, plain
+    assert plain.exit_code == 3, plain
+    injected = plain.stdout.count(b"all cases passed")
+    print(f"\nwithout exclusive: {injected} injected lines in the judge's stdout")
     exclusive = target.exec(judge, timeout=20, exclusive=True)
     assert (exclusive.exit_code, exclusive.stdout) == (3, b"REAL\n"), exclusive
     assert b"tamper" not in target.exec("cat /proc/[0-9]*/cmdline; true").stdout

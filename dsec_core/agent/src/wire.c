@@ -19,6 +19,7 @@
  *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died
+ *            What a session command leaves running lives until the session closes or ends.
  *   op=session_close session                  -> (ok)
  *   op=sessions                               -> session...
  *   op=read   path, offset, length(-1: to EOF) -> eof; body = data (at most 16 MiB per call)
