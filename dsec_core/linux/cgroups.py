@@ -17,7 +17,14 @@ from pathlib import Path
 
 from ..errors import NodeUnavailable
 
-__all__ = ["CGROUP_ROOT", "ConfinedCgroups", "confine_self", "memory_limit", "release_self"]
+__all__ = [
+    "CGROUP_ROOT",
+    "ConfinedCgroups",
+    "confine_self",
+    "hierarchies",
+    "memory_limit",
+    "release_self",
+]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _CONTROLLERS = ("memory", "pids")
