@@ -7,6 +7,7 @@ run an isolated node by pointing ``DSEC_HOME`` at a temporary directory.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,9 @@ class NodeConfig:
     tls_key: Path | None = None
     # The daemon's log rotates at this size (three old files are kept beside it)
     log_max_bytes: int = 10 << 20
+    # The daemon runs in cgroups of its own (``daemon_cgroup``) with this memory limit, so
+    # nothing a sandbox does can grow it without bound; 0 leaves it where it was started
+    daemon_memory: int = 2 << 30
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -111,6 +115,8 @@ class NodeConfig:
             kw["tls_key"] = Path(os.environ["DSEC_TLS_KEY"])
         if os.environ.get("DSEC_LOG_MAX"):
             kw["log_max_bytes"] = parse_size(os.environ["DSEC_LOG_MAX"], "DSEC_LOG_MAX")
+        if os.environ.get("DSEC_DAEMON_MEMORY"):
+            kw["daemon_memory"] = parse_size(os.environ["DSEC_DAEMON_MEMORY"], "DSEC_DAEMON_MEMORY")
         return cls(**kw)
 
     # --- capacity -------------------------------------------------------------------------
@@ -121,6 +127,13 @@ class NodeConfig:
     @property
     def memory_capacity(self) -> int:
         return int(_mem_total() * self.memory_overcommit)
+
+    @property
+    def daemon_cgroup(self) -> str:
+        """The daemon's cgroup, relative to each hierarchy's root: ``dsec-daemon/<12 hex of
+        sha256(home)>``, one per node home, beside (never above) the sandboxes' ``dsec/``."""
+        digest = hashlib.sha256(os.fsencode(os.path.abspath(self.home))).hexdigest()[:12]
+        return f"dsec-daemon/{digest}"
 
     # --- paths ----------------------------------------------------------------------------
     @property

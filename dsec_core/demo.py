@@ -65,7 +65,8 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         SandboxSpec(environment=task.environment, ttl=600, cpu=1.0, memory="512M")
     )
     try:
-        result = await sb.exec(task.command, timeout=task.timeout)
+        # the reward comes from this result: run it as a verifier should, alone in the sandbox
+        result = await sb.exec(task.command, timeout=task.timeout, exclusive=True)
 
         async def read(path: str) -> bytes:
             return await sb.read_file(path)

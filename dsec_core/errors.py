@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AdmissionRejected",
+    "AgentProtocolError",
     "AuthenticationFailed",
     "BackendUnavailable",
     "CatalogInvalid",
@@ -225,6 +226,14 @@ class SandboxNotRunning(SandboxError):
     """The sandbox exists in the records but its processes are gone."""
 
     http_status = 409
+
+
+class AgentProtocolError(SandboxError):
+    """A sandbox's agent answered with a reply that breaks the wire protocol or its limits (a
+    header or body larger than the request allows, a malformed field); nothing of it is used,
+    and nothing of the claimed size was allocated."""
+
+    http_status = 502
 
 
 class ExecTimeout(SandboxError):

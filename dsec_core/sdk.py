@@ -311,8 +311,22 @@ class Client:
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
+        background: bool = False,
+        exclusive: bool = False,
     ) -> ExecResult:
-        body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
+        """Run ``cmd`` in the sandbox. Processes it leaves running are killed when it exits,
+        unless ``background``; ``exclusive`` first kills every other process in the sandbox
+        (sessions, background jobs, other calls), which is how a verifier should run."""
+        body = ExecRequest(
+            cmd,  # type: ignore[arg-type]
+            timeout,
+            cwd,
+            env,
+            stdin,  # type: ignore[arg-type]
+            max_output,
+            background,
+            exclusive,
+        )
         return self._call("exec", body, sid=sandbox_id)
 
     def session_open(
@@ -487,8 +501,22 @@ class AsyncClient:
         env: Mapping[str, str] | None = None,
         stdin: bytes | str | None = None,
         max_output: int = DEFAULT_MAX_OUTPUT,
+        background: bool = False,
+        exclusive: bool = False,
     ) -> ExecResult:
-        body = ExecRequest(cmd, timeout, cwd, env, stdin, max_output)  # type: ignore[arg-type]
+        """Run ``cmd`` in the sandbox. Processes it leaves running are killed when it exits,
+        unless ``background``; ``exclusive`` first kills every other process in the sandbox
+        (sessions, background jobs, other calls), which is how a verifier should run."""
+        body = ExecRequest(
+            cmd,  # type: ignore[arg-type]
+            timeout,
+            cwd,
+            env,
+            stdin,  # type: ignore[arg-type]
+            max_output,
+            background,
+            exclusive,
+        )
         return await self._call("exec", body, sid=sandbox_id)
 
     async def session_open(

@@ -18,6 +18,7 @@ import struct
 import subprocess
 import tempfile
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import dsec_core.agent as agent_mod
 from dsec_core.agent import ensure_agent
 from dsec_core.agent.rpc import AgentClient
 from dsec_core.errors import (
+    AgentProtocolError,
     BackendUnavailable,
     InvalidSpec,
     SandboxNotRunning,
@@ -392,10 +394,60 @@ async def test_timeout_kills_the_whole_tree(agent):
 async def test_background_processes_do_not_hold_exec(agent):
     m = agent.marker
     start = time.monotonic()
-    r = await agent.client.exec(f"sleep {m} & echo bg")
+    r = await agent.client.exec(f"sleep {m} & echo bg", background=True)
     assert r.exit_code == 0 and r.stdout == b"bg\n" and time.monotonic() - start < 1
     # allowed to keep running; the fixture's teardown checks it dies with the agent
     assert await wait_until(lambda: len(procs_with(m)) == 1)
+    # its handler stays as the keeper (subreaper) of what it left, and goes with it
+    (sleeper,) = procs_with(m)
+    keeper = proc_table()[sleeper][0]
+    assert keeper in agent.pids() and keeper != agent.proc.pid
+    os.kill(sleeper, signal.SIGKILL)
+    assert await wait_until(lambda: keeper not in proc_table())
+
+
+async def test_exec_kills_what_it_left_running(agent):
+    m = agent.marker
+    r = await agent.client.exec(
+        f"setsid sleep {m} & (sleep {m} &); sh -c 'sleep {m} & exec sleep {m}' & echo left"
+    )
+    assert r.exit_code == 0 and r.stdout == b"left\n" and not r.timed_out
+    assert procs_with(m) == []  # gone before the answer came back
+    assert descendants(agent.proc.pid) == []
+
+
+async def test_a_command_that_kills_its_handler_leaves_no_orphans(agent):
+    """SIGKILL to its own handler would hand a command's processes to main; main kills
+    children it did not start."""
+    m = agent.marker
+    with pytest.raises(SandboxNotRunning):
+        await agent.client.exec(f"sleep {m} & setsid sleep {m} & sleep 0.1; kill -9 $PPID; wait")
+    assert await wait_until(lambda: not procs_with(m))
+    assert (await agent.client.exec("echo fine")).stdout == b"fine\n"
+    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
+
+
+async def test_a_stopped_handler_is_continued(agent):
+    start = time.monotonic()
+    r = await agent.client.exec("kill -STOP $PPID; sleep 0.2; echo after", timeout=10)
+    assert r.stdout == b"after\n" and r.exit_code == 0 and time.monotonic() - start < 3
+
+
+async def test_exclusive_kills_every_other_process(agent):
+    c, m = agent.client, agent.marker
+    sid = await c.session_open()
+    await c.session_exec(sid, f"sleep {m} &")
+    await c.exec(f"sleep {m} > /dev/null &", background=True)
+    other = asyncio.create_task(c.exec(["sleep", m]))
+    assert await wait_until(lambda: len(procs_with(m)) == 3)
+    r = await c.exec(["sh", "-c", "echo alone"], exclusive=True)
+    assert r.stdout == b"alone\n"
+    assert procs_with(m) == []
+    with pytest.raises(SandboxNotRunning):  # its handler died with it
+        await other
+    with pytest.raises(SessionClosed):
+        await c.session_exec(sid, "true")
+    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
 
 
 async def test_concurrent_execs_run_in_parallel(agent):
@@ -525,6 +577,90 @@ async def test_oversize_frames_are_refused(agent):
     assert (await agent.client.ping())["pid"] == agent.proc.pid
     with pytest.raises(InvalidSpec):
         await agent.client.exec(["cat"], stdin=b"x" * ((16 << 20) + 1))
+
+
+def _frame(*fields: tuple[str, bytes]) -> bytes:
+    payload = b"".join(
+        struct.pack("<B", len(k)) + k.encode() + struct.pack("<I", len(v)) + v for k, v in fields
+    )
+    return struct.pack("<I", len(payload)) + payload
+
+
+class ForgedAgent:
+    """A socket the test owns that answers every request with ``reply``, whatever it asked."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reply = b""
+        self.client = AgentClient(path, sandbox_id="forged")
+
+    async def _answer(self, reader, writer) -> None:
+        await reader.read(65536)
+        writer.write(self.reply)
+        await writer.drain()
+        writer.close()
+
+    async def start(self) -> asyncio.AbstractServer:
+        return await asyncio.start_unix_server(self._answer, path=str(self.path))
+
+
+@pytest.fixture
+def forged_agent():
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsf-", dir="/tmp"))  # short: sun_path
+    yield ForgedAgent(sock_dir / "f.sock")
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+OK = ("ok", b"1")
+
+
+@pytest.mark.parametrize(
+    ("call", "reply", "says"),
+    [
+        ("ping", struct.pack("<I", 512 << 20), "536870912 byte reply header"),
+        ("ping", _frame(OK, ("body_len", b"10")), "10 byte reply body to ping (at most 0)"),
+        ("exec", _frame(OK, ("body_len", str(3 << 20).encode())), "at most 2000"),
+        ("exec", _frame(OK, ("stdout_len", b"9"), ("body_len", b"4")) + b"abcd", "as stdout"),
+        ("exec", _frame(OK, ("exit_code", b"zero")), "not a number"),
+        ("exec", _frame(OK, ("exit_code", b"1" * 30)), "not a number"),
+        ("exec", struct.pack("<I", 8) + b"\x02ok\xff\xff\xff\x7f1", "past the header's end"),
+        ("read", _frame(OK, ("body_len", b"101")) + b"x" * 101, "at most 100"),
+        ("list", _frame(OK, ("entry", b"garbage")), "malformed directory entry"),
+        ("ping", _frame(OK, ("body_len", b"-5")), "-5 byte reply body"),
+    ],
+)
+async def test_forged_replies_are_refused(forged_agent, call, reply, says):
+    """The daemon's client trusts nothing the agent sends beyond what the request allows."""
+    server = await forged_agent.start()
+    forged_agent.reply = reply
+    c = forged_agent.client
+    calls = {
+        "ping": lambda: c.ping(),
+        "exec": lambda: c.exec(["true"], max_output=1000, timeout=5),
+        "read": lambda: c.read_file("/x", length=100),
+        "list": lambda: c.list_dir("/"),
+    }
+    try:
+        with pytest.raises(AgentProtocolError) as info:
+            await calls[call]()
+        assert says in str(info.value) and info.value.sandbox_id == "forged"
+    finally:
+        server.close()
+
+
+async def test_a_forged_huge_reply_allocates_nothing(forged_agent):
+    server = await forged_agent.start()
+    forged_agent.reply = _frame(OK, ("body_len", str(32 << 20).encode())) + b"A" * (1 << 20)
+    tracemalloc.start()
+    try:
+        # max_output 16 MiB: a 32 MiB body is allowed, so it is read, but as it arrives
+        with pytest.raises(SandboxNotRunning):  # only 1 MiB of it ever comes
+            await forged_agent.client.exec(["true"], max_output=16 << 20, timeout=5)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        server.close()
+    assert peak < 8 << 20, peak
 
 
 # --- sessions ------------------------------------------------------------------------------

@@ -178,8 +178,15 @@ def test_exec_request_keeps_the_old_wire_shape():
         "env": {"A": "b"},
         "stdin": base64.b64encode(b"in").decode(),
         "max_output": 100,
+        "background": False,
+        "exclusive": False,
     }
     assert ExecRequest.from_dict(body).stdin == b"in"
+    # the shape before background and exclusive still reads, with both off
+    old = ExecRequest.from_dict(
+        {k: v for k, v in body.items() if k not in ("background", "exclusive")}
+    )
+    assert (old.background, old.exclusive) == (False, False)
     assert (
         ROUTES["write_file"].target({"sid": "a/b"}, WriteQuery("/t x", "755", 0, False))
         == "/v1/sandboxes/a%2Fb/file?path=%2Ft%20x&mode=755&offset=0&truncate=0"
@@ -197,6 +204,8 @@ def test_exec_request_keeps_the_old_wire_shape():
         ({"cmd": "x", "max_output": True}, "64-bit integer"),
         ({"cmd": "x", "max_output": 1 << 64}, "64-bit integer"),
         ({"cmd": "x", "stdin": "not base64!"}, "base64"),
+        ({"cmd": "x", "background": "yes"}, "ExecRequest.background"),
+        ({"cmd": "x", "exclusive": 1}, "ExecRequest.exclusive"),
         ({"cmd": "x", "env": {"A": 1}}, "ExecRequest.env.A"),
         ({"cmd": "echo \ud800"}, "ExecRequest.cmd"),  # a lone surrogate is no text (was a 500)
         ({"cmd": "x", "shell": True}, "unknown field"),

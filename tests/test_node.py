@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.cgroups import hierarchies, memory_limit
 from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
 from dsec_core.testing import leftovers, running_kit_node
 
@@ -161,7 +163,7 @@ def test_daemon_restart_readopts(private_node, how):
         keep = c.create(layers=(private_node.layer.ref,), memory="64M")
         short = c.create(layers=(private_node.layer.ref,), memory="64M", ttl=2)
         keep.write_file("/root/state", b"before restart")
-        keep.exec("sleep 3000 > /dev/null 2>&1 &").check()
+        keep.exec("sleep 3000 > /dev/null 2>&1 &", background=True).check()
         init_pid = keep.info.pid
     old = daemon_pid(cfg)
     if how == "stop":
@@ -264,3 +266,64 @@ def test_policies_over_the_api_and_the_cli(dsec_sandboxes, dsec_node):
     doc = json.loads(out.stdout)
     assert doc["sandbox"]["id"] == sb.id and doc["usage"]["pids"] >= 1
     assert {p["name"] for p in doc["policies"]} == set(states)
+
+
+# --- the daemon's own cgroups ---------------------------------------------------------------
+def _cgroups_of(pid: int) -> dict[str, str]:
+    """controller (or "" for cgroup v2) -> cgroup path, from /proc/PID/cgroup."""
+    out = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(",") if controllers else [""]:
+            out[c] = path
+    return out
+
+
+def test_daemon_runs_confined_in_its_own_cgroups(monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("DSEC_DAEMON_MEMORY", "300M")
+    with running_kit_node("dsec-cgroup-") as node:
+        cfg = node.config
+        mine = "/" + cfg.daemon_cgroup
+        dirs = [h / cfg.daemon_cgroup for h in hierarchies()]
+        pid = daemon_pid(cfg)
+        assert pid is not None
+        own = _cgroups_of(pid)
+        assert {own.get(c, own.get("")) for c in ("memory", "pids")} == {mine}, own
+        # the memory hierarchy's (v1) or the one cgroup's (v2) limit; pids has none
+        assert [limit for d in dirs if (limit := memory_limit(d))] == [300 << 20]
+        with node.client() as c:
+            sb = c.create(layers=(node.layer.ref,), memory="64M")
+            sb.exec("sleep 1000 > /dev/null 2>&1 &", background=True).check()
+            init = sb.info.pid
+            assert init is not None
+            # runc places the sandbox by absolute path: never inside the daemon's cgroups
+            assert _cgroups_of(init)["memory" if "memory" in own else ""] == f"/dsec/{sb.id}"
+            held = {int(p) for d in dirs for p in (d / "cgroup.procs").read_text().split()}
+            assert init not in held and pid in held
+            sandbox = {
+                int(p)
+                for h in hierarchies()
+                for p in (h / "dsec" / sb.id / "cgroup.procs").read_text().split()
+            }
+            assert len(sandbox) >= 2 and not sandbox & held  # the agent and its sleep
+        stop_daemon(cfg)
+        assert [d for d in dirs if d.exists()] == [], "the stopped daemon left its cgroups"
+        ensure_daemon(cfg)  # a new daemon confines itself again; the sandbox is re-adopted
+        assert _cgroups_of(daemon_pid(cfg) or 0).get("pids", "") in (mine, "")
+        with node.client() as c:
+            assert c.get(sb.id).exec("echo adopted").stdout == b"adopted\n"
+
+
+def test_daemon_memory_setting(monkeypatch):
+    monkeypatch.setenv("DSEC_DAEMON_MEMORY", "1G")
+    assert NodeConfig.from_env().daemon_memory == 1 << 30
+    monkeypatch.setenv("DSEC_DAEMON_MEMORY", "0")
+    assert NodeConfig.from_env().daemon_memory == 0  # not confined
+    monkeypatch.setenv("DSEC_DAEMON_MEMORY", "plenty")
+    with pytest.raises(dsec.InvalidSpec) as e:
+        NodeConfig.from_env()
+    assert "DSEC_DAEMON_MEMORY" in str(e.value)
+    one, other = NodeConfig(home=Path("/a")), NodeConfig(home=Path("/b"))
+    assert one.daemon_cgroup.startswith("dsec-daemon/") and one.daemon_cgroup != other.daemon_cgroup

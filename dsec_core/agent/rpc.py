@@ -7,6 +7,13 @@ by ``body_len`` raw bytes (stdin, file data, or stdout++stderr). Unix connects c
 so there is no connection pooling; a cancelled call closes its connection and the agent kills
 the command it was running. Bodies over 8 MiB are split into several offset reads/writes
 because the agent refuses frames over 16 MiB.
+
+Replies are untrusted input: the agent runs inside the sandbox. Each call knows how large its
+answer can be (a few fields; a directory listing; ``max_output`` bytes per stream; the length it
+asked to read), so the reply's header and body lengths are checked against that before
+anything is read, and what is read grows with the bytes that really arrive, in pieces of at
+most ``RECV_PIECE``. A reply that breaks those limits or the field encoding raises
+``AgentProtocolError``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import (
+    AgentProtocolError,
     InvalidSpec,
     SandboxError,
     SandboxNotRunning,
@@ -29,11 +37,16 @@ from ..errors import (
 )
 from ..records import ExecResult, FileEntry
 
-__all__ = ["CHUNK", "MAX_FRAME", "MAX_OUTPUT", "AgentClient"]
+__all__ = ["CHUNK", "MAX_FRAME", "MAX_OUTPUT", "RECV_PIECE", "REPLY_HEADER", "AgentClient"]
 
 MAX_FRAME = 16 << 20  # the agent refuses headers and bodies above this
 CHUNK = 8 << 20  # file transfers are split into pieces of this size
 MAX_OUTPUT = 16 << 20  # the agent keeps at most this much of each output stream
+#: the largest reply header of an operation that answers with a few fields (everything but
+#: directory listings and session lists, which may take up to MAX_FRAME)
+REPLY_HEADER = 64 << 10
+#: replies are read in pieces of at most this size, so memory follows the bytes that arrive
+RECV_PIECE = 1 << 20
 #: a call with a timeout gives up this long after it (the agent's own kill and grace
 #: steps take a few seconds at most), so a frozen agent cannot hang the caller forever
 _TIMEOUT_SLACK = 15.0
@@ -61,15 +74,26 @@ def _encode(fields: Sequence[tuple[str, Any]]) -> bytes:
     return struct.pack("<I", len(payload)) + payload
 
 
+class _Malformed(ValueError):
+    """A reply field that does not decode; ``_roundtrip`` turns it into AgentProtocolError."""
+
+
 def _decode(payload: bytes) -> _Fields:
     out: _Fields = {}
     i, n = 0, len(payload)
     while i < n:
         kl = payload[i]
-        key = payload[i + 1 : i + 1 + kl].decode()
+        if i + 1 + kl + 4 > n:
+            raise _Malformed(f"truncated field at byte {i}")
+        try:
+            key = payload[i + 1 : i + 1 + kl].decode()
+        except UnicodeDecodeError:
+            raise _Malformed(f"undecodable key at byte {i}") from None
         i += 1 + kl
         (vl,) = struct.unpack_from("<I", payload, i)
         i += 4
+        if i + vl > n:
+            raise _Malformed(f"field {key!r} claims {vl} bytes past the header's end")
         out.setdefault(key, []).append(payload[i : i + vl])
         i += vl
     return out
@@ -82,7 +106,11 @@ def _one(fields: _Fields, key: str, default: bytes = b"") -> bytes:
 
 def _num(fields: _Fields, key: str, default: int = 0) -> int:
     value = _one(fields, key)
-    return int(value) if value else default
+    if not value:
+        return default
+    if len(value) > 20 or not value.lstrip(b"-").isdigit():
+        raise _Malformed(f"field {key!r} is not a number: {value[:40]!r}")
+    return int(value)
 
 
 def _entry(value: bytes) -> FileEntry:
@@ -127,12 +155,23 @@ class AgentClient:
         )
 
     async def _call(
-        self, fields: Sequence[tuple[str, Any]], body: bytes = b"", timeout: float | None = None
+        self,
+        fields: Sequence[tuple[str, Any]],
+        body: bytes = b"",
+        timeout: float | None = None,
+        *,
+        max_header: int = REPLY_HEADER,
+        max_body: int = 0,
     ) -> tuple[_Fields, bytes]:
+        """One request; the reply's header may take ``max_header`` bytes and its body
+        ``max_body`` (what this request can legitimately get back), or AgentProtocolError."""
+        limits = (max_header, max_body)
         if timeout is None:
-            return await self._roundtrip(fields, body)
+            return await self._roundtrip(fields, body, limits)
         try:
-            return await asyncio.wait_for(self._roundtrip(fields, body), timeout + _TIMEOUT_SLACK)
+            return await asyncio.wait_for(
+                self._roundtrip(fields, body, limits), timeout + _TIMEOUT_SLACK
+            )
         except TimeoutError:
             # wait_for closed our connection, which tells the agent to kill the command
             raise SandboxError(
@@ -141,7 +180,7 @@ class AgentClient:
             ) from None
 
     async def _roundtrip(
-        self, fields: Sequence[tuple[str, Any]], body: bytes
+        self, fields: Sequence[tuple[str, Any]], body: bytes, limits: tuple[int, int]
     ) -> tuple[_Fields, bytes]:
         if len(body) > MAX_FRAME:
             raise InvalidSpec(
@@ -163,9 +202,7 @@ class AgentClient:
                 await loop.sock_sendall(sock, header)
                 if body:
                     await loop.sock_sendall(sock, body)
-                (hlen,) = struct.unpack("<I", await self._recv(loop, sock, 4))
-                reply = _decode(await self._recv(loop, sock, hlen))
-                rbody = await self._recv(loop, sock, _num(reply, "body_len"))
+                reply, rbody = await self._read_reply(loop, sock, fields, limits)
             except (OSError, EOFError) as e:
                 raise self._gone(getattr(e, "strerror", None) or e) from e
         finally:
@@ -174,31 +211,71 @@ class AgentClient:
             raise self._error(reply)
         return reply, rbody
 
+    async def _read_reply(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        fields: Sequence[tuple[str, Any]],
+        limits: tuple[int, int],
+    ) -> tuple[_Fields, bytes]:
+        max_header, max_body = limits
+        op = next((str(v) for k, v in fields if k == "op"), "?")
+        (hlen,) = struct.unpack("<I", await self._recv(loop, sock, 4))
+        if hlen > max_header:
+            raise self._forged(f"a {hlen} byte reply header to {op} (at most {max_header})")
+        try:
+            reply = _decode(await self._recv(loop, sock, hlen))
+            body_len = _num(reply, "body_len")
+        except _Malformed as e:
+            raise self._forged(f"a malformed reply to {op}: {e}") from None
+        if not 0 <= body_len <= max_body:
+            raise self._forged(f"a {body_len} byte reply body to {op} (at most {max_body})")
+        return reply, await self._recv(loop, sock, body_len)
+
+    def _forged(self, what: str) -> AgentProtocolError:
+        return AgentProtocolError(
+            f"{self._where()}: the agent sent {what}; refused without reading it",
+            sandbox_id=self.sandbox_id,
+        )
+
     @staticmethod
     async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = await loop.sock_recv_into(sock, view[got:])
-            if k == 0:
+        """Exactly n bytes, read in pieces of at most RECV_PIECE: memory grows with what
+        arrives, never with what the other side claims it will send."""
+        if n <= RECV_PIECE:
+            buf = bytearray(n)
+            view = memoryview(buf)
+            got = 0
+            while got < n:
+                k = await loop.sock_recv_into(sock, view[got:])
+                if k == 0:
+                    raise EOFError("the agent closed the connection mid-reply")
+                got += k
+            return bytes(buf)
+        out = bytearray()
+        while len(out) < n:
+            piece = await loop.sock_recv(sock, min(RECV_PIECE, n - len(out)))
+            if not piece:
                 raise EOFError("the agent closed the connection mid-reply")
-            got += k
-        return bytes(buf)
+            out += piece
+        return bytes(out)
 
     def _error(self, reply: _Fields) -> Exception:
-        kind = _one(reply, "error").decode()
+        kind = _one(reply, "error").decode("utf-8", "replace")
         message = _one(reply, "message").decode("utf-8", "replace")
         where, sid = self._where(), self.sandbox_id
         if kind == "path":
             path = os.fsdecode(_one(reply, "path"))
-            code = _num(reply, "errno")
+            try:
+                code = _num(reply, "errno")
+            except _Malformed as e:
+                return self._forged(f"a malformed error reply: {e}")
             return SandboxPathError(
                 f"{where}: {path}: {message}", path=path, errno=code, sandbox_id=sid
             )
         if kind == "unknown_session":
-            known = [s.decode() for s in reply.get("session", [])]
-            name = _one(reply, "name").decode()
+            known = [s.decode("utf-8", "replace") for s in reply.get("session", [])]
+            name = _one(reply, "name").decode("utf-8", "replace")
             return UnknownSession(f"{where}: {message}", name=name, known=known, sandbox_id=sid)
         if kind == "session_closed":
             return SessionClosed(f"{where}: {message}", sandbox_id=sid)
@@ -206,18 +283,28 @@ class AgentClient:
             return InvalidSpec(f"{where}: agent refused the request: {message}", sandbox_id=sid)
         return SandboxError(f"{where}: agent error: {message}", sandbox_id=sid)
 
-    def _result(self, reply: _Fields, body: bytes, command: str) -> ExecResult:
-        n = _num(reply, "stdout_len")
-        return ExecResult(
-            exit_code=_num(reply, "exit_code"),
-            stdout=body[:n],
-            stderr=body[n:],
-            duration=_num(reply, "duration_us") / 1e6,
-            truncated=bool(_num(reply, "truncated")),
-            timed_out=bool(_num(reply, "timed_out")),
-            command=command,
-            sandbox_id=self.sandbox_id,
-        )
+    def _result(self, reply: _Fields, body: bytes, command: str, max_output: int) -> ExecResult:
+        try:
+            n = _num(reply, "stdout_len")
+            if not (0 <= n <= len(body) and n <= max_output and len(body) - n <= max_output):
+                raise _Malformed(f"{n} of {len(body)} bytes as stdout, at most {max_output} each")
+            return ExecResult(
+                exit_code=_num(reply, "exit_code"),
+                stdout=body[:n],
+                stderr=body[n:],
+                duration=_num(reply, "duration_us") / 1e6,
+                truncated=bool(_num(reply, "truncated")),
+                timed_out=bool(_num(reply, "timed_out")),
+                command=command,
+                sandbox_id=self.sandbox_id,
+            )
+        except _Malformed as e:
+            raise self._forged(f"a malformed exec result: {e}") from None
+
+    @staticmethod
+    def _output_cap(max_output: int) -> int:
+        """The per-stream cap the agent applies: ``max_output`` clamped to [0, MAX_OUTPUT]."""
+        return min(max(0, int(max_output)), MAX_OUTPUT)
 
     @staticmethod
     def _timeout_ms(timeout: float | None) -> int:
@@ -233,11 +320,14 @@ class AgentClient:
     async def ping(self) -> dict[str, Any]:
         """The agent's pid (in its pid namespace), version and number of open sessions."""
         reply, _ = await self._call([("op", "ping")])
-        return {
-            "pid": _num(reply, "pid"),
-            "version": _one(reply, "version").decode(),
-            "sessions": _num(reply, "sessions"),
-        }
+        try:
+            return {
+                "pid": _num(reply, "pid"),
+                "version": _one(reply, "version").decode("utf-8", "replace"),
+                "sessions": _num(reply, "sessions"),
+            }
+        except _Malformed as e:
+            raise self._forged(f"a malformed ping reply: {e}") from None
 
     async def exec(
         self,
@@ -248,6 +338,8 @@ class AgentClient:
         env: Mapping[str, str] | None = None,
         stdin: bytes | None = None,
         max_output: int = 1 << 20,
+        background: bool = False,
+        exclusive: bool = False,
     ) -> ExecResult:
         """Run a command: a string through ``/bin/sh -c``, a list directly (PATH lookup).
 
@@ -255,7 +347,11 @@ class AgentClient:
         None means /dev/null. A missing command gives exit code 127, a non-executable one 126,
         death by signal N 128+N. Output past ``max_output`` bytes per stream (at most 16 MiB) is
         dropped (``truncated``); at ``timeout`` the whole process tree is killed (``timed_out``,
-        exit code 137). Background processes left by a normal exit keep running.
+        exit code 137). When the command exits, every process it left running is killed before
+        the result comes back, unless ``background``: then they keep running (until they end,
+        a later ``exclusive`` call, or the sandbox dies). ``exclusive`` first kills every other
+        process in the sandbox (other calls' commands, sessions, background jobs), so nothing
+        that ran before can tamper with this command while it runs: run verifiers this way.
         """
         if isinstance(cmd, str):
             argv, command = ["/bin/sh", "-c", cmd], cmd
@@ -274,8 +370,13 @@ class AgentClient:
         ]
         if stdin is not None:
             fields.append(("stdin", 1))
-        reply, body = await self._call(fields, bytes(stdin or b""), timeout)
-        return self._result(reply, body, command)
+        if background:
+            fields.append(("background", 1))
+        if exclusive:
+            fields.append(("exclusive", 1))
+        cap = self._output_cap(max_output)
+        reply, body = await self._call(fields, bytes(stdin or b""), timeout, max_body=2 * cap)
+        return self._result(reply, body, command, cap)
 
     async def session_open(
         self,
@@ -289,8 +390,8 @@ class AgentClient:
         fields += _env_fields(env)
         if shell:
             fields.append(("shell", shell))
-        reply, _ = await self._call(fields)
-        return _one(reply, "session").decode()
+        reply, _ = await self._call(fields, max_header=MAX_FRAME)
+        return _one(reply, "session").decode("utf-8", "replace")
 
     async def session_exec(
         self,
@@ -303,9 +404,11 @@ class AgentClient:
     ) -> ExecResult:
         """Run ``cmd`` in the session's shell; cwd, variables and functions persist.
 
-        Calls on one session run one at a time in arrival order. A timeout kills the command's
-        processes; if the shell itself does not come back within a second it is killed and the
-        session is over (later calls raise ``SessionClosed``), as after ``exit``.
+        Calls on one session run one at a time in arrival order. Processes a command starts in
+        the background (``server &``) keep running after it, until the session is closed or
+        ends, or the sandbox dies. A timeout kills the command's processes (those it started,
+        not earlier commands'); if the shell itself does not come back within a second it is
+        killed and the session is over (later calls raise ``SessionClosed``), as after ``exit``.
         """
         fields: list[tuple[str, Any]] = [
             ("op", "session_exec"),
@@ -316,17 +419,20 @@ class AgentClient:
         ]
         if stdin is not None:
             fields.append(("stdin", 1))
-        reply, body = await self._call(fields, bytes(stdin or b""), timeout)
-        return self._result(reply, body, cmd)
+        cap = self._output_cap(max_output)
+        reply, body = await self._call(
+            fields, bytes(stdin or b""), timeout, max_header=MAX_FRAME, max_body=2 * cap
+        )
+        return self._result(reply, body, cmd, cap)
 
     async def session_close(self, session_id: str) -> None:
         """Kill the session's shell and everything it started."""
-        await self._call([("op", "session_close"), ("session", session_id)])
+        await self._call([("op", "session_close"), ("session", session_id)], max_header=MAX_FRAME)
 
     async def sessions(self) -> list[str]:
         """Ids of the sessions whose shells are still running."""
-        reply, _ = await self._call([("op", "sessions")])
-        return [s.decode() for s in reply.get("session", [])]
+        reply, _ = await self._call([("op", "sessions")], max_header=MAX_FRAME)
+        return [s.decode("utf-8", "replace") for s in reply.get("session", [])]
 
     async def read_file(
         self, path: str | os.PathLike[str], offset: int = 0, length: int = -1
@@ -339,13 +445,18 @@ class AgentClient:
         while True:  # at least one request, so a bad path raises even for length 0
             want = CHUNK if left < 0 else min(CHUNK, left)
             reply, data = await self._call(
-                [("op", "read"), ("path", path), ("offset", pos), ("length", want)]
+                [("op", "read"), ("path", path), ("offset", pos), ("length", want)],
+                max_body=want,
             )
             parts.append(data)
             pos += len(data)
             if left > 0:
                 left -= len(data)
-            if left == 0 or _num(reply, "eof") or len(data) < want:
+            try:
+                eof = _num(reply, "eof")
+            except _Malformed as e:
+                raise self._forged(f"a malformed read reply: {e}") from None
+            if left == 0 or eof or len(data) < want:
                 break
         return b"".join(parts)
 
@@ -390,13 +501,21 @@ class AgentClient:
 
         ``mode`` is the permission bits (``st_mode & 0o7777``); the kind is in ``type``.
         """
-        reply, _ = await self._call([("op", "list"), ("path", os.fspath(path))])
-        return sorted((_entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
+        reply, _ = await self._call(
+            [("op", "list"), ("path", os.fspath(path))], max_header=MAX_FRAME
+        )
+        return sorted((self._entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
 
     async def stat(self, path: str | os.PathLike[str]) -> FileEntry:
         """lstat of one path (a symlink is reported as a symlink)."""
         reply, _ = await self._call([("op", "stat"), ("path", os.fspath(path))])
-        return _entry(_one(reply, "entry"))
+        return self._entry(_one(reply, "entry"))
+
+    def _entry(self, value: bytes) -> FileEntry:
+        try:
+            return _entry(value)
+        except ValueError as e:
+            raise self._forged(f"a malformed directory entry {value[:80]!r}: {e}") from None
 
     async def remove(self, path: str | os.PathLike[str], recursive: bool = False) -> None:
         """Remove a file, symlink or empty directory; ``recursive`` removes a tree."""

@@ -212,7 +212,9 @@ class ExecRequest(Message):
     """Run a command: a string through ``/bin/sh -c``, an array as argv (PATH lookup).
 
     ``timeout`` in seconds (null: none) kills the whole process tree; ``stdin`` is base64 (null:
-    /dev/null); output past ``max_output`` bytes per stream is dropped.
+    /dev/null); output past ``max_output`` bytes per stream is dropped. When the command exits,
+    the processes it left running are killed unless ``background``. ``exclusive`` kills every
+    other process in the sandbox first (for verifiers).
     """
 
     cmd: str | tuple[str, ...] = field(metadata=_limits(minLength=1, minItems=1))
@@ -221,6 +223,8 @@ class ExecRequest(Message):
     env: Mapping[str, str] | None = None
     stdin: bytes | None = None
     max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_MAX_OUTPUT)
+    background: bool = False
+    exclusive: bool = False
 
     def __post_init__(self) -> None:
         # The SDK hands over what its callers pass: a list (paths in it too), a str stdin, any

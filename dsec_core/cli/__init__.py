@@ -158,8 +158,10 @@ def sandbox_create(
 @click.option("--timeout", type=float, default=300.0, show_default=True)
 @click.option("--cwd")
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE")
+@click.option("--background", is_flag=True, help="let processes it starts outlive it")
+@click.option("--exclusive", is_flag=True, help="kill every other process in the sandbox first")
 @click.option("--json", "as_json", is_flag=True)
-def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, as_json) -> None:
+def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, background, exclusive, as_json) -> None:
     """Run COMMAND in a sandbox (one argument: through /bin/sh -c; several: as argv)."""
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
     with Client() as client:
@@ -170,6 +172,8 @@ def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, as_json) -> None:
             cwd=cwd,
             env=_kv(setenv, "--setenv"),
             stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+            background=background,
+            exclusive=exclusive,
         )
     if as_json:
         d = r.to_dict()

@@ -1,7 +1,9 @@
 """The node daemon process: ``python -m dsec_core.node.daemon`` serves a ``Node`` over its socket.
 
 Started and stopped by ``dsec_core.localnode`` (or ``dsec node start --foreground``). It holds
-the pid-file lock while it lives; sandboxes outlive it and the next daemon re-adopts them.
+the pid-file lock while it lives; sandboxes outlive it and the next daemon re-adopts them. It
+runs in memory and pids cgroups of its own (``NodeConfig.daemon_cgroup``, limit
+``DSEC_DAEMON_MEMORY``), made when it starts and removed when it stops.
 
 The root-only unix socket is always served, without a token. ``DSEC_LISTEN`` adds TCP
 listeners (plain or TLS) for an apiserver or remote trainers; each is its own uvicorn server,
@@ -19,7 +21,7 @@ import logging.handlers
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -27,6 +29,7 @@ import uvicorn
 from ..api.transport import Address
 from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
+from ..linux.cgroups import ConfinedCgroups, confine_self, release_self
 from ..linux.mounts import ensure_tmpfs
 from ..localnode import listen_addresses
 from .node import Node
@@ -111,6 +114,48 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
         raise NodeUnavailable(f"a node daemon already runs for {config.home}") from None
     os.ftruncate(pid_fd, 0)
     os.pwrite(pid_fd, str(os.getpid()).encode(), 0)
+    try:
+        confined = _confine(config)
+    except DsecError:
+        os.close(pid_fd)
+        raise
+
+    def release() -> None:
+        # Out of the cgroups and them removed while the pid-file lock is still held, so whoever
+        # waits for the daemon to stop finds them gone too. Called at the end of the server's
+        # lifespan, because uvicorn re-raises the stop signal once it is done, and again here
+        # for the ways out that do not get that far.
+        if confined is not None:
+            kept = release_self(confined)
+            if kept:
+                log.info("daemon cgroups kept (a child still runs in them): %s", kept)
+
+    try:
+        _serve_locked(config, addresses, release)
+    finally:
+        release()
+        os.close(pid_fd)
+
+
+def _confine(config: NodeConfig) -> ConfinedCgroups | None:
+    """Move the daemon into its own memory and pids cgroups (``config.daemon_cgroup``) with
+    ``config.daemon_memory`` as the limit, before it starts any thread or child. Replies from
+    sandboxes are bounded (``AgentClient``), so this is the backstop, not the first line."""
+    if not config.daemon_memory:
+        return None
+    confined = confine_self(config.daemon_cgroup, config.daemon_memory)
+    log.info(
+        "daemon confined to %s with a memory limit of %d bytes",
+        ", ".join(map(os.fspath, confined.dirs)),
+        config.daemon_memory,
+    )
+    return confined
+
+
+def _serve_locked(
+    config: NodeConfig, addresses: tuple[Address, ...], last_word: Callable[[], None]
+) -> None:
+    """The daemon's life once it holds the pid-file lock; ``last_word`` runs when it is over."""
     tcp_socks = [_bind_tcp(a) for a in addresses]  # a port in use fails before anything else
 
     # Bind the socket ourselves so it is root-only from the first moment (uvicorn's own uds
@@ -150,6 +195,9 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
             # uvicorn re-raises the stop signal after shutdown, so this is our last word.
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            # Our cgroups go first: detaching the runtime tmpfs below takes the pid file with
+            # it, and whoever waits for the daemon to stop stops waiting then.
+            last_word()
             # Detach the runtime tmpfs while still holding the pid-file lock, so whoever waits
             # for the daemon to stop finds it gone too; it is freed when our fds close.
             node.release_runtime(lazy=True)
@@ -177,7 +225,6 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
         sock.close()
         for s in tcp_socks:
             s.close()
-        os.close(pid_fd)
     if not server.started:
         sys.exit(1)
 

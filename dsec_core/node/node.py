@@ -630,12 +630,23 @@ class Node:
         env: dict[str, str] | None = None,
         stdin: bytes | None = None,
         max_output: int = 1 << 20,
+        background: bool = False,
+        exclusive: bool = False,
     ) -> ExecResult:
+        """Run a command in the sandbox (see ``AgentClient.exec``): what it leaves running is
+        killed when it exits unless ``background``; ``exclusive`` kills everything else first."""
         sb = self._get(sid)
         merged = {**sb.rt.spec.env, **(env or {})} or None
         cwd = cwd or sb.rt.spec.workdir or "/"
         return await self.agent(sid).exec(
-            cmd, timeout=timeout, cwd=cwd, env=merged, stdin=stdin, max_output=max_output
+            cmd,
+            timeout=timeout,
+            cwd=cwd,
+            env=merged,
+            stdin=stdin,
+            max_output=max_output,
+            background=background,
+            exclusive=exclusive,
         )
 
     async def session_open(

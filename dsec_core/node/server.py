@@ -186,6 +186,8 @@ async def _exec(node: Node, c: Call) -> Any:
         env=b.env,
         stdin=b.stdin,
         max_output=b.max_output,
+        background=b.background,
+        exclusive=b.exclusive,
     )
 
 

@@ -198,6 +198,20 @@ class BackendConformance:
         time.sleep(0.3)
         return marker
 
+    def test_exec_leaves_nothing_running(self, dsec_sandboxes):
+        """What a command leaves running dies when it exits, setsid'd and double-forked
+        processes too; with ``background=True`` it lives on; ``exclusive`` kills it."""
+        sb = dsec_sandboxes.create()
+        marker, kept = _marker(), _marker()
+        r = sb.exec(f"setsid sleep {marker} & (sleep {marker} &); sleep {marker} & echo left")
+        assert r.exit_code == 0 and r.stdout == b"left\n" and not r.timed_out
+        assert not _sandbox_has(sb, f"sleep {marker}"), "an exec's processes outlived it"
+        sb.exec(f"sleep {kept} > /dev/null 2>&1 &", background=True).check()
+        assert _sandbox_has(sb, f"sleep {kept}"), "background=True did not keep the process"
+        r = sb.exec("cat /proc/[0-9]*/cmdline; true", exclusive=True)
+        assert f"sleep\0{kept}".encode() not in r.stdout, "exclusive left a process running"
+        assert not _sandbox_has(sb, f"sleep {kept}")
+
     def test_output_cap_bounds_memory(self, dsec_sandboxes, dsec_node):
         sb = dsec_sandboxes.create()
         daemon_pid = int((dsec_node.config.run_dir / "dsecd.pid").read_text())
@@ -273,8 +287,10 @@ class BackendConformance:
         assert b"1" in pids and len(pids) < 10, f"the sandbox sees other processes: {pids}"
         argv = sb.exec("cat /proc/1/cmdline").stdout.split(b"\0")
         assert argv[0] == AGENT_PATH.encode(), f"PID 1 is {argv}, not the agent at {AGENT_PATH}"
-        exe = sb.exec("readlink /proc/1/exe").stdout.strip()
-        assert exe == AGENT_PATH.encode(), f"PID 1 runs {exe!r}, not {AGENT_PATH}"
+        # and it is out of the sandbox's reach: non-dumpable, so even root inside cannot
+        # follow its /proc links (nor ptrace it, read its memory or take its fds)
+        exe = sb.exec("readlink /proc/1/exe")
+        assert exe.exit_code != 0 and not exe.stdout, f"the sandbox can read PID 1's exe: {exe}"
 
     def test_network_is_loopback_only(self, dsec_sandboxes):
         self.need(Feature.NET_NAMESPACE)
@@ -335,7 +351,7 @@ class BackendConformance:
     def test_usage_reports_memory_cpu_and_pids(self, dsec_sandboxes):
         self.need(Feature.CGROUPS)
         sb = dsec_sandboxes.create()
-        sb.exec("sleep 30 > /dev/null 2>&1 &").check()
+        sb.exec("sleep 30 > /dev/null 2>&1 &", background=True).check()
         u = sb.usage()
         assert isinstance(u, SandboxUsage)
         assert u.memory is not None and u.memory > 0, u
@@ -355,7 +371,8 @@ class BackendConformance:
     def test_pids_limit(self, dsec_sandboxes):
         self.need(Feature.CGROUPS)
         sb = dsec_sandboxes.create(pids=40)
-        r = sb.exec("for i in $(seq 100); do sleep 4 & done; wait", timeout=30)
+        # background: the sleeps that started must outlive the failed loop to hold the limit
+        r = sb.exec("for i in $(seq 100); do sleep 4 & done; wait", timeout=30, background=True)
         assert r.exit_code != 0 and re.search(rb"fork|resource|again", r.stderr, re.IGNORECASE)
         held = sb.usage().pids
         assert held is not None and 30 <= held <= 40  # the sleeps that started hold the limit
@@ -395,7 +412,7 @@ class BackendConformance:
 
     def test_kill_leaves_nothing(self, dsec_sandboxes, dsec_node, dsec_client):
         sb = dsec_sandboxes.create()
-        sb.exec("sleep 1000 > /dev/null 2>&1 &").check()
+        sb.exec("sleep 1000 > /dev/null 2>&1 &", background=True).check()
         sb.write_file("/tmp/data", b"x" * 1000)
         sb.kill()
         with pytest.raises(UnknownSandbox):
@@ -406,7 +423,7 @@ class BackendConformance:
         self.need(Feature.SHARED_KERNEL)
         sb = dsec_sandboxes.create()
         marker = _marker()
-        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &", background=True).check()
         assert _host_pids_with(f"sleep {marker}")
         sb.kill()
         assert _host_pids_with(f"sleep {marker}") == []
@@ -420,7 +437,7 @@ class BackendConformance:
                 "so the kit cannot kill the sandbox behind the node's back"
             )
         marker = _marker()
-        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &", background=True).check()
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + NOTICE_WITHIN
         while sb.id in {i.id for i in dsec_client.list()}:
@@ -439,7 +456,7 @@ class BackendConformance:
         sb = dsec_sandboxes.create()
         sb.write_file("/root/kept", b"written before the restart")
         marker = _marker()
-        sb.exec(f"sleep {marker} > /dev/null 2>&1 &").check()
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &", background=True).check()
         before = daemon_pid(dsec_node.config)
         try:
             dsec_node.restart()

@@ -110,7 +110,8 @@ def make_busybox_rootfs(root: Path) -> Path:
 
 
 def leftovers(home: Path) -> dict[str, list[str]]:
-    """What a node under ``home`` left behind: mounts, cgroups, sandbox dirs, processes."""
+    """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', and its daemon's
+    once no daemon runs), sandbox dirs, processes."""
     prefix = os.fspath(home)
     mounts = []
     with open("/proc/self/mountinfo") as f:
@@ -127,10 +128,15 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         }
     )
     cgroups = []
+    config = NodeConfig(home=home)
+    # a running daemon's own cgroups are in use, not left behind
+    daemon_cgroup = None if daemon_pid(config) else config.daemon_cgroup
     for hier in cgroup_hierarchies():
         for sid in dirs:
             if (hier / cgroup_path(sid)).exists():
                 cgroups.append(os.fspath(hier / cgroup_path(sid)))
+        if daemon_cgroup and (hier / daemon_cgroup).exists():
+            cgroups.append(os.fspath(hier / daemon_cgroup))
     procs = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():

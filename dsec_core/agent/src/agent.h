@@ -84,7 +84,7 @@ long long req_num(const struct req *r, const char *k, long long dflt, int *bad);
 /* ---------------------------------------------------------------- proctree.c */
 
 int descendants(pid_t root, pid_t **out);
-void kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare);
+int kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare);
 void kill_descendants(pid_t root, int reap);
 void reap_exited(void);
 
@@ -156,8 +156,17 @@ void op_session_close(int fd, struct req *r);
 int session_enqueue(int fd, struct req *r);
 void op_session_exec(int conn, struct req *r, struct session *s);
 void session_child_exited(pid_t pid, int status);
+int session_shells(pid_t *out, int max);
 void sessions_close_fds_in_handler(int keep_fd, struct session *keep);
 void priv_dir_remove(void);
+
+/* ---------------------------------------------------------------- guard.c */
+
+struct signalfd_siginfo;
+void guard_init(void);
+int signal_from_outside(const struct signalfd_siginfo *si);
+void guard_track(pid_t pid);
+void reap_children(void);
 
 /* ---------------------------------------------------------------- main.c */
 

@@ -4,7 +4,13 @@
  *
  * exec runs in a handler child (a child subreaper). The command gets its own session and
  * process group; on timeout or cancellation the handler kills that group and then every
- * descendant it can still find, so setsid'd and double-forked daemons die too.
+ * descendant it can still find, so setsid'd and double-forked daemons die too. When the command
+ * exits, whatever it left running is killed the same way before the answer goes out, unless
+ * the request says background=1: then the handler answers and stays on as the subreaper of
+ * what was left, until the last of it is gone (so nothing of it ever becomes main's orphan).
+ * exclusive=1 first kills every other process in the sandbox (other calls' commands, session
+ * shells and what they started, background jobs), so nothing that ran before can tamper with
+ * what this command reads or runs.
  */
 #include "agent.h"
 
@@ -274,6 +280,46 @@ static void exec_kill_all(pid_t pid)
     kill_descendants(getpid(), 1);
 }
 
+/* The command exited: kill what it left behind. Everything it left is below this subreaper,
+ * so when the handler has no child left there is nothing to look for in /proc. Only the
+ * leftovers are killed, not the command's process group: the command is reaped, and its id
+ * could in principle name someone else's group by now. */
+static void exec_end_leftovers(void)
+{
+    siginfo_t si;
+    reap_exited();
+    if (waitid(P_ALL, 0, &si, WEXITED | WNOHANG | WNOWAIT) < 0 && errno == ECHILD)
+        return;
+    kill_descendants(getpid(), 1);
+}
+
+/* background=1, after the answer: keep what the command left below us until it is all gone. */
+__attribute__((noreturn))
+static void exec_keep_background(int conn, struct exec_run *x)
+{
+    close(conn);
+    buf_free(&x->so.b);
+    buf_free(&x->se.b);
+    for (;;) {
+        if (waitpid(-1, NULL, 0) < 0 && errno != EINTR)
+            _exit(0);
+    }
+}
+
+/* exclusive=1: kill every process in the sandbox but main and this handler. -1 (error sent)
+ * if some process would not die. */
+static int exec_clear_sandbox(int conn)
+{
+    pid_t self = getpid();
+    int left = kill_tree_except(getppid(), 0, &self, 1);
+    if (left) {
+        send_error(conn, "internal", NULL, 0,
+                   "exclusive: %d processes of the sandbox would not die", left);
+        return -1;
+    }
+    return 0;
+}
+
 static int exec_pollfds(const struct exec_run *x, int conn, struct pollfd *p,
                         struct exec_slots *ix)
 {
@@ -367,6 +413,8 @@ void op_exec(int conn, struct req *r)
 {
     struct run_opts o;
     int bad = read_run_opts(r, &o);
+    long long background = req_num(r, "background", 0, &bad);
+    long long exclusive = req_num(r, "exclusive", 0, &bad);
     int argc = req_count(r, "arg");
     const char *cwd = req_get(r, "cwd");
     if (!cwd || !*cwd)
@@ -387,6 +435,8 @@ void op_exec(int conn, struct req *r)
         send_path_error(conn, cwd, errno);
         return;
     }
+    if (exclusive && exec_clear_sandbox(conn) < 0)
+        return;
     int outp[2], errp[2], inp[2];
     if (exec_pipes(conn, o.has_stdin, outp, errp, inp) < 0)
         return;
@@ -406,7 +456,12 @@ void op_exec(int conn, struct req *r)
         x.t_end = now_us();
     if (x.in_w >= 0)
         close(x.in_w);
-    reap_exited();
+    if (background)
+        reap_exited();
+    else
+        exec_end_leftovers(); /* before the answer: once it is out, nothing of the call runs */
     int code = x.timed_out ? 128 + SIGKILL : wait_status_code(x.status);
     send_run_result(conn, code, x.t_end - t0, x.timed_out, &x.so, &x.se, -1);
+    if (background)
+        exec_keep_background(conn, &x);
 }

@@ -4,7 +4,8 @@
  *
  * This file is the main process: the accept loop, dispatch, handler processes and signals.
  * The rest: wire.c (the wire protocol, with its full table), exec.c, sessions.c, files.c,
- * proctree.c (process trees) and util.c; agent.h declares what they share.
+ * proctree.c (process trees), guard.c (keeping sandbox code away from the agent) and util.c;
+ * agent.h declares what they share.
  *
  * Usage: dsec-agent [--fd N]
  * The backend binds and listens on a unix stream socket (the node connects to it) before the
@@ -40,6 +41,11 @@
  *
  * Every descriptor the agent opens is O_CLOEXEC (including the inherited listening socket), so
  * commands cannot reach the control socket, session pipes or another request's connection.
+ * Nor can they take them, or the agent's memory, another way: main and the handlers are
+ * non-dumpable, stop signals from inside the sandbox are ignored, and processes orphaned by a
+ * killed handler are swept (guard.c says how and why). When an exec's command exits, what it
+ * left running is killed unless the request asked for background=1; then its handler stays
+ * on as their keeper (exec.c).
  */
 #include "agent.h"
 
@@ -115,8 +121,10 @@ void spawn_handler(int fd, struct req *r, struct session *s)
         else if (!strcmp(op, "remove"))
             op_remove(fd, r);
         _exit(0);
-    } else if (s) {
-        s->handler = pid;
+    } else {
+        guard_track(pid);
+        if (s)
+            s->handler = pid;
     }
     close(fd);
     req_free(r);
@@ -242,15 +250,6 @@ static void accept_all(void)
 
 /* ---------------------------------------------------------------- signals */
 
-/* As PID 1 (and a subreaper) main inherits every orphan in the sandbox and must reap them all. */
-static void reap_children(void)
-{
-    int st;
-    pid_t pid;
-    while ((pid = waitpid(-1, &st, WNOHANG)) > 0)
-        session_child_exited(pid, st);
-}
-
 static void shutdown_agent(int sig)
 {
     kill_descendants(getpid(), 1);
@@ -266,7 +265,7 @@ static void handle_signals(void)
     while (read(g_sig_fd, &si, sizeof si) == sizeof si) {
         if (si.ssi_signo == SIGCHLD)
             child = 1;
-        else
+        else if (signal_from_outside(&si))
             shutdown_agent((int)si.ssi_signo);
     }
     if (child)
@@ -414,6 +413,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < 3; i++)
         if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
             return 1;
+    guard_init();
     if (take_listener(fd) < 0)
         return 2;
     g_main_pid = getpid();

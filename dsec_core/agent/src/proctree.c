@@ -129,8 +129,8 @@ int descendants(pid_t root, pid_t **out) { return descendants_except(root, NULL,
 
 /* SIGKILL every live descendant of root until none is left (bounded), sparing the nspare
  * pids in spare (sorted) and their subtrees. With reap, also collect our own dead children
- * so they stop showing up. */
-void kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare)
+ * so they stop showing up. Returns how many were still alive when it gave up (0: none). */
+int kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare)
 {
     long long end = now_ms() + KILL_BUDGET_MS;
     for (;;) {
@@ -142,7 +142,7 @@ void kill_tree_except(pid_t root, int reap, const pid_t *spare, int nspare)
             kill(pids[i], SIGKILL);
         free(pids);
         if (n == 0 || now_ms() > end)
-            return;
+            return n;
         usleep(1000);
     }
 }

@@ -504,6 +504,19 @@ void session_child_exited(pid_t pid, int status)
     }
 }
 
+/* The shells main has not reaped yet (at most max into out); returns how many there are. */
+int session_shells(pid_t *out, int max)
+{
+    int n = 0;
+    for (struct session *s = g_sessions; s; s = s->next)
+        if (s->shell > 0 && !s->reaped) {
+            if (n < max)
+                out[n] = s->shell;
+            n++;
+        }
+    return n;
+}
+
 /* In a freshly forked handler: the part of handler_init (main.c) that concerns sessions. Of
  * its own session (keep) a handler holds the pipes except the status write end, which is main's
  * to use. */

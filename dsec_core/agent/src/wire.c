@@ -11,12 +11,15 @@
  * "bad_request" error without allocating it; clients split bigger file transfers.
  *
  *   op=ping                                   -> pid, version, sessions
- *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, body=stdin
- *                                             -> exit_code, duration_us, truncated, timed_out,
+ *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, background, exclusive,
+ *            body=stdin                       -> exit_code, duration_us, truncated, timed_out,
  *                                                stdout_len; body = stdout ++ stderr
+ *            When the command exits, what it left running is killed unless background=1;
+ *            exclusive=1 kills every other process in the sandbox before it starts.
  *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died
+ *            What a session command leaves running lives until the session closes or ends.
  *   op=session_close session                  -> (ok)
  *   op=sessions                               -> session...
  *   op=read   path, offset, length(-1: to EOF) -> eof; body = data (at most 16 MiB per call)
