@@ -1,8 +1,10 @@
-"""Files: atomic writes, sha256 digests of files, and removing trees that may hold mounts."""
+"""Files: atomic writes, sparse copies, sha256 digests of files, and removing trees that may hold
+mounts."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import shutil
@@ -14,7 +16,7 @@ from pathlib import Path
 from ..errors import InvalidSpec, LayerBuildError
 from .mounts import mounted_under
 
-__all__ = ["digest_hex", "file_digest", "remove_tree", "write_atomic"]
+__all__ = ["copy_sparse", "digest_hex", "file_digest", "remove_tree", "write_atomic"]
 
 _CHUNK = 1 << 20
 
@@ -35,6 +37,41 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def copy_sparse(src: Path, dst: Path, mode: int = 0o600) -> None:
+    """Copy ``src`` to a new file ``dst`` (which must not exist), holes and all: only the data
+    extents are copied, in the kernel (``copy_file_range``, which shares blocks where the
+    filesystem can reflink). A formatted sparse disk image copies in a fraction of a
+    millisecond. A failed copy leaves no ``dst``."""
+    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with open(src, "rb") as s:
+            sfd = s.fileno()
+            end = os.fstat(sfd).st_size
+            os.ftruncate(fd, end)
+            offset = 0
+            while offset < end:
+                try:
+                    data = os.lseek(sfd, offset, os.SEEK_DATA)
+                except OSError as e:
+                    if e.errno != errno.ENXIO:
+                        raise
+                    break  # only a hole is left
+                hole = os.lseek(sfd, data, os.SEEK_HOLE)
+                pos = data
+                while pos < hole:
+                    n = os.copy_file_range(sfd, fd, hole - pos, pos, pos)
+                    if n == 0:
+                        raise OSError(f"{src} shrank while it was copied")
+                    pos += n
+                offset = hole
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        raise
+    os.close(fd)
 
 
 def file_digest(path: Path, progress: Callable[[str, float | None], None] | None = None) -> str:

@@ -1,0 +1,69 @@
+"""ext4 filesystem images: format a sparse image once (``mkfs.ext4``), clone it cheaply, and mount
+it from a loop device with ``nosuid,nodev``.
+
+The images hold sandboxes' writable layers, which live no longer than their sandbox and never
+across a reboot, so they are made for a fast start rather than for crash recovery: no journal
+(no jbd2 thread and no journal blocks per sandbox), no blocks reserved for root (root inside
+is the user they would be kept from), no resize inode (its reserved descriptor blocks were 4
+of the 4.3 MB a fresh 10 GiB image allocated), lazily initialised inode tables that the kernel
+is told not to zero behind our back (``noinit_itable``: the holes of a sparse image read as
+zeros already). A formatted 10 GiB image then allocates about 230 KB.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import InvalidSpec
+from .mounts import MS_NODEV, MS_NOSUID, mount
+from .tools import run_tool
+
+__all__ = ["BLOCK_SIZE", "BYTES_PER_INODE", "MIN_SIZE", "mkfs_ext4", "mount_ext4"]
+
+BLOCK_SIZE = 4096  # what a direct-I/O loop device on a 4 KiB host filesystem needs
+BYTES_PER_INODE = 16384  # mke2fs's default for ordinary filesystems
+MIN_SIZE = 16 << 20  # below this ext4's own metadata is most of the disk
+
+
+def mkfs_ext4(image: Path, size: int) -> None:
+    """Make ``image`` a sparse ``size``-byte file holding a fresh, empty ext4 filesystem (root
+    directory owned by root, mode 0755). ``ToolError`` if ``mkfs.ext4`` fails or is missing."""
+    if size < MIN_SIZE or size % BLOCK_SIZE:
+        raise InvalidSpec(
+            f"an ext4 image needs at least {MIN_SIZE >> 20} MiB in whole {BLOCK_SIZE}-byte "
+            f"blocks, got {size} bytes",
+            field="disk",
+        )
+    with open(image, "xb") as f:
+        f.truncate(size)
+    try:
+        run_tool(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-b",
+                BLOCK_SIZE,
+                "-i",
+                BYTES_PER_INODE,
+                "-m",
+                "0",
+                "-O",
+                "^has_journal,^resize_inode",
+                "-E",
+                "lazy_itable_init=1,root_owner=0:0,nodiscard",
+                image,
+            ],
+            f"formatting the disk image {image}",
+        )
+    except BaseException:
+        image.unlink(missing_ok=True)
+        raise
+
+
+def mount_ext4(device: Path, target: Path, flags: int = 0) -> None:
+    """Mount the ext4 filesystem on ``device`` at ``target`` with nosuid and nodev (plus
+    ``flags``): nothing planted on it can be run with privileges or opened as a device from
+    the host. ``MountError`` on failure."""
+    mount(os.fspath(device), target, "ext4", MS_NOSUID | MS_NODEV | flags, "noinit_itable")
