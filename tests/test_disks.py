@@ -20,7 +20,7 @@ from dsec_core.config import NodeConfig
 from dsec_core.errors import InvalidSpec, MountError, ToolError
 from dsec_core.linux import loop
 from dsec_core.linux.ext4 import mkfs_ext4
-from dsec_core.linux.files import copy_sparse
+from dsec_core.linux.files import SparseFile
 from dsec_core.linux.loop import attach_loop, loop_backing_files
 from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.node import disks as disks_module
@@ -64,26 +64,25 @@ def test_bad_disk_limits_are_typed(bad):
 # --- primitives: sparse copies, ext4 images, loop devices ------------------------------------
 
 
-def test_copy_sparse_keeps_data_and_holes(tmp_path):
+@pytest.mark.parametrize("direct", [False, True])
+def test_sparse_files_keep_data_and_holes(tmp_path, direct):
     src = tmp_path / "src"
     with open(src, "wb") as f:
         f.truncate(64 << 20)
         f.seek(1 << 20)
-        f.write(b"a" * 8192)
+        f.write(os.urandom(8192))
         f.seek(40 << 20)
         f.write(b"b" * 4096)
-    copy_sparse(src, tmp_path / "dst")
+    image = SparseFile.read(src)
+    assert image.size == 64 << 20 and [o for o, _ in image.extents] == [1 << 20, 40 << 20]
     dst = tmp_path / "dst"
+    image.write(dst, direct=direct)
     assert dst.stat().st_size == 64 << 20
     assert dst.stat().st_blocks * 512 <= 64 << 10  # the holes stayed holes
     assert stat.S_IMODE(dst.stat().st_mode) == 0o600
-    with open(src, "rb") as a, open(dst, "rb") as b:
-        for offset in (0, 1 << 20, (1 << 20) + 8191, 40 << 20, (64 << 20) - 1):
-            a.seek(offset)
-            b.seek(offset)
-            assert a.read(4096) == b.read(4096)
+    assert dst.read_bytes() == src.read_bytes()
     with pytest.raises(FileExistsError):
-        copy_sparse(src, dst)
+        image.write(dst)
 
 
 @root_only
@@ -102,11 +101,15 @@ def test_mkfs_refuses_bad_sizes_and_a_missing_tool_leaves_nothing(tmp_path, monk
 @root_only
 def test_templates_are_sparse_and_made_once_per_size(disks):
     big = disks.template(10 << 30)
-    assert big.stat().st_size == 10 << 30
-    assert big.stat().st_blocks * 512 < 1 << 20  # formatted, yet well under a MiB on the host
-    made = big.stat().st_mtime_ns
-    assert disks.template(10 << 30).stat().st_mtime_ns == made
-    assert disks.template(16 << 20) != big
+    path = disks.template_path(10 << 30)
+    assert big.size == path.stat().st_size == 10 << 30
+    held = sum(len(d) for _, d in big.extents)
+    assert 64 << 10 < held <= path.stat().st_blocks * 512 < 1 << 20  # formatted, under a MiB
+    made = path.stat().st_mtime_ns
+    assert disks.template(10 << 30) is big and path.stat().st_mtime_ns == made
+    assert WritableDisks(disks.dir).template(10 << 30) == big  # a new daemon reads it back
+    assert path.stat().st_mtime_ns == made
+    disks.template(16 << 20)
     assert {p.name for p in disks.templates.iterdir()} == {f"{16 << 20}.ext4", f"{10 << 30}.ext4"}
 
 

@@ -418,7 +418,7 @@ class Node:
             )
             disk = _sparse_disk(rt.data_dir, size)
             return replace(rt, images=images, disk=disk, disk_size=size)
-        if not self.disks.template_path(size).exists():  # mkfs once per size, off the loop
+        if not self.disks.ready(size):  # mkfs once per size, off the event loop
             await self._once(("disk-template", str(size)), self.disks.template, size)
         self.disks.mount(rt.id, size, rt.data_dir)
         assert self.mounts is not None
