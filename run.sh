@@ -6,7 +6,7 @@
 #   sudo bash run.sh test     # the checks below, then the test suite
 #   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py --quick and bench/layers.py --quick
+#   sudo bash run.sh bench    # bench/create.py, disk.py and layers.py, each --quick
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -14,7 +14,7 @@ cd "$here"
 venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
-APT_PACKAGES=(runc erofs-utils debootstrap busybox-static gcc libc6-dev python3-venv
+APT_PACKAGES=(runc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates)
 
 log() { printf '\033[1m[dsec setup]\033[0m %s\n' "$*" >&2; }
@@ -134,6 +134,7 @@ case "$cmd" in
     bench)
         setup
         "$venv/bin/python" bench/create.py --quick "$@"
+        "$venv/bin/python" bench/disk.py --quick
         exec "$venv/bin/python" bench/layers.py --quick
         ;;
     *)

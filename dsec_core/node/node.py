@@ -420,6 +420,8 @@ class Node:
             return replace(rt, images=images, disk=disk, disk_size=size)
         if not self.disks.ready(size):  # mkfs once per size, off the event loop
             await self._once(("disk-template", str(size)), self.disks.template, size)
+        # Inline, as the mounts are (a few ms): in a thread, a cancelled create could undo
+        # itself before the thread had mounted what it then leaves behind.
         self.disks.mount(rt.id, size, rt.data_dir)
         assert self.mounts is not None
         mounts = []
@@ -491,11 +493,13 @@ class Node:
             assert self.mounts is not None
             for digest in taken:
                 self.mounts.release(digest)
-            self._remove_dirs(rt)
+            await asyncio.to_thread(self._remove_dirs, rt)
             for policy, _ in plan.chosen:
                 policy.released(rt)
 
     def _remove_dirs(self, rt: SandboxRuntime) -> None:
+        """Blocking, so called in a thread: unmounting the writable layer's filesystem writes
+        back what the sandbox wrote in the last seconds (up to its memory's dirty share)."""
         self.disks.remove(rt.id, rt.data_dir)
         shutil.rmtree(rt.dir, ignore_errors=True)
 
@@ -606,7 +610,7 @@ class Node:
             assert self.mounts is not None
             for info in sb.layers:
                 self.mounts.release(info.digest)
-        self._remove_dirs(sb.rt)
+        await asyncio.to_thread(self._remove_dirs, sb.rt)
         for policy, _ in sb.policies.chosen:
             policy.released(sb.rt)
 

@@ -214,7 +214,8 @@ class ContainerBackend(Backend):
         super().__init__(config)
         self.runtime = find_runtime()
         self.state_root = config.run_dir / "runc"
-        self.state_root.mkdir(parents=True, exist_ok=True)
+        self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
 
     @classmethod
     def check_available(cls) -> None:
