@@ -201,22 +201,22 @@ class NodeConfig:
         else may, and nobody but root may list them. Everything else is mode 0700: the
         overlay reads its layers and writable layer with the credentials of its mounter
         (root), so no sandbox process ever needs a path through ``mnt/``, ``sandboxes/`` or
-        ``disks/``."""
-        for d in (
+        ``disks/``; layers, catalogs and caches are the daemon's (root's) business alone."""
+        private = (
             self.layer_dir,
             self.catalog_dir,
+            self.cache_dir,
             self.mount_dir,
             self.sandbox_dir,
             self.disk_dir,
-            self.run_dir,
-            self.bin_dir,
-            self.runtime_dir,
-        ):
+        )
+        for d in (*private, self.run_dir, self.bin_dir, self.runtime_dir):
             d.mkdir(parents=True, exist_ok=True)
         for d in (self.home, self.run_dir, self.runtime_dir, self.bin_dir):
             self.on_sandbox_path(d)
-        for d in (self.mount_dir, self.sandbox_dir, self.disk_dir):
-            os.chmod(d, 0o700)
+        for d in private:
+            if d.stat().st_mode & 0o777 != 0o700:
+                os.chmod(d, 0o700)
         for d in self.home.resolve().parents:
             st = d.stat()
             if not _enterable(st, self.uid_base, self.sandbox_gid):

@@ -182,7 +182,14 @@ def test_node_directories_admit_only_root_and_the_sandboxes_group():
         for d in (cfg.home, cfg.run_dir, cfg.runtime_dir, cfg.bin_dir):
             st = d.stat()
             assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o710, 0, cfg.uid_base), d
-        for d in (cfg.mount_dir, cfg.sandbox_dir, cfg.disk_dir):
+        for d in (
+            cfg.mount_dir,
+            cfg.sandbox_dir,
+            cfg.disk_dir,
+            cfg.layer_dir,
+            cfg.catalog_dir,
+            cfg.cache_dir,
+        ):
             assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     finally:
         shutil.rmtree(home)

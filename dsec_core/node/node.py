@@ -696,7 +696,9 @@ class Node:
     def _write_state(self, sb: Sandbox) -> None:
         path = sb.rt.dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
+        # 0600: the directory admits the sandboxes' group (runc's way to rootfs/), the state
+        # is root's alone
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(sb.state_doc(), f)
         os.replace(tmp, path)
 

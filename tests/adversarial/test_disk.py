@@ -32,6 +32,63 @@ int main(int argc, char **argv) {
 }
 """
 
+NESTED_MKNOD_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+/* Root of a nested user namespace (with every capability there, and its own mount namespace)
+   tries to make a device node: on the writable layer, and on a tmpfs it mounts itself. It maps
+   its root to the sandbox's nobody: mapping the sandbox's root would need CAP_SETFCAP. */
+static int put(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY);
+    int ok = fd >= 0 && write(fd, text, strlen(text)) == (ssize_t)strlen(text);
+    if (fd >= 0) close(fd);
+    return ok ? 0 : -1;
+}
+static void try_mknod(const char *path) {
+    if (mknod(path, S_IFCHR | 0666, makedev(1, 1)) == 0) printf("made %s\n", path);
+    else printf("mknod %s: %s\n", path, strerror(errno));
+}
+int main(void) {
+    if (setgroups(0, NULL) || setgid(65534) || setuid(65534)) { perror("drop"); return 2; }
+    prctl(PR_SET_DUMPABLE, 1);  /* the uid change made /proc/self root's */
+    if (unshare(CLONE_NEWUSER | CLONE_NEWNS)) { perror("unshare"); return 3; }
+    if (put("/proc/self/setgroups", "deny") || put("/proc/self/uid_map", "0 65534 1")
+        || put("/proc/self/gid_map", "0 65534 1")) { perror("map"); return 4; }
+    FILE *st = fopen("/proc/self/status", "r");
+    char line[256];
+    while (st && fgets(line, sizeof line, st))
+        if (!strncmp(line, "CapEff:", 7)) fputs(line, stdout);
+    printf("uid=%d\n", (int)getuid());
+    try_mknod("/tmp/mem");
+    if (mount("none", "/", NULL, MS_REC | MS_PRIVATE, NULL) == 0
+        && mount("x", "/tmp", "tmpfs", 0, NULL) == 0) {
+        printf("mounted\n");
+        try_mknod("/tmp/mem");
+    } else {
+        printf("mount: %s\n", strerror(errno));
+    }
+    return 0;
+}
+"""
+
+
+def _static(tmp_path_factory, name: str, source: str) -> bytes:
+    """A static program built from ``source``: the busybox sandbox has no loader or libc."""
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.c").write_text(source)
+    subprocess.run(["gcc", "-static", "-O1", "-o", d / name, d / f"{name}.c"], check=True)
+    return (d / name).read_bytes()
+
 
 def _as_nobody(*argv: str, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` on the host as uid/gid 65534 with no capabilities (and supplementary
@@ -52,12 +109,13 @@ def _as_nobody(*argv: str, groups: tuple[int, ...] = ()) -> subprocess.Completed
 
 @pytest.fixture(scope="module")
 def euid_binary(tmp_path_factory) -> bytes:
-    """A static program (no loader or libc needed inside the busybox sandbox) that prints its
-    effective uid and tries to write a file."""
-    d = tmp_path_factory.mktemp("euid")
-    (d / "euid.c").write_text(EUID_C)
-    subprocess.run(["gcc", "-static", "-O1", "-o", d / "euid", d / "euid.c"], check=True)
-    return (d / "euid").read_bytes()
+    """Prints its effective uid and tries to write a file."""
+    return _static(tmp_path_factory, "euid", EUID_C)
+
+
+@pytest.fixture(scope="module")
+def nested_mknod_binary(tmp_path_factory) -> bytes:
+    return _static(tmp_path_factory, "nested_mknod", NESTED_MKNOD_C)
 
 
 def _host_paths(node, sandbox_id: str) -> tuple[Path, Path]:
@@ -200,18 +258,27 @@ def test_host_users_cannot_read_sandbox_files(dsec_sandboxes, dsec_node, witness
 
 
 @pytest.mark.attack("plant a device node (directly, and from a nested user namespace)")
-def test_planted_device_nodes_are_useless(dsec_sandboxes, dsec_node, witness):
+def test_planted_device_nodes_are_useless(dsec_sandboxes, dsec_node, witness, nested_mknod_binary):
     sb = dsec_sandboxes.create()
     r = sb.exec("mknod /root/sda b 8 0")
     assert r.exit_code != 0 and b"not permitted" in r.stderr, r
-    # A nested user namespace gives its root every capability over that namespace, none over
-    # devices: the kernel wants CAP_MKNOD in the initial namespace.
-    r = sb.exec("unshare -Ur mknod /root/mem c 1 1; unshare -Urm sh -c 'mknod /tmp/mem c 1 1'")
-    assert r.exit_code != 0
+    # an overlay whiteout (char 0:0) is the one device node no capability guards: overlayfs
+    # refuses to make one through the overlay
+    r = sb.exec("mknod /root/wh c 0 0")
+    assert r.exit_code != 0 and b"not permitted" in r.stderr, r
+    # Root of a nested user namespace has every capability there, none over devices: the
+    # kernel wants CAP_MKNOD in the initial namespace, on the writable layer and on a tmpfs
+    # of its own alike.
+    sb.write_file("/tmp/nested", nested_mknod_binary, mode=0o755)
+    r = sb.exec("/tmp/nested")
+    out = r.stdout.decode()
+    assert r.exit_code == 0 and "uid=0" in out and "mounted" in out, r
+    caps = int(out.split("CapEff:")[1].split()[0], 16)
+    assert caps >> 27 & 1 and caps >> 21 & 1, out  # CAP_MKNOD and CAP_SYS_ADMIN, in there
+    assert out.count("mknod /tmp/mem: Operation not permitted") == 2 and "made" not in out, out
     assert sb.exec("find / -xdev -type c -o -xdev -type b").stdout == b""
     sb.exec("touch /root/here").check()  # /root in the writable layer, to plant into
     upper, rootfs = _host_paths(dsec_node, sb.id)
-    assert not (upper / "root" / "sda").exists() and not (upper / "root" / "mem").exists()
     # The worst case, as if one had got there: a device node in the writable layer (planted by
     # root on the host here). It opens neither from the host, even for root, nor inside.
     os.mknod(upper / "root" / "zero", 0o666 | 0o020000, os.makedev(1, 5))

@@ -230,7 +230,10 @@ class ContainerBackend(Backend):
         config = oci_config(rt)
         rt.enforce("oci", config)
         bundle = rt.dir
-        with open(bundle / "config.json", "w") as f:
+        # 0600: the bundle directory admits the sandboxes' group on runc's way to rootfs/;
+        # the config (the sandbox's environment) is root's alone
+        fd = os.open(bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
             json.dump(config, f)
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"
