@@ -54,7 +54,7 @@ def test_disk_limit_parses_like_memory():
     assert SandboxSpec(layers=("x@1",), disk=64 << 20).limits.disk == 64 << 20
 
 
-@pytest.mark.parametrize("bad", ["lots", "1M", 0, -5, "5T", "", None])
+@pytest.mark.parametrize("bad", ["lots", "1M", 0, -5, "2T", "", None])
 def test_bad_disk_limits_are_typed(bad):
     with pytest.raises(InvalidSpec) as e:
         SandboxSpec(layers=("x@1",), disk=bad)
@@ -104,13 +104,26 @@ def test_templates_are_sparse_and_made_once_per_size(disks):
     path = disks.template_path(10 << 30)
     assert big.size == path.stat().st_size == 10 << 30
     held = sum(len(d) for _, d in big.extents)
-    assert 64 << 10 < held <= path.stat().st_blocks * 512 < 1 << 20  # formatted, under a MiB
-    made = path.stat().st_mtime_ns
-    assert disks.template(10 << 30) is big and path.stat().st_mtime_ns == made
+    assert 16 << 10 < held <= path.stat().st_blocks * 512 < 1 << 20  # formatted, under a MiB
+    made = path.stat().st_ino
+    assert disks.template(10 << 30) is big
     assert WritableDisks(disks.dir).template(10 << 30) == big  # a new daemon reads it back
-    assert path.stat().st_mtime_ns == made
+    assert path.stat().st_ino == made  # and formats nothing
     disks.template(16 << 20)
     assert {p.name for p in disks.templates.iterdir()} == {f"{16 << 20}.ext4", f"{10 << 30}.ext4"}
+
+
+@root_only
+def test_templates_are_bounded_in_memory_and_on_disk(disks, monkeypatch):
+    monkeypatch.setattr(disks_module, "HELD", 2)
+    monkeypatch.setattr(disks_module, "KEPT", 3)
+    sizes = [(16 + i) << 20 for i in range(5)]
+    for size in sizes:
+        disks.template(size)
+        disks.template(sizes[0])  # the one in use stays
+    assert disks.ready(sizes[0]) and disks.ready(sizes[-1]) and not disks.ready(sizes[1])
+    on_disk = {int(p.name.split(".")[0]) for p in disks.templates.iterdir()}
+    assert on_disk == {sizes[0], sizes[3], sizes[4]}
 
 
 @root_only

@@ -11,7 +11,7 @@ reaches only its own), and needs no project-id bookkeeping across daemon restart
 *is* the state, and it outlives the daemon like the sandbox's overlay does.
 
 Formatting costs ~4 ms of ``mkfs.ext4`` per size; each sandbox instead gets a copy of a
-template formatted once per size (~230 KB of data for 10 GiB, held in memory and written with
+template formatted once per size (~130 KB of data for 10 GiB, held in memory and written with
 O_DIRECT), bound to a loop device doing direct I/O (autoclear: unmounting is the whole
 clean-up) and mounted, about 2 ms in all. The images are sparse: a sandbox's disk costs the
 host what it has written, never more than its quota. The quotas of many sandboxes together
@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from ..linux.ext4 import BLOCK_SIZE, mkfs_ext4, mount_ext4
@@ -37,6 +38,8 @@ __all__ = ["WritableDisks"]
 log = logging.getLogger("dsec.node.disks")
 
 IMAGE_SUFFIX = ".ext4"
+HELD = 8  # templates held in memory
+KEPT = 16  # templates kept on disk
 
 
 class WritableDisks:
@@ -46,7 +49,10 @@ class WritableDisks:
         self.dir = disk_dir
         self.templates = disk_dir / "templates"
         self._lock = threading.Lock()
-        self._formatted: dict[int, SparseFile] = {}  # the templates' data, by size
+        self._making = threading.Lock()
+        # The templates' data by size, the most recently used last. Sizes come from requests,
+        # so both this and the templates on disk are bounded.
+        self._formatted: OrderedDict[int, SparseFile] = OrderedDict()
 
     @staticmethod
     def size_of(limit: int) -> int:
@@ -62,20 +68,40 @@ class WritableDisks:
     def template(self, size: int) -> SparseFile:
         """The formatted, empty image of ``size`` bytes that sandboxes' images are written
         from; formatted on first use (thread-safe), kept on disk for the next daemon and in
-        memory (a few hundred KB) for the next sandbox."""
-        formatted = self._formatted.get(size)
-        if formatted is not None:
-            return formatted
-        path = self.template_path(size)
+        memory (100 KB to a few MB) for the next sandbox: at most ``HELD`` sizes in memory and
+        ``KEPT`` on disk, the least recently used going first."""
         with self._lock:
+            formatted = self._formatted.get(size)
+            if formatted is not None:
+                self._formatted.move_to_end(size)
+                return formatted
+        with self._making:  # one at a time; readers of held templates do not wait for it
+            path = self.template_path(size)
             if not path.exists():
                 self.templates.mkdir(mode=0o700, parents=True, exist_ok=True)
                 tmp = self.templates / f".{size}.{os.getpid()}.tmp"
                 tmp.unlink(missing_ok=True)
                 mkfs_ext4(tmp, size)
                 os.rename(tmp, path)
-            formatted = self._formatted[size] = SparseFile.read(path)
+            os.utime(path)  # its last use, for eviction on disk
+            formatted = SparseFile.read(path)
+            with self._lock:
+                self._formatted[size] = formatted
+                while len(self._formatted) > HELD:
+                    self._formatted.popitem(last=False)
+                held = {self.template_path(s) for s in self._formatted}
+            self._evict(held)
         return formatted
+
+    def _evict(self, held: set[Path]) -> None:
+        """Remove the least recently used templates on disk beyond ``KEPT``, never one held in
+        memory (those are the ones in use)."""
+        others = sorted(
+            (p for p in self.templates.glob(f"*{IMAGE_SUFFIX}") if p not in held),
+            key=lambda p: p.stat().st_mtime,
+        )
+        for old in others[: max(0, len(others) + len(held) - KEPT)]:
+            old.unlink(missing_ok=True)
 
     def ready(self, size: int) -> bool:
         """Whether ``template(size)`` answers without formatting or reading a file."""
