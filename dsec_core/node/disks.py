@@ -2,20 +2,20 @@
 loop-mounted ``nosuid,nodev`` at its data directory, whose size is the sandbox's disk quota.
 
 Why a filesystem per sandbox rather than project quotas on a shared one: this kernel, like
-many distribution kernels built without them, has neither XFS quotas (``CONFIG_XFS_QUOTA``) nor
-the quota file format ext4's project quotas need (``CONFIG_QFMT_V2``); an own filesystem needs
-only ext4 and loop devices, which every kernel has. It also answers a full disk with ENOSPC
-(not EDQUOT, as ext4 project quotas and btrfs qgroups do), shows the quota as the size in
-``df``, keeps a sandbox's damage to its filesystem (a corrupting ioctl such as XFS_IOC_SWAPEXT
-reaches only its own), and needs no project-id bookkeeping across daemon restarts: the mount
-*is* the state, and it outlives the daemon like the sandbox's overlay does.
+many, is built without XFS quotas (``CONFIG_XFS_QUOTA``) and without the quota file format
+ext4's project quotas need (``CONFIG_QFMT_V2``); a filesystem of its own needs only ext4 and
+loop devices, which every kernel has. It also answers a full disk with ENOSPC (not EDQUOT,
+as ext4 project quotas and btrfs qgroups do), shows the quota as the size in ``df``, keeps a
+sandbox's damage to its filesystem (a corrupting ioctl such as XFS_IOC_SWAPEXT reaches only
+its own), and needs no project-id bookkeeping across daemon restarts: the mount *is* the
+state, and it outlives the daemon as the sandbox's overlay does.
 
-Formatting costs ~4 ms of ``mkfs.ext4`` per size; each sandbox instead gets a copy of a
+Running ``mkfs.ext4`` for each sandbox would cost ~6 ms; each instead gets a copy of a
 template formatted once per size (~130 KB of data for 10 GiB, held in memory and written with
 O_DIRECT), bound to a loop device doing direct I/O (autoclear: unmounting is the whole
-clean-up) and mounted, about 2 ms in all. The images are sparse: a sandbox's disk costs the
-host what it has written, never more than its quota. The quotas of many sandboxes together
-may exceed the host's free space; nothing here bounds their sum.
+clean-up) and mounted, 3 to 4 ms in all (``bench/disk.py``). The images are sparse: a
+sandbox's disk costs the host what it has written, never more than its quota. The quotas of
+many sandboxes together may exceed the host's free space; nothing here bounds their sum.
 """
 
 from __future__ import annotations
