@@ -129,9 +129,10 @@ class WritableDisks:
 
     def remove(self, sandbox_id: str, target: Path) -> None:
         """Unmount a sandbox's filesystem from ``target`` (detaching it if still busy; the loop
-        device goes when its last user does) and remove the mount point and the image. Quick
-        whatever the sandbox wrote: nothing is deleted file by file. A ``target`` that is no
-        mount (an image backend's data directory, a create that failed early) is removed."""
+        device goes when its last user does) and remove the mount point and the image. Nothing
+        is deleted file by file; unmounting writes back what is still dirty. A ``target`` that
+        is no mount (an image backend's data directory, a create that failed early) is
+        removed."""
         for mp in mounted_under(target):
             unmount(mp)
         shutil.rmtree(target, ignore_errors=True)
