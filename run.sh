@@ -6,7 +6,7 @@
 #   sudo bash run.sh test     # the checks below, then the test suite
 #   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py, bench/seccomp.py and bench/layers.py, --quick
+#   sudo bash run.sh bench    # bench/create.py, seccomp.py, disk.py and layers.py, each --quick
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -14,7 +14,7 @@ cd "$here"
 venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
-APT_PACKAGES=(runc erofs-utils debootstrap busybox-static gcc libc6-dev python3-venv
+APT_PACKAGES=(runc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
               clang libbpf-dev nftables)  # the egress policy's BPF programs and netns
 
@@ -136,6 +136,7 @@ case "$cmd" in
         setup
         "$venv/bin/python" bench/create.py --quick "$@"
         "$venv/bin/python" bench/seccomp.py --quick
+        "$venv/bin/python" bench/disk.py --quick
         exec "$venv/bin/python" bench/layers.py --quick
         ;;
     *)

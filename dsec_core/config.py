@@ -157,8 +157,16 @@ class NodeConfig:
 
     @property
     def sandbox_dir(self) -> Path:
-        """One directory per sandbox on local disk: its writable layer (upper/, work/)."""
+        """One directory per sandbox: the mount point of its writable layer's own filesystem
+        (``upper/``, ``work/`` inside) for composed roots, or its disk file for image backends.
+        Root only (mode 0700)."""
         return self.home / "sandboxes"
+
+    @property
+    def disk_dir(self) -> Path:
+        """The sandboxes' writable-layer filesystem images (``<id>.ext4``, sparse) and the
+        formatted templates they are cloned from (``templates/``). Root only (mode 0700)."""
+        return self.home / "disks"
 
     @property
     def run_dir(self) -> Path:
@@ -198,35 +206,70 @@ class NodeConfig:
         """Built helper binaries (the in-sandbox agent)."""
         return self.home / "bin"
 
+    @property
+    def sandbox_gid(self) -> int:
+        """The host gid of root's group in every sandbox (``uid_base``): the one group, besides
+        root, that may enter the directories on the way to a sandbox's root filesystem."""
+        return self.uid_base
+
     def ensure_dirs(self) -> None:
-        for d in (
+        """Make the node's directories and give each the narrowest access that works.
+
+        A sandbox's files must be out of every host user's reach: its writable layer could
+        hold a setuid-root binary or anything it wants read, all owned by the sandbox's host
+        uid. Yet runc's init runs as that unprivileged uid, inside the sandbox's user namespace
+        where the host's root-owned directories grant it nothing, and must still walk to the
+        sandbox's root filesystem (``run/sandboxes/<id>/rootfs``) and to the agent binary
+        (``bin/``). So the directories on those paths (``$DSEC_HOME``, ``run/``,
+        ``run/sandboxes/`` and each sandbox's directory there, ``bin/``) are mode 0710 with
+        the sandboxes' host group (``sandbox_gid``): root and that group may enter them, nobody
+        else may, and nobody but root may list them. Everything else is mode 0700: the
+        overlay reads its layers and writable layer with the credentials of its mounter
+        (root), so no sandbox process ever needs a path through ``mnt/``, ``sandboxes/`` or
+        ``disks/``; layers, catalogs and caches are the daemon's (root's) business alone."""
+        private = (
             self.layer_dir,
             self.catalog_dir,
+            self.cache_dir,
             self.mount_dir,
             self.sandbox_dir,
-            self.run_dir,
-            self.bin_dir,
-            self.runtime_dir,
-        ):
+            self.disk_dir,
+        )
+        for d in (*private, self.run_dir, self.bin_dir, self.runtime_dir):
             d.mkdir(parents=True, exist_ok=True)
-        # Root in a sandbox is an unprivileged host uid; runc, inside the sandbox's user
-        # namespace, must still traverse to the sandbox's rootfs and to the agent binary.
-        for d in (
-            self.home,
-            self.sandbox_dir,
-            self.mount_dir,
-            self.bin_dir,
-            self.run_dir,
-            self.runtime_dir,
-        ):
-            if d.stat().st_mode & 0o111 != 0o111:
-                os.chmod(d, d.stat().st_mode | 0o111)
+        for d in (self.home, self.run_dir, self.runtime_dir, self.bin_dir):
+            self.on_sandbox_path(d)
+        for d in private:
+            if d.stat().st_mode & 0o777 != 0o700:
+                os.chmod(d, 0o700)
         for d in self.home.resolve().parents:
-            if d.stat().st_mode & 0o001 == 0:
+            st = d.stat()
+            if not _enterable(st, self.uid_base, self.sandbox_gid):
                 raise InvalidSpec(
-                    f"DSEC_HOME {self.home} is inside {d}, which others cannot "
-                    "enter (mode {:o}); a sandbox's root is an unprivileged uid "
-                    "and must reach its root filesystem there. Use another "
-                    "DSEC_HOME or chmod o+x it.".format(d.stat().st_mode & 0o777),
+                    f"DSEC_HOME {self.home} is inside {d}, which a sandbox's root (host uid "
+                    f"{self.uid_base}, gid {self.sandbox_gid}) cannot enter (mode "
+                    f"{st.st_mode & 0o777:o}, owner {st.st_uid}:{st.st_gid}); runc starts a "
+                    "sandbox as that uid and must reach its root filesystem there. Use "
+                    f"another DSEC_HOME, chmod o+x {d}, or give it group {self.sandbox_gid} "
+                    "with g+x.",
                     path=str(d),
                 )
+
+    def on_sandbox_path(self, d: Path) -> None:
+        """Mode 0710, owned by root and the sandboxes' host group: a directory runc's init
+        must pass through on the way to a sandbox's root filesystem (see ``ensure_dirs``)."""
+        st = d.stat()
+        if st.st_uid != 0 or st.st_gid != self.sandbox_gid:
+            os.chown(d, 0, self.sandbox_gid)
+        if st.st_mode & 0o7777 != 0o710:
+            os.chmod(d, 0o710)
+
+
+def _enterable(st: os.stat_result, uid: int, gid: int) -> bool:
+    """Whether a process with host ``uid``/``gid`` (and no capability over the directory) may
+    enter a directory with this stat."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o100)
+    if st.st_gid == gid:
+        return bool(st.st_mode & 0o010)
+    return bool(st.st_mode & 0o001)

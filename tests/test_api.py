@@ -233,6 +233,20 @@ BAD_REQUESTS = [
     (
         "POST",
         "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"], "disk": "lots"}}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes",
+        b'{"spec": {"layers": ["kit-base@1"], "disk": "1M"}}',
+        400,
+        "InvalidSpec",
+    ),
+    (
+        "POST",
+        "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"]}, "count": 0}',
         400,
         "InvalidSpec",

@@ -33,9 +33,9 @@ from dsec_core.hookspecs import hookimpl
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.mounts import mount_erofs_file, mount_overlay, unmount
-from dsec_core.node.node import DEFAULT_DISK_SIZE, Node
+from dsec_core.node.node import Node
 from dsec_core.plugins import open_source
-from dsec_core.records import SandboxSpec
+from dsec_core.records import DEFAULT_DISK, SandboxSpec
 from dsec_core.sources.transfer import push_layer
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
@@ -228,7 +228,7 @@ async def test_the_node_hands_image_files_and_a_disk_and_mounts_nothing(image_no
         assert ws.device.is_relative_to(image_node.run_dir)
         # a writable disk: sparse, unformatted, the default size
         assert rt.disk is not None and rt.disk.is_relative_to(image_node.sandbox_dir)
-        assert rt.disk_size == DEFAULT_DISK_SIZE == rt.disk.stat().st_size
+        assert rt.disk_size == DEFAULT_DISK == rt.disk.stat().st_size
         assert rt.disk.stat().st_blocks == 0
         # nothing mounted for it: no shared layer mounts, no overlay
         assert node.mounts.refcounts() == {}

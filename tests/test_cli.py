@@ -42,6 +42,8 @@ def test_sandbox_lifecycle(dsec_node):
             layer,
             "--memory",
             "64M",
+            "--disk",
+            "64M",
             "-e",
             "GREETING=hello",
         )
@@ -58,6 +60,7 @@ def test_sandbox_lifecycle(dsec_node):
         assert out.stdout == b"piped in"
         listed = json.loads(dsec(dsec_node, "sandbox", "ls", "--json").stdout)
         assert sid in {s["id"] for s in listed}
+        assert next(s for s in listed if s["id"] == sid)["limits"]["disk"] == 64 << 20
         table = dsec(dsec_node, "sandbox", "ls").stdout.decode()
         assert sid in table
     finally:

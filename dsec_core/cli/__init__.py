@@ -94,12 +94,13 @@ def sandbox() -> None:
 @click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
 @click.option("--memory", default="512M", show_default=True)
 @click.option("--pids", type=int, default=512, show_default=True)
+@click.option("--disk", default="10G", show_default=True, help="Writable layer size (quota).")
 @click.option("--ttl", type=float, default=3600.0, show_default=True, help="Lifetime, seconds.")
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
 @click.option("-n", "--count", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_create(
-    environment, layers, backend, cpu, memory, pids, ttl, setenv, count, as_json
+    environment, layers, backend, cpu, memory, pids, disk, ttl, setenv, count, as_json
 ) -> None:
     """Create sandboxes and print their ids."""
     spec = SandboxSpec(
@@ -109,6 +110,7 @@ def sandbox_create(
         cpu=cpu,
         memory=memory,
         pids=pids,
+        disk=disk,
         ttl=ttl,
         env=_kv(setenv, "--setenv"),
     )

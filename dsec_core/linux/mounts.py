@@ -191,7 +191,10 @@ def mount(
 
 
 def mount_overlay(lowers: Sequence[Path], upper: Path, work: Path, target: Path) -> None:
-    """Mount an overlayfs of ``lowers`` (top first) under writable ``upper`` at ``target``."""
+    """Mount an overlayfs of ``lowers`` (top first) under writable ``upper`` at ``target``,
+    nosuid and nodev: a setuid file or device node written through it is only a file on the
+    host. (Inside a sandbox nothing changes: its processes run with no_new_privs and without
+    CAP_MKNOD, and its /dev is a mount of its own.)"""
     if not lowers:
         raise MountError("an overlay needs at least one layer", target=os.fspath(target))
     # Relative lowerdirs would keep the option string short, but mount(2) resolves them
@@ -203,7 +206,7 @@ def mount_overlay(lowers: Sequence[Path], upper: Path, work: Path, target: Path)
         raise MountError(
             f"too many layers for one overlay ({len(lowers)})", target=os.fspath(target)
         )
-    mount("overlay", target, "overlay", 0, opts)
+    mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts)
 
 
 def unmount(target: Path | str, *, lazy_fallback: bool = True, lazy: bool = False) -> None:
@@ -229,12 +232,15 @@ def unmount(target: Path | str, *, lazy_fallback: bool = True, lazy: bool = Fals
     )
 
 
-def ensure_tmpfs(target: Path, mode: int = 0o711, size: str = "256m") -> None:
-    """Mount a private tmpfs at ``target`` unless one is already there."""
+def ensure_tmpfs(
+    target: Path, mode: int = 0o711, size: str = "256m", gid: int | None = None
+) -> None:
+    """Mount a private tmpfs at ``target`` (its root of ``mode``, and group ``gid`` if given)
+    unless one is already there."""
     target.mkdir(parents=True, exist_ok=True)
     if os.path.ismount(target):
         return
-    opts = f"mode={mode:o},size={size}".encode()
+    opts = f"mode={mode:o},size={size}{'' if gid is None else f',gid={gid}'}".encode()
     ret = _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
     _check(ret, "tmpfs mount at", target)
 

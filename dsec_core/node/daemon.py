@@ -101,7 +101,7 @@ def serve(config: NodeConfig | None = None, *, foreground: bool = False) -> None
     config = config or NodeConfig.from_env()
     addresses = listen_addresses(config)
     config.ensure_dirs()
-    ensure_tmpfs(config.run_dir)
+    ensure_tmpfs(config.run_dir, mode=0o710, gid=config.sandbox_gid)
     logging.getLogger().setLevel(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
     if foreground:
         logging.basicConfig(format=LOG_FORMAT)

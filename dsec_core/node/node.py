@@ -50,6 +50,7 @@ from ..records import (
 from ..security import SecurityPolicy
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
+from .disks import WritableDisks
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 
@@ -58,9 +59,6 @@ __all__ = ["Node"]
 log = logging.getLogger("dsec.node")
 
 STATE_FILE = "state.json"
-#: The writable disk handed to ``RootfsForm.IMAGES`` backends: a sparse file of this size
-#: unless the sandbox's ``Limits.disk`` says otherwise.
-DEFAULT_DISK_SIZE = 10 << 30
 
 
 #: Settings keys the node reads itself; a policy never sees them.
@@ -156,6 +154,7 @@ class Node:
         self.mounts: MountCache | None = None
         self.ondemand: OnDemandLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
+        self.disks = WritableDisks(self.config.disk_dir)
         self.agent_binary: Path | None = None
         self.layer_sources: list[LayerSource] = []
 
@@ -163,8 +162,10 @@ class Node:
     async def open(self) -> None:
         cfg = self.config
         cfg.ensure_dirs()
-        ensure_tmpfs(cfg.run_dir)
-        cfg.runtime_dir.mkdir(mode=0o711, exist_ok=True)
+        ensure_tmpfs(cfg.run_dir, mode=0o710, gid=cfg.sandbox_gid)
+        cfg.on_sandbox_path(cfg.run_dir)  # a tmpfs a daemon before this change mounted 0711
+        cfg.runtime_dir.mkdir(exist_ok=True)
+        cfg.on_sandbox_path(cfg.runtime_dir)
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.userns = UserNamespaceHandle(self.idmap.host_base, self.idmap.size)
         self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
@@ -349,7 +350,8 @@ class Node:
         layers = [info for _, info in sources]
         sid = secrets.token_hex(6)
         rt = self._runtime(sid, spec, backend)
-        rt.dir.mkdir(mode=0o711)
+        rt.dir.mkdir(mode=0o700)
+        self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
         now = time.time()
         sb = Sandbox(
             rt=rt,
@@ -413,14 +415,19 @@ class Node:
         layer mount taken is appended to ``taken``), or the image files and a writable disk
         (``IMAGES``: nothing is mounted)."""
         files = [await self._layer_files(source, info) for source, info in sources]
-        if backend.rootfs is RootfsForm.IMAGES:
+        size = self.disks.size_of(rt.limits.disk)
+        if backend.rootfs is RootfsForm.IMAGES:  # the disk's size is its quota
             images = tuple(
                 LayerImage(info.ref, info.digest, image, device)
                 for (_, info), (image, device) in zip(sources, files, strict=True)
             )
-            size = rt.limits.disk or DEFAULT_DISK_SIZE
             disk = _sparse_disk(rt.data_dir, size)
             return replace(rt, images=images, disk=disk, disk_size=size)
+        if not self.disks.ready(size):  # mkfs once per size, off the event loop
+            await self._once(("disk-template", str(size)), self.disks.template, size)
+        # Inline, as the mounts are (a few ms): in a thread, a cancelled create could undo
+        # itself before the thread had mounted what it then leaves behind.
+        self.disks.mount(rt.id, size, rt.data_dir)
         assert self.mounts is not None
         mounts = []
         for (_, info), (image, device) in zip(sources, files, strict=True):
@@ -491,13 +498,14 @@ class Node:
             assert self.mounts is not None
             for digest in taken:
                 self.mounts.release(digest)
-            self._remove_dirs(rt)
+            await asyncio.to_thread(self._remove_dirs, rt)
             for policy, _ in plan.chosen:
                 policy.released(rt)
 
-    @staticmethod
-    def _remove_dirs(rt: SandboxRuntime) -> None:
-        shutil.rmtree(rt.data_dir, ignore_errors=True)
+    def _remove_dirs(self, rt: SandboxRuntime) -> None:
+        """Blocking, so called in a thread: unmounting the writable layer's filesystem writes
+        back what the sandbox wrote in the last seconds (up to its memory's dirty share)."""
+        self.disks.remove(rt.id, rt.data_dir)
         shutil.rmtree(rt.dir, ignore_errors=True)
 
     async def create_many_settled(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | DsecError]:
@@ -607,7 +615,7 @@ class Node:
             assert self.mounts is not None
             for info in sb.layers:
                 self.mounts.release(info.digest)
-        self._remove_dirs(sb.rt)
+        await asyncio.to_thread(self._remove_dirs, sb.rt)
         for policy, _ in sb.policies.chosen:
             policy.released(sb.rt)
 
@@ -704,7 +712,9 @@ class Node:
     def _write_state(self, sb: Sandbox) -> None:
         path = sb.rt.dir / STATE_FILE
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
+        # 0600: the directory admits the sandboxes' group (runc's way to rootfs/), the state
+        # is root's alone
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(sb.state_doc(), f)
         os.replace(tmp, path)
 
@@ -741,7 +751,8 @@ class Node:
         # Writable layers with no runtime state (after a reboot, or a crash mid-create).
         for ddir in sorted(self.config.sandbox_dir.iterdir()):
             if ddir.name not in self.sandboxes:
-                await self._scrub_dir(ddir)
+                self.disks.remove(ddir.name, ddir)
+        self.disks.sweep(set(self.sandboxes))
         assert self.mounts is not None  # open() made it
         self.mounts.adopt(in_use)
         for sb in self.sandboxes.values():

@@ -33,6 +33,7 @@ from ..config import NodeConfig
 from ..errors import DsecError, InvalidSpec, NodeUnavailable
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
+from ..linux.loop import loop_backing_files
 from ..linux.mounts import mounted_under
 from ..localnode import daemon_pid, ensure_daemon, stop_daemon
 from ..records import LayerInfo, SandboxSpec
@@ -111,7 +112,8 @@ def make_busybox_rootfs(root: Path) -> Path:
 
 def leftovers(home: Path) -> dict[str, list[str]]:
     """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', and its daemon's
-    once no daemon runs), sandbox dirs, processes."""
+    once no daemon runs), sandbox dirs, processes, loop devices bound to files under ``home``, and
+    sandboxes' disk images."""
     prefix = os.fspath(home)
     mounts = []
     with open("/proc/self/mountinfo") as f:
@@ -148,7 +150,17 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         if prefix.encode() in cmd and b"dsec_core.node.daemon" not in cmd:
             shown = cmd.replace(b"\0", b" ").decode(errors="replace")
             procs.append(f"{pid}: {shown}")
-    return {"mounts": mounts, "sandbox_dirs": dirs, "cgroups": cgroups, "processes": procs}
+    loops = [f"{dev}: {backing}" for dev, backing in loop_backing_files(home).items()]
+    disk_dir = home / "disks"
+    images = sorted(p.name for p in disk_dir.glob("*.ext4")) if disk_dir.is_dir() else []
+    return {
+        "mounts": mounts,
+        "sandbox_dirs": dirs,
+        "cgroups": cgroups,
+        "processes": procs,
+        "loop_devices": loops,
+        "disk_images": images,
+    }
 
 
 @contextlib.contextmanager

@@ -216,7 +216,8 @@ class ContainerBackend(Backend):
         super().__init__(config)
         self.runtime = find_runtime()
         self.state_root = config.run_dir / "runc"
-        self.state_root.mkdir(parents=True, exist_ok=True)
+        self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
 
     @classmethod
     def check_available(cls) -> None:
@@ -231,7 +232,10 @@ class ContainerBackend(Backend):
         config = oci_config(rt)
         rt.enforce("oci", config)
         bundle = rt.dir
-        with open(bundle / "config.json", "w") as f:
+        # 0600: the bundle directory admits the sandboxes' group on runc's way to rootfs/;
+        # the config (the sandbox's environment) is root's alone
+        fd = os.open(bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
             json.dump(config, f)
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"

@@ -1,0 +1,296 @@
+"""Sandboxes' writable layers on filesystems of their own: the ext4 images and loop devices, the
+``disk`` limit, root-only node directories, and the filesystems across daemon restarts.
+
+The attacks (disk fills, planted setuid binaries and device nodes, host users reading sandbox
+files) are in ``tests/adversarial/test_disk.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dsec_core.config import NodeConfig
+from dsec_core.errors import InvalidSpec, MountError, ToolError
+from dsec_core.linux import loop
+from dsec_core.linux.ext4 import mkfs_ext4
+from dsec_core.linux.files import SparseFile
+from dsec_core.linux.loop import attach_loop, loop_backing_files
+from dsec_core.localnode import ensure_daemon, stop_daemon
+from dsec_core.node import disks as disks_module
+from dsec_core.node.disks import WritableDisks
+from dsec_core.records import DEFAULT_DISK, SandboxSpec
+from dsec_core.testing import leftovers, running_kit_node
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@pytest.fixture
+def disks(tmp_path) -> WritableDisks:
+    d = tmp_path / "disks"
+    d.mkdir()
+    return WritableDisks(d)
+
+
+def _nothing_left(disks: WritableDisks, target: Path) -> None:
+    assert not os.path.ismount(target) and not target.exists()
+    assert loop_backing_files(disks.dir) == {}
+    assert disks.images() == []
+
+
+# --- the disk limit in the spec ---------------------------------------------------------------
+
+
+def test_disk_limit_parses_like_memory():
+    spec = SandboxSpec(layers=("x@1",))
+    assert spec.limits.disk == DEFAULT_DISK == 10 << 30
+    assert SandboxSpec(layers=("x@1",), disk="1.5G").limits.disk == 3 << 29
+    assert SandboxSpec(layers=("x@1",), disk=64 << 20).limits.disk == 64 << 20
+
+
+@pytest.mark.parametrize("bad", ["lots", "1M", 0, -5, "2T", "", None])
+def test_bad_disk_limits_are_typed(bad):
+    with pytest.raises(InvalidSpec) as e:
+        SandboxSpec(layers=("x@1",), disk=bad)
+    assert e.value.field == "disk" and "disk" in str(e.value)
+
+
+# --- primitives: sparse copies, ext4 images, loop devices ------------------------------------
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_sparse_files_keep_data_and_holes(tmp_path, direct):
+    src = tmp_path / "src"
+    with open(src, "wb") as f:
+        f.truncate(64 << 20)
+        f.seek(1 << 20)
+        f.write(os.urandom(8192))
+        f.seek(40 << 20)
+        f.write(b"b" * 4096)
+    image = SparseFile.read(src)
+    assert image.size == 64 << 20 and [o for o, _ in image.extents] == [1 << 20, 40 << 20]
+    dst = tmp_path / "dst"
+    image.write(dst, direct=direct)
+    assert dst.stat().st_size == 64 << 20
+    assert dst.stat().st_blocks * 512 <= 64 << 10  # the holes stayed holes
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o600
+    assert dst.read_bytes() == src.read_bytes()
+    with pytest.raises(FileExistsError):
+        image.write(dst)
+
+
+@root_only
+def test_mkfs_refuses_bad_sizes_and_a_missing_tool_leaves_nothing(tmp_path, monkeypatch):
+    with pytest.raises(InvalidSpec):
+        mkfs_ext4(tmp_path / "small", 1 << 20)
+    with pytest.raises(InvalidSpec):
+        mkfs_ext4(tmp_path / "odd", (16 << 20) + 1)
+    monkeypatch.setenv("PATH", os.fspath(tmp_path))
+    with pytest.raises(ToolError) as e:
+        mkfs_ext4(tmp_path / "img", 16 << 20)
+    assert "mkfs.ext4" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@root_only
+def test_templates_are_sparse_and_made_once_per_size(disks):
+    big = disks.template(10 << 30)
+    path = disks.template_path(10 << 30)
+    assert big.size == path.stat().st_size == 10 << 30
+    held = sum(len(d) for _, d in big.extents)
+    assert 16 << 10 < held <= path.stat().st_blocks * 512 < 1 << 20  # formatted, under a MiB
+    made = path.stat().st_ino
+    assert disks.template(10 << 30) is big
+    assert WritableDisks(disks.dir).template(10 << 30) == big  # a new daemon reads it back
+    assert path.stat().st_ino == made  # and formats nothing
+    disks.template(16 << 20)
+    assert {p.name for p in disks.templates.iterdir()} == {f"{16 << 20}.ext4", f"{10 << 30}.ext4"}
+
+
+@root_only
+def test_templates_are_bounded_in_memory_and_on_disk(disks, monkeypatch):
+    monkeypatch.setattr(disks_module, "HELD", 2)
+    monkeypatch.setattr(disks_module, "KEPT", 3)
+    sizes = [(16 + i) << 20 for i in range(5)]
+    for size in sizes:
+        disks.template(size)
+        disks.template(sizes[0])  # the one in use stays
+    assert disks.ready(sizes[0]) and disks.ready(sizes[-1]) and not disks.ready(sizes[1])
+    on_disk = {int(p.name.split(".")[0]) for p in disks.templates.iterdir()}
+    assert on_disk == {sizes[0], sizes[3], sizes[4]}
+
+
+@root_only
+def test_a_sandbox_filesystem_fills_with_enospc_and_goes_without_a_trace(disks, tmp_path):
+    target = tmp_path / "sb"
+    disks.mount("abc123", 16 << 20, target)
+    try:
+        assert os.path.ismount(target)
+        flags = os.statvfs(target).f_flag
+        assert flags & os.ST_NOSUID and flags & os.ST_NODEV
+        assert stat.S_IMODE(target.stat().st_mode) == 0o700
+        assert list(loop_backing_files(disks.dir).values()) == [os.fspath(disks.image("abc123"))]
+        with pytest.raises(OSError) as e, open(target / "fill", "wb") as f:
+            for _ in range(32):
+                f.write(bytes(1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        assert e.value.errno == errno.ENOSPC
+        assert disks.image("abc123").stat().st_blocks * 512 <= 17 << 20
+    finally:
+        disks.remove("abc123", target)
+    _nothing_left(disks, target)
+
+
+@root_only
+def test_failures_while_mounting_leave_nothing(disks, tmp_path, monkeypatch):
+    target = tmp_path / "sb"
+
+    def broken_mount(device, target, flags=0):
+        raise MountError("no ext4 here", target=os.fspath(target))
+
+    monkeypatch.setattr(disks_module, "mount_ext4", broken_mount)
+    with pytest.raises(MountError):
+        disks.mount("abc123", 16 << 20, target)
+    _nothing_left(disks, target)
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "LOOP_CONTROL", os.fspath(tmp_path / "no-loop-control"))
+    with pytest.raises(MountError) as e:
+        disks.mount("abc123", 16 << 20, target)
+    assert "loop" in str(e.value)
+    _nothing_left(disks, target)
+
+
+@root_only
+def test_leftovers_report_loop_devices_and_images(tmp_path):
+    home = tmp_path / "home"
+    (home / "disks").mkdir(parents=True)
+    image = home / "disks" / "abc123.ext4"
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    with attach_loop(image) as dev:
+        left = leftovers(home)
+        assert left["loop_devices"] == [f"{dev.path}: {image}"]
+        assert left["disk_images"] == ["abc123.ext4"]
+    image.unlink()
+    left = leftovers(home)
+    assert left["loop_devices"] == [] and left["disk_images"] == []  # autoclear on close
+
+
+# --- the node's directories -------------------------------------------------------------------
+
+
+@root_only
+def test_node_directories_admit_only_root_and_the_sandboxes_group():
+    home = Path(tempfile.mkdtemp(prefix="dsec-dirs-"))
+    try:
+        cfg = NodeConfig(home=home)
+        cfg.ensure_dirs()
+        for d in (cfg.home, cfg.run_dir, cfg.runtime_dir, cfg.bin_dir):
+            st = d.stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o710, 0, cfg.uid_base), d
+        for d in (
+            cfg.mount_dir,
+            cfg.sandbox_dir,
+            cfg.disk_dir,
+            cfg.layer_dir,
+            cfg.catalog_dir,
+            cfg.cache_dir,
+        ):
+            assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    finally:
+        shutil.rmtree(home)
+
+
+@root_only
+@pytest.mark.parametrize(
+    "mode, owner, ok",
+    [
+        (0o700, (0, 0), False),
+        (0o750, (0, 0), False),
+        (0o701, (0, 0), True),
+        (0o710, (0, 100000), True),
+        (0o700, (100000, 100000), True),
+    ],
+)
+def test_a_home_the_sandboxes_cannot_reach_is_refused(mode, owner, ok):
+    parent = Path(tempfile.mkdtemp(prefix="dsec-parent-"))
+    try:
+        os.chown(parent, *owner)
+        os.chmod(parent, mode)
+        cfg = NodeConfig(home=parent / "home")
+        if ok:
+            cfg.ensure_dirs()
+        else:
+            with pytest.raises(InvalidSpec) as e:
+                cfg.ensure_dirs()
+            assert os.fspath(parent) in str(e.value) and e.value.path == os.fspath(parent)
+    finally:
+        shutil.rmtree(parent)
+
+
+# --- through the node -------------------------------------------------------------------------
+
+
+def test_the_disk_limit_is_the_size_inside(dsec_sandboxes, dsec_node):
+    sb = dsec_sandboxes.create(disk="48M")
+    assert sb.info.limits["disk"] == 48 << 20
+    kib = int(sb.exec("df -k / | tail -1").stdout.split()[1])
+    assert 44 << 10 < kib <= 48 << 10  # the size, less ext4's own metadata
+    image = dsec_node.config.disk_dir / f"{sb.id}.ext4"
+    data_dir = dsec_node.config.sandbox_dir / sb.id
+    assert image.stat().st_size == 48 << 20 and os.path.ismount(data_dir)
+    sb.kill()
+    assert not image.exists() and not data_dir.exists()
+    assert os.fspath(image) not in " ".join(loop_backing_files(dsec_node.home).values())
+
+
+@pytest.fixture
+def private_node():
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    with running_kit_node("dsec-disks-") as node:
+        yield node
+
+
+def test_the_filesystem_and_its_quota_outlive_a_daemon_restart(private_node):
+    cfg = private_node.config
+    with private_node.client() as c:
+        sb = c.create(layers=(private_node.layer.ref,), memory="64M", disk="32M")
+        sb.exec("dd if=/dev/zero of=/root/kept bs=1M count=8").check()
+    data_dir = cfg.sandbox_dir / sb.id
+    stop_daemon(cfg)
+    assert os.path.ismount(data_dir)  # the sandbox still runs on it
+    assert any(b.endswith(f"{sb.id}.ext4") for b in loop_backing_files(cfg.home).values())
+    ensure_daemon(cfg)
+    with private_node.client() as c:
+        again = c.get(sb.id)
+        assert again.exec("stat -c %s /root/kept").stdout == b"8388608\n"
+        r = again.exec("dd if=/dev/zero of=/root/more bs=1M count=64")
+        assert r.exit_code != 0 and b"No space left on device" in r.stderr
+        again.kill()
+    left = leftovers(cfg.home)
+    assert left["loop_devices"] == [] and left["disk_images"] == [] and left["sandbox_dirs"] == []
+
+
+def test_a_start_removes_writable_layers_of_gone_sandboxes(private_node):
+    cfg = private_node.config
+    stop_daemon(cfg)
+    disks = WritableDisks(cfg.disk_dir)
+    # a crash mid-create: a mounted filesystem, no runtime state
+    disks.mount("deadbeef0001", 16 << 20, cfg.sandbox_dir / "deadbeef0001")
+    # a reboot: an image and a bare directory, nothing mounted
+    with open(disks.image("deadbeef0002"), "wb") as f:
+        f.truncate(16 << 20)
+    (cfg.sandbox_dir / "deadbeef0003").mkdir()
+    ensure_daemon(cfg)
+    with private_node.client() as c:
+        assert c.list() == []
+    assert list(cfg.sandbox_dir.iterdir()) == [] and disks.images() == []
+    assert loop_backing_files(cfg.home) == {}
