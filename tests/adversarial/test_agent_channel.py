@@ -40,8 +40,10 @@ def probe_binary(tmp_path_factory) -> bytes:
 
 @pytest.fixture
 def target(dsec_sandboxes, probe_binary):
-    """A sandbox with the probe at /probe."""
-    sb = dsec_sandboxes.create(pids=256)
+    """A sandbox with the probe at /probe, without the default seccomp profile: these attacks
+    must fail on the agent's own defences, not on a filter that happens to refuse the call
+    (the profile refuses pidfd_getfd, for one)."""
+    sb = dsec_sandboxes.create(pids=256, policies={"seccomp": {"enabled": False}})
     sb.write_file(PROBE, probe_binary, mode=0o755)
     return sb
 

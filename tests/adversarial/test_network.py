@@ -168,7 +168,7 @@ def test_host_loopback_and_daemon_socket(dsec_sandboxes, witness, netprobe, egre
 def test_reach_another_sandbox(dsec_sandboxes, witness, netprobe):
     target = sandbox(dsec_sandboxes, netprobe)
     addr = denied(target)["address"]
-    target.exec("nc -l -p 9000 > /tmp/got 2>/dev/null </dev/null &")
+    target.exec("nc -l -p 9000 > /tmp/got 2>/dev/null </dev/null &", background=True)
     time.sleep(0.3)
     # the attacker's own allowlist names the target: the egress namespace still refuses
     sb = sandbox(dsec_sandboxes, netprobe, f"{addr}:9000/tcp")
@@ -197,7 +197,10 @@ def test_raw_sockets(dsec_sandboxes, witness, netprobe, allowed):
 def test_live_change_cuts_off_and_adds(dsec_sandboxes, witness, netprobe, egress, allowed):
     sb = sandbox(dsec_sandboxes, netprobe, f"{allowed.address}:8080/tcp")
     # a connection opened while allowed, still sending after the rule is gone
-    sb.exec(f"(echo before; sleep 2; echo after) | nc {allowed.address} 8080 >/dev/null 2>&1 &")
+    sb.exec(
+        f"(echo before; sleep 2; echo after) | nc {allowed.address} 8080 >/dev/null 2>&1 &",
+        background=True,
+    )
     time.sleep(0.7)
     sb.set_policy("egress", {"allow": [f"{allowed.address}:8081/tcp"]})
     assert probe(sb, "tcp", allowed.address, "8080", "new") == "connect: EPERM"
