@@ -23,12 +23,84 @@ sandbox is gone, ``close`` when the node closes.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .backend import Backend, SandboxRuntime
+from .errors import InvalidSpec
 
-__all__ = ["SecurityPolicy"]
+__all__ = ["FileRules", "SecurityPolicy"]
+
+#: What ``FileRules.scope`` may name: ``signal`` (no signals to processes outside the sandbox's
+#: file-policy domain, the agent included) and ``abstract_unix`` (no connecting to abstract unix
+#: sockets made outside it).
+SCOPES = ("abstract_unix", "signal")
+MAX_PATHS = 256
+
+
+@dataclass(frozen=True)
+class FileRules:
+    """A sandbox's file policy, as the file-policy plugins (Landlock, AppArmor) read their
+    settings: paths inside the sandbox that are ``read_only`` (no writes, renames, removals or
+    new entries beneath; reading and running stay allowed) or ``hidden`` (not even read), and
+    what is ``scope``d to the sandbox's processes (``SCOPES``).
+
+    Settings: ``{"read_only": ["/usr/local/bin"], "hidden": ["/judge"], "scope": ["signal"]}``.
+    """
+
+    read_only: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
+    scope: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, settings: Mapping[str, Any], policy: str) -> FileRules:
+        """Read and check ``settings``; ``InvalidSpec`` naming ``policies.<policy>.<key>[i]``
+        for anything else: unknown keys, paths that are not absolute, hold ``..``, NUL or
+        are ``/`` itself, unknown scopes."""
+        where = f"policies.{policy}"
+        unknown = sorted(set(settings) - {"read_only", "hidden", "scope"})
+        if unknown:
+            raise InvalidSpec(
+                f"{where}: unknown setting(s) {unknown}; known: hidden, read_only, scope",
+                field=f"{where}.{unknown[0]}",
+            )
+        paths = {
+            key: _paths(settings.get(key, []), f"{where}.{key}") for key in ("read_only", "hidden")
+        }
+        scope = settings.get("scope", [])
+        if not isinstance(scope, list) or any(s not in SCOPES for s in scope):
+            raise InvalidSpec(
+                f"{where}.scope must be a list of {', '.join(SCOPES)}", field=f"{where}.scope"
+            )
+        return cls(
+            read_only=paths["read_only"], hidden=paths["hidden"], scope=tuple(sorted(set(scope)))
+        )
+
+
+def _paths(value: Any, field: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_PATHS:
+        raise InvalidSpec(
+            f"{field} must be a list of at most {MAX_PATHS} absolute paths", field=field
+        )
+    out = []
+    for i, path in enumerate(value):
+        bad = (
+            not isinstance(path, str)
+            or not path.startswith("/")
+            or "\0" in path
+            or ".." in path.split("/")
+            or posixpath.normpath(path) == "/"
+        )
+        if bad:
+            raise InvalidSpec(
+                f"{field}[{i}]: {path!r} is not an absolute path inside the sandbox "
+                "(no '..', not '/' itself)",
+                field=f"{field}[{i}]",
+            )
+        out.append(posixpath.normpath(path))
+    return tuple(dict.fromkeys(out))
 
 
 class SecurityPolicy:
