@@ -14,27 +14,32 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
+import logging
 import os
 import threading
 from pathlib import Path
 
-from dsec_core.errors import InvalidSpec, ToolError
+from dsec_core.errors import DsecError, InvalidSpec, ToolError
+from dsec_core.linux.netlink import Netlink
 from dsec_core.linux.netns import (
     NETNS_DIR,
     add_netns,
+    call_in_netns,
     delete_netns,
-    ip_batch,
-    links,
     netns_exists,
+    open_netns,
     run_in_netns,
 )
 
 __all__ = ["GATEWAY", "EgressNetwork", "egress_namespace", "veth_name"]
 
+log = logging.getLogger("dsec.egress")
+
 #: The sandboxes' gateway: the egress side of every sandbox's veth holds it.
 GATEWAY = "169.254.0.1"
 VETH_PREFIX = "dsv"
+SANDBOX_DEVICE = "eth0"
+LOOPBACK_INDEX = 1  # lo is the first device of every network namespace
 DEFAULT_SUBNET = "10.231.0.0/16"
 
 # Forwarding and masquerading out of the egress namespace. Sandboxes' veths are "dsv*";
@@ -125,12 +130,14 @@ class EgressNetwork:
 
     def _addresses(self) -> dict[str, str]:
         if self._used is None:  # a namespace a previous daemon made: read what it holds
-            out = run_in_netns(self.name, ["ip", "-json", "route", "show"], "listing routes")
-            self._used = {
-                r["dst"]: r.get("dev", "")
-                for r in json.loads(out or "[]")
-                if str(r.get("dev", "")).startswith(VETH_PREFIX)
-            }
+            with Netlink.open(self.path) as nl:
+                names = {link.index: link.name for link in nl.links()}
+                routes = nl.routes()
+            self._used = {}
+            for r in routes:
+                dev = names.get(r.oif or 0, "")
+                if dev.startswith(VETH_PREFIX) and r.prefixlen == 32:
+                    self._used[r.dst] = dev
         return self._used
 
     def _allocate(self, veth: str, sandbox_id: str) -> str:
@@ -144,59 +151,47 @@ class EgressNetwork:
                 return addr
         raise ToolError(f"egress: no free address left in {self.subnet}", subnet=str(self.subnet))
 
-    def attach(self, sandbox_id: str, pid: int) -> str:
-        """Give the sandbox whose init is ``pid`` a veth into the egress namespace; its
-        address. On failure nothing is left."""
+    def attach(self, sandbox_id: str, netns: str | os.PathLike[str]) -> str:
+        """Give the sandbox whose network namespace is ``netns`` (``/proc/<pid>/ns/net``) a
+        veth into the egress namespace; its address. On failure nothing is left.
+
+        All through netlink from this process (``dsec_core.linux.netlink``): no program runs
+        per sandbox. The sandbox's end is made in its namespace, never anywhere else; its
+        side is set up by a thread that enters the namespace and ends (``call_in_netns``)."""
         veth = veth_name(sandbox_id)
-        sandbox_ns = f"/proc/{pid}/ns/net"
         with self._lock:
             self._ensure()
             addr = self._allocate(veth, sandbox_id)
+            made = False
             try:
-                ip_batch(
-                    self.name,
-                    [
-                        f"link add {veth} type veth peer name eth0 netns {pid}",
-                        f"addr add {GATEWAY}/32 dev {veth}",
-                        f"link set {veth} up",
-                        f"route add {addr}/32 dev {veth}",
-                    ],
-                    f"sandbox {sandbox_id}: its veth in {self.name}",
-                )
-                # IPv4 only: no IPv6 on eth0, so not even link-local neighbour discovery
-                run_in_netns(
-                    sandbox_ns,
-                    [
-                        "sh",
-                        "-c",
-                        "echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6 && exec ip -batch -",
-                    ],
-                    f"sandbox {sandbox_id}: its eth0",
-                    input="\n".join(
-                        [
-                            "link set lo up",
-                            f"addr add {addr}/32 dev eth0",
-                            "link set eth0 up",
-                            f"route add default via {GATEWAY} dev eth0 onlink",
-                        ]
-                    )
-                    + "\n",
-                )
+                with Netlink.open(self.path) as nl:
+                    fd = open_netns(netns)
+                    try:
+                        nl.add_veth(veth, SANDBOX_DEVICE, fd)
+                    finally:
+                        os.close(fd)
+                    made = True
+                    index = nl.link_index(veth)
+                    nl.add_address(index, GATEWAY)
+                    nl.set_up(index)
+                    nl.add_route(addr, 32, index)
+                    where = os.fspath(netns)
+                    call_in_netns(netns, lambda: _set_up_sandbox_side(addr, where))
             except BaseException:
                 if self._used is not None:
                     self._used.pop(addr, None)
-                self._delete_link(veth)
+                if made:
+                    try:
+                        self._delete_link(veth)
+                    except DsecError:  # the first failure is the one to report
+                        log.exception("sandbox %s: removing its half-made veth", sandbox_id)
                 raise
         return addr
 
     def _delete_link(self, veth: str) -> None:
-        if not self.exists():
-            return
-        try:
-            ip_batch(self.name, [f"link delete {veth}"], f"removing {veth}")
-        except ToolError as e:
-            if "Cannot find device" not in e.stderr:
-                raise
+        if self.exists():
+            with Netlink.open(self.path) as nl:
+                nl.delete_link(veth)
 
     def detach(self, sandbox_id: str) -> None:
         """Remove the sandbox's veth (both ends go); no error if it is gone already."""
@@ -218,7 +213,8 @@ class EgressNetwork:
         """The sandbox veths in the egress namespace."""
         if not self.exists():
             return []
-        return [name for name in links(self.name) if name.startswith(VETH_PREFIX)]
+        with Netlink.open(self.path) as nl:
+            return [link.name for link in nl.links() if link.name.startswith(VETH_PREFIX)]
 
     def remove_if_unused(self) -> bool:
         """Remove the egress namespace unless a sandbox still uses it; whether it is gone."""
@@ -228,3 +224,17 @@ class EgressNetwork:
             delete_netns(self.name)
             self._used = None
             return True
+
+
+def _set_up_sandbox_side(address: str, where: str) -> None:
+    """In the sandbox's namespace: ``eth0`` up with ``address`` and a default route through the
+    gateway, and loopback up. IPv6 goes off on eth0 first, so it never has even a link-local
+    address or neighbour discovery (this /proc/sys file is the namespace's this thread is in)."""
+    with open(f"/proc/sys/net/ipv6/conf/{SANDBOX_DEVICE}/disable_ipv6", "w") as f:
+        f.write("1")
+    with Netlink.open(label=where) as nl:
+        nl.set_up(LOOPBACK_INDEX)
+        index = nl.link_index(SANDBOX_DEVICE)
+        nl.add_address(index, address)
+        nl.set_up(index)
+        nl.add_route("0.0.0.0", 0, index, gateway=GATEWAY, onlink=True)
