@@ -88,30 +88,29 @@ def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
     """Call ``fn()`` in the network namespace ``netns`` (a name in /run/netns or a path); its
     result, or what it raised.
 
-    It runs in a thread of its own that enters the namespace with setns(2) and then ends, so
-    no other thread of this process, the caller included, ever changes namespace, whatever
-    ``fn`` does or raises. What ``fn`` makes there stays there: a socket it opens belongs to
-    ``netns`` for its whole life, used from any thread, and a /proc/sys/net file it opens is
-    that namespace's."""
+    It runs in a thread of its own that enters the namespace with setns(2), goes back to where
+    it started before the caller wakes, and ends; were going back refused, the thread would
+    still end there, its task with it. No other thread of this process, the caller included,
+    ever changes namespace, whatever ``fn`` does or raises. What ``fn`` makes there stays
+    there: a socket it opens belongs to ``netns`` for its whole life, used from any thread,
+    and a /proc/sys/net file it opens is that namespace's."""
     path = netns_path(netns)
     fd = open_netns(path)
     result: list[T] = []
     error: list[BaseException] = []
 
     def run() -> None:
+        home = open_netns("/proc/thread-self/ns/net")  # a new thread starts in its creator's
         try:
-            if _libc.setns(fd, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise NetlinkError(
-                    f"entering network namespace {path}: {os.strerror(err)}",
-                    operation="setns",
-                    errno=err,
-                    netns=os.fspath(path),
-                )
-            result.append(fn())
+            _setns(fd, path)
+            try:
+                result.append(fn())
+            finally:
+                _setns(home, Path("/proc/thread-self/ns/net"))
         except BaseException as e:
             error.append(e)
-        # and the thread ends here: its task, the only one that entered ``netns``, goes with it
+        finally:
+            os.close(home)
 
     try:
         thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
@@ -122,6 +121,17 @@ def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def _setns(fd: int, path: Path) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise NetlinkError(
+            f"entering network namespace {path}: {os.strerror(err)}",
+            operation="setns",
+            errno=err,
+            netns=os.fspath(path),
+        )
 
 
 def _enter(netns: str | os.PathLike[str] | None) -> list[str]:

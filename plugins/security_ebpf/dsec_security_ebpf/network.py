@@ -8,6 +8,11 @@ server namespace) and masquerades it; it forwards nothing between sandboxes, acc
 from them addressed to itself, and lets nothing new in. It has no link to the host's
 namespace, so the host's loopback and anything listening on the host are out of reach by
 construction.
+
+Making the egress namespace (``ip netns add``, its sysctls and nftables ruleset) runs tools,
+once per node. Per sandbox nothing runs: veths, addresses and routes are netlink requests from
+the daemon (``dsec_core.linux.netlink``), about 2 ms per attach, and a veth is deleted in the
+background after a kill (see ``EgressNetwork.detach``).
 """
 
 from __future__ import annotations
@@ -97,7 +102,10 @@ class EgressNetwork:
             )
         self.subnet = net
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a queued removal is done
         self._used: dict[str, str] | None = None  # address -> sandbox veth
+        self._removing: list[str] = []  # detached veths the reaper has yet to delete
+        self._reaper: threading.Thread | None = None
 
     @property
     def path(self) -> Path:
@@ -141,15 +149,22 @@ class EgressNetwork:
         return self._used
 
     def _allocate(self, veth: str, sandbox_id: str) -> str:
-        used = self._addresses()
         hosts = self.subnet.num_addresses - 2
         start = int(hashlib.sha256(sandbox_id.encode()).hexdigest()[:8], 16) % hosts
-        for i in range(hosts):
-            addr = str(self.subnet.network_address + 1 + (start + i) % hosts)
-            if addr not in used:
-                used[addr] = veth
-                return addr
-        raise ToolError(f"egress: no free address left in {self.subnet}", subnet=str(self.subnet))
+        while True:
+            self._ensure()
+            used = self._addresses()
+            for i in range(hosts):
+                addr = str(self.subnet.network_address + 1 + (start + i) % hosts)
+                if addr not in used:
+                    used[addr] = veth
+                    return addr
+            if not self._removing:
+                raise ToolError(
+                    f"egress: no free address left in {self.subnet}", subnet=str(self.subnet)
+                )
+            # a detached sandbox's address is free once its veth (and route) is gone
+            self._changed.wait()
 
     def attach(self, sandbox_id: str, netns: str | os.PathLike[str]) -> str:
         """Give the sandbox whose network namespace is ``netns`` (``/proc/<pid>/ns/net``) a
@@ -160,8 +175,9 @@ class EgressNetwork:
         side is set up by a thread that enters the namespace and ends (``call_in_netns``)."""
         veth = veth_name(sandbox_id)
         with self._lock:
-            self._ensure()
-            addr = self._allocate(veth, sandbox_id)
+            # the same sandbox again (a test; ids are unique): its old veth must go first
+            self._changed.wait_for(lambda: veth not in self._removing)
+            addr = self._allocate(veth, sandbox_id)  # makes the egress namespace if need be
             made = False
             try:
                 with Netlink.open(self.path) as nl:
@@ -194,18 +210,54 @@ class EgressNetwork:
                 nl.delete_link(veth)
 
     def detach(self, sandbox_id: str) -> None:
-        """Remove the sandbox's veth (both ends go); no error if it is gone already."""
+        """Remove the sandbox's veth (both ends go), in the background: no error if it is gone
+        already. Its address stays taken until the veth is gone; ``settle()`` waits for that.
+
+        Deleting a device makes the kernel wait for an RCU grace period (``rcu_barrier`` in
+        ``netdev_run_todo``), 15-30 ms on a busy 2-core machine, whoever asks: a kill need not
+        wait for it. The sandbox is dead by then (or, on a failed create, about to be), and so
+        is the kernel's own clean-up of its namespace, which removes the pair too; the
+        reaper's delete makes that certain and prompt whatever holds the namespace."""
         veth = veth_name(sandbox_id)
         with self._lock:
-            if self._used is not None:
-                for addr in [a for a, v in self._used.items() if v == veth]:
-                    del self._used[addr]
-            self._delete_link(veth)
+            if not self.exists() or veth in self._removing:
+                return
+            self._removing.append(veth)
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="dsec-egress-reap", daemon=True
+                )
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            with self._lock:
+                if not self._removing:
+                    self._reaper = None
+                    self._changed.notify_all()
+                    return
+                veth = self._removing[0]
+            try:
+                # outside the lock: attaches go on while the kernel waits
+                self._delete_link(veth)
+            except Exception:  # the next kill's removal must still happen
+                log.exception("removing %s from %s", veth, self.name)
+            with self._lock:
+                self._removing.remove(veth)
+                if self._used is not None:
+                    for addr in [a for a, v in self._used.items() if v == veth]:
+                        del self._used[addr]
+                self._changed.notify_all()
+
+    def settle(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every detached veth is gone; whether they all are."""
+        with self._lock:
+            return self._changed.wait_for(lambda: not self._removing, timeout)
 
     def address_of(self, sandbox_id: str) -> str | None:
         veth = veth_name(sandbox_id)
         with self._lock:
-            if not self.exists():
+            if not self.exists() or veth in self._removing:
                 return None
             return next((a for a, v in self._addresses().items() if v == veth), None)
 
@@ -219,6 +271,7 @@ class EgressNetwork:
     def remove_if_unused(self) -> bool:
         """Remove the egress namespace unless a sandbox still uses it; whether it is gone."""
         with self._lock:
+            self._changed.wait_for(lambda: not self._removing, 30.0)
             if self.users():
                 return False
             delete_netns(self.name)

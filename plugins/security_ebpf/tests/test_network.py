@@ -16,7 +16,7 @@ import threading
 import pytest
 from dsec_security_ebpf import EgressNetwork, veth_name
 
-from dsec_core.errors import NetlinkError
+from dsec_core.errors import NetlinkError, ToolError
 from dsec_core.linux.netlink import Netlink
 from dsec_core.linux.netns import add_netns, delete_netns, ip_batch, links, run_in_netns
 
@@ -88,7 +88,11 @@ def test_attach_sets_up_both_sides_and_detach_removes_them(net, sandbox_ns):
     gateway = run_in_netns(net.name, ["ip", "-4", "route", "get", addr], "route to it")
     assert f"dev {veth_name('sb-one')}" in gateway
     net.detach("sb-one")
-    net.detach("sb-one")  # gone already: no error
+    net.detach("sb-one")  # already on its way: no error
+    assert net.address_of("sb-one") is None
+    assert net.settle()
+    net.detach("sb-one")  # gone: no error
+    assert net.settle()
     assert left_behind(net, sandbox_ns) == NOTHING
     assert net.address_of("sb-one") is None
     assert netns_of_threads() == before
@@ -107,6 +111,7 @@ def test_a_failure_at_any_step_of_attach_leaves_nothing(net, sandbox_ns, monkeyp
     first = net.attach("sb-two", sandbox_ns)
     steps = [re.sub(r"device \d+", "device N", what) for what in sent]
     net.detach("sb-two")
+    assert net.settle()
     assert len(steps) >= 8, steps  # the veth, and address, link and route on both sides
 
     threads = threading.active_count()
@@ -133,6 +138,7 @@ def test_a_failure_at_any_step_of_attach_leaves_nothing(net, sandbox_ns, monkeyp
     # and the same sandbox attaches cleanly afterwards, to the address it had: it was freed
     assert net.attach("sb-two", sandbox_ns) == first
     net.detach("sb-two")
+    assert net.settle()
 
 
 def test_the_kernel_refusing_the_sandbox_side_leaves_nothing(net, sandbox_ns):
@@ -155,3 +161,25 @@ def test_a_sandbox_that_is_gone_fails_cleanly_with_a_typed_error(net):
     assert e.value.errno == errno.ENOENT
     assert net.address_of("sb-four") is None
     assert [n for n in links(net.name) if n != "lo"] == []
+
+
+def test_a_detached_sandboxs_address_is_reused_only_once_its_veth_is_gone(tmp_path):
+    # two addresses: the third sandbox gets the first one's, after its veth and route went
+    net = EgressNetwork(tmp_path, subnet="10.233.0.0/30")
+    names = [f"dsec-test-sb{secrets.token_hex(3)}" for _ in range(3)]
+    for name in names:
+        add_netns(name)
+    try:
+        paths = [f"/run/netns/{name}" for name in names]
+        a, b = net.attach("sb-a", paths[0]), net.attach("sb-b", paths[1])
+        net.detach("sb-a")  # returns at once; the kernel takes its time
+        assert net.attach("sb-c", paths[2]) == a != b
+        assert sorted(links(net.name)) == sorted(["lo", veth_name("sb-b"), veth_name("sb-c")])
+        with pytest.raises(ToolError, match="no free address"):
+            net.attach("sb-d", paths[0])  # nothing is being removed: no waiting, an error
+        for sid in ("sb-b", "sb-c"):
+            net.detach(sid)
+    finally:
+        for name in names:
+            delete_netns(name)
+        assert net.remove_if_unused()  # waits for the removals in flight
