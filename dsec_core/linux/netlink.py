@@ -1,8 +1,8 @@
 """Network devices, addresses and routes through rtnetlink, from this process: veth pairs made
 with each end in its own namespace, IPv4 addresses, routes and link state, the links and routes
-of a namespace, and deleting a link. ``Netlink.open(netns)`` binds a socket to a namespace (the
-socket is opened by a thread that enters it and ends, ``call_in_netns``); every request on it
-acts there.
+of a namespace, and deleting a link. ``Netlink.open(netns)`` binds a socket to a namespace (a
+short-lived thread enters it to open the socket, ``call_in_netns``); every request on it acts
+there.
 
 Raw ``AF_NETLINK`` with ``struct`` rather than pyroute2, measured on the 2-core development
 machine under other engineers' load:
@@ -11,14 +11,15 @@ machine under other engineers' load:
   (``from pyroute2 import IPRoute``) about 95 ms, which every CLI command would pay as well
   (the CLI loads every plugin) unless it were imported lazily;
 - a sandbox's veth set-up (the pair, address, link state and route on each side, in two
-  namespaces): about 1.5 ms here; about 42 ms with pyroute2's ``IPRoute(netns=...)``, which
-  forks a helper process to open each socket in a namespace (the very spawn this replaces;
-  ``ip -batch`` through ``nsenter``, twice, was about 15 ms);
-- deleting the veth: about 15 ms either way, nearly all of it the kernel waiting for an RCU
+  namespaces, and disable_ipv6): about 2 ms here, against 9-18 ms for the ``ip -batch`` runs
+  through ``nsenter`` it replaces; pyroute2's ``IPRoute(netns=...)`` took about 42 ms for the
+  same requests, as it forks a helper process to open each socket in a namespace (the very
+  spawn this is for avoiding);
+- deleting the veth: 15-30 ms whoever asks, nearly all of it the kernel waiting for an RCU
   grace period (``rcu_barrier`` in ``netdev_run_todo``), not the request.
 
-The messages needed are few and fixed (four request types, two dumps), so owning them costs
-less than the dependency.
+The messages needed are few and fixed (six request types, two of them dumps), so owning them
+costs less than the dependency.
 """
 
 from __future__ import annotations

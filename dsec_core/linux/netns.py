@@ -100,7 +100,11 @@ def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
     error: list[BaseException] = []
 
     def run() -> None:
-        home = open_netns("/proc/thread-self/ns/net")  # a new thread starts in its creator's
+        try:
+            home = open_netns("/proc/thread-self/ns/net")  # a new thread starts in its creator's
+        except BaseException as e:
+            error.append(e)
+            return
         try:
             _setns(fd, path)
             try:

@@ -172,7 +172,7 @@ class EgressNetwork:
 
         All through netlink from this process (``dsec_core.linux.netlink``): no program runs
         per sandbox. The sandbox's end is made in its namespace, never anywhere else; its
-        side is set up by a thread that enters the namespace and ends (``call_in_netns``)."""
+        side is set up by a short-lived thread that enters the namespace (``call_in_netns``)."""
         veth = veth_name(sandbox_id)
         with self._lock:
             # the same sandbox again (a test; ids are unique): its old veth must go first
@@ -215,9 +215,9 @@ class EgressNetwork:
 
         Deleting a device makes the kernel wait for an RCU grace period (``rcu_barrier`` in
         ``netdev_run_todo``), 15-30 ms on a busy 2-core machine, whoever asks: a kill need not
-        wait for it. The sandbox is dead by then (or, on a failed create, about to be), and so
-        is the kernel's own clean-up of its namespace, which removes the pair too; the
-        reaper's delete makes that certain and prompt whatever holds the namespace."""
+        wait for it. The sandbox is dead by then (on a failed create, about to be), and the
+        kernel's own clean-up of its namespace removes the pair as well; the reaper's delete
+        makes the removal certain and prompt, whatever else holds the namespace."""
         veth = veth_name(sandbox_id)
         with self._lock:
             if not self.exists() or veth in self._removing:

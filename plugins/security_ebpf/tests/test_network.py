@@ -70,11 +70,13 @@ def left_behind(net: EgressNetwork, sandbox_ns: str) -> dict[str, list[str]]:
 NOTHING = {"egress links": [], "egress routes": [], "sandbox links": [], "sandbox addresses": []}
 
 
-def test_attach_sets_up_both_sides_and_detach_removes_them(net, sandbox_ns):
+def test_attach_sets_up_both_sides_and_detach_removes_them(net, sandbox_ns, tmp_path):
     before = netns_of_threads()
     host_eth0 = host_disable_ipv6()
     addr = net.attach("sb-one", sandbox_ns)
     assert net.address_of("sb-one") == addr and addr.startswith("10.231.")
+    # what a restarted daemon reads back from the namespace's routes
+    assert EgressNetwork(tmp_path).address_of("sb-one") == addr
     assert net.users() == [veth_name("sb-one")]
     inside = run_in_netns(sandbox_ns, ["ip", "-4", "addr", "show", "eth0"], "eth0")
     assert f"inet {addr}/32" in inside and ",UP" in inside.splitlines()[0]
