@@ -23,6 +23,7 @@ __all__ = [
     "LayerCorrupt",
     "LayerExists",
     "MountError",
+    "NetlinkError",
     "NodeUnavailable",
     "NotFound",
     "PluginInvalid",
@@ -262,6 +263,11 @@ class SessionClosed(SandboxError):
 
 class MountError(DsecError):
     """A mount(2)-family call failed while composing layers."""
+
+
+class NetlinkError(DsecError):
+    """The kernel refused a network set-up request: a netlink message (devices, addresses,
+    routes) or entering a network namespace. Carries ``operation``, ``errno`` and ``netns``."""
 
 
 class NodeUnavailable(DsecError):

@@ -1,28 +1,43 @@
-"""Network namespaces and veth pairs through iproute2: named namespaces (``/run/netns/NAME``,
-as ``ip netns`` makes them), batches of ``ip`` commands run in a namespace given by name or by
-path (``/proc/PID/ns/net``), and the links in one."""
+"""Network namespaces: named ones (``/run/netns/NAME``, as ``ip netns`` makes them), a function
+called in a namespace given by name or path (``/proc/PID/ns/net``) without moving this
+process's threads, and, through iproute2, programs and batches of ``ip`` commands run in one
+(set-up done once, and tests' independent view of what is there)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-from ..errors import ToolError
+from ..errors import NetlinkError, ToolError
 from .tools import run_tool
 
 __all__ = [
     "NETNS_DIR",
     "add_netns",
+    "call_in_netns",
     "delete_netns",
     "ip_batch",
     "links",
     "netns_exists",
+    "netns_path",
+    "open_netns",
     "run_in_netns",
 ]
 
 NETNS_DIR = Path("/run/netns")
+CLONE_NEWNET = 0x40000000
+
+T = TypeVar("T")
+
+# os.setns is Python 3.12's; glibc's setns(2) wrapper serves 3.11 alike.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.setns.restype = ctypes.c_int
 
 
 def netns_exists(name: str) -> bool:
@@ -47,12 +62,86 @@ def delete_netns(name: str) -> None:
         run_tool(["ip", "netns", "delete", name], f"removing network namespace {name}")
 
 
+def netns_path(netns: str | os.PathLike[str]) -> Path:
+    """The file of a namespace given by name (in /run/netns) or by path."""
+    if isinstance(netns, str) and "/" not in netns:
+        return NETNS_DIR / netns
+    return Path(netns)
+
+
+def open_netns(netns: str | os.PathLike[str]) -> int:
+    """A descriptor of the namespace ``netns`` (a name in /run/netns or a path, such as
+    ``/proc/PID/ns/net``); ``NetlinkError`` if it is not there (its process has gone)."""
+    path = netns_path(netns)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise NetlinkError(
+            f"opening network namespace {path}: {e.strerror}",
+            operation="open",
+            errno=e.errno,
+            netns=os.fspath(path),
+        ) from e
+
+
+def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
+    """Call ``fn()`` in the network namespace ``netns`` (a name in /run/netns or a path); its
+    result, or what it raised.
+
+    It runs in a thread of its own that enters the namespace with setns(2), goes back to where
+    it started before the caller wakes, and ends; were going back refused, the thread would
+    still end there, its task with it. No other thread of this process, the caller included,
+    ever changes namespace, whatever ``fn`` does or raises. What ``fn`` makes there stays
+    there: a socket it opens belongs to ``netns`` for its whole life, used from any thread,
+    and a /proc/sys/net file it opens is that namespace's."""
+    path = netns_path(netns)
+    fd = open_netns(path)
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            home = open_netns("/proc/thread-self/ns/net")  # a new thread starts in its creator's
+        except BaseException as e:
+            error.append(e)
+            return
+        try:
+            _setns(fd, path)
+            try:
+                result.append(fn())
+            finally:
+                _setns(home, Path("/proc/thread-self/ns/net"))
+        except BaseException as e:
+            error.append(e)
+        finally:
+            os.close(home)
+
+    try:
+        thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
+        thread.start()
+        thread.join()
+    finally:
+        os.close(fd)
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _setns(fd: int, path: Path) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise NetlinkError(
+            f"entering network namespace {path}: {os.strerror(err)}",
+            operation="setns",
+            errno=err,
+            netns=os.fspath(path),
+        )
+
+
 def _enter(netns: str | os.PathLike[str] | None) -> list[str]:
     if netns is None:
         return []
-    if isinstance(netns, str) and "/" not in netns:
-        netns = NETNS_DIR / netns
-    return ["nsenter", f"--net={os.fspath(netns)}"]
+    return ["nsenter", f"--net={os.fspath(netns_path(netns))}"]
 
 
 def run_in_netns(

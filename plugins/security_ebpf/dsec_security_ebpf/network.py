@@ -8,33 +8,43 @@ server namespace) and masquerades it; it forwards nothing between sandboxes, acc
 from them addressed to itself, and lets nothing new in. It has no link to the host's
 namespace, so the host's loopback and anything listening on the host are out of reach by
 construction.
+
+Making the egress namespace (``ip netns add``, its sysctls and nftables ruleset) runs tools,
+once per node. Per sandbox nothing runs: veths, addresses and routes are netlink requests from
+the daemon (``dsec_core.linux.netlink``), about 2 ms per attach, and a veth is deleted in the
+background after a kill (see ``EgressNetwork.detach``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
+import logging
 import os
 import threading
 from pathlib import Path
 
-from dsec_core.errors import InvalidSpec, ToolError
+from dsec_core.errors import DsecError, InvalidSpec, ToolError
+from dsec_core.linux.netlink import Netlink
 from dsec_core.linux.netns import (
     NETNS_DIR,
     add_netns,
+    call_in_netns,
     delete_netns,
-    ip_batch,
-    links,
     netns_exists,
+    open_netns,
     run_in_netns,
 )
 
 __all__ = ["GATEWAY", "EgressNetwork", "egress_namespace", "veth_name"]
 
+log = logging.getLogger("dsec.egress")
+
 #: The sandboxes' gateway: the egress side of every sandbox's veth holds it.
 GATEWAY = "169.254.0.1"
 VETH_PREFIX = "dsv"
+SANDBOX_DEVICE = "eth0"
+LOOPBACK_INDEX = 1  # lo is the first device of every network namespace
 DEFAULT_SUBNET = "10.231.0.0/16"
 
 # Forwarding and masquerading out of the egress namespace. Sandboxes' veths are "dsv*";
@@ -92,7 +102,10 @@ class EgressNetwork:
             )
         self.subnet = net
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a queued removal is done
         self._used: dict[str, str] | None = None  # address -> sandbox veth
+        self._removing: list[str] = []  # detached veths the reaper has yet to delete
+        self._reaper: threading.Thread | None = None
 
     @property
     def path(self) -> Path:
@@ -125,92 +138,126 @@ class EgressNetwork:
 
     def _addresses(self) -> dict[str, str]:
         if self._used is None:  # a namespace a previous daemon made: read what it holds
-            out = run_in_netns(self.name, ["ip", "-json", "route", "show"], "listing routes")
-            self._used = {
-                r["dst"]: r.get("dev", "")
-                for r in json.loads(out or "[]")
-                if str(r.get("dev", "")).startswith(VETH_PREFIX)
-            }
+            with Netlink.open(self.path) as nl:
+                names = {link.index: link.name for link in nl.links()}
+                routes = nl.routes()
+            self._used = {}
+            for r in routes:
+                dev = names.get(r.oif or 0, "")
+                if dev.startswith(VETH_PREFIX) and r.prefixlen == 32:
+                    self._used[r.dst] = dev
         return self._used
 
     def _allocate(self, veth: str, sandbox_id: str) -> str:
-        used = self._addresses()
         hosts = self.subnet.num_addresses - 2
         start = int(hashlib.sha256(sandbox_id.encode()).hexdigest()[:8], 16) % hosts
-        for i in range(hosts):
-            addr = str(self.subnet.network_address + 1 + (start + i) % hosts)
-            if addr not in used:
-                used[addr] = veth
-                return addr
-        raise ToolError(f"egress: no free address left in {self.subnet}", subnet=str(self.subnet))
-
-    def attach(self, sandbox_id: str, pid: int) -> str:
-        """Give the sandbox whose init is ``pid`` a veth into the egress namespace; its
-        address. On failure nothing is left."""
-        veth = veth_name(sandbox_id)
-        sandbox_ns = f"/proc/{pid}/ns/net"
-        with self._lock:
+        while True:
             self._ensure()
-            addr = self._allocate(veth, sandbox_id)
+            used = self._addresses()
+            for i in range(hosts):
+                addr = str(self.subnet.network_address + 1 + (start + i) % hosts)
+                if addr not in used:
+                    used[addr] = veth
+                    return addr
+            if not self._removing:
+                raise ToolError(
+                    f"egress: no free address left in {self.subnet}", subnet=str(self.subnet)
+                )
+            # a detached sandbox's address is free once its veth (and route) is gone
+            self._changed.wait()
+
+    def attach(self, sandbox_id: str, netns: str | os.PathLike[str]) -> str:
+        """Give the sandbox whose network namespace is ``netns`` (``/proc/<pid>/ns/net``) a
+        veth into the egress namespace; its address. On failure nothing is left.
+
+        All through netlink from this process (``dsec_core.linux.netlink``): no program runs
+        per sandbox. The sandbox's end is made in its namespace, never anywhere else; its
+        side is set up by a short-lived thread that enters the namespace (``call_in_netns``)."""
+        veth = veth_name(sandbox_id)
+        with self._lock:
+            # the same sandbox again (a test; ids are unique): its old veth must go first
+            self._changed.wait_for(lambda: veth not in self._removing)
+            addr = self._allocate(veth, sandbox_id)  # makes the egress namespace if need be
+            made = False
             try:
-                ip_batch(
-                    self.name,
-                    [
-                        f"link add {veth} type veth peer name eth0 netns {pid}",
-                        f"addr add {GATEWAY}/32 dev {veth}",
-                        f"link set {veth} up",
-                        f"route add {addr}/32 dev {veth}",
-                    ],
-                    f"sandbox {sandbox_id}: its veth in {self.name}",
-                )
-                # IPv4 only: no IPv6 on eth0, so not even link-local neighbour discovery
-                run_in_netns(
-                    sandbox_ns,
-                    [
-                        "sh",
-                        "-c",
-                        "echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6 && exec ip -batch -",
-                    ],
-                    f"sandbox {sandbox_id}: its eth0",
-                    input="\n".join(
-                        [
-                            "link set lo up",
-                            f"addr add {addr}/32 dev eth0",
-                            "link set eth0 up",
-                            f"route add default via {GATEWAY} dev eth0 onlink",
-                        ]
-                    )
-                    + "\n",
-                )
+                with Netlink.open(self.path) as nl:
+                    fd = open_netns(netns)
+                    try:
+                        nl.add_veth(veth, SANDBOX_DEVICE, fd)
+                    finally:
+                        os.close(fd)
+                    made = True
+                    index = nl.link_index(veth)
+                    nl.add_address(index, GATEWAY)
+                    nl.set_up(index)
+                    nl.add_route(addr, 32, index)
+                    where = os.fspath(netns)
+                    call_in_netns(netns, lambda: _set_up_sandbox_side(addr, where))
             except BaseException:
                 if self._used is not None:
                     self._used.pop(addr, None)
-                self._delete_link(veth)
+                if made:
+                    try:
+                        self._delete_link(veth)
+                    except DsecError:  # the first failure is the one to report
+                        log.exception("sandbox %s: removing its half-made veth", sandbox_id)
                 raise
         return addr
 
     def _delete_link(self, veth: str) -> None:
-        if not self.exists():
-            return
-        try:
-            ip_batch(self.name, [f"link delete {veth}"], f"removing {veth}")
-        except ToolError as e:
-            if "Cannot find device" not in e.stderr:
-                raise
+        if self.exists():
+            with Netlink.open(self.path) as nl:
+                nl.delete_link(veth)
 
     def detach(self, sandbox_id: str) -> None:
-        """Remove the sandbox's veth (both ends go); no error if it is gone already."""
+        """Remove the sandbox's veth (both ends go), in the background: no error if it is gone
+        already. Its address stays taken until the veth is gone; ``settle()`` waits for that.
+
+        Deleting a device makes the kernel wait for an RCU grace period (``rcu_barrier`` in
+        ``netdev_run_todo``), 15-30 ms on a busy 2-core machine, whoever asks: a kill need not
+        wait for it. The sandbox is dead by then (on a failed create, about to be), and the
+        kernel's own clean-up of its namespace removes the pair as well; the reaper's delete
+        makes the removal certain and prompt, whatever else holds the namespace."""
         veth = veth_name(sandbox_id)
         with self._lock:
-            if self._used is not None:
-                for addr in [a for a, v in self._used.items() if v == veth]:
-                    del self._used[addr]
-            self._delete_link(veth)
+            if not self.exists() or veth in self._removing:
+                return
+            self._removing.append(veth)
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name="dsec-egress-reap", daemon=True
+                )
+                self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            with self._lock:
+                if not self._removing:
+                    self._reaper = None
+                    self._changed.notify_all()
+                    return
+                veth = self._removing[0]
+            try:
+                # outside the lock: attaches go on while the kernel waits
+                self._delete_link(veth)
+            except Exception:  # the next kill's removal must still happen
+                log.exception("removing %s from %s", veth, self.name)
+            with self._lock:
+                self._removing.remove(veth)
+                if self._used is not None:
+                    for addr in [a for a, v in self._used.items() if v == veth]:
+                        del self._used[addr]
+                self._changed.notify_all()
+
+    def settle(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every detached veth is gone; whether they all are."""
+        with self._lock:
+            return self._changed.wait_for(lambda: not self._removing, timeout)
 
     def address_of(self, sandbox_id: str) -> str | None:
         veth = veth_name(sandbox_id)
         with self._lock:
-            if not self.exists():
+            if not self.exists() or veth in self._removing:
                 return None
             return next((a for a, v in self._addresses().items() if v == veth), None)
 
@@ -218,13 +265,29 @@ class EgressNetwork:
         """The sandbox veths in the egress namespace."""
         if not self.exists():
             return []
-        return [name for name in links(self.name) if name.startswith(VETH_PREFIX)]
+        with Netlink.open(self.path) as nl:
+            return [link.name for link in nl.links() if link.name.startswith(VETH_PREFIX)]
 
     def remove_if_unused(self) -> bool:
         """Remove the egress namespace unless a sandbox still uses it; whether it is gone."""
         with self._lock:
+            self._changed.wait_for(lambda: not self._removing, 30.0)
             if self.users():
                 return False
             delete_netns(self.name)
             self._used = None
             return True
+
+
+def _set_up_sandbox_side(address: str, where: str) -> None:
+    """In the sandbox's namespace: ``eth0`` up with ``address`` and a default route through the
+    gateway, and loopback up. IPv6 goes off on eth0 first, so it never has even a link-local
+    address or neighbour discovery (this /proc/sys file is the namespace's this thread is in)."""
+    with open(f"/proc/sys/net/ipv6/conf/{SANDBOX_DEVICE}/disable_ipv6", "w") as f:
+        f.write("1")
+    with Netlink.open(label=where) as nl:
+        nl.set_up(LOOPBACK_INDEX)
+        index = nl.link_index(SANDBOX_DEVICE)
+        nl.add_address(index, address)
+        nl.set_up(index)
+        nl.add_route("0.0.0.0", 0, index, gateway=GATEWAY, onlink=True)

@@ -44,6 +44,7 @@ __all__ = ["EgressPolicy", "hosts_file"]
 log = logging.getLogger("dsec.egress")
 
 HOSTS_FILE = "egress-hosts"
+# the egress namespace's set-up, once per node; per sandbox nothing runs (netlink instead)
 TOOLS = ("ip", "nsenter", "nft")
 
 
@@ -170,7 +171,7 @@ class EgressPolicy(SecurityPolicy):
             with attach_programs(obj, s.cgroup2, pins) as maps:
                 maps.sync(trie_entries(tracked.rules, tracked.resolved))
             if rt.spec.network == "allowlist":
-                tracked.address = self.network.attach(rt.id, s.pid)
+                tracked.address = self.network.attach(rt.id, s.netns)
             self._write_hosts(tracked)
         except BaseException:
             self._release(rt.id)

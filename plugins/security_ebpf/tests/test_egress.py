@@ -171,7 +171,8 @@ def test_kill_leaves_nothing(dsec_sandboxes, egress, servers, netprobe):
     assert (UNIFIED / cgroup_path(sb.id)).is_dir()
     dsec_sandboxes.client.kill(sb.id)
     assert not pin_dir(sb.id).exists()
-    assert veth_name(sb.id) not in links(ns)
+    # the veth goes in the background, after the kernel's RCU grace period (tens of ms)
+    assert wait_for(lambda: veth_name(sb.id) not in links(ns), timeout=5)
     assert not (UNIFIED / cgroup_path(sb.id)).exists()
     assert leftovers(egress.node.home)["cgroups"] == []
 
