@@ -77,6 +77,9 @@ class NodeConfig:
     # The daemon runs in cgroups of its own (``daemon_cgroup``) with this memory limit, so
     # nothing a sandbox does can grow it without bound; 0 leaves it where it was started
     daemon_memory: int = 2 << 30
+    # The filesystem of each sandbox's writable layer: "ext4", or "xfs" (with reflink; 300 MiB
+    # at the least)
+    disk_fs: str = "ext4"
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -115,6 +118,8 @@ class NodeConfig:
             kw["tls_key"] = Path(os.environ["DSEC_TLS_KEY"])
         if os.environ.get("DSEC_LOG_MAX"):
             kw["log_max_bytes"] = parse_size(os.environ["DSEC_LOG_MAX"], "DSEC_LOG_MAX")
+        if os.environ.get("DSEC_DISK_FS"):
+            kw["disk_fs"] = os.environ["DSEC_DISK_FS"].strip().lower()
         if os.environ.get("DSEC_DAEMON_MEMORY"):
             kw["daemon_memory"] = parse_size(os.environ["DSEC_DAEMON_MEMORY"], "DSEC_DAEMON_MEMORY")
         return cls(**kw)
@@ -164,7 +169,7 @@ class NodeConfig:
 
     @property
     def disk_dir(self) -> Path:
-        """The sandboxes' writable-layer filesystem images (``<id>.ext4``, sparse) and the
+        """The sandboxes' writable-layer filesystem images (``<id>.img``, sparse) and the
         formatted templates they are cloned from (``templates/``). Root only (mode 0700)."""
         return self.home / "disks"
 

@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -110,7 +111,10 @@ def test_templates_are_sparse_and_made_once_per_size(disks):
     assert WritableDisks(disks.dir).template(10 << 30) == big  # a new daemon reads it back
     assert path.stat().st_ino == made  # and formats nothing
     disks.template(16 << 20)
-    assert {p.name for p in disks.templates.iterdir()} == {f"{16 << 20}.ext4", f"{10 << 30}.ext4"}
+    assert {p.name for p in disks.templates.iterdir()} == {
+        f"ext4-{16 << 20}.img",
+        f"ext4-{10 << 30}.img",
+    }
 
 
 @root_only
@@ -122,7 +126,7 @@ def test_templates_are_bounded_in_memory_and_on_disk(disks, monkeypatch):
         disks.template(size)
         disks.template(sizes[0])  # the one in use stays
     assert disks.ready(sizes[0]) and disks.ready(sizes[-1]) and not disks.ready(sizes[1])
-    on_disk = {int(p.name.split(".")[0]) for p in disks.templates.iterdir()}
+    on_disk = {int(p.name.split(".")[0].split("-")[1]) for p in disks.templates.iterdir()}
     assert on_disk == {sizes[0], sizes[3], sizes[4]}
 
 
@@ -155,7 +159,7 @@ def test_failures_while_mounting_leave_nothing(disks, tmp_path, monkeypatch):
     def broken_mount(device, target, flags=0):
         raise MountError("no ext4 here", target=os.fspath(target))
 
-    monkeypatch.setattr(disks_module, "mount_ext4", broken_mount)
+    monkeypatch.setattr(disks, "_mount", broken_mount)
     with pytest.raises(MountError):
         disks.mount("abc123", 16 << 20, target)
     _nothing_left(disks, target)
@@ -171,13 +175,13 @@ def test_failures_while_mounting_leave_nothing(disks, tmp_path, monkeypatch):
 def test_leftovers_report_loop_devices_and_images(tmp_path):
     home = tmp_path / "home"
     (home / "disks").mkdir(parents=True)
-    image = home / "disks" / "abc123.ext4"
+    image = home / "disks" / "abc123.img"
     with open(image, "wb") as f:
         f.truncate(16 << 20)
     with attach_loop(image) as dev:
         left = leftovers(home)
         assert left["loop_devices"] == [f"{dev.path}: {image}"]
-        assert left["disk_images"] == ["abc123.ext4"]
+        assert left["disk_images"] == ["abc123.img"]
     image.unlink()
     left = leftovers(home)
     assert left["loop_devices"] == [] and left["disk_images"] == []  # autoclear on close
@@ -243,7 +247,7 @@ def test_the_disk_limit_is_the_size_inside(dsec_sandboxes, dsec_node):
     assert sb.info.limits["disk"] == 48 << 20
     kib = int(sb.exec("df -k / | tail -1").stdout.split()[1])
     assert 44 << 10 < kib <= 48 << 10  # the size, less ext4's own metadata
-    image = dsec_node.config.disk_dir / f"{sb.id}.ext4"
+    image = dsec_node.config.disk_dir / f"{sb.id}.img"
     data_dir = dsec_node.config.sandbox_dir / sb.id
     assert image.stat().st_size == 48 << 20 and os.path.ismount(data_dir)
     sb.kill()
@@ -267,7 +271,7 @@ def test_the_filesystem_and_its_quota_outlive_a_daemon_restart(private_node):
     data_dir = cfg.sandbox_dir / sb.id
     stop_daemon(cfg)
     assert os.path.ismount(data_dir)  # the sandbox still runs on it
-    assert any(b.endswith(f"{sb.id}.ext4") for b in loop_backing_files(cfg.home).values())
+    assert any(b.endswith(f"{sb.id}.img") for b in loop_backing_files(cfg.home).values())
     ensure_daemon(cfg)
     with private_node.client() as c:
         again = c.get(sb.id)
@@ -294,3 +298,44 @@ def test_a_start_removes_writable_layers_of_gone_sandboxes(private_node):
         assert c.list() == []
     assert list(cfg.sandbox_dir.iterdir()) == [] and disks.images() == []
     assert loop_backing_files(cfg.home) == {}
+
+
+# --- XFS writable layers ------------------------------------------------------------------------
+
+
+@root_only
+def test_an_xfs_writable_layer_with_reflink_fills_up_with_enospc(tmp_path):
+    if shutil.which("mkfs.xfs") is None:
+        pytest.skip("mkfs.xfs is not installed (apt-get install xfsprogs)")
+    disks = WritableDisks(tmp_path / "disks", "xfs")
+    disks.dir.mkdir()
+    target = tmp_path / "upper"
+    disks.mount("xfs1", 320 << 20, target)
+    try:
+        with open("/proc/self/mounts") as f:
+            line = next(m for m in f if m.split()[1] == os.fspath(target))
+        assert line.split()[2] == "xfs" and "nosuid" in line and "nodev" in line
+        info = subprocess.run(["xfs_info", os.fspath(target)], capture_output=True, text=True)
+        assert "reflink=1" in info.stdout
+        with pytest.raises(OSError) as e, open(target / "fill", "wb") as f:
+            for _ in range(400):
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+        assert e.value.errno == errno.ENOSPC
+        # a second sandbox from the same template mounts beside it (every copy shares a UUID)
+        disks.mount("xfs2", 320 << 20, tmp_path / "other")
+        disks.remove("xfs2", tmp_path / "other")
+    finally:
+        disks.remove("xfs1", target)
+    _nothing_left(disks, target)
+
+
+def test_unknown_or_too_small_filesystems_are_typed(tmp_path):
+    with pytest.raises(InvalidSpec) as e:
+        WritableDisks(tmp_path, "btrfs")
+    assert e.value.field == "DSEC_DISK_FS" and "ext4, xfs" in str(e.value)
+    if shutil.which("mkfs.xfs"):
+        with pytest.raises(InvalidSpec) as e2:
+            WritableDisks(tmp_path, "xfs").template(64 << 20)
+        assert e2.value.field == "disk" and "300 MiB" in str(e2.value)

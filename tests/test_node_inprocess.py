@@ -63,7 +63,7 @@ class LabelNetwork(SecurityPolicy):
     network_modes = frozenset({"allowlist"})
 
     def apply_oci(self, rt, settings, config):
-        config["process"]["env"].append(f"NETWORK_RULES={','.join(settings['allow'])}")
+        config["hostname"] = f"allowlist-{','.join(settings['allow'])}"
 
 
 class RecordPlacement:
@@ -232,11 +232,16 @@ async def test_network_modes_are_enforced_by_a_policy_or_refused(node_with_plugi
                 layers=("kit-base@1",),
                 memory="64M",
                 network="allowlist",
-                policies={"label-network": {"allow": ["pypi.org:443/tcp"]}},
+                policies={
+                    "label-network": {"allow": ["pypi.org:443/tcp"]},
+                    "hostname-default": {"enabled": False},  # it would set the hostname too
+                },
             )
         )
-        r = await node.exec(sb.id, "cat /proc/1/environ | tr '\\0' '\\n' | grep NETWORK_RULES")
-        assert r.stdout == b"NETWORK_RULES=pypi.org:443/tcp\n"
+        # PID 1's environment (the OCI config's) is out of the sandbox's reach; the config's
+        # hostname is in plain sight
+        r = await node.exec(sb.id, "hostname")
+        assert r.stdout == b"allowlist-pypi.org:443/tcp\n"
         await node.kill(sb.id)
     finally:
         await node.close(kill_all=True)

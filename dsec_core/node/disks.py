@@ -1,5 +1,6 @@
-"""Sandboxes' writable layers, each on a filesystem of its own: a sparse ext4 image per sandbox,
-loop-mounted ``nosuid,nodev`` at its data directory, whose size is the sandbox's disk quota.
+"""Sandboxes' writable layers, each on a filesystem of its own: a sparse ext4 image per sandbox
+(or XFS with reflink, ``NodeConfig.disk_fs``), loop-mounted ``nosuid,nodev`` at its data
+directory, whose size is the sandbox's disk quota.
 
 Why a filesystem per sandbox rather than project quotas on a shared one: this kernel, like
 many, is built without XFS quotas (``CONFIG_XFS_QUOTA``) and without the quota file format
@@ -28,7 +29,9 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from ..linux.ext4 import BLOCK_SIZE, mkfs_ext4, mount_ext4
+from ..errors import InvalidSpec
+from ..linux import ext4, xfs
+from ..linux.ext4 import BLOCK_SIZE
 from ..linux.files import SparseFile
 from ..linux.loop import attach_loop
 from ..linux.mounts import mounted_under, unmount
@@ -37,7 +40,9 @@ __all__ = ["WritableDisks"]
 
 log = logging.getLogger("dsec.node.disks")
 
-IMAGE_SUFFIX = ".ext4"
+IMAGE_SUFFIX = ".img"
+#: The filesystems a writable layer can be: (mkfs, mount) by ``NodeConfig.disk_fs``.
+FORMATS = {"ext4": (ext4.mkfs_ext4, ext4.mount_ext4), "xfs": (xfs.mkfs_xfs, xfs.mount_xfs)}
 HELD = 8  # templates held in memory
 KEPT = 16  # templates kept on disk
 
@@ -45,7 +50,14 @@ KEPT = 16  # templates kept on disk
 class WritableDisks:
     """The node's per-sandbox writable-layer filesystems, their images in ``disk_dir``."""
 
-    def __init__(self, disk_dir: Path) -> None:
+    def __init__(self, disk_dir: Path, fs: str = "ext4") -> None:
+        if fs not in FORMATS:
+            raise InvalidSpec(
+                f"unknown writable-layer filesystem {fs!r}; known: {', '.join(sorted(FORMATS))}",
+                field="DSEC_DISK_FS",
+            )
+        self.fs = fs
+        self._mkfs, self._mount = FORMATS[fs]
         self.dir = disk_dir
         self.templates = disk_dir / "templates"
         self._lock = threading.Lock()
@@ -63,7 +75,7 @@ class WritableDisks:
         return self.dir / f"{sandbox_id}{IMAGE_SUFFIX}"
 
     def template_path(self, size: int) -> Path:
-        return self.templates / f"{size}{IMAGE_SUFFIX}"
+        return self.templates / f"{self.fs}-{size}{IMAGE_SUFFIX}"
 
     def template(self, size: int) -> SparseFile:
         """The formatted, empty image of ``size`` bytes that sandboxes' images are written
@@ -81,7 +93,7 @@ class WritableDisks:
                 self.templates.mkdir(mode=0o700, parents=True, exist_ok=True)
                 tmp = self.templates / f".{size}.{os.getpid()}.tmp"
                 tmp.unlink(missing_ok=True)
-                mkfs_ext4(tmp, size)
+                self._mkfs(tmp, size)
                 os.rename(tmp, path)
             os.utime(path)  # its last use, for eviction on disk
             formatted = SparseFile.read(path)
@@ -118,7 +130,7 @@ class WritableDisks:
         try:
             target.mkdir(mode=0o700, exist_ok=True)
             with attach_loop(image) as dev:  # the mount holds it from here; autoclear on umount
-                mount_ext4(dev.path, target)
+                self._mount(dev.path, target)
             os.chmod(target, 0o700)  # the filesystem's root, now at the mount point
         except BaseException:
             unmount(target)

@@ -154,7 +154,7 @@ class Node:
         self.mounts: MountCache | None = None
         self.ondemand: OnDemandLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
-        self.disks = WritableDisks(self.config.disk_dir)
+        self.disks = WritableDisks(self.config.disk_dir, self.config.disk_fs)
         self.agent_binary: Path | None = None
         self.layer_sources: list[LayerSource] = []
 

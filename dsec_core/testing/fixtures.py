@@ -152,7 +152,7 @@ def leftovers(home: Path) -> dict[str, list[str]]:
             procs.append(f"{pid}: {shown}")
     loops = [f"{dev}: {backing}" for dev, backing in loop_backing_files(home).items()]
     disk_dir = home / "disks"
-    images = sorted(p.name for p in disk_dir.glob("*.ext4")) if disk_dir.is_dir() else []
+    images = sorted(p.name for p in disk_dir.glob("*.img")) if disk_dir.is_dir() else []
     return {
         "mounts": mounts,
         "sandbox_dirs": dirs,

@@ -133,7 +133,7 @@ def _flags(path: Path) -> tuple[bool, bool]:
 def test_disk_fill_stops_at_the_quota(dsec_sandboxes, dsec_node, witness, tmp_path):
     filler = dsec_sandboxes.create(disk="256M")
     other = dsec_sandboxes.create()
-    image = dsec_node.config.disk_dir / f"{filler.id}.ext4"
+    image = dsec_node.config.disk_dir / f"{filler.id}.img"
     result: dict = {}
 
     def fill() -> None:
@@ -172,7 +172,7 @@ def test_disk_fill_stops_at_the_quota(dsec_sandboxes, dsec_node, witness, tmp_pa
 @pytest.mark.attack("a disk fill with sparse files and fallocate beyond the quota")
 def test_sparse_and_fallocate_cannot_pass_the_quota(dsec_sandboxes, dsec_node, witness):
     sb = dsec_sandboxes.create(disk="64M")
-    image = dsec_node.config.disk_dir / f"{sb.id}.ext4"
+    image = dsec_node.config.disk_dir / f"{sb.id}.img"
     # A huge sparse file costs nothing until it is written; writing it stops at the quota.
     r = sb.exec("truncate -s 1099511627776 /root/sparse && echo made")
     assert r.stdout == b"made\n", r
@@ -259,7 +259,9 @@ def test_host_users_cannot_read_sandbox_files(dsec_sandboxes, dsec_node, witness
 
 @pytest.mark.attack("plant a device node (directly, and from a nested user namespace)")
 def test_planted_device_nodes_are_useless(dsec_sandboxes, dsec_node, witness, nested_mknod_binary):
-    sb = dsec_sandboxes.create()
+    # without the default seccomp profile, which refuses nested namespaces and mknod outright:
+    # nodev has to hold on its own
+    sb = dsec_sandboxes.create(policies={"seccomp": {"enabled": False}})
     r = sb.exec("mknod /root/sda b 8 0")
     assert r.exit_code != 0 and b"not permitted" in r.stderr, r
     # an overlay whiteout (char 0:0) is the one device node no capability guards: overlayfs

@@ -10,14 +10,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dsec_core.records import SandboxSpec
-from dsec_core.testing import KitNode, kit_home_parent, running_kit_node
+from dsec_core.testing import KitNode, running_kit_node
 
 probe_module = pytest.importorskip(
     "dsec_security_seccomp.probe", reason="the security_seccomp plugin is not installed"
@@ -176,34 +175,19 @@ def test_clone_range_into_a_file_it_may_not_write(dsec_sandboxes, witness, probe
 
 @pytest.fixture(scope="module")
 def xfs_node() -> Iterator[KitNode]:
-    """A second node whose home (so its writable layers) is on XFS with reflink, as DSec's
-    production disks were: there the extent-sharing ioctls really work, unless refused."""
-    mkfs = shutil.which("mkfs.xfs")
-    if mkfs is None:
+    """A second node whose sandboxes' writable layers are XFS with reflink
+    (``DSEC_DISK_FS=xfs``), as DSec's production disks were: there the extent-sharing ioctls
+    really work, unless refused."""
+    if shutil.which("mkfs.xfs") is None:
         pytest.skip("mkfs.xfs is not installed (apt-get install xfsprogs)")
-    base = Path(tempfile.mkdtemp(prefix="dsec-xfs-", dir=kit_home_parent()))
-    os.chmod(base, 0o755)  # the sandboxes' root must be able to enter it
-    image, mnt = base / "disk.img", base / "mnt"
-    mnt.mkdir()
+    with pytest.MonkeyPatch.context() as mp:  # what its daemon reads as it starts
+        mp.setenv("DSEC_DISK_FS", "xfs")
+        node = running_kit_node("dsec-kit-xfs-")
+        kit = node.__enter__()
     try:
-        with open(image, "wb") as f:
-            f.truncate(512 << 20)  # sparse; XFS wants at least 300 MiB
-        subprocess.run([mkfs, "-q", "-m", "reflink=1", os.fspath(image)], check=True)
-        subprocess.run(["mount", "-o", "loop", os.fspath(image), os.fspath(mnt)], check=True)
-        try:
-            os.chmod(mnt, 0o755)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSEC_KIT_HOME", os.fspath(mnt))
-                node = running_kit_node("dsec-kit-xfs-")
-                kit = node.__enter__()
-            try:
-                yield kit
-            finally:
-                node.__exit__(None, None, None)
-        finally:
-            subprocess.run(["umount", os.fspath(mnt)], check=True)
+        yield kit
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        node.__exit__(None, None, None)
 
 
 @pytest.mark.attack("FICLONE/FICLONERANGE/FIDEDUPERANGE between files on an XFS writable layer")
@@ -213,7 +197,7 @@ def test_clone_range_on_an_xfs_writable_layer(xfs_node, witness, probe):
     results = {}
     with xfs_node.client() as c:
         for mode, policies in (("on", {}), ("off", OFF)):
-            sb = c.create(SandboxSpec(layers=(xfs_node.layer.ref,), policies=policies))
+            sb = c.create(SandboxSpec(layers=(xfs_node.layer.ref,), policies=policies, disk="512M"))
             try:
                 sb.exec("head -c 65536 /dev/urandom > /tmp/a; head -c 65536 /dev/zero > /tmp/b")
                 results[mode] = run_probe(sb, probe, *names, env=env)
