@@ -16,7 +16,12 @@ stamp_dir="$venv/.dsec-stamps"
 
 APT_PACKAGES=(runc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
-              clang libbpf-dev nftables)  # the egress policy's BPF programs and netns
+              clang libbpf-dev nftables  # the egress policy's BPF programs and netns
+              apparmor)  # apparmor_parser, for the apparmor policy's profiles
+# apparmor starts no service on install: its postinst enables apparmor.service for the next
+# boot (a unit conditioned on the kernel having AppArmor, so inert here) and, only if the
+# kernel has AppArmor enabled, loads the profiles in /etc/apparmor.d; a stock Debian 12 has
+# the package already (the kernel image recommends it), so nothing changes there.
 
 log() { printf '\033[1m[dsec setup]\033[0m %s\n' "$*" >&2; }
 
