@@ -127,10 +127,32 @@ class LiveMarker(SecurityPolicy):
         return {"updates": LiveMarker.updates.get(rt.id, 0)}
 
 
+class NeverHere(SecurityPolicy):
+    """A policy this host can never run, with settings of its own to get wrong."""
+
+    name = "never-here"
+    targets = frozenset({"oci"})
+
+    @classmethod
+    def check_available(cls):
+        raise PolicyUnavailable("never-here needs a kernel this host does not have")
+
+    def validate(self, settings):
+        if set(settings) - {"level"}:
+            raise InvalidSpec("never-here takes only level", field="policies.never-here")
+
+
 class PolicyAndSourcePlugin:
     @hookimpl
     def dsec_register_security_policies(self, register):
-        for policy in (ReadOnlyPaths, CgroupBpfOnly, LabelNetwork, HostnameByDefault, LiveMarker):
+        for policy in (
+            ReadOnlyPaths,
+            CgroupBpfOnly,
+            LabelNetwork,
+            HostnameByDefault,
+            LiveMarker,
+            NeverHere,
+        ):
             register(policy)
 
     @hookimpl
@@ -317,5 +339,34 @@ async def test_a_live_policy_changes_on_a_running_sandbox_and_survives_a_restart
         states = {p.name: p for p in node.policy_states(sb.id)}
         assert states["live-marker"].settings == {"mark": "two"}  # as last set, not as created
         await node.kill(sb.id)
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_bad_settings_are_typed_even_where_the_policy_cannot_run(node_with_plugin):
+    node = Node(node_with_plugin)
+    await node.open()
+    try:
+        spec = {"layers": ("kit-base@1",), "memory": "64M"}
+        with pytest.raises(PolicyUnavailable) as e:  # asked for, not available: refused
+            await node.create(SandboxSpec(**spec, policies={"never-here": {"level": 1}}))
+        assert "kernel" in str(e.value)
+        for best_effort in (False, True):  # bad settings are the caller's mistake anywhere
+            with pytest.raises(InvalidSpec) as e2:
+                await node.create(
+                    SandboxSpec(
+                        **spec, policies={"never-here": {"levle": 1, "best_effort": best_effort}}
+                    )
+                )
+            assert e2.value.field == "policies.never-here"
+        sb = await node.create(
+            SandboxSpec(**spec, policies={"never-here": {"level": 1, "best_effort": True}})
+        )
+        assert (
+            sb.policies["never-here"].startswith("skipped:")
+            and "kernel" in sb.policies["never-here"]
+        )
+        await node.kill(sb.id)
+        assert node.sandboxes == {} and list(node_with_plugin.sandbox_dir.iterdir()) == []
     finally:
         await node.close(kill_all=True)

@@ -219,11 +219,11 @@ class Node:
 
     # --- security policies ----------------------------------------------------------------
     def _policy(self, name: str) -> SecurityPolicy:
+        """The node's instance of policy ``name`` (``UnknownPolicy``); whether this host can
+        run it is ``_enforceable``'s question."""
         policy = self._policies.get(name)
         if policy is None:
-            cls = self.registry.security_policy(name)
-            cls.check_available()
-            policy = self._policies[name] = cls()
+            policy = self._policies[name] = self.registry.security_policy(name)()
         return policy
 
     def policies_for(self, spec: SandboxSpec, backend: Backend) -> PolicyPlan:
@@ -242,20 +242,26 @@ class Node:
             if raw.get("enabled", True) is False:
                 plan.skipped[name] = "off: the sandbox's spec turned it off"
                 continue
+            policy = self._policy(name)
             try:
-                policy = self._enforceable(name, backend)
+                # Settings first: bad ones are the caller's mistake on any host, best effort
+                # or not (InvalidSpec); a validate that finds the host lacking what these
+                # settings need raises PolicyUnavailable like the checks after it.
+                policy.validate(settings)
+                self._enforceable(policy, backend)
             except PolicyUnavailable as e:
                 if name in spec.policies and not raw.get("best_effort", False):
                     raise
                 plan.skipped[name] = f"skipped: {e}"
                 continue
-            policy.validate(settings)
             plan.chosen.append((policy, settings))
         self._check_network(spec, backend, plan)
         return plan
 
-    def _enforceable(self, name: str, backend: Backend) -> SecurityPolicy:
-        policy = self._policy(name)  # UnknownPolicy, or PolicyUnavailable from the host
+    def _enforceable(self, policy: SecurityPolicy, backend: Backend) -> None:
+        """``PolicyUnavailable`` unless this host can run ``policy`` on ``backend``."""
+        name = policy.name
+        policy.check_available()
         if not policy.enforceable_on(type(backend)):
             raise PolicyUnavailable(
                 f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "
@@ -264,7 +270,6 @@ class Node:
                 policy=name,
                 backend=backend.name,
             )
-        return policy
 
     def _check_network(self, spec: SandboxSpec, backend: Backend, plan: PolicyPlan) -> None:
         if spec.network == "none":

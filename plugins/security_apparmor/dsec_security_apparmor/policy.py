@@ -88,6 +88,9 @@ class AppArmorPolicy(SecurityPolicy):
                     f"({AGENT_PATH})",
                     field=f"policies.{NAME}.hidden[{i}]",
                 )
+        # Where AppArmor is missing altogether, the node's check_available says so, better
+        # than any one missing mediation would.
+        self.check_available()
         missing = self.kernel.missing_for_scope(rules.scope)
         if missing:
             raise PolicyUnavailable(
