@@ -23,7 +23,8 @@ from dsec_core.agent.rpc import MAX_OUTPUT
 from dsec_core.api.messages import MAX_READ
 from dsec_core.api.routes import ROUTES
 from dsec_core.api.transport import HTTPTransport, Response
-from dsec_core.testing import KitNode
+from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
+from dsec_core.testing import KitNode, running_kit_node
 
 #: How far the daemon's resident memory may rise above where it was while an attack runs.
 #: Before the fixes one batch create of 100000 took it up by 350 MiB, and one read of a large
@@ -208,3 +209,23 @@ def test_absurd_max_output(dsec_node, dsec_sandboxes, api, witness):
         r = sb.exec("yes", timeout=2, max_output=MAX_OUTPUT)
         assert r.truncated and len(r.stdout) == MAX_OUTPUT
         del r
+
+
+@pytest.mark.attack("restart the node daemon under a client in use (failure 8)")
+def test_a_client_outlives_a_daemon_restart(witness):
+    # A private node: restarting the session's shared daemon would fail other tests' calls.
+    with running_kit_node("dsec-kit-restart-") as node, node.client() as client:
+        sb = client.create(layers=(node.layer.ref,), memory="64M")
+        assert sb.exec("echo before").stdout == b"before\n"  # a pooled connection exists now
+        old = daemon_pid(node.config)
+        stop_daemon(node.config)
+        restarter = threading.Timer(1.0, ensure_daemon, args=(node.config,))
+        restarter.start()
+        try:
+            # sent while no daemon answers: the client waits it out instead of failing
+            assert [i.id for i in client.list()] == [sb.id]
+            assert sb.exec("echo after").stdout == b"after\n"
+        finally:
+            restarter.join()
+        assert daemon_pid(node.config) not in (None, old)
+        sb.kill()
