@@ -57,8 +57,9 @@ attributes, and the node hands it exactly that:
     sealed memfd holding the document as fd 4 and the write end of a pipe as fd 5 (runc
     ``--preserve-fds 3``; agent arguments ``--fd 3 --policy-fd 4 --status-fd 5``); a VM backend
     would send the same bytes over its own channel (``--policy-fd`` and ``--status-fd`` may name
-    one socket). The agent answers one line, ``ok`` once everything is in force, or
-    ``error <part>: <message>`` (``parse_status``), and after an error exits without serving;
+    one socket: the agent reads the document to its end, so the sender half-closes). The agent
+    answers one line, ``ok`` once everything is in force, or ``error <part>: <message>``
+    (``parse_status``), and after an error exits without serving;
     the backend waits for the answer before ``start`` returns, and on an error stops the
     sandbox and raises ``PolicyUnavailable`` with the message. With an empty policy the backend
     passes nothing and the agent serves at once, as without policies. The document (version 1;

@@ -1073,3 +1073,35 @@ async def test_landlock_rules_bind_commands_not_the_agents_own_file_operations(a
     finally:
         stop_agent(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+async def test_one_socket_can_carry_the_document_and_the_answer(agent_bin, tmp_path):
+    """As a VM backend would hand it over a stream: the document, a half-close, the answer."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "agent.sock"))
+    listener.listen(8)
+    ours, theirs = socket.socketpair()
+    fds = [listener.fileno(), theirs.fileno()]
+    argv = [
+        str(agent_bin),
+        "--fd",
+        str(fds[0]),
+        "--policy-fd",
+        str(fds[1]),
+        "--status-fd",
+        str(fds[1]),
+    ]
+    proc = subprocess.Popen(argv, pass_fds=fds)
+    listener.close()
+    theirs.close()
+    try:
+        ours.sendall(document((b"landlock.read_only", str(tmp_path).encode())))
+        ours.shutdown(socket.SHUT_WR)
+        assert ours.makefile("rb").read() == b"ok\n"
+        r = await AgentClient(sock_dir / "agent.sock").exec(["touch", str(tmp_path / "x")])
+        assert r.exit_code != 0 and b"Permission denied" in r.stderr
+    finally:
+        ours.close()
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -241,7 +241,8 @@ int policy_apply(int policy_fd, int status_fd)
     const char *why = NULL;
     uint32_t len = 0;
     unsigned char *raw = read_document(policy_fd, &len, &why);
-    close(policy_fd);
+    if (policy_fd != status_fd) /* one socket may carry both (a VM's channel) */
+        close(policy_fd);
     if (!raw) {
         report("error document: cannot read it: %s", why);
         return -1;
