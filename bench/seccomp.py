@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""What the default seccomp profile costs: sandbox creation with it and without it (runc
-compiles the filter at every start), and the cost per syscall inside, in one run.
+"""What the default seccomp profile costs: sandbox creation with it and without it (the node
+hands the agent a program compiled once per settings; the agent installs it before serving),
+and the cost per syscall inside, in one run.
 
 Creation: create -> first exec (`true`) -> kill through the SDK, alternating sandboxes with the
 profile (the default) and without it (`policies={"seccomp": {"enabled": False}}`), on a private

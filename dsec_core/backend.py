@@ -39,13 +39,46 @@ attributes, and the node hands it exactly that:
     The enforcement points the backend offers security policies. At each one the backend calls
     ``rt.enforce(target, subject)``, which applies every policy the sandbox asked for (in
     ``SandboxSpec.policies``) that works through ``target``: the container backend offers
-    ``"oci"`` and calls ``rt.enforce("oci", config)`` with the OCI runtime config before
-    starting the container, and ``"started"`` with a ``StartedSandbox`` (the init's pid, its
-    network namespace and cgroup v2 directory) once the container runs, before ``start``
-    returns and so before any command runs in it; if that raises, the backend stops the
-    sandbox and ``start`` raises. A policy a sandbox asks for must work through the backend's
-    targets, or the create fails (``SecurityPolicy.enforceable_on``). Empty: sandboxes of this
-    backend cannot ask for policies.
+    ``"agent"`` (below), ``"oci"`` and calls ``rt.enforce("oci", config)`` with the OCI runtime
+    config before starting the container, and ``"started"`` with a ``StartedSandbox`` (the
+    init's pid, its network namespace and cgroup v2 directory) once the container runs, before
+    ``start`` returns and so before any command runs in it; if that raises, the backend stops
+    the sandbox and ``start`` raises. A policy a sandbox asks for must work through the
+    backend's targets, or the create fails (``SecurityPolicy.enforceable_on``); one that works
+    through several picks among those the sandbox's backend offers (``rt.targets``). Empty:
+    sandboxes of this backend cannot ask for policies.
+
+``"agent"``: the agent policy document
+    Policies only the agent can enforce (it is the sandbox's PID 1 and starts every process in
+    it) reach it through a document it reads at start, before it serves. The backend makes an
+    ``AgentPolicy``, calls ``rt.enforce("agent", policy)`` (policies add their parts), and, if
+    the policy is not ``empty()``, hands ``policy.encode()`` to the agent without putting a file
+    in the sandbox, with a way back for the agent's answer: the container backend passes a
+    sealed memfd holding the document as fd 4 and the write end of a pipe as fd 5 (runc
+    ``--preserve-fds 3``; agent arguments ``--fd 3 --policy-fd 4 --status-fd 5``); a VM backend
+    would send the same bytes over its own channel (``--policy-fd`` and ``--status-fd`` may name
+    one socket: the agent reads the document to its end, so the sender half-closes). The agent
+    answers one line, ``ok`` once everything is in force, or ``error <part>: <message>``
+    (``parse_status``), and after an error exits without serving;
+    the backend waits for the answer before ``start`` returns, and on an error stops the
+    sandbox and raises ``PolicyUnavailable`` with the message. With an empty policy the backend
+    passes nothing and the agent serves at once, as without policies. The document (version 1;
+    ``dsec_core/agent/src/policy.c`` is the agent's side)::
+
+        document = b"DSECPOL1", then fields up to the end (at most 4 MiB)
+        field    = u8 klen, key, u32le vlen, value      (keys may repeat; values any bytes)
+        seccomp             a classic BPF program, struct sock_filter[] in the machine's byte
+                            order (1-4096 instructions), installed with TSYNC on the agent
+                            before it serves, so every process in the sandbox is under it
+        landlock.read_only  an absolute path: no writes beneath it, for every process the
+                            agent starts (repeatable)
+        landlock.hidden     an absolute path: nothing beneath it, reads included (repeatable)
+        landlock.scope      "signal" or "abstract_unix": no signals to / abstract unix
+                            sockets of processes outside the sandbox's Landlock domain
+
+    Keys the agent does not know are refused, so a policy is never silently dropped by an
+    older agent. The agent's own file operations (``read_file``, ``write_file``, ...) are not
+    under the Landlock rules: the node reads and writes what commands cannot.
 
 Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
 
@@ -90,8 +123,10 @@ from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
 __all__ = [
     "AGENT_PATH",
+    "AGENT_SCOPES",
     "CGROUP_PARENT",
     "AgentChannel",
+    "AgentPolicy",
     "Backend",
     "Feature",
     "IdMap",
@@ -100,6 +135,7 @@ __all__ = [
     "SandboxRuntime",
     "StartedSandbox",
     "cgroup_path",
+    "parse_status",
 ]
 
 #: Where the agent binary is inside every sandbox.
@@ -169,6 +205,73 @@ class StartedSandbox:
     cgroup2: Path | None = None  # its cgroup v2 directory (cgroup BPF attaches here), if any
 
 
+#: What ``AgentPolicy.scope`` may name (the agent's ``landlock.scope`` values).
+AGENT_SCOPES = ("abstract_unix", "signal")
+POLICY_MAGIC = b"DSECPOL1"
+MAX_POLICY_BYTES = 4 << 20
+BPF_INSN_BYTES = 8
+MAX_BPF_INSNS = 4096
+
+
+@dataclass
+class AgentPolicy:
+    """The subject of enforcement point ``"agent"``: what the sandbox's agent enforces at start
+    (the module docstring has the document). Policies add their parts in ``apply``."""
+
+    #: A classic BPF seccomp program (struct sock_filter[], native byte order); b"" for none.
+    seccomp: bytes = b""
+    #: Landlock: absolute paths beneath which nothing may be written.
+    read_only: list[str] = field(default_factory=list)
+    #: Landlock: absolute paths beneath which nothing at all is allowed, reads included.
+    hidden: list[str] = field(default_factory=list)
+    #: Landlock scopes (``AGENT_SCOPES``).
+    scope: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.seccomp or self.read_only or self.hidden or self.scope)
+
+    def encode(self) -> bytes:
+        """The document's bytes. ``ValueError`` for parts the agent would refuse (a policy
+        plugin's bug, not bad user input: ``FileRules`` checks settings first)."""
+        n = len(self.seccomp) // BPF_INSN_BYTES
+        if len(self.seccomp) % BPF_INSN_BYTES or n > MAX_BPF_INSNS:
+            raise ValueError(f"seccomp: not a BPF program of at most {MAX_BPF_INSNS} instructions")
+        fields: list[tuple[str, bytes]] = [("seccomp", self.seccomp)] if self.seccomp else []
+        for key, paths in (
+            ("landlock.read_only", self.read_only),
+            ("landlock.hidden", self.hidden),
+        ):
+            for path in paths:
+                if not path.startswith("/") or "\0" in path:
+                    raise ValueError(f"{key}: {path!r} is not an absolute path")
+                fields.append((key, path.encode()))
+        for name in self.scope:
+            if name not in AGENT_SCOPES:
+                raise ValueError(f"landlock.scope: unknown scope {name!r}")
+            fields.append(("landlock.scope", name.encode()))
+        out = bytearray(POLICY_MAGIC)
+        for key, value in fields:
+            out += bytes([len(key)]) + key.encode() + len(value).to_bytes(4, "little") + value
+        if len(out) > MAX_POLICY_BYTES:
+            raise ValueError(f"the agent policy is over {MAX_POLICY_BYTES} bytes")
+        return bytes(out)
+
+
+def parse_status(answer: bytes) -> tuple[str, str] | None:
+    """The agent's answer to its policy document: None for ``ok``, else ``(part, message)``
+    (part: ``document``, ``landlock``, ``seccomp`` or ``agent``; ``agent`` also when it said
+    nothing, having died before answering)."""
+    line = answer.decode("utf-8", "replace").strip()
+    if line == "ok":
+        return None
+    if not line:
+        return "agent", "the agent exited before confirming its policy"
+    head, _, message = line.removeprefix("error ").partition(": ")
+    if not line.startswith("error ") or not message:
+        return "agent", f"the agent answered {line[:200]!r}"
+    return head, message
+
+
 def _no_policies(target: str, subject: Any) -> None:
     pass
 
@@ -192,6 +295,9 @@ class SandboxRuntime:
     #: ``enforce(target, subject)``: apply the sandbox's security policies that work through
     #: enforcement point ``target`` to ``subject`` (for "oci": the OCI config, in place).
     enforce: Callable[[str, Any], None] = field(default=_no_policies, compare=False, repr=False)
+    #: The enforcement points the sandbox's backend offers (its ``policy_targets``): a policy
+    #: that works through several enforces through the one it prefers among these.
+    targets: frozenset[str] = frozenset()
 
 
 class Backend(abc.ABC):

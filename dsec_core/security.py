@@ -15,10 +15,13 @@ sandbox's ``SandboxInfo.policies`` says which policies are in force and why othe
 
 Enforcement happens at the backend's enforcement points (``Backend.policy_targets``): there the
 backend calls ``rt.enforce(target, subject)`` and the node calls ``apply(target, ...)`` of each
-policy the sandbox asked for that lists ``target``. The container backend offers ``"oci"``
+policy the sandbox asked for that lists ``target``. The container backend offers ``"agent"``
+(an ``AgentPolicy`` the policy adds its part to: a seccomp program, Landlock file rules; the
+sandbox's agent enforces it on itself and everything it starts, before it serves), ``"oci"``
 (``apply_oci`` gets the container's OCI runtime config before it starts) and ``"started"``
-(a ``StartedSandbox`` once it runs, before any command does). ``released`` is called when the
-sandbox is gone, ``close`` when the node closes.
+(a ``StartedSandbox`` once it runs, before any command does). A policy that lists several
+targets is called at each the backend offers and picks by ``rt.targets``. ``released`` is
+called when the sandbox is gone, ``close`` when the node closes.
 """
 
 from __future__ import annotations

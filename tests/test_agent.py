@@ -7,6 +7,7 @@ their arguments (``sleep 1000.<marker>``), and teardown fails if any such proces
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import os
 import re
@@ -876,3 +877,231 @@ async def test_large_file_roundtrip_is_chunked(agent, tmp_path):
     assert await c.read_file(path, offset=(20 << 20) - 5) == data[-5:]
     await c.write_file(path, data[: 9 << 20], offset=1, truncate=False)
     assert path.read_bytes() == data[:1] + data[: 9 << 20] + data[(9 << 20) + 1 :]
+
+
+# --- the policy document (--policy-fd) --------------------------------------------------------
+AUDIT_ARCH_X86_64 = 0xC000003E
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_ERRNO = 0x00050000
+NR_UNAME_X86_64 = 63
+NR_LANDLOCK_CREATE_RULESET = 444
+
+
+def deny_one_call(nr: int, err: int) -> bytes:
+    """A classic BPF seccomp program: ``nr`` on x86_64 fails with ``err``, all else passes."""
+    insns = [
+        (0x20, 0, 0, 4),  # ld arch
+        (0x15, 0, 3, AUDIT_ARCH_X86_64),  # not x86_64: allow
+        (0x20, 0, 0, 0),  # ld nr
+        (0x15, 0, 1, nr),
+        (0x06, 0, 0, SECCOMP_RET_ERRNO | err),
+        (0x06, 0, 0, SECCOMP_RET_ALLOW),
+    ]
+    return b"".join(struct.pack("=HBBI", *i) for i in insns)
+
+
+def start_agent_with_policy(
+    binary: Path, sock_dir: Path, document: bytes, preexec_fn=None
+) -> tuple[subprocess.Popen, Path, bytes]:
+    """The agent as the container backend starts it: the listener, the document in a sealed
+    memfd and the answer pipe; returns the process, its socket and its answer."""
+    path = sock_dir / "agent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(128)
+    memfd = os.memfd_create("policy", os.MFD_ALLOW_SEALING)
+    os.write(memfd, document)
+    os.lseek(memfd, 0, os.SEEK_SET)
+    answer_r, answer_w = os.pipe()
+    fds = [listener.fileno(), memfd, answer_w]
+    argv = [
+        str(binary),
+        "--fd",
+        str(fds[0]),
+        "--policy-fd",
+        str(memfd),
+        "--status-fd",
+        str(answer_w),
+    ]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=fds, preexec_fn=preexec_fn)
+    finally:
+        listener.close()
+        os.close(memfd)
+        os.close(answer_w)
+    with os.fdopen(answer_r, "rb") as f:
+        answer = f.read()
+    return proc, path, answer
+
+
+def document(*fields: tuple[bytes, bytes]) -> bytes:
+    return b"DSECPOL1" + b"".join(
+        bytes([len(k)]) + k + len(v).to_bytes(4, "little") + v for k, v in fields
+    )
+
+
+@pytest.mark.parametrize(
+    "raw, says",
+    [
+        (b"not a document", b"does not start with DSECPOL1"),
+        (document((b"frobnicate", b"1")), b"unknown key: frobnicate"),
+        (document((b"landlock.scope", b"everything")), b"unknown landlock.scope"),
+        (document((b"landlock.hidden", b"relative/path")), b"not an absolute path"),
+        (document((b"seccomp", b"1234567")), b"1 to 4096 instructions"),
+        (document((b"landlock.hidden", b"/x"))[:-1], b"truncated field value"),
+    ],
+)
+async def test_a_bad_policy_document_is_refused_and_nothing_is_served(
+    agent_bin, tmp_path, raw, says
+):
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    try:
+        proc, path, answer = start_agent_with_policy(agent_bin, sock_dir, raw)
+        assert answer.startswith(b"error document: ") and says in answer, answer
+        assert proc.wait(5) == 3
+        with pytest.raises(SandboxNotRunning):
+            await AgentClient(path).ping()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the test's filter is for x86_64")
+async def test_the_documents_seccomp_filter_binds_the_agent_and_its_commands(agent_bin):
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    proc, path, answer = start_agent_with_policy(
+        agent_bin, sock_dir, document((b"seccomp", deny_one_call(NR_UNAME_X86_64, errno.EPERM)))
+    )
+    try:
+        assert answer == b"ok\n"
+        c = AgentClient(path)
+        r = await c.exec(["uname", "-s"])
+        assert r.exit_code != 0 and b"Operation not permitted" in r.stderr, r
+        assert (await c.exec(["echo", "still serving"])).stdout == b"still serving\n"
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
+        assert (await c.read_file("/proc/self/status")).count(b"Seccomp:\t2") == 1  # handlers
+    finally:
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def no_landlock_here():
+    """A preexec_fn: a filter under which landlock_create_ruleset fails with ENOSYS, as on a
+    kernel without Landlock. Everything it needs is made before the fork."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    prog = deny_one_call(NR_LANDLOCK_CREATE_RULESET, errno.ENOSYS)
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.addressof(buf))
+
+    def install() -> None:
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+            os._exit(99)
+
+    install.keep = (buf, fprog)  # type: ignore[attr-defined]
+    return install
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the test's filter is for x86_64")
+async def test_landlock_is_refused_where_the_kernel_has_none(agent_bin, tmp_path):
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    try:
+        proc, _, answer = start_agent_with_policy(
+            agent_bin,
+            sock_dir,
+            document((b"landlock.read_only", str(tmp_path).encode())),
+            preexec_fn=no_landlock_here(),
+        )
+        assert answer == b"error landlock: this kernel has no Landlock (Function not implemented)\n"
+        assert proc.wait(5) == 3
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+async def test_landlock_rules_bind_commands_not_the_agents_own_file_operations(agent_bin, tmp_path):
+    """The agent as a host process, with the file policy of a sandbox over a test directory:
+    its commands and session shells are refused what the rules deny, while the node's file
+    operations (served outside the Landlock domain) still read and write there."""
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "tool").write_text("#!/bin/sh\necho tool\n")
+    os.chmod(tmp_path / "ro" / "tool", 0o755)
+    (tmp_path / "hid").mkdir()
+    (tmp_path / "hid" / "answer").write_text("42\n")
+    (tmp_path / "open").mkdir()
+    doc = document(
+        (b"landlock.read_only", str(tmp_path / "ro").encode()),
+        (b"landlock.hidden", str(tmp_path / "hid").encode()),
+        (b"landlock.scope", b"signal"),
+    )
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    proc, path, answer = start_agent_with_policy(agent_bin, sock_dir, doc)
+    try:
+        assert answer == b"ok\n"
+        c = AgentClient(path)
+
+        async def sh(cmd: str):
+            return await c.exec(["/bin/sh", "-c", cmd], cwd=str(tmp_path))
+
+        assert (await sh("cat hid/answer")).exit_code != 0
+        assert (await sh("ls hid")).exit_code != 0
+        assert (await sh("echo x > ro/tool")).exit_code != 0
+        assert (await sh("echo x > ro/new")).exit_code != 0
+        assert (await sh("ro/tool")).stdout == b"tool\n"  # reading and running stay allowed
+        assert (await sh("echo x > open/f && cat open/f")).stdout == b"x\n"  # a sibling
+        assert (await sh("touch beside")).exit_code != 0  # new entries in an ancestor: no
+        sid = await c.session_open(cwd=str(tmp_path))
+        assert (await c.session_exec(sid, "cat hid/answer")).exit_code != 0
+        assert (await c.session_exec(sid, "cat ro/tool")).exit_code == 0
+        # the agent (outside the domain) cannot be signalled; sandbox processes can, across
+        # calls: all of them share one domain
+        r = await sh(f"kill -0 {proc.pid}")
+        assert r.exit_code != 0 and b"ermitted" in r.stderr, r
+        await c.exec(
+            ["/bin/sh", "-c", "sleep 1000 & echo $! > open/pid"], cwd=str(tmp_path), background=True
+        )
+        r = await sh("kill $(cat open/pid) && echo killed")
+        assert r.stdout == b"killed\n", r
+        # the node's own file operations are not under the rules
+        assert await c.read_file(tmp_path / "hid" / "answer") == b"42\n"
+        await c.write_file(tmp_path / "ro" / "harness", b"installed")
+        assert (tmp_path / "ro" / "harness").read_bytes() == b"installed"
+        assert {e.name for e in await c.list_dir(tmp_path / "hid")} == {"answer"}
+    finally:
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+async def test_one_socket_can_carry_the_document_and_the_answer(agent_bin, tmp_path):
+    """As a VM backend would hand it over a stream: the document, a half-close, the answer."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="dsa-", dir="/tmp"))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock_dir / "agent.sock"))
+    listener.listen(8)
+    ours, theirs = socket.socketpair()
+    fds = [listener.fileno(), theirs.fileno()]
+    argv = [
+        str(agent_bin),
+        "--fd",
+        str(fds[0]),
+        "--policy-fd",
+        str(fds[1]),
+        "--status-fd",
+        str(fds[1]),
+    ]
+    proc = subprocess.Popen(argv, pass_fds=fds)
+    listener.close()
+    theirs.close()
+    try:
+        ours.sendall(document((b"landlock.read_only", str(tmp_path).encode())))
+        ours.shutdown(socket.SHUT_WR)
+        assert ours.makefile("rb").read() == b"ok\n"
+        r = await AgentClient(sock_dir / "agent.sock").exec(["touch", str(tmp_path / "x")])
+        assert r.exit_code != 0 and b"Permission denied" in r.stderr
+    finally:
+        ours.close()
+        stop_agent(proc)
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -407,6 +407,7 @@ class Node:
             agent_binary=self.agent_binary,
             idmap=self.idmap,
             enforce=self._enforcer(sid),
+            targets=backend.policy_targets,
         )
 
     async def _prepare_rootfs(

@@ -1,7 +1,8 @@
 """The adversarial suite: each test really attempts an attack from inside a sandbox, as root, and
 asserts it is contained and that nothing else (other sandboxes, layer files, the node daemon,
 the host) is affected. Mark each with ``@pytest.mark.attack("what is attempted")``; the run ends
-with a table of attack -> outcome.
+with a table of attack -> outcome. A test that shows an attack still works, as documented, ends
+with ``pytest.xfail(reason)`` and is listed as a known gap.
 
 Network attacks only ever target servers the tests start themselves, on loopback or in network
 namespaces the tests create.
@@ -35,7 +36,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
     if marker is None or not marker.args:
         return
     if report.when == "call" or (report.when == "setup" and (report.skipped or report.failed)):
-        if report.passed:
+        if hasattr(report, "wasxfail"):  # pytest.xfail(reason): the attack works, as documented
+            result = f"NOT CONTAINED, a known gap: {report.wasxfail.removeprefix('reason: ')}"
+        elif report.passed:
             result = "contained"
         elif report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else "skipped"

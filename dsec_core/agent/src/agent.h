@@ -7,7 +7,7 @@
  * (processes, sessions, descriptors) at the top of main.c.
  *
  * Build, as ensure_agent does it: gcc -static -O2 -Wall -Werror -I src -o dsec-agent followed
- * by every .c file in src/. Usage: dsec-agent [--fd N]
+ * by every .c file in src/. Usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]
  *
  * Every .c file includes this header first, so _GNU_SOURCE is set before any system header.
  */
@@ -159,6 +159,7 @@ void session_child_exited(pid_t pid, int status);
 int session_shells(pid_t *out, int max);
 void sessions_close_fds_in_handler(int keep_fd, struct session *keep);
 void priv_dir_remove(void);
+int session_dir_prepare(void);
 
 /* ---------------------------------------------------------------- guard.c */
 
@@ -167,6 +168,33 @@ void guard_init(void);
 int signal_from_outside(const struct signalfd_siginfo *si);
 void guard_track(pid_t pid);
 void reap_children(void);
+
+/* ---------------------------------------------------------------- policy.c */
+
+int policy_apply(int policy_fd, int status_fd);
+void policy_report_failure(int status_fd, const char *why);
+
+/* ---------------------------------------------------------------- landlock.c */
+
+#define SCOPE_SIGNAL 1u
+#define SCOPE_ABSTRACT_UNIX 2u
+
+/* The file policy of the document: paths as given (landlock.c resolves them), scope bits. */
+struct file_rules {
+    char **read_only, **hidden;
+    int n_read_only, n_hidden;
+    unsigned scope;
+};
+
+int files_rules_present(const struct file_rules *f);
+int landlock_prepare(const struct file_rules *f, char *err, size_t errlen);
+int landlock_protects(const char *path);
+
+/* ---------------------------------------------------------------- domain.c */
+
+int domain_start(int ruleset, char *err, size_t errlen);
+int domain_active(void);
+pid_t domain_spawn(int sandboxed, void (*fn)(void *), void *arg);
 
 /* ---------------------------------------------------------------- main.c */
 

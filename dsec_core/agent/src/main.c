@@ -7,10 +7,12 @@
  * proctree.c (process trees), guard.c (keeping sandbox code away from the agent) and util.c;
  * agent.h declares what they share.
  *
- * Usage: dsec-agent [--fd N]
+ * Usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]
  * The backend binds and listens on a unix stream socket (the node connects to it) before the
  * sandbox starts and passes it as fd N (default 3; runc --preserve-fds), so the node can connect
- * before the agent is even running.
+ * before the agent is even running. With --policy-fd the agent first reads the policy document
+ * there (seccomp filter, Landlock file rules and scopes) and enforces it, reporting the outcome
+ * on --status-fd, before it serves anything (policy.c); without it, it serves at once.
  *
  * ARCHITECTURE
  * The main process accepts connections and reads just the request header (non-blocking, so a
@@ -46,6 +48,10 @@
  * killed handler are swept (guard.c says how and why). When an exec's command exits, what it
  * left running is killed unless the request asked for background=1; then its handler stays
  * on as their keeper (exec.c).
+ *
+ * With a Landlock file policy, exec and session handlers, session shells and every command are
+ * forked from the agent's domain thread and share one Landlock domain; main and the file
+ * handlers stay outside it (domain.c says why and how).
  */
 #include "agent.h"
 
@@ -94,33 +100,48 @@ static void handler_init(int keep_fd, struct session *keep)
     set_nonblock(keep_fd, 0);
 }
 
+/* What a handler is forked to serve. */
+struct handler_job {
+    int fd;
+    struct req *r;
+    struct session *s;
+};
+
+/* The forked handler's body (domain_spawn exits when it returns). */
+static void handler_main(void *p)
+{
+    struct handler_job *j = p;
+    handler_init(j->fd, j->s);
+    const char *op = req_get(j->r, "op");
+    if (j->s)
+        op_session_exec(j->fd, j->r, j->s);
+    else if (!strcmp(op, "exec"))
+        op_exec(j->fd, j->r);
+    else if (!strcmp(op, "read"))
+        op_read(j->fd, j->r);
+    else if (!strcmp(op, "write"))
+        op_write(j->fd, j->r);
+    else if (!strcmp(op, "list"))
+        op_list(j->fd, j->r);
+    else if (!strcmp(op, "stat"))
+        op_stat(j->fd, j->r);
+    else if (!strcmp(op, "remove"))
+        op_remove(j->fd, j->r);
+}
+
 /* Run r (for session s, if any) in a forked handler. Main keeps neither fd nor r: the handler
- * has its own copies and answers on fd. */
+ * has its own copies and answers on fd. Handlers that run sandbox code (exec, session commands)
+ * start in the sandbox's Landlock domain, if it has one; file operations serve the node and
+ * stay outside it, so the node reads and writes what the file policy hides from commands. */
 void spawn_handler(int fd, struct req *r, struct session *s)
 {
     if (s)
         s->seq++;
-    pid_t pid = fork();
+    struct handler_job job = {.fd = fd, .r = r, .s = s};
+    int sandboxed = s || !strcmp(req_get(r, "op"), "exec");
+    pid_t pid = domain_spawn(sandboxed, handler_main, &job);
     if (pid < 0) {
         send_error(fd, "internal", NULL, errno, "fork: %s", strerror(errno));
-    } else if (pid == 0) {
-        handler_init(fd, s);
-        const char *op = req_get(r, "op");
-        if (s)
-            op_session_exec(fd, r, s);
-        else if (!strcmp(op, "exec"))
-            op_exec(fd, r);
-        else if (!strcmp(op, "read"))
-            op_read(fd, r);
-        else if (!strcmp(op, "write"))
-            op_write(fd, r);
-        else if (!strcmp(op, "list"))
-            op_list(fd, r);
-        else if (!strcmp(op, "stat"))
-            op_stat(fd, r);
-        else if (!strcmp(op, "remove"))
-            op_remove(fd, r);
-        _exit(0);
     } else {
         guard_track(pid);
         if (s)
@@ -277,20 +298,31 @@ static void handle_signals(void)
 static void usage(void)
 {
     static const char m[] =
-        "usage: dsec-agent [--fd N]\n"
+        "usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]\n"
         "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
-        "(default 3). Runs as the sandbox's init; see the protocol notes in src/wire.c.\n";
+        "(default 3). Runs as the sandbox's init; see the protocol notes in src/wire.c.\n"
+        "--policy-fd: read the policy document there and enforce it before serving, reporting\n"
+        "\"ok\" or the error on --status-fd (src/policy.c describes both).\n";
     if (write(2, m, sizeof m - 1) < 0) {
     }
 }
 
-/* -1 to go on and serve on *fd, else the status to exit with. */
-static int parse_args(int argc, char **argv, int *fd)
+/* The descriptors the command line names (-1: not given). */
+struct agent_args {
+    int fd, policy_fd, status_fd;
+};
+
+/* -1 to go on and serve, else the status to exit with. */
+static int parse_args(int argc, char **argv, struct agent_args *a)
 {
-    *fd = 3;
+    *a = (struct agent_args){.fd = 3, .policy_fd = -1, .status_fd = -1};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
-            *fd = atoi(argv[++i]);
+            a->fd = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--policy-fd") && i + 1 < argc) {
+            a->policy_fd = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--status-fd") && i + 1 < argc) {
+            a->status_fd = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--version")) {
             printf("dsec-agent %s\n", AGENT_VERSION);
             return 0;
@@ -405,8 +437,8 @@ static int serve(void)
 
 int main(int argc, char **argv)
 {
-    int fd;
-    int rc = parse_args(argc, argv, &fd);
+    struct agent_args a;
+    int rc = parse_args(argc, argv, &a);
     if (rc >= 0)
         return rc;
     /* keep 0..2 taken so pipes never land there */
@@ -414,8 +446,10 @@ int main(int argc, char **argv)
         if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
             return 1;
     guard_init();
-    if (take_listener(fd) < 0)
+    if (take_listener(a.fd) < 0) {
+        policy_report_failure(a.status_fd, "its --fd is not a listening socket");
         return 2;
+    }
     g_main_pid = getpid();
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     signal(SIGPIPE, SIG_IGN);
@@ -423,5 +457,8 @@ int main(int argc, char **argv)
     }
     if (open_signalfd() < 0)
         return 1;
+    /* after the signal mask: the domain thread inherits it, so signals reach the signalfd */
+    if (a.policy_fd >= 0 && policy_apply(a.policy_fd, a.status_fd) < 0)
+        return 3;
     return serve();
 }

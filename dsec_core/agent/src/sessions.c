@@ -51,12 +51,16 @@ struct session_run {
 
 /* ---------------------------------------------------------------- small helpers */
 
+/* Where session command and stdin files go. Handlers and shells run in the sandbox's Landlock
+ * domain (domain.c), so a base the file policy protects would refuse them: it is skipped. */
 static const char *priv_dir(void)
 {
     if (g_priv[0])
         return g_priv;
     static const char *const bases[] = {"/run", "/dev/shm", "/tmp"};
     for (unsigned i = 0; i < sizeof bases / sizeof bases[0]; i++) {
+        if (landlock_protects(bases[i]))
+            continue;
         snprintf(g_priv, sizeof g_priv, "%s/.dsec-agent-%d", bases[i], (int)getpid());
         struct stat st;
         if (mkdir(g_priv, 0700) == 0 ||
@@ -67,6 +71,10 @@ static const char *priv_dir(void)
     g_priv[0] = 0;
     return NULL;
 }
+
+/* Make the session directory now: the Landlock walk grants rules to what exists at start, and
+ * a directory made later in an ancestor of a protected path would get none. */
+int session_dir_prepare(void) { return priv_dir() ? 0 : -1; }
 
 void priv_dir_remove(void)
 {
@@ -583,6 +591,19 @@ static void shell_child(const struct shell_pipes *sp, const char *cwd, const cha
     _exit(127);
 }
 
+/* What shell_main hands shell_child in the forked child. */
+struct shell_job {
+    const struct shell_pipes *sp;
+    const char *cwd, *shell;
+    char **envp;
+};
+
+static void shell_main(void *p)
+{
+    struct shell_job *j = p;
+    shell_child(j->sp, j->cwd, j->shell, j->envp);
+}
+
 /* Close the child's pipe ends and learn whether the shell started: a full e means the child
  * reported {1 (chdir) or 2 (exec), errno}; EOF means the exec worked. */
 static ssize_t shell_exec_report(struct shell_pipes *sp, pid_t pid, int e[2])
@@ -662,9 +683,8 @@ void op_session_open(int fd, struct req *r)
         return;
     }
     char **envp = build_env(r);
-    pid_t pid = fork();
-    if (pid == 0)
-        shell_child(&sp, cwd, shell, envp);
+    struct shell_job job = {.sp = &sp, .cwd = cwd, .shell = shell, .envp = envp};
+    pid_t pid = domain_spawn(1, shell_main, &job);
     free(envp);
     int e[2];
     ssize_t n = shell_exec_report(&sp, pid, e);

@@ -32,6 +32,13 @@
  *         unknown_session, session_closed, bad_request, internal.
  * Closing (or half-closing) the connection before the response cancels the request: the
  * command's process tree is killed. In sessions fd 3 is reserved (the end-marker pipe).
+ *
+ * START-UP (before any connection is served): with --policy-fd N the agent reads the agent
+ * policy document from fd N, "DSECPOL1" then fields in the encoding above (values may hold any
+ * byte): seccomp (a BPF program), landlock.read_only, landlock.hidden, landlock.scope (see
+ * policy.c for each). It enforces all of it on itself and on everything it will start, then
+ * writes one line on --status-fd, "ok" or "error <part>: <message>", and closes it; after an
+ * error it exits (status 3) without serving. Without --policy-fd it serves at once.
  */
 #include "agent.h"
 

@@ -3,8 +3,10 @@
 The node composes the root filesystem (``RootfsForm.COMPOSED``). ``runc run -d`` starts the
 sandbox with the in-sandbox agent as its init, handed the listening socket this backend binds
 at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforce through the
-OCI config (target ``"oci"``) and once the container runs (``"started"``: its init pid,
-network namespace and cgroup v2 directory, before ``start`` returns). Stopping does not go
+agent (target ``"agent"``: the policy document as a sealed memfd at fd 4, the agent's answer on
+a pipe at fd 5, read before ``start`` returns), the OCI config (``"oci"``) and once the
+container runs (``"started"``: its init pid, network namespace and cgroup v2 directory, before
+``start`` returns). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
 then we remove the cgroups and runc's state ourselves.
@@ -13,6 +15,7 @@ then we remove the cgroups and runc's state ourselves.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import resource
@@ -26,15 +29,17 @@ from typing import Any
 from dsec_core.backend import (
     AGENT_PATH,
     AgentChannel,
+    AgentPolicy,
     Backend,
     Feature,
     RootfsForm,
     SandboxRuntime,
     StartedSandbox,
     cgroup_path,
+    parse_status,
 )
 from dsec_core.config import NodeConfig
-from dsec_core.errors import BackendUnavailable, SandboxError, ToolError
+from dsec_core.errors import BackendUnavailable, PolicyUnavailable, SandboxError, ToolError
 from dsec_core.records import SandboxUsage
 
 __all__ = ["ContainerBackend", "oci_config"]
@@ -76,6 +81,11 @@ CAPABILITIES = [
     "CAP_SETPCAP",
 ]
 CFS_PERIOD = 100_000
+# Where the agent finds its policy document and answers (runc --preserve-fds: 3, 4, 5).
+AGENT_FDS = {"listener": 3, "policy": 4, "status": 5}
+# How long the agent may take to put its policy in force (a Landlock walk, a filter) and say so.
+POLICY_ANSWER_TIMEOUT = 10.0
+STATUS_MAX = 4096
 
 
 def find_runtime() -> str:
@@ -89,8 +99,17 @@ def find_runtime() -> str:
     )
 
 
-def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
-    """The OCI runtime config of a sandbox."""
+def agent_args(with_policy: bool) -> list[str]:
+    """The agent's command line: the listener at fd 3, and the policy document and the answer
+    pipe at fds 4 and 5 when there is a policy."""
+    args = [AGENT_PATH, "--fd", str(AGENT_FDS["listener"])]
+    if with_policy:
+        args += ["--policy-fd", str(AGENT_FDS["policy"]), "--status-fd", str(AGENT_FDS["status"])]
+    return args
+
+
+def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, Any]:
+    """The OCI runtime config of a sandbox (``agent_policy``: the agent gets a document)."""
     lim = rt.limits
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -108,7 +127,7 @@ def oci_config(rt: SandboxRuntime) -> dict[str, Any]:
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--fd", "3"],
+            "args": agent_args(agent_policy),
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
@@ -210,7 +229,7 @@ class ContainerBackend(Backend):
     )
     rootfs = RootfsForm.COMPOSED
     agent_channel = AgentChannel.UNIX
-    policy_targets = frozenset({"oci", "started"})
+    policy_targets = frozenset({"agent", "oci", "started"})
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
@@ -229,7 +248,10 @@ class ContainerBackend(Backend):
 
     # --- start ----------------------------------------------------------------------------
     async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
-        config = oci_config(rt)
+        policy = AgentPolicy()
+        rt.enforce("agent", policy)
+        document = None if policy.empty() else policy.encode()
+        config = oci_config(rt, agent_policy=document is not None)
         rt.enforce("oci", config)
         bundle = rt.dir
         # 0600: the bundle directory admits the sandboxes' group on runc's way to rootfs/;
@@ -239,44 +261,26 @@ class ContainerBackend(Backend):
             json.dump(config, f)
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"
-        argv = [
-            self.runtime,
-            "--root",
-            os.fspath(self.state_root),
-            "--log",
-            os.fspath(log),
-            "--log-format",
-            "json",
-            "run",
-            "-d",
-            "--preserve-fds",
-            "1",
-            "--pid-file",
-            os.fspath(pid_file),
-            "--bundle",
-            os.fspath(bundle),
-            rt.id,
-        ]
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            if rt.agent_socket.exists():
-                rt.agent_socket.unlink()
-            listener.bind(os.fspath(rt.agent_socket))
-            listener.listen(1024)
-            exit_code = await _spawn_and_wait(argv, fd3=listener.fileno())
-        finally:
-            listener.close()  # the agent holds it now; if it dies, connects fail at once
-        if exit_code != 0:
-            await self._cleanup(rt, None)
-            raise ToolError(
-                f"sandbox {rt.id}: runc could not start the container",
-                command=argv,
-                exit_code=exit_code,
-                stderr=_runc_errors(log),
-                sandbox_id=rt.id,
-            )
-        pid = int(pid_file.read_text().strip())
-        state = {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
+        with _AgentFds(rt.agent_socket, document) as fds:
+            argv = self._run_argv(rt, log, pid_file, len(fds.inherited))
+            exit_code = await _spawn_and_wait(argv, fds.inherited)
+            fds.close_inherited()  # the agent holds them now; if it dies, connects fail at once
+            if exit_code != 0:
+                await self._cleanup(rt, None)
+                raise ToolError(
+                    f"sandbox {rt.id}: runc could not start the container",
+                    command=argv,
+                    exit_code=exit_code,
+                    stderr=_runc_errors(log),
+                    sandbox_id=rt.id,
+                )
+            pid = int(pid_file.read_text().strip())
+            state = {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
+            try:
+                await fds.agent_answer(rt.id)
+            except BaseException:
+                await self.stop(rt, state)
+                raise
         started = StartedSandbox(
             pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
         )
@@ -287,6 +291,26 @@ class ContainerBackend(Backend):
             await self.stop(rt, state)
             raise
         return state
+
+    def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
+        return [
+            self.runtime,
+            "--root",
+            os.fspath(self.state_root),
+            "--log",
+            os.fspath(log),
+            "--log-format",
+            "json",
+            "run",
+            "-d",
+            "--preserve-fds",
+            str(nfds),
+            "--pid-file",
+            os.fspath(pid_file),
+            "--bundle",
+            os.fspath(rt.dir),
+            rt.id,
+        ]
 
     # --- liveness -------------------------------------------------------------------------
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
@@ -337,27 +361,119 @@ def _runc_errors(log: Path) -> str:
     return "\n".join(lines[-10:])
 
 
-async def _spawn_and_wait(argv: list[str], fd3: int) -> int:
-    """posix_spawn ``argv`` with ``fd3`` as its fd 3 and wait for it without a thread.
+class _AgentFds:
+    """The descriptors the agent inherits, made before ``runc run`` and dropped after, on every
+    path: the listening socket at ``rt.agent_socket`` (fd 3) and, with a policy document, a
+    sealed memfd holding it (fd 4) and the write end of the pipe its answer comes back on
+    (fd 5). ``inherited`` maps our descriptors to the numbers the agent gets."""
+
+    def __init__(self, agent_socket: Path, document: bytes | None) -> None:
+        self.agent_socket = agent_socket
+        self.document = document
+        self.inherited: list[int] = []
+        self.answer_r = -1
+        self._mine: list[int] = []
+
+    def __enter__(self) -> _AgentFds:
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                if self.agent_socket.exists():
+                    self.agent_socket.unlink()
+                listener.bind(os.fspath(self.agent_socket))
+                listener.listen(1024)
+            except BaseException:
+                listener.close()
+                raise
+            self._mine.append(listener.detach())
+            if self.document is not None:
+                self._mine.append(_sealed_memfd(self.document))
+                self.answer_r, answer_w = os.pipe2(os.O_CLOEXEC)
+                self._mine.append(answer_w)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.inherited = list(self._mine)
+        return self
+
+    def close_inherited(self) -> None:
+        for fd in self._mine:
+            os.close(fd)
+        self._mine = []
+
+    async def agent_answer(self, sandbox_id: str) -> None:
+        """Wait for the agent's answer to its document; ``PolicyUnavailable`` with the agent's
+        reason if it refused (it then exits without serving)."""
+        if self.answer_r < 0:
+            return
+        try:
+            answer = await asyncio.wait_for(_read_to_eof(self.answer_r), POLICY_ANSWER_TIMEOUT)
+        except TimeoutError:
+            answer = b"error agent: no answer to its policy within %ds" % POLICY_ANSWER_TIMEOUT
+        refused = parse_status(answer)
+        if refused is not None:
+            part, message = refused
+            raise PolicyUnavailable(
+                f"sandbox {sandbox_id}: its agent could not enforce its policy ({part}): {message}",
+                policy=part,
+                sandbox_id=sandbox_id,
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_inherited()
+        if self.answer_r >= 0:
+            os.close(self.answer_r)
+            self.answer_r = -1
+
+
+def _sealed_memfd(data: bytes) -> int:
+    """A memfd holding ``data``, sealed against any change, its offset at the start."""
+    fd = os.memfd_create("dsec-agent-policy", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def _read_to_eof(fd: int) -> bytes:
+    """What a pipe carries until its last writer closes it, at most ``STATUS_MAX`` bytes kept."""
+    os.set_blocking(fd, False)
+    out = bytearray()
+    while True:
+        await _readable(fd)
+        try:
+            chunk = os.read(fd, STATUS_MAX)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return bytes(out)
+        out += chunk[: max(0, STATUS_MAX - len(out))]
+
+
+async def _spawn_and_wait(argv: list[str], fds: list[int]) -> int:
+    """posix_spawn ``argv`` with ``fds`` as its fds 3, 4, ... and wait for it without a thread.
 
     posix_spawn (vfork underneath) is much cheaper than fork from a large daemon, and its
-    file actions place the socket at fd 3 atomically, which subprocess cannot do.
+    file actions place the descriptors atomically, which subprocess cannot do.
     """
     devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    # copies out of the way of 3, 4, ... first: one of ours may sit where another must go
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in fds]
     try:
-        pid = os.posix_spawn(
-            argv[0],
-            argv,
-            os.environ,
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, devnull, 0),
-                (os.POSIX_SPAWN_DUP2, devnull, 1),
-                (os.POSIX_SPAWN_DUP2, devnull, 2),
-                (os.POSIX_SPAWN_DUP2, fd3, 3),
-            ],
-        )
+        actions = [(os.POSIX_SPAWN_DUP2, devnull, i) for i in range(3)]
+        actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
+        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
     finally:
         os.close(devnull)
+        for fd in high:
+            os.close(fd)
     return await _wait_child(pid)
 
 

@@ -673,6 +673,13 @@ static int p_x32_unshare_user(void)
     return err(syscall(0x40000000 | SYS_unshare, CLONE_NEWUSER));
 }
 
+/* A call newer than every name the profile holds (statmount, 457 on every architecture since
+ * Linux 6.8): a filter answering ENOSYS there lets libc fall back as on an older kernel. */
+static int p_statmount(void)
+{
+    return err(syscall(457, 0, 0, 0, 0));
+}
+
 /* --- table --------------------------------------------------------------------------------- */
 
 struct probe {
@@ -749,6 +756,7 @@ static const struct probe PROBES[] = {
     {"i386_socket_packet", p_i386_socket_packet},
     {"i386_ficlone", p_i386_ficlone},
     {"x32_unshare_user", p_x32_unshare_user},
+    {"statmount", p_statmount},
 };
 
 #define NPROBES (sizeof PROBES / sizeof PROBES[0])
