@@ -20,6 +20,7 @@ from ..errors import NodeUnavailable
 __all__ = [
     "CGROUP_ROOT",
     "ConfinedCgroups",
+    "cgroup2_root",
     "confine_self",
     "hierarchies",
     "memory_limit",
@@ -44,6 +45,16 @@ class ConfinedCgroups:
 
 def _unified() -> bool:
     return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def cgroup2_root() -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted: ``/sys/fs/cgroup`` on a v2 host, its
+    ``unified`` mount on a hybrid one (runc places containers there too); None without one.
+    cgroup BPF programs attach to directories of this hierarchy."""
+    for root in (CGROUP_ROOT, CGROUP_ROOT / "unified"):
+        if (root / "cgroup.controllers").exists():
+            return root
+    return None
 
 
 def hierarchies() -> list[Path]:

@@ -40,6 +40,7 @@ from dsec_core.backend import (
 )
 from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, PolicyUnavailable, SandboxError, ToolError
+from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.records import SandboxUsage
 
 __all__ = ["ContainerBackend", "oci_config"]
@@ -521,13 +522,11 @@ async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
 
 
 def _cgroup2_dir(sandbox_id: str) -> Path | None:
-    """The sandbox's cgroup v2 directory: under /sys/fs/cgroup on a v2 host, under its
-    ``unified`` mount on a hybrid one (runc places the container there too)."""
-    for root in (CGROUP_ROOT, CGROUP_ROOT / "unified"):
-        if (root / "cgroup.controllers").exists():
-            d = root / cgroup_path(sandbox_id)
-            return d if d.is_dir() else None
-    return None
+    """The sandbox's cgroup v2 directory, if the host has that hierarchy (runc places the
+    container there too on a hybrid host)."""
+    root = cgroup2_root()
+    d = root / cgroup_path(sandbox_id) if root is not None else None
+    return d if d is not None and d.is_dir() else None
 
 
 def _hierarchies() -> list[Path]:

@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from dsec_core.backend import Backend, SandboxRuntime, StartedSandbox
 from dsec_core.config import NodeConfig
 from dsec_core.errors import DsecError, PolicyUnavailable
+from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.security import SecurityPolicy
 
 from .bpf import (
@@ -86,6 +88,9 @@ class EgressPolicy(SecurityPolicy):
         self._resolver: Resolver | None = None
         self._refresher: threading.Thread | None = None
         self._stop = threading.Event()
+        # programs being attached while the backend starts the sandbox: (cgroup, future)
+        self._pending: dict[str, tuple[Path, Future[None]]] = {}
+        self._attacher: ThreadPoolExecutor | None = None
 
     # --- what the node asks first ----------------------------------------------------------
     @classmethod
@@ -154,21 +159,51 @@ class EgressPolicy(SecurityPolicy):
                 "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
             }
         )
+        self._attach_early(rt, config.get("linux", {}).get("cgroupsPath"))
 
-    def _started(self, rt: SandboxRuntime, settings: Mapping[str, Any], s: StartedSandbox) -> None:
-        if s.cgroup2 is None:
-            raise PolicyUnavailable(
-                f"sandbox {rt.id} has no cgroup v2 directory to attach the egress programs to",
-                policy=self.name,
-                sandbox_id=rt.id,
-            )
-        tracked = _Tracked(rt, parse_settings(settings))
-        tracked.resolved = self.resolver.resolve(tracked.domains)
+    def _attach_early(self, rt: SandboxRuntime, cgroups_path: Any) -> None:
+        """Attach the programs to the cgroup v2 directory the OCI config names, made now, in
+        a thread while the backend starts the container (loading and attaching take a few ms
+        that would otherwise add to every create). The runtime joins the directory that
+        exists; ``_started`` waits for the attach and checks the sandbox really is there."""
+        root = cgroup2_root()
+        if root is None or not isinstance(cgroups_path, str) or not cgroups_path.startswith("/"):
+            return  # no v2 hierarchy, or a path the runtime resolves its own way
+        cgroup = root / cgroups_path.lstrip("/")
+        try:
+            cgroup.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            log.debug("sandbox %s: no early attach, cannot make %s: %s", rt.id, cgroup, e)
+            return
+        with self._lock:
+            if self._attacher is None:
+                self._attacher = ThreadPoolExecutor(2, thread_name_prefix="dsec-egress-attach")
+            future = self._attacher.submit(self._attach, rt.id, cgroup, ())
+            self._pending[rt.id] = (cgroup, future)
+
+    def _attach(self, sandbox_id: str, cgroup: Path, entries: tuple[Rule, ...]) -> None:
+        """Load and attach the programs to ``cgroup`` with empty maps (default deny), then
+        allow ``entries``' destinations once they are known."""
         ensure_bpffs()
         obj = ensure_object(self.config.bin_dir)
-        pins = pin_dir(rt.id)
+        with attach_programs(obj, cgroup, pin_dir(sandbox_id)) as maps:
+            maps.sync(trie_entries(entries, {}))
+
+    def _started(self, rt: SandboxRuntime, settings: Mapping[str, Any], s: StartedSandbox) -> None:
         try:
-            with attach_programs(obj, s.cgroup2, pins) as maps:
+            tracked = _Tracked(rt, parse_settings(settings))
+            tracked.resolved = self.resolver.resolve(tracked.domains)
+            attached = self._wait_attached(rt.id, s.cgroup2)
+            if not attached:
+                if s.cgroup2 is None:
+                    raise PolicyUnavailable(
+                        f"sandbox {rt.id} has no cgroup v2 directory to attach the egress "
+                        "programs to",
+                        policy=self.name,
+                        sandbox_id=rt.id,
+                    )
+                self._attach(rt.id, s.cgroup2, ())
+            with PinnedMaps.open(pin_dir(rt.id)) as maps:
                 maps.sync(trie_entries(tracked.rules, tracked.resolved))
             if rt.spec.network == "allowlist":
                 tracked.address = self.network.attach(rt.id, s.netns)
@@ -177,6 +212,22 @@ class EgressPolicy(SecurityPolicy):
             self._release(rt.id)
             raise
         self._track(tracked)
+
+    def _wait_attached(self, sandbox_id: str, cgroup: Path | None) -> bool:
+        """Wait for the early attach of the sandbox; True if its programs are on ``cgroup``.
+        An early attach to another directory than the one the sandbox runs in is undone."""
+        with self._lock:
+            pending = self._pending.pop(sandbox_id, None)
+        if pending is None:
+            return False
+        where, future = pending
+        future.result()  # its error is the create's
+        if cgroup is not None and where == cgroup:
+            return True
+        log.warning("sandbox %s runs in %s, not %s: attaching there", sandbox_id, cgroup, where)
+        remove_pins(pin_dir(sandbox_id))
+        _remove_cgroup(where)
+        return False
 
     def update(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
         rules = parse_settings(settings)
@@ -231,6 +282,12 @@ class EgressPolicy(SecurityPolicy):
     def _release(self, sandbox_id: str) -> None:
         with self._lock:
             self._sandboxes.pop(sandbox_id, None)
+            pending = self._pending.pop(sandbox_id, None)
+        if pending is not None:  # a create that failed before the sandbox started
+            where, future = pending
+            if future.exception() is not None:
+                log.debug("sandbox %s: early attach failed: %s", sandbox_id, future.exception())
+            _remove_cgroup(where)  # the backend may never have taken it over
         remove_pins(pin_dir(sandbox_id))
         if self._network is not None or EgressNetwork(self.config.home).exists():
             self.network.detach(sandbox_id)
@@ -240,6 +297,10 @@ class EgressPolicy(SecurityPolicy):
         if self._refresher is not None:
             self._refresher.join(timeout=10)
             self._refresher = None
+        with self._lock:
+            attacher, self._attacher = self._attacher, None
+        if attacher is not None:
+            attacher.shutdown(wait=True)
         network = self._network or EgressNetwork(self.config.home)
         if network.exists() and not network.remove_if_unused():
             log.info("egress namespace %s stays: sandboxes still use it", network.name)
@@ -298,6 +359,16 @@ class EgressPolicy(SecurityPolicy):
             f.seek(0)
             f.write(_hosts_text(hostname, t.resolved))
             f.truncate()
+
+
+def _remove_cgroup(d: Path) -> None:
+    """Remove an empty cgroup directory made for an early attach (its programs go with it)."""
+    try:
+        d.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("cannot remove cgroup %s: %s", d, e)
 
 
 def _hosts_text(hostname: str, resolved: Mapping[str, tuple[str, ...]]) -> str:
