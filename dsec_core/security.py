@@ -130,7 +130,9 @@ class SecurityPolicy:
 
     @classmethod
     def check_available(cls) -> None:
-        """Raise ``PolicyUnavailable`` if this host lacks what the policy needs."""
+        """Raise ``PolicyUnavailable`` if this host lacks what the policy needs. The node asks
+        before creates that name the policy and keeps the answer a few seconds
+        (``AVAILABILITY_TTL``)."""
 
     @classmethod
     def enforceable_on(cls, backend: type[Backend]) -> bool:

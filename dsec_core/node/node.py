@@ -63,6 +63,9 @@ STATE_FILE = "state.json"
 
 #: Settings keys the node reads itself; a policy never sees them.
 NODE_SETTINGS = ("enabled", "best_effort")
+#: Seconds a policy's ``check_available`` answer is kept: it runs before every create that
+#: names the policy, and what it checks (tools, kernel features) rarely changes.
+AVAILABILITY_TTL = 5.0
 
 
 @dataclass
@@ -150,6 +153,8 @@ class Node:
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._watch: asyncio.Task | None = None
         self._policies: dict[str, SecurityPolicy] = {}
+        # policy name -> (monotonic time checked, why it is unavailable or None)
+        self._available: dict[str, tuple[float, PolicyUnavailable | None]] = {}
         self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
         self.ondemand: OnDemandLayers | None = None
@@ -261,7 +266,17 @@ class Node:
     def _enforceable(self, policy: SecurityPolicy, backend: Backend) -> None:
         """``PolicyUnavailable`` unless this host can run ``policy`` on ``backend``."""
         name = policy.name
-        policy.check_available()
+        checked, why = self._available.get(name, (-AVAILABILITY_TTL, None))
+        now = time.monotonic()
+        if now - checked >= AVAILABILITY_TTL:
+            try:
+                policy.check_available()
+                why = None
+            except PolicyUnavailable as e:
+                why = e
+            self._available[name] = (now, why)
+        if why is not None:
+            raise why.with_traceback(None)
         if not policy.enforceable_on(type(backend)):
             raise PolicyUnavailable(
                 f"security policy {name!r} cannot be enforced on backend {backend.name!r}: "

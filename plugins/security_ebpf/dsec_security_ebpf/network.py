@@ -106,6 +106,9 @@ class EgressNetwork:
         self._used: dict[str, str] | None = None  # address -> sandbox veth
         self._removing: list[str] = []  # detached veths the reaper has yet to delete
         self._reaper: threading.Thread | None = None
+        # attaches' socket in the egress namespace, kept (opening one takes a thread that
+        # enters the namespace); used under _lock, closed with the namespace
+        self._nl: Netlink | None = None
 
     @property
     def path(self) -> Path:
@@ -122,6 +125,7 @@ class EgressNetwork:
     def _ensure(self) -> None:
         if self.exists():
             return
+        self._close_socket()  # one from a namespace of this name that is gone
         add_netns(self.name)
         try:
             script = " && ".join(f"echo {v} > /proc/sys/{k}" for k, v in SYSCTLS.items())
@@ -170,9 +174,10 @@ class EgressNetwork:
         """Give the sandbox whose network namespace is ``netns`` (``/proc/<pid>/ns/net``) a
         veth into the egress namespace; its address. On failure nothing is left.
 
-        All through netlink from this process (``dsec_core.linux.netlink``): no program runs
-        per sandbox. The sandbox's end is made in its namespace, never anywhere else; its
-        side is set up by a short-lived thread that enters the namespace (``call_in_netns``)."""
+        All through netlink from this process (``dsec_core.linux.netlink``, on a socket in the
+        egress namespace kept between attaches): no program runs per sandbox. The sandbox's
+        end is made in its namespace, never anywhere else; its side is set up by a
+        short-lived thread that enters the namespace (``call_in_netns``)."""
         veth = veth_name(sandbox_id)
         with self._lock:
             # the same sandbox again (a test; ids are unique): its old veth must go first
@@ -180,20 +185,23 @@ class EgressNetwork:
             addr = self._allocate(veth, sandbox_id)  # makes the egress namespace if need be
             made = False
             try:
-                with Netlink.open(self.path) as nl:
-                    fd = open_netns(netns)
-                    try:
-                        nl.add_veth(veth, SANDBOX_DEVICE, fd)
-                    finally:
-                        os.close(fd)
-                    made = True
-                    index = nl.link_index(veth)
-                    nl.add_address(index, GATEWAY)
-                    nl.set_up(index)
-                    nl.add_route(addr, 32, index)
-                    where = os.fspath(netns)
-                    call_in_netns(netns, lambda: _set_up_sandbox_side(addr, where))
+                if self._nl is None:
+                    self._nl = Netlink.open(self.path)
+                nl = self._nl
+                fd = open_netns(netns)
+                try:
+                    nl.add_veth(veth, SANDBOX_DEVICE, fd)
+                finally:
+                    os.close(fd)
+                made = True
+                index = nl.link_index(veth)
+                nl.add_address(index, GATEWAY)
+                nl.set_up(index)
+                nl.add_route(addr, 32, index)
+                where = os.fspath(netns)
+                call_in_netns(netns, lambda: _set_up_sandbox_side(addr, where))
             except BaseException:
+                self._close_socket()  # whatever it was in the middle of, the next one is new
                 if self._used is not None:
                     self._used.pop(addr, None)
                 if made:
@@ -274,9 +282,15 @@ class EgressNetwork:
             self._changed.wait_for(lambda: not self._removing, 30.0)
             if self.users():
                 return False
+            self._close_socket()
             delete_netns(self.name)
             self._used = None
             return True
+
+    def _close_socket(self) -> None:
+        if self._nl is not None:
+            self._nl.close()
+            self._nl = None
 
 
 def _set_up_sandbox_side(address: str, where: str) -> None:

@@ -77,7 +77,9 @@ class SeccompPolicy(SecurityPolicy):
 
     def __init__(self) -> None:
         self._in_force: dict[str, dict[str, Any]] = {}
+        # per settings (``_key``), made once: the compiled program and the stats summary
         self._programs: dict[tuple[bool, tuple[str, ...]], bytes] = {}
+        self._summaries: dict[tuple[str, bool, tuple[str, ...]], dict[str, Any]] = {}
 
     @classmethod
     def check_available(cls) -> None:
@@ -156,12 +158,12 @@ class SeccompPolicy(SecurityPolicy):
                 sandbox_id=rt.id,
             )
         doc.seccomp = self.program(settings)
-        self._in_force[rt.id] = self._summary(settings, self.profile(settings), "agent")
+        self._in_force[rt.id] = self._summary(settings, "agent")
 
     def program(self, settings: Mapping[str, Any]) -> bytes:
         """The profile for these (valid) settings as the BPF program the agent installs,
         compiled once per settings (about 20 ms) and kept."""
-        key = (bool(settings.get("userns", False)), tuple(sorted(settings.get("allow", ()))))
+        key = _key(settings)
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = bpf.compile_profile(self.profile(settings))
@@ -179,13 +181,12 @@ class SeccompPolicy(SecurityPolicy):
                 policy=self.name,
                 sandbox_id=rt.id,
             )
-        profile = self.profile(settings)
-        linux["seccomp"] = profile
-        self._in_force[rt.id] = self._summary(settings, profile, "oci")
+        linux["seccomp"] = self.profile(settings)
+        self._in_force[rt.id] = self._summary(settings, "oci")
 
     def adopted(self, rt: SandboxRuntime, settings: Mapping[str, Any]) -> None:
         via = "agent" if "agent" in rt.targets else "oci"
-        self._in_force[rt.id] = self._summary(settings, self.profile(settings), via)
+        self._in_force[rt.id] = self._summary(settings, via)
 
     def profile(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The OCI ``linux.seccomp`` section for a sandbox with these (valid) settings."""
@@ -202,15 +203,24 @@ class SeccompPolicy(SecurityPolicy):
     def released(self, rt: SandboxRuntime) -> None:
         self._in_force.pop(rt.id, None)
 
-    @staticmethod
-    def _summary(
-        settings: Mapping[str, Any], profile: Mapping[str, Any], via: str
-    ) -> dict[str, Any]:
-        return {
-            "via": via,
-            "default": "EPERM",
-            "architectures": list(profile["architectures"]),
-            "rules": len(profile["syscalls"]),
-            "userns": bool(settings.get("userns", False)),
-            "allow": sorted(settings.get("allow", [])),
-        }
+    def _summary(self, settings: Mapping[str, Any], via: str) -> dict[str, Any]:
+        """What ``stats`` shows of a sandbox's profile; shared by sandboxes with the same
+        settings (building the profile takes about half a millisecond)."""
+        key = (via, *_key(settings))
+        summary = self._summaries.get(key)
+        if summary is None:
+            profile = self.profile(settings)
+            summary = self._summaries[key] = {
+                "via": via,
+                "default": "EPERM",
+                "architectures": list(profile["architectures"]),
+                "rules": len(profile["syscalls"]),
+                "userns": bool(settings.get("userns", False)),
+                "allow": sorted(settings.get("allow", [])),
+            }
+        return summary
+
+
+def _key(settings: Mapping[str, Any]) -> tuple[bool, tuple[str, ...]]:
+    """What of (valid) settings makes the profile: userns, and the allowed syscalls."""
+    return bool(settings.get("userns", False)), tuple(sorted(settings.get("allow", ())))
