@@ -23,19 +23,19 @@ from typing import Any
 
 from dsec_core.backend import Backend, SandboxRuntime, StartedSandbox
 from dsec_core.config import NodeConfig
-from dsec_core.errors import DsecError, PolicyUnavailable
+from dsec_core.errors import DsecError, PolicyUnavailable, UnknownSandbox
 from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.security import SecurityPolicy
 
 from .bpf import (
     COUNTERS,
-    PinnedMaps,
-    attach_programs,
+    NodeMaps,
+    Programs,
+    SandboxMaps,
     ensure_bpffs,
     ensure_object,
     libbpf,
-    pin_dir,
-    remove_pins,
+    maps_dir,
 )
 from .network import EgressNetwork
 from .resolve import Resolver
@@ -91,6 +91,7 @@ class EgressPolicy(SecurityPolicy):
         # programs being attached while the backend starts the sandbox: (cgroup, future)
         self._pending: dict[str, tuple[Path, Future[None]]] = {}
         self._attacher: ThreadPoolExecutor | None = None
+        self._programs: Programs | None = None  # loaded on first use, shared by sandboxes
 
     # --- what the node asks first ----------------------------------------------------------
     @classmethod
@@ -134,6 +135,14 @@ class EgressPolicy(SecurityPolicy):
         return self._network
 
     @property
+    def programs(self) -> Programs:
+        with self._lock:
+            if self._programs is None:
+                ensure_bpffs()
+                self._programs = Programs.load(ensure_object(self.config.bin_dir), maps_dir())
+            return self._programs
+
+    @property
     def resolver(self) -> Resolver:
         if self._resolver is None:
             self._resolver = Resolver.from_env()
@@ -162,10 +171,11 @@ class EgressPolicy(SecurityPolicy):
         self._attach_early(rt, config.get("linux", {}).get("cgroupsPath"))
 
     def _attach_early(self, rt: SandboxRuntime, cgroups_path: Any) -> None:
-        """Attach the programs to the cgroup v2 directory the OCI config names, made now, in
-        a thread while the backend starts the container (loading and attaching take a few ms
-        that would otherwise add to every create). The runtime joins the directory that
-        exists; ``_started`` waits for the attach and checks the sandbox really is there."""
+        """Attach the programs to the cgroup v2 directory the OCI config names, made now, so
+        they are there before anything runs in it. In a thread, while the backend starts the
+        container: off the event loop (the first attach compiles and loads the programs) and
+        out of the create's way. The runtime joins the directory that exists; ``_started``
+        waits for the attach and checks the sandbox really is there."""
         root = cgroup2_root()
         if root is None or not isinstance(cgroups_path, str) or not cgroups_path.startswith("/"):
             return  # no v2 hierarchy, or a path the runtime resolves its own way
@@ -178,16 +188,8 @@ class EgressPolicy(SecurityPolicy):
         with self._lock:
             if self._attacher is None:
                 self._attacher = ThreadPoolExecutor(2, thread_name_prefix="dsec-egress-attach")
-            future = self._attacher.submit(self._attach, rt.id, cgroup, ())
+            future = self._attacher.submit(self.programs.attach, rt.id, cgroup)
             self._pending[rt.id] = (cgroup, future)
-
-    def _attach(self, sandbox_id: str, cgroup: Path, entries: tuple[Rule, ...]) -> None:
-        """Load and attach the programs to ``cgroup`` with empty maps (default deny), then
-        allow ``entries``' destinations once they are known."""
-        ensure_bpffs()
-        obj = ensure_object(self.config.bin_dir)
-        with attach_programs(obj, cgroup, pin_dir(sandbox_id)) as maps:
-            maps.sync(trie_entries(entries, {}))
 
     def _started(self, rt: SandboxRuntime, settings: Mapping[str, Any], s: StartedSandbox) -> None:
         try:
@@ -202,8 +204,8 @@ class EgressPolicy(SecurityPolicy):
                         policy=self.name,
                         sandbox_id=rt.id,
                     )
-                self._attach(rt.id, s.cgroup2, ())
-            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+                self.programs.attach(rt.id, s.cgroup2)
+            with SandboxMaps.open(rt.id) as maps:
                 maps.sync(trie_entries(tracked.rules, tracked.resolved))
             if rt.spec.network == "allowlist":
                 tracked.address = self.network.attach(rt.id, s.netns)
@@ -225,7 +227,7 @@ class EgressPolicy(SecurityPolicy):
         if cgroup is not None and where == cgroup:
             return True
         log.warning("sandbox %s runs in %s, not %s: attaching there", sandbox_id, cgroup, where)
-        remove_pins(pin_dir(sandbox_id))
+        _unregister(sandbox_id)
         _remove_cgroup(where)
         return False
 
@@ -235,7 +237,7 @@ class EgressPolicy(SecurityPolicy):
             tracked = self._sandboxes.get(rt.id) or _Tracked(rt, rules)
             new = _Tracked(rt, rules, address=tracked.address)
             new.resolved = self.resolver.resolve(new.domains)
-            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+            with SandboxMaps.open(rt.id) as maps:
                 maps.sync(trie_entries(new.rules, new.resolved))
             self._write_hosts(new)
             self._track(new)
@@ -245,7 +247,7 @@ class EgressPolicy(SecurityPolicy):
         tracked.resolved = self.resolver.resolve(tracked.domains)
         tracked.address = self.network.address_of(rt.id)
         try:
-            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+            with SandboxMaps.open(rt.id) as maps:
                 maps.sync(trie_entries(tracked.rules, tracked.resolved))
         except DsecError as e:
             log.warning("sandbox %s: its egress maps are gone: %s", rt.id, e)
@@ -255,7 +257,7 @@ class EgressPolicy(SecurityPolicy):
 
     def stats(self, rt: SandboxRuntime) -> Mapping[str, Any]:
         try:
-            with PinnedMaps.open(pin_dir(rt.id)) as maps:
+            with SandboxMaps.open(rt.id) as maps:
                 denied = maps.denied()
                 rules = sum(len(list(maps.keys(n))) for n in ("allow4", "allow6"))
         except DsecError:
@@ -288,7 +290,7 @@ class EgressPolicy(SecurityPolicy):
             if future.exception() is not None:
                 log.debug("sandbox %s: early attach failed: %s", sandbox_id, future.exception())
             _remove_cgroup(where)  # the backend may never have taken it over
-        remove_pins(pin_dir(sandbox_id))
+        _unregister(sandbox_id)
         if self._network is not None or EgressNetwork(self.config.home).exists():
             self.network.detach(sandbox_id)
 
@@ -301,6 +303,12 @@ class EgressPolicy(SecurityPolicy):
             attacher, self._attacher = self._attacher, None
         if attacher is not None:
             attacher.shutdown(wait=True)
+        with self._lock:
+            programs, self._programs = self._programs, None
+        if programs is not None:
+            # Attached programs stay with their sandboxes' cgroups, and the maps stay pinned
+            # (empty, they hold next to nothing): another node on this host may share them.
+            programs.close()
         network = self._network or EgressNetwork(self.config.home)
         if network.exists() and not network.remove_if_unused():
             log.info("egress namespace %s stays: sandboxes still use it", network.name)
@@ -340,7 +348,7 @@ class EgressPolicy(SecurityPolicy):
                 if self._sandboxes.get(t.rt.id) is not t:
                     continue  # released or updated meanwhile
                 try:
-                    with PinnedMaps.open(pin_dir(t.rt.id)) as maps:
+                    with SandboxMaps.open(t.rt.id) as maps:
                         maps.sync(trie_entries(t.rules, resolved))
                 except DsecError as e:
                     log.warning("sandbox %s: egress maps: %s", t.rt.id, e)
@@ -359,6 +367,15 @@ class EgressPolicy(SecurityPolicy):
             f.seek(0)
             f.write(_hosts_text(hostname, t.resolved))
             f.truncate()
+
+
+def _unregister(sandbox_id: str) -> None:
+    """Drop the sandbox's rules and counters from the maps, if it has any there."""
+    try:
+        with NodeMaps.open() as maps:
+            maps.unregister(sandbox_id)
+    except UnknownSandbox:
+        pass  # no maps pinned: nothing was ever registered
 
 
 def _remove_cgroup(d: Path) -> None:

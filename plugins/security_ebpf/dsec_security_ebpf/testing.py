@@ -25,11 +25,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec_core.errors import ToolError
+from dsec_core.errors import ToolError, UnknownSandbox
 from dsec_core.linux.netns import add_netns, delete_netns, ip_batch, netns_exists
 from dsec_core.testing import KitNode, free_port, running_kit_node
 
-from .bpf import BPF_ROOT
+from .bpf import NodeMaps
 from .network import EgressNetwork
 
 __all__ = [
@@ -223,7 +223,7 @@ def egress_kit_node(
     argv = [sys.executable, "-m", "dsec_security_ebpf.testing", "serve", "--bind", "127.0.0.1"]
     argv += ["--record", os.fspath(record), "--zone", os.fspath(zone), "--dns", str(port)]
     dns = start_server(argv)
-    before = _pinned()
+    before = _registered()
     try:
         daemon_env = {
             "DSEC_EGRESS_DNS": f"127.0.0.1:{port}",
@@ -244,14 +244,18 @@ def egress_kit_node(
                 else:
                     os.environ[k] = v
         assert not egress.exists(), f"the node left its egress namespace {egress.name}"
-        assert _pinned() <= before, f"pinned BPF objects left: {sorted(_pinned() - before)}"
+        left = _registered() - before
+        assert not left, f"sandboxes left in the egress maps: {sorted(left)}"
     finally:
         stop_server(dns)
 
 
-def _pinned() -> set[str]:
-    root = BPF_ROOT / "dsec"
-    return {p.name for p in root.iterdir()} if root.is_dir() else set()
+def _registered() -> set[str]:
+    try:
+        with NodeMaps.open() as maps:
+            return set(maps.sandboxes())
+    except UnknownSandbox:  # nothing pinned yet
+        return set()
 
 
 # --- the server process ---------------------------------------------------------------------

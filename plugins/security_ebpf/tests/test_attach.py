@@ -1,6 +1,6 @@
 """The early attach: the policy attaches its programs to the cgroup the OCI config names while
 the backend starts the container. A create that fails in between, and a sandbox that runs
-somewhere else than the config said, leave no cgroup and no pinned map behind."""
+somewhere else than the config said, leave no cgroup and no entry in the maps behind."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from dsec_security_ebpf import EgressPolicy
-from dsec_security_ebpf.bpf import pin_dir
+from dsec_security_ebpf.bpf import registered
 
 from dsec_core.backend import SandboxRuntime, StartedSandbox, cgroup_path
 from dsec_core.linux.cgroups import cgroup2_root
@@ -73,7 +73,7 @@ def test_a_create_failing_between_config_and_start_leaves_nothing(policy, tmp_pa
     assert cgroup.is_dir()  # made for the attach, before the runtime would join it
     policy.released(rt)  # what the node calls when the backend's start failed
     assert not cgroup.exists()
-    assert not pin_dir(rt.id).exists()
+    assert not registered(rt.id)
 
 
 def test_programs_are_on_the_cgroup_before_anything_runs_there(policy, tmp_path):
@@ -90,12 +90,12 @@ def test_programs_are_on_the_cgroup_before_anything_runs_there(policy, tmp_path)
             StartedSandbox(pid=os.getpid(), netns=Path("/proc/self/ns/net"), cgroup2=cgroup),
         )
         assert attached_programs(cgroup) >= 4  # connect, sendmsg and egress hooks, v4 and v6
-        assert pin_dir(rt.id).is_dir()
+        assert registered(rt.id)
         assert policy.stats(rt)["rules"] == 1
     finally:
         policy.released(rt)
         cgroup.rmdir()  # the backend's part, here
-    assert not pin_dir(rt.id).exists()
+    assert not registered(rt.id)
 
 
 def test_a_sandbox_running_elsewhere_gets_the_programs_there(policy, tmp_path):
@@ -115,4 +115,4 @@ def test_a_sandbox_running_elsewhere_gets_the_programs_there(policy, tmp_path):
     finally:
         policy.released(rt)
         actual.rmdir()
-    assert not pin_dir(rt.id).exists()
+    assert not registered(rt.id)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from dsec_security_ebpf import egress_namespace, veth_name
-from dsec_security_ebpf.bpf import pin_dir
+from dsec_security_ebpf.bpf import NodeMaps, registered
 from dsec_security_ebpf.testing import ServerNamespace, egress_kit_node
 
 from dsec_core.backend import cgroup_path
@@ -161,16 +161,16 @@ def test_survives_a_daemon_restart(dsec_sandboxes, egress, servers, netprobe):
         assert probe(sb, "tcp", servers.address, "8081", "after") == "ok"
         assert egress_stats(sb)["denied"] == 2
         c.kill(sb.id)
-    assert not pin_dir(sb.id).exists()
+    assert not registered(sb.id)
 
 
 def test_kill_leaves_nothing(dsec_sandboxes, egress, servers, netprobe):
     sb = allowlisted(dsec_sandboxes, netprobe, f"{servers.address}:8080/tcp")
     ns = egress_namespace(egress.node.home)
-    assert pin_dir(sb.id).is_dir() and veth_name(sb.id) in links(ns)
+    assert registered(sb.id) and veth_name(sb.id) in links(ns)
     assert (UNIFIED / cgroup_path(sb.id)).is_dir()
     dsec_sandboxes.client.kill(sb.id)
-    assert not pin_dir(sb.id).exists()
+    assert not registered(sb.id)
     # the veth goes in the background, after the kernel's RCU grace period (tens of ms)
     assert wait_for(lambda: veth_name(sb.id) not in links(ns), timeout=5)
     assert not (UNIFIED / cgroup_path(sb.id)).exists()
@@ -190,10 +190,12 @@ def test_a_failed_start_leaves_nothing(tmp_path, netprobe):
                 policies={"egress": {"allow": ["10.77.9.9:80/tcp"]}},
             )
             made = [c.create(**spec) for _ in range(2)]
-            before = set(os.listdir(pin_dir("x").parent))
+            with NodeMaps.open() as maps:
+                before = set(maps.sandboxes())
             with pytest.raises(ToolError, match="no free address"):
                 c.create(**spec)
-            assert set(os.listdir(pin_dir("x").parent)) == before
+            with NodeMaps.open() as maps:
+                assert set(maps.sandboxes()) == before
             assert sorted(links(ns)) == sorted(["lo", *(veth_name(s.id) for s in made)])
             assert len(c.list()) == 2
             left = leftovers(egress.node.home)

@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from dsec_security_ebpf.bpf import attach_programs, ensure_bpffs, ensure_object, remove_pins
+from dsec_security_ebpf.bpf import (
+    NodeMaps,
+    Programs,
+    ensure_bpffs,
+    ensure_object,
+    maps_dir,
+    registered,
+)
 from dsec_security_ebpf.rules import parse_settings, trie_entries
 from dsec_security_ebpf.testing import build_probe, read_record, start_server, stop_server
 
@@ -65,15 +72,18 @@ def test_programs_refuse_what_full_root_tries(pair, tmp_path):
     client, record = pair
     probe = os.fspath(build_probe(tmp_path))
     cgroup = UNIFIED / f"dsec-test-{secrets.token_hex(4)}"
-    pins = Path("/sys/fs/bpf/dsec") / cgroup.name
+    sandbox = cgroup.name
     cgroup.mkdir()
+    programs = None
     try:
         # before the programs: root gets a raw packet through
         assert run_in(cgroup, client, [probe, "raw", "10.79.0.2", "5353", "before"]) == "ok"
         ensure_bpffs()
-        obj = ensure_object(NodeConfig.from_env().bin_dir)
+        programs = Programs.load(ensure_object(NodeConfig.from_env().bin_dir), maps_dir())
         rules = parse_settings({"allow": ["10.79.0.2:8080/tcp"]})
-        with attach_programs(obj, cgroup, pins) as maps:
+        programs.attach(sandbox, cgroup)
+        with NodeMaps.open() as node_maps:
+            maps = node_maps.sandbox(sandbox)
             maps.sync(trie_entries(rules, {}))
             assert run_in(cgroup, client, [probe, "raw", "10.79.0.2", "5353", "raw"]) == (
                 "socket: EPERM"
@@ -90,11 +100,72 @@ def test_programs_refuse_what_full_root_tries(pair, tmp_path):
             ("tcp", "tcp"),
         ]
     finally:
-        remove_pins(pins)
+        if programs is not None:
+            with NodeMaps.open() as node_maps:
+                node_maps.unregister(sandbox)
+            programs.close()
         for _ in range(50):
             try:
                 cgroup.rmdir()
                 break
             except OSError:
                 time.sleep(0.1)
-    assert not pins.exists() and not cgroup.exists()
+    assert not registered(sandbox) and not cgroup.exists()
+
+
+def test_each_sandbox_matches_only_its_own_rules(pair, tmp_path):
+    """One set of programs and maps serves every sandbox: a rule of one never lets another
+    through, and a cgroup nobody registered (a child made inside a sandbox) gets nothing."""
+    client, record = pair
+    probe = os.fspath(build_probe(tmp_path))
+    tag = secrets.token_hex(4)
+    allowed, other = UNIFIED / f"dsec-test-a{tag}", UNIFIED / f"dsec-test-b{tag}"
+    child = allowed / "child"
+    made = [allowed, other]
+    for d in made:
+        d.mkdir()
+    programs = None
+    try:
+        ensure_bpffs()
+        programs = Programs.load(ensure_object(NodeConfig.from_env().bin_dir), maps_dir())
+        for d in made:
+            programs.attach(d.name, d)
+        child.mkdir()
+        with NodeMaps.open() as node_maps:
+            node_maps.sandbox(allowed.name).sync(
+                trie_entries(parse_settings({"allow": ["10.79.0.2:8080/tcp"]}), {})
+            )
+            node_maps.sandbox(other.name).sync(
+                trie_entries(parse_settings({"allow": ["10.79.0.2:8081/tcp"]}), {})
+            )
+            assert run_in(allowed, client, [probe, "tcp", "10.79.0.2", "8080", "a"]) == "ok"
+            assert run_in(other, client, [probe, "tcp", "10.79.0.2", "8080", "b"]) == (
+                "connect: EPERM"
+            )
+            assert run_in(child, client, [probe, "tcp", "10.79.0.2", "8080", "c"]) == (
+                "connect: EPERM"
+            )
+            assert node_maps.sandbox(other.name).denied()["connect4"] == 1
+            assert node_maps.sandbox(allowed.name).denied()["connect4"] == 0
+            assert list(node_maps.sandbox(other.name).keys("allow4")) == list(
+                trie_entries(parse_settings({"allow": ["10.79.0.2:8081/tcp"]}), {})["allow4"]
+            )
+        time.sleep(0.5)
+        assert [(r.kind, r.data) for r in read_record(record)] == [("tcp", "a")]
+    finally:
+        if programs is not None:
+            with NodeMaps.open() as node_maps:
+                for d in made:
+                    node_maps.unregister(d.name)
+            programs.close()
+        for d in (child, *made):
+            for _ in range(50):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    assert not any(registered(d.name) for d in made)
+    assert not any(d.exists() for d in (child, *made))
