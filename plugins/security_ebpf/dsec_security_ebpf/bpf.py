@@ -28,10 +28,11 @@ from pathlib import Path
 
 from dsec_core.errors import PolicyUnavailable, ToolError, UnknownSandbox
 
+from .rules import MAX_RULES
+
 __all__ = [
     "BPF_ROOT",
     "COUNTERS",
-    "MAX_SANDBOX_RULES",
     "SOURCE",
     "NodeMaps",
     "Programs",
@@ -49,8 +50,6 @@ BPF_ROOT = Path("/sys/fs/bpf")
 #: The slots of a sandbox's ``denied`` entry, in the C enum's order.
 COUNTERS = ("connect4", "connect6", "sendmsg4", "sendmsg6", "socket", "packet")
 MAPS = ("allow4", "allow6", "denied", "sandboxes")
-#: Trie entries one sandbox may hold (rules times the addresses their domains resolve to).
-MAX_SANDBOX_RULES = 4096
 BPF_F_ALLOW_MULTI = 2
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -465,10 +464,10 @@ class SandboxMaps:
         """Make the sandbox's entries exactly ``wanted`` (name -> its keys): new entries
         first, so nothing that stays allowed is ever refused in between."""
         total = sum(len(keys) for keys in wanted.values())
-        if total > MAX_SANDBOX_RULES:
+        if total > MAX_RULES:
             raise ToolError(
                 f"egress: {total} allowlist entries (rules times resolved addresses) exceed "
-                f"the {MAX_SANDBOX_RULES} a sandbox may have",
+                f"the {MAX_RULES} a sandbox may have",
                 entries=total,
             )
         for name, keys in wanted.items():

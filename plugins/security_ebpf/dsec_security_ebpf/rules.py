@@ -16,6 +16,7 @@ from typing import Any
 from dsec_core.errors import InvalidSpec
 
 __all__ = [
+    "MAX_RULES",
     "PROTOCOLS",
     "Rule",
     "parse_rule",
@@ -24,6 +25,8 @@ __all__ = [
 ]
 
 PROTOCOLS = {"tcp": 6, "udp": 17}
+#: Trie entries one sandbox may hold: rules, each domain counting the addresses it resolves to.
+MAX_RULES = 4096
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _HEAD = struct.Struct("<IBB")  # prefixlen, protocol, padding; then port and address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -108,6 +111,10 @@ def parse_settings(settings: Mapping[str, Any]) -> tuple[Rule, ...]:
     allow = settings.get("allow", [])
     if not isinstance(allow, list | tuple):
         raise _bad("allow", allow, "a list of rules DESTINATION:PORT/PROTOCOL")
+    if len(allow) > MAX_RULES:
+        raise InvalidSpec(
+            f"egress: {len(allow)} rules; a sandbox may have {MAX_RULES}", field="allow"
+        )
     return tuple(parse_rule(r, f"allow[{i}]") for i, r in enumerate(allow))
 
 

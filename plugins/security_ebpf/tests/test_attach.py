@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 from dsec_security_ebpf import EgressPolicy
-from dsec_security_ebpf.bpf import registered
+from dsec_security_ebpf.bpf import NodeMaps, registered
+from dsec_security_ebpf.rules import MAX_RULES
 
 from dsec_core.backend import SandboxRuntime, StartedSandbox, cgroup_path
+from dsec_core.errors import ToolError
 from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.records import IdMap, SandboxSpec
 
@@ -91,6 +93,11 @@ def test_programs_are_on_the_cgroup_before_anything_runs_there(policy, tmp_path)
         )
         assert attached_programs(cgroup) >= 4  # connect, sendmsg and egress hooks, v4 and v6
         assert registered(rt.id)
+        assert policy.stats(rt)["rules"] == 1
+        # a domain that resolves to more addresses than a sandbox may hold changes nothing
+        many = {"allow4": {bytes(12 - 4) + i.to_bytes(4, "big") for i in range(MAX_RULES + 1)}}
+        with NodeMaps.open() as maps, pytest.raises(ToolError, match="may have"):
+            maps.sandbox(rt.id).sync(many)
         assert policy.stats(rt)["rules"] == 1
     finally:
         policy.released(rt)

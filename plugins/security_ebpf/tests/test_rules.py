@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 from dsec_security_ebpf import EgressPolicy, parse_rule, parse_settings
-from dsec_security_ebpf.rules import trie_entries
+from dsec_security_ebpf.rules import MAX_RULES, trie_entries
 
 from dsec_core.errors import InvalidSpec
 
@@ -75,6 +75,11 @@ def test_settings():
         parse_settings({"allow": ["10.0.0.1:80/tcp", "10.0.0.1:80/gre"]})
     with pytest.raises(InvalidSpec):
         EgressPolicy().validate({"allow": ["10.0.0.1:99999/tcp"]})
+    too_many = [f"10.0.{i // 256}.{i % 256}:80/tcp" for i in range(MAX_RULES + 1)]
+    with pytest.raises(InvalidSpec, match=f"a sandbox may have {MAX_RULES}") as err:
+        parse_settings({"allow": too_many})
+    assert err.value.field == "allow"
+    assert len(parse_settings({"allow": too_many[:MAX_RULES]})) == MAX_RULES
 
 
 def test_trie_keys():
