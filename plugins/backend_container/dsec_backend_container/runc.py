@@ -5,8 +5,8 @@ sandbox with the in-sandbox agent as its init, handed the listening socket this 
 at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforce through the
 agent (target ``"agent"``: the policy document as a sealed memfd at fd 4, the agent's answer on
 a pipe at fd 5, read before ``start`` returns), the OCI config (``"oci"``) and once the
-container runs (``"started"``: its init pid, network namespace and cgroup v2 directory, before
-``start`` returns). Stopping does not go
+container runs (``"started"``: its init pid, network namespace and cgroup v2 directory, while
+the agent applies its document, before ``start`` returns). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
 then we remove the cgroups and runc's state ourselves.
@@ -277,20 +277,21 @@ class ContainerBackend(Backend):
                 )
             pid = int(pid_file.read_text().strip())
             state = {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
-            try:
-                await fds.agent_answer(rt.id)
-            except BaseException:
+            started = StartedSandbox(
+                pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
+            )
+            # The agent applies its document while policies enforce on the running container
+            # (in a thread: they may run tools and must not stall the loop); no command runs
+            # before both are done. Both finish before anything is undone.
+            results = await asyncio.gather(
+                fds.agent_answer(rt.id),
+                asyncio.to_thread(rt.enforce, "started", started),
+                return_exceptions=True,
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
                 await self.stop(rt, state)
-                raise
-        started = StartedSandbox(
-            pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
-        )
-        try:
-            # in a thread: policies may run tools (ip, clang) and must not stall the loop
-            await asyncio.to_thread(rt.enforce, "started", started)
-        except BaseException:
-            await self.stop(rt, state)
-            raise
+                raise failed[0]
         return state
 
     def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
