@@ -50,9 +50,12 @@ class NodeConfig:
     # The most sandboxes one create request may ask for; a bigger batch is refused before any
     # work (n=100000 once took a daemon to 400 MiB of pending creates).
     max_batch: int = 1024
-    # Sandboxes map container root to host uid ``uid_base``; the range is ``uid_size`` wide.
+    # Each sandbox gets a host uid range of its own, ``uid_size`` ids wide, from a pool of
+    # ``uid_ranges`` ranges starting at ``uid_base`` (range k: uid_base + k * uid_size); root's
+    # group inside is host gid ``uid_base`` in every sandbox (``sandbox_gid``).
     uid_base: int = 100000
     uid_size: int = 65536
+    uid_ranges: int = 8192
     # Seconds a layer stays mounted after its last user leaves: bursts of the same
     # environment then pay for one mount, not one per sandbox.
     layer_linger: float = 10.0
@@ -92,6 +95,12 @@ class NodeConfig:
             kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
         if "DSEC_MAX_BATCH" in os.environ:
             kw["max_batch"] = _positive_int("DSEC_MAX_BATCH")
+        if "DSEC_UID_BASE" in os.environ:
+            kw["uid_base"] = _positive_int("DSEC_UID_BASE")
+        if "DSEC_UID_SIZE" in os.environ:
+            kw["uid_size"] = _positive_int("DSEC_UID_SIZE")
+        if "DSEC_UID_RANGES" in os.environ:
+            kw["uid_ranges"] = _positive_int("DSEC_UID_RANGES")
         if "DSEC_LAYER_LINGER" in os.environ:
             kw["layer_linger"] = float(os.environ["DSEC_LAYER_LINGER"])
         if "DSEC_ONDEMAND" in os.environ:

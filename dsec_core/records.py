@@ -179,10 +179,32 @@ class Limits(_Record):
 
 @dataclass(frozen=True)
 class IdMap(_Record):
-    """Sandbox uid/gid 0.. map to host ``host_base``.. (``size`` ids)."""
+    """A sandbox's ids on the host: uid 0.. map to ``host_base``.. (``size`` ids), and so do
+    gids, except that gid 0 maps to ``group`` when it is set.
+
+    Every sandbox has a range of its own (no per-uid kernel limit is shared between two), while
+    root's group is one host group common to all of them (``NodeConfig.sandbox_gid``): the one
+    group that may pass the root-owned directories on the way to a sandbox's root filesystem.
+    """
 
     host_base: int
     size: int
+    group: int | None = None
+
+    @property
+    def root_gid(self) -> int:
+        """The host gid of root's group inside."""
+        return self.host_base if self.group is None else self.group
+
+    def uid_lines(self) -> list[tuple[int, int, int]]:
+        """(inside, host, count) lines of the uid map."""
+        return [(0, self.host_base, self.size)]
+
+    def gid_lines(self) -> list[tuple[int, int, int]]:
+        """(inside, host, count) lines of the gid map."""
+        if self.group is None or self.group == self.host_base:
+            return [(0, self.host_base, self.size)]
+        return [(0, self.group, 1), (1, self.host_base + 1, self.size - 1)]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Layer mounts: one shared, idmapped, reference-counted mount per layer; overlays on top."""
+"""Layer mounts: one shared, reference-counted mount per layer; overlays on top of idmapped clones
+of it, one uid range per sandbox."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 from dsec_core.errors import MountError
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
-from dsec_core.linux.mounts import UserNamespaceHandle, ensure_tmpfs, mounted_under, unmount
+from dsec_core.linux.mounts import (
+    UserNamespaceHandle,
+    clone_idmapped,
+    ensure_tmpfs,
+    mounted_under,
+    unmount,
+)
 from dsec_core.node.mounts import MountCache, OverlayStack
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -29,7 +36,7 @@ def layer(tmp_path):
 
 @pytest.fixture
 def userns():
-    handle = UserNamespaceHandle(100000, 65536)
+    handle = UserNamespaceHandle([(0, 100000, 65536)])
     yield handle
     handle.close()
 
@@ -38,15 +45,15 @@ def _mounted(path: Path) -> bool:
     return os.path.ismount(path)
 
 
-def test_shared_idmapped_refcounted(tmp_path, layer, userns):
+def test_shared_refcounted(tmp_path, layer):
     info, image = layer
-    cache = MountCache(tmp_path / "mnt", userns, linger=0)
+    cache = MountCache(tmp_path / "mnt", linger=0)
     a = cache.acquire(info.digest, image)
     b = cache.acquire(info.digest, image)
     assert a == b and _mounted(a)
     assert len(mounted_under(tmp_path / "mnt")) == 1  # one mount serves both users
     assert (a / "etc" / "hello").read_text() == "hi\n"
-    assert (a / "etc" / "hello").stat().st_uid == 100000  # root in the image, idmapped
+    assert (a / "etc" / "hello").stat().st_uid == 0  # as in the image: sandboxes get clones
     with pytest.raises(OSError):
         (a / "etc" / "new").write_text("x")  # read-only
     cache.release(info.digest)
@@ -55,9 +62,9 @@ def test_shared_idmapped_refcounted(tmp_path, layer, userns):
     assert not _mounted(a) and not a.exists()
 
 
-def test_linger_keeps_mount_until_sweep(tmp_path, layer, userns):
+def test_linger_keeps_mount_until_sweep(tmp_path, layer):
     info, image = layer
-    cache = MountCache(tmp_path / "mnt", userns, linger=0.2)
+    cache = MountCache(tmp_path / "mnt", linger=0.2)
     path = cache.acquire(info.digest, image)
     cache.release(info.digest)
     assert _mounted(path)
@@ -70,27 +77,27 @@ def test_linger_keeps_mount_until_sweep(tmp_path, layer, userns):
     assert not _mounted(path)
 
 
-def test_adopt_after_restart(tmp_path, layer, userns):
+def test_adopt_after_restart(tmp_path, layer):
     info, image = layer
-    first = MountCache(tmp_path / "mnt", userns, linger=0)
+    first = MountCache(tmp_path / "mnt", linger=0)
     path = first.acquire(info.digest, image)
     # a new daemon: one sandbox still uses the layer
-    second = MountCache(tmp_path / "mnt", userns, linger=0)
+    second = MountCache(tmp_path / "mnt", linger=0)
     second.adopt({info.digest: 1})
     assert second.refcounts() == {info.digest: 1} and _mounted(path)
     second.release(info.digest)
     assert not _mounted(path)
     # and a mount nobody uses is removed on adoption
     path = first.acquire(info.digest, image)
-    third = MountCache(tmp_path / "mnt", userns, linger=0)
+    third = MountCache(tmp_path / "mnt", linger=0)
     third.adopt({})
     assert not _mounted(path)
 
 
-def test_bad_image_is_typed_and_leaves_nothing(tmp_path, userns):
+def test_bad_image_is_typed_and_leaves_nothing(tmp_path):
     junk = tmp_path / "junk.erofs"
     junk.write_bytes(b"\0" * 8192)
-    cache = MountCache(tmp_path / "mnt", userns)
+    cache = MountCache(tmp_path / "mnt")
     with pytest.raises(MountError):
         cache.acquire("sha256:" + "0" * 64, junk)
     assert list((tmp_path / "mnt").iterdir()) == []
@@ -98,11 +105,12 @@ def test_bad_image_is_typed_and_leaves_nothing(tmp_path, userns):
 
 def test_overlay_writes_go_to_upper(tmp_path, layer, userns):
     info, image = layer
-    cache = MountCache(tmp_path / "mnt", userns)
+    cache = MountCache(tmp_path / "mnt")
     lower = cache.acquire(info.digest, image)
     stack = OverlayStack(tmp_path / "data", tmp_path / "run" / "rootfs")
-    root = stack.mount([lower], owner=100000)
+    root = stack.mount([lower], owner=(100000, 100000), userns=userns)
     try:
+        assert (root / "etc" / "hello").stat().st_uid == 100000  # root in the image, idmapped
         (root / "etc" / "hello").write_text("changed\n")
         assert (tmp_path / "data" / "upper" / "etc" / "hello").read_text() == "changed\n"
         assert (lower / "etc" / "hello").read_text() == "hi\n"  # the layer is untouched
@@ -118,3 +126,45 @@ def test_tmpfs_is_idempotent(tmp_path):
     assert len(mounted_under(tmp_path)) == 1
     unmount(tmp_path / "run")
     assert mounted_under(tmp_path) == []
+
+
+def test_clones_idmap_per_range_and_share_the_page_cache(tmp_path, layer):
+    """Two sandboxes' clones of one layer mount: each shows the image's root as its own range's
+    uid, both are the shared mount's superblock (one page cache), and the overlays leave no
+    clone mounted on the host."""
+    info, image = layer
+    cache = MountCache(tmp_path / "mnt")
+    lower = cache.acquire(info.digest, image)
+    ranges = [(200000, 65536), (265536, 65536)]
+    handles = [
+        UserNamespaceHandle([(0, b, n)], [(0, 100000, 1), (1, b + 1, n - 1)]) for b, n in ranges
+    ]
+    stacks = []
+    try:
+        for i, (ns, (base, _)) in enumerate(zip(handles, ranges, strict=True)):
+            fd = clone_idmapped(lower, ns)
+            try:
+                st = os.stat(f"/proc/self/fd/{fd}/etc/hello")
+                assert (st.st_uid, st.st_gid) == (base, 100000)
+                assert st.st_dev == os.stat(lower / "etc" / "hello").st_dev  # one superblock
+                assert st.st_ino == os.stat(lower / "etc" / "hello").st_ino
+            finally:
+                os.close(fd)
+            stack = OverlayStack(tmp_path / f"data{i}", tmp_path / "run" / f"rootfs{i}")
+            root = stack.mount([lower], owner=(base, 100000), userns=ns)
+            stacks.append(stack)
+            assert (root / "etc" / "hello").stat().st_uid == base
+        # the shared mount and two overlays, no clone left mounted anywhere
+        assert len(mounted_under(tmp_path)) == 3
+    finally:
+        for stack in stacks:
+            stack.unmount()
+        cache.release(info.digest)
+        for ns in handles:
+            ns.close()
+    assert mounted_under(tmp_path) == []
+
+
+def test_bad_maps_are_typed(tmp_path):
+    with pytest.raises(MountError, match="uid_map"):
+        UserNamespaceHandle([(0, 100000, 65536), (0, 200000, 10)])  # overlapping inside ids

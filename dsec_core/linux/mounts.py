@@ -20,7 +20,9 @@ __all__ = [
     "MS_NODEV",
     "MS_NOSUID",
     "MS_RDONLY",
+    "IdLines",
     "UserNamespaceHandle",
+    "clone_idmapped",
     "ensure_tmpfs",
     "mount",
     "mount_erofs_file",
@@ -42,6 +44,9 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 # x86_64 and aarch64 share these (they were added after the syscall tables were unified).
 SYS_MOVE_MOUNT, SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT, SYS_MOUNT_SETATTR = 429, 430, 431, 432, 442
+SYS_OPEN_TREE = 428
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 FSOPEN_CLOEXEC = 1
 FSMOUNT_CLOEXEC = 1
 FSCONFIG_SET_STRING = 1
@@ -77,16 +82,22 @@ def _check(ret: int, what: str, target: str | os.PathLike[str] = "") -> int:
     return ret
 
 
-class UserNamespaceHandle:
-    """An open user-namespace fd mapping ids 0.. to host ``host_base``.. (``size`` ids), for
-    MOUNT_ATTR_IDMAP.
+IdLines = Sequence[tuple[int, int, int]]
 
-    Made once per daemon: a throwaway process unshares a user namespace, we write its maps and
-    keep a reference to the namespace, then the process goes.
+
+class UserNamespaceHandle:
+    """An open user-namespace fd with the given maps (``(inside, host, count)`` lines), for
+    MOUNT_ATTR_IDMAP; ``gid_map`` defaults to ``uid_map``.
+
+    A throwaway process unshares a user namespace, we write its maps and keep a reference to
+    the namespace, then the process goes (about 2 ms: posix_spawn of ``unshare``; forking the
+    daemon itself costs more).
     """
 
-    def __init__(self, host_base: int, size: int) -> None:
-        self.host_base, self.size = host_base, size
+    def __init__(self, uid_map: IdLines, gid_map: IdLines | None = None) -> None:
+        self.uid_map = [tuple(line) for line in uid_map]
+        self.gid_map = [tuple(line) for line in (uid_map if gid_map is None else gid_map)]
+        self.fd = -1
         proc = subprocess.Popen(
             ["unshare", "--user", "sh", "-c", "read _"],
             stdin=subprocess.PIPE,
@@ -100,11 +111,16 @@ class UserNamespaceHandle:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise MountError("could not create a user namespace for idmapped mounts")
                 time.sleep(0.001)
-            line = f"0 {host_base} {size}\n"
-            with open(f"/proc/{proc.pid}/uid_map", "w") as f:
-                f.write(line)
-            with open(f"/proc/{proc.pid}/gid_map", "w") as f:
-                f.write(line)
+            for name, lines in (("uid_map", self.uid_map), ("gid_map", self.gid_map)):
+                text = "".join(f"{a} {b} {c}\n" for a, b, c in lines)
+                try:
+                    with open(f"/proc/{proc.pid}/{name}", "w") as f:
+                        f.write(text)
+                except OSError as e:
+                    raise MountError(
+                        f"writing the {name} {text.strip()!r} of a user namespace: {e.strerror}",
+                        errno=e.errno,
+                    ) from e
             self.fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
         finally:
             proc.kill()
@@ -114,6 +130,33 @@ class UserNamespaceHandle:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def clone_idmapped(path: Path, userns: UserNamespaceHandle) -> int:
+    """A detached copy of the mount at ``path``, idmapped through ``userns``: an fd whose
+    ``/proc/self/fd/N`` path can be an overlay's lower layer (the overlay keeps a private clone
+    of it, so the fd may be closed right after the overlay is mounted). It shares the original
+    mount's superblock, so every clone is served from one page cache. Costs about 30 us."""
+    fd = _check(
+        _libc.syscall(
+            SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
+        ),
+        "open_tree (clone) of",
+        path,
+    )
+    try:
+        attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns.fd)
+        _check(
+            _libc.syscall(
+                SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)
+            ),
+            "idmapping a clone of",
+            path,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def mount_erofs_file(

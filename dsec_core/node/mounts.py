@@ -2,10 +2,13 @@
 per sandbox.
 
 Each layer image is mounted once per node straight from its file (EROFS file-backed mount via
-the new mount API, so no loop device), read-only and idmapped to the sandboxes' uid range: one
+the new mount API, so no loop device), read-only, where only root on the host can reach it: one
 mount, one page cache, serving every sandbox that uses the layer. Each sandbox of a backend that
-asks for a composed root filesystem then gets an overlayfs stack of those mounts with a writable
-upper directory on local disk.
+asks for a composed root filesystem then gets an overlayfs stack of detached clones of those
+mounts, each idmapped to the sandbox's own uid range (``clone_idmapped``: same superblock, so
+still one page cache), with a writable upper directory on the sandbox's own filesystem. The
+overlay keeps private clones of its layers, so the clones leave no mount behind on the host:
+a sandbox costs the host's mount table one overlay (and its writable layer's filesystem).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from ..linux.mounts import (
     UserNamespaceHandle,
+    clone_idmapped,
     mount_erofs_file,
     mount_overlay,
     mounted_under,
@@ -41,16 +45,17 @@ class MountCache:
     ``linger`` seconds if set: ``sweep`` does it). Thread-safe.
     """
 
-    def __init__(self, root: Path, userns: UserNamespaceHandle | None, linger: float = 0.0):
+    def __init__(self, root: Path, linger: float = 0.0):
         self.root = root
-        self.userns = userns
         self.linger = linger
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
         root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, digest: str) -> Path:
-        return self.root / digest.split(":", 1)[-1][:32]
+        # ".0": not idmapped (daemons before per-sandbox uid ranges mounted layers idmapped at
+        # the bare digest; adopt() unmounts those, their overlays keep private clones)
+        return self.root / (digest.split(":", 1)[-1][:32] + ".0")
 
     def acquire(self, digest: str, image: Path, device: Path | None = None) -> Path:
         """Mount layer ``digest`` from ``image`` (and its data ``device``, for on-demand
@@ -62,7 +67,7 @@ class MountCache:
                 target.mkdir(exist_ok=True)
                 if not os.path.ismount(target):
                     try:
-                        mount_erofs_file(image, target, self.userns, device)
+                        mount_erofs_file(image, target, None, device)
                     except BaseException:
                         _rmdir_quiet(target)
                         raise
@@ -142,13 +147,27 @@ class OverlayStack:
         self.work = data_dir / "work"
         self.rootfs = rootfs
 
-    def mount(self, lowers: list[Path], owner: int) -> Path:
-        """Mount ``lowers`` (top first) with a fresh upper owned by host uid ``owner``."""
+    def mount(
+        self, lowers: list[Path], owner: tuple[int, int], userns: UserNamespaceHandle | None = None
+    ) -> Path:
+        """Mount ``lowers`` (top first) with a fresh upper owned by host ``(uid, gid)``
+        ``owner``; with ``userns``, each lower is an idmapped clone through it."""
         for d in (self.upper, self.work, self.rootfs):
             d.mkdir(parents=True, exist_ok=True)
-        os.chown(self.upper, owner, owner)
-        os.chown(self.work, owner, owner)
-        mount_overlay(lowers, self.upper, self.work, self.rootfs)
+        os.chown(self.upper, *owner)
+        os.chown(self.work, *owner)
+        if userns is None:
+            mount_overlay(lowers, self.upper, self.work, self.rootfs)
+            return self.rootfs
+        fds: list[int] = []
+        try:
+            for lower in lowers:
+                fds.append(clone_idmapped(lower, userns))
+            paths = [Path(f"/proc/self/fd/{fd}") for fd in fds]
+            mount_overlay(paths, self.upper, self.work, self.rootfs)
+        finally:
+            for fd in fds:
+                os.close(fd)
         return self.rootfs
 
     def unmount(self) -> None:

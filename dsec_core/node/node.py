@@ -35,7 +35,7 @@ from ..errors import (
     SandboxNotRunning,
     UnknownSandbox,
 )
-from ..linux.mounts import UserNamespaceHandle, ensure_tmpfs, mounted_under, unmount
+from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
     ExecResult,
     FileEntry,
@@ -51,6 +51,7 @@ from ..security import SecurityPolicy
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .disks import WritableDisks
+from .idpool import UidPool
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 
@@ -125,7 +126,7 @@ class Sandbox:
             "status": self.status,
             "layers": [layer.to_dict() for layer in self.layers],
             "backend_state": self.backend_state,
-            "idmap": [self.rt.idmap.host_base, self.rt.idmap.size],
+            "idmap": [self.rt.idmap.host_base, self.rt.idmap.size, self.rt.idmap.group],
             "rootfs": None if self.rt.rootfs is None else os.fspath(self.rt.rootfs),
             "images": [
                 [i.ref, i.digest, os.fspath(i.image), i.device and os.fspath(i.device)]
@@ -146,16 +147,17 @@ class Node:
     def __init__(self, config: NodeConfig | None = None) -> None:
         self.config = config or NodeConfig.from_env()
         self.registry = plugins.registry()
-        self.idmap = IdMap(self.config.uid_base, self.config.uid_size)
+        cfg = self.config
+        self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
         self.sandboxes: dict[str, Sandbox] = {}
         self._backends: dict[str, Backend] = {}
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._watch: asyncio.Task | None = None
+        self._warming: asyncio.Future | None = None
         self._policies: dict[str, SecurityPolicy] = {}
         # policy name -> (monotonic time checked, why it is unavailable or None)
         self._available: dict[str, tuple[float, PolicyUnavailable | None]] = {}
-        self.userns: UserNamespaceHandle | None = None
         self.mounts: MountCache | None = None
         self.ondemand: OnDemandLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
@@ -172,8 +174,7 @@ class Node:
         cfg.runtime_dir.mkdir(exist_ok=True)
         cfg.on_sandbox_path(cfg.runtime_dir)
         self.agent_binary = ensure_agent(cfg.bin_dir)
-        self.userns = UserNamespaceHandle(self.idmap.host_base, self.idmap.size)
-        self.mounts = MountCache(cfg.mount_dir, self.userns, cfg.layer_linger)
+        self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
         self.ondemand = OnDemandLayers(cfg, self.registry)
         if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
             await asyncio.to_thread(self.ondemand.ensure_open)
@@ -204,8 +205,9 @@ class Node:
             self.mounts.close()
         if self.ondemand and not self.sandboxes:
             self.ondemand.close()  # after the layer mounts that read through it
-        if self.userns:
-            self.userns.close()
+        if self._warming is not None:
+            await self._warming
+        self.uids.close()
         if release_runtime:
             self.release_runtime()
 
@@ -359,6 +361,22 @@ class Node:
         backend = self.backend(spec.backend)
         plan = self.policies_for(spec, backend)
         self._admit(spec)
+        idmap = self.uids.allocate()
+        try:
+            return await self._create(spec, backend, plan, idmap, t0)
+        except BaseException:
+            self.uids.release(idmap)  # nothing of the sandbox is left (_create undid it all)
+            raise
+
+    async def _create(
+        self,
+        spec: SandboxSpec,
+        backend: Backend,
+        plan: PolicyPlan,
+        idmap: IdMap,
+        t0: float,
+    ) -> SandboxInfo:
+        self._warm_uids()
         refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
             environment = self.catalogs.environment(spec.environment)
@@ -369,7 +387,7 @@ class Node:
         sources = self.resolve_layers(refs)
         layers = [info for _, info in sources]
         sid = secrets.token_hex(6)
-        rt = self._runtime(sid, spec, backend)
+        rt = self._runtime(sid, spec, backend, idmap)
         rt.dir.mkdir(mode=0o700)
         self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
         now = time.time()
@@ -408,7 +426,21 @@ class Node:
             self._arm_ttl(sb)
         return sb.info()
 
-    def _runtime(self, sid: str, spec: SandboxSpec, backend: Backend) -> SandboxRuntime:
+    def _warm_uids(self) -> None:
+        """Make the next uid range's user namespace in the background (2 ms of a create
+        otherwise)."""
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.ensure_future(asyncio.to_thread(self._warm))
+
+    def _warm(self) -> None:
+        try:
+            self.uids.warm()
+        except DsecError as e:  # the create that needs it will make it, and say what fails
+            log.warning("making the next uid range's user namespace: %s", e)
+
+    def _runtime(
+        self, sid: str, spec: SandboxSpec, backend: Backend, idmap: IdMap
+    ) -> SandboxRuntime:
         """A sandbox's runtime record before its root filesystem is prepared."""
         sdir = self.config.runtime_dir / sid
         assert self.agent_binary is not None, "Node.open() first"
@@ -420,7 +452,7 @@ class Node:
             data_dir=self.config.sandbox_dir / sid,
             agent_socket=sdir / "agent.sock",
             agent_binary=self.agent_binary,
-            idmap=self.idmap,
+            idmap=idmap,
             enforce=self._enforcer(sid),
             targets=backend.policy_targets,
         )
@@ -455,7 +487,13 @@ class Node:
             mounts.append(self.mounts.acquire(info.digest, image, device))
             taken.append(info.digest)
         rootfs = rt.dir / "rootfs"
-        OverlayStack(rt.data_dir, rootfs).mount(mounts, owner=self.idmap.host_base)
+        userns = self.uids.namespace(rt.idmap)
+        try:
+            OverlayStack(rt.data_dir, rootfs).mount(
+                mounts, owner=(rt.idmap.host_base, rt.idmap.root_gid), userns=userns
+            )
+        finally:
+            userns.close()  # the overlay's layer clones hold the namespace
         return replace(rt, rootfs=rootfs)
 
     async def _layer_files(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path | None]:
@@ -623,6 +661,7 @@ class Node:
         log.info("killing sandbox %s (%s)", sid, reason)
         try:
             await self._teardown(sb)
+            self.uids.release(sb.rt.idmap)  # fully gone: its ids may serve again
         finally:
             self.sandboxes.pop(sid, None)
             sb.status = "dead"
@@ -774,6 +813,7 @@ class Node:
             if ddir.name not in self.sandboxes:
                 self.disks.remove(ddir.name, ddir)
         self.disks.sweep(set(self.sandboxes))
+        self.uids.adopt(sb.rt.idmap for sb in self.sandboxes.values())
         assert self.mounts is not None  # open() made it
         self.mounts.adopt(in_use)
         for sb in self.sandboxes.values():
@@ -790,8 +830,7 @@ class Node:
         composed = os.fspath(sdir / "rootfs") if backend.rootfs is RootfsForm.COMPOSED else None
         rootfs = doc.get("rootfs", composed)
         rt = replace(
-            self._runtime(sid, spec, backend),
-            idmap=IdMap(*doc["idmap"]),
+            self._runtime(sid, spec, backend, IdMap(*doc["idmap"])),
             rootfs=Path(rootfs) if rootfs else None,
             images=tuple(
                 LayerImage(ref, digest, Path(image), Path(device) if device else None)

@@ -119,7 +119,10 @@ def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, A
         "DSEC_SANDBOX_ID": rt.id,
     }
     env.update(rt.spec.env)
-    idmap = [{"containerID": 0, "hostID": rt.idmap.host_base, "size": rt.idmap.size}]
+    uids, gids = (
+        [{"containerID": a, "hostID": b, "size": c} for a, b, c in lines]
+        for lines in (rt.idmap.uid_lines(), rt.idmap.gid_lines())
+    )
     caps = list(CAPABILITIES)
     # A user namespace cannot raise the hard limit above the daemon's own.
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
@@ -183,8 +186,8 @@ def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, A
             },
         ],
         "linux": {
-            "uidMappings": idmap,
-            "gidMappings": idmap,
+            "uidMappings": uids,
+            "gidMappings": gids,
             "namespaces": [
                 {"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "user", "cgroup")
             ],

@@ -184,6 +184,8 @@ def test_a_policy_the_agent_cannot_enforce_fails_the_create(
 ):
     """/workspace/loop is a symlink to itself: no kernel resolves a path through it, so the
     agent refuses the rules, the create fails with its reason and nothing is left."""
+    # holds the task's layer mounts, which would otherwise linger and go on their own timer
+    dsec_sandboxes.create(layers=task)
     before = {s.id for s in dsec_client.list()}
     left_before = leftovers(dsec_node.home)
     daemon_fds = Path(f"/proc/{daemon_pid(dsec_node.config)}/fd")
