@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidSpec
+from .linux.hostmem import meminfo
 from .records import parse_size
 
-__all__ = ["NodeConfig", "default_home"]
+__all__ = ["NodeConfig", "default_home", "mem_total"]
 
 
 def default_home() -> Path:
@@ -24,12 +25,9 @@ def default_home() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 1 << 30
+def mem_total() -> int:
+    """The host's RAM in bytes."""
+    return meminfo("MemTotal").get("MemTotal", 1 << 30)
 
 
 def _positive_int(name: str) -> int:
@@ -45,7 +43,13 @@ class NodeConfig:
 
     home: Path = field(default_factory=default_home)
     cpu_overcommit: float = 50.0  # sandboxes are idle most of the time (DSec: >50x)
-    memory_overcommit: float = 1.0  # memory must stay resident: no overcommit by default
+    # The sum of sandboxes' memory limits may reach this many times the host's RAM: a backstop.
+    # What admits a sandbox is the memory really in use: the host must keep ``memory_reserve``
+    # bytes available beyond what the sandboxes being created will take, and memory pressure
+    # (PSI "some" over the last 10 s, in %) must stay under ``memory_pressure_limit``.
+    memory_overcommit: float = 32.0
+    memory_reserve: int = field(default_factory=lambda: max(1 << 30, mem_total() // 20))
+    memory_pressure_limit: float = 10.0
     max_sandboxes: int = 4096
     # The most sandboxes one create request may ask for; a bigger batch is refused before any
     # work (n=100000 once took a daemon to 400 MiB of pending creates).
@@ -91,6 +95,12 @@ class NodeConfig:
             kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
         if "DSEC_MEMORY_OVERCOMMIT" in os.environ:
             kw["memory_overcommit"] = float(os.environ["DSEC_MEMORY_OVERCOMMIT"])
+        if os.environ.get("DSEC_MEMORY_RESERVE"):
+            kw["memory_reserve"] = parse_size(
+                os.environ["DSEC_MEMORY_RESERVE"], "DSEC_MEMORY_RESERVE"
+            )
+        if os.environ.get("DSEC_MEMORY_PRESSURE_LIMIT"):
+            kw["memory_pressure_limit"] = float(os.environ["DSEC_MEMORY_PRESSURE_LIMIT"])
         if "DSEC_MAX_SANDBOXES" in os.environ:
             kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
         if "DSEC_MAX_BATCH" in os.environ:
@@ -140,7 +150,7 @@ class NodeConfig:
 
     @property
     def memory_capacity(self) -> int:
-        return int(_mem_total() * self.memory_overcommit)
+        return int(mem_total() * self.memory_overcommit)
 
     @property
     def daemon_cgroup(self) -> str:

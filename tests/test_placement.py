@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from dsec_core import placement, plugins
 from dsec_core.errors import AdmissionRejected, InvalidSpec
 from dsec_core.hookspecs import hookimpl
-from dsec_core.records import NodeLoad, SandboxSpec
+from dsec_core.records import SANDBOX_START_MEMORY, NodeLoad, SandboxSpec
 
 SPEC = SandboxSpec(layers=("x@1",), cpu=1.0, memory="1G")
 
@@ -55,6 +56,29 @@ def test_refusal_says_why_a_node_cannot_take_a_sandbox():
         refusal = n.refusal(SPEC)
         assert isinstance(refusal, AdmissionRejected) and refusal.reason == reason, reason
         assert refusal.http_status == 429
+
+
+def test_memory_in_use_and_pressure_admit_or_refuse():
+    """Admission by the host's memory: what is available beyond the reserve (less what a new
+    sandbox takes at start), and memory pressure, whatever the limits add up to."""
+    roomy = replace(
+        node("a"), memory_total=24 << 30, memory_available=20 << 30, memory_reserve=1 << 30
+    )
+    assert roomy.refusal(SPEC) is None
+    assert roomy.load == pytest.approx(1 - 19 / 23)  # in use, counting the reserve as used
+    tight = replace(roomy, memory_available=(1 << 30) + SANDBOX_START_MEMORY - 1)
+    refusal = tight.refusal(SPEC)
+    assert refusal is not None and refusal.reason == "memory-available"
+    assert "reserve" in str(refusal)
+    # a sandbox asking less than the start estimate needs only what it asks
+    small = SandboxSpec(layers=("x@1",), cpu=1.0, memory=SANDBOX_START_MEMORY // 2)
+    assert tight.refusal(small) is None
+    stalled = replace(roomy, memory_pressure=12.5, memory_pressure_limit=10.0)
+    refusal = stalled.refusal(SPEC)
+    assert refusal is not None and refusal.reason == "memory-pressure"
+    assert "12.5%" in str(refusal)
+    # not measured (a record from elsewhere): only the limits count
+    assert replace(roomy, memory_available=None).refusal(SPEC) is None
 
 
 def test_best_of_k_takes_the_least_loaded_of_its_sample():

@@ -35,8 +35,10 @@ from ..errors import (
     SandboxNotRunning,
     UnknownSandbox,
 )
+from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
+    SANDBOX_START_MEMORY,
     ExecResult,
     FileEntry,
     IdMap,
@@ -332,7 +334,9 @@ class Node:
     def load(self) -> NodeLoad:
         """This node as placement sees it: capacity and what live sandboxes reserve."""
         live = [s for s in self.sandboxes.values() if s.status in ("creating", "running")]
+        creating = sum(1 for s in live if s.status == "creating")
         cfg = self.config
+        mem = meminfo("MemTotal", "MemAvailable")
         return NodeLoad(
             node=os.fspath(cfg.home),
             backends=tuple(sorted(self.registry.backends)),
@@ -342,6 +346,15 @@ class Node:
             memory_committed=sum(s.rt.limits.memory for s in live),
             sandboxes=len(live),
             max_sandboxes=cfg.max_sandboxes,
+            memory_total=mem.get("MemTotal", 0),
+            memory_available=(
+                max(0, mem["MemAvailable"] - creating * SANDBOX_START_MEMORY)
+                if "MemAvailable" in mem
+                else None
+            ),
+            memory_reserve=cfg.memory_reserve,
+            memory_pressure=pressure("memory").get("some_avg10", 0.0),
+            memory_pressure_limit=cfg.memory_pressure_limit,
         )
 
     def _admit(self, spec: SandboxSpec) -> None:
