@@ -61,6 +61,14 @@ def rss(pid: int | None) -> int:
     return 0
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of ``pid``."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def settle(seconds: float = 2.0) -> None:
     """Let the daemon's background work (layer sweeps, deferred frees) finish."""
     time.sleep(seconds)
@@ -137,7 +145,12 @@ def main() -> None:
                 )
             settle()
             held = len(live)
-            used1, daemon1 = host_used(), rss(daemon_pid(config))
+            pid = daemon_pid(config)
+            used1, daemon1 = host_used(), rss(pid)
+            fds = len(os.listdir(f"/proc/{pid}/fd")) if pid else 0
+            cpu0 = cpu_seconds(pid)
+            time.sleep(5)
+            idle_cpu = (cpu_seconds(pid) - cpu0) / 5
             t = time.perf_counter()
             for sb in live:
                 sb.kill()
@@ -158,6 +171,7 @@ def main() -> None:
     exec_ratio = top["exec_p50_ms"] / base["exec_p50_ms"]
     print(f"host memory per idle sandbox: {per_kib:.0f} KiB (target <= 4096)")
     print(f"daemon: {daemon1 >> 20} MiB RSS at {held}, {daemon_kib:.1f} KiB per sandbox")
+    print(f"daemon while they idle: {100 * idle_cpu:.1f}% of a core, {fds} open files")
     print(f"killing {held}: {kill_s:.1f} s ({held / kill_s:.0f}/s)")
     print(
         f"exec p50 at {top['live']:.0f} vs at {base['live']:.0f}: {exec_ratio:.2f}x (target <= 2)"
@@ -173,6 +187,8 @@ def main() -> None:
                 "host_kib_per_idle_sandbox": round(per_kib),
                 "daemon_rss_mib": daemon1 >> 20,
                 "daemon_kib_per_sandbox": round(daemon_kib, 1),
+                "daemon_fds_at_max": fds,
+                "daemon_idle_cpu_pct_at_max": round(100 * idle_cpu, 1),
                 "create_p50_ms": {str(int(r["live"])): r["create_p50_ms"] for r in rows},
                 "exec_p50_ms": {str(int(r["live"])): r["exec_p50_ms"] for r in rows},
                 "list_ms_at_max": top["list_ms"],

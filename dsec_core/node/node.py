@@ -35,6 +35,7 @@ from ..errors import (
     SandboxNotRunning,
     UnknownSandbox,
 )
+from ..linux import sysctl
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
@@ -101,6 +102,7 @@ class Sandbox:
     agent: AgentClient | None = None
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
+    exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -176,6 +178,8 @@ class Node:
         cfg.runtime_dir.mkdir(exist_ok=True)
         cfg.on_sandbox_path(cfg.runtime_dir)
         self.agent_binary = ensure_agent(cfg.bin_dir)
+        for name, (old, new) in sysctl.raise_to(sysctl.NODE_MINIMUMS).items():
+            log.info("raised %s from %d to %d for a node of many sandboxes", name, old, new)
         self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
         self.ondemand = OnDemandLayers(cfg, self.registry)
         if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
@@ -194,6 +198,7 @@ class Node:
                 *(self.kill(sid) for sid in list(self.sandboxes)), return_exceptions=True
             )
         for sb in self.sandboxes.values():
+            self._unwatch_exit(sb)
             if sb.ttl_handle:
                 sb.ttl_handle.cancel()
         if self._tasks:
@@ -437,6 +442,7 @@ class Node:
             raise
         if sb.expires:
             self._arm_ttl(sb)
+        self._watch_exit(sb)
         return sb.info()
 
     def _warm_uids(self) -> None:
@@ -598,6 +604,29 @@ class Node:
         sid = sb.rt.id
         sb.ttl_handle = loop.call_later(delay, lambda: self._spawn(self.kill(sid, reason="ttl")))
 
+    def _watch_exit(self, sb: Sandbox) -> None:
+        """Have the loop notice when the sandbox stops on its own, if its backend can say so
+        through a descriptor; the watch loop polls the others."""
+        fd = sb.backend.exit_fd(sb.rt, sb.backend_state)
+        if fd is None:
+            return
+        sb.exit_fd = fd
+        sid = sb.rt.id
+
+        def exited() -> None:
+            self._unwatch_exit(sb)
+            if self.sandboxes.get(sid) is sb and sb.status == "running":
+                log.warning("sandbox %s died on its own; cleaning up", sid)
+                self._spawn(self.kill(sid, reason="died"))
+
+        asyncio.get_running_loop().add_reader(fd, exited)
+
+    def _unwatch_exit(self, sb: Sandbox) -> None:
+        fd, sb.exit_fd = sb.exit_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -669,6 +698,7 @@ class Node:
             await sb.stopped.wait()
             return
         sb.status = "stopping"
+        self._unwatch_exit(sb)
         if sb.ttl_handle:
             sb.ttl_handle.cancel()
         log.info("killing sandbox %s (%s)", sid, reason)
@@ -832,6 +862,7 @@ class Node:
         for sb in self.sandboxes.values():
             if sb.expires:
                 self._arm_ttl(sb)
+            self._watch_exit(sb)
 
     def _load(self, sdir: Path) -> Sandbox:
         doc = json.loads((sdir / STATE_FILE).read_text())
@@ -893,6 +924,8 @@ class Node:
                 assert self.mounts is not None
                 self.mounts.sweep()
                 for sid, sb in list(self.sandboxes.items()):
+                    if sb.exit_fd is not None:
+                        continue  # the loop hears of its end (_watch_exit)
                     if sb.status == "running" and not await sb.backend.alive(
                         sb.rt, sb.backend_state
                     ):

@@ -322,6 +322,19 @@ class ContainerBackend(Backend):
         pid = state.get("pid")
         return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
 
+    def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
+        pid = state.get("pid")
+        if not isinstance(pid, int):
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None  # gone already: alive() says so
+        if _start_time(pid) != state.get("start_time"):  # the pid was reused before we opened
+            os.close(fd)
+            return None
+        return fd
+
     # --- stop -----------------------------------------------------------------------------
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         pid = state.get("pid")
