@@ -34,7 +34,7 @@ from ..linux import ext4, xfs
 from ..linux.ext4 import BLOCK_SIZE
 from ..linux.files import SparseFile
 from ..linux.loop import attach_loop
-from ..linux.mounts import mounted_under, unmount
+from ..linux.mounts import unmount
 
 __all__ = ["WritableDisks"]
 
@@ -44,6 +44,7 @@ IMAGE_SUFFIX = ".img"
 #: The filesystems a writable layer can be: (mkfs, mount) by ``NodeConfig.disk_fs``.
 FORMATS = {"ext4": (ext4.mkfs_ext4, ext4.mount_ext4), "xfs": (xfs.mkfs_xfs, xfs.mount_xfs)}
 HELD = 8  # templates held in memory
+MAX_STACKED = 8  # mounts stacked on one writable layer's mount point that remove() takes off
 KEPT = 16  # templates kept on disk
 
 
@@ -144,9 +145,13 @@ class WritableDisks:
         device goes when its last user does) and remove the mount point and the image. Nothing
         is deleted file by file; unmounting writes back what is still dirty. A ``target`` that
         is no mount (an image backend's data directory, a create that failed early) is
-        removed."""
-        for mp in mounted_under(target):
-            unmount(mp)
+        removed. (It asks ``ismount``, not the mount table: reading that costs O(mounts), and a
+        node of 2,000 sandboxes has 4,000 of them; a mount held below ``target`` goes with it,
+        detached.)"""
+        for _ in range(MAX_STACKED):
+            if not os.path.ismount(target):
+                break
+            unmount(target)
         shutil.rmtree(target, ignore_errors=True)
         self.image(sandbox_id).unlink(missing_ok=True)
 

@@ -712,15 +712,27 @@ class Node:
 
     async def _teardown(self, sb: Sandbox) -> None:
         """Stop the backend, unmount, release layers, delete the sandbox directory."""
+        t0 = time.perf_counter()
         await sb.backend.stop(sb.rt, sb.backend_state)
+        t_stop = time.perf_counter()
         if sb.rt.rootfs is not None:
             OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
             assert self.mounts is not None
             for info in sb.layers:
                 self.mounts.release(info.digest)
+        t_unmount = time.perf_counter()
         await asyncio.to_thread(self._remove_dirs, sb.rt)
+        t_dirs = time.perf_counter()
         for policy, _ in sb.policies.chosen:
             policy.released(sb.rt)
+        log.debug(
+            "removed %s: backend %.1f ms, overlay %.1f ms, disk and dirs %.1f ms, total %.1f ms",
+            sb.rt.id,
+            1e3 * (t_stop - t0),
+            1e3 * (t_unmount - t_stop),
+            1e3 * (t_dirs - t_unmount),
+            1e3 * (time.perf_counter() - t0),
+        )
 
     # --- inside the sandbox ---------------------------------------------------------------
     def agent(self, sid: str) -> AgentClient:
