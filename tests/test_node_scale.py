@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import shutil
 import signal
 import tempfile
@@ -96,3 +97,15 @@ async def test_a_sandbox_that_dies_is_heard_of_not_polled(config, monkeypatch):
         assert await _gone(node, b.id, within=0.9) is not None
     finally:
         await node.close(kill_all=True)
+
+
+def test_the_open_file_limit_is_raised_and_never_lowered():
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, before[1]))
+        assert sysctl.raise_nofile(4096) == (1024, 4096)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 4096
+        assert sysctl.raise_nofile(2048) is None  # already enough
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 4096
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)

@@ -6,14 +6,17 @@ host-wide settings.
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
-__all__ = ["NODE_MINIMUMS", "raise_to"]
+__all__ = ["NODE_MINIMUMS", "NOFILE_MINIMUM", "raise_nofile", "raise_to"]
 
 #: What a node of thousands of sandboxes needs at the least. ``kernel.pid_max`` defaults to
 #: 32768 on many hosts, and pids are host-wide even across pid namespaces: 2,000 sandboxes of 16
 #: processes would use them all. 4194304 is the kernel's limit on 64-bit.
 NODE_MINIMUMS = {"kernel.pid_max": 4194304}
+#: The node daemon's open-file limit at the least: several descriptors a sandbox for 8,192.
+NOFILE_MINIMUM = 65536
 
 
 def raise_to(minimums: dict[str, int]) -> dict[str, tuple[int, int]]:
@@ -31,3 +34,23 @@ def raise_to(minimums: dict[str, int]) -> dict[str, tuple[int, int]]:
         except (OSError, ValueError, IndexError):
             continue
     return changed
+
+
+def raise_nofile(minimum: int) -> tuple[int, int] | None:
+    """Raise this process's open-file limit (soft and hard) to at least ``minimum``, within
+    ``fs.nr_open``: a node keeps a descriptor or two per sandbox (its exit watch, connections).
+    ``(old soft, new soft)`` if it changed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= minimum:
+        return None
+    try:
+        ceiling = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        ceiling = hard
+    want = min(minimum, ceiling)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
+    except (OSError, ValueError):  # not allowed to raise the hard limit: up to it, then
+        want = hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return (soft, want) if want != soft else None

@@ -180,6 +180,9 @@ class Node:
         self.agent_binary = ensure_agent(cfg.bin_dir)
         for name, (old, new) in sysctl.raise_to(sysctl.NODE_MINIMUMS).items():
             log.info("raised %s from %d to %d for a node of many sandboxes", name, old, new)
+        raised = sysctl.raise_nofile(sysctl.NOFILE_MINIMUM)
+        if raised:
+            log.info("raised the daemon's open-file limit from %d to %d", *raised)
         self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
         self.ondemand = OnDemandLayers(cfg, self.registry)
         if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
