@@ -96,9 +96,22 @@ def _check_strings(name: str, value: Any) -> None:
         _check_type(f"{name}.{key}", item, str, "a string")
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with records turned into dicts, containers copied (as ``dataclasses.asdict``
+    does, without its deep copy of every leaf: 60 us a sandbox record, a tenth of a second to
+    list 2,000)."""
+    if isinstance(value, _Record):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 class _Record:
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
