@@ -366,3 +366,8 @@ class Backend(abc.ABC):
     def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
         """What the sandbox uses now, best effort (None where unknown)."""
         return SandboxUsage()
+
+    async def close(self) -> None:  # noqa: B027 - optional, most backends hold nothing
+        """The node is closing: free what the backend holds node-wide (a helper daemon) that
+        no sandbox still running needs. Sandboxes may outlive this (a daemon restart); what
+        they need must keep working, for the next daemon's instance to take over."""

@@ -206,6 +206,11 @@ class Node:
                 sb.ttl_handle.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for be in self._backends.values():
+            try:
+                await be.close()
+            except Exception:  # as for policies: the node still closes
+                log.exception("closing backend %s", be.name)
         for policy in self._policies.values():
             try:
                 policy.close()

@@ -43,6 +43,9 @@ from dsec_core.errors import BackendUnavailable, PolicyUnavailable, SandboxError
 from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.records import SandboxUsage
 
+from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
+from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
+
 __all__ = ["ContainerBackend", "oci_config"]
 
 RUNTIMES = ("runc",)  # crun 1.8 fails on this kernel's hybrid cgroups; runc is what works here
@@ -109,9 +112,24 @@ def agent_args(with_policy: bool) -> list[str]:
     return args
 
 
-def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, Any]:
-    """The OCI runtime config of a sandbox (``agent_policy``: the agent gets a document)."""
+def oci_config(
+    rt: SandboxRuntime,
+    *,
+    agent_policy: bool = False,
+    lxcfs: Path | None = None,
+    cpus: list[int] | None = None,
+) -> dict[str, Any]:
+    """The OCI runtime config of a sandbox (``agent_policy``: the agent gets a document;
+    ``lxcfs``: the node's lxcfs mount point, whose files go over /proc's; ``cpus``: the cores
+    it is pinned to)."""
     lim = rt.limits
+    cpu: dict[str, Any] = {
+        "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
+        "period": CFS_PERIOD,
+        "shares": max(2, int(lim.cpu * 1024)),
+    }
+    if cpus:
+        cpu["cpus"] = format_cpus(cpus)
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": "/root",
@@ -179,11 +197,19 @@ def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, A
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
             {
+                # the sandbox's own cgroups (a cgroup namespace's root), read-only
+                "destination": "/sys/fs/cgroup",
+                "type": "cgroup",
+                "source": "cgroup",
+                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            },
+            {
                 "destination": AGENT_PATH,
                 "type": "bind",
                 "source": os.fspath(rt.agent_binary),
                 "options": ["bind", "ro", "nosuid", "nodev"],
             },
+            *(lxcfs_mounts(lxcfs) if lxcfs is not None else ()),
         ],
         "linux": {
             "uidMappings": uids,
@@ -194,16 +220,14 @@ def oci_config(rt: SandboxRuntime, *, agent_policy: bool = False) -> dict[str, A
             "cgroupsPath": "/" + cgroup_path(rt.id),
             "resources": {
                 "memory": {"limit": lim.memory},
-                "cpu": {
-                    "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
-                    "period": CFS_PERIOD,
-                    "shares": max(2, int(lim.cpu * 1024)),
-                },
+                "cpu": cpu,
                 "pids": {"limit": lim.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
             "maskedPaths": list(MASKED_PATHS),
-            "readonlyPaths": list(READONLY_PATHS),
+            # runc mounts a tmpfs under the cgroup hierarchies at /sys/fs/cgroup on a v1 host
+            # and leaves that writable whatever the mount's options say: read-only again here
+            "readonlyPaths": [*READONLY_PATHS, "/sys/fs/cgroup"],
         },
     }
 
@@ -241,10 +265,21 @@ class ContainerBackend(Backend):
         self.state_root = config.run_dir / "runc"
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
+        # Live sandboxes' inits (pid, start time), for lxcfs to put its files back in after
+        # it had to be started again; filled by start and, after a restart, by alive.
+        self._inits: dict[str, tuple[int, int | None]] = {}
+        self.lxcfs = (
+            Lxcfs(config.run_dir, config.home / "lxcfs.log", lambda: list(self._inits.values()))
+            if lxcfs_enabled()
+            else None
+        )
+        self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
 
     @classmethod
     def check_available(cls) -> None:
         find_runtime()
+        if lxcfs_enabled():
+            find_lxcfs()
         if os.geteuid() != 0:
             raise BackendUnavailable("container backend needs root (mounts, cgroups, runc)")
         if not Path("/proc/self/ns/user").exists():
@@ -255,7 +290,25 @@ class ContainerBackend(Backend):
         policy = AgentPolicy()
         rt.enforce("agent", policy)
         document = None if policy.empty() else policy.encode()
-        config = oci_config(rt, agent_policy=document is not None)
+        lxcfs = await self.lxcfs.ensure() if self.lxcfs is not None else None
+        cores = self.pinning.pick(rt.id, rt.limits.cpu) if self.pinning is not None else None
+        try:
+            return await self._start(rt, policy, document, lxcfs, cores)
+        except BaseException:
+            if self.pinning is not None:
+                self.pinning.release(rt.id)
+            self._inits.pop(rt.id, None)
+            raise
+
+    async def _start(
+        self,
+        rt: SandboxRuntime,
+        policy: AgentPolicy,
+        document: bytes | None,
+        lxcfs: Path | None,
+        cores: list[int] | None,
+    ) -> dict[str, Any]:
+        config = oci_config(rt, agent_policy=document is not None, lxcfs=lxcfs, cpus=cores)
         rt.enforce("oci", config)
         bundle = rt.dir
         # 0600: the bundle directory admits the sandboxes' group on runc's way to rootfs/;
@@ -279,7 +332,14 @@ class ContainerBackend(Backend):
                     sandbox_id=rt.id,
                 )
             pid = int(pid_file.read_text().strip())
-            state = {"runtime": self.runtime, "pid": pid, "start_time": _start_time(pid)}
+            state = {
+                "runtime": self.runtime,
+                "pid": pid,
+                "start_time": _start_time(pid),
+                "cpus": cores,
+                "lxcfs": lxcfs is not None,
+            }
+            self._inits[rt.id] = (pid, state["start_time"])
             started = StartedSandbox(
                 pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
             )
@@ -320,7 +380,18 @@ class ContainerBackend(Backend):
     # --- liveness -------------------------------------------------------------------------
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         pid = state.get("pid")
-        return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
+        live = isinstance(pid, int) and _start_time(pid) == state.get("start_time")
+        if live and rt.id not in self._inits:  # one a previous daemon started: adopt it
+            self._adopt(rt, state)
+        return live
+
+    def _adopt(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        self._inits[rt.id] = (state["pid"], state.get("start_time"))
+        if self.pinning is not None and state.get("cpus"):
+            self.pinning.add(rt.id, list(state["cpus"]), rt.limits.cpu)
+        if self.lxcfs is not None and state.get("lxcfs") and not self.lxcfs.adopt_and_watch():
+            # the lxcfs its files came from is gone: start one and put them back
+            self.lxcfs.revive_soon()
 
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         pid = state.get("pid")
@@ -341,6 +412,16 @@ class ContainerBackend(Backend):
         if pid and _start_time(pid) == state.get("start_time"):
             await _kill_and_wait(pid)
         await self._cleanup(rt, state)
+        self._inits.pop(rt.id, None)
+        if self.pinning is not None:
+            self.pinning.release(rt.id)
+
+    async def close(self) -> None:
+        """lxcfs stops with the node when no container of it is left (their runc state is
+        gone); otherwise it keeps serving them and the next daemon re-adopts it."""
+        if self.lxcfs is not None:
+            left = any(self.state_root.iterdir()) if self.state_root.is_dir() else False
+            await self.lxcfs.close(stop=not left)
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)
