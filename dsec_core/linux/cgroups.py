@@ -24,7 +24,9 @@ __all__ = [
     "confine_self",
     "hierarchies",
     "memory_limit",
+    "place_process",
     "release_self",
+    "remove_cgroups",
 ]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -96,12 +98,7 @@ def confine_self(relative: str, memory: int) -> ConfinedCgroups:
     places = []
     try:
         for hierarchy in hierarchies():
-            cg = hierarchy / relative
-            cg.mkdir(parents=True, exist_ok=True)
-            if hierarchy.name == "memory" and memory:
-                (cg / "memory.limit_in_bytes").write_text(str(memory))
-            elif hierarchy == CGROUP_ROOT and memory:
-                (cg / "memory.max").write_text(str(memory))
+            cg = _make(hierarchy, relative, memory)
             origin = _own_cgroup(hierarchy)
             (cg / "cgroup.procs").write_text(str(os.getpid()))
             places.append((hierarchy, cg, origin))
@@ -114,6 +111,53 @@ def confine_self(relative: str, memory: int) -> ConfinedCgroups:
     if not places:
         raise NodeUnavailable("no memory or pids cgroup hierarchy under /sys/fs/cgroup")
     return ConfinedCgroups(tuple(places))
+
+
+def _make(hierarchy: Path, relative: str, memory: int) -> Path:
+    cg = hierarchy / relative
+    cg.mkdir(parents=True, exist_ok=True)
+    if hierarchy.name == "memory" and memory:
+        (cg / "memory.limit_in_bytes").write_text(str(memory))
+    elif hierarchy == CGROUP_ROOT and memory:
+        (cg / "memory.max").write_text(str(memory))
+    return cg
+
+
+def place_process(pid: int, relative: str, memory: int) -> tuple[Path, ...]:
+    """Move process ``pid`` (all its threads) into ``<hierarchy>/<relative>`` of the memory
+    and pids hierarchies, made if missing, with ``memory`` bytes as the limit (0: none): a
+    helper daemon that must not stay in its starter's cgroups. ``NodeUnavailable`` if the
+    kernel or permissions do not allow it."""
+    dirs = []
+    try:
+        for hierarchy in hierarchies():
+            cg = _make(hierarchy, relative, memory)
+            (cg / "cgroup.procs").write_text(str(pid))
+            dirs.append(cg)
+    except OSError as e:
+        raise NodeUnavailable(
+            f"cannot put process {pid} into cgroup {relative}: {e}", cgroup=relative
+        ) from e
+    return tuple(dirs)
+
+
+def remove_cgroups(relative: str) -> list[Path]:
+    """Remove ``<hierarchy>/<relative>`` of the memory and pids hierarchies, and their parent
+    once empty; returns those that could not go (still holding processes)."""
+    kept = []
+    for hierarchy in hierarchies():
+        cg = hierarchy / relative
+        try:
+            cg.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                raise
+            kept.append(cg)
+        with contextlib.suppress(OSError):
+            cg.parent.rmdir()
+    return kept
 
 
 def release_self(confined: ConfinedCgroups) -> list[Path]:

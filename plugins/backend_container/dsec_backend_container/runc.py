@@ -265,15 +265,10 @@ class ContainerBackend(Backend):
         self.state_root = config.run_dir / "runc"
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
-        # Live sandboxes' inits (pid, start time), for lxcfs to put its files back in after
-        # it had to be started again; filled by start and, after a restart, by alive.
-        self._inits: dict[str, tuple[int, int | None]] = {}
-        self.lxcfs = (
-            Lxcfs(config.run_dir, config.home / "lxcfs.log", lambda: list(self._inits.values()))
-            if lxcfs_enabled()
-            else None
-        )
+        self.lxcfs = Lxcfs(config.home, config.run_dir) if lxcfs_enabled() else None
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
+        # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
+        self._known: set[str] = set()
 
     @classmethod
     def check_available(cls) -> None:
@@ -295,9 +290,7 @@ class ContainerBackend(Backend):
         try:
             return await self._start(rt, policy, document, lxcfs, cores)
         except BaseException:
-            if self.pinning is not None:
-                self.pinning.release(rt.id)
-            self._inits.pop(rt.id, None)
+            self._forget(rt.id)
             raise
 
     async def _start(
@@ -339,7 +332,9 @@ class ContainerBackend(Backend):
                 "cpus": cores,
                 "lxcfs": lxcfs is not None,
             }
-            self._inits[rt.id] = (pid, state["start_time"])
+            self._known.add(rt.id)
+            if self.lxcfs is not None and lxcfs is not None:
+                self.lxcfs.add(rt.id, pid, state["start_time"])
             started = StartedSandbox(
                 pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
             )
@@ -381,17 +376,20 @@ class ContainerBackend(Backend):
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         pid = state.get("pid")
         live = isinstance(pid, int) and _start_time(pid) == state.get("start_time")
-        if live and rt.id not in self._inits:  # one a previous daemon started: adopt it
-            self._adopt(rt, state)
+        if live and rt.id not in self._known:  # one a previous daemon started: adopt it
+            self._known.add(rt.id)
+            if self.pinning is not None and state.get("cpus"):
+                self.pinning.add(rt.id, list(state["cpus"]), rt.limits.cpu)
+            if self.lxcfs is not None and state.get("lxcfs"):
+                self.lxcfs.adopt_sandbox(rt.id, state["pid"], state.get("start_time"))
         return live
 
-    def _adopt(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
-        self._inits[rt.id] = (state["pid"], state.get("start_time"))
-        if self.pinning is not None and state.get("cpus"):
-            self.pinning.add(rt.id, list(state["cpus"]), rt.limits.cpu)
-        if self.lxcfs is not None and state.get("lxcfs") and not self.lxcfs.adopt_and_watch():
-            # the lxcfs its files came from is gone: start one and put them back
-            self.lxcfs.revive_soon()
+    def _forget(self, sandbox_id: str) -> None:
+        self._known.discard(sandbox_id)
+        if self.pinning is not None:
+            self.pinning.release(sandbox_id)
+        if self.lxcfs is not None:
+            self.lxcfs.discard(sandbox_id)
 
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         pid = state.get("pid")
@@ -412,9 +410,7 @@ class ContainerBackend(Backend):
         if pid and _start_time(pid) == state.get("start_time"):
             await _kill_and_wait(pid)
         await self._cleanup(rt, state)
-        self._inits.pop(rt.id, None)
-        if self.pinning is not None:
-            self.pinning.release(rt.id)
+        self._forget(rt.id)
 
     async def close(self) -> None:
         """lxcfs stops with the node when no container of it is left (their runc state is
