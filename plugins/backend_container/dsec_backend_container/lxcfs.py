@@ -449,9 +449,9 @@ def remount_into(mountpoint: Path, inits: Iterable[tuple[int, int | None]]) -> s
     args = [f"{pid}:{'-' if start is None else start}" for pid, start in inits]
     if not args:
         return ""
+    files = ",".join(LXCFS_FILES)
     done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", _REMOUNT, os.fspath(mountpoint), ",".join(LXCFS_FILES)]
-        + args,
+        [sys.executable, "-I", "-S", "-c", _REMOUNT, os.fspath(mountpoint), files, *args],
         capture_output=True,
         text=True,
         timeout=60 + len(args),

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-import dsec
 from dsec_backend_container.cpus import CpuPinning, host_cpus, parse_cpus
 from dsec_backend_container.lxcfs import LXCFS_FILES
+
+import dsec
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import hierarchies
@@ -135,7 +135,8 @@ def test_one_cpu_sandbox_counts_one_cpu_everywhere(client, tools):
     assert len(parse_cpus(_run(sb, "cat /sys/devices/system/cpu/online"))) == 1
     if not has_python:
         pytest.skip("the host has no system python to copy in for os.cpu_count()")
-    out = _run(sb, "python3 -I -S -c 'import os; print(os.cpu_count(), len(os.sched_getaffinity(0)))'")
+    code = "import os; print(os.cpu_count(), len(os.sched_getaffinity(0)))"
+    out = _run(sb, f"python3 -I -S -c '{code}'")
     assert out.split() == ["1", "1"]
 
 
@@ -368,7 +369,8 @@ def test_without_lxcfs_or_pinning_sandboxes_still_work(monkeypatch, tmp_path):
 
 def test_lxcfs_files_are_the_ones_bound(client, node):
     sb = client.create(layers=(node.layer.ref,), memory="64M")
-    mounts = {line.split()[1]: line.split()[2] for line in _run(sb, "cat /proc/mounts").splitlines()}
+    table = [line.split() for line in _run(sb, "cat /proc/mounts").splitlines()]
+    mounts = {fields[1]: fields[2] for fields in table}
     assert {f: mounts.get(f) for f in LXCFS_FILES} == {f: "fuse.lxcfs" for f in LXCFS_FILES}
     # the kernel's masked and read-only /proc paths are still masked and read-only
     assert _run(sb, "wc -c < /proc/keys").strip() == "0"
