@@ -112,8 +112,9 @@ def make_busybox_rootfs(root: Path) -> Path:
 
 def leftovers(home: Path) -> dict[str, list[str]]:
     """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', and its daemon's
-    once no daemon runs), sandbox dirs, processes, loop devices bound to files under ``home``, and
-    sandboxes' disk images."""
+    once no daemon runs), sandbox dirs, processes (but, while its daemon runs, the daemon and
+    the helpers whose pid files are in ``run/``, such as the container backend's lxcfs), loop
+    devices bound to files under ``home``, and sandboxes' disk images."""
     prefix = os.fspath(home)
     mounts = []
     with open("/proc/self/mountinfo") as f:
@@ -140,8 +141,9 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         if daemon_cgroup and (hier / daemon_cgroup).exists():
             cgroups.append(os.fspath(hier / daemon_cgroup))
     procs = []
+    helpers = _helper_pids(config.run_dir) if daemon_pid(config) else set()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or pid in helpers:
             continue
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -161,6 +163,15 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         "loop_devices": loops,
         "disk_images": images,
     }
+
+
+def _helper_pids(run_dir: Path) -> set[str]:
+    """The pids in the pid files (``*.pid``) of a node's runtime directory."""
+    pids = set()
+    for path in run_dir.glob("*.pid") if run_dir.is_dir() else ():
+        with contextlib.suppress(OSError):
+            pids.add(path.read_text().strip())
+    return pids
 
 
 @contextlib.contextmanager
