@@ -17,7 +17,8 @@ stamp_dir="$venv/.dsec-stamps"
 APT_PACKAGES=(runc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
               clang libbpf-dev nftables  # the egress policy's BPF programs and netns
-              apparmor)  # apparmor_parser, for the apparmor policy's profiles
+              apparmor  # apparmor_parser, for the apparmor policy's profiles
+              lxcfs)  # sandboxes' own CPUs and memory in /proc: the container backend runs it
 # apparmor starts no service on install: its postinst enables apparmor.service for the next
 # boot (a unit conditioned on the kernel having AppArmor, so inert here) and, only if the
 # kernel has AppArmor enabled, loads the profiles in /etc/apparmor.d; a stock Debian 12 has
@@ -52,6 +53,11 @@ setup_apt() {
             trap - EXIT
         else
             apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+        fi
+        # lxcfs's package enables a service mounting /var/lib/lxcfs at boot; each dsec node
+        # runs its own lxcfs, so one we just installed stays off (one already there is left be).
+        if [[ " ${missing[*]} " == *" lxcfs "* ]] && command -v systemctl >/dev/null; then
+            systemctl disable --quiet lxcfs 2>/dev/null || true
         fi
     fi
 }

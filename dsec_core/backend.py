@@ -106,6 +106,10 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   where unknown).
 - ``check_available`` raises ``BackendUnavailable`` saying what is missing, quickly, without
   side effects: the node calls it before it first uses the backend.
+- ``close`` (optional) runs when the node closes, after it killed what it meant to kill: free
+  what the backend holds node-wide that no sandbox still running needs. Sandboxes may outlive
+  the daemon; what they need keeps working, and the next daemon's instance takes it over
+  (the container backend's lxcfs: stopped when no container is left, else left running).
 """
 
 from __future__ import annotations

@@ -264,6 +264,15 @@ def _wait_for(what, timeout: float = 10.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie its new parent (the host's init, once the daemon
+    that started it has gone) has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _sees_256m(sb) -> bool:
     res = sb.exec("cat /proc/meminfo")
     return res.exit_code == 0 and _mem_total_kib(res.stdout.decode()) == 256 * 1024
@@ -287,7 +296,7 @@ def test_lxcfs_starts_on_first_need_and_leaves_nothing(tmp_path):
         assert _lxcfs_processes(home) == [pid]
     # running_kit_node failed the test if the node left a mount or a process under its home
     assert _lxcfs_processes(home) == []
-    assert not os.path.exists(f"/proc/{pid}")
+    assert _gone(pid)
     assert _lxcfs_cgroups(node) == []
     with open("/proc/self/mountinfo") as f:
         assert os.fspath(home) not in f.read()
@@ -325,7 +334,7 @@ def test_lxcfs_outlives_a_daemon_restart_and_is_readopted():
             # sandbox's files as it re-adopts it
             stop_daemon(cfg)
             os.kill(first, signal.SIGKILL)
-            _wait_for(lambda: not os.path.exists(f"/proc/{first}"))
+            _wait_for(lambda: _gone(first))
             ensure_daemon(cfg)
             again = c.get(sb.id)
             _wait_for(lambda: _sees_256m(again))
