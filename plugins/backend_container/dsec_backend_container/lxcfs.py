@@ -109,6 +109,13 @@ def _exited(pidfd: int) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
+def _mountinfo_path(path: str) -> str:
+    """``path`` as mountinfo writes it (octal escapes for blanks and backslashes)."""
+    for ch, esc in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
+        path = path.replace(ch, esc)
+    return path
+
+
 def _mount_devices(mountinfo: str, targets: set[str]) -> dict[str, str]:
     """``{mount point: "major:minor"}`` of the topmost mount at each of ``targets``, from a
     mountinfo file (never a stat: that would ask a FUSE daemon, which may hang)."""
@@ -136,7 +143,6 @@ class Lxcfs:
         self.cgroup = f"dsec-lxcfs/{digest}"
         self.pid: int | None = None
         self.device: str | None = None  # "major:minor" of the mount it serves
-        self.restarts = 0
         self.sandboxes: dict[str, tuple[int, int | None]] = {}
         self._stale: dict[str, tuple[int, int | None]] = {}  # binds of a dead lxcfs
         self._pidfd = -1
@@ -182,9 +188,8 @@ class Lxcfs:
         return int(text) if text.isdigit() else None
 
     def _device(self) -> str | None:
-        return _mount_devices("/proc/self/mountinfo", {os.fspath(self.mountpoint)}).get(
-            os.fspath(self.mountpoint)
-        )
+        where = _mountinfo_path(os.fspath(self.mountpoint))
+        return _mount_devices("/proc/self/mountinfo", {where}).get(where)
 
     async def ensure(self) -> Path:
         """lxcfs's mount point, with lxcfs serving it: the one running (ours, or a previous
@@ -197,6 +202,8 @@ class Lxcfs:
             if not self.adopt():
                 await self._start()
             self._watch()
+        if self._stale:  # sandboxes a revive that failed earlier left with dead files
+            self._revive_soon()
         return self.mountpoint
 
     def adopt(self) -> bool:
@@ -318,7 +325,6 @@ class Lxcfs:
         """Start lxcfs again and put its files back in every sandbox that has a dead one's."""
         try:
             await self.ensure()
-            self.restarts += 1
             while self._stale:
                 batch = dict(self._stale)
                 failed = await asyncio.to_thread(remount_into, self.mountpoint, batch.values())

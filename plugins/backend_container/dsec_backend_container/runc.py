@@ -265,7 +265,10 @@ class ContainerBackend(Backend):
         self.state_root = config.run_dir / "runc"
         self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
-        self.lxcfs = Lxcfs(config.home, config.run_dir) if lxcfs_enabled() else None
+        # Always there, to re-adopt and finally stop one a daemon with other settings started;
+        # new sandboxes get its files only with DSEC_LXCFS on.
+        self.lxcfs = Lxcfs(config.home, config.run_dir)
+        self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
@@ -285,7 +288,7 @@ class ContainerBackend(Backend):
         policy = AgentPolicy()
         rt.enforce("agent", policy)
         document = None if policy.empty() else policy.encode()
-        lxcfs = await self.lxcfs.ensure() if self.lxcfs is not None else None
+        lxcfs = await self.lxcfs.ensure() if self.use_lxcfs else None
         cores = self.pinning.pick(rt.id, rt.limits.cpu) if self.pinning is not None else None
         try:
             return await self._start(rt, policy, document, lxcfs, cores)
@@ -333,7 +336,7 @@ class ContainerBackend(Backend):
                 "lxcfs": lxcfs is not None,
             }
             self._known.add(rt.id)
-            if self.lxcfs is not None and lxcfs is not None:
+            if lxcfs is not None:
                 self.lxcfs.add(rt.id, pid, state["start_time"])
             started = StartedSandbox(
                 pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
@@ -380,7 +383,7 @@ class ContainerBackend(Backend):
             self._known.add(rt.id)
             if self.pinning is not None and state.get("cpus"):
                 self.pinning.add(rt.id, list(state["cpus"]), rt.limits.cpu)
-            if self.lxcfs is not None and state.get("lxcfs"):
+            if state.get("lxcfs"):
                 self.lxcfs.adopt_sandbox(rt.id, state["pid"], state.get("start_time"))
         return live
 
@@ -388,8 +391,7 @@ class ContainerBackend(Backend):
         self._known.discard(sandbox_id)
         if self.pinning is not None:
             self.pinning.release(sandbox_id)
-        if self.lxcfs is not None:
-            self.lxcfs.discard(sandbox_id)
+        self.lxcfs.discard(sandbox_id)
 
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         pid = state.get("pid")
@@ -415,9 +417,8 @@ class ContainerBackend(Backend):
     async def close(self) -> None:
         """lxcfs stops with the node when no container of it is left (their runc state is
         gone); otherwise it keeps serving them and the next daemon re-adopts it."""
-        if self.lxcfs is not None:
-            left = any(self.state_root.iterdir()) if self.state_root.is_dir() else False
-            await self.lxcfs.close(stop=not left)
+        left = any(self.state_root.iterdir()) if self.state_root.is_dir() else False
+        await self.lxcfs.close(stop=not left)
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)
