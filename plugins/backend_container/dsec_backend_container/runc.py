@@ -123,13 +123,6 @@ def oci_config(
     ``lxcfs``: the node's lxcfs mount point, whose files go over /proc's; ``cpus``: the cores
     it is pinned to)."""
     lim = rt.limits
-    cpu: dict[str, Any] = {
-        "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
-        "period": CFS_PERIOD,
-        "shares": max(2, int(lim.cpu * 1024)),
-    }
-    if cpus:
-        cpu["cpus"] = format_cpus(cpus)
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": "/root",
@@ -144,7 +137,7 @@ def oci_config(
     caps = list(CAPABILITIES)
     # A user namespace cannot raise the hard limit above the daemon's own.
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-    return {
+    config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
@@ -220,7 +213,11 @@ def oci_config(
             "cgroupsPath": "/" + cgroup_path(rt.id),
             "resources": {
                 "memory": {"limit": lim.memory},
-                "cpu": cpu,
+                "cpu": {
+                    "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
+                    "period": CFS_PERIOD,
+                    "shares": max(2, int(lim.cpu * 1024)),
+                },
                 "pids": {"limit": lim.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
@@ -230,6 +227,9 @@ def oci_config(
             "readonlyPaths": [*READONLY_PATHS, "/sys/fs/cgroup"],
         },
     }
+    if cpus:
+        config["linux"]["resources"]["cpu"]["cpus"] = format_cpus(cpus)
+    return config
 
 
 def _start_time(pid: int) -> int | None:
