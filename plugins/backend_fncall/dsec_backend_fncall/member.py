@@ -68,7 +68,7 @@ def work_areas(spec_workdir: str) -> list[str]:
 def fncall_config(config: dict[str, Any], rt: SandboxRuntime) -> None:
     """Turn a container sandbox's OCI config into a member's, in place."""
     config["root"]["readonly"] = True
-    size = max(1 << 20, min(rt.limits.disk, rt.limits.memory, MAX_TMPFS))
+    size = max(1 << 20, min(rt.limits.memory, MAX_TMPFS))
     mounts = [m for m in config["mounts"] if m["destination"] != DEV_SHM]
     for area in work_areas(rt.spec.workdir):
         mode = "1777" if area in ("/tmp", DEV_SHM) else "755"

@@ -1,0 +1,404 @@
+"""Warm pools for FnCall: short stateless calls run in resident sandboxes that are reset between
+calls instead of created for each.
+
+One ``Pool`` per (environment, backend, cpu, memory). A call leases a clean member (or starts
+one while the pool is under its max, or waits for one to come back), runs, and gives it back;
+the member is then reset (``Backend.reset``: every process killed, work areas emptied) before
+anyone else leases it, whatever the call did. A member that fails its reset, or whose sandbox
+died (its agent or init killed), is killed and replaced; one found dead at lease time is
+skipped. So a call never gets a dirty or dead member. Pools start at ``min`` members, grow on
+demand up to ``max`` and shrink back to ``min`` after ``idle`` seconds without use.
+
+Only backends that claim ``Feature.RESET`` serve pools. Members are ordinary sandboxes of the
+node (listed, admitted and counted like any other), labelled ``dsec.fncall-pool``; a restarted
+daemon kills the ones a previous daemon left, and a closing node kills its own: they hold
+nothing anyone needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..backend import Feature
+from ..errors import AdmissionRejected, BackendUnavailable, DsecError, InvalidSpec
+from ..records import FnCallResult, SandboxSpec, parse_size
+
+if TYPE_CHECKING:
+    from .node import Node
+
+__all__ = ["POOL_LABEL", "Pool", "PoolKey", "PoolSettings", "Pools"]
+
+log = logging.getLogger("dsec.pools")
+
+#: The label every pool member carries, its value the pool's name.
+POOL_LABEL = "dsec.fncall-pool"
+#: The working directory of calls when the environment names none ("/" is read-only there).
+DEFAULT_WORKDIR = "/work"
+#: A member's writable layer: unused under a read-only root, so as small as one can be.
+MEMBER_DISK = "16M"
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How big pools are and how long idle members stay (``DSEC_FNCALL_*``)."""
+
+    min: int = 0
+    max: int = 16
+    idle: float = 60.0  # seconds a free member beyond ``min`` stays unused before it goes
+    lease_timeout: float = 30.0  # seconds a call waits for a member of a full pool
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
+        env = os.environ if environ is None else environ
+        d = cls()
+        try:
+            s = cls(
+                min=int(env.get("DSEC_FNCALL_POOL_MIN", d.min)),
+                max=int(env.get("DSEC_FNCALL_POOL_MAX", d.max)),
+                idle=float(env.get("DSEC_FNCALL_IDLE", d.idle)),
+                lease_timeout=float(env.get("DSEC_FNCALL_LEASE_TIMEOUT", d.lease_timeout)),
+            )
+        except ValueError as e:
+            raise InvalidSpec(f"DSEC_FNCALL_*: {e}", field="DSEC_FNCALL") from None
+        if not 0 <= s.min <= s.max or s.max < 1 or s.idle < 0 or s.lease_timeout < 0:
+            raise InvalidSpec(
+                f"DSEC_FNCALL_*: need 0 <= min <= max, max >= 1, idle and lease timeout >= 0; "
+                f"got {s}",
+                field="DSEC_FNCALL",
+            )
+        return s
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    """What makes members interchangeable."""
+
+    environment: str
+    backend: str
+    cpu: float
+    memory: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.environment}/{self.backend}/{self.cpu:g}cpu/{self.memory >> 20}M"
+
+
+class Pool:
+    """The members of one ``PoolKey``: free (clean, most recently used last), leased, or being
+    reset or started."""
+
+    def __init__(self, node: Node, key: PoolKey, settings: PoolSettings, workdir: str) -> None:
+        self.node = node
+        self.key = key
+        self.name = key.name
+        self.settings = settings
+        self.spec = SandboxSpec(
+            environment=key.environment,
+            backend=key.backend,
+            cpu=key.cpu,
+            memory=key.memory,
+            disk=MEMBER_DISK,
+            ttl=None,
+            workdir=workdir,
+            labels={POOL_LABEL: key.name},
+        )
+        self.members: set[str] = set()
+        self.free: list[str] = []
+        self.last_used: dict[str, float] = {}
+        self.starting = 0
+        self.resetting = 0
+        self.waiters: collections.deque[asyncio.Future[str]] = collections.deque()
+        self.replaced = 0  # members killed because they broke (or failed a reset)
+
+    @property
+    def size(self) -> int:
+        return len(self.members) + self.starting
+
+    # --- lease and give back --------------------------------------------------------------
+    async def lease(self) -> str:
+        """A clean, live member: a free one, a new one while under ``max``, or the next one
+        given back; ``AdmissionRejected`` naming the pool after ``lease_timeout``."""
+        deadline = time.monotonic() + self.settings.lease_timeout
+        while True:
+            while self.free:
+                sid = self.free.pop()
+                if await self._healthy(sid):
+                    return sid
+                self._discard(sid, "found dead at lease")
+            # a member being reset is back in a millisecond or two; a new one takes ~50 ms
+            if self.size < self.settings.max and self.resetting <= len(self.waiters):
+                return await self._start()
+            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            left = deadline - time.monotonic()
+            done, _ = await asyncio.wait({fut}, timeout=max(0.0, left))
+            if not done:
+                fut.cancel()
+                with _suppress_value_error():
+                    self.waiters.remove(fut)
+                raise AdmissionRejected(
+                    f"fncall pool {self.name}: all {self.settings.max} members busy for "
+                    f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX, "
+                    "DSEC_FNCALL_LEASE_TIMEOUT)",
+                    reason="fncall-pool",
+                    pool=self.name,
+                )
+            sid = fut.result()
+            if await self._healthy(sid):
+                return sid
+            self._discard(sid, "found dead at lease")
+
+    def give_back(self, sid: str, broken: bool) -> None:
+        """Reset the member (or replace it if ``broken``) and hand it to the next call."""
+        self.node._spawn(self._recycle(sid, broken))
+
+    async def _recycle(self, sid: str, broken: bool) -> None:
+        if not broken:
+            self.resetting += 1
+            try:
+                await self.node.reset(sid)
+            except DsecError as e:
+                log.warning("fncall pool %s: member %s failed its reset: %s", self.name, sid, e)
+                broken = True
+            finally:
+                self.resetting -= 1
+        if broken:
+            self._discard(sid, "broken")
+            self._refill()
+        else:
+            self._put(sid)
+
+    def _put(self, sid: str) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(sid)
+                return
+        self.last_used[sid] = time.monotonic()
+        self.free.append(sid)
+
+    async def _healthy(self, sid: str) -> bool:
+        sb = self.node.sandboxes.get(sid)
+        return (
+            sb is not None
+            and sb.status == "running"
+            and await sb.backend.alive(sb.rt, sb.backend_state)
+        )
+
+    async def _start(self) -> str:
+        self.starting += 1
+        try:
+            info = await self.node.create(self.spec)
+        except AdmissionRejected as e:
+            raise AdmissionRejected(
+                f"fncall pool {self.name}: cannot start a member: {e}",
+                reason=e.context.get("reason", "node"),
+                pool=self.name,
+            ) from e
+        finally:
+            self.starting -= 1
+        self.members.add(info.id)
+        return info.id
+
+    def _discard(self, sid: str, why: str) -> None:
+        self.members.discard(sid)
+        self.last_used.pop(sid, None)
+        with _suppress_value_error():
+            self.free.remove(sid)
+        self.replaced += why != "idle"
+        log.info("fncall pool %s: member %s goes (%s)", self.name, sid, why)
+        if sid in self.node.sandboxes:
+            self.node._spawn(self._kill(sid))
+
+    async def _kill(self, sid: str) -> None:
+        try:
+            await self.node.kill(sid, reason="fncall pool")
+        except DsecError:  # gone on its own meanwhile
+            pass
+
+    def _refill(self) -> None:
+        """Start members for waiting calls and up to ``min``, in the background."""
+        want = max(self.settings.min - self.size, 0)
+        want = max(want, min(len(self.waiters), self.settings.max - self.size))
+        for _ in range(want):
+            self.node._spawn(self._start_free())
+
+    async def _start_free(self) -> None:
+        try:
+            sid = await self._start()
+        except DsecError as e:
+            log.warning("fncall pool %s: cannot start a member: %s", self.name, e)
+            return
+        self._put(sid)
+
+    def shrink(self, now: float) -> None:
+        """Let free members beyond ``min`` that sat unused for ``idle`` seconds go."""
+        for sid in list(self.free):  # oldest first
+            if self.size <= self.settings.min:
+                return
+            if now - self.last_used.get(sid, now) >= self.settings.idle:
+                self._discard(sid, "idle")
+
+    def status(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "size": self.size,
+            "free": len(self.free),
+            "waiting": len(self.waiters),
+            "replaced": self.replaced,
+            "members": sorted(self.members),
+        }
+
+
+class _suppress_value_error:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: object, value: object, tb: object) -> bool:
+        return tp is ValueError
+
+
+class Pools:
+    """Every FnCall pool of a node, and the reaper that shrinks them."""
+
+    def __init__(self, node: Node, settings: PoolSettings | None = None) -> None:
+        self.node = node
+        self.settings = settings or PoolSettings.from_env()
+        self.pools: dict[PoolKey, Pool] = {}
+        self._reaper: asyncio.Task | None = None
+        self._closed = False
+
+    def pool(self, environment: str, backend: str, cpu: float, memory: int | str) -> Pool:
+        mem = parse_size(memory) if isinstance(memory, str) else memory
+        key = PoolKey(environment, backend, float(cpu), int(mem))
+        found = self.pools.get(key)
+        if found is not None:
+            return found
+        be = self.node.backend(backend)
+        if Feature.RESET not in be.features:
+            raise BackendUnavailable(
+                f"backend {backend!r} cannot serve FnCall pools: it cannot reset a sandbox "
+                "between calls (no Feature.RESET); use backend 'fncall'",
+                backend=backend,
+            )
+        env = self.node.catalogs.environment(environment)  # UnknownEnvironment
+        workdir = env.workdir if env.workdir not in ("", "/") else DEFAULT_WORKDIR
+        p = self.pools[key] = Pool(self.node, key, self.settings, workdir)
+        p._refill()
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        return p
+
+    async def call(
+        self,
+        environment: str,
+        cmd: str | Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        stdin: bytes | None = None,
+        files: Mapping[str, bytes] | None = None,
+        timeout: float | None = None,
+        max_output: int = 1 << 20,
+        env: Mapping[str, str] | None = None,
+        backend: str = "fncall",
+        cpu: float = 1.0,
+        memory: int | str = "512M",
+    ) -> FnCallResult:
+        if self._closed:
+            raise BackendUnavailable("the node is closing: no more FnCalls")
+        if (cmd is None) == (script is None):
+            raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
+        t0 = time.monotonic()
+        pool = self.pool(environment, backend, cpu, memory)
+        sid = await pool.lease()
+        wait = time.monotonic() - t0
+        broken = False  # the reset that follows checks the member's health too
+        try:
+            workdir = pool.spec.workdir
+            if files:
+                await self._write_files(sid, workdir, files)
+            argv = cmd if script is None else ["/bin/sh", "-c", script]
+            assert argv is not None
+            try:
+                r = await self.node.exec(
+                    sid,
+                    argv,
+                    timeout=timeout,
+                    env=dict(env) if env else None,
+                    stdin=stdin,
+                    max_output=max_output,
+                    exclusive=True,
+                )
+            except DsecError as e:
+                if await pool._healthy(sid):
+                    raise
+                return FnCallResult(
+                    exit_code=-1,
+                    stdout=b"",
+                    stderr=f"the member died under the call: {e}".encode(),
+                    duration=time.monotonic() - t0 - wait,
+                    command=str(argv),
+                    sandbox_id=sid,
+                    error="runtime-error",
+                    member=sid,
+                    pool=pool.name,
+                    wait=wait,
+                )
+            broken = not await pool._healthy(sid)
+            return FnCallResult.from_exec(
+                r, member=sid, pool=pool.name, wait=wait, error="runtime-error" if broken else ""
+            )
+        finally:
+            pool.give_back(sid, broken)
+
+    async def _write_files(self, sid: str, workdir: str, files: Mapping[str, bytes]) -> None:
+        paths = {}
+        for name, data in files.items():
+            path = os.path.normpath(os.path.join(workdir, name))
+            if not name or "\0" in name:
+                raise InvalidSpec(f"files: bad path {name!r}", field="files")
+            paths[path] = data
+        parents = sorted({os.path.dirname(p) for p in paths} - {workdir, "/tmp", "/dev/shm"})
+        if parents:
+            r = await self.node.exec(sid, ["mkdir", "-p", "--", *parents], timeout=10)
+            if r.exit_code != 0:
+                raise InvalidSpec(
+                    f"files: cannot make {', '.join(parents)}: {r.stderr.decode()[-300:]}",
+                    field="files",
+                )
+        await asyncio.gather(*(self.node.write_file(sid, p, d) for p, d in paths.items()))
+
+    async def _reap(self) -> None:
+        period = max(0.2, min(self.settings.idle / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for p in list(self.pools.values()):
+                p.shrink(now)
+
+    def status(self) -> list[dict[str, object]]:
+        return [p.status() for p in self.pools.values()]
+
+    async def close(self) -> None:
+        """Kill every member: a pool holds nothing anyone needs after the node goes."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for p in self.pools.values():
+            for fut in p.waiters:
+                fut.cancel()
+        sids = [sid for p in self.pools.values() for sid in p.members]
+        await asyncio.gather(*(self._kill(s) for s in sids if s in self.node.sandboxes))
+
+    async def _kill(self, sid: str) -> None:
+        try:
+            await self.node.kill(sid, reason="fncall pool closed")
+        except DsecError:
+            pass
