@@ -277,7 +277,11 @@ class FnCallRequest(Message):
             files = {}
             for k, v in self.files.items():
                 files[os.fspath(k) if isinstance(k, os.PathLike) else k] = (
-                    v.encode() if isinstance(v, str) else bytes(v) if isinstance(v, (bytearray, memoryview)) else v
+                    v.encode()
+                    if isinstance(v, str)
+                    else bytes(v)
+                    if isinstance(v, (bytearray, memoryview))
+                    else v
                 )
             object.__setattr__(self, "files", files or None)
         if (self.cmd is None) == (self.script is None) or self.cmd in ("", ()) or self.script == "":

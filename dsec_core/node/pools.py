@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..backend import Feature
-from ..errors import AdmissionRejected, BackendUnavailable, DsecError, InvalidSpec
+from ..errors import (
+    AdmissionRejected,
+    BackendUnavailable,
+    DsecError,
+    InvalidSpec,
+    SandboxError,
+)
 from ..records import FnCallResult, SandboxSpec, parse_size
 
 if TYPE_CHECKING:
@@ -134,6 +140,7 @@ class Pool:
                 self._discard(sid, "found dead at lease")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
             if self.size < self.settings.max and self.resetting <= len(self.waiters):
+                self.starting += 1
                 return await self._start()
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self.waiters.append(fut)
@@ -193,7 +200,8 @@ class Pool:
         )
 
     async def _start(self) -> str:
-        self.starting += 1
+        """Start a member; the caller counted it in ``starting`` already (synchronously, so
+        no other lease sees room that is taken)."""
         try:
             info = await self.node.create(self.spec)
         except AdmissionRejected as e:
@@ -228,6 +236,7 @@ class Pool:
         want = max(self.settings.min - self.size, 0)
         want = max(want, min(len(self.waiters), self.settings.max - self.size))
         for _ in range(want):
+            self.starting += 1
             self.node._spawn(self._start_free())
 
     async def _start_free(self) -> None:
@@ -336,13 +345,14 @@ class Pools:
                     max_output=max_output,
                     exclusive=True,
                 )
-            except DsecError as e:
-                if await pool._healthy(sid):
-                    raise
+            except SandboxError as e:
+                # the agent's side of the call died under it: the member's init (the agent
+                # itself), or the exec's own handler, killed by the call (``kill -9 -1``)
+                broken = not await pool._healthy(sid)
                 return FnCallResult(
                     exit_code=-1,
                     stdout=b"",
-                    stderr=f"the member died under the call: {e}".encode(),
+                    stderr=f"the call's member or its handler died under it: {e}".encode(),
                     duration=time.monotonic() - t0 - wait,
                     command=str(argv),
                     sandbox_id=sid,
@@ -351,10 +361,7 @@ class Pools:
                     pool=pool.name,
                     wait=wait,
                 )
-            broken = not await pool._healthy(sid)
-            return FnCallResult.from_exec(
-                r, member=sid, pool=pool.name, wait=wait, error="runtime-error" if broken else ""
-            )
+            return FnCallResult.from_exec(r, member=sid, pool=pool.name, wait=wait)
         finally:
             pool.give_back(sid, broken)
 
@@ -364,15 +371,8 @@ class Pools:
             path = os.path.normpath(os.path.join(workdir, name))
             if not name or "\0" in name:
                 raise InvalidSpec(f"files: bad path {name!r}", field="files")
-            paths[path] = data
-        parents = sorted({os.path.dirname(p) for p in paths} - {workdir, "/tmp", "/dev/shm"})
-        if parents:
-            r = await self.node.exec(sid, ["mkdir", "-p", "--", *parents], timeout=10)
-            if r.exit_code != 0:
-                raise InvalidSpec(
-                    f"files: cannot make {', '.join(parents)}: {r.stderr.decode()[-300:]}",
-                    field="files",
-                )
+            paths[path] = data.encode() if isinstance(data, str) else bytes(data)
+        # the agent makes missing parent directories
         await asyncio.gather(*(self.node.write_file(sid, p, d) for p, d in paths.items()))
 
     async def _reap(self) -> None:

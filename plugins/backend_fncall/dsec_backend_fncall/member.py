@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_backend_container import ContainerBackend
+
 from dsec_core.backend import Feature, SandboxRuntime, cgroup_path
 from dsec_core.config import NodeConfig
 from dsec_core.errors import SandboxError
@@ -68,7 +69,8 @@ def work_areas(spec_workdir: str) -> list[str]:
 def fncall_config(config: dict[str, Any], rt: SandboxRuntime) -> None:
     """Turn a container sandbox's OCI config into a member's, in place."""
     config["root"]["readonly"] = True
-    size = max(1 << 20, min(rt.limits.memory, MAX_TMPFS))
+    # half the memory limit each: a full /tmp is ENOSPC for the call, not an OOM kill
+    size = max(1 << 20, min(rt.limits.memory // 2, MAX_TMPFS))
     mounts = [m for m in config["mounts"] if m["destination"] != DEV_SHM]
     for area in work_areas(rt.spec.workdir):
         mode = "1777" if area in ("/tmp", DEV_SHM) else "755"
@@ -106,11 +108,14 @@ class FnCallBackend(ContainerBackend):
         pid = state.get("pid")
         if not isinstance(pid, int) or not await self.alive(rt, state):
             raise SandboxError(f"sandbox {rt.id}: not running, cannot reset", sandbox_id=rt.id)
-        await _kill_all_but(rt.id, pid)
-        areas = [*work_areas(rt.spec.workdir), MQUEUE]
-        await asyncio.to_thread(_empty_areas, rt.id, pid, areas)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._ipc_thread, _remove_sysv_ipc, rt.id, pid)
+        try:
+            await _kill_all_but(rt.id, pid)
+            areas = [*work_areas(rt.spec.workdir), MQUEUE]
+            await asyncio.to_thread(_empty_areas, rt.id, pid, areas)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._ipc_thread, _remove_sysv_ipc, rt.id, pid)
+        except OSError as e:  # the sandbox went away under the reset
+            raise SandboxError(f"sandbox {rt.id}: reset failed: {e}", sandbox_id=rt.id) from e
 
 
 def _members_oci(rt: SandboxRuntime) -> Callable[[str, Any], None]:
