@@ -88,12 +88,17 @@ class BackendConformance:
 
     ``sandbox_spec`` adds ``SandboxSpec`` fields to every sandbox the kit creates: a backend
     without ``Feature.NET_NAMESPACE`` cannot run the default ``network="none"`` and names a
-    network mode and the security policy that enforces it here. A base class of your own that
-    sets no ``backend_name`` is declared with ``class Base(BackendConformance, abstract=True)``.
+    network mode and the security policy that enforces it here. ``writable_root = False``
+    says the backend's root filesystem is read-only by design (FnCall members: only tmpfs work
+    areas such as ``/tmp``, ``/root`` and ``/work`` take writes); the kit then checks private
+    writes there and that the root refuses them, and skips the writable layer's ownership. A
+    base class of your own that sets no ``backend_name`` is declared with
+    ``class Base(BackendConformance, abstract=True)``.
     """
 
     backend_name: ClassVar[str] = ""
     sandbox_spec: ClassVar[Mapping[str, Any]] = {}
+    writable_root: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -322,6 +327,8 @@ class BackendConformance:
                 f"backend {self.backend_name!r} takes RootfsForm.IMAGES: its writable "
                 "layer is a disk the host does not look into"
             )
+        if not self.writable_root:
+            pytest.skip(f"backend {self.backend_name!r} has a read-only root (writable_root)")
         sb = dsec_sandboxes.create()
         host_uid = int(sb.exec("cat /proc/self/uid_map").stdout.split()[1])
         sb.exec("echo x > /root/owned").check()
@@ -486,6 +493,13 @@ class BackendConformance:
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
+        if not self.writable_root:
+            assert a.exec("echo mine > /etc/motd-a").exit_code != 0
+            assert a.exec("rm -f /bin/true").exit_code != 0
+            a.exec("echo mine > /tmp/motd-a").check()
+            assert b.exec("cat /tmp/motd-a").exit_code != 0
+            assert b.exec("/bin/true").exit_code == 0
+            return
         a.exec("echo mine > /etc/motd-a; rm -f /bin/true").check()
         assert b.exec("cat /etc/motd-a").exit_code != 0
         assert b.exec("/bin/true").exit_code == 0

@@ -1,8 +1,8 @@
 """FnCall members: container sandboxes made cheap to reset between calls of different callers.
 
 A member is a container sandbox (``ContainerBackend``) with a read-only root filesystem: the
-only places a call can write are fresh tmpfs mounts at ``/tmp``, the sandbox's working
-directory and ``/dev/shm`` (plus the ``/dev/mqueue`` of its IPC namespace); ``/dev`` itself is
+only places a call can write are fresh tmpfs mounts at ``/tmp``, ``/root``, the sandbox's
+working directory and ``/dev/shm`` (plus the ``/dev/mqueue`` of its IPC namespace); ``/dev`` itself is
 made read-only. A reset (``Feature.RESET``) then needs no filesystem copy-up to undo:
 
 1. every process but the agent (PID 1) is killed, from the host, through the sandbox's pids
@@ -45,6 +45,8 @@ from dsec_core.errors import SandboxError
 __all__ = ["DEV_SHM", "FnCallBackend", "work_areas"]
 
 DEV_SHM = "/dev/shm"
+HOME = "/root"
+WORK = "/work"
 MQUEUE = "/dev/mqueue"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: How long the killing of a call's processes may take before the member counts as broken.
@@ -57,13 +59,15 @@ CLONE_NEWIPC = 0x08000000
 
 
 def work_areas(spec_workdir: str) -> list[str]:
-    """The tmpfs mounts a member gets, hence what a reset empties: ``/tmp``, the working
-    directory (unless it is ``/`` or under ``/tmp``) and ``/dev/shm``."""
-    areas = ["/tmp"]
+    """The tmpfs mounts a member gets, hence what a reset empties: ``/tmp``, ``/root`` (HOME:
+    tools keep caches there), ``/dev/shm`` and the working directory (``/work`` when it is
+    ``/``, which is read-only; none when it is inside one of the others)."""
+    areas = ["/tmp", HOME, DEV_SHM]
     wd = os.path.normpath(spec_workdir or "/")
-    if wd != "/" and not (wd + "/").startswith("/tmp/") and wd != "/tmp" and wd != DEV_SHM:
+    wd = WORK if wd == "/" else wd
+    if wd != "/" and not any(wd == a or wd.startswith(a + "/") for a in areas):
         areas.append(wd)
-    return [*areas, DEV_SHM]
+    return areas
 
 
 def fncall_config(config: dict[str, Any], rt: SandboxRuntime) -> None:
@@ -73,7 +77,7 @@ def fncall_config(config: dict[str, Any], rt: SandboxRuntime) -> None:
     size = max(1 << 20, min(rt.limits.memory // 2, MAX_TMPFS))
     mounts = [m for m in config["mounts"] if m["destination"] != DEV_SHM]
     for area in work_areas(rt.spec.workdir):
-        mode = "1777" if area in ("/tmp", DEV_SHM) else "755"
+        mode = "1777" if area in ("/tmp", DEV_SHM) else "700" if area == HOME else "755"
         mounts.append(
             {
                 "destination": area,

@@ -38,6 +38,7 @@ MEM = "64M"
 
 class TestFnCallBackend(BackendConformance):
     backend_name = "fncall"
+    writable_root = False  # only tmpfs work areas (/tmp, /root, /work, /dev/shm) take writes
 
 
 # --- an in-process node with a busybox environment --------------------------------------------
@@ -94,12 +95,12 @@ async def settle(node: Node) -> None:
 
 LEAVE_FILES = (
     "echo secret > /tmp/t; echo secret > /work/w; echo secret > /dev/shm/s; "
-    "mkdir -p /tmp/d/e && echo x > /tmp/d/e/f; ln -s /etc /tmp/link; "
+    "mkdir -p /tmp/d/e && echo x > /tmp/d/e/f; ln -s /etc /tmp/link; echo x > /root/.cache; "
     "touch /dev/mqueue/q 2>/dev/null; ls -A /tmp /work /dev/shm"
 )
-SEE_FILES = "ls -A /tmp /work /dev/shm /dev/mqueue"
+SEE_FILES = "ls -A /tmp /root /work /dev/shm /dev/mqueue"
 LISTENERS = "cat /proc/net/tcp /proc/net/tcp6 | grep -c ' 0A '"
-EMPTY_AREAS = sorted([b"/tmp:", b"/work:", b"/dev/shm:", b"/dev/mqueue:"])
+EMPTY_AREAS = sorted([b"/tmp:", b"/root:", b"/work:", b"/dev/shm:", b"/dev/mqueue:"])
 
 
 async def test_a_call_sees_no_files_of_the_one_before(fn_home):
@@ -112,7 +113,7 @@ async def test_a_call_sees_no_files_of_the_one_before(fn_home):
         assert second.member == first.member  # the same sandbox, reset
         assert sorted(second.stdout.split()) == EMPTY_AREAS, second.stdout
         # everywhere else, the root is read-only: there is nowhere else to leave anything
-        for path in ("/etc/x", "/root/x", "/usr/x", "/x", "/dev/x", "/var/x"):
+        for path in ("/etc/x", "/usr/x", "/x", "/dev/x", "/var/x", "/bin/sh"):
             r = await call(node, f"echo x > {path}")
             assert r.exit_code != 0 and b"Read-only file system" in r.stderr, (path, r)
     finally:
@@ -157,7 +158,7 @@ async def test_reset_kills_what_the_agent_spared_and_empties_every_work_area(fn_
         after = await node.exec(sid, "ps -o args; " + SEE_FILES)
         assert b"sleep" not in after.stdout and b"httpd" not in after.stdout, after.stdout
         assert (await node.exec(sid, LISTENERS)).stdout == b"0\n"
-        assert sorted(after.stdout.split()[-4:]) == EMPTY_AREAS, after.stdout
+        assert sorted(after.stdout.split()[-5:]) == EMPTY_AREAS, after.stdout
         assert _sysv_in(node, sid) == (0, 0, 0)
     finally:
         await node.close(kill_all=True)
