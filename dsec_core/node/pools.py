@@ -53,7 +53,8 @@ MEMBER_DISK = "16M"
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """How big pools are and how long idle members stay (``DSEC_FNCALL_*``)."""
+    """How big pools are and how long idle members stay (``DSEC_FNCALL_POOL_MIN``,
+    ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_LEASE_TIMEOUT``)."""
 
     min: int = 0
     max: int = 16
@@ -72,12 +73,11 @@ class PoolSettings:
                 lease_timeout=float(env.get("DSEC_FNCALL_LEASE_TIMEOUT", d.lease_timeout)),
             )
         except ValueError as e:
-            raise InvalidSpec(f"DSEC_FNCALL_*: {e}", field="DSEC_FNCALL") from None
+            raise InvalidSpec(f"DSEC_FNCALL_POOL_MIN/MAX, _IDLE, _LEASE_TIMEOUT: {e}") from None
         if not 0 <= s.min <= s.max or s.max < 1 or s.idle < 0 or s.lease_timeout < 0:
             raise InvalidSpec(
-                f"DSEC_FNCALL_*: need 0 <= min <= max, max >= 1, idle and lease timeout >= 0; "
-                f"got {s}",
-                field="DSEC_FNCALL",
+                "FnCall pools need 0 <= DSEC_FNCALL_POOL_MIN <= DSEC_FNCALL_POOL_MAX, a max of "
+                f"at least 1, and DSEC_FNCALL_IDLE and DSEC_FNCALL_LEASE_TIMEOUT >= 0; got {s}"
             )
         return s
 
@@ -285,8 +285,10 @@ class Pools:
         self._closed = False
 
     def pool(self, environment: str, backend: str, cpu: float, memory: int | str) -> Pool:
-        mem = parse_size(memory) if isinstance(memory, str) else memory
-        key = PoolKey(environment, backend, float(cpu), int(mem))
+        mem = parse_size(memory, "memory")
+        if mem is None:
+            raise InvalidSpec("fncall: memory must be a size such as '512M'", field="memory")
+        key = PoolKey(environment, backend, float(cpu), mem)
         found = self.pools.get(key)
         if found is not None:
             return found

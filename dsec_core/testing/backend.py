@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import pytest
 
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
+from ..catalog.model import Catalog, Environment
+from ..catalog.store import CatalogStore
 from ..errors import (
     DsecError,
     ExecTimeout,
@@ -490,6 +492,27 @@ class BackendConformance:
         assert len({sb.id for sb in sbs}) == 4
         for sb in sbs:
             assert sb.exec(["echo", sb.id]).stdout == f"{sb.id}\n".encode()
+
+    def test_reset_leaves_nothing_for_the_next_call(self, dsec_client, dsec_node):
+        """Two FnCalls in a row land in the same member (the second waits for the first's
+        reset); nothing of the first is left for the second."""
+        self.need(Feature.RESET)
+        env = "kit-fncall"
+        CatalogStore(dsec_node.config.catalog_dir).save(
+            Catalog(name=env, environments=(Environment(name=env, base=dsec_node.layer.ref),))
+        )
+        kw: dict[str, Any] = {"backend": self.backend_name, "memory": "64M", "timeout": 30}
+        first = dsec_client.fncall(
+            env,
+            "echo x > /tmp/left; echo x > /dev/shm/left; sleep 1000 & echo $SECRET",
+            **kw,
+            env={"SECRET": "kept?"},
+        )
+        assert first.ok and first.stdout == b"kept?\n", first
+        second = dsec_client.fncall(env, "ls -A /tmp /dev/shm; ps -o args; env", **kw)
+        assert second.ok and second.member == first.member, second
+        assert b"left" not in second.stdout and b"sleep" not in second.stdout
+        assert b"kept?" not in second.stdout
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()

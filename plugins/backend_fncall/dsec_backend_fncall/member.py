@@ -2,8 +2,8 @@
 
 A member is a container sandbox (``ContainerBackend``) with a read-only root filesystem: the
 only places a call can write are fresh tmpfs mounts at ``/tmp``, ``/root``, the sandbox's
-working directory and ``/dev/shm`` (plus the ``/dev/mqueue`` of its IPC namespace); ``/dev`` itself is
-made read-only. A reset (``Feature.RESET``) then needs no filesystem copy-up to undo:
+working directory and ``/dev/shm`` (plus the ``/dev/mqueue`` of its IPC namespace); ``/dev``
+itself is made read-only. A reset (``Feature.RESET``) then needs no filesystem copy-up to undo:
 
 1. every process but the agent (PID 1) is killed, from the host, through the sandbox's pids
    cgroup, until only the agent is left (what forks while being killed is killed next round);

@@ -27,7 +27,7 @@ from dsec_core.errors import AdmissionRejected, BackendUnavailable, UnknownEnvir
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
-from dsec_core.node.pools import PoolSettings, Pools
+from dsec_core.node.pools import Pools, PoolSettings
 from dsec_core.testing import BackendConformance, leftovers, make_busybox_rootfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -266,7 +266,7 @@ async def test_unknown_environment_and_a_backend_without_reset_are_typed_errors(
     try:
         with pytest.raises(UnknownEnvironment):
             await node.fncall("no-such-env", "true")
-        with pytest.raises(BackendUnavailable, match="Feature.RESET"):
+        with pytest.raises(BackendUnavailable, match=r"Feature\.RESET"):
             await node.fncall(ENV, "true", backend="container", memory=MEM)
         assert not node.sandboxes
     finally:
