@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -371,3 +374,28 @@ async def test_fncall_through_the_async_sdk(dsec_node, kit_env):
             *(client.fncall(kit_env, script="echo $((6*7))", memory=MEM) for _ in range(6))
         )
     assert all(r.stdout == b"42\n" for r in rs)
+
+
+def test_fncall_through_the_cli(dsec_node, kit_env, tmp_path):
+    src = tmp_path / "prog.sh"
+    src.write_text("echo from-file\n")
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    cli = [sys.executable, "-m", "dsec_core.cli", "fncall", kit_env, "--memory", MEM]
+    out = subprocess.run(
+        [*cli, "-f", f"prog.sh={src}", "--", "sh prog.sh; exit 3"],
+        env=env,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 3 and out.stdout == b"from-file\n", out
+    out = subprocess.run(
+        [*cli, "--json", "--", "echo", "hi"], env=env, capture_output=True, stdin=subprocess.DEVNULL
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["stdout"] == "hi\n", out
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "fncall", "nope-env", "--", "true"],
+        env=env,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode != 0 and b"Error:" in out.stderr and b"nope-env" in out.stderr
