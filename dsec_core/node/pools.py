@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import time
@@ -145,10 +146,19 @@ class Pool:
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self.waiters.append(fut)
             left = deadline - time.monotonic()
-            done, _ = await asyncio.wait({fut}, timeout=max(0.0, left))
+            try:
+                done, _ = await asyncio.wait({fut}, timeout=max(0.0, left))
+            except BaseException:  # the caller went away: a member handed over meanwhile
+                if fut.done() and not fut.cancelled():  # goes to the next caller, not lost
+                    self._put(fut.result())
+                else:
+                    fut.cancel()
+                    with contextlib.suppress(ValueError):
+                        self.waiters.remove(fut)
+                raise
             if not done:
                 fut.cancel()
-                with _suppress_value_error():
+                with contextlib.suppress(ValueError):
                     self.waiters.remove(fut)
                 raise AdmissionRejected(
                     f"fncall pool {self.name}: all {self.settings.max} members busy for "
@@ -218,7 +228,7 @@ class Pool:
     def _discard(self, sid: str, why: str) -> None:
         self.members.discard(sid)
         self.last_used.pop(sid, None)
-        with _suppress_value_error():
+        with contextlib.suppress(ValueError):
             self.free.remove(sid)
         self.replaced += why != "idle"
         log.info("fncall pool %s: member %s goes (%s)", self.name, sid, why)
@@ -264,14 +274,6 @@ class Pool:
             "replaced": self.replaced,
             "members": sorted(self.members),
         }
-
-
-class _suppress_value_error:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, tp: object, value: object, tb: object) -> bool:
-        return tp is ValueError
 
 
 class Pools:

@@ -289,6 +289,22 @@ async def test_a_full_pool_rejects_with_its_name(fn_home):
         await node.close(kill_all=True)
 
 
+async def test_a_caller_that_goes_away_while_waiting_loses_no_member(fn_home):
+    node = await _opened(fn_home, max=1)
+    try:
+        busy = asyncio.ensure_future(call(node, "sleep 0.5"))
+        await asyncio.sleep(0.3)
+        waiting = asyncio.ensure_future(call(node, "true"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        first = await busy
+        nxt = await asyncio.wait_for(call(node, "echo back"), 10)
+        assert nxt.ok and nxt.member == first.member
+        assert node.pools.status()[0]["size"] == 1
+    finally:
+        await node.close(kill_all=True)
+
+
 async def test_files_and_stdin_reach_the_call(fn_home):
     node = await _opened(fn_home)
     try:
