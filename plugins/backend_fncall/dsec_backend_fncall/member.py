@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from dsec_backend_container import ContainerBackend
 from dsec_core.backend import Feature, SandboxRuntime, cgroup_path
 from dsec_core.config import NodeConfig
 from dsec_core.errors import SandboxError
+from dsec_core.records import IdMap
 
 __all__ = ["DEV_SHM", "FnCallBackend", "work_areas"]
 
@@ -101,12 +103,23 @@ class FnCallBackend(ContainerBackend):
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
-        # Joining a sandbox's IPC namespace changes the calling thread's: only this thread
-        # ever does it, so no other work runs in a borrowed namespace.
-        self._ipc_thread = concurrent.futures.ThreadPoolExecutor(1, "dsec-fncall-ipc")
+        # Joining a sandbox's IPC namespace, or taking its root's file-system ids, changes the
+        # calling thread's: only this thread ever does either, so no other work of the daemon
+        # runs in a borrowed namespace or under borrowed ids.
+        self._ns_thread = concurrent.futures.ThreadPoolExecutor(1, "dsec-fncall-ns")
 
     async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
-        return await super().start(replace(rt, enforce=_members_oci(rt)))
+        state = await super().start(replace(rt, enforce=_members_oci(rt)))
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._ns_thread, _seed_areas, rt, state["pid"])
+        except (OSError, SandboxError) as e:
+            await self.stop(rt, state)
+            raise SandboxError(
+                f"sandbox {rt.id}: cannot copy the image's files into its work areas: {e}",
+                sandbox_id=rt.id,
+            ) from e
+        return state
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         pid = state.get("pid")
@@ -117,7 +130,8 @@ class FnCallBackend(ContainerBackend):
             areas = [*work_areas(rt.spec.workdir), MQUEUE]
             await asyncio.to_thread(_empty_areas, rt.id, pid, areas)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._ipc_thread, _remove_sysv_ipc, rt.id, pid)
+            await loop.run_in_executor(self._ns_thread, _seed_areas, rt, pid)
+            await loop.run_in_executor(self._ns_thread, _remove_sysv_ipc, rt.id, pid)
         except OSError as e:  # the sandbox went away under the reset
             raise SandboxError(f"sandbox {rt.id}: reset failed: {e}", sandbox_id=rt.id) from e
 
@@ -166,6 +180,150 @@ async def _kill_all_but(sandbox_id: str, init: int) -> None:
             )
         await asyncio.sleep(delay)  # the agent reaps them; they leave the cgroup as it does
         delay = min(delay * 2, 0.02)
+
+
+def _open_under(root: int, path: str) -> int | None:
+    """A descriptor of directory ``path`` beneath ``root``, reached without following a link;
+    None if a component is missing, a link or not a directory."""
+    fd = root
+    opened: list[int] = []
+    try:
+        for part in [p for p in path.split("/") if p]:
+            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            opened.append(fd)
+        return os.dup(fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symbolic link: not followed, not seeded
+            return None
+        raise
+    finally:
+        for f in opened:
+            os.close(f)
+
+
+def _seed_areas(rt: SandboxRuntime, init: int) -> None:
+    """Copy what the image has at each work area (a workspace's task files at the working
+    directory, dotfiles in /root) into the area's fresh tmpfs, with owners and modes: the
+    tmpfs hides the image's directory, and a reset must bring those files back as they were.
+    From the host's view of the composed root, by descriptor, links copied as links."""
+    if rt.rootfs is None:
+        return
+    src_root = os.open(rt.rootfs, os.O_RDONLY | os.O_DIRECTORY)
+    dst_root = os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for area in work_areas(rt.spec.workdir):
+            src = _open_under(src_root, area)
+            if src is None:
+                continue
+            try:
+                if not os.listdir(src):
+                    continue
+                dst = _open_under(dst_root, area)
+                if dst is None:
+                    raise SandboxError(f"sandbox {rt.id}: work area {area} is missing")
+                try:
+                    _copy_tree(src, dst, _Owners(rt.idmap))
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+    finally:
+        os.close(src_root)
+        os.close(dst_root)
+
+
+class _Owners:
+    """Owners for copies on a sandbox's tmpfs, which takes only ids its user namespace maps:
+    ids the host sees inside the sandbox's range stay, unshifted ones (a layer read without
+    the idmapping) are shifted into it, and any other becomes root's inside."""
+
+    def __init__(self, idmap: IdMap) -> None:
+        self.base, self.size, self.group = idmap.host_base, idmap.size, idmap.root_gid
+
+    def creating(self) -> _AsSandboxRoot:
+        return _AsSandboxRoot(self.base, self.group)
+
+    def uid(self, u: int) -> int:
+        if self.base <= u < self.base + self.size:
+            return u
+        return self.base + u if 0 <= u < self.size else self.base
+
+    def gid(self, g: int) -> int:
+        if g == self.group or self.base < g < self.base + self.size:
+            return g
+        return self.base + g if 0 < g < self.size else self.group
+
+
+class _AsSandboxRoot:
+    """Create inodes as the sandbox's root: a filesystem mounted in a user namespace refuses
+    (EOVERFLOW) an inode whose creator's ids it does not map, and host root's are not. Only
+    the file-system ids of the calling thread change (setfsuid/setfsgid are per thread), and
+    only for the creation; back at 0, chown and chmod work with root's capabilities."""
+
+    def __init__(self, uid: int, gid: int) -> None:
+        self.uid, self.gid = uid, gid
+
+    def __enter__(self) -> None:
+        _libc.setfsgid(self.gid)
+        _libc.setfsuid(self.uid)
+
+    def __exit__(self, *exc: object) -> None:
+        _libc.setfsuid(0)
+        _libc.setfsgid(0)
+        if _libc.setfsuid(-1) != 0 or _libc.setfsgid(-1) != 0:  # -1: reads them back
+            raise SandboxError("could not return to host root's file-system ids")
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _copy_tree(src: int, dst: int, owners: _Owners) -> None:
+    """Copy the directory ``src`` into the empty directory ``dst``: directories, regular files
+    and symbolic links (as links), with owners and modes; other file types are left out."""
+    for entry in os.scandir(src):
+        name = entry.name
+        st = entry.stat(follow_symlinks=False)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            with owners.creating():
+                os.mkdir(name, 0o700, dir_fd=dst)
+            s = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=src)
+            d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst)
+            try:
+                _copy_tree(s, d, owners)
+            finally:
+                os.close(s)
+                os.close(d)
+        elif stat.S_ISLNK(st.st_mode):
+            target = os.readlink(name, dir_fd=src)
+            with owners.creating():
+                os.symlink(target, name, dir_fd=dst)
+        elif stat.S_ISREG(st.st_mode):
+            s = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=src)
+            try:
+                with owners.creating():
+                    d = os.open(name, _CREATE, 0o600, dir_fd=dst)
+            except BaseException:
+                os.close(s)
+                raise
+            try:
+                left = st.st_size
+                while left > 0:
+                    n = os.sendfile(d, s, None, min(left, 1 << 30))
+                    if n == 0:
+                        break
+                    left -= n
+            finally:
+                os.close(s)
+                os.close(d)
+        else:
+            continue
+        uid, gid = owners.uid(st.st_uid), owners.gid(st.st_gid)
+        os.chown(name, uid, gid, dir_fd=dst, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            os.chmod(name, mode, dir_fd=dst)  # after chown, which clears set-id bits
 
 
 def _empty_areas(sandbox_id: str, init: int, areas: list[str]) -> None:

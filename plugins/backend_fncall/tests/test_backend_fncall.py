@@ -36,6 +36,7 @@ from dsec_core.testing import BackendConformance, leftovers, make_busybox_rootfs
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 ENV = "fn-bb"
+WS_ENV = "fn-ws"
 MEM = "64M"
 
 
@@ -57,8 +58,26 @@ def fn_home():
         build_layer(
             rootfs, name="kit-base", version="1", kind="base", store=LayerStore(config.layer_dir)
         )
+        ws = Path(tmp) / "ws"
+        (ws / "srv" / "task" / "cases").mkdir(parents=True)
+        (ws / "srv" / "task" / "given.txt").write_text("given\n")
+        (ws / "srv" / "task" / "cases" / "1.in").write_text("1\n")
+        (ws / "srv" / "task" / "run.sh").write_text("cat given.txt\n")
+        (ws / "srv" / "task" / "run.sh").chmod(0o750)
+        (ws / "srv" / "task" / "passwd").symlink_to("/etc/passwd")
+        build_layer(
+            ws, name="fn-ws", version="1", kind="workspace", store=LayerStore(config.layer_dir)
+        )
     CatalogStore(config.catalog_dir).save(
-        Catalog(name="fn", environments=(Environment(name=ENV, base="kit-base@1"),))
+        Catalog(
+            name="fn",
+            environments=(
+                Environment(name=ENV, base="kit-base@1"),
+                Environment(
+                    name=WS_ENV, base="kit-base@1", workspaces=("fn-ws@1",), workdir="/srv/task"
+                ),
+            ),
+        )
     )
     try:
         yield config
@@ -202,6 +221,28 @@ def _sysv_in(node: Node, sid: str, create: bool = False) -> tuple[int, int, int]
     t.start()
     t.join()
     return out[0]
+
+
+async def test_the_images_files_at_the_working_directory_come_back_after_each_call(fn_home):
+    """A workspace's task files sit where the call's working directory (a tmpfs) is: members
+    start with a copy of them, and every reset restores it, whatever the call did to it."""
+    node = await _opened(fn_home, max=1)
+    try:
+        look = "pwd; ls -lA; ls -l passwd | cut -d'>' -f2; cat given.txt cases/1.in; ./run.sh"
+        first = await node.fncall(WS_ENV, look, memory=MEM)
+        assert first.ok, first
+        lines = first.stdout.decode().splitlines()
+        assert lines[0] == "/srv/task" and lines[-4:] == [" /etc/passwd", "given", "1", "given"]
+        assert "-rwxr-x---" in first.stdout.decode()  # modes come along
+        ruin = await node.fncall(
+            WS_ENV, "rm -r cases passwd; echo ruined > given.txt; echo new > extra", memory=MEM
+        )
+        assert ruin.ok and ruin.member == first.member, ruin
+        again = await node.fncall(WS_ENV, look, memory=MEM)
+        assert again.member == first.member
+        assert again.stdout == first.stdout
+    finally:
+        await node.close(kill_all=True)
 
 
 async def test_a_call_that_filled_tmp_does_not_break_the_next(fn_home):
