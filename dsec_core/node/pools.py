@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..backend import Feature
@@ -55,12 +55,18 @@ MEMBER_DISK = "16M"
 @dataclass(frozen=True)
 class PoolSettings:
     """How big pools are and how long idle members stay (``DSEC_FNCALL_POOL_MIN``,
-    ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_LEASE_TIMEOUT``)."""
+    ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_LEASE_TIMEOUT``), and the
+    sizes of the environments that differ (``DSEC_FNCALL_POOLS="fizzbuzz=2:8,other=0:4"``)."""
 
     min: int = 0
     max: int = 16
     idle: float = 60.0  # seconds a free member beyond ``min`` stays unused before it goes
     lease_timeout: float = 30.0  # seconds a call waits for a member of a full pool
+    #: environment -> (min, max), for the environments whose pools differ from the default
+    sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def size_of(self, environment: str) -> tuple[int, int]:
+        return self.sizes.get(environment, (self.min, self.max))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
@@ -72,15 +78,32 @@ class PoolSettings:
                 max=int(env.get("DSEC_FNCALL_POOL_MAX", d.max)),
                 idle=float(env.get("DSEC_FNCALL_IDLE", d.idle)),
                 lease_timeout=float(env.get("DSEC_FNCALL_LEASE_TIMEOUT", d.lease_timeout)),
+                sizes=_pool_sizes(env.get("DSEC_FNCALL_POOLS", "")),
             )
         except ValueError as e:
-            raise InvalidSpec(f"DSEC_FNCALL_POOL_MIN/MAX, _IDLE, _LEASE_TIMEOUT: {e}") from None
+            raise InvalidSpec(
+                f"DSEC_FNCALL_POOL_MIN/MAX, _POOLS, _IDLE, _LEASE_TIMEOUT: {e}"
+            ) from None
+        if any(not 0 <= lo <= hi or hi < 1 for lo, hi in s.sizes.values()):
+            raise InvalidSpec(f"DSEC_FNCALL_POOLS: need 0 <= min <= max and max >= 1: {s.sizes}")
         if not 0 <= s.min <= s.max or s.max < 1 or s.idle < 0 or s.lease_timeout < 0:
             raise InvalidSpec(
                 "FnCall pools need 0 <= DSEC_FNCALL_POOL_MIN <= DSEC_FNCALL_POOL_MAX, a max of "
                 f"at least 1, and DSEC_FNCALL_IDLE and DSEC_FNCALL_LEASE_TIMEOUT >= 0; got {s}"
             )
         return s
+
+
+def _pool_sizes(text: str) -> dict[str, tuple[int, int]]:
+    """``"fizzbuzz=2:8,other=0:4"`` -> ``{"fizzbuzz": (2, 8), "other": (0, 4)}``."""
+    out = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        name, sep, sizes = item.partition("=")
+        lo, colon, hi = sizes.partition(":")
+        if not sep or not colon or not name.strip():
+            raise ValueError(f"expected ENV=MIN:MAX, got {item!r}")
+        out[name.strip()] = (int(lo), int(hi))
+    return out
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,7 @@ class Pool:
         self.key = key
         self.name = key.name
         self.settings = settings
+        self.min, self.max = settings.size_of(key.environment)
         self.spec = SandboxSpec(
             environment=key.environment,
             backend=key.backend,
@@ -140,7 +164,7 @@ class Pool:
                     return sid
                 self._discard(sid, "found dead at lease")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
-            if self.size < self.settings.max and self.resetting <= len(self.waiters):
+            if self.size < self.max and self.resetting <= len(self.waiters):
                 self.starting += 1
                 return await self._start()
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -161,8 +185,8 @@ class Pool:
                 with contextlib.suppress(ValueError):
                     self.waiters.remove(fut)
                 raise AdmissionRejected(
-                    f"fncall pool {self.name}: all {self.settings.max} members busy for "
-                    f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX, "
+                    f"fncall pool {self.name}: all {self.max} members busy for "
+                    f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
                     "DSEC_FNCALL_LEASE_TIMEOUT)",
                     reason="fncall-pool",
                     pool=self.name,
@@ -243,8 +267,8 @@ class Pool:
 
     def _refill(self) -> None:
         """Start members for waiting calls and up to ``min``, in the background."""
-        want = max(self.settings.min - self.size, 0)
-        want = max(want, min(len(self.waiters), self.settings.max - self.size))
+        want = max(self.min - self.size, 0)
+        want = max(want, min(len(self.waiters), self.max - self.size))
         for _ in range(want):
             self.starting += 1
             self.node._spawn(self._start_free())
@@ -260,7 +284,7 @@ class Pool:
     def shrink(self, now: float) -> None:
         """Let free members beyond ``min`` that sat unused for ``idle`` seconds go."""
         for sid in list(self.free):  # oldest first
-            if self.size <= self.settings.min:
+            if self.size <= self.min:
                 return
             if now - self.last_used.get(sid, now) >= self.settings.idle:
                 self._discard(sid, "idle")
@@ -270,6 +294,8 @@ class Pool:
             "name": self.name,
             "size": self.size,
             "free": len(self.free),
+            "min": self.min,
+            "max": self.max,
             "waiting": len(self.waiters),
             "replaced": self.replaced,
             "members": sorted(self.members),

@@ -384,6 +384,21 @@ async def test_the_pool_grows_to_max_under_concurrency_and_shrinks_when_idle(fn_
     assert not node.sandboxes
 
 
+async def test_an_environment_can_have_pool_sizes_of_its_own(fn_home):
+    node = _node(fn_home, max=4, sizes={WS_ENV: (1, 1)})
+    await node.open()
+    try:
+        r = await node.fncall(WS_ENV, "true", memory=MEM)  # its pool starts its min of one
+        await settle(node)
+        (ws,) = [p for p in node.pools.status() if p["name"].startswith(WS_ENV)]
+        assert (ws["min"], ws["max"], ws["size"]) == (1, 1, 1) and ws["members"] == [r.member]
+        rs = await asyncio.gather(*(call(node, "sleep 0.2") for _ in range(3)))
+        (bb,) = [p for p in node.pools.status() if p["name"].startswith(ENV + "/")]
+        assert bb["max"] == 4 and len({x.member for x in rs}) == 3
+    finally:
+        await node.close(kill_all=True)
+
+
 async def test_a_restarted_node_kills_the_members_a_previous_one_left(fn_home):
     node = await _opened(fn_home, max=2)
     r = await call(node, "true")
