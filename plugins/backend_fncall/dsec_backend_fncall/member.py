@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import errno
 import os
@@ -113,13 +114,28 @@ class FnCallBackend(ContainerBackend):
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._ns_thread, _seed_areas, rt, state["pid"])
-        except (OSError, SandboxError) as e:
-            await self.stop(rt, state)
+        except BaseException as e:  # leave nothing running, whatever went wrong
+            await asyncio.shield(self.stop(rt, state))
+            if not isinstance(e, (OSError, SandboxError)):
+                raise
             raise SandboxError(
                 f"sandbox {rt.id}: cannot copy the image's files into its work areas: {e}",
                 sandbox_id=rt.id,
             ) from e
         return state
+
+    async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
+        """The container backend's answer, and not dying: a pool asks just before it leases a
+        member, so an init killed a moment ago (a zombie, or exiting) counts as dead."""
+        pid = state.get("pid")
+        if not await super().alive(rt, state) or not isinstance(pid, int):
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        return fields[0] not in ("Z", "X", "x")
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         pid = state.get("pid")
@@ -210,28 +226,34 @@ def _seed_areas(rt: SandboxRuntime, init: int) -> None:
     From the host's view of the composed root, by descriptor, links copied as links."""
     if rt.rootfs is None:
         return
-    src_root = os.open(rt.rootfs, os.O_RDONLY | os.O_DIRECTORY)
-    dst_root = os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for area in work_areas(rt.spec.workdir):
-            src = _open_under(src_root, area)
-            if src is None:
+    # every descriptor here pins the sandbox's mounts (and so its writable layer's loop
+    # device) until closed: each is closed on every path
+    with contextlib.ExitStack() as fds:
+        src_root = os.open(rt.rootfs, os.O_RDONLY | os.O_DIRECTORY)
+        fds.callback(os.close, src_root)
+        dst_root = os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY)
+        fds.callback(os.close, dst_root)
+        _seed_each(rt, src_root, dst_root)
+
+
+def _seed_each(rt: SandboxRuntime, src_root: int, dst_root: int) -> None:
+    """Copy each work area's image content (see ``_seed_areas``)."""
+    for area in work_areas(rt.spec.workdir):
+        src = _open_under(src_root, area)
+        if src is None:
+            continue
+        try:
+            if not os.listdir(src):
                 continue
+            dst = _open_under(dst_root, area)
+            if dst is None:
+                raise SandboxError(f"sandbox {rt.id}: work area {area} is missing")
             try:
-                if not os.listdir(src):
-                    continue
-                dst = _open_under(dst_root, area)
-                if dst is None:
-                    raise SandboxError(f"sandbox {rt.id}: work area {area} is missing")
-                try:
-                    _copy_tree(src, dst, _Owners(rt.idmap))
-                finally:
-                    os.close(dst)
+                _copy_tree(src, dst, _Owners(rt.idmap))
             finally:
-                os.close(src)
-    finally:
-        os.close(src_root)
-        os.close(dst_root)
+                os.close(dst)
+        finally:
+            os.close(src)
 
 
 class _Owners:
@@ -290,12 +312,14 @@ def _copy_tree(src: int, dst: int, owners: _Owners) -> None:
             with owners.creating():
                 os.mkdir(name, 0o700, dir_fd=dst)
             s = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=src)
-            d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst)
             try:
-                _copy_tree(s, d, owners)
+                d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dst)
+                try:
+                    _copy_tree(s, d, owners)
+                finally:
+                    os.close(d)
             finally:
                 os.close(s)
-                os.close(d)
         elif stat.S_ISLNK(st.st_mode):
             target = os.readlink(name, dir_fd=src)
             with owners.creating():
@@ -377,7 +401,11 @@ def _remove_sysv_ipc(sandbox_id: str, init: int) -> None:
     sandbox's IPC namespace. Runs on the backend's one IPC thread, which joins the namespace
     and goes back to its own before returning (``/proc/sysvipc`` lists the reader's)."""
     own = os.open("/proc/thread-self/ns/ipc", os.O_RDONLY)
-    theirs = os.open(f"/proc/{init}/ns/ipc", os.O_RDONLY)
+    try:
+        theirs = os.open(f"/proc/{init}/ns/ipc", os.O_RDONLY)
+    except BaseException:
+        os.close(own)
+        raise
     try:
         _setns(theirs)
         try:
