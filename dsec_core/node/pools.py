@@ -160,7 +160,12 @@ class Pool:
         while True:
             while self.free:
                 sid = self.free.pop()
-                if await self._healthy(sid):
+                try:
+                    healthy = await self._healthy(sid)
+                except BaseException:  # the caller went away: the member stays free
+                    self.free.append(sid)
+                    raise
+                if healthy:
                     return sid
                 self._discard(sid, "found dead at lease")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms

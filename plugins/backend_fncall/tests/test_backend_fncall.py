@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -377,6 +378,20 @@ async def test_a_caller_that_goes_away_while_waiting_loses_no_member(fn_home):
         nxt = await asyncio.wait_for(call(node, "echo back"), 10)
         assert nxt.ok and nxt.member == first.member
         assert node.pools.status()[0]["size"] == 1
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_a_node_without_room_for_a_member_rejects_naming_the_pool(fn_home):
+    node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4)
+    try:
+        busy = asyncio.ensure_future(call(node, "sleep 1", timeout=10))
+        await asyncio.sleep(0.4)
+        with pytest.raises(AdmissionRejected) as e:
+            await call(node, "true")
+        assert e.value.pool == f"{ENV}/fncall/1cpu/64M" and e.value.reason == "count"
+        assert (await busy).ok
+        assert (await call(node, "echo again")).ok  # the one member serves on
     finally:
         await node.close(kill_all=True)
 
