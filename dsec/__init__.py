@@ -11,6 +11,7 @@ from dsec_core.errors import __all__ as _errors
 from dsec_core.records import (
     ExecResult,
     FileEntry,
+    FnCallResult,
     LayerInfo,
     Limits,
     SandboxInfo,
@@ -30,6 +31,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",
+    "FnCallResult",
     "FileEntry",
     "LayerInfo",
     "Limits",

@@ -122,7 +122,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .config import NodeConfig
-from .errors import PluginInvalid
+from .errors import BackendUnavailable, PluginInvalid
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
 __all__ = [
@@ -168,6 +168,10 @@ class Feature(enum.StrEnum):
     PID_NAMESPACE = "pid-namespace"
     #: No network but loopback (a private network namespace, or a guest without a NIC).
     NET_NAMESPACE = "net-namespace"
+    #: ``reset`` returns a running sandbox to the state it started in (every process but the
+    #: agent killed, every writable place back to pristine), so the node may reuse it for
+    #: another caller's work: the node's FnCall pools take members only from such backends.
+    RESET = "reset"
 
 
 class RootfsForm(enum.StrEnum):
@@ -375,3 +379,15 @@ class Backend(abc.ABC):
         """The node is closing: free what the backend holds node-wide (a helper daemon) that
         no sandbox still running needs. Sandboxes may outlive this (a daemon restart); what
         they need must keep working, for the next daemon's instance to take over."""
+
+    async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """With ``Feature.RESET``: make the running sandbox as it was when ``start`` returned,
+        with nothing of the work done in it since left to see: kill every process but the
+        agent, return every writable place to pristine, drop kernel objects that outlive
+        processes (SysV IPC, POSIX message queues). The node calls it between two callers'
+        work and never while a command runs; raise a ``DsecError`` if the sandbox cannot be
+        made clean (the node then kills it instead of reusing it)."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot reset a sandbox (it does not claim Feature.RESET)",
+            backend=self.name,
+        )

@@ -22,6 +22,7 @@ __all__ = [
     "SANDBOX_START_MEMORY",
     "ExecResult",
     "FileEntry",
+    "FnCallResult",
     "IdMap",
     "LayerInfo",
     "LayerRef",
@@ -435,6 +436,28 @@ class ExecResult(_Record):
         data["stdout"] = base64.b64decode(data.get("stdout", ""))
         data["stderr"] = base64.b64decode(data.get("stderr", ""))
         return super().from_dict(data)
+
+
+@dataclass(frozen=True)
+class FnCallResult(ExecResult):
+    """What one FnCall did (``ExecResult``'s fields), and where: the pool and member that ran it
+    and how long the call waited for a member (``wait``, seconds; a new member's start
+    included). ``error`` is "" when the command ran to an exit code or its timeout
+    (``timed_out``); "runtime-error" when the member died under it (its agent or init killed,
+    say): the member is replaced, ``exit_code`` is -1 and ``stderr`` says what happened."""
+
+    error: str = ""
+    member: str = ""
+    pool: str = ""
+    wait: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and super().ok
+
+    @classmethod
+    def from_exec(cls, r: ExecResult, **kw: Any) -> FnCallResult:
+        return cls(**{**dataclasses.asdict(r), **kw})
 
 
 @dataclass(frozen=True)

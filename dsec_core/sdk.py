@@ -28,6 +28,7 @@ from .api.messages import (
     CreateRequest,
     ExecRequest,
     FileQuery,
+    FnCallRequest,
     PolicySettings,
     PrefetchRequest,
     ReadQuery,
@@ -51,6 +52,7 @@ from .localnode import ensure_daemon
 from .records import (
     ExecResult,
     FileEntry,
+    FnCallResult,
     LayerInfo,
     PolicyState,
     SandboxInfo,
@@ -300,6 +302,40 @@ class Client:
         body = PrefetchRequest(refs)  # type: ignore[arg-type]
         return [row.to_dict() for row in self._call("prefetch", body).layers]
 
+    def fncall(
+        self,
+        environment: str,
+        cmd: str | Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        stdin: bytes | str | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        timeout: float | None = 300.0,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        env: Mapping[str, str] | None = None,
+        backend: str = "fncall",
+        cpu: float = 1.0,
+        memory: int | str = "512M",
+    ) -> FnCallResult:
+        """Run a short stateless call (``cmd``, or shell ``script``) in a warm member of the
+        environment's FnCall pool, with ``files`` (relative to its working directory) written
+        first; the member is reset before anyone else's call. A timeout sets ``timed_out``; a
+        member that died under the call gives ``error="runtime-error"`` (it is replaced)."""
+        body = FnCallRequest(
+            environment,
+            cmd,  # type: ignore[arg-type]
+            script,
+            stdin,  # type: ignore[arg-type]
+            files,  # type: ignore[arg-type]
+            timeout,
+            max_output,
+            env,
+            backend,
+            cpu,
+            memory,
+        )
+        return self._call("fncall", body)
+
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(
         self,
@@ -490,6 +526,40 @@ class AsyncClient:
         body = PrefetchRequest(refs)  # type: ignore[arg-type]
         made = await self._call("prefetch", body)
         return [row.to_dict() for row in made.layers]
+
+    async def fncall(
+        self,
+        environment: str,
+        cmd: str | Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        stdin: bytes | str | None = None,
+        files: Mapping[str, bytes | str] | None = None,
+        timeout: float | None = 300.0,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        env: Mapping[str, str] | None = None,
+        backend: str = "fncall",
+        cpu: float = 1.0,
+        memory: int | str = "512M",
+    ) -> FnCallResult:
+        """Run a short stateless call (``cmd``, or shell ``script``) in a warm member of the
+        environment's FnCall pool, with ``files`` (relative to its working directory) written
+        first; the member is reset before anyone else's call. A timeout sets ``timed_out``; a
+        member that died under the call gives ``error="runtime-error"`` (it is replaced)."""
+        body = FnCallRequest(
+            environment,
+            cmd,  # type: ignore[arg-type]
+            script,
+            stdin,  # type: ignore[arg-type]
+            files,  # type: ignore[arg-type]
+            timeout,
+            max_output,
+            env,
+            backend,
+            cpu,
+            memory,
+        )
+        return await self._call("fncall", body)
 
     async def exec(
         self,

@@ -19,6 +19,7 @@ from ..errors import InvalidSpec
 from ..records import (
     ExecResult,
     FileEntry,
+    FnCallResult,
     LayerInfo,
     PolicyState,
     SandboxInfo,
@@ -40,6 +41,8 @@ __all__ = [
     "ExecResult",
     "FileEntry",
     "FileQuery",
+    "FnCallRequest",
+    "FnCallResult",
     "Killed",
     "LayerInfo",
     "LayerList",
@@ -239,6 +242,50 @@ class ExecRequest(Message):
         _plain_env(self)
         if not self.cmd:
             raise InvalidSpec("exec needs cmd: a non-empty string or list of strings", field="cmd")
+
+
+@dataclass(frozen=True)
+class FnCallRequest(Message):
+    """Run one short stateless call in a warm member of the environment's FnCall pool.
+
+    ``cmd`` (a string through ``/bin/sh -c``, or argv) or ``script`` (shell script text), not
+    both; ``files`` (paths relative to the working directory, or absolute under ``/tmp`` or
+    it; contents base64) are written before it runs. The pool is the node's for
+    (environment, backend, cpu, memory); ``timeout`` kills the call's whole process tree and
+    sets ``timed_out``. The member is reset before anyone else's call, whatever happened.
+    """
+
+    environment: str = field(metadata=_limits(minLength=1))
+    cmd: str | tuple[str, ...] | None = None
+    script: str | None = None
+    stdin: bytes | None = None
+    files: Mapping[str, bytes] | None = None
+    timeout: float | None = field(default=None, metadata=_TIMEOUT)
+    max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_MAX_OUTPUT)
+    env: Mapping[str, str] | None = None
+    backend: str = "fncall"
+    cpu: float = field(default=1.0, metadata=_limits(exclusiveMinimum=0))
+    memory: int | str = "512M"
+
+    def __post_init__(self) -> None:
+        cmd = self.cmd
+        if isinstance(cmd, AbcSequence) and not isinstance(cmd, (str, bytes, tuple)):
+            object.__setattr__(self, "cmd", tuple(cmd))
+        _text_to_bytes(self, "stdin")
+        _plain_env(self)
+        if isinstance(self.files, Mapping):
+            files = {}
+            for k, v in self.files.items():
+                files[os.fspath(k) if isinstance(k, os.PathLike) else k] = (
+                    v.encode()
+                    if isinstance(v, str)
+                    else bytes(v)
+                    if isinstance(v, (bytearray, memoryview))
+                    else v
+                )
+            object.__setattr__(self, "files", files or None)
+        if (self.cmd is None) == (self.script is None) or self.cmd in ("", ()) or self.script == "":
+            raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
 
 
 @dataclass(frozen=True)

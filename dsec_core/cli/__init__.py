@@ -10,6 +10,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -189,6 +190,48 @@ def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, background, exclusiv
         sys.stderr.buffer.write(r.stderr)
         if r.truncated:
             click.echo("dsec: output truncated", err=True)
+        if r.timed_out:
+            click.echo(f"dsec: timed out after {timeout}s", err=True)
+    sys.exit(r.exit_code if 0 <= r.exit_code < 256 else 1)
+
+
+@cli.command("fncall", context_settings={"ignore_unknown_options": True})
+@click.argument("environment")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", type=float, default=300.0, show_default=True)
+@click.option("-e", "--setenv", multiple=True, help="KEY=VALUE")
+@click.option("-f", "--file", "files", multiple=True, help="NAME=LOCAL_PATH: written first")
+@click.option("--cpu", type=float, default=1.0, show_default=True)
+@click.option("--memory", default="512M", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def fncall(environment, command, timeout, setenv, files, cpu, memory, as_json) -> None:
+    """Run COMMAND in a warm member of ENVIRONMENT's FnCall pool (one argument: through
+    /bin/sh -c; several: as argv)."""
+    cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
+    contents = {name: Path(local).read_bytes() for name, local in _kv(files, "--file").items()}
+    with Client() as client:
+        r = client.fncall(
+            environment,
+            cmd,
+            timeout=timeout,
+            env=_kv(setenv, "--setenv"),
+            stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+            files=contents or None,
+            cpu=cpu,
+            memory=memory,
+        )
+    if as_json:
+        d = r.to_dict()
+        d["stdout"], d["stderr"] = (
+            r.stdout.decode(errors="replace"),
+            r.stderr.decode(errors="replace"),
+        )
+        _dump(d)
+    else:
+        sys.stdout.buffer.write(r.stdout)
+        sys.stderr.buffer.write(r.stderr)
+        if r.error:
+            click.echo(f"dsec: {r.error} (member {r.member} replaced)", err=True)
         if r.timed_out:
             click.echo(f"dsec: timed out after {timeout}s", err=True)
     sys.exit(r.exit_code if 0 <= r.exit_code < 256 else 1)

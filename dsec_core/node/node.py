@@ -42,6 +42,7 @@ from ..records import (
     SANDBOX_START_MEMORY,
     ExecResult,
     FileEntry,
+    FnCallResult,
     IdMap,
     LayerInfo,
     NodeLoad,
@@ -57,6 +58,7 @@ from .disks import WritableDisks
 from .idpool import UidPool
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
+from .pools import POOL_LABEL, Pools
 
 __all__ = ["Node"]
 
@@ -168,6 +170,7 @@ class Node:
         self.disks = WritableDisks(self.config.disk_dir, self.config.disk_fs)
         self.agent_binary: Path | None = None
         self.layer_sources: list[LayerSource] = []
+        self.pools = Pools(self)
 
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
@@ -189,6 +192,7 @@ class Node:
             await asyncio.to_thread(self.ondemand.ensure_open)
         self.layer_sources = self.registry.node_sources(cfg)
         await self._adopt()
+        await self._drop_pool_members()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
     async def close(self, kill_all: bool = False, release_runtime: bool = True) -> None:
@@ -196,6 +200,7 @@ class Node:
         ``release_runtime``, the runtime tmpfs goes too (the daemon does that itself, last)."""
         if self._watch:
             self._watch.cancel()
+        await self.pools.close()
         if kill_all:
             await asyncio.gather(
                 *(self.kill(sid) for sid in list(self.sandboxes)), return_exceptions=True
@@ -741,6 +746,25 @@ class Node:
             1e3 * (t_dirs - t_unmount),
             1e3 * (time.perf_counter() - t0),
         )
+
+    # --- FnCall pools ---------------------------------------------------------------------
+    async def reset(self, sid: str) -> None:
+        """Return a running sandbox of a ``Feature.RESET`` backend to how it started."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        await sb.backend.reset(sb.rt, sb.backend_state)
+
+    async def fncall(self, environment: str, cmd: Any = None, **kw: Any) -> FnCallResult:
+        """Run one call in a warm member of the environment's pool (``Pools.call``)."""
+        return await self.pools.call(environment, cmd, **kw)
+
+    async def _drop_pool_members(self) -> None:
+        """Pool members a previous daemon left are nobody's: kill them."""
+        left = [s.rt.id for s in self.sandboxes.values() if POOL_LABEL in s.rt.spec.labels]
+        if left:
+            log.info("killing %d FnCall pool members a previous daemon left", len(left))
+        await asyncio.gather(*(self.kill(sid, reason="stale pool member") for sid in left))
 
     # --- inside the sandbox ---------------------------------------------------------------
     def agent(self, sid: str) -> AgentClient:

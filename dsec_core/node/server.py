@@ -191,6 +191,24 @@ async def _exec(node: Node, c: Call) -> Any:
     )
 
 
+@_handles("fncall")
+async def _fncall(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.fncall(
+        b.environment,
+        b.cmd,
+        script=b.script,
+        stdin=b.stdin,
+        files=b.files,
+        timeout=b.timeout,
+        max_output=b.max_output,
+        env=b.env,
+        backend=b.backend,
+        cpu=b.cpu,
+        memory=b.memory,
+    )
+
+
 @_handles("session_open")
 async def _session_open(node: Node, c: Call) -> SessionOpened:
     return SessionOpened(session=await node.session_open(c.sid, cwd=c.body.cwd, env=c.body.env))

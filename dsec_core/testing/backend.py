@@ -27,6 +27,8 @@ from typing import Any, ClassVar
 import pytest
 
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
+from ..catalog.model import Catalog, Environment
+from ..catalog.store import CatalogStore
 from ..errors import (
     DsecError,
     ExecTimeout,
@@ -88,12 +90,17 @@ class BackendConformance:
 
     ``sandbox_spec`` adds ``SandboxSpec`` fields to every sandbox the kit creates: a backend
     without ``Feature.NET_NAMESPACE`` cannot run the default ``network="none"`` and names a
-    network mode and the security policy that enforces it here. A base class of your own that
-    sets no ``backend_name`` is declared with ``class Base(BackendConformance, abstract=True)``.
+    network mode and the security policy that enforces it here. ``writable_root = False``
+    says the backend's root filesystem is read-only by design (FnCall members: only tmpfs work
+    areas such as ``/tmp``, ``/root`` and ``/work`` take writes); the kit then checks private
+    writes there and that the root refuses them, and skips the writable layer's ownership. A
+    base class of your own that sets no ``backend_name`` is declared with
+    ``class Base(BackendConformance, abstract=True)``.
     """
 
     backend_name: ClassVar[str] = ""
     sandbox_spec: ClassVar[Mapping[str, Any]] = {}
+    writable_root: ClassVar[bool] = True
 
     def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -322,6 +329,8 @@ class BackendConformance:
                 f"backend {self.backend_name!r} takes RootfsForm.IMAGES: its writable "
                 "layer is a disk the host does not look into"
             )
+        if not self.writable_root:
+            pytest.skip(f"backend {self.backend_name!r} has a read-only root (writable_root)")
         sb = dsec_sandboxes.create()
         host_uid = int(sb.exec("cat /proc/self/uid_map").stdout.split()[1])
         sb.exec("echo x > /root/owned").check()
@@ -484,8 +493,36 @@ class BackendConformance:
         for sb in sbs:
             assert sb.exec(["echo", sb.id]).stdout == f"{sb.id}\n".encode()
 
+    def test_reset_leaves_nothing_for_the_next_call(self, dsec_client, dsec_node):
+        """Two FnCalls in a row land in the same member (the second waits for the first's
+        reset); nothing of the first is left for the second."""
+        self.need(Feature.RESET)
+        env = "kit-fncall"
+        CatalogStore(dsec_node.config.catalog_dir).save(
+            Catalog(name=env, environments=(Environment(name=env, base=dsec_node.layer.ref),))
+        )
+        kw: dict[str, Any] = {"backend": self.backend_name, "memory": "64M", "timeout": 30}
+        first = dsec_client.fncall(
+            env,
+            "echo x > /tmp/left; echo x > /dev/shm/left; sleep 1000 & echo $SECRET",
+            **kw,
+            env={"SECRET": "kept?"},
+        )
+        assert first.ok and first.stdout == b"kept?\n", first
+        second = dsec_client.fncall(env, "ls -A /tmp /dev/shm; ps -o args; env", **kw)
+        assert second.ok and second.member == first.member, second
+        assert b"left" not in second.stdout and b"sleep" not in second.stdout
+        assert b"kept?" not in second.stdout
+
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
+        if not self.writable_root:
+            assert a.exec("echo mine > /etc/motd-a").exit_code != 0
+            assert a.exec("rm -f /bin/true").exit_code != 0
+            a.exec("echo mine > /tmp/motd-a").check()
+            assert b.exec("cat /tmp/motd-a").exit_code != 0
+            assert b.exec("/bin/true").exit_code == 0
+            return
         a.exec("echo mine > /etc/motd-a; rm -f /bin/true").check()
         assert b.exec("cat /etc/motd-a").exit_code != 0
         assert b.exec("/bin/true").exit_code == 0
