@@ -328,16 +328,17 @@ class ContainerBackend(Backend):
                     sandbox_id=rt.id,
                 )
             pid = int(pid_file.read_text().strip())
+            start_time = _start_time(pid)
             state = {
                 "runtime": self.runtime,
                 "pid": pid,
-                "start_time": _start_time(pid),
+                "start_time": start_time,
                 "cpus": cores,
                 "lxcfs": lxcfs is not None,
             }
             self._known.add(rt.id)
             if lxcfs is not None:
-                self.lxcfs.add(rt.id, pid, state["start_time"])
+                self.lxcfs.add(rt.id, pid, start_time)
             started = StartedSandbox(
                 pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
             )
