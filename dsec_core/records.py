@@ -19,6 +19,7 @@ from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 __all__ = [
     "DEFAULT_DISK",
     "LAYER_KINDS",
+    "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
     "ExecResult",
     "FileEntry",
@@ -36,6 +37,9 @@ __all__ = [
 ]
 
 LAYER_KINDS = ("base", "workspace", "toolkit")
+#: CPU classes: "ls" (latency-sensitive: normal scheduling) and "be" (best-effort: runs only on
+#: CPU time the rest leave idle). ``SandboxSpec.qos``; the backend enforces them.
+QOS_CLASSES = ("ls", "be")
 #: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
 MAX_PIDS = 1 << 22
 #: A sandbox's writable layer: its size unless the spec says otherwise, and the bounds. Below
@@ -251,6 +255,10 @@ class SandboxSpec(_Record):
     #: ``{"landlock": {"read_only": ["/usr"]}}``. A policy that cannot be enforced on the
     #: sandbox's backend fails the create; policies not named here are not applied.
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: CPU class (``QOS_CLASSES``): "ls" keeps normal scheduling; "be" runs under SCHED_IDLE
+    #: at the lowest weight, on what "ls" work leaves idle, and is not counted toward the node's
+    #: CPU admission budget.
+    qos: str = "ls"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -274,6 +282,10 @@ class SandboxSpec(_Record):
         if not isinstance(self.network, str) or not self.network:
             raise InvalidSpec(
                 f"network must be a mode name such as 'none', got {self.network!r}", field="network"
+            )
+        if self.qos not in QOS_CLASSES:
+            raise InvalidSpec(
+                f"qos must be one of {', '.join(QOS_CLASSES)}, got {_shown(self.qos)}", field="qos"
             )
         if not self.environment and not self.layers:
             raise InvalidSpec("a sandbox needs an environment or at least one layer")
@@ -312,6 +324,7 @@ class SandboxSpec(_Record):
         _check_strings("env", self.env)
         _check_type("workdir", self.workdir, str, "an absolute path")
         _check_strings("labels", self.labels)
+        _check_type("qos", self.qos, str, "a CPU class: ls or be")
 
     @property
     def limits(self) -> Limits:
@@ -346,6 +359,7 @@ class SandboxInfo(_Record):
     #: ("off: ..." turned off by the spec, "skipped: ..." best effort or a default the backend
     #: cannot enforce).
     policies: Mapping[str, str] = field(default_factory=dict)
+    qos: str = "ls"  # the CPU class (SandboxSpec.qos)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -487,6 +501,10 @@ class NodeLoad(_Record):
     admits a sandbox is the host's memory: ``memory_available`` (MemAvailable, less
     ``SANDBOX_START_MEMORY`` for each sandbox being created) must stay above
     ``memory_reserve``, and ``memory_pressure`` (PSI) under ``memory_pressure_limit``.
+
+    Best-effort sandboxes (``qos="be"``) take only CPU time the others leave idle, so
+    ``cpu_committed`` does not count them, and one is refused for CPU only if it alone asks for
+    more than ``cpu_capacity``; their memory and their number count as any sandbox's.
     """
 
     node: str  # the node's name or address
@@ -537,7 +555,7 @@ class NodeLoad(_Record):
                 reason="count",
                 node=self.node,
             )
-        if self.cpu_committed + lim.cpu > self.cpu_capacity:
+        if spec.qos != "be" and self.cpu_committed + lim.cpu > self.cpu_capacity:
             return AdmissionRejected(
                 f"not enough CPU: asked {lim.cpu} cores, "
                 f"{self.cpu_capacity - self.cpu_committed:.1f} of {self.cpu_capacity:.0f} (with "

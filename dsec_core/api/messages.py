@@ -43,6 +43,7 @@ __all__ = [
     "FileQuery",
     "FnCallRequest",
     "FnCallResult",
+    "KernelFeature",
     "Killed",
     "LayerInfo",
     "LayerList",
@@ -55,6 +56,7 @@ __all__ = [
     "PrefetchRequest",
     "PrefetchResult",
     "PrefetchedLayer",
+    "QosSupport",
     "ReadQuery",
     "RemoveQuery",
     "Removed",
@@ -109,8 +111,27 @@ class NodeCapacity(Message):
 
 
 @dataclass(frozen=True)
+class KernelFeature(Message):
+    """Whether the node's kernel offers a feature, and how that was found out (or why not)."""
+
+    available: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class QosSupport(Message):
+    """What the node's kernel offers the CPU classes (``SandboxSpec.qos``): SCHED_IDLE and
+    ``cpu.idle`` for best-effort sandboxes, core scheduling for latency-sensitive ones."""
+
+    sched_idle: KernelFeature
+    cpu_idle: KernelFeature
+    core_scheduling: KernelFeature
+
+
+@dataclass(frozen=True)
 class NodeStatus(Message):
-    """A node daemon: its version, pid, home, sandboxes, capacity, backends and layer sources."""
+    """A node daemon: its version, pid, home, sandboxes, capacity, backends, layer sources and
+    what its kernel offers the CPU classes."""
 
     version: str
     pid: int
@@ -119,6 +140,7 @@ class NodeStatus(Message):
     capacity: NodeCapacity
     backends: tuple[str, ...]
     layer_sources: tuple[str, ...]
+    qos: QosSupport | None = None  # None from a node older than the CPU classes
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from ..demo import run_demo
 from ..errors import DsecError
 from ..localnode import ensure_daemon, ping, stop_daemon
 from ..plugins import get_plugin_manager, plugin_descriptions, registry
-from ..records import SandboxSpec
+from ..records import QOS_CLASSES, SandboxSpec
 from ..sdk import AsyncClient, Client
 from .layers import catalog, layer
 from .plugin import plugin
@@ -33,6 +33,12 @@ from .plugin import plugin
 __all__ = ["cli", "main"]
 
 console = Console()
+#: ``dsec node status``'s lines on the CPU classes: NodeStatus.qos's fields, in words.
+QOS_FEATURES = {
+    "sched_idle": "best effort, SCHED_IDLE",
+    "cpu_idle": "best effort, cgroup cpu.idle",
+    "core_scheduling": "latency-sensitive, core scheduling",
+}
 
 
 def _dump(data: Any) -> None:
@@ -97,11 +103,18 @@ def sandbox() -> None:
 @click.option("--pids", type=int, default=512, show_default=True)
 @click.option("--disk", default="10G", show_default=True, help="Writable layer size (quota).")
 @click.option("--ttl", type=float, default=3600.0, show_default=True, help="Lifetime, seconds.")
+@click.option(
+    "--qos",
+    type=click.Choice(QOS_CLASSES),
+    default="ls",
+    show_default=True,
+    help="CPU class: ls (latency-sensitive) or be (best effort: SCHED_IDLE, lowest weight).",
+)
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
 @click.option("-n", "--count", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_create(
-    environment, layers, backend, cpu, memory, pids, disk, ttl, setenv, count, as_json
+    environment, layers, backend, cpu, memory, pids, disk, ttl, qos, setenv, count, as_json
 ) -> None:
     """Create sandboxes and print their ids."""
     spec = SandboxSpec(
@@ -114,6 +127,7 @@ def sandbox_create(
         disk=disk,
         ttl=ttl,
         env=_kv(setenv, "--setenv"),
+        qos=qos,
     )
     Client().close()  # starts the node if needed, before the progress bar
     if count == 1:
@@ -246,7 +260,9 @@ def sandbox_ls(as_json) -> None:
     if as_json:
         _dump([i.to_dict() for i in infos])
         return
-    table = Table("state", "backend", "environment / layers", "cpu", "memory", "age", "expires in")
+    table = Table(
+        "state", "backend", "environment / layers", "cpu", "qos", "memory", "age", "expires in"
+    )
     table.columns.insert(0, Column("id", no_wrap=True))
     now = time.time()
     for i in infos:
@@ -256,6 +272,7 @@ def sandbox_ls(as_json) -> None:
             i.backend,
             i.environment or ",".join(i.layers),
             str(i.limits.get("cpu")),
+            i.qos,
             f"{int(i.limits.get('memory', 0)) >> 20}M",
             f"{now - i.created:.0f}s",
             f"{i.expires - now:.0f}s" if i.expires else "-",
@@ -376,6 +393,11 @@ def node_status(as_json) -> None:
             f"node daemon: running (pid {info['pid']}), home {info['home']}, "
             f"{info['sandboxes']} sandboxes, backends {', '.join(info['backends'])}"
         )
+        for name, what in QOS_FEATURES.items():
+            feature = (info.get("qos") or {}).get(name)
+            if feature is not None:
+                state = "available" if feature["available"] else "unavailable"
+                click.echo(f"{what}: {state}: {feature['detail']}")
     if info is None:
         sys.exit(3)
 

@@ -1,5 +1,6 @@
 """Putting the calling process into cgroups of its own with a memory limit, and taking it out
 again: how the node daemon keeps a sandbox that misbehaves from inflating it without bound.
+Also where the cpu controller is, and whether its cgroups can be made idle (``cpu.idle``).
 
 Works on cgroup v1 (one hierarchy per controller under ``/sys/fs/cgroup``, as on this project's
 hosts) and on a pure cgroup v2 host (one hierarchy; the root's ``cgroup.subtree_control`` must
@@ -16,12 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NodeUnavailable
+from .sched import KernelFeature
 
 __all__ = [
     "CGROUP_ROOT",
     "ConfinedCgroups",
     "cgroup2_root",
     "confine_self",
+    "cpu_cgroup_dir",
+    "cpu_hierarchy",
+    "cpu_idle",
     "hierarchies",
     "memory_limit",
     "place_process",
@@ -57,6 +62,66 @@ def cgroup2_root() -> Path | None:
         if (root / "cgroup.controllers").exists():
             return root
     return None
+
+
+def _controllers(root: Path, name: str = "cgroup.controllers") -> list[str]:
+    try:
+        return (root / name).read_text().split()
+    except OSError:
+        return []
+
+
+def cpu_hierarchy() -> Path | None:
+    """The hierarchy that holds the cpu controller: the cgroup v2 one if it lists ``cpu``
+    (a v2 host; a hybrid host's ``unified`` mount only if cpu was moved there), else the v1
+    ``cpu`` hierarchy; None without one."""
+    root2 = cgroup2_root()
+    if root2 is not None and "cpu" in _controllers(root2):
+        return root2
+    v1 = CGROUP_ROOT / "cpu"
+    return v1 if (v1 / "cgroup.procs").exists() else None
+
+
+def cpu_cgroup_dir(relative: str) -> Path | None:
+    """Cgroup ``relative`` (e.g. ``dsec/<id>``) in the cpu controller's hierarchy, if there
+    is one (whether the directory exists is the caller's question)."""
+    hier = cpu_hierarchy()
+    return None if hier is None else hier / relative
+
+
+def cpu_idle() -> KernelFeature:
+    """Whether cgroups of the cpu controller can be made idle (``cpu.idle``, Linux 5.15): their
+    tasks then count as SCHED_IDLE against sibling cgroups. Cgroup v1 shows the file in every
+    cgroup, the root included; cgroup v2 in every cgroup below a root whose
+    ``cgroup.subtree_control`` enables ``cpu``."""
+    name = "cpu_idle"
+    hier = cpu_hierarchy()
+    root2 = cgroup2_root()
+    v2 = f"cgroup v2 at {root2} has no cpu controller" if root2 is not None else "no cgroup v2"
+    if hier is None:
+        return KernelFeature(name, False, f"no cpu controller: no cgroup v1 cpu hierarchy, {v2}")
+    if hier == root2:
+        if "cpu" not in _controllers(hier, "cgroup.subtree_control"):
+            return KernelFeature(
+                name, False, f"cgroup v2 at {hier} does not enable cpu in cgroup.subtree_control"
+            )
+        if _kernel_version() < (5, 15) and not _any_cpu_idle(hier):
+            return KernelFeature(name, False, "the kernel has no cpu.idle (Linux 5.15 added it)")
+        return KernelFeature(name, True, f"cgroup v2 cpu controller at {hier}")
+    if not (hier / "cpu.idle").exists():
+        return KernelFeature(
+            name, False, f"the cgroup v1 cpu hierarchy at {hier} has no cpu.idle (kernel < 5.15)"
+        )
+    return KernelFeature(name, True, f"cgroup v1 cpu controller at {hier} ({v2})")
+
+
+def _kernel_version() -> tuple[int, int]:
+    major, minor = (os.uname().release.split("-")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _any_cpu_idle(root: Path) -> bool:
+    return any((d / "cpu.idle").exists() for d in root.iterdir() if d.is_dir())
 
 
 def hierarchies() -> list[Path]:

@@ -120,6 +120,7 @@ class Sandbox:
             labels=dict(spec.labels),
             pid=self.backend_state.get("pid"),
             policies=self.policies.states(),
+            qos=spec.qos,
         )
 
     def state_doc(self) -> dict[str, Any]:
@@ -359,7 +360,7 @@ class Node:
             node=os.fspath(cfg.home),
             backends=tuple(sorted(self.registry.backends)),
             cpu_capacity=cfg.cpu_capacity,
-            cpu_committed=sum(s.rt.limits.cpu for s in live),
+            cpu_committed=sum(s.rt.limits.cpu for s in live if s.rt.spec.qos != "be"),
             memory_capacity=cfg.memory_capacity,
             memory_committed=sum(s.rt.limits.memory for s in live),
             sandboxes=len(live),

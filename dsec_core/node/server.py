@@ -36,12 +36,14 @@ from ..api.messages import (
     DirListing,
     ErrorBody,
     Killed,
+    KernelFeature,
     LayerList,
     NodeCapacity,
     NodeStatus,
     PolicyStates,
     PrefetchedLayer,
     PrefetchResult,
+    QosSupport,
     Removed,
     SandboxList,
     SessionList,
@@ -58,6 +60,8 @@ from ..errors import (
     NotFound,
     RequestTooLarge,
 )
+from ..linux import sched
+from ..linux.cgroups import cpu_idle
 from .node import Node
 
 __all__ = ["HANDLERS", "PIECE", "error_response", "make_app", "require_token"]
@@ -108,6 +112,18 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
         ),
         backends=tuple(sorted(node.registry.backends)),
         layer_sources=tuple(repr(s) for s in node.layer_sources),
+        qos=_qos_support(),
+    )
+
+
+def _qos_support() -> QosSupport:
+    def feature(f: sched.KernelFeature) -> KernelFeature:
+        return KernelFeature(available=f.available, detail=f.detail)
+
+    return QosSupport(
+        sched_idle=feature(sched.sched_idle()),
+        cpu_idle=feature(cpu_idle()),
+        core_scheduling=feature(sched.core_scheduling()),
     )
 
 

@@ -9,7 +9,8 @@ container runs (``"started"``: its init pid, network namespace and cgroup v2 dir
 the agent applies its document, before ``start`` returns). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
-then we remove the cgroups and runc's state ourselves.
+then we remove the cgroups and runc's state ourselves. Its CPU class (``qos.py``) is applied to
+the init once the agent has answered, before ``start`` returns.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dsec_core.records import SandboxUsage
 
 from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
 from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
+from .qos import apply_qos, cpu_shares
 
 __all__ = ["ContainerBackend", "oci_config"]
 
@@ -137,6 +139,12 @@ def oci_config(
     caps = list(CAPABILITIES)
     # A user namespace cannot raise the hard limit above the daemon's own.
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    rlimits = [
+        {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
+        # No negative nice values and no way out of SCHED_IDLE for a best-effort sandbox,
+        # whatever limit the daemon itself runs with (sched(7): RLIMIT_NICE).
+        {"type": "RLIMIT_NICE", "hard": 0, "soft": 0},
+    ]
     config: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
@@ -146,7 +154,7 @@ def oci_config(
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "rlimits": rlimits,
             "noNewPrivileges": True,
             "oomScoreAdj": 500,
         },
@@ -216,7 +224,7 @@ def oci_config(
                 "cpu": {
                     "quota": max(1000, int(lim.cpu * CFS_PERIOD)),
                     "period": CFS_PERIOD,
-                    "shares": max(2, int(lim.cpu * 1024)),
+                    "shares": cpu_shares(rt),
                 },
                 "pids": {"limit": lim.pids},
                 "devices": [{"allow": False, "access": "rwm"}],
@@ -354,6 +362,11 @@ class ContainerBackend(Backend):
             if failed:
                 await self.stop(rt, state)
                 raise failed[0]
+            try:  # the agent's threads are all there now; nothing has run in the sandbox yet
+                state["qos"] = apply_qos(rt, pid)
+            except BaseException:
+                await self.stop(rt, state)
+                raise
         return state
 
     def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
