@@ -555,11 +555,12 @@ class NodeLoad(_Record):
                 reason="count",
                 node=self.node,
             )
-        if spec.qos != "be" and self.cpu_committed + lim.cpu > self.cpu_capacity:
+        committed = 0.0 if spec.qos == "be" else self.cpu_committed
+        if committed + lim.cpu > self.cpu_capacity:
             return AdmissionRejected(
                 f"not enough CPU: asked {lim.cpu} cores, "
-                f"{self.cpu_capacity - self.cpu_committed:.1f} of {self.cpu_capacity:.0f} (with "
-                "overcommit) left",
+                f"{self.cpu_capacity - committed:.1f} of {self.cpu_capacity:.0f} (with "
+                f"overcommit) left{' to a best-effort sandbox' if spec.qos == 'be' else ''}",
                 reason="cpu",
                 node=self.node,
             )

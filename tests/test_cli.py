@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -11,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from dsec_core.linux.sched import core_scheduling
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -126,6 +129,26 @@ def test_node_status(dsec_node):
     status = json.loads(dsec(dsec_node, "node", "status", "--json").stdout)
     assert status["home"] == os.fspath(dsec_node.home) and "container" in status["backends"]
     assert "running" in dsec(dsec_node, "node", "status").stdout.decode()
+
+
+def test_node_status_reports_the_cpu_classes(dsec_node):
+    core = core_scheduling()
+    status = json.loads(dsec(dsec_node, "node", "status", "--json").stdout)
+    assert status["qos"]["core_scheduling"] == {"available": core.available, "detail": core.detail}
+    assert status["qos"]["sched_idle"]["available"] is True
+    text = dsec(dsec_node, "node", "status").stdout.decode()
+    line = next(x for x in text.splitlines() if x.startswith("latency-sensitive, core sched"))
+    assert line.endswith(str(core))
+    if _kernel_config("CONFIG_SCHED_CORE") == "# CONFIG_SCHED_CORE is not set":  # as here
+        assert "unavailable" in line and "EINVAL" in line and "built without" in line
+
+
+def _kernel_config(option: str) -> str | None:
+    try:
+        with gzip.open("/proc/config.gz", "rt") as f:
+            return next((line.strip() for line in f if option in line), None)
+    except OSError:
+        return None
 
 
 def test_node_start_stop():

@@ -81,6 +81,18 @@ def test_memory_in_use_and_pressure_admit_or_refuse():
     assert replace(roomy, memory_available=None).refusal(SPEC) is None
 
 
+def test_best_effort_cpu_is_not_counted_toward_admission():
+    be = SandboxSpec(layers=("x@1",), cpu=1.0, memory="1G", qos="be")
+    full = node("a", cpu=99.5)
+    assert full.refusal(SPEC).reason == "cpu"
+    assert full.refusal(be) is None  # it only takes what latency-sensitive work leaves idle
+    too_big = SandboxSpec(layers=("x@1",), cpu=101.0, qos="be")
+    assert full.refusal(too_big).reason == "cpu"  # more than the whole node
+    # memory and count are reserved as for any sandbox
+    assert node("a", memory=(64 << 30) - (512 << 20)).refusal(be).reason == "memory"
+    assert node("a", sandboxes=1000).refusal(be).reason == "count"
+
+
 def test_best_of_k_takes_the_least_loaded_of_its_sample():
     nodes = [node(f"n{i}", cpu=float(i * 10)) for i in range(8)]  # n0 emptiest, n7 fullest
     assert placement.best_of_k(nodes, k=len(nodes)).node == "n0"  # k >= n: the global best
