@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,8 +117,8 @@ def cpu_idle() -> KernelFeature:
 
 
 def _kernel_version() -> tuple[int, int]:
-    major, minor = (os.uname().release.split("-")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 def _any_cpu_idle(root: Path) -> bool:
