@@ -115,6 +115,20 @@ def test_best_effort_processes_are_sched_idle_on_the_host(dsec_sandboxes):
     assert sched.split(":")[1].strip() == str(os.SCHED_IDLE)
 
 
+def test_best_effort_covers_the_landlock_domain_thread(dsec_sandboxes):
+    # With a Landlock policy every command is forked from the agent's domain thread, which
+    # the agent starts before it answers: it must be SCHED_IDLE too.
+    landlock = registry().security_policies.get("landlock")
+    if landlock is None:
+        pytest.skip("the landlock policy is not loaded")
+    sb = dsec_sandboxes.create(qos="be", policies={"landlock": landlock.example[0]})
+    assert sb.info.policies["landlock"] == "enforced"
+    assert len(os.listdir(f"/proc/{sb.info.pid}/task")) >= 2, "no domain thread"
+    assert policies(sb.info.pid) == {os.SCHED_IDLE}
+    for pid in background_sleep(sb):
+        assert policies(pid) == {os.SCHED_IDLE}
+
+
 def test_best_effort_cgroup_is_idle_at_the_lowest_weight(dsec_sandboxes):
     sb = dsec_sandboxes.create(qos="be", cpu=1.0)
     files = cpu_files(sb.id)
