@@ -201,6 +201,32 @@ def test_class_survives_a_daemon_restart(dsec_sandboxes, dsec_node):
         again.kill()
 
 
+def cpu_share(client, first, second, seconds: float = 2.0) -> float:
+    """Spin a loop in each sandbox, both on the host's CPU 0, for ``seconds``; the CPU time
+    ``second`` got as a fraction of what ``first`` got."""
+    for sb in (first, second):
+        sb.exec("taskset -c 0 sh -c 'while :; do :; done' > /dev/null 2>&1 &", background=True)
+    time.sleep(0.2)
+    before = [client.usage(sb.id).cpu_seconds for sb in (first, second)]
+    time.sleep(seconds)
+    after = [client.usage(sb.id).cpu_seconds for sb in (first, second)]
+    for sb in (first, second):
+        sb.exec("true", exclusive=True).check()  # the spinner goes
+    used = [b - a for a, b in zip(before, after, strict=True)]
+    assert used[0] > 0.05 * seconds, f"the first spinner barely ran: {used}"
+    return used[1] / used[0]
+
+
+def test_best_effort_yields_a_cpu_to_latency_sensitive_work(dsec_sandboxes, dsec_client):
+    # Shares of one CPU, not latencies: other work on the machine takes from both spinners
+    # alike, so the ratio holds on a busy host where a timing would not.
+    ls = dsec_sandboxes.create(cpu=1.0)
+    peer = dsec_sandboxes.create(cpu=1.0)
+    be = dsec_sandboxes.create(cpu=1.0, qos="be")
+    assert cpu_share(dsec_client, ls, peer) > 0.5  # two latency-sensitive ones share it
+    assert cpu_share(dsec_client, ls, be) < 0.05  # the best-effort one gets what is left
+
+
 def test_best_effort_cpu_does_not_count_toward_the_nodes_budget(dsec_sandboxes, dsec_node):
     capacity = dsec_node.config.cpu_capacity
     if capacity >= 1024:
