@@ -10,7 +10,9 @@ CPU limit of half a core (50% of the machine) or a whole one (100%), so the kern
 bandwidth control sets the load. Each round measures every load and protection in random
 order, each right after as many steps alone (the baseline), so drift on a shared machine hits
 all alike. Inflation is the step's p50 under load over its p50 alone, minus one; "paired" is
-the median over rounds of each setting's p50 over the baseline just before it.
+the median over rounds of each setting's p50 over the baseline just before it; "waited" is the
+step's time runnable but off a CPU (/proc/PID/schedstat), what the classes act on, untouched
+by the host's own speed (this is a VM: its vCPUs share a host).
 
 Besides "unprotected" and "classes" (SCHED_IDLE, cpu.idle and the lowest cpu.shares: what a
 ``qos="be"`` sandbox gets), the "sched_idle only" row is DSec's ablation: the BE burners with
@@ -18,8 +20,8 @@ their cgroups' cpu.idle turned off (cpu.shares back to 2), so only the tasks are
 
     python bench/qos.py [--quick]
 
-A full run is 8 rounds of 10 steps a setting (about two and a half minutes); --quick does 3
-of 6 (under a minute). The last line printed is one JSON object with
+A full run is 8 rounds of 10 steps a setting (about two minutes); --quick does 4 of 8 (about
+40 s). The last line printed is one JSON object with
 ``ls_inflation_unprotected`` and ``ls_inflation_be_idle`` at 50% load (target <= 0.15; DSec:
 0.452 and 0.173), the same at 100% (``..._100``), and the paired figures at 50%.
 """
@@ -51,6 +53,16 @@ Setting = tuple[str, float]  # (mode, load)
 def loop(n: int) -> str:
     """A busybox shell loop of ``n`` iterations: pure CPU in one process."""
     return f"i=0; while [ $i -lt {n} ]; do i=$((i+1)); done"
+
+
+def step(sb: dsec.Sandbox, n: int) -> tuple[float, float]:
+    """Run the step in ``sb``: seconds until its result is back, and seconds its shell waited
+    for a CPU while runnable (its /proc/PID/schedstat), which the host's own speed does not
+    change."""
+    started = time.perf_counter()
+    out = sb.exec(f"{loop(n)}; cat /proc/$$/schedstat").check()
+    wall = time.perf_counter() - started
+    return wall, int(out.text.split()[1]) / 1e9
 
 
 def timed_exec(sb: dsec.Sandbox, cmd: str) -> float:
@@ -85,12 +97,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     args = ap.parse_args()
-    rounds, steps = (3, 6) if args.quick else (8, 10)
+    rounds, steps = (4, 8) if args.quick else (8, 10)
     ncpu = os.cpu_count() or 1
     can_idle = cpu_idle().available
     modes = MODES if can_idle else ("unprotected", "classes")
     settings = [(mode, load) for load in LOADS for mode in modes]
     alone: list[float] = []
+    waits: dict[Setting | None, list[float]] = {None: [], **{k: [] for k in settings}}
     samples: dict[Setting, list[float]] = {k: [] for k in settings}
     paired: dict[Setting, list[float]] = {k: [] for k in settings}  # p50 over its own baseline
     burner_load: dict[Setting, list[float]] = {k: [] for k in settings}
@@ -106,8 +119,10 @@ def main() -> None:
         }
         n = calibrate(ls)
 
-        def steps_alone() -> list[float]:
-            return [timed_exec(ls, loop(n)) for _ in range(steps)]
+        def steps_alone(setting: Setting | None = None) -> list[float]:
+            out = [step(ls, n) for _ in range(steps)]
+            waits[setting].extend(w for _, w in out)
+            return [t for t, _ in out]
 
         def cpu_seconds(group: list[dsec.Sandbox]) -> float:
             return sum(client.usage(sb.id).cpu_seconds or 0.0 for sb in group)
@@ -123,7 +138,7 @@ def main() -> None:
             time.sleep(0.3)  # let the burners reach their pace
             started, burnt = time.perf_counter(), cpu_seconds(group)
             try:
-                times = steps_alone()
+                times = steps_alone(setting)
                 elapsed = time.perf_counter() - started
                 burner_load[setting].append((cpu_seconds(group) - burnt) / elapsed / ncpu)
                 return times
@@ -157,9 +172,12 @@ def main() -> None:
     print(f"core scheduling: {core_scheduling()}")
     print(
         f"{'load':<6}{'burners are':<21}{'step p50':>10}{'p90':>10}{'inflation':>11}"
-        f"{'paired':>9}{'burners got':>13}"
+        f"{'paired':>9}{'waited p50':>12}{'burners got':>13}"
     )
-    print(f"{'-':<6}{'(none)':<21}{1e3 * p50_alone:>8.1f}ms{_p90(alone):>8.1f}ms")
+    print(
+        f"{'-':<6}{'(none)':<21}{1e3 * p50_alone:>8.1f}ms{_p90(alone):>8.1f}ms{'':>20}"
+        f"{1e3 * med(waits[None]):>10.1f}ms"
+    )
     shown = {"unprotected": "LS (unprotected)", "sched_idle only": "BE, SCHED_IDLE only"}
     for setting in sorted(settings, key=lambda k: (k[1], MODES.index(k[0]))):
         mode, load = setting
@@ -167,12 +185,12 @@ def main() -> None:
             f"{f'{load:.0%}':<6}{shown.get(mode, 'BE (classes)'):<21}"
             f"{1e3 * med(samples[setting]):>8.1f}ms{_p90(samples[setting]):>8.1f}ms"
             f"{inflation(setting):>10.1%}{med(paired[setting]):>9.1%}"
-            f"{med(burner_load[setting]):>12.0%}"
+            f"{1e3 * med(waits[setting]):>10.1f}ms{med(burner_load[setting]):>13.0%}"
         )
     print(
         "inflation: p50 over the p50 alone; paired: the median of each setting's p50 over the "
-        "baseline measured just before it; burners got: the CPU they used meanwhile, as a share "
-        "of the machine"
+        "baseline measured just before it; waited: the step's time runnable but off a CPU; "
+        "burners got: the CPU they used meanwhile, as a share of the machine"
     )
     print(f"target: with classes at 50% load <= {TARGET:.0%} (DSec: 17.3%; 45.2% unprotected)")
     out: dict[str, Any] = {
@@ -187,6 +205,9 @@ def main() -> None:
         "ls_inflation_be_idle_100": round(inflation(("classes", 1.0)), 3),
         "ls_inflation_unprotected_paired": round(med(paired[("unprotected", 0.5)]), 3),
         "ls_inflation_be_idle_paired": round(med(paired[("classes", 0.5)]), 3),
+        "wait_p50_ms_alone": round(1e3 * med(waits[None]), 2),
+        "wait_p50_ms_unprotected": round(1e3 * med(waits[("unprotected", 0.5)]), 2),
+        "wait_p50_ms_be_idle": round(1e3 * med(waits[("classes", 0.5)]), 2),
         "burner_share_unprotected": round(med(burner_load[("unprotected", 0.5)]), 3),
         "burner_share_be_idle": round(med(burner_load[("classes", 0.5)]), 3),
         "cpu_idle": can_idle,
