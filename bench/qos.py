@@ -8,11 +8,12 @@ sandbox and timed from the client, so the agent and the daemon are on the measur
 a rollout. The load: one burner sandbox a CPU, each spinning a shell loop flat out under a
 CPU limit of half a core (50% of the machine) or a whole one (100%), so the kernel's CPU
 bandwidth control sets the load. Each round measures every load and protection in random
-order, each right after as many steps alone (the baseline), so drift on a shared machine hits
-all alike. Inflation is the step's p50 under load over its p50 alone, minus one; "paired" is
-the median over rounds of each setting's p50 over the baseline just before it; "waited" is the
-step's time runnable but off a CPU (/proc/PID/schedstat), what the classes act on, untouched
-by the host's own speed (this is a VM: its vCPUs share a host).
+order; each step under load is paired with one alone, in random order, a fraction of a second
+apart, the burners stopped for it with the cgroup freezer, so drift on a shared machine hits
+both alike. Inflation is the step's p50 under load over its p50 alone, minus one; "paired" is
+the median over pairs of the loaded step over its partner, minus one; "waited" is the step's
+time runnable but off a CPU (/proc/PID/schedstat), what the classes act on, untouched by the
+host's own speed (this is a VM: its vCPUs share a host).
 
 Besides "unprotected" and "classes" (SCHED_IDLE, cpu.idle and the lowest cpu.shares: what a
 ``qos="be"`` sandbox gets), the "sched_idle only" row is DSec's ablation: the BE burners with
@@ -20,7 +21,7 @@ their cgroups' cpu.idle turned off (cpu.shares back to 2), so only the tasks are
 
     python bench/qos.py [--quick]
 
-A full run is 8 rounds of 10 steps a setting (about two minutes); --quick does 4 of 8 (about
+A full run is 8 rounds of 10 pairs a setting (about two minutes); --quick does 3 of 8 (about
 40 s). The last line printed is one JSON object with
 ``ls_inflation_unprotected`` and ``ls_inflation_be_idle`` at 50% load (target <= 0.15; DSec:
 0.452 and 0.173), the same at 100% (``..._100``), and the paired figures at 50%.
@@ -38,7 +39,7 @@ from typing import Any
 
 import dsec
 from dsec_core.backend import cgroup_path
-from dsec_core.linux.cgroups import cpu_cgroup_dir, cpu_idle
+from dsec_core.linux.cgroups import CGROUP_ROOT, cgroup2_root, cpu_cgroup_dir, cpu_idle
 from dsec_core.linux.sched import core_scheduling
 from dsec_core.testing import running_kit_node
 
@@ -93,11 +94,29 @@ def set_cgroup_idle(sandboxes: list[dsec.Sandbox], idle: bool) -> None:
             (d / "cpu.shares").write_text("2")
 
 
+def freeze(sandboxes: list[dsec.Sandbox], frozen: bool) -> None:
+    """Stop or resume every process of the sandboxes at once with the cgroup freezer (v1's
+    ``freezer.state``, else v2's ``cgroup.freeze``), returning once they are stopped."""
+    for sb in sandboxes:
+        v1 = CGROUP_ROOT / "freezer" / cgroup_path(sb.id) / "freezer.state"
+        if v1.exists():
+            v1.write_text("FROZEN" if frozen else "THAWED")
+            while frozen and v1.read_text().strip() != "FROZEN":
+                time.sleep(0.001)
+            continue
+        root = cgroup2_root()
+        assert root is not None, "no cgroup freezer"
+        d = root / cgroup_path(sb.id)
+        (d / "cgroup.freeze").write_text("1" if frozen else "0")
+        while frozen and "frozen 1" not in (d / "cgroup.events").read_text():
+            time.sleep(0.001)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     args = ap.parse_args()
-    rounds, steps = (4, 8) if args.quick else (8, 10)
+    rounds, pairs = (3, 8) if args.quick else (8, 10)
     ncpu = os.cpu_count() or 1
     can_idle = cpu_idle().available
     modes = MODES if can_idle else ("unprotected", "classes")
@@ -105,7 +124,7 @@ def main() -> None:
     alone: list[float] = []
     waits: dict[Setting | None, list[float]] = {None: [], **{k: [] for k in settings}}
     samples: dict[Setting, list[float]] = {k: [] for k in settings}
-    paired: dict[Setting, list[float]] = {k: [] for k in settings}  # p50 over its own baseline
+    paired: dict[Setting, list[float]] = {k: [] for k in settings}  # loaded over its own alone
     burner_load: dict[Setting, list[float]] = {k: [] for k in settings}
 
     with running_kit_node("dsec-bench-qos-") as node, node.client() as client:
@@ -119,15 +138,12 @@ def main() -> None:
         }
         n = calibrate(ls)
 
-        def steps_alone(setting: Setting | None = None) -> list[float]:
-            out = [step(ls, n) for _ in range(steps)]
-            waits[setting].extend(w for _, w in out)
-            return [t for t, _ in out]
-
         def cpu_seconds(group: list[dsec.Sandbox]) -> float:
             return sum(client.usage(sb.id).cpu_seconds or 0.0 for sb in group)
 
-        def steps_under(setting: Setting) -> list[float]:
+        def measure(setting: Setting) -> None:
+            """``pairs`` steps under the setting's load, each beside one with its burners
+            frozen (alone), the two in random order, a fraction of a second apart."""
             mode, load = setting
             qos = "ls" if mode == "unprotected" else "be"
             group = burners[(qos, load)]
@@ -135,25 +151,35 @@ def main() -> None:
                 set_cgroup_idle(group, idle=mode == "classes")
             for sb in group:
                 sb.exec(f"{BURN} > /dev/null 2>&1 &", background=True).check()
-            time.sleep(0.3)  # let the burners reach their pace
-            started, burnt = time.perf_counter(), cpu_seconds(group)
+            time.sleep(0.2)  # the burners are running
+            loaded_for = 0.0
+            burnt = cpu_seconds(group)
             try:
-                times = steps_alone(setting)
-                elapsed = time.perf_counter() - started
-                burner_load[setting].append((cpu_seconds(group) - burnt) / elapsed / ncpu)
-                return times
+                for _ in range(pairs):
+                    got: dict[bool, float] = {}
+                    for loaded in random.sample((False, True), 2):
+                        freeze(group, frozen=not loaded)
+                        if loaded:
+                            thawed = time.perf_counter()
+                            time.sleep(0.02)  # back at full pace
+                        got[loaded], wait = step(ls, n)
+                        if loaded:
+                            loaded_for += time.perf_counter() - thawed
+                        waits[setting if loaded else None].append(wait)
+                    alone.append(got[False])
+                    samples[setting].append(got[True])
+                    paired[setting].append(got[True] / got[False] - 1)
+                freeze(group, frozen=True)  # nothing burns while usage is read
+                burner_load[setting].append((cpu_seconds(group) - burnt) / loaded_for / ncpu)
             finally:
+                freeze(group, frozen=False)
                 for sb in group:
                     sb.exec("true", exclusive=True).check()  # kills the burner
 
-        # each setting right after a baseline of its own, settings in random order each round
         for _ in range(rounds):
             random.shuffle(settings)
             for setting in settings:
-                before, under = steps_alone(), steps_under(setting)
-                alone.extend(before)
-                samples[setting].extend(under)
-                paired[setting].append(statistics.median(under) / statistics.median(before) - 1)
+                measure(setting)
         for sb in [ls, *(b for group in burners.values() for b in group)]:
             sb.kill()
 
@@ -165,8 +191,8 @@ def main() -> None:
 
     print(
         f"LS step: {n} shell-loop iterations, {1e3 * p50_alone:.1f} ms alone (p50); {ncpu} "
-        f"CPUs; {rounds} rounds of {steps} steps a setting, each after {steps} alone; burners: "
-        f"{ncpu} sandboxes spinning, each limited to the load's share of one CPU"
+        f"CPUs; {rounds} rounds of {pairs} steps a setting, each paired with one alone; "
+        f"burners: {ncpu} sandboxes spinning, each limited to the load's share of one CPU"
     )
     print(f"BE cgroups' cpu.idle: {cpu_idle()}")
     print(f"core scheduling: {core_scheduling()}")
@@ -188,8 +214,8 @@ def main() -> None:
             f"{1e3 * med(waits[setting]):>10.1f}ms{med(burner_load[setting]):>13.0%}"
         )
     print(
-        "inflation: p50 over the p50 alone; paired: the median of each setting's p50 over the "
-        "baseline measured just before it; waited: the step's time runnable but off a CPU; "
+        "inflation: p50 over the p50 alone; paired: the median over steps of each step over the "
+        "step alone paired with it; waited: the step's time runnable but off a CPU; "
         "burners got: the CPU they used meanwhile, as a share of the machine"
     )
     print(f"target: with classes at 50% load <= {TARGET:.0%} (DSec: 17.3%; 45.2% unprotected)")
@@ -197,7 +223,7 @@ def main() -> None:
         "quick": args.quick,
         "cpus": ncpu,
         "rounds": rounds,
-        "steps_per_setting": steps,
+        "steps_per_setting": pairs,
         "step_p50_ms_alone": round(1e3 * p50_alone, 2),
         "ls_inflation_unprotected": round(inflation(("unprotected", 0.5)), 3),
         "ls_inflation_be_idle": round(inflation(("classes", 0.5)), 3),
