@@ -35,6 +35,7 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import dsec
@@ -112,6 +113,15 @@ def freeze(sandboxes: list[dsec.Sandbox], frozen: bool) -> None:
             time.sleep(0.001)
 
 
+def cpu_pressure() -> float | None:
+    """The host's CPU pressure: % of the last minute some task waited for a CPU (PSI)."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().split("\n")[0]
+    except OSError:
+        return None
+    return float(dict(f.split("=") for f in first.split()[1:])["avg60"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
@@ -127,6 +137,7 @@ def main() -> None:
     paired: dict[Setting, list[float]] = {k: [] for k in settings}  # loaded over its own alone
     burner_load: dict[Setting, list[float]] = {k: [] for k in settings}
 
+    pressure = [cpu_pressure()]
     with running_kit_node("dsec-bench-qos-") as node, node.client() as client:
         base = dsec.SandboxSpec(layers=(node.layer.ref,), memory="64M", cpu=1.0, ttl=3600)
         ls = client.create(base)
@@ -182,6 +193,7 @@ def main() -> None:
                 measure(setting)
         for sb in [ls, *(b for group in burners.values() for b in group)]:
             sb.kill()
+        pressure.append(cpu_pressure())
 
     med = statistics.median
     p50_alone = med(alone)
@@ -193,6 +205,10 @@ def main() -> None:
         f"LS step: {n} shell-loop iterations, {1e3 * p50_alone:.1f} ms alone (p50); {ncpu} "
         f"CPUs; {rounds} rounds of {pairs} steps a setting, each paired with one alone; "
         f"burners: {ncpu} sandboxes spinning, each limited to the load's share of one CPU"
+    )
+    print(
+        f"host CPU pressure (PSI some avg60, other work on the machine): {pressure[0]}% at "
+        f"start, {pressure[1]}% at end"
     )
     print(f"BE cgroups' cpu.idle: {cpu_idle()}")
     print(f"core scheduling: {core_scheduling()}")
@@ -236,6 +252,7 @@ def main() -> None:
         "wait_p50_ms_be_idle": round(1e3 * med(waits[("classes", 0.5)]), 2),
         "burner_share_unprotected": round(med(burner_load[("unprotected", 0.5)]), 3),
         "burner_share_be_idle": round(med(burner_load[("classes", 0.5)]), 3),
+        "host_cpu_pressure_pct": pressure,
         "cpu_idle": can_idle,
         "core_scheduling": core_scheduling().available,
     }
