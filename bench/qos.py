@@ -21,7 +21,7 @@ their cgroups' cpu.idle turned off (cpu.shares back to 2), so only the tasks are
 
     python bench/qos.py [--quick]
 
-A full run is 8 rounds of 10 pairs a setting (about two minutes); --quick does 3 of 8 (about
+A full run is 8 rounds of 10 pairs a setting (about two minutes); --quick does 3 of 6 (about
 40 s). The last line printed is one JSON object with
 ``ls_inflation_unprotected`` and ``ls_inflation_be_idle`` at 50% load (target <= 0.15; DSec:
 0.452 and 0.173), the same at 100% (``..._100``), and the paired figures at 50%.
@@ -126,7 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds (under a minute)")
     args = ap.parse_args()
-    rounds, pairs = (3, 8) if args.quick else (8, 10)
+    rounds, pairs = (3, 6) if args.quick else (8, 10)
     ncpu = os.cpu_count() or 1
     can_idle = cpu_idle().available
     modes = MODES if can_idle else ("unprotected", "classes")
@@ -137,7 +137,7 @@ def main() -> None:
     paired: dict[Setting, list[float]] = {k: [] for k in settings}  # loaded over its own alone
     burner_load: dict[Setting, list[float]] = {k: [] for k in settings}
 
-    pressure = [cpu_pressure()]
+    pressure = cpu_pressure()  # before anything of ours runs: other work on the machine
     with running_kit_node("dsec-bench-qos-") as node, node.client() as client:
         base = dsec.SandboxSpec(layers=(node.layer.ref,), memory="64M", cpu=1.0, ttl=3600)
         ls = client.create(base)
@@ -193,7 +193,6 @@ def main() -> None:
                 measure(setting)
         for sb in [ls, *(b for group in burners.values() for b in group)]:
             sb.kill()
-        pressure.append(cpu_pressure())
 
     med = statistics.median
     p50_alone = med(alone)
@@ -206,10 +205,7 @@ def main() -> None:
         f"CPUs; {rounds} rounds of {pairs} steps a setting, each paired with one alone; "
         f"burners: {ncpu} sandboxes spinning, each limited to the load's share of one CPU"
     )
-    print(
-        f"host CPU pressure (PSI some avg60, other work on the machine): {pressure[0]}% at "
-        f"start, {pressure[1]}% at end"
-    )
+    print(f"host CPU pressure before the run (PSI some avg60: other work): {pressure}%")
     print(f"BE cgroups' cpu.idle: {cpu_idle()}")
     print(f"core scheduling: {core_scheduling()}")
     print(
