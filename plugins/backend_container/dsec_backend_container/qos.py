@@ -7,7 +7,7 @@ controller has it (the group then counts as idle against its siblings), on top o
 ``cpu.shares`` the OCI config gave it. Root in the sandbox cannot leave SCHED_IDLE: the kernel
 lets a task without CAP_SYS_NICE in the host's user namespace do so only within its
 RLIMIT_NICE, which the OCI config pins at 0 (a hard limit it cannot raise without
-CAP_SYS_RESOURCE there either), and it cannot reach its cgroup's files.
+CAP_SYS_RESOURCE there either), and its cgroup's files are read-only to it.
 
 Latency-sensitive ("ls"): normal scheduling; where the kernel has core scheduling, the init
 gets a cookie of its own, so SMT siblings never run another sandbox's tasks beside it.

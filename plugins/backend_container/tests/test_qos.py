@@ -167,6 +167,13 @@ def test_root_inside_cannot_leave_sched_idle(dsec_sandboxes, probe, with_policie
         ("policy", str(os.SCHED_IDLE)),
     ]
     assert policies(sb.info.pid) == {os.SCHED_IDLE}
+    # nor through its cgroup, which it sees (read-only) at /sys/fs/cgroup
+    for name, value in (("cpu.idle", "0"), ("cpu.shares", "1024")):
+        wrote = sb.exec(f"echo {value} > /sys/fs/cgroup/cpu/{name}")
+        assert wrote.exit_code != 0, f"root inside wrote its {name}"
+    files = cpu_files(sb.id)
+    assert int(files["cpu.shares"]) <= max(BE_SHARES, IDLE_SHARES), files
+    assert files.get("cpu.idle", "0") == ("1" if cpu_idle().available else "0")
 
 
 def test_the_probe_can_change_class_where_the_kernel_allows(dsec_sandboxes, probe):
@@ -205,6 +212,7 @@ def cpu_share(client, first, second, seconds: float = 2.0) -> float:
     """Spin a loop in each sandbox, both on the host's CPU 0, for ``seconds``; the CPU time
     ``second`` got as a fraction of what ``first`` got."""
     for sb in (first, second):
+        sb.exec("taskset -c 0 true").check()  # CPU 0 is in the sandbox's cpuset
         sb.exec("taskset -c 0 sh -c 'while :; do :; done' > /dev/null 2>&1 &", background=True)
     time.sleep(0.2)
     before = [client.usage(sb.id).cpu_seconds for sb in (first, second)]
@@ -220,9 +228,11 @@ def cpu_share(client, first, second, seconds: float = 2.0) -> float:
 def test_best_effort_yields_a_cpu_to_latency_sensitive_work(dsec_sandboxes, dsec_client):
     # Shares of one CPU, not latencies: other work on the machine takes from both spinners
     # alike, so the ratio holds on a busy host where a timing would not.
-    ls = dsec_sandboxes.create(cpu=1.0)
-    peer = dsec_sandboxes.create(cpu=1.0)
-    be = dsec_sandboxes.create(cpu=1.0, qos="be")
+    # as many cores as the host has: not pinned to some of them, so all can spin on CPU 0
+    cores = float(os.cpu_count() or 1)
+    ls = dsec_sandboxes.create(cpu=cores)
+    peer = dsec_sandboxes.create(cpu=cores)
+    be = dsec_sandboxes.create(cpu=cores, qos="be")
     assert cpu_share(dsec_client, ls, peer) > 0.5  # two latency-sensitive ones share it
     assert cpu_share(dsec_client, ls, be) < 0.05  # the best-effort one gets what is left
 
