@@ -7,7 +7,10 @@ The step: a fixed CPU-bound busybox shell loop (about 70 ms alone), run with ``e
 sandbox and timed from the client, so the agent and the daemon are on the measured path as in
 a rollout. The load: one burner sandbox a CPU, each spinning a shell loop flat out under a
 CPU limit of half a core (50% of the machine) or a whole one (100%), so the kernel's CPU
-bandwidth control sets the load. Each round measures every load and protection in random
+bandwidth control sets the load. The backend pins sandboxes below the host's core count to
+cores (``DSEC_CPU_PINNING``, on by default): the burners are made first, so each group spreads
+over all cores, and the step's 1-CPU sandbox shares its core with one burner of each group
+(the output shows the cpusets). Each round measures every load and protection in random
 order; each step under load is paired with one alone, in random order, a fraction of a second
 apart, the burners stopped for it with the cgroup freezer, so drift on a shared machine hits
 both alike. Inflation is the step's p50 under load over its p50 alone, minus one; "paired" is
@@ -113,6 +116,19 @@ def freeze(sandboxes: list[dsec.Sandbox], frozen: bool) -> None:
             time.sleep(0.001)
 
 
+def cores_of(sb: dsec.Sandbox) -> str:
+    """The cores the sandbox may run on (its cpuset), as the kernel lists them."""
+    for path in (
+        CGROUP_ROOT / "cpuset" / cgroup_path(sb.id) / "cpuset.cpus",
+        (cgroup2_root() or CGROUP_ROOT) / cgroup_path(sb.id) / "cpuset.cpus.effective",
+    ):
+        try:
+            return path.read_text().strip() or "all"
+        except OSError:
+            continue
+    return "?"
+
+
 def cpu_pressure() -> float | None:
     """The host's CPU pressure: % of the last minute some task waited for a CPU (PSI)."""
     try:
@@ -140,12 +156,18 @@ def main() -> None:
     pressure = cpu_pressure()  # before anything of ours runs: other work on the machine
     with running_kit_node("dsec-bench-qos-") as node, node.client() as client:
         base = dsec.SandboxSpec(layers=(node.layer.ref,), memory="64M", cpu=1.0, ttl=3600)
-        ls = client.create(base)
-        # one burner a CPU, of each class and CPU limit
+        # One burner a CPU, of each class and CPU limit, made first: the backend pins a sandbox
+        # below the host's core count to the least committed cores, so each group spreads over
+        # all of them, and the step's sandbox shares its core with one burner of each.
         burners = {
             (qos, load): [client.create(base, cpu=load, qos=qos) for _ in range(ncpu)]
             for qos in ("ls", "be")
             for load in LOADS
+        }
+        ls = client.create(base)
+        layout = {"step": cores_of(ls)} | {
+            f"{qos}@{load:g}": ",".join(cores_of(sb) for sb in group)
+            for (qos, load), group in burners.items()
         }
         n = calibrate(ls)
 
@@ -206,6 +228,7 @@ def main() -> None:
         f"burners: {ncpu} sandboxes spinning, each limited to the load's share of one CPU"
     )
     print(f"host CPU pressure before the run (PSI some avg60: other work): {pressure}%")
+    print("cores (cpusets): " + "; ".join(f"{k} {v}" for k, v in layout.items()))
     print(f"BE cgroups' cpu.idle: {cpu_idle()}")
     print(f"core scheduling: {core_scheduling()}")
     print(
@@ -249,6 +272,7 @@ def main() -> None:
         "burner_share_unprotected": round(med(burner_load[("unprotected", 0.5)]), 3),
         "burner_share_be_idle": round(med(burner_load[("classes", 0.5)]), 3),
         "host_cpu_pressure_pct": pressure,
+        "cores": layout,
         "cpu_idle": can_idle,
         "core_scheduling": core_scheduling().available,
     }
