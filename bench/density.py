@@ -37,11 +37,10 @@ from typing import Any
 import dsec
 from dsec_core.config import NodeConfig
 from dsec_core.errors import DsecError
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.hostmem import meminfo
 from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
-from dsec_core.testing import make_busybox_rootfs
+from dsec_core.testing import build_busybox_layer
 
 BATCH = 100
 SPEC: dict[str, Any] = {"cpu": 0.5, "memory": "256M", "pids": 128, "ttl": None}
@@ -111,14 +110,7 @@ def main() -> None:
     os.environ["DSEC_CPU_OVERCOMMIT"] = "1000"
     config = NodeConfig.from_env()
     config.ensure_dirs()
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_layer(
-            make_busybox_rootfs(Path(tmp) / "rootfs"),
-            name="bench-busybox",
-            version="1",
-            kind="base",
-            store=LayerStore(config.layer_dir),
-        )
+    info = build_busybox_layer(LayerStore(config.layer_dir), name="bench-busybox")
     spec = {**SPEC, "layers": (info.ref,)}
     ensure_daemon(config)
     rows: list[dict[str, float]] = []

@@ -37,10 +37,9 @@ import dsec
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.config import NodeConfig
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.localnode import ensure_daemon, stop_daemon
-from dsec_core.testing import make_busybox_rootfs
+from dsec_core.testing import build_busybox_layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from create import Docker, pct
@@ -148,14 +147,7 @@ def main() -> None:
     config = NodeConfig(home=home)
     config.ensure_dirs()
     store = LayerStore(config.layer_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_layer(
-            make_busybox_rootfs(Path(tmp) / "rootfs"),
-            name="bench-busybox",
-            version="1",
-            kind="base",
-            store=store,
-        )
+    info = build_busybox_layer(store, name="bench-busybox")
     keep = Path(tempfile.mkdtemp(prefix="dsec-bench-fncall-img-", dir="/var/tmp"))
     image = keep / "base.erofs"  # for docker, after the node and its home are gone
     shutil.copyfile(store.image_path(info), image)

@@ -30,11 +30,10 @@ from typing import Any
 
 import dsec
 from dsec_core.config import NodeConfig
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.plugins import registry
-from dsec_core.testing import make_busybox_rootfs
+from dsec_core.testing import build_busybox_layer
 
 TARGET = 1.15
 
@@ -94,14 +93,7 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="dsec-bench-sec-", dir="/var/tmp"))
     config = NodeConfig(home=home)
     config.ensure_dirs()
-    with tempfile.TemporaryDirectory() as tmp:
-        info = build_layer(
-            make_busybox_rootfs(Path(tmp) / "rootfs"),
-            name="bench-busybox",
-            version="1",
-            kind="base",
-            store=LayerStore(config.layer_dir),
-        )
+    info = build_busybox_layer(LayerStore(config.layer_dir), name="bench-busybox")
     os.environ["DSEC_HOME"] = os.fspath(home)
     ensure_daemon(config)
     on, off, names = specs(info.ref)

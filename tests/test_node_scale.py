@@ -6,21 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from dsec_core.config import NodeConfig
-from dsec_core.layers.build import build_layer
-from dsec_core.layers.store import LayerStore
 from dsec_core.linux import sysctl
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
-from dsec_core.testing import leftovers, make_busybox_rootfs
+from dsec_core.testing import node_home
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 SPEC = SandboxSpec(layers=("kit-base@1",), memory="64M", cpu=0.2)
@@ -28,20 +23,8 @@ SPEC = SandboxSpec(layers=("kit-base@1",), memory="64M", cpu=0.2)
 
 @pytest.fixture
 def config():
-    home = Path(tempfile.mkdtemp(prefix="dsec-scale-"))
-    cfg = NodeConfig(home=home)
-    cfg.ensure_dirs()
-    with tempfile.TemporaryDirectory() as tmp:
-        rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-        build_layer(
-            rootfs, name="kit-base", version="1", kind="base", store=LayerStore(cfg.layer_dir)
-        )
-    try:
+    with node_home("dsec-scale-") as cfg:
         yield cfg
-    finally:
-        left = leftovers(home)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not any(left.values()), left
 
 
 async def test_an_open_node_has_pids_for_thousands_of_sandboxes(config):

@@ -9,19 +9,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from dsec_core.config import NodeConfig
 from dsec_core.errors import AdmissionRejected, InvalidSpec
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.idpool import MAX_HOST_ID, UidPool
 from dsec_core.node.node import Node
 from dsec_core.records import IdMap, SandboxSpec
-from dsec_core.testing import leftovers, make_busybox_rootfs
+from dsec_core.testing import node_home
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 KEYS_SOURCE = Path(__file__).with_name("keys_probe.c")
@@ -100,20 +98,8 @@ def _host_ids(pid: int) -> tuple[int, int]:
 @pytest.fixture
 def small_pool():
     """An in-process node with a pool of two uid ranges."""
-    home = Path(tempfile.mkdtemp(prefix="dsec-uids-"))
-    config = NodeConfig(home=home, uid_ranges=2, uid_size=65536)
-    config.ensure_dirs()
-    with tempfile.TemporaryDirectory() as tmp:
-        rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-        build_layer(
-            rootfs, name="kit-base", version="1", kind="base", store=LayerStore(config.layer_dir)
-        )
-    try:
+    with node_home("dsec-uids-", uid_ranges=2, uid_size=65536) as config:
         yield config
-    finally:
-        left = leftovers(home)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not any(left.values()), left
 
 
 @root_only

@@ -20,6 +20,7 @@ from .backend import BackendConformance
 from .fixtures import (
     KitNode,
     SandboxRecorder,
+    build_busybox_layer,
     cgroup_hierarchies,
     dsec_backend_name,
     dsec_client,
@@ -29,6 +30,7 @@ from .fixtures import (
     leaves_no_mounts_or_threads,
     leftovers,
     make_busybox_rootfs,
+    node_home,
     running_kit_node,
 )
 from .procs import free_port, stop_process
@@ -39,6 +41,7 @@ __all__ = [
     "KitNode",
     "LayerSourceConformance",
     "SandboxRecorder",
+    "build_busybox_layer",
     "cgroup_hierarchies",
     "dsec_backend_name",
     "dsec_client",
@@ -49,6 +52,7 @@ __all__ = [
     "leaves_no_mounts_or_threads",
     "leftovers",
     "make_busybox_rootfs",
+    "node_home",
     "running_kit_node",
     "stop_process",
 ]

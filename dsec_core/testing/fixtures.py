@@ -42,11 +42,13 @@ from ..sdk import Client
 __all__ = [
     "KitNode",
     "SandboxRecorder",
+    "build_busybox_layer",
     "cgroup_hierarchies",
     "kit_home_parent",
     "leaves_no_mounts_or_threads",
     "leftovers",
     "make_busybox_rootfs",
+    "node_home",
     "running_kit_node",
 ]
 
@@ -108,6 +110,30 @@ def make_busybox_rootfs(root: Path) -> Path:
     )
     (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
     return root
+
+
+def build_busybox_layer(store: LayerStore, name: str = "kit-base", version: str = "1") -> LayerInfo:
+    """Build ``make_busybox_rootfs`` as base layer ``name@version`` into ``store``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
+        return build_layer(rootfs, name=name, version=version, kind="base", store=store)
+
+
+@contextlib.contextmanager
+def node_home(prefix: str = "dsec-node-", **settings: Any) -> Iterator[NodeConfig]:
+    """The config of a fresh node home in ``/tmp`` (``NodeConfig`` ``settings`` on top) with
+    the busybox layer ``kit-base@1`` in its store, for a ``Node`` driven in-process; on exit
+    the home is removed, and anything the node left behind fails the caller."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    config = NodeConfig(home=home, **settings)
+    config.ensure_dirs()
+    build_busybox_layer(LayerStore(config.layer_dir))
+    try:
+        yield config
+    finally:
+        left = leftovers(home)
+        shutil.rmtree(home, ignore_errors=True)
+        assert not any(left.values()), left
 
 
 def leftovers(home: Path) -> dict[str, list[str]]:
@@ -204,10 +230,7 @@ class KitNode:
     def start(cls, home: Path) -> KitNode:
         config = NodeConfig(home=home)
         config.ensure_dirs()
-        store = LayerStore(config.layer_dir)
-        with tempfile.TemporaryDirectory() as tmp:
-            rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-            layer = build_layer(rootfs, name="kit-base", version="1", kind="base", store=store)
+        layer = build_busybox_layer(LayerStore(config.layer_dir))
         old = os.environ.get("DSEC_HOME")
         os.environ["DSEC_HOME"] = os.fspath(home)
         try:
