@@ -9,9 +9,13 @@ from dsec_core import __version__
 from dsec_core.errors import *  # noqa: F403 - the error tree is part of the SDK
 from dsec_core.errors import __all__ as _errors
 from dsec_core.records import (
+    CaseResult,
     ExecResult,
     FileEntry,
     FnCallResult,
+    JudgeCase,
+    JudgeResult,
+    JudgeSpec,
     LayerInfo,
     Limits,
     SandboxInfo,
@@ -32,6 +36,10 @@ __all__ = [
     "SandboxInfo",
     "ExecResult",
     "FnCallResult",
+    "JudgeSpec",
+    "JudgeCase",
+    "JudgeResult",
+    "CaseResult",
     "FileEntry",
     "LayerInfo",
     "Limits",

@@ -110,13 +110,17 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   what the backend holds node-wide that no sandbox still running needs. Sandboxes may outlive
   the daemon; what they need keeps working, and the next daemon's instance takes it over
   (the container backend's lxcfs: stopped when no container is left, else left running).
+- With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
+  during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
+  and the OOM kills of that while (the node's judge runs each test case in one).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -135,6 +139,7 @@ __all__ = [
     "Feature",
     "IdMap",
     "LayerImage",
+    "MemoryWindowUse",
     "RootfsForm",
     "SandboxRuntime",
     "StartedSandbox",
@@ -172,6 +177,20 @@ class Feature(enum.StrEnum):
     #: agent killed, every writable place back to pristine), so the node may reuse it for
     #: another caller's work: the node's FnCall pools take members only from such backends.
     RESET = "reset"
+    #: ``memory_window`` gives what runs in the sandbox for a while a memory limit of its own
+    #: (so much above what the sandbox uses when it starts) and reports the peak and whether
+    #: the OOM killer struck: the node's judge gives each test case its memory limit so.
+    MEMORY_WINDOW = "memory-window"
+
+
+@dataclass
+class MemoryWindowUse:
+    """What ``Backend.memory_window`` measured, filled in when the window closes: the peak
+    memory above what the sandbox used when it opened (bytes), and how many processes the
+    OOM killer took meanwhile."""
+
+    peak: int = 0
+    oom_kills: int = 0
 
 
 class RootfsForm(enum.StrEnum):
@@ -379,6 +398,22 @@ class Backend(abc.ABC):
         """The node is closing: free what the backend holds node-wide (a helper daemon) that
         no sandbox still running needs. Sandboxes may outlive this (a daemon restart); what
         they need must keep working, for the next daemon's instance to take over."""
+
+    @contextlib.asynccontextmanager
+    async def memory_window(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], extra: int
+    ) -> AsyncIterator[MemoryWindowUse]:
+        """With ``Feature.MEMORY_WINDOW``: for the body of the ``async with``, the sandbox may
+        use at most ``extra`` bytes more than it does when the window opens (never more than
+        its own limit); a process that asks for more is killed as at the sandbox's limit. The
+        yielded ``MemoryWindowUse`` is filled in at the close, and the sandbox's limit is back.
+        The node opens one window at a time per sandbox, around one command."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot bound memory per command "
+            "(it does not claim Feature.MEMORY_WINDOW)",
+            backend=self.name,
+        )
+        yield MemoryWindowUse()  # pragma: no cover - makes this a generator
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """With ``Feature.RESET``: make the running sandbox as it was when ``start`` returned,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,14 +18,20 @@ from typing import Any
 from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 
 __all__ = [
+    "COMPARE_MODES",
     "DEFAULT_DISK",
     "LAYER_KINDS",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
+    "VERDICTS",
+    "CaseResult",
     "ExecResult",
     "FileEntry",
     "FnCallResult",
     "IdMap",
+    "JudgeCase",
+    "JudgeResult",
+    "JudgeSpec",
     "LayerInfo",
     "LayerRef",
     "Limits",
@@ -406,6 +413,11 @@ class ExecResult(_Record):
     timed_out: bool = False  # the process tree was killed at the timeout
     command: str = ""
     sandbox_id: str = ""
+    #: What the command used, where the backend's agent says (None: unknown, or timed out):
+    #: CPU seconds (user + system) of it and the descendants it waited for, and the peak
+    #: resident set in bytes of it or of the largest of those descendants.
+    cpu_time: float | None = None
+    max_rss: int | None = None
 
     @property
     def text(self) -> str:
@@ -592,3 +604,195 @@ class NodeLoad(_Record):
                 node=self.node,
             )
         return None
+
+
+#: Judge verdicts, for one test case and for a whole submission: accepted, wrong answer, time
+#: limit exceeded, memory limit exceeded, runtime error, and (for a submission only) compile
+#: error. A submission's verdict is its first case's that is not AC (or CE, or AC).
+VERDICTS = ("AC", "WA", "TLE", "MLE", "RE", "CE")
+#: How a case's output is compared with the expected: "lines" (trailing whitespace of each line
+#: and trailing blank lines ignored), "tokens" (whitespace-separated words), "exact" (bytes).
+COMPARE_MODES = ("lines", "tokens", "exact")
+
+
+@dataclass(frozen=True)
+class JudgeCase(_Record):
+    """One test case: the program's stdin, the output it must print, and a name to report."""
+
+    input: bytes = b""
+    output: bytes = b""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("input", "output"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                object.__setattr__(self, key, value.encode())
+            elif not isinstance(value, bytes):
+                raise InvalidSpec(f"a case's {key} must be bytes or text", field=key)
+        _check_type("name", self.name, str, "a string")
+
+
+#: Time limits beyond this are not judging but batch work: use fncall or a sandbox.
+MAX_TIME_LIMIT = 600.0
+
+
+@dataclass(frozen=True)
+class JudgeSpec(_Record):
+    """One submission to judge (``dsec_core.node.judge``): write ``files`` (relative to the
+    environment's working directory) into a warm FnCall member, run ``compile`` once (a
+    failure is CE), then ``run`` on each case with ``time_limit`` CPU seconds and
+    ``memory_limit`` bytes, comparing its output by ``compare`` (``COMPARE_MODES``).
+
+    ``run`` and ``compile`` are a shell command (through ``/bin/sh -c``) or argv. The cases
+    come with the request (``cases``) or from ``cases_dir``: NAME.in and NAME.out inside the
+    working directory, hidden from the submission while it runs. ``stop_on_failure`` skips
+    the cases after the first that fails (SKIPPED). ``memory`` is the member's own limit,
+    which the compiler runs under and which must exceed ``memory_limit``.
+    """
+
+    environment: str
+    run: str | tuple[str, ...]
+    compile: str | tuple[str, ...] | None = None
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    cases: tuple[JudgeCase, ...] = ()
+    cases_dir: str | None = None
+    time_limit: float = 2.0
+    memory_limit: int | str = "256M"
+    compare: str = "lines"
+    compile_timeout: float = 60.0
+    stop_on_failure: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+    backend: str = "fncall"
+    cpu: float = 1.0
+    memory: int | str = "1G"
+
+    def __post_init__(self) -> None:
+        for name in ("run", "compile"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, tuple(value))
+        object.__setattr__(self, "env", dict(self.env or {}))
+        object.__setattr__(
+            self,
+            "files",
+            {
+                str(k): v.encode() if isinstance(v, str) else bytes(v)
+                for k, v in (self.files or {}).items()
+            },
+        )
+        object.__setattr__(
+            self,
+            "cases",
+            tuple(JudgeCase(**c) if isinstance(c, Mapping) else c for c in self.cases or ()),
+        )
+        _check_type("environment", self.environment, str, "an environment name")
+        _check_strings("env", self.env)
+        _check_type("time_limit", self.time_limit, (int, float), "seconds")
+        _check_finite("time_limit", self.time_limit)
+        _check_type("compile_timeout", self.compile_timeout, (int, float), "seconds")
+        _check_finite("compile_timeout", self.compile_timeout)
+        _check_type("cpu", self.cpu, (int, float), "a number of cores")
+        if not self.environment:
+            raise InvalidSpec("judge needs an environment", field="environment")
+        if not self.run or not all(isinstance(a, str) for a in _as_argv(self.run)):
+            raise InvalidSpec("judge needs run: a command string or a list of strings", field="run")
+        if self.compile is not None and (
+            not self.compile or not all(isinstance(a, str) for a in _as_argv(self.compile))
+        ):
+            raise InvalidSpec(
+                "compile must be a command string or a list of strings", field="compile"
+            )
+        if not all(isinstance(c, JudgeCase) for c in self.cases):
+            raise InvalidSpec("cases must be JudgeCase records or objects", field="cases")
+        if bool(self.cases) == bool(self.cases_dir):
+            raise InvalidSpec("judge needs cases or cases_dir, one of them", field="cases")
+        if not 0 < self.time_limit <= MAX_TIME_LIMIT:
+            raise InvalidSpec(
+                f"time_limit must be in (0, {MAX_TIME_LIMIT:g}] seconds, got {self.time_limit}",
+                field="time_limit",
+            )
+        if self.compile_timeout <= 0:
+            raise InvalidSpec("compile_timeout must be positive seconds", field="compile_timeout")
+        if self.compare not in COMPARE_MODES:
+            raise InvalidSpec(
+                f"compare must be one of {', '.join(COMPARE_MODES)}, got {_shown(self.compare)}",
+                field="compare",
+            )
+        limit, member = self.memory_bytes, parse_size(self.memory, "memory") or 0
+        if limit < 1 << 20:
+            raise InvalidSpec("memory_limit must be at least 1M", field="memory_limit")
+        if member < limit + (16 << 20):
+            raise InvalidSpec(
+                f"memory (the member's limit, {member >> 20} MiB) must be at least "
+                f"memory_limit ({limit >> 20} MiB) + 16 MiB for the agent and the files",
+                field="memory",
+            )
+        if self.cases_dir is not None:
+            _check_type("cases_dir", self.cases_dir, str, "a relative path")
+            rel = os.path.normpath(self.cases_dir)
+            if os.path.isabs(rel) or rel in (".", "..") or rel.startswith("../"):
+                raise InvalidSpec(
+                    "cases_dir must be a directory inside the working directory (so the judge "
+                    f"can hide it from the submission), got {self.cases_dir!r}",
+                    field="cases_dir",
+                )
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_size(self.memory_limit, "memory_limit") or 0
+
+    @property
+    def wall_limit(self) -> float:
+        """When the wall clock kills a case: a program that sleeps or blocks is TLE too."""
+        return max(2 * self.time_limit, self.time_limit + 1.0)
+
+
+def _as_argv(cmd: Any) -> tuple[Any, ...]:
+    return (cmd,) if isinstance(cmd, str) else tuple(cmd) if isinstance(cmd, tuple) else (None,)
+
+
+@dataclass(frozen=True)
+class CaseResult(_Record):
+    """The verdict of one test case (``VERDICTS`` but CE; SKIPPED after an earlier failure with
+    ``JudgeSpec.stop_on_failure``) and what the run took: ``time`` is CPU seconds (the wall
+    time where the backend does not measure CPU), ``memory`` the peak resident memory in
+    bytes (None: unknown). ``stdout``/``stderr`` keep the start of what it printed (4 KiB) and
+    ``detail`` says why a verdict is not AC."""
+
+    name: str
+    verdict: str
+    exit_code: int
+    time: float
+    wall: float
+    memory: int | None = None
+    stdout: bytes = b""
+    stderr: bytes = b""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class JudgeResult(_Record):
+    """What the judge made of one submission: its verdict (``VERDICTS``), each case's (none
+    after a compile error), the compiler's output, and where it ran (the FnCall pool and
+    member, and how long it waited for one)."""
+
+    verdict: str
+    cases: tuple[CaseResult, ...] = ()
+    passed: int = 0
+    total: int = 0
+    compile_output: bytes = b""
+    compile_time: float = 0.0
+    duration: float = 0.0
+    member: str = ""
+    pool: str = ""
+    wait: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "AC"
+
+    @property
+    def score(self) -> float:
+        """Accepted cases over all cases (0.0 on a compile error)."""
+        return self.passed / self.total if self.total else 0.0

@@ -53,6 +53,8 @@ from .records import (
     ExecResult,
     FileEntry,
     FnCallResult,
+    JudgeResult,
+    JudgeSpec,
     LayerInfo,
     PolicyState,
     SandboxInfo,
@@ -83,6 +85,26 @@ def _spec(spec: SandboxSpec | None, kw: dict[str, Any]) -> SandboxSpec:
     if kw:
         return SandboxSpec(**{**spec.to_dict(), **kw})
     return spec
+
+
+_JUDGE_FIELDS = frozenset(f.name for f in dataclasses.fields(JudgeSpec))
+
+
+def _judge_spec(
+    environment: str | JudgeSpec, run: str | Sequence[str] | None, kw: dict[str, Any]
+) -> JudgeSpec:
+    if isinstance(environment, JudgeSpec):
+        if run is not None or kw:
+            raise InvalidSpec("judge takes a JudgeSpec or its fields, not both", field="run")
+        return environment
+    unknown = sorted(set(kw) - _JUDGE_FIELDS)
+    if unknown:
+        raise InvalidSpec(
+            f"unknown judge field(s) {unknown}; known: {sorted(_JUDGE_FIELDS)}", fields=unknown
+        )
+    if isinstance(run, Sequence) and not isinstance(run, str):
+        run = tuple(run)
+    return JudgeSpec(environment, run or "", **kw)
 
 
 def _data(data: Any) -> bytes | bytearray | memoryview:
@@ -336,6 +358,16 @@ class Client:
         )
         return self._call("fncall", body)
 
+    def judge(
+        self, environment: str | JudgeSpec, run: str | Sequence[str] | None = None, **kw: Any
+    ) -> JudgeResult:
+        """Judge a submission in a warm member of the environment's FnCall pool: ``files``
+        written, ``compile`` run once, then ``run`` on each of ``cases`` (``JudgeCase``) or
+        of ``cases_dir``'s NAME.in/NAME.out, each with ``time_limit`` CPU seconds and
+        ``memory_limit``; a verdict per case (AC, WA, TLE, MLE, RE) and for the whole (or CE).
+        Takes a ``JudgeSpec``, or its fields as arguments."""
+        return self._call("judge", _judge_spec(environment, run, kw))
+
     # --- inside a sandbox -----------------------------------------------------------------
     def exec(
         self,
@@ -560,6 +592,12 @@ class AsyncClient:
             memory,
         )
         return await self._call("fncall", body)
+
+    async def judge(
+        self, environment: str | JudgeSpec, run: str | Sequence[str] | None = None, **kw: Any
+    ) -> JudgeResult:
+        """``Client.judge``, awaited."""
+        return await self._call("judge", _judge_spec(environment, run, kw))
 
     async def exec(
         self,

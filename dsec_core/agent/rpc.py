@@ -297,6 +297,8 @@ class AgentClient:
                 timed_out=bool(_num(reply, "timed_out")),
                 command=command,
                 sandbox_id=self.sandbox_id,
+                cpu_time=_num(reply, "cpu_us") / 1e6 if "cpu_us" in reply else None,
+                max_rss=_num(reply, "maxrss_kb") << 10 if "maxrss_kb" in reply else None,
             )
         except _Malformed as e:
             raise self._forged(f"a malformed exec result: {e}") from None

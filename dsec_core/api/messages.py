@@ -20,6 +20,9 @@ from ..records import (
     ExecResult,
     FileEntry,
     FnCallResult,
+    JudgeCase,
+    JudgeResult,
+    JudgeSpec,
     LayerInfo,
     PolicyState,
     SandboxInfo,
@@ -43,6 +46,9 @@ __all__ = [
     "FileQuery",
     "FnCallRequest",
     "FnCallResult",
+    "JudgeCase",
+    "JudgeResult",
+    "JudgeSpec",
     "KernelFeature",
     "Killed",
     "LayerInfo",
@@ -295,19 +301,24 @@ class FnCallRequest(Message):
             object.__setattr__(self, "cmd", tuple(cmd))
         _text_to_bytes(self, "stdin")
         _plain_env(self)
-        if isinstance(self.files, Mapping):
-            files = {}
-            for k, v in self.files.items():
-                files[os.fspath(k) if isinstance(k, os.PathLike) else k] = (
-                    v.encode()
-                    if isinstance(v, str)
-                    else bytes(v)
-                    if isinstance(v, (bytearray, memoryview))
-                    else v
-                )
-            object.__setattr__(self, "files", files or None)
+        _plain_files(self)
         if (self.cmd is None) == (self.script is None) or self.cmd in ("", ()) or self.script == "":
             raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
+
+
+def _plain_files(msg: Any) -> None:
+    """``files`` as ``{str: bytes}`` (None if empty), whatever paths and contents came."""
+    if isinstance(msg.files, Mapping):
+        files = {}
+        for k, v in msg.files.items():
+            files[os.fspath(k) if isinstance(k, os.PathLike) else k] = (
+                v.encode()
+                if isinstance(v, str)
+                else bytes(v)
+                if isinstance(v, (bytearray, memoryview))
+                else v
+            )
+        object.__setattr__(msg, "files", files or None)
 
 
 @dataclass(frozen=True)

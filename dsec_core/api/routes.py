@@ -29,6 +29,8 @@ from .messages import (
     FileQuery,
     FnCallRequest,
     FnCallResult,
+    JudgeResult,
+    JudgeSpec,
     Killed,
     LayerList,
     NodeStatus,
@@ -358,6 +360,16 @@ ROUTES: dict[str, Route] = {
             FnCallResult,
             body=FnCallRequest,
             exec_timeout=True,
+        ),
+        Route(
+            "judge",
+            "POST",
+            "/v1/judge",
+            "Judge a submission: compile once, then each test case with its own time and "
+            "memory limits, in a warm member of the environment's FnCall pool",
+            JudgeResult,
+            body=JudgeSpec,
+            timeout=None,
         ),
         Route("layers", "GET", "/v1/layers", "Every layer of the node's layer sources", LayerList),
         Route(

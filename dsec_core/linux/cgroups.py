@@ -23,13 +23,17 @@ from .sched import KernelFeature
 __all__ = [
     "CGROUP_ROOT",
     "ConfinedCgroups",
+    "MemoryWindow",
     "cgroup2_root",
+    "close_memory_window",
     "confine_self",
     "cpu_cgroup_dir",
     "cpu_hierarchy",
     "cpu_idle",
     "hierarchies",
+    "memory_cgroup_dir",
     "memory_limit",
+    "open_memory_window",
     "place_process",
     "release_self",
     "remove_cgroups",
@@ -152,6 +156,100 @@ def memory_limit(cgroup_dir: Path) -> int | None:
             continue
         return None if text == "max" or int(text) >= 1 << 62 else int(text)
     return None
+
+
+def memory_cgroup_dir(relative: str) -> Path | None:
+    """``<memory hierarchy>/<relative>`` if that cgroup exists: the v1 ``memory`` hierarchy,
+    or the v2 one where its memory controller is on."""
+    for d in (CGROUP_ROOT / "memory" / relative, CGROUP_ROOT / relative):
+        if (d / "memory.limit_in_bytes").exists() or (d / "memory.max").exists():
+            return d
+    return None
+
+
+@dataclass
+class MemoryWindow:
+    """A cgroup's memory limit lowered, for a while, to what it uses at the start plus
+    ``extra`` bytes, and what happened in that while: the peak above the start's use
+    (``peak``, bytes, page cache included) and how many processes the OOM killer took
+    (``oom_kills``). ``open_memory_window`` starts one, ``close_memory_window`` ends it."""
+
+    dir: Path
+    extra: int
+    limit_before: str  # the limit file's text, written back at the close
+    baseline: int
+    oom_before: int
+    v2: bool
+    peak_fd: int | None = None  # cgroup v2: memory.peak, reset through (and read from) this fd
+    peak: int = 0
+    oom_kills: int = 0
+
+
+def _read(d: Path, name: str) -> str:
+    return (d / name).read_text()
+
+
+def _oom_kills(d: Path, v2: bool) -> int:
+    text = _read(d, "memory.events" if v2 else "memory.oom_control")
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def open_memory_window(d: Path, extra: int) -> MemoryWindow:
+    """Lower the limit of memory cgroup ``d`` to its use now plus ``extra`` bytes (never above
+    the limit it has) and start measuring its peak afresh: what runs in it from here gets
+    ``extra`` bytes, and the OOM killer takes it when it asks for more. OSError if the cgroup
+    is gone or will not take the limit."""
+    v2 = not (d / "memory.limit_in_bytes").exists()
+    limit_file, usage_file = (
+        ("memory.max", "memory.current")
+        if v2
+        else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    )
+    before = _read(d, limit_file).strip()
+    baseline = int(_read(d, usage_file))
+    cap = None if before == "max" or int(before) >= 1 << 62 else int(before)
+    limit = baseline + extra if cap is None else min(baseline + extra, cap)
+    w = MemoryWindow(d, extra, before, baseline, _oom_kills(d, v2), v2)
+    if v2:  # a write resets the peak as seen through the same open file (Linux 6.12)
+        w.peak_fd = os.open(d / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.write(w.peak_fd, b"reset\n")
+        except OSError:
+            os.close(w.peak_fd)
+            w.peak_fd = None
+            raise
+    else:
+        (d / "memory.max_usage_in_bytes").write_text("0")
+    try:
+        (d / limit_file).write_text(str(limit))
+    except OSError:
+        if w.peak_fd is not None:
+            os.close(w.peak_fd)
+        raise
+    return w
+
+
+def close_memory_window(w: MemoryWindow) -> MemoryWindow:
+    """Read what happened in the window into ``w`` and give the cgroup its limit back. OSError
+    if the cgroup went away meanwhile."""
+    v2 = w.v2
+    try:
+        if w.peak_fd is not None:
+            peak = int(os.pread(w.peak_fd, 64, 0))
+        else:
+            peak = int(_read(w.dir, "memory.max_usage_in_bytes"))
+        w.peak = max(0, peak - w.baseline)
+        w.oom_kills = _oom_kills(w.dir, v2) - w.oom_before
+        (w.dir / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(w.limit_before)
+    finally:
+        if w.peak_fd is not None:
+            os.close(w.peak_fd)
+            w.peak_fd = None
+    return w
 
 
 def confine_self(relative: str, memory: int) -> ConfinedCgroups:

@@ -44,6 +44,7 @@ from ..records import (
     FileEntry,
     FnCallResult,
     IdMap,
+    JudgeResult,
     LayerInfo,
     NodeLoad,
     PolicyState,
@@ -56,6 +57,7 @@ from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .disks import WritableDisks
 from .idpool import UidPool
+from .judge import JudgeSpec, judge
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
@@ -759,6 +761,10 @@ class Node:
     async def fncall(self, environment: str, cmd: Any = None, **kw: Any) -> FnCallResult:
         """Run one call in a warm member of the environment's pool (``Pools.call``)."""
         return await self.pools.call(environment, cmd, **kw)
+
+    async def judge(self, spec: JudgeSpec) -> JudgeResult:
+        """Judge one submission in a warm member of the environment's pool (``judge.judge``)."""
+        return await judge(self, self.pools, spec)
 
     async def _drop_pool_members(self) -> None:
         """Pool members a previous daemon left are nobody's: kill them."""

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,7 +40,7 @@ from ..records import FnCallResult, SandboxSpec, parse_size
 if TYPE_CHECKING:
     from .node import Node
 
-__all__ = ["POOL_LABEL", "Pool", "PoolKey", "PoolSettings", "Pools"]
+__all__ = ["POOL_LABEL", "Lease", "Pool", "PoolKey", "PoolSettings", "Pools"]
 
 log = logging.getLogger("dsec.pools")
 
@@ -106,6 +106,24 @@ def _pool_sizes(text: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+@dataclass
+class Lease:
+    """A member leased for one call (``Pools.lease``): its sandbox, its pool, the working
+    directory of calls, and how long the lease waited (a new member's start included)."""
+
+    pool: Pool
+    sid: str
+    workdir: str
+    wait: float
+    broken: bool = False
+
+    async def check(self) -> bool:
+        """Whether the member still lives; if not, it is replaced instead of reset."""
+        alive = await self.pool.healthy(self.sid)
+        self.broken = self.broken or not alive
+        return alive
+
+
 @dataclass(frozen=True)
 class PoolKey:
     """What makes members interchangeable."""
@@ -161,11 +179,11 @@ class Pool:
             while self.free:
                 sid = self.free.pop()
                 try:
-                    healthy = await self._healthy(sid)
+                    ok = await self.healthy(sid)
                 except BaseException:  # the caller went away: the member stays free
                     self.free.append(sid)
                     raise
-                if healthy:
+                if ok:
                     return sid
                 self._discard(sid, "found dead at lease")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
@@ -197,7 +215,7 @@ class Pool:
                     pool=self.name,
                 )
             sid = fut.result()
-            if await self._healthy(sid):
+            if await self.healthy(sid):
                 return sid
             self._discard(sid, "found dead at lease")
 
@@ -230,7 +248,7 @@ class Pool:
         self.last_used[sid] = time.monotonic()
         self.free.append(sid)
 
-    async def _healthy(self, sid: str) -> bool:
+    async def healthy(self, sid: str) -> bool:
         sb = self.node.sandboxes.get(sid)
         return (
             sb is not None
@@ -355,24 +373,17 @@ class Pools:
         cpu: float = 1.0,
         memory: int | str = "512M",
     ) -> FnCallResult:
-        if self._closed:
-            raise BackendUnavailable("the node is closing: no more FnCalls")
         if (cmd is None) == (script is None):
             raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
         t0 = time.monotonic()
-        pool = self.pool(environment, backend, cpu, memory)
-        sid = await pool.lease()
-        wait = time.monotonic() - t0
-        broken = False  # the reset that follows checks the member's health too
-        try:
-            workdir = pool.spec.workdir
+        async with self.lease(environment, backend, cpu, memory) as m:
             if files:
-                await self._write_files(sid, workdir, files)
+                await self.write_files(m.sid, m.workdir, files)
             argv = cmd if script is None else ["/bin/sh", "-c", script]
             assert argv is not None
             try:
                 r = await self.node.exec(
-                    sid,
+                    m.sid,
                     argv,
                     timeout=timeout,
                     env=dict(env) if env else None,
@@ -383,24 +394,45 @@ class Pools:
             except SandboxError as e:
                 # the agent's side of the call died under it: the member's init (the agent
                 # itself), or the exec's own handler, killed by the call (``kill -9 -1``)
-                broken = not await pool._healthy(sid)
+                await m.check()
                 return FnCallResult(
                     exit_code=-1,
                     stdout=b"",
                     stderr=f"the call's member or its handler died under it: {e}".encode(),
-                    duration=time.monotonic() - t0 - wait,
+                    duration=time.monotonic() - t0 - m.wait,
                     command=str(argv),
-                    sandbox_id=sid,
+                    sandbox_id=m.sid,
                     error="runtime-error",
-                    member=sid,
-                    pool=pool.name,
-                    wait=wait,
+                    member=m.sid,
+                    pool=m.pool.name,
+                    wait=m.wait,
                 )
-            return FnCallResult.from_exec(r, member=sid, pool=pool.name, wait=wait)
-        finally:
-            pool.give_back(sid, broken)
+            return FnCallResult.from_exec(r, member=m.sid, pool=m.pool.name, wait=m.wait)
 
-    async def _write_files(self, sid: str, workdir: str, files: Mapping[str, bytes]) -> None:
+    @contextlib.asynccontextmanager
+    async def lease(
+        self,
+        environment: str,
+        backend: str = "fncall",
+        cpu: float = 1.0,
+        memory: int | str = "512M",
+    ) -> AsyncIterator[Lease]:
+        """A clean member of the pool for (environment, backend, cpu, memory) for the body of
+        the ``async with``; given back (and reset, or replaced if ``Lease.check`` found it
+        broken) at its end, whatever happened."""
+        if self._closed:
+            raise BackendUnavailable("the node is closing: no more FnCalls")
+        t0 = time.monotonic()
+        pool = self.pool(environment, backend, cpu, memory)
+        sid = await pool.lease()
+        m = Lease(pool, sid, pool.spec.workdir, time.monotonic() - t0)
+        try:
+            yield m
+        finally:
+            pool.give_back(sid, m.broken)  # the reset that follows checks its health too
+
+    async def write_files(self, sid: str, workdir: str, files: Mapping[str, bytes]) -> None:
+        """Write ``files`` (paths relative to ``workdir``) into member ``sid``."""
         paths = {}
         for name, data in files.items():
             path = os.path.normpath(os.path.join(workdir, name))

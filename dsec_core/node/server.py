@@ -225,6 +225,11 @@ async def _fncall(node: Node, c: Call) -> Any:
     )
 
 
+@_handles("judge")
+async def _judge(node: Node, c: Call) -> Any:
+    return await node.judge(c.body)
+
+
 @_handles("session_open")
 async def _session_open(node: Node, c: Call) -> SessionOpened:
     return SessionOpened(session=await node.session_open(c.sid, cwd=c.body.cwd, env=c.body.env))

@@ -112,8 +112,10 @@ int stream_read(struct stream *s);
 void stream_drain(struct stream *s);
 int child_gone(short revents);
 int wait_status_code(int status);
+struct rusage;
 void send_run_result(int conn, int code, long long duration_us, int timed_out,
-                     const struct stream *so, const struct stream *se, int session_closed);
+                     const struct stream *so, const struct stream *se, int session_closed,
+                     const struct rusage *ru);
 void op_exec(int conn, struct req *r);
 
 /* ---------------------------------------------------------------- files.c */

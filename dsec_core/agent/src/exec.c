@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -165,9 +166,12 @@ int wait_status_code(int status)
 }
 
 /* The answer to exec and session_exec: result fields, then stdout ++ stderr as the body.
- * session_closed < 0 leaves the field out (plain exec has no session). */
+ * session_closed < 0 leaves the field out (plain exec has no session); ru (NULL: left out) is
+ * what the command used: CPU time, and the peak resident set of it or of the largest
+ * descendant it waited for. */
 void send_run_result(int conn, int code, long long duration_us, int timed_out,
-                     const struct stream *so, const struct stream *se, int session_closed)
+                     const struct stream *so, const struct stream *se, int session_closed,
+                     const struct rusage *ru)
 {
     struct buf h = {0};
     resp_begin(&h);
@@ -178,6 +182,11 @@ void send_run_result(int conn, int code, long long duration_us, int timed_out,
     resp_num(&h, "timed_out", timed_out);
     if (session_closed >= 0)
         resp_num(&h, "session_closed", session_closed);
+    if (ru) {
+        resp_num(&h, "cpu_us", (long long)(ru->ru_utime.tv_sec + ru->ru_stime.tv_sec) * 1000000 +
+                                   ru->ru_utime.tv_usec + ru->ru_stime.tv_usec);
+        resp_num(&h, "maxrss_kb", ru->ru_maxrss);
+    }
     resp_num(&h, "stdout_len", (long long)so->b.len);
     resp_send(conn, &h, so->b.p, so->b.len, se->b.p, se->b.len);
 }
@@ -192,6 +201,7 @@ struct exec_run {
     const char *in;           /* the request body, fed to stdin */
     size_t in_off, in_len;
     int status, exited, timed_out;
+    struct rusage ru;         /* the command's, once reaped */
     long long deadline;       /* the timeout, -1 for none */
     long long grace_end;      /* after the exit, how long to wait for EOF on the pipes */
     long long t_end;
@@ -365,9 +375,11 @@ static void exec_reap(struct exec_run *x)
     }
     int st;
     pid_t w;
-    while ((w = waitpid(-1, &st, WNOHANG)) > 0)
+    struct rusage ru;
+    while ((w = wait4(-1, &st, WNOHANG, &ru)) > 0)
         if (w == x->pid) {
             x->status = st;
+            x->ru = ru;
             x->exited = 1;
             x->t_end = now_us();
             x->grace_end = now_ms() + EXIT_GRACE_MS;
@@ -461,7 +473,8 @@ void op_exec(int conn, struct req *r)
     else
         exec_end_leftovers(); /* before the answer: once it is out, nothing of the call runs */
     int code = x.timed_out ? 128 + SIGKILL : wait_status_code(x.status);
-    send_run_result(conn, code, x.t_end - t0, x.timed_out, &x.so, &x.se, -1);
+    send_run_result(conn, code, x.t_end - t0, x.timed_out, &x.so, &x.se, -1,
+                    x.timed_out ? NULL : &x.ru);
     if (background)
         exec_keep_background(conn, &x);
 }

@@ -374,7 +374,7 @@ void op_session_exec(int conn, struct req *r, struct session *s)
     if (x.gone)
         return;
     send_run_result(conn, code, t_end - x.t0, x.timed_out, &x.so, &x.se,
-                    x.shell_dead || !x.got_marker);
+                    x.shell_dead || !x.got_marker, NULL);
 }
 
 /* ---------------------------------------------------------------- bookkeeping (main side) */

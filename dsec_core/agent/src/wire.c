@@ -13,6 +13,7 @@
  *   op=ping                                   -> pid, version, sessions
  *   op=exec  arg..., env K=V..., cwd, timeout_ms, max_output, stdin, background, exclusive,
  *            body=stdin                       -> exit_code, duration_us, truncated, timed_out,
+ *                                                cpu_us, maxrss_kb (unless timed out),
  *                                                stdout_len; body = stdout ++ stderr
  *            When the command exits, what it left running is killed unless background=1;
  *            exclusive=1 kills every other process in the sandbox before it starts.

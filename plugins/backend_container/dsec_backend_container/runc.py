@@ -16,6 +16,7 @@ the init once the agent has answered, before ``start`` returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -23,7 +24,7 @@ import resource
 import shutil
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from dsec_core.backend import (
     AgentPolicy,
     Backend,
     Feature,
+    MemoryWindowUse,
     RootfsForm,
     SandboxRuntime,
     StartedSandbox,
@@ -41,7 +43,12 @@ from dsec_core.backend import (
 )
 from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, PolicyUnavailable, SandboxError, ToolError
-from dsec_core.linux.cgroups import cgroup2_root
+from dsec_core.linux.cgroups import (
+    cgroup2_root,
+    close_memory_window,
+    memory_cgroup_dir,
+    open_memory_window,
+)
 from dsec_core.records import SandboxUsage
 
 from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
@@ -261,6 +268,7 @@ class ContainerBackend(Backend):
             Feature.PID_NAMESPACE,
             Feature.NET_NAMESPACE,
             Feature.SHARED_KERNEL,
+            Feature.MEMORY_WINDOW,
         }
     )
     rootfs = RootfsForm.COMPOSED
@@ -437,6 +445,34 @@ class ContainerBackend(Backend):
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)
         shutil.rmtree(self.state_root / rt.id, ignore_errors=True)
+
+    @contextlib.asynccontextmanager
+    async def memory_window(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], extra: int
+    ) -> AsyncIterator[MemoryWindowUse]:
+        """The sandbox's memory cgroup's own limit, lowered for the window (see
+        ``dsec_core.linux.cgroups.open_memory_window``)."""
+        d = memory_cgroup_dir(cgroup_path(rt.id))
+        if d is None:
+            raise SandboxError(f"sandbox {rt.id}: no memory cgroup", sandbox_id=rt.id)
+        try:
+            w = open_memory_window(d, extra)
+        except OSError as e:
+            raise SandboxError(
+                f"sandbox {rt.id}: cannot bound its memory: {e}", sandbox_id=rt.id
+            ) from e
+        use = MemoryWindowUse()
+        try:
+            yield use
+        finally:
+            try:
+                close_memory_window(w)
+            except OSError as e:  # the sandbox went away meanwhile
+                raise SandboxError(
+                    f"sandbox {rt.id}: cannot read or restore its memory limit: {e}",
+                    sandbox_id=rt.id,
+                ) from e
+            use.peak, use.oom_kills = w.peak, w.oom_kills
 
     def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
         cg = cgroup_path(rt.id)
