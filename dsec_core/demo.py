@@ -2,7 +2,9 @@
 
 Builds the default catalog if missing, starts the embedded node if none runs, then for each
 task creates a sandbox of its environment, runs its command, computes the reward from the exit
-code or the JUnit pass rate, and kills the sandbox.
+code or the JUnit pass rate, and kills the sandbox; a judge task goes to judge mode instead (a
+warm FnCall member compiles once and runs each case with its own limits; reward 1.0 if every
+case is accepted).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = Non
 
 
 async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
+    if task.judge is not None:
+        return await _judged(client, task)
     started = time.monotonic()
     sb = await client.create(
         SandboxSpec(environment=task.environment, ttl=600, cpu=1.0, memory="512M")
@@ -80,7 +84,37 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         reward = compute_reward(task, result, (lambda _p: report) if report is not None else None)
     finally:
         await sb.kill()
-    duration = time.monotonic() - started
+    return _row(
+        task,
+        reward,
+        started,
+        sb.id,
+        str(result.exit_code),
+        result.duration,
+        timed_out=result.timed_out,
+    )
+
+
+async def _judged(client: AsyncClient, task) -> dict[str, Any]:
+    """A judge task: judge mode in a warm FnCall member (compile once, each case with its own
+    limits), rewarded 1.0 if every case is accepted."""
+    started = time.monotonic()
+    r = await client.judge(task.judge_spec())
+    outcome = f"{r.verdict} {r.passed}/{r.total}"
+    row = _row(task, compute_reward(task, r), started, r.member, outcome, r.duration)
+    row["verdicts"] = [c.verdict for c in r.cases]
+    return row
+
+
+def _row(
+    task,
+    reward: float,
+    started: float,
+    sandbox: str,
+    outcome: str,
+    run_seconds: float,
+    timed_out: bool = False,
+) -> dict[str, Any]:
     expect = getattr(task, "expect", None)
     return {
         "task": task.name,
@@ -88,11 +122,11 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         "reward": reward,
         "expect": expect,
         "ok": expect is None or abs(reward - expect) < 1e-9,
-        "exit_code": result.exit_code,
-        "timed_out": result.timed_out,
-        "exec_seconds": round(result.duration, 3),
-        "seconds": round(duration, 3),
-        "sandbox": sb.id,
+        "outcome": outcome,  # the exit code, or the judge's verdict and accepted cases
+        "timed_out": timed_out,
+        "exec_seconds": round(run_seconds, 3),
+        "seconds": round(time.monotonic() - started, 3),
+        "sandbox": sandbox,
     }
 
 
@@ -110,14 +144,16 @@ def run_demo(catalog_file: str | None = None, console: Console | None = None) ->
     started = time.monotonic()
     results = asyncio.run(all_rollouts())
     wall = time.monotonic() - started
-    table = Table("task", "reward", "expected", "exit", "duration", title="dsec demo rollouts")
+    table = Table(
+        "task", "reward", "expected", "exit / verdict", "duration", title="dsec demo rollouts"
+    )
     for r in results:
         mark = "" if r["ok"] else " [red](mismatch)[/red]"
         table.add_row(
             r["task"],
             f"{r['reward']:.2f}{mark}",
             "-" if r["expect"] is None else f"{r['expect']:.2f}",
-            str(r["exit_code"]) + (" (timeout)" if r["timed_out"] else ""),
+            r["outcome"] + (" (timeout)" if r["timed_out"] else ""),
             f"{r['seconds']:.2f}s",
         )
     console.print(table)

@@ -118,6 +118,11 @@ async def _run_tasks(
     try:
         for name in names:
             task = catalog.task(name)
+            if task.judge is not None:  # judge mode reads what a rollout of it reads
+                judged = await node.judge(task.judge_spec())
+                if report:
+                    report(f"judged {name} ({judged.verdict} {judged.passed}/{judged.total})")
+                continue
             info = await node.create(SandboxSpec(environment=task.environment, ttl=600))
             try:
                 result = await node.exec(info.id, task.command, timeout=task.timeout)

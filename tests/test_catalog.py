@@ -35,7 +35,7 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.recipes import debian_mirror
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.mounts import mount, unmount
-from dsec_core.records import ExecResult
+from dsec_core.records import ExecResult, JudgeResult
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("mkfs.erofs"), reason="needs root and mkfs.erofs"
@@ -195,7 +195,8 @@ def test_default_catalog():
         assert env.layer_refs() == ["dsec-toolkit@1", f"task-{task.name}@1", "debian-python@12"]
         assert env.workdir == f"/workspace/{task.name}"
     assert cat.task("textstats").reward == "pass_rate" and cat.task("textstats").report
-    assert {t.reward for t in cat.tasks if t.name != "textstats"} == {"exit_code"}
+    assert {t.reward for t in cat.tasks if t.name != "textstats"} == {"judge"}
+    assert all(t.judge and t.judge.cases == "cases" for t in cat.tasks if t.reward == "judge")
 
 
 def _set(doc: dict, path: list, value) -> None:
@@ -252,6 +253,28 @@ SCHEMA_FAULTS = [
     ("unknown reward", ["tasks", 0, "reward"], "accuracy", "$.tasks[0].reward", "is not one of"),
     ("negative timeout", ["tasks", 0, "timeout"], -1, "$.tasks[0].timeout", "less than or equal"),
     ("pass_rate without report", ["tasks", 1, "report"], _DELETE, "$.tasks[1].report", "required"),
+    (
+        "exit_code without command",
+        ["tasks", 0, "command"],
+        _DELETE,
+        "$.tasks[0].command",
+        "required field is missing",
+    ),
+    ("judge without its block", ["tasks", 0, "reward"], "judge", "$.tasks[0].judge", "required"),
+    (
+        "judge with a time limit of 0",
+        ["tasks", 0, "judge"],
+        {"run": "sh hello.sh", "time_limit": 0},
+        "$.tasks[0].judge.time_limit",
+        "less than or equal to the minimum of 0",
+    ),
+    (
+        "judge cases at an absolute path",
+        ["tasks", 0, "judge"],
+        {"run": "sh hello.sh", "cases": "/etc"},
+        "$.tasks[0].judge.cases",
+        "does not match",
+    ),
     ("expect above 1", ["tasks", 1, "expect"], 1.5, "$.tasks[1].expect", "greater than"),
     ("bad kind", ["layers", 0, "kind"], "os", "$.layers[0].kind", "is not one of"),
     (
@@ -519,6 +542,34 @@ def _result(exit_code: int = 0, timed_out: bool = False) -> ExecResult:
     )
 
 
+def test_judge_tasks_load_and_are_rewarded_by_the_judges_verdict(catalog_dir):
+    doc = small_catalog()
+    doc["tasks"].append(
+        {
+            "name": "hello-judged",
+            "environment": "hello",
+            "reward": "judge",
+            "judge": {"run": "sh hello.sh", "compile": "sh -n hello.sh", "memory_limit": "64M"},
+            "expect": 1.0,
+        }
+    )
+    task = load_catalog(write_catalog(catalog_dir, doc)).task("hello-judged")
+    assert task.command == "" and task.judge is not None
+    spec = task.judge_spec(files={"hello.sh": b"echo hi"})
+    assert (spec.environment, spec.run, spec.compile) == ("hello", "sh hello.sh", "sh -n hello.sh")
+    assert spec.cases_dir == "cases" and spec.memory_bytes == 64 << 20
+    assert spec.files == {"hello.sh": b"echo hi"}
+    assert task.to_document()["judge"]["run"] == "sh hello.sh"
+    accepted = JudgeResult(verdict="AC", passed=2, total=2)
+    assert compute_reward(task, accepted) == 1.0
+    assert compute_reward(task, JudgeResult(verdict="WA", passed=1, total=2)) == 0.0
+    assert compute_reward(task, _result(0)) == 0.0  # a plain command's result earns nothing
+    with pytest.raises(InvalidSpec, match="not a judge task"):
+        load_catalog(write_catalog(catalog_dir, doc)).task("hello").judge_spec()
+    with pytest.raises(InvalidSpec, match="needs a command's result"):
+        compute_reward(load_catalog(write_catalog(catalog_dir, doc)).task("hello"), accepted)
+
+
 def test_exit_code_reward():
     task = Task(name="t", environment="e", command="true", reward="exit_code")
     assert compute_reward(task, _result(0)) == 1.0
@@ -706,6 +757,8 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
         )
         assert list((base / "var/lib/apt/lists").iterdir()) == []
         for task in catalogs.tasks():
+            if task.judge is not None:  # judge mode needs a node: see test_demo and test_judge
+                continue
             env = catalogs.environment(task.environment)
             root, upper, work = (tmp_path / task.name / d for d in ("root", "upper", "work"))
             upper.mkdir(parents=True)

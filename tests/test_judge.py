@@ -8,7 +8,10 @@ its syntax (``sh -n``: a syntax error is a compile error), the run is ``./prog``
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -334,3 +337,27 @@ async def test_judge_through_the_async_sdk(dsec_node, kit_env):
             )
         )
     assert [r.verdict for r in rs] == ["WA", "AC", "WA", "AC"]
+
+
+def test_judge_through_the_cli(dsec_node, kit_env, tmp_path):
+    (tmp_path / "solution.sh").write_text(SUM)
+    (tmp_path / "a.in").write_text("2 3\n")
+    (tmp_path / "a.out").write_text("5\n")
+    (tmp_path / "b.in").write_text("1 1\n")
+    (tmp_path / "b.out").write_text("3\n")
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    cli = [sys.executable, "-m", "dsec_core.cli", "judge", kit_env, "--memory", MEMBER]
+    cli += ["--memory-limit", "64M", "--run", "sh solution.sh", "--compile", "sh -n solution.sh"]
+    cli += ["-f", f"solution.sh={tmp_path / 'solution.sh'}"]
+    ok = [*cli, "--case", f"{tmp_path / 'a.in'}:{tmp_path / 'a.out'}"]
+    out = subprocess.run(ok, env=env, capture_output=True, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and b"AC (1/1 accepted)" in out.stdout, out
+    both = [*ok, "--case", f"{tmp_path / 'b.in'}:{tmp_path / 'b.out'}", "--json"]
+    out = subprocess.run(both, env=env, capture_output=True, stdin=subprocess.DEVNULL)
+    result = json.loads(out.stdout)
+    assert out.returncode == 1 and result["verdict"] == "WA", out
+    assert [(c["name"], c["verdict"]) for c in result["cases"]] == [("a", "AC"), ("b", "WA")]
+    status = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "node", "status"], env=env, capture_output=True
+    )
+    assert f"fncall pool {kit_env}/fncall/1cpu/160M: 1 members".encode() in status.stdout, status

@@ -59,6 +59,7 @@ __all__ = [
     "PolicySettings",
     "PolicyState",
     "PolicyStates",
+    "PoolStatus",
     "PrefetchRequest",
     "PrefetchResult",
     "PrefetchedLayer",
@@ -147,6 +148,21 @@ class NodeStatus(Message):
     backends: tuple[str, ...]
     layer_sources: tuple[str, ...]
     qos: QosSupport | None = None  # None from a node older than the CPU classes
+    pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (environment, size)
+
+
+@dataclass(frozen=True)
+class PoolStatus(Message):
+    """One FnCall pool: its members (``size``, ``free`` of them clean and idle), its bounds,
+    the calls waiting for a member, and how many members broke and were replaced."""
+
+    name: str
+    size: int
+    free: int
+    min: int
+    max: int
+    waiting: int
+    replaced: int
 
 
 @dataclass(frozen=True)

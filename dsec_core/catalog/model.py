@@ -19,16 +19,17 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ..errors import CatalogInvalid, DsecError, UnknownEnvironment, UnknownLayer
+from ..errors import CatalogInvalid, DsecError, InvalidSpec, UnknownEnvironment, UnknownLayer
 from ..layers.recipes import LayerRecipe
 from ..layers.store import LayerStore
-from ..records import LayerRef
+from ..records import JudgeSpec, LayerRef
 
 __all__ = [
     "REWARDS",
     "Catalog",
     "Environment",
     "Task",
+    "TaskJudge",
     "catalog_schema",
     "check_environment_layers",
     "default_catalog_file",
@@ -36,7 +37,7 @@ __all__ = [
     "parse_catalog",
 ]
 
-REWARDS = ("exit_code", "pass_rate")
+REWARDS = ("exit_code", "pass_rate", "judge")
 
 
 @dataclass(frozen=True)
@@ -80,35 +81,80 @@ class Environment:
 
 
 @dataclass(frozen=True)
-class Task:
-    """A command to run in an environment and how to turn what it did into a reward.
+class TaskJudge:
+    """How judge mode runs a task's program (``JudgeSpec``'s fields): ``compile`` once, then
+    ``run`` on each NAME.in/NAME.out pair of ``cases`` (a directory under the environment's
+    working directory) with ``time_limit`` CPU seconds and ``memory_limit`` each."""
 
-    ``reward``: ``exit_code`` (1.0 if it exits 0 in time) or ``pass_rate`` (passed/total of the
-    JUnit XML file ``report`` inside the sandbox). ``expect`` is the reward a correct harness
-    computes for the shipped workspace, for self-checks.
+    run: str
+    compile: str | None = None
+    cases: str = "cases"
+    time_limit: float = 2.0
+    memory_limit: str = "256M"
+    compare: str = "lines"
+
+    def to_document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"run": self.run}
+        if self.compile:
+            doc["compile"] = self.compile
+        doc.update(
+            cases=self.cases,
+            time_limit=self.time_limit,
+            memory_limit=self.memory_limit,
+            compare=self.compare,
+        )
+        return doc
+
+
+@dataclass(frozen=True)
+class Task:
+    """A program to run in an environment and how to turn what it did into a reward.
+
+    ``reward``: ``exit_code`` (1.0 if ``command`` exits 0 in time), ``pass_rate`` (passed/total
+    of the JUnit XML file ``report`` inside the sandbox), or ``judge`` (1.0 if judge mode
+    accepts every case of ``judge``: see ``TaskJudge``; no ``command`` needed). ``expect`` is
+    the reward a correct harness computes for the shipped workspace, for self-checks.
     """
 
     name: str
     environment: str
-    command: str
+    command: str = ""
     reward: str = "exit_code"
     timeout: float = 60.0
     description: str = ""
     expect: float | None = None
     report: str | None = None
     catalog: str = ""
+    judge: TaskJudge | None = None
+
+    def judge_spec(self, **overrides: Any) -> JudgeSpec:
+        """The ``JudgeSpec`` of a ``judge`` task, for ``Client.judge``; ``overrides`` set
+        other fields (``files``: a submission to judge instead of the workspace's)."""
+        if self.judge is None:
+            raise InvalidSpec(f"task {self.name} is not a judge task", task=self.name)
+        j = self.judge
+        fields: dict[str, Any] = dict(
+            environment=self.environment,
+            run=j.run,
+            compile=j.compile,
+            cases_dir=j.cases,
+            time_limit=j.time_limit,
+            memory_limit=j.memory_limit,
+            compare=j.compare,
+            compile_timeout=self.timeout,
+        )
+        return JudgeSpec(**{**fields, **overrides})
 
     def to_document(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "name": self.name,
-            "environment": self.environment,
-            "command": self.command,
-            "reward": self.reward,
-            "timeout": self.timeout,
-        }
+        doc: dict[str, Any] = {"name": self.name, "environment": self.environment}
+        if self.command:
+            doc["command"] = self.command
+        doc.update(reward=self.reward, timeout=self.timeout)
         for key in ("description", "expect", "report"):
             if getattr(self, key) not in (None, ""):
                 doc[key] = getattr(self, key)
+        if self.judge is not None:
+            doc["judge"] = self.judge.to_document()
         return doc
 
 
@@ -376,13 +422,14 @@ def parse_catalog(
         Task(
             name=t["name"],
             environment=t["environment"],
-            command=t["command"],
+            command=t.get("command", ""),
             reward=t["reward"],
             timeout=float(t.get("timeout", 60.0)),
             description=t.get("description", ""),
             expect=t.get("expect"),
             report=t.get("report"),
             catalog=name,
+            judge=TaskJudge(**t["judge"]) if "judge" in t else None,
         )
         for t in doc.get("tasks", [])
     ]
@@ -396,11 +443,11 @@ def parse_catalog(
                 f"unknown environment {task.environment!r} (known: "
                 f"{', '.join(env_names) or 'none'})",
             )
-        if task.reward == "exit_code" and task.expect not in (None, 0, 1):
+        if task.reward in ("exit_code", "judge") and task.expect not in (None, 0, 1):
             raise _invalid(
                 where,
                 ["tasks", i, "expect"],
-                f"an exit_code reward is 0.0 or 1.0, never {task.expect}",
+                f"an {task.reward} reward is 0.0 or 1.0, never {task.expect}",
             )
     return Catalog(
         name=name,

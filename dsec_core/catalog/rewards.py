@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 
 from ..errors import DsecError, InvalidSpec
-from ..records import ExecResult
+from ..records import ExecResult, JudgeResult
 from .model import Task
 
 __all__ = ["MAX_REPORT_BYTES", "compute_reward", "junit_pass_rate"]
@@ -40,14 +40,24 @@ def junit_pass_rate(data: bytes) -> float:
 
 
 def compute_reward(
-    task: Task, result: ExecResult, read_file: Callable[[str], bytes] | None = None
+    task: Task,
+    result: ExecResult | JudgeResult,
+    read_file: Callable[[str], bytes] | None = None,
 ) -> float:
     """The reward of one run of ``task``.
 
     ``exit_code``: 1.0 if the command exited 0 in time, else 0.0. ``pass_rate``: the pass rate
     of the JUnit XML at ``task.report``, read with ``read_file`` (the sandbox's file API);
-    0.0 when the command timed out, or the report is missing or unreadable.
+    0.0 when the command timed out, or the report is missing or unreadable. ``judge``: 1.0 if
+    judge mode accepted every case (``JudgeResult.verdict`` AC), else 0.0.
     """
+    if task.reward == "judge":
+        return 1.0 if isinstance(result, JudgeResult) and result.verdict == "AC" else 0.0
+    if isinstance(result, JudgeResult):
+        raise InvalidSpec(
+            f"task {task.name}: a {task.reward} reward needs a command's result, not a judge's",
+            field="reward",
+        )
     if task.reward == "exit_code":
         return 1.0 if result.exit_code == 0 and not result.timed_out else 0.0
     if task.reward == "pass_rate":
@@ -59,6 +69,6 @@ def compute_reward(
             return 0.0
         return junit_pass_rate(data)
     raise InvalidSpec(
-        f"task {task.name}: unknown reward {task.reward!r}; expected exit_code or pass_rate",
+        f"task {task.name}: unknown reward {task.reward!r}; expected exit_code, pass_rate or judge",
         field="reward",
     )

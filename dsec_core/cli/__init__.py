@@ -25,7 +25,7 @@ from ..demo import run_demo
 from ..errors import DsecError
 from ..localnode import ensure_daemon, ping, stop_daemon
 from ..plugins import get_plugin_manager, plugin_descriptions, registry
-from ..records import QOS_CLASSES, SandboxSpec
+from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
 from .layers import catalog, layer
 from .plugin import plugin
@@ -251,6 +251,91 @@ def fncall(environment, command, timeout, setenv, files, cpu, memory, as_json) -
     sys.exit(r.exit_code if 0 <= r.exit_code < 256 else 1)
 
 
+@cli.command("judge")
+@click.argument("environment")
+@click.option("--run", "run_cmd", required=True, help="how to run the program (through /bin/sh -c)")
+@click.option("--compile", "compile_cmd", help="run once before the cases; failing is CE")
+@click.option("-f", "--file", "files", multiple=True, help="NAME=LOCAL_PATH: the submission")
+@click.option(
+    "--cases-dir",
+    help="NAME.in/NAME.out inside the environment's working directory [default: cases]",
+)
+@click.option(
+    "--case", "case_files", multiple=True, help="IN_PATH:OUT_PATH, local files (repeatable)"
+)
+@click.option("--time-limit", type=float, default=2.0, show_default=True, help="CPU s per case")
+@click.option("--memory-limit", default="256M", show_default=True, help="per case")
+@click.option("--compare", type=click.Choice(COMPARE_MODES), default="lines", show_default=True)
+@click.option("--memory", default="1G", show_default=True, help="the member's own limit")
+@click.option("--json", "as_json", is_flag=True)
+def judge(
+    environment,
+    run_cmd,
+    compile_cmd,
+    files,
+    cases_dir,
+    case_files,
+    time_limit,
+    memory_limit,
+    compare,
+    memory,
+    as_json,
+) -> None:
+    """Judge a submission in a warm member of ENVIRONMENT's FnCall pool: compile once, then run
+    it on each case with its own time and memory limit. Exits 0 if every case is accepted."""
+    contents = {name: Path(local).read_bytes() for name, local in _kv(files, "--file").items()}
+    cases = []
+    for i, pair in enumerate(case_files, 1):
+        given, sep, expected = pair.partition(":")
+        if not sep:
+            raise click.BadParameter(
+                f"expected IN_PATH:OUT_PATH, got {pair!r}", param_hint="--case"
+            )
+        cases.append(
+            JudgeCase(
+                Path(given).read_bytes(), Path(expected).read_bytes(), Path(given).stem or str(i)
+            )
+        )
+    spec = JudgeSpec(
+        environment=environment,
+        run=run_cmd,
+        compile=compile_cmd,
+        files=contents,
+        cases=tuple(cases),
+        cases_dir=None if cases else cases_dir or "cases",
+        time_limit=time_limit,
+        memory_limit=memory_limit,
+        compare=compare,
+        memory=memory,
+    )
+    with Client() as client:
+        r = client.judge(spec)
+    if as_json:
+        d = r.to_dict()
+        d["compile_output"] = r.compile_output.decode(errors="replace")
+        for c in d["cases"]:
+            c["stdout"] = c["stdout"].decode(errors="replace")
+            c["stderr"] = c["stderr"].decode(errors="replace")
+        _dump(d)
+    else:
+        table = Table(
+            "case",
+            "verdict",
+            "CPU s",
+            "wall s",
+            "memory",
+            "detail",
+            title=f"{environment}: {r.verdict} ({r.passed}/{r.total} accepted)",
+        )
+        for c in r.cases:
+            mem = "-" if c.memory is None else f"{c.memory / (1 << 20):.1f} MiB"
+            table.add_row(c.name, c.verdict, f"{c.time:.3f}", f"{c.wall:.3f}", mem, c.detail)
+        Console().print(table)
+        if r.verdict == "CE":
+            sys.stderr.buffer.write(r.compile_output)
+    sys.exit(0 if r.ok else 1)
+
+
 @sandbox.command("ls")
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_ls(as_json) -> None:
@@ -398,6 +483,12 @@ def node_status(as_json) -> None:
             if feature is not None:
                 state = "available" if feature["available"] else "unavailable"
                 click.echo(f"{what}: {state}: {feature['detail']}")
+        for pool in info.get("pools") or ():
+            click.echo(
+                f"fncall pool {pool['name']}: {pool['size']} members ({pool['free']} free, "
+                f"min {pool['min']}, max {pool['max']}), {pool['waiting']} calls waiting, "
+                f"{pool['replaced']} replaced"
+            )
     if info is None:
         sys.exit(3)
 

@@ -41,6 +41,7 @@ from ..api.messages import (
     NodeCapacity,
     NodeStatus,
     PolicyStates,
+    PoolStatus,
     PrefetchedLayer,
     PrefetchResult,
     QosSupport,
@@ -113,6 +114,10 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
         backends=tuple(sorted(node.registry.backends)),
         layer_sources=tuple(repr(s) for s in node.layer_sources),
         qos=_qos_support(),
+        pools=tuple(
+            PoolStatus(**{k: v for k, v in p.items() if k != "members"})  # type: ignore[arg-type]
+            for p in node.pools.status()
+        ),
     )
 
 
