@@ -40,7 +40,7 @@ from ..errors import (
 )
 from ..localnode import daemon_pid
 from ..plugins import registry
-from ..records import SandboxUsage
+from ..records import JudgeCase, SandboxUsage
 from .fixtures import cgroup_hierarchies, leftovers
 
 __all__ = ["BackendConformance"]
@@ -513,6 +513,25 @@ class BackendConformance:
         assert second.ok and second.member == first.member, second
         assert b"left" not in second.stdout and b"sleep" not in second.stdout
         assert b"kept?" not in second.stdout
+
+    def test_a_memory_window_bounds_one_judged_case(self, dsec_client, dsec_node):
+        """Judge mode over the backend's memory window: in a member of 160 MiB, a case limited
+        to 32 MiB that asks for 64 MiB is MLE, while the next case, within it, is accepted."""
+        self.need(Feature.RESET)
+        self.need(Feature.MEMORY_WINDOW)
+        env = "kit-judge"
+        CatalogStore(dsec_node.config.catalog_dir).save(
+            Catalog(name=env, environments=(Environment(name=env, base=dsec_node.layer.ref),))
+        )
+        r = dsec_client.judge(
+            env,
+            'read n; dd if=/dev/zero of=/dev/null bs="$n" count=1 2>/dev/null && echo ok',
+            cases=[JudgeCase(b"64M\n", b"ok\n"), JudgeCase(b"8M\n", b"ok\n")],
+            memory="160M",
+            memory_limit="32M",
+            backend=self.backend_name,
+        )
+        assert [c.verdict for c in r.cases] == ["MLE", "AC"], r.cases
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
