@@ -12,6 +12,8 @@ import pytest
 
 from dsec_core.catalog import default_catalog_file, load_catalog
 from dsec_core.localnode import daemon_pid, stop_daemon
+from dsec_core.node.pools import POOL_LABEL
+from dsec_core.sdk import Client
 from dsec_core.testing import leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
@@ -49,6 +51,14 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
     rewards = {r["reward"] for r in results}
     assert 1.0 in rewards and 0.0 in rewards  # right and wrong programs told apart
     assert any(0 < r["reward"] < 1 for r in results)  # a partial pass rate from JUnit XML
-    # the demo's sandboxes are all gone; the daemon it started stays up (embedded default)
+    judged = {r["task"]: r for r in results if "verdicts" in r}
+    assert set(judged) == {t.name for t in tasks if t.judge is not None} and judged
+    assert judged["sum-pairs"]["outcome"].startswith("AC") and judged["sum-pairs"]["verdicts"]
+    assert "WA" in judged["reverse-words"]["verdicts"]
+    # the demo's sandboxes are all gone but the judge's warm FnCall members, which stay in
+    # their pools until idle; the daemon it started stays up (embedded default)
     assert daemon_pid(demo_home) is not None
-    assert leftovers(demo_home.home)["sandbox_dirs"] == []
+    with Client(os.fspath(demo_home.socket_path)) as client:
+        left = client.list()
+    assert left and all(POOL_LABEL in s.labels for s in left), left
+    assert len(leftovers(demo_home.home)["sandbox_dirs"]) == len(left)
