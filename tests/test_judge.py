@@ -113,6 +113,10 @@ async def test_each_verdict(judge_home):
         assert wrong.verdict == "WA" and wrong.passed == 2
         assert [c.verdict for c in wrong.cases] == ["AC", "WA", "AC"]
         assert wrong.cases[1].stdout == b"41\n" and wrong.cases[1].detail == "output differs"
+        first_only = await node.judge(
+            submission('read a b; [ "$a" = 20 ] && echo 41 || echo $((a+b))', stop_on_failure=True)
+        )
+        assert [c.verdict for c in first_only.cases] == ["AC", "WA", "SKIPPED"]
 
         spin = await node.judge(submission("while :; do :; done", time_limit=0.5))
         assert spin.verdict == "TLE" and {c.verdict for c in spin.cases} == {"TLE"}
