@@ -31,11 +31,10 @@ import dsec
 from dsec_core.catalog import default_catalog_file
 from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.mounts import mount_erofs_file, unmount
 from dsec_core.localnode import ensure_daemon
-from dsec_core.testing import make_busybox_rootfs
+from dsec_core.testing import build_busybox_layer
 
 DOCKER_SOCK = "/run/dsec-bench-docker.sock"
 
@@ -223,11 +222,7 @@ def main() -> None:
         try:
             info = store.resolve(ref)
         except dsec.UnknownLayer:
-            with tempfile.TemporaryDirectory() as tmp:
-                rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-                info = build_layer(
-                    rootfs, name="bench-busybox", version="1", kind="base", store=store
-                )
+            info = build_busybox_layer(store, name="bench-busybox")
     else:
         if ref == "debian-python@12":
             ensure_catalog(default_catalog_file(), config)

@@ -32,14 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dsec_core.config import NodeConfig
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.ext4 import mkfs_ext4, mount_ext4
 from dsec_core.linux.loop import attach_loop
 from dsec_core.node.disks import WritableDisks
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
-from dsec_core.testing import leftovers, make_busybox_rootfs
+from dsec_core.testing import build_busybox_layer, leftovers
 
 UID = 100000
 SIZE = 10 << 30
@@ -122,10 +121,7 @@ async def whole_sandboxes(home: Path, rounds: int) -> dict[str, list[float]]:
     """create, and create -> exec -> kill, in seconds, with and without the quota."""
     config = NodeConfig(home=home)
     config.ensure_dirs()
-    with tempfile.TemporaryDirectory() as tmp:
-        rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
-        store = LayerStore(config.layer_dir)
-        info = build_layer(rootfs, name="bench-busybox", version="1", kind="base", store=store)
+    info = build_busybox_layer(LayerStore(config.layer_dir), name="bench-busybox")
     node = Node(config)
     await node.open()
     real, plain = node.disks, PlainDirs(config.disk_dir)
