@@ -119,6 +119,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import enum
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ __all__ = [
     "AgentChannel",
     "AgentPolicy",
     "Backend",
+    "DeviceNode",
     "Feature",
     "IdMap",
     "LayerImage",
@@ -181,6 +183,10 @@ class Feature(enum.StrEnum):
     #: (so much above what the sandbox uses when it starts) and reports the peak and whether
     #: the OOM killer struck: the node's judge gives each test case its memory limit so.
     MEMORY_WINDOW = "memory-window"
+    #: Passes host device nodes in (``SandboxRuntime.devices``): each at its path inside,
+    #: usable there (the device cgroup allows it), and no device the sandbox was not given.
+    #: Without it the node refuses specs that ask for devices.
+    DEVICES = "devices"
 
 
 @dataclass
@@ -299,6 +305,31 @@ def parse_status(answer: bytes) -> tuple[str, str] | None:
     return head, message
 
 
+@dataclass(frozen=True)
+class DeviceNode:
+    """A host device node a sandbox holds (``Feature.DEVICES``): at ``host_path`` on the
+    host, at ``path`` inside (the same by default), char ("c") or block ("b") device
+    ``major``:``minor``, with file mode ``mode`` and owner ``uid``:``gid`` as seen inside
+    (root's: the sandbox's root maps to its host uid range)."""
+
+    kind: str
+    host_path: str
+    path: str
+    type: str  # "c" | "b"
+    major: int
+    minor: int
+    mode: int = 0o666
+    uid: int = 0
+    gid: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceNode:
+        return cls(**data)
+
+
 def _no_policies(target: str, subject: Any) -> None:
     pass
 
@@ -325,6 +356,8 @@ class SandboxRuntime:
     #: The enforcement points the sandbox's backend offers (its ``policy_targets``): a policy
     #: that works through several enforces through the one it prefers among these.
     targets: frozenset[str] = frozenset()
+    #: ``Feature.DEVICES``: the device nodes the node assigned it, to pass in.
+    devices: tuple[DeviceNode, ...] = ()
 
 
 class Backend(abc.ABC):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from .errors import InvalidSpec
 from .linux.hostmem import meminfo
 from .records import parse_size
 
-__all__ = ["NodeConfig", "default_home", "mem_total"]
+__all__ = ["NodeConfig", "default_home", "mem_total", "parse_devices", "parse_share_caps"]
 
 
 def default_home() -> Path:
@@ -87,6 +88,14 @@ class NodeConfig:
     # The filesystem of each sandbox's writable layer: "ext4", or "xfs" (with reflink; 300 MiB
     # at the least)
     disk_fs: str = "ext4"
+    # Devices sandboxes may ask for (``SandboxSpec.devices``), by kind: host paths of char or
+    # block device nodes (``DSEC_DEVICES="gpu=/dev/nvidia0,/dev/nvidia1;fpga=/dev/xdma0"``),
+    # checked when the node opens. A device held "shared" takes at most ``device_share_cap``
+    # sandboxes at once, or the kind's own cap (``DSEC_DEVICE_SHARE_CAP="4"``, ``"gpu:2"``,
+    # ``"4,gpu:2"``).
+    devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    device_share_cap: int = 4
+    device_share_caps: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -141,7 +150,18 @@ class NodeConfig:
             kw["disk_fs"] = os.environ["DSEC_DISK_FS"].strip().lower()
         if os.environ.get("DSEC_DAEMON_MEMORY"):
             kw["daemon_memory"] = parse_size(os.environ["DSEC_DAEMON_MEMORY"], "DSEC_DAEMON_MEMORY")
+        if os.environ.get("DSEC_DEVICES"):
+            kw["devices"] = parse_devices(os.environ["DSEC_DEVICES"])
+        if os.environ.get("DSEC_DEVICE_SHARE_CAP"):
+            caps = parse_share_caps(os.environ["DSEC_DEVICE_SHARE_CAP"])
+            if None in caps:
+                kw["device_share_cap"] = caps.pop(None)
+            kw["device_share_caps"] = caps
         return cls(**kw)
+
+    def share_cap(self, kind: str) -> int:
+        """How many sandboxes may hold one device of ``kind`` shared at once."""
+        return self.device_share_caps.get(kind, self.device_share_cap)
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -287,6 +307,38 @@ class NodeConfig:
             os.chown(d, 0, self.sandbox_gid)
         if st.st_mode & 0o7777 != 0o710:
             os.chmod(d, 0o710)
+
+
+def parse_devices(text: str) -> dict[str, tuple[str, ...]]:
+    """``"gpu=/dev/a,/dev/b;fpga=/dev/c"`` -> ``{"gpu": ("/dev/a", "/dev/b"), "fpga": ...}``
+    (kinds apart by ";", paths by ","; a kind given twice adds its paths)."""
+    out: dict[str, list[str]] = {}
+    for item in filter(None, (i.strip() for i in text.split(";"))):
+        kind, sep, paths = item.partition("=")
+        kind = kind.strip()
+        found = [p.strip() for p in paths.split(",") if p.strip()]
+        if not sep or not kind or not found or not all(p.startswith("/") for p in found):
+            raise InvalidSpec(
+                f"DSEC_DEVICES: expected KIND=/abs/path[,/abs/path...][;KIND=...], got {item!r}",
+                field="DSEC_DEVICES",
+            )
+        out.setdefault(kind, []).extend(found)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def parse_share_caps(text: str) -> dict[str | None, int]:
+    """``"4,gpu:2"`` -> ``{None: 4, "gpu": 2}`` (None: every kind not named)."""
+    out: dict[str | None, int] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        kind, sep, value = item.rpartition(":")
+        if not value.strip().isdigit() or int(value) < 1 or (sep and not kind.strip()):
+            raise InvalidSpec(
+                f"DSEC_DEVICE_SHARE_CAP: expected N or KIND:N (N >= 1), comma-separated, "
+                f"got {item!r}",
+                field="DSEC_DEVICE_SHARE_CAP",
+            )
+        out[kind.strip() or None] = int(value)
+    return out
 
 
 def _enterable(st: os.stat_result, uid: int, gid: int) -> bool:

@@ -20,11 +20,13 @@ from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 __all__ = [
     "COMPARE_MODES",
     "DEFAULT_DISK",
+    "DEVICE_MODES",
     "LAYER_KINDS",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
     "VERDICTS",
     "CaseResult",
+    "DeviceRequest",
     "ExecResult",
     "FileEntry",
     "FnCallResult",
@@ -47,6 +49,9 @@ LAYER_KINDS = ("base", "workspace", "toolkit")
 #: CPU classes: "ls" (latency-sensitive: normal scheduling) and "be" (best-effort: runs only on
 #: CPU time the rest leave idle). ``SandboxSpec.qos``; the backend enforces them.
 QOS_CLASSES = ("ls", "be")
+#: How a sandbox holds a device (``DeviceRequest.mode``): "exclusive", alone (no other sandbox,
+#: shared or not, gets it meanwhile), or "shared" with at most the node's share cap of others.
+DEVICE_MODES = ("exclusive", "shared")
 #: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
 MAX_PIDS = 1 << 22
 #: A sandbox's writable layer: its size unless the spec says otherwise, and the bounds. Below
@@ -234,6 +239,80 @@ class IdMap(_Record):
 
 
 @dataclass(frozen=True)
+class DeviceRequest(_Record):
+    """Devices of one kind a sandbox asks for: ``count`` distinct devices of ``kind`` (a name in
+    the node's inventory, ``DSEC_DEVICES``, such as "gpu"), held ``mode`` ("exclusive" or
+    "shared", ``DEVICE_MODES``). Text form for the CLI: ``kind[:count[:mode]]``."""
+
+    kind: str
+    count: int = 1
+    mode: str = "exclusive"
+
+    def __post_init__(self) -> None:
+        _check_type("devices.kind", self.kind, str, "a device kind such as 'gpu'")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.kind):
+            raise InvalidSpec(
+                f"devices.kind must be a name such as 'gpu', got {_shown(self.kind)}",
+                field="devices.kind",
+            )
+        _check_type("devices.count", self.count, int, "an integer")
+        if not 1 <= self.count <= 1024:
+            raise InvalidSpec(
+                f"devices.count must be in [1, 1024], got {self.count}", field="devices.count"
+            )
+        if self.mode not in DEVICE_MODES:
+            raise InvalidSpec(
+                f"devices.mode must be one of {', '.join(DEVICE_MODES)}, got {_shown(self.mode)}",
+                field="devices.mode",
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceRequest:
+        """``"gpu"``, ``"gpu:2"``, ``"gpu:2:shared"`` or ``"gpu:shared"``."""
+        parts = text.split(":")
+        kind, rest = parts[0], parts[1:]
+        count, mode = 1, "exclusive"
+        if rest and rest[-1] in DEVICE_MODES:
+            mode = rest.pop()
+        if rest:
+            if len(rest) > 1 or not rest[0].isdigit():
+                raise InvalidSpec(
+                    f"bad device request {text!r}: expected kind[:count[:mode]], e.g. gpu:2:shared",
+                    field="devices",
+                )
+            count = int(rest[0])
+        return cls(kind, count, mode)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.count}:{self.mode}"
+
+
+def _device_requests(value: Any) -> tuple[DeviceRequest, ...]:
+    """``SandboxSpec.devices`` from what callers pass: records, dicts (JSON) or text."""
+    if isinstance(value, (str, Mapping, DeviceRequest)):
+        value = [value]
+    _check_type("devices", value, (list, tuple), "a list of device requests")
+    out = []
+    for item in value:
+        if isinstance(item, DeviceRequest):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(DeviceRequest.parse(item))
+        elif isinstance(item, Mapping):
+            out.append(DeviceRequest.from_dict(item))
+        else:
+            raise InvalidSpec(
+                f"devices: each request is an object {{kind, count, mode}} or text such as "
+                f"'gpu:2:shared', got {_shown(item)}",
+                field="devices",
+            )
+    kinds = [r.kind for r in out]
+    if len(set(kinds)) != len(kinds):
+        raise InvalidSpec(f"devices: one request per kind, got {', '.join(kinds)}", field="devices")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class SandboxSpec(_Record):
     """What a create request asks for.
 
@@ -266,10 +345,14 @@ class SandboxSpec(_Record):
     #: at the lowest weight, on what "ls" work leaves idle, and is not counted toward the node's
     #: CPU admission budget.
     qos: str = "ls"
+    #: Devices from the node's inventory (``DeviceRequest``; dicts and "gpu:2:shared" text are
+    #: read as such): held for the sandbox's life, passed in at their paths.
+    devices: tuple[DeviceRequest, ...] = ()
 
     def __post_init__(self) -> None:
         self._check_types()
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "devices", _device_requests(self.devices))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
         if not isinstance(self.policies, Mapping) or not all(
@@ -345,6 +428,7 @@ class SandboxSpec(_Record):
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["layers"] = list(self.layers)
+        d["devices"] = [r.to_dict() for r in self.devices]
         return d
 
 
@@ -367,13 +451,17 @@ class SandboxInfo(_Record):
     #: cannot enforce).
     policies: Mapping[str, str] = field(default_factory=dict)
     qos: str = "ls"  # the CPU class (SandboxSpec.qos)
+    #: The devices it holds, by host path (``SandboxSpec.devices``; inside at the same path).
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "devices", tuple(self.devices))
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["layers"] = list(self.layers)
+        d["devices"] = list(self.devices)
         return d
 
 
@@ -533,10 +621,14 @@ class NodeLoad(_Record):
     memory_reserve: int = 0
     memory_pressure: float = 0.0  # PSI memory "some" avg10, in %
     memory_pressure_limit: float = 100.0
+    #: The node's devices by kind: ``total``, ``idle`` (held by no sandbox: what an exclusive
+    #: request may take) and ``shareable`` (not held exclusively and under the share cap).
+    devices: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", tuple(self.backends))
         object.__setattr__(self, "labels", dict(self.labels))
+        object.__setattr__(self, "devices", {k: dict(v) for k, v in self.devices.items()})
 
     @property
     def load(self) -> float:
@@ -551,6 +643,29 @@ class NodeLoad(_Record):
             self.sandboxes / max(self.max_sandboxes, 1),
             in_use,
         )
+
+    def _device_refusal(self, req: DeviceRequest) -> AdmissionRejected | None:
+        """Why ``req`` cannot be met here now, from the counts alone (the node's allocator
+        decides which devices, and refuses the same way if a concurrent create took them)."""
+        have = self.devices.get(req.kind)
+        if have is None:
+            return AdmissionRejected(
+                f"node {self.node} has no devices of kind {req.kind!r} "
+                f"(it has: {', '.join(sorted(self.devices)) or 'none'}; DSEC_DEVICES)",
+                reason="devices",
+                pool=f"devices:{req.kind}",
+                node=self.node,
+            )
+        free = have.get("idle" if req.mode == "exclusive" else "shareable", 0)
+        if req.count > free:
+            return AdmissionRejected(
+                f"devices {req.kind}: asked {req.count} {req.mode}, {free} of "
+                f"{have.get('total', 0)} can take one more {req.mode} holder now",
+                reason="devices",
+                pool=f"devices:{req.kind}",
+                node=self.node,
+            )
+        return None
 
     def refusal(self, spec: SandboxSpec) -> AdmissionRejected | None:
         """Why this node cannot take ``spec`` (the error to raise), or None if it can."""
@@ -567,6 +682,10 @@ class NodeLoad(_Record):
                 reason="count",
                 node=self.node,
             )
+        for req in spec.devices:
+            refused = self._device_refusal(req)
+            if refused is not None:
+                return refused
         committed = 0.0 if spec.qos == "be" else self.cpu_committed
         if committed + lim.cpu > self.cpu_capacity:
             return AdmissionRejected(

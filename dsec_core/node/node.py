@@ -25,11 +25,12 @@ from typing import Any
 from .. import plugins
 from ..agent import ensure_agent
 from ..agent.rpc import AgentClient
-from ..backend import Backend, Feature, LayerImage, RootfsForm, SandboxRuntime
+from ..backend import Backend, DeviceNode, Feature, LayerImage, RootfsForm, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import (
     AdmissionRejected,
+    BackendUnavailable,
     DsecError,
     PolicyUnavailable,
     SandboxNotRunning,
@@ -55,6 +56,7 @@ from ..records import (
 from ..security import SecurityPolicy
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
+from .devices import DevicePool
 from .disks import WritableDisks
 from .idpool import UidPool
 from .judge import JudgeSpec, judge
@@ -123,6 +125,7 @@ class Sandbox:
             pid=self.backend_state.get("pid"),
             policies=self.policies.states(),
             qos=spec.qos,
+            devices=tuple(d.host_path for d in self.rt.devices),
         )
 
     def state_doc(self) -> dict[str, Any]:
@@ -143,6 +146,7 @@ class Sandbox:
             ],
             "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
             "disk_size": self.rt.disk_size,
+            "devices": [d.to_dict() for d in self.rt.devices],
             "policy_plan": {
                 "chosen": {p.name: s for p, s in self.policies.chosen},
                 "skipped": self.policies.skipped,
@@ -158,6 +162,7 @@ class Node:
         self.registry = plugins.registry()
         cfg = self.config
         self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
+        self.devices = DevicePool()  # the inventory, checked in open()
         self.sandboxes: dict[str, Sandbox] = {}
         self._backends: dict[str, Backend] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -194,6 +199,7 @@ class Node:
         if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
             await asyncio.to_thread(self.ondemand.ensure_open)
         self.layer_sources = self.registry.node_sources(cfg)
+        self.devices = DevicePool.probe(cfg)
         await self._adopt()
         await self._drop_pool_members()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
@@ -376,6 +382,7 @@ class Node:
             memory_reserve=cfg.memory_reserve,
             memory_pressure=pressure("memory").get("some_avg10", 0.0),
             memory_pressure_limit=cfg.memory_pressure_limit,
+            devices=self.devices.usage(),
         )
 
     def _admit(self, spec: SandboxSpec) -> None:
@@ -393,21 +400,37 @@ class Node:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
         backend = self.backend(spec.backend)
+        if spec.devices and Feature.DEVICES not in backend.features:
+            raise BackendUnavailable(
+                f"backend {backend.name!r} cannot pass devices into a sandbox (it does not "
+                f"claim Feature.DEVICES); the spec asks for {', '.join(map(str, spec.devices))}",
+                backend=backend.name,
+            )
         plan = self.policies_for(spec, backend)
         self._admit(spec)
+        sid = secrets.token_hex(6)
         idmap = self.uids.allocate()
         try:
-            return await self._create(spec, backend, plan, idmap, t0)
+            devices = self.devices.allocate(sid, spec.devices)
         except BaseException:
-            self.uids.release(idmap)  # nothing of the sandbox is left (_create undid it all)
+            self.uids.release(idmap)
+            raise
+        try:
+            return await self._create(sid, spec, backend, plan, idmap, devices, t0)
+        except BaseException:
+            # nothing of the sandbox is left (_create undid it all)
+            self.uids.release(idmap)
+            self.devices.release(sid)
             raise
 
     async def _create(
         self,
+        sid: str,
         spec: SandboxSpec,
         backend: Backend,
         plan: PolicyPlan,
         idmap: IdMap,
+        devices: tuple[DeviceNode, ...],
         t0: float,
     ) -> SandboxInfo:
         self._warm_uids()
@@ -420,8 +443,7 @@ class Node:
             spec = SandboxSpec(**{**spec.to_dict(), "env": env, "workdir": workdir})
         sources = self.resolve_layers(refs)
         layers = [info for _, info in sources]
-        sid = secrets.token_hex(6)
-        rt = self._runtime(sid, spec, backend, idmap)
+        rt = replace(self._runtime(sid, spec, backend, idmap), devices=devices)
         rt.dir.mkdir(mode=0o700)
         self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
         now = time.time()
@@ -720,7 +742,10 @@ class Node:
         log.info("killing sandbox %s (%s)", sid, reason)
         try:
             await self._teardown(sb)
-            self.uids.release(sb.rt.idmap)  # fully gone: its ids may serve again
+            # fully gone: its ids and devices may serve again (if the teardown failed, a
+            # process of it may still hold them: they stay taken, as its uid range does)
+            self.uids.release(sb.rt.idmap)
+            self.devices.release(sid)
         finally:
             self.sandboxes.pop(sid, None)
             sb.status = "dead"
@@ -908,6 +933,8 @@ class Node:
                 self.disks.remove(ddir.name, ddir)
         self.disks.sweep(set(self.sandboxes))
         self.uids.adopt(sb.rt.idmap for sb in self.sandboxes.values())
+        for sb in self.sandboxes.values():
+            self.devices.adopt(sb.rt.id, sb.rt.spec.devices, sb.rt.devices)
         assert self.mounts is not None  # open() made it
         self.mounts.adopt(in_use)
         for sb in self.sandboxes.values():
@@ -933,6 +960,7 @@ class Node:
             ),
             disk=Path(doc["disk"]) if doc.get("disk") else None,
             disk_size=int(doc.get("disk_size") or 0),
+            devices=tuple(DeviceNode.from_dict(d) for d in doc.get("devices") or ()),
         )
         plan = self._load_plan(sid, doc, spec, backend)
         return Sandbox(

@@ -55,7 +55,7 @@ from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
 from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
 from .qos import apply_qos, cpu_shares
 
-__all__ = ["ContainerBackend", "oci_config"]
+__all__ = ["ContainerBackend", "device_rules", "oci_config", "oci_devices"]
 
 RUNTIMES = ("runc",)  # crun 1.8 fails on this kernel's hybrid cgroups; runc is what works here
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -234,8 +234,10 @@ def oci_config(
                     "shares": cpu_shares(rt),
                 },
                 "pids": {"limit": lim.pids},
-                "devices": [{"allow": False, "access": "rwm"}],
+                # nothing but runc's defaults (null, zero, tty, ...) and the sandbox's own
+                "devices": [{"allow": False, "access": "rwm"}, *device_rules(rt)],
             },
+            "devices": oci_devices(rt),
             "maskedPaths": list(MASKED_PATHS),
             # runc mounts a tmpfs under the cgroup hierarchies at /sys/fs/cgroup on a v1 host
             # and leaves that writable whatever the mount's options say: read-only again here
@@ -245,6 +247,45 @@ def oci_config(
     if cpus:
         config["linux"]["resources"]["cpu"]["cpus"] = format_cpus(cpus)
     return config
+
+
+def oci_devices(rt: SandboxRuntime) -> list[dict[str, Any]]:
+    """The sandbox's devices (``rt.devices``) for the OCI ``linux.devices`` list.
+
+    In a user namespace runc cannot mknod, so it bind-mounts the host node at ``path`` onto the
+    same path in the container, and the ``uid``/``gid``/``fileMode`` here go unused: inside,
+    the node keeps the host's mode, and its host owner (root, unmapped) shows as the overflow
+    id (nobody). So a device reaches the sandbox at its host path, and root inside can open it
+    when the host node's mode lets others (0666, as /dev/null and NVIDIA's nodes are)."""
+    out = []
+    for d in rt.devices:
+        if d.path != d.host_path:
+            raise BackendUnavailable(
+                f"sandbox {rt.id}: device {d.host_path} cannot be put at {d.path}: runc "
+                "bind-mounts a device at its host path in a user namespace",
+                backend="container",
+            )
+        out.append(
+            {
+                "path": d.path,
+                "type": d.type,
+                "major": d.major,
+                "minor": d.minor,
+                "fileMode": 0o020000 | d.mode if d.type == "c" else 0o060000 | d.mode,
+                "uid": d.uid,
+                "gid": d.gid,
+            }
+        )
+    return out
+
+
+def device_rules(rt: SandboxRuntime) -> list[dict[str, Any]]:
+    """Device cgroup rules letting the sandbox read and write its devices (runc's own rules
+    for its default devices follow these)."""
+    return [
+        {"allow": True, "type": d.type, "major": d.major, "minor": d.minor, "access": "rw"}
+        for d in rt.devices
+    ]
 
 
 def _start_time(pid: int) -> int | None:
@@ -269,6 +310,7 @@ class ContainerBackend(Backend):
             Feature.NET_NAMESPACE,
             Feature.SHARED_KERNEL,
             Feature.MEMORY_WINDOW,
+            Feature.DEVICES,
         }
     )
     rootfs = RootfsForm.COMPOSED
