@@ -42,6 +42,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxSpec",
     "SandboxUsage",
+    "device_requests",
     "parse_size",
 ]
 
@@ -287,8 +288,9 @@ class DeviceRequest(_Record):
         return f"{self.kind}:{self.count}:{self.mode}"
 
 
-def _device_requests(value: Any) -> tuple[DeviceRequest, ...]:
-    """``SandboxSpec.devices`` from what callers pass: records, dicts (JSON) or text."""
+def device_requests(value: Any) -> tuple[DeviceRequest, ...]:
+    """Device requests from what callers pass (``SandboxSpec.devices``, an FnCall's
+    ``devices``): records, dicts (JSON), text such as "gpu:2:shared", or a list of these."""
     if isinstance(value, (str, Mapping, DeviceRequest)):
         value = [value]
     _check_type("devices", value, (list, tuple), "a list of device requests")
@@ -352,7 +354,7 @@ class SandboxSpec(_Record):
     def __post_init__(self) -> None:
         self._check_types()
         object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "devices", _device_requests(self.devices))
+        object.__setattr__(self, "devices", device_requests(self.devices))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
         if not isinstance(self.policies, Mapping) or not all(

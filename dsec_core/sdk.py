@@ -50,6 +50,7 @@ from .config import NodeConfig
 from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
 from .localnode import ensure_daemon
 from .records import (
+    DeviceRequest,
     ExecResult,
     FileEntry,
     FnCallResult,
@@ -338,11 +339,13 @@ class Client:
         backend: str = "fncall",
         cpu: float = 1.0,
         memory: int | str = "512M",
+        devices: Sequence[DeviceRequest | str | Mapping[str, Any]] = (),
     ) -> FnCallResult:
         """Run a short stateless call (``cmd``, or shell ``script``) in a warm member of the
         environment's FnCall pool, with ``files`` (relative to its working directory) written
         first; the member is reset before anyone else's call. A timeout sets ``timed_out``; a
-        member that died under the call gives ``error="runtime-error"`` (it is replaced)."""
+        member that died under the call gives ``error="runtime-error"`` (it is replaced).
+        ``devices`` (e.g. ``["gpu"]``): members hold them, and the pool is one of its own."""
         body = FnCallRequest(
             environment,
             cmd,  # type: ignore[arg-type]
@@ -355,6 +358,7 @@ class Client:
             backend,
             cpu,
             memory,
+            devices,  # type: ignore[arg-type]
         )
         return self._call("fncall", body)
 
@@ -573,11 +577,13 @@ class AsyncClient:
         backend: str = "fncall",
         cpu: float = 1.0,
         memory: int | str = "512M",
+        devices: Sequence[DeviceRequest | str | Mapping[str, Any]] = (),
     ) -> FnCallResult:
         """Run a short stateless call (``cmd``, or shell ``script``) in a warm member of the
         environment's FnCall pool, with ``files`` (relative to its working directory) written
         first; the member is reset before anyone else's call. A timeout sets ``timed_out``; a
-        member that died under the call gives ``error="runtime-error"`` (it is replaced)."""
+        member that died under the call gives ``error="runtime-error"`` (it is replaced).
+        ``devices`` (e.g. ``["gpu"]``): members hold them, and the pool is one of its own."""
         body = FnCallRequest(
             environment,
             cmd,  # type: ignore[arg-type]
@@ -590,6 +596,7 @@ class AsyncClient:
             backend,
             cpu,
             memory,
+            devices,  # type: ignore[arg-type]
         )
         return await self._call("fncall", body)
 

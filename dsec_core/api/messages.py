@@ -17,6 +17,7 @@ from typing import Any
 from ..agent.rpc import MAX_OUTPUT
 from ..errors import InvalidSpec
 from ..records import (
+    DeviceRequest,
     ExecResult,
     FileEntry,
     FnCallResult,
@@ -28,6 +29,7 @@ from ..records import (
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
+    device_requests,
 )
 from .shapes import decoder, encoder
 
@@ -37,6 +39,7 @@ __all__ = [
     "Closed",
     "CreateRequest",
     "CreateResult",
+    "DeviceStatus",
     "DirListing",
     "ErrorBody",
     "ErrorResponse",
@@ -136,6 +139,21 @@ class QosSupport(Message):
 
 
 @dataclass(frozen=True)
+class DeviceStatus(Message):
+    """One device of the node's inventory: where it is, what it is, how many may share it, and
+    the sandboxes holding it (exclusively: one at most; shared: up to ``share_cap``)."""
+
+    kind: str
+    path: str
+    type: str
+    major: int
+    minor: int
+    share_cap: int
+    exclusive: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class NodeStatus(Message):
     """A node daemon: its version, pid, home, sandboxes, capacity, backends, layer sources and
     what its kernel offers the CPU classes."""
@@ -149,6 +167,7 @@ class NodeStatus(Message):
     layer_sources: tuple[str, ...]
     qos: QosSupport | None = None  # None from a node older than the CPU classes
     pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (environment, size)
+    devices: tuple[DeviceStatus, ...] = ()  # the inventory (DSEC_DEVICES) and its holders
 
 
 @dataclass(frozen=True)
@@ -310,8 +329,10 @@ class FnCallRequest(Message):
     backend: str = "fncall"
     cpu: float = field(default=1.0, metadata=_limits(exclusiveMinimum=0))
     memory: int | str = "512M"
+    devices: tuple[DeviceRequest, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", device_requests(self.devices))
         cmd = self.cmd
         if isinstance(cmd, AbcSequence) and not isinstance(cmd, (str, bytes, tuple)):
             object.__setattr__(self, "cmd", tuple(cmd))

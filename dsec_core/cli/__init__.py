@@ -41,6 +41,12 @@ QOS_FEATURES = {
 }
 
 
+DEVICE_HELP = (
+    "KIND[:COUNT[:MODE]] from the node's DSEC_DEVICES, MODE exclusive (default) or shared, "
+    "e.g. gpu or gpu:2:shared; repeat for other kinds."
+)
+
+
 def _dump(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
@@ -111,10 +117,11 @@ def sandbox() -> None:
     help="CPU class: ls (latency-sensitive) or be (best effort: SCHED_IDLE, lowest weight).",
 )
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
+@click.option("--device", "devices", multiple=True, help=DEVICE_HELP)
 @click.option("-n", "--count", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_create(
-    environment, layers, backend, cpu, memory, pids, disk, ttl, qos, setenv, count, as_json
+    environment, layers, backend, cpu, memory, pids, disk, ttl, qos, setenv, devices, count, as_json
 ) -> None:
     """Create sandboxes and print their ids."""
     spec = SandboxSpec(
@@ -128,6 +135,7 @@ def sandbox_create(
         ttl=ttl,
         env=_kv(setenv, "--setenv"),
         qos=qos,
+        devices=devices,
     )
     Client().close()  # starts the node if needed, before the progress bar
     if count == 1:
@@ -217,8 +225,9 @@ def sandbox_exec(sandbox_id, command, timeout, cwd, setenv, background, exclusiv
 @click.option("-f", "--file", "files", multiple=True, help="NAME=LOCAL_PATH: written first")
 @click.option("--cpu", type=float, default=1.0, show_default=True)
 @click.option("--memory", default="512M", show_default=True)
+@click.option("--device", "devices", multiple=True, help=DEVICE_HELP)
 @click.option("--json", "as_json", is_flag=True)
-def fncall(environment, command, timeout, setenv, files, cpu, memory, as_json) -> None:
+def fncall(environment, command, timeout, setenv, files, cpu, memory, devices, as_json) -> None:
     """Run COMMAND in a warm member of ENVIRONMENT's FnCall pool (one argument: through
     /bin/sh -c; several: as argv)."""
     cmd: str | list[str] = command[0] if len(command) == 1 else list(command)
@@ -233,6 +242,7 @@ def fncall(environment, command, timeout, setenv, files, cpu, memory, as_json) -
             files=contents or None,
             cpu=cpu,
             memory=memory,
+            devices=devices,
         )
     if as_json:
         d = r.to_dict()
@@ -489,8 +499,21 @@ def node_status(as_json) -> None:
                 f"min {pool['min']}, max {pool['max']}), {pool['waiting']} calls waiting, "
                 f"{pool['replaced']} replaced"
             )
+        for dev in info.get("devices") or ():
+            click.echo(_device_line(dev))
     if info is None:
         sys.exit(3)
+
+
+def _device_line(dev: dict[str, Any]) -> str:
+    """``gpu /dev/nvidia0 (c 195:0): exclusive to 3f2a9c1b0d4e`` and the like."""
+    where = f"{dev['kind']} {dev['path']} ({dev['type']} {dev['major']}:{dev['minor']})"
+    if dev.get("exclusive"):
+        return f"device {where}: exclusive to {', '.join(dev['exclusive'])}"
+    shared = dev.get("shared") or []
+    if shared:
+        return f"device {where}: shared by {len(shared)} of {dev['share_cap']}: {', '.join(shared)}"
+    return f"device {where}: free (shared by up to {dev['share_cap']})"
 
 
 @node.command("openapi")

@@ -152,6 +152,12 @@ class DevicePool:
             self.holders[d.path][sid] = mode
         return tuple(d.node() for d, _ in picked)
 
+    def check(self, requests: Sequence[DeviceRequest]) -> None:
+        """``AdmissionRejected`` (saying what holds the devices) if ``allocate`` would refuse
+        ``requests`` now; takes nothing."""
+        for req in requests:
+            self._pick(req)
+
     def _pick(self, req: DeviceRequest) -> list[Device]:
         mine = self._of(req.kind)
         pool = f"devices:{req.kind}"
@@ -228,18 +234,6 @@ class DevicePool:
             u["shareable"] += self._room(d, "shared")
         return out
 
-    def status(self) -> list[dict[str, object]]:
-        """Each device: kind, path, type, major:minor, share cap, and its holders by mode."""
-        return [
-            {
-                "kind": d.kind,
-                "path": d.path,
-                "type": d.type,
-                "major": d.major,
-                "minor": d.minor,
-                "share_cap": self.caps.get(d.kind, 1),
-                "exclusive": sorted(s for s, m in self.holders[d.path].items() if m == "exclusive"),
-                "shared": sorted(s for s, m in self.holders[d.path].items() if m == "shared"),
-            }
-            for d in self.devices
-        ]
+    def holdings(self) -> list[tuple[Device, dict[str, str]]]:
+        """Each device with its holders (sandbox id -> mode), in the inventory's order."""
+        return [(d, dict(self.holders[d.path])) for d in self.devices]

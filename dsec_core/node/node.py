@@ -183,6 +183,9 @@ class Node:
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
         cfg = self.config
+        # first: a bad inventory (a missing or non-device path) stops the node before it
+        # mounts or starts anything
+        self.devices = DevicePool.probe(cfg)
         cfg.ensure_dirs()
         ensure_tmpfs(cfg.run_dir, mode=0o710, gid=cfg.sandbox_gid)
         cfg.on_sandbox_path(cfg.run_dir)  # a tmpfs a daemon before this change mounted 0711
@@ -199,7 +202,6 @@ class Node:
         if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
             await asyncio.to_thread(self.ondemand.ensure_open)
         self.layer_sources = self.registry.node_sources(cfg)
-        self.devices = DevicePool.probe(cfg)
         await self._adopt()
         await self._drop_pool_members()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
@@ -407,6 +409,7 @@ class Node:
                 backend=backend.name,
             )
         plan = self.policies_for(spec, backend)
+        self.devices.check(spec.devices)  # before the load's counts: this names the holders
         self._admit(spec)
         sid = secrets.token_hex(6)
         idmap = self.uids.allocate()

@@ -35,7 +35,7 @@ from ..errors import (
     InvalidSpec,
     SandboxError,
 )
-from ..records import FnCallResult, SandboxSpec, parse_size
+from ..records import DeviceRequest, FnCallResult, SandboxSpec, device_requests, parse_size
 
 if TYPE_CHECKING:
     from .node import Node
@@ -132,10 +132,13 @@ class PoolKey:
     backend: str
     cpu: float
     memory: int
+    #: Members hold these devices as any sandbox does, so a pool is also bounded by them
+    devices: tuple[DeviceRequest, ...] = ()
 
     @property
     def name(self) -> str:
-        return f"{self.environment}/{self.backend}/{self.cpu:g}cpu/{self.memory >> 20}M"
+        name = f"{self.environment}/{self.backend}/{self.cpu:g}cpu/{self.memory >> 20}M"
+        return "/".join([name, *map(str, self.devices)])
 
 
 class Pool:
@@ -157,6 +160,7 @@ class Pool:
             ttl=None,
             workdir=workdir,
             labels={POOL_LABEL: key.name},
+            devices=key.devices,
         )
         self.members: set[str] = set()
         self.free: list[str] = []
@@ -335,11 +339,18 @@ class Pools:
         self._reaper: asyncio.Task | None = None
         self._closed = False
 
-    def pool(self, environment: str, backend: str, cpu: float, memory: int | str) -> Pool:
+    def pool(
+        self,
+        environment: str,
+        backend: str,
+        cpu: float,
+        memory: int | str,
+        devices: Sequence[DeviceRequest | str] = (),
+    ) -> Pool:
         mem = parse_size(memory, "memory")
         if mem is None:
             raise InvalidSpec("fncall: memory must be a size such as '512M'", field="memory")
-        key = PoolKey(environment, backend, float(cpu), mem)
+        key = PoolKey(environment, backend, float(cpu), mem, device_requests(devices))
         found = self.pools.get(key)
         if found is not None:
             return found
@@ -372,11 +383,12 @@ class Pools:
         backend: str = "fncall",
         cpu: float = 1.0,
         memory: int | str = "512M",
+        devices: Sequence[DeviceRequest | str] = (),
     ) -> FnCallResult:
         if (cmd is None) == (script is None):
             raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
         t0 = time.monotonic()
-        async with self.lease(environment, backend, cpu, memory) as m:
+        async with self.lease(environment, backend, cpu, memory, devices) as m:
             if files:
                 await self.write_files(m.sid, m.workdir, files)
             argv = cmd if script is None else ["/bin/sh", "-c", script]
@@ -416,14 +428,15 @@ class Pools:
         backend: str = "fncall",
         cpu: float = 1.0,
         memory: int | str = "512M",
+        devices: Sequence[DeviceRequest | str] = (),
     ) -> AsyncIterator[Lease]:
-        """A clean member of the pool for (environment, backend, cpu, memory) for the body of
-        the ``async with``; given back (and reset, or replaced if ``Lease.check`` found it
-        broken) at its end, whatever happened."""
+        """A clean member of the pool for (environment, backend, cpu, memory, devices) for the
+        body of the ``async with``; given back (and reset, or replaced if ``Lease.check`` found
+        it broken) at its end, whatever happened."""
         if self._closed:
             raise BackendUnavailable("the node is closing: no more FnCalls")
         t0 = time.monotonic()
-        pool = self.pool(environment, backend, cpu, memory)
+        pool = self.pool(environment, backend, cpu, memory, devices)
         sid = await pool.lease()
         m = Lease(pool, sid, pool.spec.workdir, time.monotonic() - t0)
         try:

@@ -33,6 +33,7 @@ from ..api.messages import (
     MAX_READ,
     Closed,
     CreateResult,
+    DeviceStatus,
     DirListing,
     ErrorBody,
     KernelFeature,
@@ -117,6 +118,19 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
         pools=tuple(
             PoolStatus(**{k: v for k, v in p.items() if k != "members"})  # type: ignore[arg-type]
             for p in node.pools.status()
+        ),
+        devices=tuple(
+            DeviceStatus(
+                kind=d.kind,
+                path=d.path,
+                type=d.type,
+                major=d.major,
+                minor=d.minor,
+                share_cap=node.devices.caps.get(d.kind, 1),
+                exclusive=tuple(sorted(s for s, m in held.items() if m == "exclusive")),
+                shared=tuple(sorted(s for s, m in held.items() if m == "shared")),
+            )
+            for d, held in node.devices.holdings()
         ),
     )
 
@@ -227,6 +241,7 @@ async def _fncall(node: Node, c: Call) -> Any:
         backend=b.backend,
         cpu=b.cpu,
         memory=b.memory,
+        devices=b.devices,
     )
 
 
