@@ -18,6 +18,7 @@ plugin module once.
 
 from .backend import BackendConformance
 from .fixtures import (
+    KIT_DEVICE_KIND,
     KitNode,
     SandboxRecorder,
     build_busybox_layer,
@@ -30,6 +31,7 @@ from .fixtures import (
     leaves_no_mounts_or_threads,
     leftovers,
     make_busybox_rootfs,
+    make_standin_device,
     node_home,
     running_kit_node,
 )
@@ -37,6 +39,7 @@ from .procs import free_port, stop_process
 from .sources import LayerSourceConformance
 
 __all__ = [
+    "KIT_DEVICE_KIND",
     "BackendConformance",
     "KitNode",
     "LayerSourceConformance",
@@ -52,6 +55,7 @@ __all__ = [
     "leaves_no_mounts_or_threads",
     "leftovers",
     "make_busybox_rootfs",
+    "make_standin_device",
     "node_home",
     "running_kit_node",
     "stop_process",

@@ -30,6 +30,7 @@ from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cg
 from ..catalog.model import Catalog, Environment
 from ..catalog.store import CatalogStore
 from ..errors import (
+    AdmissionRejected,
     DsecError,
     ExecTimeout,
     PluginInvalid,
@@ -41,7 +42,7 @@ from ..errors import (
 from ..localnode import daemon_pid
 from ..plugins import registry
 from ..records import JudgeCase, SandboxUsage
-from .fixtures import cgroup_hierarchies, leftovers
+from .fixtures import KIT_DEVICE_KIND, cgroup_hierarchies, leftovers
 
 __all__ = ["BackendConformance"]
 
@@ -532,6 +533,27 @@ class BackendConformance:
             backend=self.backend_name,
         )
         assert [c.verdict for c in r.cases] == ["MLE", "AC"], r.cases
+
+    def test_devices_reach_their_holder_only(self, dsec_sandboxes, dsec_node):
+        """A device of the node's inventory (the kit's stand-in, /dev/null's numbers) appears
+        in the sandbox that holds it, at its path, and works; an exclusive holder keeps it from
+        others; a sandbox without it does not see it; it serves again after a kill."""
+        self.need(Feature.DEVICES)
+        path = dsec_node.device
+        if path is None:
+            pytest.skip("the kit could not make a stand-in device node under /dev")
+        sb = dsec_sandboxes.create(devices=[KIT_DEVICE_KIND])
+        assert sb.info.devices == (os.fspath(path),)
+        r = sb.exec(f"stat -c '%t:%T' {path} && echo data > {path} && echo wrote")
+        assert r.stdout.split() == [b"1:3", b"wrote"], r
+        with pytest.raises(AdmissionRejected) as e:
+            dsec_sandboxes.create(devices=[f"{KIT_DEVICE_KIND}:shared"])
+        assert e.value.pool == f"devices:{KIT_DEVICE_KIND}" and sb.id in str(e.value)
+        other = dsec_sandboxes.create()
+        assert other.exec(f"test -e {path}").exit_code != 0
+        sb.kill()
+        again = dsec_sandboxes.create(devices=[KIT_DEVICE_KIND])
+        assert again.info.devices == (os.fspath(path),)
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -40,6 +41,7 @@ from ..records import LayerInfo, SandboxSpec
 from ..sdk import Client
 
 __all__ = [
+    "KIT_DEVICE_KIND",
     "KitNode",
     "SandboxRecorder",
     "build_busybox_layer",
@@ -48,6 +50,7 @@ __all__ = [
     "leaves_no_mounts_or_threads",
     "leftovers",
     "make_busybox_rootfs",
+    "make_standin_device",
     "node_home",
     "running_kit_node",
 ]
@@ -217,30 +220,75 @@ def leaves_no_mounts_or_threads(tmp_path: Path, *thread_prefixes: str) -> Iterat
     assert leftover == []
 
 
+#: The device kind of the kit node's inventory: one stand-in device node (``KitNode.device``).
+KIT_DEVICE_KIND = "kit-null"
+
+
+def make_standin_device(name: str = "null", major: int = 1, minor: int = 3) -> Path:
+    """A char device node ``major``:``minor`` (default: /dev/null's numbers), mode 0666, in a
+    fresh directory under the host's /dev (mode 0755: runc's init, an unprivileged host uid,
+    walks to it to bind it into a sandbox). A stand-in for an accelerator on hosts without
+    one; remove its directory when done."""
+    d = Path(tempfile.mkdtemp(prefix="dsec-kit-devices-", dir="/dev"))
+    try:
+        d.chmod(0o755)
+        path = d / name
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
+        path.chmod(0o666)  # past the umask
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return path
+
+
 @dataclass
 class KitNode:
-    """A node daemon in a private ``DSEC_HOME`` with a busybox base layer ``kit-base@1``."""
+    """A node daemon in a private ``DSEC_HOME`` with a busybox base layer ``kit-base@1`` and,
+    where the kit can make one, a stand-in device of kind ``KIT_DEVICE_KIND`` (``device``,
+    /dev/null's numbers) in its inventory; ``env`` is what the daemon gets besides
+    ``DSEC_HOME``."""
 
     home: Path
     config: NodeConfig
     layer: LayerInfo
     env: dict[str, str] = field(default_factory=dict)
+    device: Path | None = None
 
     @classmethod
     def start(cls, home: Path) -> KitNode:
         config = NodeConfig(home=home)
         config.ensure_dirs()
         layer = build_busybox_layer(LayerStore(config.layer_dir))
-        old = os.environ.get("DSEC_HOME")
-        os.environ["DSEC_HOME"] = os.fspath(home)
         try:
-            ensure_daemon(config)
+            device: Path | None = make_standin_device()
+        except OSError:  # no /dev to write to: the devices check skips, saying so
+            device = None
+        env = {"DSEC_DEVICES": f"{KIT_DEVICE_KIND}={device}"} if device else {}
+        node = cls(home=home, config=config, layer=layer, env=env, device=device)
+        try:
+            node._ensure_daemon()
+        except BaseException:
+            node._remove_device()
+            raise
+        return node
+
+    def _ensure_daemon(self) -> None:
+        """``ensure_daemon`` with ``DSEC_HOME`` and ``env`` in the environment it inherits."""
+        extra = {"DSEC_HOME": os.fspath(self.home), **self.env}
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            ensure_daemon(self.config)
         finally:
-            if old is None:
-                os.environ.pop("DSEC_HOME", None)
-            else:
-                os.environ["DSEC_HOME"] = old
-        return cls(home=home, config=config, layer=layer)
+            for key, old in saved.items():
+                if old is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = old
+
+    def _remove_device(self) -> None:
+        if self.device is not None:
+            shutil.rmtree(self.device.parent, ignore_errors=True)
 
     def client(self) -> Client:
         return Client(os.fspath(self.config.socket_path))
@@ -259,13 +307,13 @@ class KitNode:
     def ensure_running(self) -> None:
         """Start the daemon again if a test stopped it."""
         if daemon_pid(self.config) is None:
-            ensure_daemon(self.config)
+            self._ensure_daemon()
 
     def restart(self) -> None:
         """Stop the daemon (its sandboxes keep running) and start a new one, which re-adopts
         them. The new daemon inherits this process's environment, as the first one did."""
         stop_daemon(self.config)
-        ensure_daemon(self.config)
+        self._ensure_daemon()
 
     def stop(self) -> None:
         """Kill every sandbox and stop the daemon (starting it first if a test stopped it)."""
@@ -280,6 +328,7 @@ class KitNode:
         except DsecError:
             pass
         stop_daemon(self.config)
+        self._remove_device()
 
 
 class SandboxRecorder:
