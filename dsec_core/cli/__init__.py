@@ -399,6 +399,8 @@ def sandbox_inspect(sandbox_id, as_json) -> None:
         f"{info.environment or ', '.join(info.layers)}"
     )
     console.print(f"usage: memory {usage.memory}, cpu {usage.cpu_seconds} s, pids {usage.pids}")
+    if info.devices:
+        console.print(f"devices: {', '.join(info.devices)}", highlight=False)
     table = Table("policy", "state", "settings", "seen")
     for p in policies:
         table.add_row(
