@@ -31,7 +31,7 @@ from dsec_core.node.devices import Device, DevicePool
 from dsec_core.node.node import Node
 from dsec_core.node.pools import PoolKey, Pools, PoolSettings
 from dsec_core.records import DeviceRequest, NodeLoad, SandboxSpec
-from dsec_core.testing import node_home
+from dsec_core.testing import KIT_DEVICE_KIND, node_home, running_kit_node
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 BASE = {"layers": ("kit-base@1",), "memory": "64M", "cpu": 0.2}
@@ -377,3 +377,29 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
             assert plain.stdout.strip() == b"none"  # another pool, without devices
         finally:
             await node.close(kill_all=True)
+
+
+@root_only
+def test_devices_through_the_http_api_sdk_and_node_status():
+    """The same through a node daemon: a spec's devices, an FnCall's, and ``node status``."""
+    with running_kit_node("dsec-devices-kit-") as kit:
+        assert kit.device is not None
+        path = os.fspath(kit.device)
+        CatalogStore(kit.config.catalog_dir).save(
+            Catalog(name="dev", environments=(Environment(name="bb", base=kit.layer.ref),))
+        )
+        with kit.client() as client:
+            r = client.fncall(
+                "bb", f"stat -c '%t:%T' {path}", memory="64M", devices=[KIT_DEVICE_KIND]
+            )
+            assert r.ok and r.stdout == b"1:3\n", r
+            assert r.pool.endswith(f"/{KIT_DEVICE_KIND}:1:exclusive")
+            [dev] = client.node_info()["devices"]
+            assert (dev["kind"], dev["path"], dev["exclusive"]) == (
+                KIT_DEVICE_KIND,
+                path,
+                [r.member],  # the pool's member holds it between calls
+            )
+            with pytest.raises(AdmissionRejected) as e:
+                client.create(layers=(kit.layer.ref,), memory="64M", devices=[KIT_DEVICE_KIND])
+            assert e.value.pool == f"devices:{KIT_DEVICE_KIND}" and r.member in str(e.value)
