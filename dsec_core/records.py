@@ -787,8 +787,11 @@ class JudgeSpec(_Record):
     backend: str = "fncall"
     cpu: float = 1.0
     memory: int | str = "1G"
+    #: Devices the member holds (``SandboxSpec.devices``): a kernel judged on an accelerator.
+    devices: tuple[DeviceRequest, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", device_requests(self.devices))
         for name in ("run", "compile"):
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):

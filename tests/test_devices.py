@@ -11,10 +11,12 @@ by what it does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from dsec_core.errors import AdmissionRejected, BackendUnavailable, InvalidSpec
 from dsec_core.node.devices import Device, DevicePool
 from dsec_core.node.node import Node
 from dsec_core.node.pools import PoolKey, Pools, PoolSettings
-from dsec_core.records import DeviceRequest, NodeLoad, SandboxSpec
+from dsec_core.records import DeviceRequest, JudgeCase, JudgeSpec, NodeLoad, SandboxSpec
 from dsec_core.testing import KIT_DEVICE_KIND, node_home, running_kit_node
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -357,12 +359,20 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
         node.pools = Pools(node, PoolSettings(max=8, lease_timeout=1.0))
         await node.open()
         try:
-            call = dict(cmd="sleep 1; ls /dev/dsec-test-devices-*", memory="64M", devices=["gpu"])
+            call = dict(cmd="sleep 2; ls /dev/dsec-test-devices-*", memory="64M", devices=["gpu"])
             held = [asyncio.ensure_future(node.fncall("bb", **call)) for _ in range(2)]
             await asyncio.sleep(0.5)  # both members started and busy
+            # a third member would need a third device: the call waits for one of the two,
+            # and past the lease timeout gets the node's refusal naming the devices
+            t0 = time.monotonic()
             with pytest.raises(AdmissionRejected) as e:
                 await node.fncall("bb", **call)
-            assert e.value.reason == "devices"
+            assert e.value.reason == "devices" and time.monotonic() - t0 >= 0.9
+            node.pools.settings = PoolSettings(max=8, lease_timeout=10.0)
+            for p in node.pools.pools.values():
+                p.settings = node.pools.settings
+            waiter = await node.fncall("bb", **{**call, "cmd": "ls /dev/dsec-test-devices-*"})
+            assert waiter.ok and waiter.wait > 0.2  # it got a member the first two gave back
             results = await asyncio.gather(*held)
             assert all(r.ok for r in results), results
             seen = {r.stdout.strip() for r in results}
@@ -403,3 +413,32 @@ def test_devices_through_the_http_api_sdk_and_node_status():
             with pytest.raises(AdmissionRejected) as e:
                 client.create(layers=(kit.layer.ref,), memory="64M", devices=[KIT_DEVICE_KIND])
             assert e.value.pool == f"devices:{KIT_DEVICE_KIND}" and r.member in str(e.value)
+
+
+@root_only
+async def test_judge_mode_runs_in_a_member_holding_the_device(standins):
+    inventory = {"gpu": (standins["null"],)}
+    with node_home("dsec-devices-", devices=inventory) as config:
+        CatalogStore(config.catalog_dir).save(
+            Catalog(name="dev", environments=(Environment(name="bb", base="kit-base@1"),))
+        )
+        node = Node(config)
+        node.pools = Pools(node, PoolSettings(max=2))
+        await node.open()
+        try:
+            spec = JudgeSpec(
+                environment="bb",
+                run="ls /dev/dsec-test-devices-* && for d in /dev/dsec-test-devices-*/null; "
+                "do echo data > $d; done",
+                cases=(JudgeCase(b"", b"null\n"),),
+                memory="96M",
+                memory_limit="32M",
+                devices=("gpu",),
+            )
+            r = await node.judge(spec)
+            assert r.verdict == "AC", r.cases
+            assert node.sandboxes[r.member].rt.devices[0].host_path == standins["null"]
+            without = await node.judge(dataclasses.replace(spec, devices=()))
+            assert without.verdict in ("RE", "WA") and without.member != r.member
+        finally:
+            await node.close(kill_all=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -364,4 +365,6 @@ def test_judge_through_the_cli(dsec_node, kit_env, tmp_path):
     status = subprocess.run(
         [sys.executable, "-m", "dsec_core.cli", "node", "status"], env=env, capture_output=True
     )
-    assert f"fncall pool {kit_env}/fncall/1cpu/160M: 1 members".encode() in status.stdout, status
+    # the kit's daemon is shared: earlier tests may have grown this pool beyond one member
+    pool = rf"fncall pool {kit_env}/fncall/1cpu/160M: \d+ members \(\d+ free".encode()
+    assert re.search(pool, status.stdout), status

@@ -127,7 +127,9 @@ def _natural(name: str) -> list[int | str]:
 async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
     """Judge one submission in a leased member of the environment's pool."""
     t0 = time.monotonic()
-    async with pools.lease(spec.environment, spec.backend, spec.cpu, spec.memory) as m:
+    async with pools.lease(
+        spec.environment, spec.backend, spec.cpu, spec.memory, spec.devices
+    ) as m:
         cases = list(spec.cases) or await _take_cases(node, m, spec.cases_dir or "")
         cases = [c if c.name else _named(c, i) for i, c in enumerate(cases, 1)]
         if spec.files:

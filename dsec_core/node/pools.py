@@ -176,9 +176,11 @@ class Pool:
 
     # --- lease and give back --------------------------------------------------------------
     async def lease(self) -> str:
-        """A clean, live member: a free one, a new one while under ``max``, or the next one
-        given back; ``AdmissionRejected`` naming the pool after ``lease_timeout``."""
+        """A clean, live member: a free one, a new one while under ``max`` and the node has
+        room for it, or the next one given back; ``AdmissionRejected`` naming the pool after
+        ``lease_timeout`` (the node's own refusal if it refused a new member meanwhile)."""
         deadline = time.monotonic() + self.settings.lease_timeout
+        refused: AdmissionRejected | None = None  # the node's answer to a new member
         while True:
             while self.free:
                 sid = self.free.pop()
@@ -191,9 +193,17 @@ class Pool:
                     return sid
                 self._discard(sid, "found dead at lease")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
-            if self.size < self.max and self.resetting <= len(self.waiters):
+            if refused is None and self.size < self.max and self.resetting <= len(self.waiters):
                 self.starting += 1
-                return await self._start()
+                try:
+                    return await self._start()
+                except AdmissionRejected as e:
+                    if not self.members:  # no member of ours will come back: nothing to wait for
+                        raise
+                    # the node has no room for another (its devices are held, its memory is
+                    # short): wait for one of ours instead, as for a full pool
+                    refused = e
+                    continue
             fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self.waiters.append(fut)
             left = deadline - time.monotonic()
@@ -211,6 +221,8 @@ class Pool:
                 fut.cancel()
                 with contextlib.suppress(ValueError):
                     self.waiters.remove(fut)
+                if refused is not None:
+                    raise refused
                 raise AdmissionRejected(
                     f"fncall pool {self.name}: all {self.max} members busy for "
                     f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
