@@ -383,13 +383,21 @@ async def test_a_caller_that_goes_away_while_waiting_loses_no_member(fn_home):
 
 
 async def test_a_node_without_room_for_a_member_rejects_naming_the_pool(fn_home):
-    node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4)
+    """The node refuses a second member (one sandbox at most): a call waits for the busy one
+    instead, and past the lease timeout gets the node's refusal naming the pool."""
+    node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4, lease_timeout=0.5)
     try:
-        busy = asyncio.ensure_future(call(node, "sleep 1", timeout=10))
+        busy = asyncio.ensure_future(call(node, "sleep 2", timeout=10))
         await asyncio.sleep(0.4)
+        t0 = time.monotonic()
         with pytest.raises(AdmissionRejected) as e:
             await call(node, "true")
         assert e.value.pool == f"{ENV}/fncall/1cpu/64M" and e.value.reason == "count"
+        assert time.monotonic() - t0 >= 0.45  # it waited for the member first
+        (pool,) = node.pools.pools.values()
+        pool.settings = dataclasses.replace(pool.settings, lease_timeout=10.0)
+        waited = await call(node, "echo waited")
+        assert waited.ok and waited.wait > 0.5 and pool.size == 1
         assert (await busy).ok
         assert (await call(node, "echo again")).ok  # the one member serves on
     finally:
