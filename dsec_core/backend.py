@@ -110,6 +110,8 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   what the backend holds node-wide that no sandbox still running needs. Sandboxes may outlive
   the daemon; what they need keeps working, and the next daemon's instance takes it over
   (the container backend's lxcfs: stopped when no container is left, else left running).
+- With ``PAUSE``, ``pause`` returns once no process of the sandbox runs, ``resume`` lets them
+  go on where they stopped, and ``stop`` kills a paused sandbox as a running one.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -187,6 +189,10 @@ class Feature(enum.StrEnum):
     #: usable there (the device cgroup allows it), and no device the sandbox was not given.
     #: Without it the node refuses specs that ask for devices.
     DEVICES = "devices"
+    #: ``pause`` stops every process of the sandbox where it is (nothing runs, nothing is lost:
+    #: memory, open files, sockets and sessions stay) and ``resume`` lets them go on; a paused
+    #: sandbox can still be killed. The node counts no CPU for it while it is paused.
+    PAUSE = "pause"
 
 
 @dataclass
@@ -447,6 +453,31 @@ class Backend(abc.ABC):
             backend=self.name,
         )
         yield MemoryWindowUse()  # pragma: no cover - makes this a generator
+
+    async def pause(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], reclaim: bool = False
+    ) -> None:
+        """With ``Feature.PAUSE``: stop every process of the running sandbox where it is and
+        return once none runs (idempotent); raise a ``DsecError`` if it cannot, leaving the
+        sandbox running. ``reclaim``: then give back what of its memory the host can take
+        without harm to it (best effort)."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot pause a sandbox (it does not claim Feature.PAUSE)",
+            backend=self.name,
+        )
+
+    async def resume(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """With ``Feature.PAUSE``: let a paused sandbox's processes run on (a no-op if it is
+        not paused)."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot resume a sandbox (it does not claim Feature.PAUSE)",
+            backend=self.name,
+        )
+
+    def paused(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
+        """With ``Feature.PAUSE``: whether the sandbox is paused now (what a restarted node
+        believes over its records)."""
+        return False
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """With ``Feature.RESET``: make the running sandbox as it was when ``start`` returned,

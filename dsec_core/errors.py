@@ -32,6 +32,7 @@ __all__ = [
     "SandboxError",
     "SandboxNotRunning",
     "SandboxPathError",
+    "SandboxPaused",
     "SessionClosed",
     "SourceUnavailable",
     "ToolError",
@@ -225,6 +226,12 @@ class SandboxError(DsecError):
 
 class SandboxNotRunning(SandboxError):
     """The sandbox exists in the records but its processes are gone."""
+
+    http_status = 409
+
+
+class SandboxPaused(SandboxError):
+    """The sandbox is paused: nothing in it answers until it is resumed."""
 
     http_status = 409
 

@@ -29,6 +29,7 @@ from .api.messages import (
     ExecRequest,
     FileQuery,
     FnCallRequest,
+    PauseQuery,
     PolicySettings,
     PrefetchRequest,
     ReadQuery,
@@ -309,6 +310,23 @@ class Client:
     def usage(self, sandbox_id: str) -> SandboxUsage:
         return self._call("usage", sid=sandbox_id)
 
+    def pause(self, sandboxes: str | Sequence[str], *, reclaim: bool = False) -> Any:
+        """Pause one sandbox (its id: returns its ``SandboxInfo``) or a group (a list of ids:
+        returns theirs): every process stops where it is; memory, open files and sessions
+        stay, and nothing in it answers until ``resume``. ``reclaim`` then has the kernel
+        take back what of its memory it can. Pausing a paused one changes nothing."""
+        q = PauseQuery(reclaim)
+        if isinstance(sandboxes, str):
+            return self._call("pause", query=q, sid=sandboxes)
+        return [self._call("pause", query=q, sid=sid) for sid in sandboxes]
+
+    def resume(self, sandboxes: str | Sequence[str]) -> Any:
+        """Let paused sandboxes go on where they were (one id, or a list); a no-op for one
+        that is not paused."""
+        if isinstance(sandboxes, str):
+            return self._call("resume", sid=sandboxes)
+        return [self._call("resume", sid=sid) for sid in sandboxes]
+
     def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         """The sandbox's security policies: in force (with what they saw), or why not."""
         return list(self._call("policies", sid=sandbox_id).policies)
@@ -545,6 +563,19 @@ class AsyncClient:
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         return await self._call("usage", sid=sandbox_id)
 
+    async def pause(self, sandboxes: str | Sequence[str], *, reclaim: bool = False) -> Any:
+        """``Client.pause``, awaited; a group's sandboxes are paused at once."""
+        q = PauseQuery(reclaim)
+        if isinstance(sandboxes, str):
+            return await self._call("pause", query=q, sid=sandboxes)
+        return list(await asyncio.gather(*(self._call("pause", query=q, sid=s) for s in sandboxes)))
+
+    async def resume(self, sandboxes: str | Sequence[str]) -> Any:
+        """``Client.resume``, awaited; a group's sandboxes are resumed at once."""
+        if isinstance(sandboxes, str):
+            return await self._call("resume", sid=sandboxes)
+        return list(await asyncio.gather(*(self._call("resume", sid=s) for s in sandboxes)))
+
     async def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         return list((await self._call("policies", sid=sandbox_id)).policies)
 
@@ -726,6 +757,8 @@ class AsyncClient:
 
 _SANDBOX_METHODS = (
     "exec",
+    "pause",
+    "resume",
     "session_open",
     "sessions",
     "read_file",

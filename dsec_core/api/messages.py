@@ -59,6 +59,7 @@ __all__ = [
     "Message",
     "NodeCapacity",
     "NodeStatus",
+    "PauseQuery",
     "PolicySettings",
     "PolicyState",
     "PolicyStates",
@@ -469,6 +470,14 @@ class RemoveQuery(_PathQuery):
 
     path: str = field(metadata=_PATH)
     recursive: bool = False
+
+
+@dataclass(frozen=True)
+class PauseQuery(Message):
+    """``reclaim``: once the sandbox is paused, have the kernel reclaim what of its memory it
+    can (page cache; its processes' own memory stays where the host has no swap)."""
+
+    reclaim: bool = False
 
 
 @dataclass(frozen=True)

@@ -443,6 +443,25 @@ def sandbox_rm(sandbox_ids, all_) -> None:
             click.echo(f"removed {sid}")
 
 
+@sandbox.command("pause")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.option("--reclaim", is_flag=True, help="then take back their page cache")
+def sandbox_pause(sandbox_ids, reclaim) -> None:
+    """Stop every process of the sandboxes where it is (memory, files, sessions stay)."""
+    with Client() as client:
+        for info in client.pause(list(sandbox_ids), reclaim=reclaim):
+            click.echo(f"paused {info.id}")
+
+
+@sandbox.command("resume")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+def sandbox_resume(sandbox_ids) -> None:
+    """Let paused sandboxes go on where they were."""
+    with Client() as client:
+        for info in client.resume(list(sandbox_ids)):
+            click.echo(f"resumed {info.id}")
+
+
 # --- node ----------------------------------------------------------------------------------
 
 

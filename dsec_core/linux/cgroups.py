@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +31,17 @@ __all__ = [
     "cpu_cgroup_dir",
     "cpu_hierarchy",
     "cpu_idle",
+    "freeze",
+    "frozen",
     "hierarchies",
     "memory_cgroup_dir",
     "memory_limit",
     "open_memory_window",
     "place_process",
+    "reclaim_memory",
     "release_self",
     "remove_cgroups",
+    "thaw",
 ]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -250,6 +255,95 @@ def close_memory_window(w: MemoryWindow) -> MemoryWindow:
             os.close(w.peak_fd)
             w.peak_fd = None
     return w
+
+
+def _freezer(relative: str) -> tuple[Path, bool] | None:
+    """Where cgroup ``relative`` is frozen: its cgroup v2 directory (``cgroup.freeze``, which
+    lets fatal signals through, so a frozen cgroup can still be killed) where the host has that
+    hierarchy, else its v1 ``freezer`` directory; ``(dir, is_v2)``, None if neither exists."""
+    root = cgroup2_root()
+    if root is not None and (root / relative / "cgroup.freeze").exists():
+        return root / relative, True
+    d = CGROUP_ROOT / "freezer" / relative
+    if (d / "freezer.state").exists():
+        return d, False
+    return None
+
+
+def frozen(relative: str) -> bool:
+    """Whether cgroup ``relative`` is frozen (or freezing); False if it has no freezer."""
+    where = _freezer(relative)
+    if where is None:
+        return False
+    d, v2 = where
+    try:
+        if v2:
+            return (d / "cgroup.freeze").read_text().strip() == "1"
+        return (d / "freezer.state").read_text().strip() != "THAWED"
+    except OSError:
+        return False
+
+
+def freeze(relative: str, timeout: float = 5.0) -> None:
+    """Freeze every process of cgroup ``relative`` and return once they all are. OSError if
+    the cgroup has no freezer or is gone; TimeoutError if it does not settle in ``timeout``
+    seconds (it is thawed again then)."""
+    _set_frozen(relative, True, timeout)
+
+
+def thaw(relative: str, timeout: float = 5.0) -> None:
+    """Let the processes of cgroup ``relative`` run again (a no-op if it is not frozen)."""
+    _set_frozen(relative, False, timeout)
+
+
+def _set_frozen(relative: str, on: bool, timeout: float) -> None:
+    where = _freezer(relative)
+    if where is None:
+        raise FileNotFoundError(errno.ENOENT, f"no freezer for cgroup {relative}")
+    d, v2 = where
+    if v2:
+        (d / "cgroup.freeze").write_text("1" if on else "0")
+    else:
+        (d / "freezer.state").write_text("FROZEN" if on else "THAWED")
+    deadline = time.monotonic() + timeout
+    delay = 0.0002
+    while not _settled(d, v2, on):
+        if time.monotonic() > deadline:
+            if on:  # leave it running rather than half frozen
+                _set_frozen(relative, False, timeout)
+            raise TimeoutError(f"cgroup {relative} did not {'freeze' if on else 'thaw'}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
+
+
+def _settled(d: Path, v2: bool, on: bool) -> bool:
+    if v2:
+        events = dict(line.split(" ", 1) for line in (d / "cgroup.events").read_text().splitlines())
+        return events.get("frozen", "0").strip() == ("1" if on else "0")
+    return (d / "freezer.state").read_text().strip() == ("FROZEN" if on else "THAWED")
+
+
+def reclaim_memory(d: Path) -> int:
+    """Have the kernel reclaim what it can of memory cgroup ``d`` (v1 ``memory.force_empty``,
+    v2 ``memory.reclaim``): page cache, and anonymous memory only where there is swap. Returns
+    the bytes it freed (0 if the cgroup has neither file, or the kernel refused)."""
+    v2 = not (d / "memory.limit_in_bytes").exists()
+    usage_file = "memory.current" if v2 else "memory.usage_in_bytes"
+    try:
+        before = int(_read(d, usage_file))
+    except OSError:
+        return 0
+    try:
+        if v2:
+            (d / "memory.reclaim").write_text(str(before))
+        else:
+            (d / "memory.force_empty").write_text("0")
+    except OSError:  # EAGAIN from memory.reclaim when it could not take all it was asked
+        pass
+    try:
+        return max(0, before - int(_read(d, usage_file)))
+    except OSError:
+        return 0
 
 
 def confine_self(relative: str, memory: int) -> ConfinedCgroups:

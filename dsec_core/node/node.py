@@ -32,8 +32,10 @@ from ..errors import (
     AdmissionRejected,
     BackendUnavailable,
     DsecError,
+    InvalidSpec,
     PolicyUnavailable,
     SandboxNotRunning,
+    SandboxPaused,
     UnknownSandbox,
 )
 from ..linux import sysctl
@@ -109,13 +111,14 @@ class Sandbox:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
     exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
+    paused: bool = False  # running, but every process stopped where it was (Feature.PAUSE)
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
         return SandboxInfo(
             id=self.rt.id,
             backend=self.backend.name,
-            state=self.status,
+            state="paused" if self.paused and self.status == "running" else self.status,
             created=self.created,
             expires=self.expires,
             layers=tuple(layer.ref for layer in self.layers),
@@ -136,6 +139,7 @@ class Sandbox:
             "created": self.created,
             "expires": self.expires,
             "status": self.status,
+            "paused": self.paused,
             "layers": [layer.to_dict() for layer in self.layers],
             "backend_state": self.backend_state,
             "idmap": [self.rt.idmap.host_base, self.rt.idmap.size, self.rt.idmap.group],
@@ -370,7 +374,10 @@ class Node:
             node=os.fspath(cfg.home),
             backends=tuple(sorted(self.registry.backends)),
             cpu_capacity=cfg.cpu_capacity,
-            cpu_committed=sum(s.rt.limits.cpu for s in live if s.rt.spec.qos != "be"),
+            # best-effort sandboxes take only idle CPU, paused ones none at all
+            cpu_committed=sum(
+                s.rt.limits.cpu for s in live if s.rt.spec.qos != "be" and not s.paused
+            ),
             memory_capacity=cfg.memory_capacity,
             memory_committed=sum(s.rt.limits.memory for s in live),
             sandboxes=len(live),
@@ -779,6 +786,39 @@ class Node:
         )
 
     # --- FnCall pools ---------------------------------------------------------------------
+    async def pause(self, sid: str, reclaim: bool = False) -> SandboxInfo:
+        """Stop every process of a running sandbox where it is (``Feature.PAUSE``): memory,
+        open files and sessions stay; its CPU no longer counts toward admission. ``reclaim``
+        then has the kernel take back what of its memory it can (``Backend.pause``). Pausing
+        a paused sandbox changes nothing."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if Feature.PAUSE not in sb.backend.features:
+            raise BackendUnavailable(
+                f"backend {sb.backend.name!r} cannot pause sandboxes", backend=sb.backend.name
+            )
+        if POOL_LABEL in sb.rt.spec.labels:
+            raise InvalidSpec(f"sandbox {sid} is an FnCall pool member: pools pause nothing")
+        if not sb.paused:
+            t0 = time.perf_counter()
+            await sb.backend.pause(sb.rt, sb.backend_state, reclaim=reclaim)
+            sb.paused = True
+            self._write_state(sb)
+            log.debug("paused %s in %.1f ms", sid, 1e3 * (time.perf_counter() - t0))
+        return sb.info()
+
+    async def resume(self, sid: str) -> SandboxInfo:
+        """Let a paused sandbox's processes go on where they were; a no-op if it is not paused."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if sb.paused:
+            await sb.backend.resume(sb.rt, sb.backend_state)
+            sb.paused = False
+            self._write_state(sb)
+        return sb.info()
+
     async def reset(self, sid: str) -> None:
         """Return a running sandbox of a ``Feature.RESET`` backend to how it started."""
         sb = self._get(sid)
@@ -806,6 +846,8 @@ class Node:
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if sb.paused:  # its agent is frozen too: a request would wait until the resume
+            raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if sb.agent is None:
             sb.agent = AgentClient(sb.rt.agent_socket, sandbox_id=sid)
         return sb.agent
@@ -975,6 +1017,9 @@ class Node:
             backend_state=doc.get("backend_state") or {},
             status=doc.get("status", "creating"),
             policies=plan,
+            # the freezer is the truth: a pause or resume may have been cut short by a crash
+            paused=Feature.PAUSE in backend.features
+            and backend.paused(rt, doc.get("backend_state") or {}),
         )
 
     def _load_plan(

@@ -195,6 +195,16 @@ async def _kill(node: Node, c: Call) -> Killed:
     return Killed(killed=c.sid)
 
 
+@_handles("pause")
+async def _pause(node: Node, c: Call) -> Any:
+    return await node.pause(c.sid, reclaim=c.query.reclaim)
+
+
+@_handles("resume")
+async def _resume(node: Node, c: Call) -> Any:
+    return await node.resume(c.sid)
+
+
 @_handles("usage")
 async def _usage(node: Node, c: Call) -> Any:
     return node.usage(c.sid)

@@ -35,6 +35,7 @@ from ..errors import (
     ExecTimeout,
     PluginInvalid,
     SandboxPathError,
+    SandboxPaused,
     SessionClosed,
     UnknownSandbox,
     UnknownSession,
@@ -514,6 +515,29 @@ class BackendConformance:
         assert second.ok and second.member == first.member, second
         assert b"left" not in second.stdout and b"sleep" not in second.stdout
         assert b"kept?" not in second.stdout
+
+    def test_pause_stops_everything_and_resume_goes_on(self, dsec_sandboxes):
+        """A counting loop does not count while the sandbox is paused and goes on from its
+        count after the resume; a paused sandbox answers nothing (``SandboxPaused``)."""
+        self.need(Feature.PAUSE)
+        sb = dsec_sandboxes.create()
+        loop = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.02; done) >/dev/null 2>&1 &"
+        sb.exec(loop, background=True).check()
+        time.sleep(0.3)
+        first = int(sb.exec("cat /tmp/n").stdout)
+        time.sleep(0.2)
+        before = int(sb.exec("cat /tmp/n").stdout)
+        assert before > first  # it counts
+        assert sb.pause().state == "paused"
+        with pytest.raises(SandboxPaused):
+            sb.exec("true")
+        time.sleep(1.0)  # some 50 counts, had it run
+        assert sb.resume().state == "running"
+        after = int(sb.exec("cat /tmp/n").stdout)
+        assert before <= after < before + 25, (before, after)
+        time.sleep(0.3)
+        assert int(sb.exec("cat /tmp/n").stdout) > after
+        assert sb.resume().state == "running"  # not paused: a no-op
 
     def test_a_memory_window_bounds_one_judged_case(self, dsec_client, dsec_node):
         """Judge mode over the backend's memory window: in a member of 160 MiB, a case limited

@@ -1,0 +1,186 @@
+"""Pausing and resuming sandboxes in place (issue 10, deliverable 3, the freezer part): every
+process stops where it is and goes on from there; memory, open files and sessions survive; a
+paused sandbox counts no CPU toward admission and can still be killed. Real sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec_core.backend import cgroup_path
+from dsec_core.errors import SandboxNotRunning, SandboxPaused, UnknownSandbox
+from dsec_core.linux.cgroups import frozen
+from dsec_core.node.node import Node
+from dsec_core.records import SandboxSpec
+from dsec_core.testing import leftovers, node_home
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+SPEC = SandboxSpec(layers=("kit-base@1",), memory="64M", cpu=1.0)
+COUNT = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done) >/dev/null 2>&1 &"
+
+
+def counter(node: Node, sid: str) -> int:
+    """The loop's count, read from the host through the sandbox's root (its agent is frozen
+    while it is paused)."""
+    rootfs = node.sandboxes[sid].rt.rootfs
+    assert rootfs is not None
+    for _ in range(50):
+        text = (Path(rootfs) / "tmp" / "count").read_text().strip()
+        if text:
+            return int(text)
+        time.sleep(0.01)  # caught between the truncate and the write
+    raise AssertionError("no count")
+
+
+@pytest.fixture
+async def node():
+    with node_home("dsec-pause-") as config:
+        n = Node(config)
+        await n.open()
+        try:
+            yield n
+        finally:
+            await n.close(kill_all=True)
+
+
+async def test_a_counting_loop_stops_and_goes_on_from_its_count(node):
+    info = await node.create(SPEC)
+    sid = info.id
+    await node.exec(sid, COUNT, background=True)
+    await asyncio.sleep(0.3)
+    t0 = time.perf_counter()
+    paused = await node.pause(sid)
+    pause_ms = 1e3 * (time.perf_counter() - t0)
+    assert paused.state == "paused" and frozen(cgroup_path(sid))
+    at_pause = counter(node, sid)
+    await asyncio.sleep(0.5)
+    assert counter(node, sid) == at_pause  # nothing ran while paused
+    t0 = time.perf_counter()
+    resumed = await node.resume(sid)
+    resume_ms = 1e3 * (time.perf_counter() - t0)
+    assert resumed.state == "running" and not frozen(cgroup_path(sid))
+    await asyncio.sleep(0.2)
+    after = counter(node, sid)
+    # it went on from its count (not restarted from 0), at its pace again
+    assert at_pause < after <= at_pause + 20, (at_pause, after)
+    assert pause_ms < 500 and resume_ms < 500, (pause_ms, resume_ms)
+
+
+async def test_sessions_and_open_files_survive_a_pause(node):
+    sid = (await node.create(SPEC)).id
+    session = await node.session_open(sid)
+    await node.session_exec(sid, session, "X=kept; exec 5>/tmp/held; echo one >&5")
+    await node.pause(sid)
+    await asyncio.sleep(0.2)
+    await node.resume(sid)
+    r = await node.session_exec(sid, session, "echo two >&5; echo $X; cat /tmp/held")
+    assert r.stdout == b"kept\none\ntwo\n", r
+
+
+async def test_a_paused_sandbox_refuses_work_counts_no_cpu_and_can_be_killed(node):
+    sid = (await node.create(SPEC)).id
+    other = (await node.create(SPEC)).id
+    before = node.load().cpu_committed
+    await node.pause(sid)
+    assert node.load().cpu_committed == before - 1.0
+    with pytest.raises(SandboxPaused):
+        await node.exec(sid, "true")
+    with pytest.raises(SandboxPaused):
+        await node.read_file(sid, "/etc/passwd")
+    again = await node.pause(sid)  # pausing a paused sandbox changes nothing
+    assert again.state == "paused"
+    assert (await node.exec(other, "echo up")).stdout == b"up\n"  # the other runs on
+    await node.kill(sid)  # a frozen sandbox dies like a running one
+    assert sid not in node.sandboxes
+    assert not any(sid in c for c in leftovers(node.config.home)["cgroups"])
+    with pytest.raises(UnknownSandbox):
+        await node.resume(sid)
+
+
+async def test_resuming_a_sandbox_that_is_not_paused_is_a_no_op(node):
+    sid = (await node.create(SPEC)).id
+    info = await node.resume(sid)
+    assert info.state == "running"
+    assert (await node.exec(sid, "echo fine")).stdout == b"fine\n"
+
+
+async def test_a_restarted_node_knows_which_sandboxes_are_paused(node):
+    sid = (await node.create(SPEC)).id
+    await node.exec(sid, COUNT, background=True)
+    await asyncio.sleep(0.1)
+    await node.pause(sid)
+    await node.close(kill_all=False)  # the daemon goes; the sandbox stays, frozen
+    again = Node(node.config)
+    await again.open()
+    try:
+        assert again.get(sid).state == "paused"
+        with pytest.raises(SandboxPaused):
+            await again.exec(sid, "true")
+        at = counter(again, sid)
+        await again.resume(sid)
+        await asyncio.sleep(0.2)
+        assert counter(again, sid) > at
+    finally:
+        await again.close(kill_all=True)
+    node.sandboxes.clear()  # the fixture's close has nothing left to do
+
+
+async def test_pause_of_a_dead_sandbox_is_a_typed_error(node):
+    sid = (await node.create(SPEC)).id
+    pid = node.sandboxes[sid].backend_state["pid"]
+    os.kill(pid, 9)
+    for _ in range(100):
+        if node.sandboxes.get(sid) is None or node.sandboxes[sid].status != "running":
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises((SandboxNotRunning, UnknownSandbox)) as e:
+        await node.pause(sid)
+    assert sid in str(e.value)
+
+
+def test_a_group_pauses_and_resumes_through_the_sdk_and_the_cli(dsec_client, dsec_node):
+    a = dsec_client.create(layers=(dsec_node.layer.ref,), memory="64M")
+    b = dsec_client.create(layers=(dsec_node.layer.ref,), memory="64M")
+    try:
+        infos = dsec_client.pause([a.id, b.id])
+        assert [i.state for i in infos] == ["paused", "paused"]
+        assert {i.id: i.state for i in dsec_client.list()}[a.id] == "paused"
+        with pytest.raises(SandboxPaused):
+            b.exec("true")
+        env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+        cli = [sys.executable, "-m", "dsec_core.cli", "sandbox"]
+        out = subprocess.run([*cli, "resume", a.id, b.id], env=env, capture_output=True)
+        assert out.returncode == 0 and out.stdout.split() == [
+            b"resumed",
+            a.id.encode(),
+            b"resumed",
+            b.id.encode(),
+        ], out
+        assert b.exec("echo back").stdout == b"back\n"
+        out = subprocess.run([*cli, "pause", a.id], env=env, capture_output=True)
+        assert out.returncode == 0 and a.refresh().state == "paused"
+    finally:
+        a.kill()
+        b.kill()
+
+
+async def test_reclaim_gives_back_a_paused_sandboxs_page_cache(node):
+    """On this host (cgroup v1, no swap): ``memory.force_empty`` takes back the page cache of a
+    64 MiB file the sandbox wrote and read, and the file is intact after the resume."""
+    sid = (await node.create(SandboxSpec(layers=("kit-base@1",), memory="256M"))).id
+    write = "dd if=/dev/urandom of=/tmp/big bs=1M count=64 2>/dev/null; md5sum < /tmp/big"
+    digest = (await node.exec(sid, write)).stdout
+    usage = node.usage(sid).memory
+    assert usage is not None and usage > 60 << 20
+    await node.pause(sid, reclaim=True)
+    after = node.usage(sid).memory
+    assert after is not None and after < usage - (48 << 20), (usage, after)
+    await node.resume(sid)
+    assert (await node.exec(sid, "md5sum < /tmp/big")).stdout == digest
