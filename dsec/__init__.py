@@ -22,7 +22,16 @@ from dsec_core.records import (
     SandboxSpec,
     SandboxUsage,
 )
-from dsec_core.sdk import AsyncClient, AsyncSandbox, AsyncSession, Client, Sandbox, Session
+from dsec_core.sdk import (
+    AsyncClient,
+    AsyncGroup,
+    AsyncSandbox,
+    AsyncSession,
+    Client,
+    Group,
+    Sandbox,
+    Session,
+)
 
 __all__ = [
     "__version__",
@@ -32,6 +41,8 @@ __all__ = [
     "AsyncSandbox",
     "Session",
     "AsyncSession",
+    "Group",
+    "AsyncGroup",
     "SandboxSpec",
     "SandboxInfo",
     "ExecResult",

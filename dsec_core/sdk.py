@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import dataclasses
 import os
 import stat
@@ -48,7 +49,14 @@ from .api.transport import (
     TransportTimeout,
 )
 from .config import NodeConfig
-from .errors import DsecError, ExecTimeout, InvalidSpec, NodeUnavailable, error_from_wire
+from .errors import (
+    DsecError,
+    ExecTimeout,
+    InvalidSpec,
+    NodeUnavailable,
+    UnknownSandbox,
+    error_from_wire,
+)
 from .localnode import ensure_daemon
 from .records import (
     DeviceRequest,
@@ -64,7 +72,20 @@ from .records import (
     SandboxUsage,
 )
 
-__all__ = ["AsyncClient", "AsyncSandbox", "AsyncSession", "Client", "Sandbox", "Session"]
+__all__ = [
+    "GROUP_LABEL",
+    "AsyncClient",
+    "AsyncGroup",
+    "AsyncSandbox",
+    "AsyncSession",
+    "Client",
+    "Group",
+    "Sandbox",
+    "Session",
+]
+
+#: The label that makes a sandbox a member of a rollout group (``Client.group``).
+GROUP_LABEL = "dsec.group"
 
 CHUNK = 8 << 20  # file transfers move in pieces of this size
 EXEC_GRACE = 30.0  # past an exec's own timeout, how long a client waits for the node's answer
@@ -306,6 +327,12 @@ class Client:
 
     def kill(self, sandbox_id: str) -> None:
         self._call("kill", sid=sandbox_id)
+
+    def group(self, name: str) -> Group:
+        """The rollout group ``name``: the sandboxes it creates carry the label ``dsec.group``
+        (``GROUP_LABEL``) on the node, so another process (a trainer restarted after a
+        preemption) finds the same group by name and pauses, resumes or kills it whole."""
+        return Group(self, name)
 
     def usage(self, sandbox_id: str) -> SandboxUsage:
         return self._call("usage", sid=sandbox_id)
@@ -559,6 +586,10 @@ class AsyncClient:
 
     async def kill(self, sandbox_id: str) -> None:
         await self._call("kill", sid=sandbox_id)
+
+    def group(self, name: str) -> AsyncGroup:
+        """``Client.group``, for asyncio: a group's sandboxes are handled at once."""
+        return AsyncGroup(self, name)
 
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         return await self._call("usage", sid=sandbox_id)
@@ -874,3 +905,109 @@ class AsyncSession:
             await self.close()
         except DsecError:
             pass
+
+
+# --- rollout groups ----------------------------------------------------------------------------
+
+
+def _group_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise InvalidSpec(f"a group name is a non-empty string, got {name!r}", field="group")
+    return name
+
+
+def _in_group(spec: SandboxSpec | None, kw: dict[str, Any], name: str) -> SandboxSpec:
+    """The spec, labelled as a member of group ``name``."""
+    spec = _spec(spec, kw)
+    return dataclasses.replace(spec, labels={**spec.labels, GROUP_LABEL: name})
+
+
+class Group:
+    """A rollout group: sandboxes created, paused, resumed and killed together, found again by
+    name from any process (see ``Client.group``)."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self.client = client
+        self.name = _group_name(name)
+
+    def __repr__(self) -> str:
+        return f"<Group {self.name}>"
+
+    def create(self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> list[Sandbox]:
+        """``n`` new members (all or none), labelled into the group."""
+        return self.client.create_many(_in_group(spec, kw, self.name), n)
+
+    def members(self) -> list[SandboxInfo]:
+        """The group's sandboxes on the node now, oldest first."""
+        found = [i for i in self.client.list() if i.labels.get(GROUP_LABEL) == self.name]
+        return sorted(found, key=lambda i: i.created)
+
+    def sandboxes(self) -> list[Sandbox]:
+        return [Sandbox(self.client, i) for i in self.members()]
+
+    def pause(self, *, reclaim: bool = False) -> list[SandboxInfo]:
+        """Pause every member that runs (see ``Client.pause``)."""
+        live = [i.id for i in self.members() if i.state == "running"]
+        return list(self.client.pause(live, reclaim=reclaim))
+
+    def resume(self) -> list[SandboxInfo]:
+        """Resume every paused member."""
+        return list(self.client.resume([i.id for i in self.members() if i.state == "paused"]))
+
+    def kill(self) -> int:
+        """Kill every member; returns how many there were."""
+        members = self.members()
+        for info in members:
+            with _gone_ok():
+                self.client.kill(info.id)
+        return len(members)
+
+
+class AsyncGroup:
+    """``Group`` for ``AsyncClient``: members are paused, resumed and killed at once."""
+
+    def __init__(self, client: AsyncClient, name: str) -> None:
+        self.client = client
+        self.name = _group_name(name)
+
+    def __repr__(self) -> str:
+        return f"<AsyncGroup {self.name}>"
+
+    async def create(
+        self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
+    ) -> list[AsyncSandbox]:
+        return await self.client.create_many(_in_group(spec, kw, self.name), n)
+
+    async def members(self) -> list[SandboxInfo]:
+        found = [i for i in await self.client.list() if i.labels.get(GROUP_LABEL) == self.name]
+        return sorted(found, key=lambda i: i.created)
+
+    async def sandboxes(self) -> list[AsyncSandbox]:
+        return [AsyncSandbox(self.client, i) for i in await self.members()]
+
+    async def pause(self, *, reclaim: bool = False) -> list[SandboxInfo]:
+        live = [i.id for i in await self.members() if i.state == "running"]
+        return list(await self.client.pause(live, reclaim=reclaim))
+
+    async def resume(self) -> list[SandboxInfo]:
+        paused = [i.id for i in await self.members() if i.state == "paused"]
+        return list(await self.client.resume(paused))
+
+    async def kill(self) -> int:
+        members = await self.members()
+
+        async def one(sid: str) -> None:
+            with _gone_ok():
+                await self.client.kill(sid)
+
+        await asyncio.gather(*(one(i.id) for i in members))
+        return len(members)
+
+
+@contextlib.contextmanager
+def _gone_ok() -> Iterator[None]:
+    """A member that went away meanwhile (its TTL, another process's kill) is no error."""
+    try:
+        yield
+    except UnknownSandbox:
+        pass

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+import dsec
 from dsec_core.backend import cgroup_path
 from dsec_core.errors import SandboxNotRunning, SandboxPaused, UnknownSandbox
 from dsec_core.linux.cgroups import frozen
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
+from dsec_core.sdk import GROUP_LABEL
 from dsec_core.testing import leftovers, node_home
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -184,3 +186,39 @@ async def test_reclaim_gives_back_a_paused_sandboxs_page_cache(node):
     assert after is not None and after < usage - (48 << 20), (usage, after)
     await node.resume(sid)
     assert (await node.exec(sid, "md5sum < /tmp/big")).stdout == digest
+
+
+def test_a_group_is_found_again_by_name_and_handled_whole(dsec_client, dsec_node):
+    outsider = dsec_client.create(layers=(dsec_node.layer.ref,), memory="64M")
+    group = dsec_client.group("rollout-7")
+    try:
+        made = group.create(layers=(dsec_node.layer.ref,), memory="64M", n=2)
+        assert all(sb.info.labels[GROUP_LABEL] == "rollout-7" for sb in made)
+        # another process (a restarted trainer) finds the same group by its name
+        with dsec.Client(os.fspath(dsec_node.config.socket_path)) as other:
+            again = other.group("rollout-7")
+            assert [i.id for i in again.members()] == [sb.id for sb in made]
+            assert [i.state for i in again.pause()] == ["paused", "paused"]
+        assert dsec_client.get(outsider.id).info.state == "running"
+        assert [i.state for i in group.resume()] == ["running", "running"]
+        assert group.resume() == []  # nothing paused: nothing to do
+        assert made[0].exec("echo on").stdout == b"on\n"
+        assert group.kill() == 2 and group.members() == []
+        assert dsec_client.get(outsider.id).info.state == "running"
+    finally:
+        group.kill()
+        outsider.kill()
+    with pytest.raises(dsec.InvalidSpec):
+        dsec_client.group("")
+
+
+async def test_an_async_group_pauses_and_kills_at_once(dsec_node):
+    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+        group = client.group("async-7")
+        try:
+            await group.create(layers=(dsec_node.layer.ref,), memory="64M", n=3)
+            assert {i.state for i in await group.pause()} == {"paused"}
+            assert {i.state for i in await group.members()} == {"paused"}
+            assert len(await group.resume()) == 3
+        finally:
+            assert await group.kill() == 3
