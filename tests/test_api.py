@@ -42,7 +42,13 @@ from dsec_core.records import (
 )
 
 #: Public client methods that are not one route each, and the route they are made of.
-COMPOSED = {"create_many": "create", "upload": "write_file", "download": "read_file", "close": None}
+COMPOSED = {
+    "create_many": "create",
+    "upload": "write_file",
+    "download": "read_file",
+    "close": None,
+    "group": None,  # a handle: its methods are list, create, pause, resume and kill
+}
 #: Routes no SDK method needs: tools read the document.
 NOT_IN_SDK = {"openapi"}
 
