@@ -29,8 +29,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import dsec
@@ -44,50 +42,20 @@ from dsec_core.testing import build_busybox_layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from create import pct
+from fncall import FIZZBUZZ, fizzbuzz, rounds
 
 ENV = "bench-judge"
 MEMORY = "96M"  # a member's (and a fresh sandbox's) limit
 CASE_MEMORY = "32M"
-SOLUTION = (
-    '{ s = ""; if ($1 % 3 == 0) s = "Fizz"; if ($1 % 5 == 0) s = s "Buzz"; '
-    'print (s == "" ? $1 : s) }\n'
-)
+SOLUTION = FIZZBUZZ + "\n"
 COMPILE = "cp solution.awk prog.awk && awk -f prog.awk < /dev/null"
 RUN = "awk -f prog.awk"
-
-
-def fizzbuzz(n: int) -> str:
-    out = []
-    for i in range(1, n + 1):
-        s = ("Fizz" if i % 3 == 0 else "") + ("Buzz" if i % 5 == 0 else "")
-        out.append(s or str(i))
-    return "\n".join(out) + "\n"
 
 
 CASES = [
     dsec.JudgeCase("".join(f"{i}\n" for i in range(1, n + 1)), fizzbuzz(n), str(n))
     for n in (1, 3, 5, 15, 30, 60, 100, 150, 200, 300)
 ]
-
-
-async def rounds(
-    one: Callable[[], Awaitable[None]], n: int, conc: int
-) -> tuple[list[float], float]:
-    """``n`` submissions through ``one``, ``conc`` at a time: latencies and submissions/s."""
-    lat: list[float] = []
-    left = n
-
-    async def worker() -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
-            t = time.perf_counter()
-            await one()
-            lat.append(time.perf_counter() - t)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(conc)))
-    return lat, n / (time.perf_counter() - t0)
 
 
 async def measure(address: str, layer: str, n: int, n_fresh: int) -> dict[str, tuple]:

@@ -402,20 +402,24 @@ def place_process(pid: int, relative: str, memory: int) -> tuple[Path, ...]:
 def remove_cgroups(relative: str) -> list[Path]:
     """Remove ``<hierarchy>/<relative>`` of the memory and pids hierarchies, and their parent
     once empty; returns those that could not go (still holding processes)."""
-    kept = []
-    for hierarchy in hierarchies():
-        cg = hierarchy / relative
-        try:
-            cg.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
-            kept.append(cg)
-        with contextlib.suppress(OSError):
+    return [cg for cg in (h / relative for h in hierarchies()) if not _remove_cgroup(cg)]
+
+
+def _remove_cgroup(cg: Path) -> bool:
+    """Remove cgroup ``cg`` (gone already is fine), then its parent if that is now empty;
+    False if ``cg`` still holds processes and stays."""
+    try:
+        cg.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+            raise
+        return False
+    finally:
+        with contextlib.suppress(OSError):  # the shared parent, once its last child is gone
             cg.parent.rmdir()
-    return kept
+    return True
 
 
 def release_self(confined: ConfinedCgroups) -> list[Path]:
@@ -431,14 +435,6 @@ def release_self(confined: ConfinedCgroups) -> list[Path]:
                 break
             except OSError:
                 continue
-        try:
-            cg.rmdir()
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
-                raise
+        if not _remove_cgroup(cg):
             kept.append(cg)
-        with contextlib.suppress(OSError):  # the shared parent, once its last child is gone
-            cg.parent.rmdir()
     return kept

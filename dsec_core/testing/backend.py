@@ -27,8 +27,6 @@ from typing import Any, ClassVar
 import pytest
 
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
-from ..catalog.model import Catalog, Environment
-from ..catalog.store import CatalogStore
 from ..errors import (
     AdmissionRejected,
     DsecError,
@@ -499,10 +497,7 @@ class BackendConformance:
         """Two FnCalls in a row land in the same member (the second waits for the first's
         reset); nothing of the first is left for the second."""
         self.need(Feature.RESET)
-        env = "kit-fncall"
-        CatalogStore(dsec_node.config.catalog_dir).save(
-            Catalog(name=env, environments=(Environment(name=env, base=dsec_node.layer.ref),))
-        )
+        env = dsec_node.environment("kit-fncall")
         kw: dict[str, Any] = {"backend": self.backend_name, "memory": "64M", "timeout": 30}
         first = dsec_client.fncall(
             env,
@@ -544,10 +539,7 @@ class BackendConformance:
         to 32 MiB that asks for 64 MiB is MLE, while the next case, within it, is accepted."""
         self.need(Feature.RESET)
         self.need(Feature.MEMORY_WINDOW)
-        env = "kit-judge"
-        CatalogStore(dsec_node.config.catalog_dir).save(
-            Catalog(name=env, environments=(Environment(name=env, base=dsec_node.layer.ref),))
-        )
+        env = dsec_node.environment("kit-judge")
         r = dsec_client.judge(
             env,
             'read n; dd if=/dev/zero of=/dev/null bs="$n" count=1 2>/dev/null && echo ok',

@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 
 from ..backend import cgroup_path
+from ..catalog.model import Catalog, Environment
+from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import DsecError, InvalidSpec, NodeUnavailable
 from ..layers.build import build_layer
@@ -292,6 +294,14 @@ class KitNode:
 
     def client(self) -> Client:
         return Client(os.fspath(self.config.socket_path))
+
+    def environment(self, name: str) -> str:
+        """Save a catalog ``name`` holding one environment ``name``, the kit's busybox base
+        alone, where the daemon reads catalogs; returns the name to create or call it by."""
+        CatalogStore(self.config.catalog_dir).save(
+            Catalog(name=name, environments=(Environment(name=name, base=self.layer.ref),))
+        )
+        return name
 
     def daemon_rss(self) -> int:
         """The node daemon's resident memory in bytes (VmRSS), for checks that it stays

@@ -480,10 +480,7 @@ async def test_a_restarted_node_kills_the_members_a_previous_one_left(fn_home):
 
 @pytest.fixture
 def kit_env(dsec_node):
-    CatalogStore(dsec_node.config.catalog_dir).save(
-        Catalog(name="fn-kit", environments=(Environment(name=ENV, base=dsec_node.layer.ref),))
-    )
-    return ENV
+    return dsec_node.environment(ENV)
 
 
 def test_fncall_through_the_sdk(dsec_client, kit_env):
