@@ -29,7 +29,7 @@ from dsec_core.node.judge import outputs_match, verdict_of
 from dsec_core.node.node import Node
 from dsec_core.node.pools import Pools, PoolSettings
 from dsec_core.records import ExecResult, JudgeCase, JudgeSpec
-from dsec_core.testing import node_home
+from dsec_core.testing import node_home, running_kit_node
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -305,16 +305,28 @@ def test_a_memory_window_lowers_and_restores_a_cgroups_limit(tmp_path):
 # --- over the API -------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def judge_node():
+    """A kit node of this module's own: judging leaves warm FnCall members behind (they go when
+    idle, or with the daemon), which the session's shared kit node must not hold for the
+    tests after these."""
+    with running_kit_node("dsec-judge-kit-") as kit:
+        yield kit
+
+
 @pytest.fixture
-def kit_env(dsec_node):
-    CatalogStore(dsec_node.config.catalog_dir).save(
-        Catalog(name="judge-kit", environments=(Environment(name=ENV, base=dsec_node.layer.ref),))
-    )
-    return ENV
+def kit_env(judge_node):
+    return judge_node.environment(ENV)
 
 
-def test_judge_through_the_sdk(dsec_client, kit_env):
-    r = dsec_client.judge(
+@pytest.fixture
+def judge_client(judge_node):
+    with judge_node.client() as client:
+        yield client
+
+
+def test_judge_through_the_sdk(judge_client, kit_env):
+    r = judge_client.judge(
         kit_env,
         ["sh", "solution.sh"],
         files={"solution.sh": SUM},
@@ -326,13 +338,13 @@ def test_judge_through_the_sdk(dsec_client, kit_env):
     assert r.verdict == "WA" and [c.verdict for c in r.cases] == ["AC", "WA"]
     assert [c.name for c in r.cases] == ["1", "2"] and r.cases[0].stdout == b"4\n"
     with pytest.raises(dsec.UnknownEnvironment):
-        dsec_client.judge("nope-env", "true", cases=CASES, memory=MEMBER, memory_limit="64M")
+        judge_client.judge("nope-env", "true", cases=CASES, memory=MEMBER, memory_limit="64M")
     with pytest.raises(dsec.InvalidSpec):
-        dsec_client.judge(kit_env, "true", memory=MEMBER, memory_limit="64M")
+        judge_client.judge(kit_env, "true", memory=MEMBER, memory_limit="64M")
 
 
-async def test_judge_through_the_async_sdk(dsec_node, kit_env):
-    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+async def test_judge_through_the_async_sdk(judge_node, kit_env):
+    async with dsec.AsyncClient(os.fspath(judge_node.config.socket_path)) as client:
         rs = await asyncio.gather(
             *(
                 client.judge(
@@ -344,13 +356,13 @@ async def test_judge_through_the_async_sdk(dsec_node, kit_env):
     assert [r.verdict for r in rs] == ["WA", "AC", "WA", "AC"]
 
 
-def test_judge_through_the_cli(dsec_node, kit_env, tmp_path):
+def test_judge_through_the_cli(judge_node, kit_env, tmp_path):
     (tmp_path / "solution.sh").write_text(SUM)
     (tmp_path / "a.in").write_text("2 3\n")
     (tmp_path / "a.out").write_text("5\n")
     (tmp_path / "b.in").write_text("1 1\n")
     (tmp_path / "b.out").write_text("3\n")
-    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    env = dict(os.environ, DSEC_HOME=os.fspath(judge_node.home))
     cli = [sys.executable, "-m", "dsec_core.cli", "judge", kit_env, "--memory", MEMBER]
     cli += ["--memory-limit", "64M", "--run", "sh solution.sh", "--compile", "sh -n solution.sh"]
     cli += ["-f", f"solution.sh={tmp_path / 'solution.sh'}"]
