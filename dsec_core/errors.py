@@ -22,6 +22,7 @@ __all__ = [
     "LayerBuildError",
     "LayerCorrupt",
     "LayerExists",
+    "MissingParentLayers",
     "MountError",
     "NetlinkError",
     "NodeUnavailable",
@@ -99,6 +100,11 @@ class UnknownSandbox(NotFound):
 
 class UnknownLayer(NotFound):
     """No layer with that ``name@version`` or digest in any layer source."""
+
+
+class MissingParentLayers(UnknownLayer):
+    """A snapshot's parent layers are in no layer source: ``missing`` names them (``ref
+    digest``), ``digests`` lists their digests."""
 
 
 class UnknownBackend(NotFound):

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import InvalidSpec, LayerExists, UnknownLayer
@@ -185,12 +185,14 @@ class LayerStore:
         kind: str,
         source: str = "",
         progress: Progress | None = None,
+        parents: Sequence[LayerInfo] = (),
     ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
         ``version=None`` names the layer by the first 12 hex digits of its digest. Adding the
         same content under the same ref again returns the existing layer; a different content
-        under an existing ref raises ``LayerExists``: versions are immutable.
+        under an existing ref raises ``LayerExists``: versions are immutable. ``parents``: the
+        layers (top first) a ``snapshot`` layer was taken over; it records their refs and digests.
         """
         image = Path(image)
         check_kind(kind)
@@ -222,6 +224,8 @@ class LayerStore:
                 size=blob.stat().st_size,
                 created=time.time(),
                 source=source,
+                parents=tuple(p.ref for p in parents),
+                parent_digests=tuple(p.digest for p in parents),
             )
             write_atomic(
                 self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"

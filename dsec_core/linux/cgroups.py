@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ __all__ = [
     "cpu_cgroup_dir",
     "cpu_hierarchy",
     "cpu_idle",
+    "freeze",
     "hierarchies",
     "memory_cgroup_dir",
     "memory_limit",
@@ -348,3 +350,35 @@ def release_self(confined: ConfinedCgroups) -> list[Path]:
         with contextlib.suppress(OSError):  # the shared parent, once its last child is gone
             cg.parent.rmdir()
     return kept
+
+
+def freeze(relative: str, frozen: bool, timeout: float = 10.0) -> None:
+    """Stop (``frozen``) or resume every process of cgroup ``relative`` with the freezer: v1's
+    ``freezer.state``, else v2's ``cgroup.freeze``. Freezing returns once all are stopped; if
+    they are not within ``timeout`` seconds the cgroup is thawed again and ``NodeUnavailable``
+    raised. A cgroup that is gone is ``NodeUnavailable`` too."""
+    v1 = CGROUP_ROOT / "freezer" / relative / "freezer.state"
+    root = None if v1.parent.is_dir() else cgroup2_root()
+    if root is None and not v1.parent.is_dir():
+        raise NodeUnavailable(f"no freezer cgroup {relative} on this host", cgroup=relative)
+    control, want = (v1, "FROZEN") if root is None else (root / relative / "cgroup.freeze", "1")
+    try:
+        control.write_text(want if frozen else ("THAWED" if root is None else "0"))
+        deadline = time.monotonic() + timeout
+        while frozen and not _is_frozen(v1 if root is None else root / relative):
+            if time.monotonic() > deadline:
+                control.write_text("THAWED" if root is None else "0")
+                raise NodeUnavailable(
+                    f"cgroup {relative} did not freeze within {timeout}s", cgroup=relative
+                )
+            time.sleep(0.001)
+    except OSError as e:
+        raise NodeUnavailable(
+            f"cannot {'freeze' if frozen else 'thaw'} cgroup {relative}: {e}", cgroup=relative
+        ) from e
+
+
+def _is_frozen(path: Path) -> bool:
+    if path.name == "freezer.state":
+        return path.read_text().strip() == "FROZEN"
+    return "frozen 1" in (path / "cgroup.events").read_text()

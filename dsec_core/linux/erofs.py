@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import LayerBuildError
@@ -67,13 +68,23 @@ def zero_build_time(image: Path) -> None:
         f.write(head)
 
 
-def mkfs_erofs(tree: Path, image: Path, *, all_root: bool, timestamp: int | None = None) -> Path:
+def mkfs_erofs(
+    tree: Path,
+    image: Path,
+    *,
+    all_root: bool,
+    timestamp: int | None = None,
+    exclude: Sequence[str] = (),
+) -> Path:
     """An lz4hc-compressed EROFS image of ``tree`` at ``image``, reproducibly.
 
     ``all_root`` makes every file owned by root; ``timestamp`` gives every file that mtime
-    (else per-file mtimes are kept and the build time is zeroed). ``ToolError`` on failure.
+    (else per-file mtimes are kept and the build time is zeroed). ``exclude``: paths relative
+    to ``tree`` (no leading ``/``) left out with everything below them. ``ToolError`` on
+    failure.
     """
     cmd = ["mkfs.erofs", "-zlz4hc", f"-U{LAYER_UUID}", "--quiet"]
+    cmd += [f"--exclude-path={path}" for path in exclude]
     if timestamp is not None:
         cmd.append(f"-T{int(timestamp)}")
     else:

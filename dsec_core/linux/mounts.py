@@ -22,6 +22,7 @@ __all__ = [
     "MS_RDONLY",
     "IdLines",
     "UserNamespaceHandle",
+    "attach",
     "clone_idmapped",
     "ensure_tmpfs",
     "mount",
@@ -157,6 +158,19 @@ def clone_idmapped(path: Path, userns: UserNamespaceHandle) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def attach(fd: int, target: Path) -> None:
+    """Attach the detached mount ``fd`` (from ``clone_idmapped``) at ``target``. Tools that
+    canonicalize their paths (mkfs.erofs) cannot walk a detached mount through
+    ``/proc/self/fd/N``: it reads back as ``/``."""
+    _check(
+        _libc.syscall(
+            SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, os.fsencode(target), MOVE_MOUNT_F_EMPTY_PATH
+        ),
+        "move_mount to",
+        target,
+    )
 
 
 def mount_erofs_file(

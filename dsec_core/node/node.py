@@ -25,17 +25,28 @@ from typing import Any
 from .. import plugins
 from ..agent import ensure_agent
 from ..agent.rpc import AgentClient
-from ..backend import Backend, DeviceNode, Feature, LayerImage, RootfsForm, SandboxRuntime
+from ..backend import (
+    Backend,
+    DeviceNode,
+    Feature,
+    LayerImage,
+    RootfsForm,
+    SandboxRuntime,
+    cgroup_path,
+)
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import (
     AdmissionRejected,
     BackendUnavailable,
     DsecError,
+    InvalidSpec,
+    MissingParentLayers,
     PolicyUnavailable,
     SandboxNotRunning,
     UnknownSandbox,
 )
+from ..layers.store import LayerStore
 from ..linux import sysctl
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
@@ -63,6 +74,7 @@ from .judge import JudgeSpec, judge
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
+from .snapshots import exclude_paths, pack_upper
 
 __all__ = ["Node"]
 
@@ -109,6 +121,7 @@ class Sandbox:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
     policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
     exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
+    packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -739,6 +752,8 @@ class Node:
             await sb.stopped.wait()
             return
         sb.status = "stopping"
+        if sb.packing is not None:  # its thread thaws the sandbox; kill after that
+            await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self._unwatch_exit(sb)
         if sb.ttl_handle:
             sb.ttl_handle.cancel()
@@ -777,6 +792,110 @@ class Node:
             1e3 * (t_dirs - t_unmount),
             1e3 * (time.perf_counter() - t0),
         )
+
+    # --- snapshots (pack_diff) ------------------------------------------------------------
+    async def pack_diff(
+        self,
+        sid: str,
+        name: str | None = None,
+        version: str | None = None,
+        exclude: Sequence[str] = (),
+        scrub: bool = True,
+    ) -> LayerInfo:
+        """Pack the running sandbox's writable layer into a ``snapshot`` layer of the node's
+        store over the sandbox's layers (``node.snapshots``): ``name`` (default
+        ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
+        ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
+        histories), are left out: a restored sandbox sees the layers below for them. The
+        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(
+                f"sandbox {sid} is {sb.status}: only a running sandbox can be packed",
+                sandbox_id=sid,
+            )
+        if sb.rt.rootfs is None:
+            raise BackendUnavailable(
+                f"backend {sb.backend.name!r} keeps its writable layer in a disk image; "
+                "pack_diff packs overlay upper layers only",
+                backend=sb.backend.name,
+            )
+        if sb.packing is not None:
+            raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
+        paths = exclude_paths(exclude, scrub)
+        t0 = time.perf_counter()
+        sb.packing = asyncio.ensure_future(
+            asyncio.to_thread(
+                pack_upper,
+                sb.rt.data_dir / "upper",
+                sb.rt.idmap,
+                cgroup_path(sid),
+                LayerStore(self.config.layer_dir),
+                name=name or f"snapshot-{sid}",
+                version=version,
+                parents=sb.layers,
+                exclude=paths,
+                source=f"pack_diff of sandbox {sid}",
+            )
+        )
+        sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
+        info, frozen = await asyncio.shield(sb.packing)
+        log.info(
+            "packed sandbox %s as %s: %d bytes, %.1f ms (frozen %.1f ms)",
+            sid,
+            info.ref,
+            info.size,
+            1e3 * (time.perf_counter() - t0),
+            1e3 * frozen,
+        )
+        return info
+
+    def snapshot_layers(self, snapshot: str) -> list[str]:
+        """The layer refs a sandbox restored from ``snapshot`` stacks (it, then its parents);
+        ``MissingParentLayers`` naming each parent no source has (or has with other content),
+        ``InvalidSpec`` if the layer is not a snapshot."""
+        _, info = find_layer(self.layer_sources, snapshot)
+        if info.kind != "snapshot":
+            raise InvalidSpec(
+                f"layer {info.ref} is a {info.kind} layer, not a snapshot", field="snapshot"
+            )
+        missing = []
+        for ref, digest in zip(info.parents, info.parent_digests, strict=True):
+            try:
+                _, found = find_layer(self.layer_sources, ref)
+            except DsecError:
+                found = None
+            if found is None or found.digest != digest:
+                missing.append((ref, digest))
+        if missing:
+            raise MissingParentLayers(
+                f"snapshot {info.ref}: parent layer(s) missing: "
+                + ", ".join(f"{ref} ({digest})" for ref, digest in missing),
+                name=info.ref,
+                missing=[f"{ref} {digest}" for ref, digest in missing],
+                digests=[digest for _, digest in missing],
+            )
+        return [info.ref, *info.parents]
+
+    async def restore(
+        self, snapshot: str, n: int = 1, spec: SandboxSpec | None = None
+    ) -> list[SandboxInfo]:
+        """``n`` new sandboxes that each start from ``snapshot``'s state (``spec`` for the
+        rest: limits, env, labels; its layers and environment are replaced), each with its
+        own writable layer over the same shared layer mounts. All or nothing: if one create
+        fails, those made are killed and its error raised."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
+            raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
+        layers = self.snapshot_layers(snapshot)
+        base = spec or SandboxSpec()
+        spec = SandboxSpec(**{**base.to_dict(), "environment": None, "layers": tuple(layers)})
+        results = await self.create_many_settled(spec, n)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.kill(i.id) for i in made), return_exceptions=True)
+            raise failed[0]
+        return made
 
     # --- FnCall pools ---------------------------------------------------------------------
     async def reset(self, sid: str) -> None:

@@ -1,0 +1,219 @@
+"""pack_diff snapshots and restores (issue 10, deliverables 1 and 2), on real sandboxes of an
+in-process node: what survives a pack, n restored siblings with their own writable layers over
+shared layer mounts, chains, excluded paths, and the typed errors of bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from dsec_core.errors import MissingParentLayers, SandboxNotRunning, UnknownSandbox
+from dsec_core.layers.store import LayerStore
+from dsec_core.node.node import Node
+from dsec_core.node.snapshots import exclude_paths
+from dsec_core.records import LayerInfo, SandboxSpec
+from dsec_core.testing import node_home
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+BASE = SandboxSpec(layers=("kit-base@1",), memory="128M", disk="64M", ttl=None)
+
+# Changes of every kind over the busybox base layer: new files and directories, a hard link, a
+# symlink, modes and owners, a deleted lower file (whiteout), a replaced lower directory
+# (opaque), and scratch that pack_diff leaves out.
+CHANGES = """
+set -e
+mkdir -p /data/sub /data/cache
+echo hello > /data/f
+ln /data/f /data/hl
+ln -s f /data/link
+chmod 640 /data/f
+chown 1234:2345 /data/f
+chmod 751 /data/sub
+chown 7:8 /data/sub
+rm /etc/group
+rm -rf /var
+mkdir /var
+echo only > /var/only
+echo secret > /tmp/secret
+echo 'history' > /root/.ash_history
+echo junk > /data/cache/junk
+"""
+
+
+async def _node(config) -> Node:
+    node = Node(config)
+    await node.open()
+    return node
+
+
+async def sh(node: Node, sid: str, script: str) -> str:
+    r = await node.exec(sid, ["sh", "-c", script], timeout=30)
+    assert r.exit_code == 0, (script, r.stderr)
+    return r.stdout.decode()
+
+
+def rootfs(node: Node, sid: str):
+    rt = node.sandboxes[sid].rt
+    assert rt.rootfs is not None
+    return rt.rootfs
+
+
+async def check_changes(node: Node, sid: str) -> None:
+    """``sid`` sees exactly the state ``CHANGES`` left, scratch excluded."""
+    out = await sh(
+        node,
+        sid,
+        "cat /data/f; stat -c '%a %u %g %h %i' /data/f /data/hl; stat -c '%a %u %g' /data/sub;"
+        "readlink /data/link; ls /var; test ! -e /etc/group && echo no-group;"
+        "test -e /etc/passwd && echo passwd; ls -A /tmp | wc -l; test ! -e /root/.ash_history"
+        " && echo no-history; test ! -e /data/cache && echo no-cache",
+    )
+    lines = out.splitlines()
+    assert lines[0] == "hello"
+    f, hl = lines[1].split(), lines[2].split()
+    assert f[:4] == ["640", "1234", "2345", "2"] and f == hl  # one inode, two names
+    assert lines[3] == "751 7 8"
+    assert lines[4] == "f"
+    assert lines[5] == "only"  # /var replaced: the base's /var/tmp is hidden (opaque)
+    assert lines[6:] == ["no-group", "passwd", "0", "no-history", "no-cache"]
+    # an xattr written into the writable layer travels too
+    assert os.getxattr(rootfs(node, sid) / "data" / "f", "user.color") == b"blue"
+
+
+async def test_pack_and_restore_keeps_every_kind_of_change(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, CHANGES)
+            upper = node.sandboxes[a].rt.data_dir / "upper"
+            os.setxattr(upper / "data" / "f", "user.color", b"blue")
+            t0 = time.perf_counter()
+            snap = await node.pack_diff(a, exclude=["/data/cache"])
+            pack_ms = 1e3 * (time.perf_counter() - t0)
+            print(f"\npack_diff of a small change: {pack_ms:.1f} ms, {snap.size} bytes")
+            assert snap.kind == "snapshot" and snap.parents == ("kit-base@1",)
+            base = LayerStore(config.layer_dir).resolve("kit-base@1")
+            assert snap.parent_digests == (base.digest,)
+            # the source keeps running, thawed
+            assert (await sh(node, a, "echo alive")).strip() == "alive"
+
+            kids = [i.id for i in await node.restore(snap.ref, n=3, spec=BASE)]
+            assert len(set(kids)) == 3
+            for sid in kids:
+                await check_changes(node, sid)
+                assert node.sandboxes[sid].layers == [snap, base]
+            # siblings share each layer's one mount, and each writes to its own upper
+            counts = node.mounts.refcounts()
+            assert counts[snap.digest] == 3 and counts[base.digest] == 4
+            uppers = {node.sandboxes[s].rt.data_dir / "upper" for s in kids}
+            assert len(uppers) == 3
+            await sh(node, kids[0], "echo mine > /data/f; touch /data/new")
+            for sid in kids[1:]:
+                assert (await sh(node, sid, "cat /data/f; ls /data")).split() == [
+                    "hello",
+                    "f",
+                    "hl",
+                    "link",
+                    "sub",
+                ]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_chain_of_snapshots(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo one > /one; echo keep > /gone")
+            first = await node.pack_diff(a, name="step", version="1")
+            b = (await node.restore(first.ref, spec=BASE))[0].id
+            await sh(node, b, "echo two > /two; rm /gone; echo changed > /one")
+            second = await node.pack_diff(b, name="step", version="2")
+            assert second.parents == ("step@1", "kit-base@1")
+            c = (await node.restore(second.ref, spec=BASE))[0].id
+            out = await sh(node, c, "cat /one /two; test ! -e /gone && echo gone")
+            assert out.split() == ["changed", "two", "gone"]
+            assert [i.ref for i in node.sandboxes[c].layers] == ["step@2", "step@1", "kit-base@1"]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_snapshot_of_a_sandbox_that_writes_is_consistent(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            # each step writes a whole new file and renames it over the last
+            await node.exec(
+                a,
+                [
+                    "sh",
+                    "-c",
+                    "i=0; while :; do i=$((i+1)); seq 1 $i > /c.tmp; mv /c.tmp /c; done",
+                ],
+                background=True,
+            )
+            await asyncio.sleep(0.3)
+            snap = await node.pack_diff(a)
+            state = open(f"/sys/fs/cgroup/freezer/dsec/{a}/freezer.state").read().strip()
+            assert state == "THAWED"
+            before = int((await sh(node, a, "tail -n1 /c")).strip())
+            await asyncio.sleep(0.2)
+            assert int((await sh(node, a, "tail -n1 /c")).strip()) > before  # still writing
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            lines = (await sh(node, b, "cat /c")).split()
+            assert lines == [str(k) for k in range(1, len(lines) + 1)] and lines
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_bad_input_is_a_typed_error(tmp_path):
+    with node_home("dsec-snap-") as config:
+        store = LayerStore(config.layer_dir)
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await node.kill(a)
+            with pytest.raises(UnknownSandbox):
+                await node.pack_diff(a)
+            b = (await node.create(BASE)).id
+            node.sandboxes[b].status = "stopping"  # as a kill in progress leaves it
+            with pytest.raises(SandboxNotRunning):
+                await node.pack_diff(b)
+            node.sandboxes[b].status = "running"
+            # a snapshot over a layer that then goes away
+            base = store.resolve("kit-base@1")
+            snap = await node.pack_diff(b)
+            await node.kill(b)
+            store.remove("kit-base@1")
+            with pytest.raises(MissingParentLayers) as e:
+                await node.restore(snap.ref, n=2, spec=BASE)
+            assert e.value.digests == [base.digest]
+            assert base.digest in str(e.value)
+            assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
+def test_exclude_paths_are_normalized_and_checked():
+    assert exclude_paths(["/a/b/", "c//d"], scrub=False) == ("a/b", "c/d")
+    assert "tmp" in exclude_paths([], scrub=True)
+    for bad in ("/", "../x", "a/../../b", ""):
+        with pytest.raises(Exception, match="exclude"):
+            exclude_paths([bad], scrub=False)
+
+
+def test_old_layer_records_still_load():
+    old = {"name": "a", "version": "1", "kind": "base", "digest": "sha256:00", "size": 1}
+    info = LayerInfo.from_dict(old)
+    assert info.parents == () and info.parent_digests == ()
+    snap = LayerInfo.from_dict(
+        {**old, "kind": "snapshot", "parents": ["a@1"], "parent_digests": ["sha256:00"]}
+    )
+    assert snap.parents == ("a@1",) and LayerInfo.from_dict(snap.to_dict()) == snap
