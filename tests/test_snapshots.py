@@ -155,7 +155,8 @@ async def test_a_snapshot_of_a_sandbox_that_writes_is_consistent(tmp_path):
                 [
                     "sh",
                     "-c",
-                    "i=0; while :; do i=$((i+1)); seq 1 $i > /c.tmp; mv /c.tmp /c; done",
+                    "(i=0; while :; do i=$((i+1)); seq 1 $i > /c.tmp; mv /c.tmp /c; done)"
+                    " </dev/null >/dev/null 2>&1 &",
                 ],
                 background=True,
             )
