@@ -345,7 +345,8 @@ class Client:
         fields) sets the rest; its layers and environment are replaced by the snapshot's.
         ``MissingParentLayers`` names the digests of parent layers no source holds."""
         ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
-        body = RestoreRequest(ref, n, _spec(spec, kw) if spec or kw else None)
+        # the node replaces the layers; a spec needs some to be valid
+        body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
         return [Sandbox(self, i) for i in self._call("restore", body).sandboxes]
 
     def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
@@ -604,7 +605,8 @@ class AsyncClient:
     ) -> builtins.list[AsyncSandbox]:
         """``Client.restore``, awaited."""
         ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
-        body = RestoreRequest(ref, n, _spec(spec, kw) if spec or kw else None)
+        # the node replaces the layers; a spec needs some to be valid
+        body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
         return [AsyncSandbox(self, i) for i in (await self._call("restore", body)).sandboxes]
 
     async def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import dsec
 from dsec_core.errors import MissingParentLayers, SandboxNotRunning, UnknownSandbox
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
@@ -132,7 +133,7 @@ async def test_a_chain_of_snapshots(tmp_path):
             a = (await node.create(BASE)).id
             await sh(node, a, "echo one > /one; echo keep > /gone")
             first = await node.pack_diff(a, name="step", version="1")
-            b = (await node.restore(first.ref, spec=BASE))[0].id
+            b = (await node.restore(first.ref))[0].id  # no spec: the defaults
             await sh(node, b, "echo two > /two; rm /gone; echo changed > /one")
             second = await node.pack_diff(b, name="step", version="2")
             assert second.parents == ("step@1", "kit-base@1")
@@ -218,3 +219,31 @@ def test_old_layer_records_still_load():
         {**old, "kind": "snapshot", "parents": ["a@1"], "parent_digests": ["sha256:00"]}
     )
     assert snap.parents == ("a@1",) and LayerInfo.from_dict(snap.to_dict()) == snap
+
+
+# --- over the API -------------------------------------------------------------------------------
+
+
+def test_pack_and_restore_through_the_sdk(dsec_client, dsec_node):
+    spec = dict(layers=(dsec_node.layer.ref,), memory="128M", disk="64M", ttl=600)
+    with dsec_client.create(**spec) as sb:
+        assert sb.exec(["sh", "-c", "echo step-k > /state; echo s > /tmp/x"]).exit_code == 0
+        snap = sb.pack_diff(name="sdk-snap", exclude=["/state-cache"])
+        assert isinstance(snap, dsec.LayerInfo) and snap.kind == "snapshot"
+        assert snap.parents == (dsec_node.layer.ref,)
+    kids = dsec_client.restore(snap, n=2, memory="128M", disk="64M", ttl=600)
+    try:
+        assert len({k.id for k in kids}) == 2
+        for k in kids:
+            r = k.exec(["sh", "-c", "cat /state; ls -A /tmp | wc -l"])
+            assert r.stdout.split() == [b"step-k", b"0"]
+            assert k.info.layers == (snap.ref, dsec_node.layer.ref)
+    finally:
+        for k in kids:
+            k.kill()
+    with pytest.raises(dsec.UnknownSandbox):
+        dsec_client.pack_diff(kids[0].id)
+    with pytest.raises(dsec.InvalidSpec):
+        dsec_client.restore(dsec_node.layer.ref)  # not a snapshot
+    with pytest.raises(dsec.UnknownLayer):
+        dsec_client.restore("no-such-snapshot@1")

@@ -887,8 +887,8 @@ class Node:
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
         layers = self.snapshot_layers(snapshot)
-        base = spec or SandboxSpec()
-        spec = SandboxSpec(**{**base.to_dict(), "environment": None, "layers": tuple(layers)})
+        fields = spec.to_dict() if spec is not None else {}
+        spec = SandboxSpec(**{**fields, "environment": None, "layers": tuple(layers)})
         results = await self.create_many_settled(spec, n)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if not isinstance(r, SandboxInfo)]
