@@ -330,11 +330,13 @@ class Client:
         version: str | None = None,
         exclude: Sequence[str] = (),
         scrub: bool = True,
+        source: str | None = None,
     ) -> LayerInfo:
         """Pack the running sandbox's writable layer into a snapshot layer over its layers
         (``Node.pack_diff``): the sandbox is frozen meanwhile. ``exclude`` leaves paths out;
-        ``scrub`` also leaves out /tmp, caches and shell histories."""
-        body = PackDiffRequest(name, version, tuple(exclude), scrub)
+        ``scrub`` also leaves out /tmp, caches and shell histories; ``source`` (a URL of one
+        of the node's layer sources) also pushes it there, with the parents it lacks."""
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
         return self._call("pack_diff", body, sid=sandbox_id)
 
     def restore(
@@ -595,9 +597,10 @@ class AsyncClient:
         version: str | None = None,
         exclude: Sequence[str] = (),
         scrub: bool = True,
+        source: str | None = None,
     ) -> LayerInfo:
         """``Client.pack_diff``, awaited."""
-        body = PackDiffRequest(name, version, tuple(exclude), scrub)
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
         return await self._call("pack_diff", body, sid=sandbox_id)
 
     async def restore(

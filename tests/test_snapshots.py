@@ -11,8 +11,16 @@ import time
 import pytest
 
 import dsec
-from dsec_core.errors import MissingParentLayers, SandboxNotRunning, UnknownSandbox
+from dsec_core.errors import (
+    MissingParentLayers,
+    SandboxNotRunning,
+    ToolError,
+    UnknownSandbox,
+    UnknownSource,
+)
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.mounts import mounted_under
+from dsec_core.node import snapshots
 from dsec_core.node.node import Node
 from dsec_core.node.snapshots import exclude_paths
 from dsec_core.records import LayerInfo, SandboxSpec
@@ -199,6 +207,55 @@ async def test_bad_input_is_a_typed_error(tmp_path):
             assert e.value.digests == [base.digest]
             assert base.digest in str(e.value)
             assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_snapshot_in_a_shared_source_restores_on_another_node(tmp_path):
+    shared = f"local:{tmp_path / 'shared'}"
+    with node_home("dsec-snap-", layer_sources=("local", shared)) as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo far > /far")
+            with pytest.raises(UnknownSource):
+                await node.pack_diff(a, source="local:/nowhere")
+            snap = await node.pack_diff(a, name="far", version="1", source=shared)
+        finally:
+            await node.close(kill_all=True)
+    # a node whose only source is the shared one: the snapshot and its parent come from it
+    with node_home("dsec-snap2-", layer_sources=(shared,)) as config:
+        node = await _node(config)
+        try:
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            assert (await sh(node, b, "cat /far")).strip() == "far"
+            layers = node.sandboxes[b].layers
+            assert [i.digest for i in layers] == [snap.digest, *snap.parent_digests]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_failed_pack_thaws_the_sandbox_and_leaves_nothing(monkeypatch):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo x > /x")
+
+            def broken(*args, **kw):
+                raise ToolError("mkfs.erofs failed", command=["mkfs.erofs"], exit_code=1)
+
+            monkeypatch.setattr(snapshots, "mkfs_erofs", broken)
+            with pytest.raises(ToolError):
+                await node.pack_diff(a)
+            state = open(f"/sys/fs/cgroup/freezer/dsec/{a}/freezer.state").read().strip()
+            assert state == "THAWED"
+            assert (await sh(node, a, "cat /x")).strip() == "x"
+            tmp = config.layer_dir / "tmp"
+            assert not mounted_under(config.layer_dir)
+            assert not tmp.exists() or not any(tmp.iterdir())
+            assert not [i for i in LayerStore(config.layer_dir).list() if i.kind == "snapshot"]
+            assert node.sandboxes[a].packing is None
         finally:
             await node.close(kill_all=True)
 

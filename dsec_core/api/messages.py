@@ -509,6 +509,9 @@ class PackDiffRequest(Message):
     version: str | None = None
     exclude: tuple[str, ...] = ()
     scrub: bool = True
+    #: The URL of one of the node's layer sources to push the snapshot (and the parents it
+    #: lacks) to, so other nodes can restore it; None: the node's own store only.
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.exclude, str):

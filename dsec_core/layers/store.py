@@ -185,14 +185,16 @@ class LayerStore:
         kind: str,
         source: str = "",
         progress: Progress | None = None,
-        parents: Sequence[LayerInfo] = (),
+        parents: Sequence[str] = (),
+        parent_digests: Sequence[str] = (),
     ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
         ``version=None`` names the layer by the first 12 hex digits of its digest. Adding the
         same content under the same ref again returns the existing layer; a different content
-        under an existing ref raises ``LayerExists``: versions are immutable. ``parents``: the
-        layers (top first) a ``snapshot`` layer was taken over; it records their refs and digests.
+        under an existing ref raises ``LayerExists``: versions are immutable. ``parents`` and
+        ``parent_digests``: refs and digests of the layers (top first) a ``snapshot`` layer
+        was taken over.
         """
         image = Path(image)
         check_kind(kind)
@@ -224,8 +226,8 @@ class LayerStore:
                 size=blob.stat().st_size,
                 created=time.time(),
                 source=source,
-                parents=tuple(p.ref for p in parents),
-                parent_digests=tuple(p.digest for p in parents),
+                parents=tuple(parents),
+                parent_digests=tuple(parent_digests),
             )
             write_atomic(
                 self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"

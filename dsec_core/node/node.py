@@ -45,6 +45,7 @@ from ..errors import (
     PolicyUnavailable,
     SandboxNotRunning,
     UnknownSandbox,
+    UnknownSource,
 )
 from ..layers.store import LayerStore
 from ..linux import sysctl
@@ -58,6 +59,7 @@ from ..records import (
     IdMap,
     JudgeResult,
     LayerInfo,
+    LayerRef,
     NodeLoad,
     PolicyState,
     SandboxInfo,
@@ -801,13 +803,16 @@ class Node:
         version: str | None = None,
         exclude: Sequence[str] = (),
         scrub: bool = True,
+        source: str | None = None,
     ) -> LayerInfo:
         """Pack the running sandbox's writable layer into a ``snapshot`` layer of the node's
         store over the sandbox's layers (``node.snapshots``): ``name`` (default
         ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
         ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
         histories), are left out: a restored sandbox sees the layers below for them. The
-        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running."""
+        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running.
+        ``source``: the URL of one of the node's layer sources to push the snapshot to, after
+        those of its parents it lacks, so other nodes of that source can restore it."""
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(
@@ -823,6 +828,8 @@ class Node:
         if sb.packing is not None:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
         paths = exclude_paths(exclude, scrub)
+        target = None if source is None else self._source(source)
+        parents = list(sb.layers)
         t0 = time.perf_counter()
         sb.packing = asyncio.ensure_future(
             asyncio.to_thread(
@@ -833,7 +840,7 @@ class Node:
                 LayerStore(self.config.layer_dir),
                 name=name or f"snapshot-{sid}",
                 version=version,
-                parents=sb.layers,
+                parents=parents,
                 exclude=paths,
                 source=f"pack_diff of sandbox {sid}",
             )
@@ -848,7 +855,31 @@ class Node:
             1e3 * (time.perf_counter() - t0),
             1e3 * frozen,
         )
+        if target is not None:
+            await asyncio.to_thread(self._push_layers, target, [*reversed(parents), info])
         return info
+
+    def _source(self, url: str) -> LayerSource:
+        """The node's layer source at ``url``; ``UnknownSource`` naming them if none is."""
+        for source in self.layer_sources:
+            if url == source.url:
+                return source
+        raise UnknownSource(
+            f"{url!r} is none of this node's layer sources "
+            f"({', '.join(s.url for s in self.layer_sources)})",
+            name=url,
+            known=[s.url for s in self.layer_sources],
+        )
+
+    def _push_layers(self, target: LayerSource, layers: Sequence[LayerInfo]) -> None:
+        """Push each of ``layers`` (in order: parents before the snapshot over them) that
+        ``target`` does not hold yet with the same digest. Blocking."""
+        for info in layers:
+            there = target.resolve(LayerRef.parse(info.ref))
+            if there is not None and there.digest == info.digest:
+                continue
+            origin, _ = find_layer(self.layer_sources, info.ref)
+            target.push(info, origin.image_path(info))
 
     def snapshot_layers(self, snapshot: str) -> list[str]:
         """The layer refs a sandbox restored from ``snapshot`` stacks (it, then its parents);
@@ -858,6 +889,11 @@ class Node:
         if info.kind != "snapshot":
             raise InvalidSpec(
                 f"layer {info.ref} is a {info.kind} layer, not a snapshot", field="snapshot"
+            )
+        if not info.parents:  # a copy that lost them (made by a tool that predates snapshots)
+            raise InvalidSpec(
+                f"snapshot {info.ref} records no parent layers: it cannot be restored",
+                field="snapshot",
             )
         missing = []
         for ref, digest in zip(info.parents, info.parent_digests, strict=True):

@@ -99,6 +99,12 @@ def pack_upper(
             with contextlib.suppress(Exception):  # remove_tree detaches what is left anyway
                 unmount(view)
         info = store.add(
-            image, name=name, version=version, kind="snapshot", source=source, parents=parents
+            image,
+            name=name,
+            version=version,
+            kind="snapshot",
+            source=source,
+            parents=[p.ref for p in parents],
+            parent_digests=[p.digest for p in parents],
         )
         return info, frozen

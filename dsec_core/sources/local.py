@@ -60,7 +60,13 @@ class LocalLayerSource(LayerSource):
                 copy = tmp / "image.erofs"
                 shutil.copyfile(image, copy)  # add() moves its input into the store
                 added = self.store.add(
-                    copy, name=info.name, version=info.version, kind=info.kind, source=info.source
+                    copy,
+                    name=info.name,
+                    version=info.version,
+                    kind=info.kind,
+                    source=info.source,
+                    parents=info.parents,
+                    parent_digests=info.parent_digests,
                 )
             if added.digest != info.digest:
                 self.store.remove(info.ref)

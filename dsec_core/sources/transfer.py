@@ -56,6 +56,12 @@ def pull_layer(ref: str, src: LayerSource, local: LayerStore) -> Transfer:
         copy = tmp / "image.erofs"
         shutil.copyfile(image, copy)  # add() moves its input; the source's copy stays
         added = local.add(
-            copy, name=info.name, version=info.version, kind=info.kind, source=src.url
+            copy,
+            name=info.name,
+            version=info.version,
+            kind=info.kind,
+            source=src.url,
+            parents=info.parents,  # a snapshot's pulled copy still knows what it goes over
+            parent_digests=info.parent_digests,
         )
     return Transfer(added.ref, added.digest, added.size, True)
