@@ -28,7 +28,12 @@ from ..linux.erofs import mkfs_erofs
 from ..linux.mounts import UserNamespaceHandle, attach, clone_idmapped, unmount
 from ..records import IdMap, LayerInfo
 
-__all__ = ["SCRUBBED", "exclude_paths", "pack_upper"]
+__all__ = ["SCRUBBED", "SNAPSHOT_COMPRESSION", "exclude_paths", "pack_upper"]
+
+#: How snapshot images are compressed: not at all, since the sandbox stays frozen while
+#: mkfs.erofs runs. Measured for 40 MiB of mixed data: none 0.07 s, lz4 0.7 s, lz4hc 12 s
+#: (sizes 42, 32 and 30 MB). Recompressing a snapshot that is kept for long is a next step.
+SNAPSHOT_COMPRESSION: str | None = None
 
 #: What ``scrub=True`` leaves out of every snapshot (relative to the sandbox's root): scratch
 #: space, caches and shell histories, which a restored sandbox should not inherit.
@@ -91,7 +96,9 @@ def pack_upper(
             t0 = time.perf_counter()
             freeze(cgroup, True)
             try:
-                mkfs_erofs(view, image, all_root=False, exclude=exclude)
+                mkfs_erofs(
+                    view, image, all_root=False, exclude=exclude, compression=SNAPSHOT_COMPRESSION
+                )
             finally:
                 frozen = time.perf_counter() - t0
                 freeze(cgroup, False)
