@@ -235,6 +235,23 @@ async def test_a_snapshot_in_a_shared_source_restores_on_another_node(tmp_path):
             await node.close(kill_all=True)
 
 
+async def test_a_kill_during_a_pack_waits_for_it():
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "head -c 30000000 /dev/urandom > /big")
+            pack = asyncio.create_task(node.pack_diff(a))
+            await asyncio.sleep(0)  # the pack starts (and freezes the sandbox) first
+            assert node.sandboxes[a].packing is not None
+            await node.kill(a)
+            info = await pack  # the pack finished before the sandbox went
+            assert info.size > 30_000_000
+            assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
 async def test_a_failed_pack_thaws_the_sandbox_and_leaves_nothing(monkeypatch):
     with node_home("dsec-snap-") as config:
         node = await _node(config)
