@@ -5,7 +5,10 @@ shared layer mounts, chains, excluded paths, and the typed errors of bad input."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -321,3 +324,29 @@ def test_pack_and_restore_through_the_sdk(dsec_client, dsec_node):
         dsec_client.restore(dsec_node.layer.ref)  # not a snapshot
     with pytest.raises(dsec.UnknownLayer):
         dsec_client.restore("no-such-snapshot@1")
+
+
+def test_pack_and_restore_through_the_cli(dsec_client, dsec_node):
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    cli = [sys.executable, "-m", "dsec_core.cli", "sandbox"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([*cli, *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out
+        return out
+
+    with dsec_client.create(layers=(dsec_node.layer.ref,), memory="128M", disk="64M") as sb:
+        sb.exec(["sh", "-c", "echo cli > /mark"])
+        snap = json.loads(run("pack-diff", sb.id, "--name", "cli-snap", "--json").stdout)
+    assert snap["kind"] == "snapshot" and snap["parents"] == [dsec_node.layer.ref]
+    ref = f"{snap['name']}@{snap['version']}"
+    ids = run("restore", ref, "-n", "2", "--memory", "128M", "--disk", "64M").stdout.split()
+    try:
+        assert len(ids) == 2
+        for sid in ids:
+            assert dsec_client.get(sid).exec(["cat", "/mark"]).stdout == b"cli\n"
+    finally:
+        for sid in ids:
+            dsec_client.kill(sid)
+    bad = subprocess.run([*cli, "restore", "nope@1"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: ")
