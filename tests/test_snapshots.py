@@ -82,7 +82,7 @@ async def check_changes(node: Node, sid: str) -> None:
         "cat /data/f; stat -c '%a %u %g %h %i' /data/f /data/hl; stat -c '%a %u %g' /data/sub;"
         "readlink /data/link; ls /var; test ! -e /etc/group && echo no-group;"
         "test -e /etc/passwd && echo passwd; ls -A /tmp | wc -l; test ! -e /root/.ash_history"
-        " && echo no-history; test ! -e /data/cache && echo no-cache",
+        " && echo no-history; test ! -e /data/cache && echo no-cache; stat -c '%u %g' /var/only",
     )
     lines = out.splitlines()
     assert lines[0] == "hello"
@@ -91,7 +91,7 @@ async def check_changes(node: Node, sid: str) -> None:
     assert lines[3] == "751 7 8"
     assert lines[4] == "f"
     assert lines[5] == "only"  # /var replaced: the base's /var/tmp is hidden (opaque)
-    assert lines[6:] == ["no-group", "passwd", "0", "no-history", "no-cache"]
+    assert lines[6:] == ["no-group", "passwd", "0", "no-history", "no-cache", "0 0"]
     # an xattr written into the writable layer travels too
     assert os.getxattr(rootfs(node, sid) / "data" / "f", "user.color") == b"blue"
 
