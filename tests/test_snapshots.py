@@ -120,6 +120,9 @@ async def test_pack_and_restore_keeps_every_kind_of_change(tmp_path):
                 await check_changes(node, sid)
                 assert node.sandboxes[sid].layers == [snap, base]
             # siblings share each layer's one mount, and each writes to its own upper
+            image = node.mounts.path_for(snap.digest)  # the snapshot as mounted, from the host
+            assert (image / "data" / "f").is_file() and not (image / ".dsec").exists()
+            assert not (image / "tmp").exists()
             counts = node.mounts.refcounts()
             assert counts[snap.digest] == 3 and counts[base.digest] == 4
             uppers = {node.sandboxes[s].rt.data_dir / "upper" for s in kids}
@@ -281,7 +284,7 @@ async def test_a_failed_pack_thaws_the_sandbox_and_leaves_nothing(monkeypatch):
 
 
 def test_exclude_paths_are_normalized_and_checked():
-    assert exclude_paths(["/a/b/", "c//d"], scrub=False) == ("a/b", "c/d")
+    assert exclude_paths(["/a/b/", "c//d"], scrub=False) == (".dsec", "a/b", "c/d")
     assert "tmp" in exclude_paths([], scrub=True)
     for bad in ("/", "../x", "a/../../b", ""):
         with pytest.raises(Exception, match="exclude"):
