@@ -183,11 +183,16 @@ class LayerInfo(_Record):
     #: sandbox restored from it stacks ``[self, *parents]``. Empty for every other kind.
     parents: tuple[str, ...] = ()
     parent_digests: tuple[str, ...] = ()
+    #: A snapshot's sandbox environment (``KEY=VALUE``) and working directory, which a
+    #: restored sandbox starts with (its own spec's env on top); empty for other kinds.
+    env: tuple[str, ...] = ()
+    workdir: str = ""
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the record hashable and equal to one built in Python
         object.__setattr__(self, "parents", tuple(self.parents))
         object.__setattr__(self, "parent_digests", tuple(self.parent_digests))
+        object.__setattr__(self, "env", tuple(self.env))
         if len(self.parents) != len(self.parent_digests):
             raise InvalidSpec(
                 f"layer {self.name}@{self.version}: {len(self.parents)} parent refs but "
@@ -198,6 +203,16 @@ class LayerInfo(_Record):
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
+
+    def lineage(self) -> dict[str, Any]:
+        """What a snapshot knows beyond its image (parents, env, workdir), as keyword
+        arguments of ``LayerStore.add``: a copy of it in another store keeps them."""
+        return {
+            "parents": self.parents,
+            "parent_digests": self.parent_digests,
+            "env": self.env,
+            "workdir": self.workdir,
+        }
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import time
 import pytest
 
 import dsec
+from dsec_core.catalog.model import Catalog, Environment
+from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import (
     MissingParentLayers,
     SandboxNotRunning,
@@ -159,6 +161,42 @@ async def test_a_chain_of_snapshots(tmp_path):
             await node.close(kill_all=True)
 
 
+async def test_a_restore_keeps_the_environment_s_env_and_workdir(tmp_path):
+    with node_home("dsec-snap-") as config:
+        CatalogStore(config.catalog_dir).save(
+            Catalog(
+                name="snap",
+                environments=(
+                    Environment(
+                        name="snap-env",
+                        base="kit-base@1",
+                        env={"A": "1", "B": "2"},
+                        workdir="/home",
+                    ),
+                ),
+            )
+        )
+        node = await _node(config)
+        try:
+            spec = SandboxSpec(environment="snap-env", memory="128M", disk="64M")
+            a = (await node.create(spec)).id
+            await sh(node, a, "echo here > mark")
+            snap = await node.pack_diff(a)
+            assert snap.env == ("A=1", "B=2") and snap.workdir == "/home"
+            b = (await node.restore(snap.ref))[0].id
+            assert (await sh(node, b, "pwd; cat mark; echo $A$B")).split() == [
+                "/home",
+                "here",
+                "12",
+            ]
+            # the restore's own spec goes on top
+            own = SandboxSpec(layers=("x@1",), env={"B": "3"}, workdir="/", memory="128M")
+            c = (await node.restore(snap.ref, spec=own))[0].id
+            assert (await sh(node, c, "pwd; echo $A$B")).split() == ["/home", "13"]
+        finally:
+            await node.close(kill_all=True)
+
+
 async def test_a_snapshot_of_a_sandbox_that_writes_is_consistent(tmp_path):
     with node_home("dsec-snap-") as config:
         node = await _node(config)
@@ -297,8 +335,10 @@ def test_old_layer_records_still_load():
     assert info.parents == () and info.parent_digests == ()
     snap = LayerInfo.from_dict(
         {**old, "kind": "snapshot", "parents": ["a@1"], "parent_digests": ["sha256:00"]}
+        | {"env": ["A=1"], "workdir": "/w"}
     )
-    assert snap.parents == ("a@1",) and LayerInfo.from_dict(snap.to_dict()) == snap
+    assert snap.parents == ("a@1",) and snap.env == ("A=1",)
+    assert LayerInfo.from_dict(snap.to_dict()) == snap
 
 
 # --- over the API -------------------------------------------------------------------------------

@@ -187,6 +187,8 @@ class LayerStore:
         progress: Progress | None = None,
         parents: Sequence[str] = (),
         parent_digests: Sequence[str] = (),
+        env: Sequence[str] = (),
+        workdir: str = "",
     ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
@@ -194,7 +196,7 @@ class LayerStore:
         same content under the same ref again returns the existing layer; a different content
         under an existing ref raises ``LayerExists``: versions are immutable. ``parents`` and
         ``parent_digests``: refs and digests of the layers (top first) a ``snapshot`` layer
-        was taken over.
+        was taken over; ``env`` (``KEY=VALUE``) and ``workdir``: its sandbox's.
         """
         image = Path(image)
         check_kind(kind)
@@ -228,6 +230,8 @@ class LayerStore:
                 source=source,
                 parents=tuple(parents),
                 parent_digests=tuple(parent_digests),
+                env=tuple(env),
+                workdir=workdir,
             )
             write_atomic(
                 self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"

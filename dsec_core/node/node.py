@@ -843,6 +843,8 @@ class Node:
                 parents=parents,
                 exclude=paths,
                 source=f"pack_diff of sandbox {sid}",
+                env=[f"{k}={v}" for k, v in sorted(sb.rt.spec.env.items())],
+                workdir=sb.rt.spec.workdir,
             )
         )
         sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
@@ -881,10 +883,10 @@ class Node:
             origin, _ = find_layer(self.layer_sources, info.ref)
             target.push(info, origin.image_path(info))
 
-    def snapshot_layers(self, snapshot: str) -> list[str]:
-        """The layer refs a sandbox restored from ``snapshot`` stacks (it, then its parents);
-        ``MissingParentLayers`` naming each parent no source has (or has with other content),
-        ``InvalidSpec`` if the layer is not a snapshot."""
+    def checked_snapshot(self, snapshot: str) -> LayerInfo:
+        """The snapshot layer ``snapshot``, once its parents are checked: a restored sandbox
+        stacks it over them. ``MissingParentLayers`` naming each parent no source has (or has
+        with other content), ``InvalidSpec`` if the layer is not a snapshot."""
         _, info = find_layer(self.layer_sources, snapshot)
         if info.kind != "snapshot":
             raise InvalidSpec(
@@ -911,20 +913,32 @@ class Node:
                 missing=[f"{ref} {digest}" for ref, digest in missing],
                 digests=[digest for _, digest in missing],
             )
-        return [info.ref, *info.parents]
+        return info
 
     async def restore(
         self, snapshot: str, n: int = 1, spec: SandboxSpec | None = None
     ) -> list[SandboxInfo]:
-        """``n`` new sandboxes that each start from ``snapshot``'s state (``spec`` for the
-        rest: limits, env, labels; its layers and environment are replaced), each with its
-        own writable layer over the same shared layer mounts. All or nothing: if one create
-        fails, those made are killed and its error raised."""
+        """``n`` new sandboxes that each start from ``snapshot``'s state, each with its own
+        writable layer over the same shared layer mounts. ``spec`` gives the rest (limits,
+        labels; its layers and environment are replaced); the snapshot's env and workdir
+        apply under the spec's own. All or nothing: if one create fails, those made are
+        killed and its error raised."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
-        layers = self.snapshot_layers(snapshot)
+        info = self.checked_snapshot(snapshot)
         fields = spec.to_dict() if spec is not None else {}
-        spec = SandboxSpec(**{**fields, "environment": None, "layers": tuple(layers)})
+        env = dict(item.partition("=")[::2] for item in info.env)
+        spec = SandboxSpec(
+            **{
+                **fields,
+                "environment": None,
+                "layers": (info.ref, *info.parents),
+                "env": {**env, **fields.get("env", {})},
+                "workdir": fields.get("workdir", "/")
+                if fields.get("workdir", "/") != "/"
+                else info.workdir or "/",
+            }
+        )
         results = await self.create_many_settled(spec, n)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if not isinstance(r, SandboxInfo)]

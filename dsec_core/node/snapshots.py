@@ -80,9 +80,12 @@ def pack_upper(
     parents: Sequence[LayerInfo],
     exclude: Sequence[str],
     source: str,
+    env: Sequence[str] = (),
+    workdir: str = "",
 ) -> tuple[LayerInfo, float]:
     """Freeze ``cgroup``, pack ``upper`` (a writable layer of ``idmap``'s sandbox) into a
-    ``snapshot`` layer of ``store`` over ``parents``, thaw; returns the layer and how long the
+    ``snapshot`` layer of ``store`` over ``parents`` (recording the sandbox's ``env`` and
+    ``workdir``), thaw; returns the layer and how long the
     sandbox stayed frozen (seconds). Blocking: call it in a thread. Nothing is left mounted."""
     with store.scratch("pack-") as tmp:
         view = tmp / "upper"
@@ -118,5 +121,7 @@ def pack_upper(
             source=source,
             parents=[p.ref for p in parents],
             parent_digests=[p.digest for p in parents],
+            env=env,
+            workdir=workdir,
         )
         return info, frozen

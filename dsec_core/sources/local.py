@@ -65,8 +65,7 @@ class LocalLayerSource(LayerSource):
                     version=info.version,
                     kind=info.kind,
                     source=info.source,
-                    parents=info.parents,
-                    parent_digests=info.parent_digests,
+                    **info.lineage(),
                 )
             if added.digest != info.digest:
                 self.store.remove(info.ref)

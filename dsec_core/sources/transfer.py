@@ -61,7 +61,6 @@ def pull_layer(ref: str, src: LayerSource, local: LayerStore) -> Transfer:
             version=info.version,
             kind=info.kind,
             source=src.url,
-            parents=info.parents,  # a snapshot's pulled copy still knows what it goes over
-            parent_digests=info.parent_digests,
+            **info.lineage(),  # a snapshot's pulled copy still knows what it goes over
         )
     return Transfer(added.ref, added.digest, added.size, True)
