@@ -147,15 +147,20 @@ async def test_a_chain_of_snapshots(tmp_path):
         node = await _node(config)
         try:
             a = (await node.create(BASE)).id
-            await sh(node, a, "echo one > /one; echo keep > /gone")
+            # /etc/passwd is copied up from the base: the upper's copy carries overlay's
+            # trusted.overlay.origin, which then sits in a lower layer and is copied up again
+            await sh(node, a, "echo one > /one; echo keep > /gone; chmod 600 /etc/passwd")
             first = await node.pack_diff(a, name="step", version="1")
             b = (await node.restore(first.ref))[0].id  # no spec: the defaults
             await sh(node, b, "echo two > /two; rm /gone; echo changed > /one")
+            await sh(node, b, "echo 'x:x:5:5::/:/bin/sh' >> /etc/passwd")
             second = await node.pack_diff(b, name="step", version="2")
             assert second.parents == ("step@1", "kit-base@1")
             c = (await node.restore(second.ref, spec=BASE))[0].id
             out = await sh(node, c, "cat /one /two; test ! -e /gone && echo gone")
             assert out.split() == ["changed", "two", "gone"]
+            out = await sh(node, c, "stat -c %a /etc/passwd; tail -n1 /etc/passwd")
+            assert out.split() == ["600", "x:x:5:5::/:/bin/sh"]
             assert [i.ref for i in node.sandboxes[c].layers] == ["step@2", "step@1", "kit-base@1"]
         finally:
             await node.close(kill_all=True)
