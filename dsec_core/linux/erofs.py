@@ -76,6 +76,7 @@ def mkfs_erofs(
     timestamp: int | None = None,
     exclude: Sequence[str] = (),
     compression: str | None = "lz4hc",
+    timeout: float | None = None,
 ) -> Path:
     """An lz4hc-compressed EROFS image of ``tree`` at ``image``, reproducibly.
 
@@ -83,7 +84,8 @@ def mkfs_erofs(
     (else per-file mtimes are kept and the build time is zeroed). ``exclude``: paths relative
     to ``tree`` (no leading ``/``) left out with everything below them. ``compression``:
     ``lz4hc`` (smallest, slowest: 12 s for 40 MiB of mixed data here), ``lz4`` (0.7 s) or
-    None (stored as is: 0.07 s, a third larger). ``ToolError`` on failure.
+    None (stored as is: 0.07 s, a third larger). ``ToolError`` on failure, or past
+    ``timeout`` seconds.
     """
     cmd = ["mkfs.erofs", f"-U{LAYER_UUID}", "--quiet"]
     if compression:
@@ -95,7 +97,7 @@ def mkfs_erofs(
         cmd.append("-Eforce-inode-extended")
     if all_root:
         cmd.append("--all-root")
-    run_tool([*cmd, str(image), str(tree)], "mkfs.erofs")
+    run_tool([*cmd, str(image), str(tree)], "mkfs.erofs", timeout=timeout)
     if timestamp is None:
         zero_build_time(image)
     return image

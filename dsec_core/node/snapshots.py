@@ -28,12 +28,23 @@ from ..linux.erofs import mkfs_erofs
 from ..linux.mounts import UserNamespaceHandle, attach, clone_idmapped, unmount
 from ..records import IdMap, LayerInfo
 
-__all__ = ["RUNTIME_PATHS", "SCRUBBED", "SNAPSHOT_COMPRESSION", "exclude_paths", "pack_upper"]
+__all__ = [
+    "PACK_TIMEOUT",
+    "RUNTIME_PATHS",
+    "SCRUBBED",
+    "SNAPSHOT_COMPRESSION",
+    "exclude_paths",
+    "pack_upper",
+]
 
 #: How snapshot images are compressed: not at all, since the sandbox stays frozen while
 #: mkfs.erofs runs. Measured for 40 MiB of mixed data: none 0.07 s, lz4 0.7 s, lz4hc 12 s
 #: (sizes 42, 32 and 30 MB). Recompressing a snapshot that is kept for long is a next step.
 SNAPSHOT_COMPRESSION: str | None = None
+
+#: Seconds mkfs.erofs may take before the pack fails (and the sandbox thaws): bounds how long
+#: a sandbox can stay frozen. Uncompressed, it packs hundreds of MB a second here.
+PACK_TIMEOUT = 600.0
 
 #: What ``scrub=True`` leaves out of every snapshot (relative to the sandbox's root): scratch
 #: space, caches and shell histories, which a restored sandbox should not inherit.
@@ -105,7 +116,12 @@ def pack_upper(
             freeze(cgroup, True)
             try:
                 mkfs_erofs(
-                    view, image, all_root=False, exclude=exclude, compression=SNAPSHOT_COMPRESSION
+                    view,
+                    image,
+                    all_root=False,
+                    exclude=exclude,
+                    compression=SNAPSHOT_COMPRESSION,
+                    timeout=PACK_TIMEOUT,
                 )
             finally:
                 frozen = time.perf_counter() - t0
