@@ -22,6 +22,7 @@ __all__ = [
     "LayerBuildError",
     "LayerCorrupt",
     "LayerExists",
+    "LayerInUse",
     "MissingParentLayers",
     "MountError",
     "NetlinkError",
@@ -149,6 +150,13 @@ class LayerBuildError(DsecError):
 
 class LayerExists(DsecError):
     """``name@version`` already names a different layer; versions are immutable."""
+
+    http_status = 409
+
+
+class LayerInUse(DsecError):
+    """A layer snapshots in the same store are taken over (``dependents`` names them): removing
+    it would leave them unrestorable. Remove them first, or force it."""
 
     http_status = 409
 

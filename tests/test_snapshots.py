@@ -17,6 +17,7 @@ import dsec
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import (
+    LayerInUse,
     MissingParentLayers,
     SandboxNotRunning,
     ToolError,
@@ -250,7 +251,10 @@ async def test_bad_input_is_a_typed_error(tmp_path):
             base = store.resolve("kit-base@1")
             snap = await node.pack_diff(b)
             await node.kill(b)
-            store.remove("kit-base@1")
+            with pytest.raises(LayerInUse) as used:
+                store.remove("kit-base@1")
+            assert used.value.dependents == [snap.ref]
+            store.remove("kit-base@1", force=True)
             with pytest.raises(MissingParentLayers) as e:
                 await node.restore(snap.ref, n=2, spec=BASE)
             assert e.value.digests == [base.digest]

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ..errors import InvalidSpec, LayerExists, UnknownLayer
+from ..errors import InvalidSpec, LayerExists, LayerInUse, UnknownLayer
 from ..lazy.layout import ReadProfile
 from ..linux.files import digest_hex, file_digest, remove_tree, write_atomic
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
@@ -260,11 +260,12 @@ class LayerStore:
                 os.unlink(tmp)
             raise
 
-    def remove(self, ref: LayerRef | str) -> LayerInfo:
+    def remove(self, ref: LayerRef | str, *, force: bool = False) -> LayerInfo:
         """Drop the ref; its blob goes too when no other ref uses it.
 
         An unversioned ref is accepted only when the name has exactly one version, so a typo
-        cannot delete the newest of several.
+        cannot delete the newest of several. A layer that snapshots of this store are taken
+        over is ``LayerInUse`` unless ``force``.
         """
         ref = LayerRef.parse(str(ref))
         with self._locked():
@@ -277,6 +278,21 @@ class LayerStore:
                         ref=str(ref),
                     )
             info = self.resolve(ref)
+            dependents = [
+                i.ref
+                for i in self.list()
+                if any(
+                    (r, d) == (info.ref, info.digest)
+                    for r, d in zip(i.parents, i.parent_digests, strict=True)
+                )
+            ]
+            if dependents and not force:
+                raise LayerInUse(
+                    f"layer {info.ref} is a parent of snapshot(s) {', '.join(dependents)}: "
+                    "remove them first, or force it",
+                    ref=info.ref,
+                    dependents=dependents,
+                )
             self._ref_file(info.name, info.version).unlink()
             with contextlib.suppress(OSError):
                 (self.ref_dir / info.name).rmdir()

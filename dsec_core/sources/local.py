@@ -68,7 +68,7 @@ class LocalLayerSource(LayerSource):
                     **info.lineage(),
                 )
             if added.digest != info.digest:
-                self.store.remove(info.ref)
+                self.store.remove(info.ref, force=True)
                 raise LayerCorrupt(
                     f"{image} is not {info.digest}", digest=info.digest, source=self.url
                 )
