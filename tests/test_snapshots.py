@@ -25,7 +25,8 @@ from dsec_core.errors import (
     UnknownSource,
 )
 from dsec_core.layers.store import LayerStore
-from dsec_core.linux.mounts import mounted_under
+from dsec_core.linux.cgroups import freeze
+from dsec_core.linux.mounts import MS_BIND, mount, mounted_under
 from dsec_core.node import snapshots
 from dsec_core.node.node import Node
 from dsec_core.node.snapshots import exclude_paths
@@ -301,6 +302,29 @@ async def test_a_kill_during_a_pack_waits_for_it():
             info = await pack  # the pack finished before the sandbox went
             assert info.size > 30_000_000
             assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_daemon_that_died_mid_pack_is_followed_by_one_that_recovers():
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            rt = node.sandboxes[a].rt
+            # what a pack leaves if the daemon dies in mkfs.erofs: a view, a frozen sandbox
+            view = config.layer_dir / "tmp" / "pack-dead" / "upper"
+            view.mkdir(parents=True)
+            mount(os.fspath(rt.data_dir / "upper"), view, "", MS_BIND)
+            (rt.dir / "packing").write_text(f"dsec/{a}")
+            freeze(f"dsec/{a}", True)
+            await node.close()  # the daemon goes; the sandbox stays
+            node = await _node(config)
+            assert a in node.sandboxes
+            state = open(f"/sys/fs/cgroup/freezer/dsec/{a}/freezer.state").read().strip()
+            assert state == "THAWED" and not (rt.dir / "packing").exists()
+            assert not mounted_under(config.layer_dir) and not view.parent.exists()
+            assert (await sh(node, a, "echo ok")).strip() == "ok"
         finally:
             await node.close(kill_all=True)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..errors import MountError
 
 __all__ = [
+    "MS_BIND",
     "MS_NODEV",
     "MS_NOSUID",
     "MS_RDONLY",
@@ -63,6 +64,7 @@ MNT_DETACH = 2
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_BIND = 0x1000
 
 
 class _MountAttr(ctypes.Structure):

@@ -76,13 +76,15 @@ from .judge import JudgeSpec, judge
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
-from .snapshots import exclude_paths, pack_upper
+from .snapshots import exclude_paths, pack_upper, recover_packs
 
 __all__ = ["Node"]
 
 log = logging.getLogger("dsec.node")
 
 STATE_FILE = "state.json"
+#: In a sandbox's runtime dir while a pack_diff may hold it frozen (names its cgroup).
+PACK_MARKER = "packing"
 
 
 #: Settings keys the node reads itself; a policy never sees them.
@@ -845,6 +847,7 @@ class Node:
                 source=f"pack_diff of sandbox {sid}",
                 env=[f"{k}={v}" for k, v in sorted(sb.rt.spec.env.items())],
                 workdir=sb.rt.spec.workdir,
+                marker=sb.rt.dir / PACK_MARKER,
             )
         )
         sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
@@ -1073,6 +1076,9 @@ class Node:
         """Take over sandboxes a previous daemon left running; clean up the rest."""
         in_use: dict[str, int] = {}
         runtime = self.config.runtime_dir
+        # first: a pack that died holds a view of a writable layer and may leave it frozen
+        markers = list(runtime.glob(f"*/{PACK_MARKER}")) if runtime.exists() else []
+        await asyncio.to_thread(recover_packs, LayerStore(self.config.layer_dir), markers)
         for sdir in sorted(runtime.iterdir()) if runtime.exists() else []:
             try:
                 sb = self._load(sdir)

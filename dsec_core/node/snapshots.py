@@ -21,11 +21,18 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..errors import InvalidSpec
+from ..errors import InvalidSpec, NodeUnavailable
 from ..layers.store import LayerStore
 from ..linux.cgroups import freeze
 from ..linux.erofs import mkfs_erofs
-from ..linux.mounts import UserNamespaceHandle, attach, clone_idmapped, unmount
+from ..linux.files import remove_tree
+from ..linux.mounts import (
+    UserNamespaceHandle,
+    attach,
+    clone_idmapped,
+    mounted_under,
+    unmount,
+)
 from ..records import IdMap, LayerInfo
 
 __all__ = [
@@ -35,6 +42,7 @@ __all__ = [
     "SNAPSHOT_COMPRESSION",
     "exclude_paths",
     "pack_upper",
+    "recover_packs",
 ]
 
 #: How snapshot images are compressed: not at all, since the sandbox stays frozen while
@@ -93,11 +101,14 @@ def pack_upper(
     source: str,
     env: Sequence[str] = (),
     workdir: str = "",
+    marker: Path | None = None,
 ) -> tuple[LayerInfo, float]:
     """Freeze ``cgroup``, pack ``upper`` (a writable layer of ``idmap``'s sandbox) into a
     ``snapshot`` layer of ``store`` over ``parents`` (recording the sandbox's ``env`` and
     ``workdir``), thaw; returns the layer and how long the
-    sandbox stayed frozen (seconds). Blocking: call it in a thread. Nothing is left mounted."""
+    sandbox stayed frozen (seconds). Blocking: call it in a thread. Nothing is left mounted.
+    ``marker`` exists while the sandbox may be frozen, so a daemon that died meanwhile is
+    followed by one that thaws it (``recover_packs``)."""
     with store.scratch("pack-") as tmp:
         view = tmp / "upper"
         view.mkdir()
@@ -113,6 +124,8 @@ def pack_upper(
             os.close(fd)
         try:
             t0 = time.perf_counter()
+            if marker is not None:
+                marker.write_text(cgroup)
             freeze(cgroup, True)
             try:
                 mkfs_erofs(
@@ -126,6 +139,8 @@ def pack_upper(
             finally:
                 frozen = time.perf_counter() - t0
                 freeze(cgroup, False)
+                if marker is not None:
+                    marker.unlink(missing_ok=True)
         finally:
             with contextlib.suppress(Exception):  # remove_tree detaches what is left anyway
                 unmount(view)
@@ -141,3 +156,21 @@ def pack_upper(
             workdir=workdir,
         )
         return info, frozen
+
+
+def recover_packs(store: LayerStore, markers: Iterable[Path]) -> None:
+    """After a daemon died mid-pack: detach the upper views left attached in ``store``'s
+    scratch, remove those scratch dirs, and thaw the cgroup each of ``markers`` names."""
+    tmp = store.tmp_dir
+    for scratch in sorted(tmp.glob("pack-*")) if tmp.is_dir() else []:
+        for point in mounted_under(scratch):
+            unmount(point, lazy=True)  # nothing of ours uses it any more
+        remove_tree(scratch)
+    for marker in markers:
+        try:
+            freeze(marker.read_text().strip(), False)
+        except FileNotFoundError:
+            continue
+        except NodeUnavailable:  # its cgroup is gone: so is the sandbox, nothing to thaw
+            pass
+        marker.unlink(missing_ok=True)
