@@ -930,16 +930,17 @@ class Node:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
         info = self.checked_snapshot(snapshot)
         fields = spec.to_dict() if spec is not None else {}
-        env = dict(item.partition("=")[::2] for item in info.env)
+        saved_env = dict(item.partition("=")[::2] for item in info.env)
+        workdir = fields.get("workdir", "/")
+        if workdir == "/":  # the spec's default: the snapshot's (as for an environment's)
+            workdir = info.workdir or "/"
         spec = SandboxSpec(
             **{
                 **fields,
                 "environment": None,
                 "layers": (info.ref, *info.parents),
-                "env": {**env, **fields.get("env", {})},
-                "workdir": fields.get("workdir", "/")
-                if fields.get("workdir", "/") != "/"
-                else info.workdir or "/",
+                "env": {**saved_env, **fields.get("env", {})},
+                "workdir": workdir,
             }
         )
         results = await self.create_many_settled(spec, n)
