@@ -22,6 +22,8 @@ __all__ = [
     "LayerBuildError",
     "LayerCorrupt",
     "LayerExists",
+    "LayerInUse",
+    "MissingParentLayers",
     "MountError",
     "NetlinkError",
     "NodeUnavailable",
@@ -102,6 +104,11 @@ class UnknownLayer(NotFound):
     """No layer with that ``name@version`` or digest in any layer source."""
 
 
+class MissingParentLayers(UnknownLayer):
+    """A snapshot's parent layers are in no layer source: ``missing`` names them (``ref
+    digest``), ``digests`` lists their digests."""
+
+
 class UnknownBackend(NotFound):
     """No backend plugin registered under that name."""
 
@@ -144,6 +151,13 @@ class LayerBuildError(DsecError):
 
 class LayerExists(DsecError):
     """``name@version`` already names a different layer; versions are immutable."""
+
+    http_status = 409
+
+
+class LayerInUse(DsecError):
+    """A layer snapshots in the same store are taken over (``dependents`` names them): removing
+    it would leave them unrestorable. Remove them first, or force it."""
 
     http_status = 409
 

@@ -46,7 +46,9 @@ __all__ = [
     "parse_size",
 ]
 
-LAYER_KINDS = ("base", "workspace", "toolkit")
+#: ``snapshot``: a sandbox's writable layer packed by ``pack_diff``; it only makes sense on top
+#: of the layers it was taken over (``LayerInfo.parents``).
+LAYER_KINDS = ("base", "workspace", "toolkit", "snapshot")
 #: CPU classes: "ls" (latency-sensitive: normal scheduling) and "be" (best-effort: runs only on
 #: CPU time the rest leave idle). ``SandboxSpec.qos``; the backend enforces them.
 QOS_CLASSES = ("ls", "be")
@@ -177,10 +179,40 @@ class LayerInfo(_Record):
     size: int
     created: float = 0.0
     source: str = ""  # what it was built from, for humans
+    #: A snapshot's layers below it, top first, as refs and as digests (same order): a
+    #: sandbox restored from it stacks ``[self, *parents]``. Empty for every other kind.
+    parents: tuple[str, ...] = ()
+    parent_digests: tuple[str, ...] = ()
+    #: A snapshot's sandbox environment (``KEY=VALUE``) and working directory, which a
+    #: restored sandbox starts with (its own spec's env on top); empty for other kinds.
+    env: tuple[str, ...] = ()
+    workdir: str = ""
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; keep the record hashable and equal to one built in Python
+        object.__setattr__(self, "parents", tuple(self.parents))
+        object.__setattr__(self, "parent_digests", tuple(self.parent_digests))
+        object.__setattr__(self, "env", tuple(self.env))
+        if len(self.parents) != len(self.parent_digests):
+            raise InvalidSpec(
+                f"layer {self.name}@{self.version}: {len(self.parents)} parent refs but "
+                f"{len(self.parent_digests)} parent digests",
+                field="parents",
+            )
 
     @property
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
+
+    def lineage(self) -> dict[str, Any]:
+        """What a snapshot knows beyond its image (parents, env, workdir), as keyword
+        arguments of ``LayerStore.add``: a copy of it in another store keeps them."""
+        return {
+            "parents": self.parents,
+            "parent_digests": self.parent_digests,
+            "env": self.env,
+            "workdir": self.workdir,
+        }
 
 
 @dataclass(frozen=True)
@@ -237,6 +269,16 @@ class IdMap(_Record):
         if self.group is None or self.group == self.host_base:
             return [(0, self.host_base, self.size)]
         return [(0, self.group, 1), (1, self.host_base + 1, self.size - 1)]
+
+    def unshift_uid_lines(self) -> list[tuple[int, int, int]]:
+        """The uid map read backwards: a user namespace whose ids ``host_base``.. are host ids
+        0.., so a mount idmapped through it shows the sandbox's files with their in-sandbox
+        owners (how ``pack_diff`` reads a writable layer)."""
+        return [(host, inside, count) for inside, host, count in self.uid_lines()]
+
+    def unshift_gid_lines(self) -> list[tuple[int, int, int]]:
+        """The gid map read backwards (see ``unshift_uid_lines``)."""
+        return [(host, inside, count) for inside, host, count in self.gid_lines()]
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,13 @@ from .api.messages import (
     ExecRequest,
     FileQuery,
     FnCallRequest,
+    PackDiffRequest,
     PauseQuery,
     PolicySettings,
     PrefetchRequest,
     ReadQuery,
     RemoveQuery,
+    RestoreRequest,
     SessionExecRequest,
     SessionOpenRequest,
     WriteQuery,
@@ -365,6 +367,35 @@ class Client:
     def layers(self) -> builtins.list[LayerInfo]:
         return list(self._call("layers").layers)
 
+    def pack_diff(
+        self,
+        sandbox_id: str,
+        *,
+        name: str | None = None,
+        version: str | None = None,
+        exclude: Sequence[str] = (),
+        scrub: bool = True,
+        source: str | None = None,
+    ) -> LayerInfo:
+        """Pack the running sandbox's writable layer into a snapshot layer over its layers
+        (``Node.pack_diff``): the sandbox is frozen meanwhile. ``exclude`` leaves paths out;
+        ``scrub`` also leaves out /tmp, caches and shell histories; ``source`` (a URL of one
+        of the node's layer sources) also pushes it there, with the parents it lacks."""
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
+        return self._call("pack_diff", body, sid=sandbox_id)
+
+    def restore(
+        self, snapshot: str | LayerInfo, n: int = 1, spec: SandboxSpec | None = None, **kw: Any
+    ) -> builtins.list[Sandbox]:
+        """``n`` new sandboxes that each start from ``snapshot``'s state, each with its own
+        writable layer over the same read-only layers; all or nothing. ``spec`` (or its
+        fields) sets the rest; its layers and environment are replaced by the snapshot's.
+        ``MissingParentLayers`` names the digests of parent layers no source holds."""
+        ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
+        # the node replaces the layers; a spec needs some to be valid
+        body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
+        return [Sandbox(self, i) for i in self._call("restore", body).sandboxes]
+
     def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
         body = PrefetchRequest(refs)  # type: ignore[arg-type]
@@ -620,6 +651,29 @@ class AsyncClient:
     async def layers(self) -> builtins.list[LayerInfo]:
         return list((await self._call("layers")).layers)
 
+    async def pack_diff(
+        self,
+        sandbox_id: str,
+        *,
+        name: str | None = None,
+        version: str | None = None,
+        exclude: Sequence[str] = (),
+        scrub: bool = True,
+        source: str | None = None,
+    ) -> LayerInfo:
+        """``Client.pack_diff``, awaited."""
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
+        return await self._call("pack_diff", body, sid=sandbox_id)
+
+    async def restore(
+        self, snapshot: str | LayerInfo, n: int = 1, spec: SandboxSpec | None = None, **kw: Any
+    ) -> builtins.list[AsyncSandbox]:
+        """``Client.restore``, awaited."""
+        ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
+        # the node replaces the layers; a spec needs some to be valid
+        body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
+        return [AsyncSandbox(self, i) for i in (await self._call("restore", body)).sandboxes]
+
     async def prefetch(self, refs: Sequence[str]) -> builtins.list[dict[str, Any]]:
         body = PrefetchRequest(refs)  # type: ignore[arg-type]
         made = await self._call("prefetch", body)
@@ -802,6 +856,7 @@ _SANDBOX_METHODS = (
     "usage",
     "policies",
     "set_policy",
+    "pack_diff",
     "kill",
 )
 

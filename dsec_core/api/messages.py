@@ -59,6 +59,7 @@ __all__ = [
     "Message",
     "NodeCapacity",
     "NodeStatus",
+    "PackDiffRequest",
     "PauseQuery",
     "PolicySettings",
     "PolicyState",
@@ -71,6 +72,7 @@ __all__ = [
     "ReadQuery",
     "RemoveQuery",
     "Removed",
+    "RestoreRequest",
     "SandboxInfo",
     "SandboxList",
     # records that travel as they are
@@ -502,6 +504,43 @@ class DirListing(Message):
 
 
 # --- layers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackDiffRequest(Message):
+    """Pack a running sandbox's writable layer into a snapshot layer over its layers.
+
+    ``name`` defaults to ``snapshot-<id>``, ``version`` to the first 12 hex digits of its
+    digest; ``exclude`` lists paths inside the sandbox left out (with all below them), and
+    ``scrub`` also leaves out the usual scratch (/tmp, caches, shell histories)."""
+
+    name: str | None = None
+    version: str | None = None
+    exclude: tuple[str, ...] = ()
+    scrub: bool = True
+    #: The URL of one of the node's layer sources to push the snapshot (and the parents it
+    #: lacks) to, so other nodes can restore it; None: the node's own store only.
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.exclude, str):
+            raise InvalidSpec(
+                f"exclude must be a list of paths, not one string: {self.exclude!r}",
+                field="exclude",
+            )
+        if isinstance(self.exclude, AbcSequence) and not isinstance(self.exclude, tuple):
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+
+
+@dataclass(frozen=True)
+class RestoreRequest(Message):
+    """Create ``count`` sandboxes from snapshot layer ``snapshot`` (``name@version``), each
+    with its own writable layer over the snapshot and its parents; ``spec`` gives the rest
+    (limits, env, labels: its layers and environment are replaced). All or nothing."""
+
+    snapshot: str = field(metadata=_limits(minLength=1))
+    count: int = field(default=1, metadata=_limits(minimum=1))
+    spec: SandboxSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -429,6 +429,52 @@ def sandbox_policy(sandbox_id, policy, settings) -> None:
     click.echo(f"{state.name}: {state.state} {json.dumps(dict(state.settings))}")
 
 
+@sandbox.command("pack-diff")
+@click.argument("sandbox_id")
+@click.option("--name", help="Layer name (default snapshot-<id>).")
+@click.option("--version", "version", help="Layer version (default: its digest's first 12 hex).")
+@click.option("--exclude", multiple=True, help="A path inside left out; repeat.")
+@click.option(
+    "--no-scrub", is_flag=True, help="Keep /tmp, caches and shell histories in the snapshot."
+)
+@click.option("--source", help="Also push it (and the parents it lacks) to this layer source.")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_pack_diff(sandbox_id, name, version, exclude, no_scrub, source, as_json) -> None:
+    """Pack a running sandbox's writable layer into a snapshot layer; print its ref."""
+    with Client() as client:
+        info = client.pack_diff(
+            sandbox_id,
+            name=name,
+            version=version,
+            exclude=exclude,
+            scrub=not no_scrub,
+            source=source,
+        )
+    if as_json:
+        _dump(info.to_dict())
+    else:
+        click.echo(f"{info.ref} {info.digest} {info.size} bytes over {', '.join(info.parents)}")
+
+
+@sandbox.command("restore")
+@click.argument("snapshot")
+@click.option("-n", "--count", type=int, default=1, show_default=True)
+@click.option("--memory", default="512M", show_default=True)
+@click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
+@click.option("--disk", default="10G", show_default=True, help="Writable layer size (quota).")
+@click.option("--ttl", type=float, default=3600.0, show_default=True, help="Lifetime, seconds.")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_restore(snapshot, count, memory, cpu, disk, ttl, as_json) -> None:
+    """Create COUNT sandboxes that each start from SNAPSHOT (name@version); print their ids."""
+    with Client() as client:
+        made = client.restore(snapshot, n=count, memory=memory, cpu=cpu, disk=disk, ttl=ttl)
+    if as_json:
+        _dump([sb.info.to_dict() for sb in made])
+    else:
+        for sb in made:
+            click.echo(sb.id)
+
+
 @sandbox.command("rm")
 @click.argument("sandbox_ids", nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="Remove every sandbox on the node.")

@@ -177,10 +177,11 @@ def layer_ls(as_json: bool) -> None:
 
 @layer.command("rm")
 @click.argument("ref")
-def layer_rm(ref: str) -> None:
+@click.option("--force", is_flag=True, help="Even if snapshots are taken over it.")
+def layer_rm(ref: str, force: bool) -> None:
     """Remove layer REF (name@version); its image goes when no other ref uses it."""
     _, store, _ = _stores()
-    info = store.remove(ref)
+    info = store.remove(ref, force=force)
     click.echo(f"removed {info.ref} ({info.digest[:19]})")
 
 

@@ -21,10 +21,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ..errors import InvalidSpec, LayerExists, UnknownLayer
+from ..errors import InvalidSpec, LayerExists, LayerInUse, UnknownLayer
 from ..lazy.layout import ReadProfile
 from ..linux.files import digest_hex, file_digest, remove_tree, write_atomic
 from ..records import LAYER_KINDS, LayerInfo, LayerRef
@@ -185,12 +185,18 @@ class LayerStore:
         kind: str,
         source: str = "",
         progress: Progress | None = None,
+        parents: Sequence[str] = (),
+        parent_digests: Sequence[str] = (),
+        env: Sequence[str] = (),
+        workdir: str = "",
     ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
         ``version=None`` names the layer by the first 12 hex digits of its digest. Adding the
         same content under the same ref again returns the existing layer; a different content
-        under an existing ref raises ``LayerExists``: versions are immutable.
+        under an existing ref raises ``LayerExists``: versions are immutable. ``parents`` and
+        ``parent_digests``: refs and digests of the layers (top first) a ``snapshot`` layer
+        was taken over; ``env`` (``KEY=VALUE``) and ``workdir``: its sandbox's.
         """
         image = Path(image)
         check_kind(kind)
@@ -222,6 +228,10 @@ class LayerStore:
                 size=blob.stat().st_size,
                 created=time.time(),
                 source=source,
+                parents=tuple(parents),
+                parent_digests=tuple(parent_digests),
+                env=tuple(env),
+                workdir=workdir,
             )
             write_atomic(
                 self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"
@@ -250,11 +260,12 @@ class LayerStore:
                 os.unlink(tmp)
             raise
 
-    def remove(self, ref: LayerRef | str) -> LayerInfo:
+    def remove(self, ref: LayerRef | str, *, force: bool = False) -> LayerInfo:
         """Drop the ref; its blob goes too when no other ref uses it.
 
         An unversioned ref is accepted only when the name has exactly one version, so a typo
-        cannot delete the newest of several.
+        cannot delete the newest of several. A layer that snapshots of this store are taken
+        over is ``LayerInUse`` unless ``force``.
         """
         ref = LayerRef.parse(str(ref))
         with self._locked():
@@ -267,6 +278,21 @@ class LayerStore:
                         ref=str(ref),
                     )
             info = self.resolve(ref)
+            dependents = [
+                i.ref
+                for i in self.list()
+                if any(
+                    (r, d) == (info.ref, info.digest)
+                    for r, d in zip(i.parents, i.parent_digests, strict=True)
+                )
+            ]
+            if dependents and not force:
+                raise LayerInUse(
+                    f"layer {info.ref} is a parent of snapshot(s) {', '.join(dependents)}: "
+                    "remove them first, or force it",
+                    ref=info.ref,
+                    dependents=dependents,
+                )
             self._ref_file(info.name, info.version).unlink()
             with contextlib.suppress(OSError):
                 (self.ref_dir / info.name).rmdir()

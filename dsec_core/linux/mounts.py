@@ -17,11 +17,13 @@ from pathlib import Path
 from ..errors import MountError
 
 __all__ = [
+    "MS_BIND",
     "MS_NODEV",
     "MS_NOSUID",
     "MS_RDONLY",
     "IdLines",
     "UserNamespaceHandle",
+    "attach",
     "clone_idmapped",
     "ensure_tmpfs",
     "mount",
@@ -62,6 +64,7 @@ MNT_DETACH = 2
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
+MS_BIND = 0x1000
 
 
 class _MountAttr(ctypes.Structure):
@@ -157,6 +160,19 @@ def clone_idmapped(path: Path, userns: UserNamespaceHandle) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def attach(fd: int, target: Path) -> None:
+    """Attach the detached mount ``fd`` (from ``clone_idmapped``) at ``target``. Tools that
+    canonicalize their paths (mkfs.erofs) cannot walk a detached mount through
+    ``/proc/self/fd/N``: it reads back as ``/``."""
+    _check(
+        _libc.syscall(
+            SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, os.fsencode(target), MOVE_MOUNT_F_EMPTY_PATH
+        ),
+        "move_mount to",
+        target,
+    )
 
 
 def mount_erofs_file(

@@ -11,6 +11,7 @@ daemon re-adopts what is still running and cleans up what is not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,15 @@ from typing import Any
 from .. import plugins
 from ..agent import ensure_agent
 from ..agent.rpc import AgentClient
-from ..backend import Backend, DeviceNode, Feature, LayerImage, RootfsForm, SandboxRuntime
+from ..backend import (
+    Backend,
+    DeviceNode,
+    Feature,
+    LayerImage,
+    RootfsForm,
+    SandboxRuntime,
+    cgroup_path,
+)
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import (
@@ -33,11 +42,14 @@ from ..errors import (
     BackendUnavailable,
     DsecError,
     InvalidSpec,
+    MissingParentLayers,
     PolicyUnavailable,
     SandboxNotRunning,
     SandboxPaused,
     UnknownSandbox,
+    UnknownSource,
 )
+from ..layers.store import LayerStore
 from ..linux import sysctl
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
@@ -49,6 +61,7 @@ from ..records import (
     IdMap,
     JudgeResult,
     LayerInfo,
+    LayerRef,
     NodeLoad,
     PolicyState,
     SandboxInfo,
@@ -65,12 +78,15 @@ from .judge import JudgeSpec, judge
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
+from .snapshots import exclude_paths, pack_upper, recover_packs
 
 __all__ = ["Node"]
 
 log = logging.getLogger("dsec.node")
 
 STATE_FILE = "state.json"
+#: In a sandbox's runtime dir while a pack_diff may hold it frozen (names its cgroup).
+PACK_MARKER = "packing"
 
 
 #: Settings keys the node reads itself; a policy never sees them.
@@ -112,6 +128,7 @@ class Sandbox:
     policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
     exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
     paused: bool = False  # running, but every process stopped where it was (Feature.PAUSE)
+    packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -746,6 +763,8 @@ class Node:
             await sb.stopped.wait()
             return
         sb.status = "stopping"
+        if sb.packing is not None:  # its thread thaws the sandbox; kill after that
+            await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self._unwatch_exit(sb)
         if sb.ttl_handle:
             sb.ttl_handle.cancel()
@@ -785,6 +804,161 @@ class Node:
             1e3 * (time.perf_counter() - t0),
         )
 
+    # --- snapshots (pack_diff) ------------------------------------------------------------
+    async def pack_diff(
+        self,
+        sid: str,
+        name: str | None = None,
+        version: str | None = None,
+        exclude: Sequence[str] = (),
+        scrub: bool = True,
+        source: str | None = None,
+    ) -> LayerInfo:
+        """Pack the running sandbox's writable layer into a ``snapshot`` layer of the node's
+        store over the sandbox's layers (``node.snapshots``): ``name`` (default
+        ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
+        ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
+        histories), are left out: a restored sandbox sees the layers below for them. The
+        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running.
+        ``source``: the URL of one of the node's layer sources to push the snapshot to, after
+        those of its parents it lacks, so other nodes of that source can restore it."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(
+                f"sandbox {sid} is {sb.status}: only a running sandbox can be packed",
+                sandbox_id=sid,
+            )
+        if sb.rt.rootfs is None:
+            raise BackendUnavailable(
+                f"backend {sb.backend.name!r} keeps its writable layer in a disk image; "
+                "pack_diff packs overlay upper layers only",
+                backend=sb.backend.name,
+            )
+        if sb.packing is not None:
+            raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
+        paths = exclude_paths(exclude, scrub)
+        target = None if source is None else self._source(source)
+        parents = list(sb.layers)
+        t0 = time.perf_counter()
+        sb.packing = asyncio.ensure_future(
+            asyncio.to_thread(
+                pack_upper,
+                sb.rt.data_dir / "upper",
+                sb.rt.idmap,
+                cgroup_path(sid),
+                LayerStore(self.config.layer_dir),
+                name=name or f"snapshot-{sid}",
+                version=version,
+                parents=parents,
+                exclude=paths,
+                source=f"pack_diff of sandbox {sid}",
+                env=[f"{k}={v}" for k, v in sorted(sb.rt.spec.env.items())],
+                workdir=sb.rt.spec.workdir,
+                marker=sb.rt.dir / PACK_MARKER,
+                paused=sb.paused,
+            )
+        )
+        sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
+        info, frozen = await asyncio.shield(sb.packing)
+        log.info(
+            "packed sandbox %s as %s: %d bytes, %.1f ms (frozen %.1f ms)",
+            sid,
+            info.ref,
+            info.size,
+            1e3 * (time.perf_counter() - t0),
+            1e3 * frozen,
+        )
+        if target is not None:
+            await asyncio.to_thread(self._push_layers, target, [*reversed(parents), info])
+        return info
+
+    def _source(self, url: str) -> LayerSource:
+        """The node's layer source at ``url``; ``UnknownSource`` naming them if none is."""
+        for source in self.layer_sources:
+            if url == source.url:
+                return source
+        raise UnknownSource(
+            f"{url!r} is none of this node's layer sources "
+            f"({', '.join(s.url for s in self.layer_sources)})",
+            name=url,
+            known=[s.url for s in self.layer_sources],
+        )
+
+    def _push_layers(self, target: LayerSource, layers: Sequence[LayerInfo]) -> None:
+        """Push each of ``layers`` (in order: parents before the snapshot over them) that
+        ``target`` does not hold yet with the same digest. Blocking."""
+        for info in layers:
+            there = target.resolve(LayerRef.parse(info.ref))
+            if there is not None and there.digest == info.digest:
+                continue
+            origin, _ = find_layer(self.layer_sources, info.ref)
+            target.push(info, origin.image_path(info))
+
+    def checked_snapshot(self, snapshot: str) -> LayerInfo:
+        """The snapshot layer ``snapshot``, once its parents are checked: a restored sandbox
+        stacks it over them. ``MissingParentLayers`` naming each parent no source has (or has
+        with other content), ``InvalidSpec`` if the layer is not a snapshot."""
+        _, info = find_layer(self.layer_sources, snapshot)
+        if info.kind != "snapshot":
+            raise InvalidSpec(
+                f"layer {info.ref} is a {info.kind} layer, not a snapshot", field="snapshot"
+            )
+        if not info.parents:  # a copy that lost them (made by a tool that predates snapshots)
+            raise InvalidSpec(
+                f"snapshot {info.ref} records no parent layers: it cannot be restored",
+                field="snapshot",
+            )
+        missing = []
+        for ref, digest in zip(info.parents, info.parent_digests, strict=True):
+            try:
+                _, found = find_layer(self.layer_sources, ref)
+            except DsecError:
+                found = None
+            if found is None or found.digest != digest:
+                missing.append((ref, digest))
+        if missing:
+            raise MissingParentLayers(
+                f"snapshot {info.ref}: parent layer(s) missing: "
+                + ", ".join(f"{ref} ({digest})" for ref, digest in missing),
+                name=info.ref,
+                missing=[f"{ref} {digest}" for ref, digest in missing],
+                digests=[digest for _, digest in missing],
+            )
+        return info
+
+    async def restore(
+        self, snapshot: str, n: int = 1, spec: SandboxSpec | None = None
+    ) -> list[SandboxInfo]:
+        """``n`` new sandboxes that each start from ``snapshot``'s state, each with its own
+        writable layer over the same shared layer mounts. ``spec`` gives the rest (limits,
+        labels; its layers and environment are replaced); the snapshot's env and workdir
+        apply under the spec's own. All or nothing: if one create fails, those made are
+        killed and its error raised."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
+            raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
+        info = self.checked_snapshot(snapshot)
+        fields = spec.to_dict() if spec is not None else {}
+        saved_env = dict(item.partition("=")[::2] for item in info.env)
+        workdir = fields.get("workdir", "/")
+        if workdir == "/":  # the spec's default: the snapshot's (as for an environment's)
+            workdir = info.workdir or "/"
+        spec = SandboxSpec(
+            **{
+                **fields,
+                "environment": None,
+                "layers": (info.ref, *info.parents),
+                "env": {**saved_env, **fields.get("env", {})},
+                "workdir": workdir,
+            }
+        )
+        results = await self.create_many_settled(spec, n)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.kill(i.id) for i in made), return_exceptions=True)
+            raise failed[0]
+        return made
+
     # --- FnCall pools ---------------------------------------------------------------------
     async def pause(self, sid: str, reclaim: bool = False) -> SandboxInfo:
         """Stop every process of a running sandbox where it is (``Feature.PAUSE``): memory,
@@ -800,6 +974,7 @@ class Node:
             )
         if POOL_LABEL in sb.rt.spec.labels:
             raise InvalidSpec(f"sandbox {sid} is an FnCall pool member: pools pause nothing")
+        await self._packed(sb)
         if not sb.paused:
             t0 = time.perf_counter()
             await sb.backend.pause(sb.rt, sb.backend_state, reclaim=reclaim)
@@ -813,11 +988,19 @@ class Node:
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        await self._packed(sb)
         if sb.paused:
             await sb.backend.resume(sb.rt, sb.backend_state)
             sb.paused = False
             self._write_state(sb)
         return sb.info()
+
+    @staticmethod
+    async def _packed(sb: Sandbox) -> None:
+        """Wait for a pack_diff of ``sb`` in flight: it thaws what it froze when done."""
+        if sb.packing is not None:
+            with contextlib.suppress(Exception):  # the pack's caller gets its error
+                await asyncio.shield(sb.packing)
 
     async def reset(self, sid: str) -> None:
         """Return a running sandbox of a ``Feature.RESET`` backend to how it started."""
@@ -946,6 +1129,9 @@ class Node:
         """Take over sandboxes a previous daemon left running; clean up the rest."""
         in_use: dict[str, int] = {}
         runtime = self.config.runtime_dir
+        # first: a pack that died holds a view of a writable layer and may leave it frozen
+        markers = list(runtime.glob(f"*/{PACK_MARKER}")) if runtime.exists() else []
+        await asyncio.to_thread(recover_packs, LayerStore(self.config.layer_dir), markers)
         for sdir in sorted(runtime.iterdir()) if runtime.exists() else []:
             try:
                 sb = self._load(sdir)

@@ -179,6 +179,28 @@ async def _create(node: Node, c: Call) -> CreateResult:
     )
 
 
+@_handles("pack_diff")
+async def _pack_diff(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.pack_diff(
+        c.sid, name=b.name, version=b.version, exclude=b.exclude, scrub=b.scrub, source=b.source
+    )
+
+
+@_handles("restore")
+async def _restore(node: Node, c: Call) -> SandboxList:
+    count = c.body.count
+    if count > node.config.max_batch:
+        raise InvalidSpec(
+            f"count {count} is over this node's limit of {node.config.max_batch} sandboxes per "
+            "request (DSEC_MAX_BATCH)",
+            field="count",
+            limit=node.config.max_batch,
+        )
+    made = await node.restore(c.body.snapshot, count, c.body.spec)
+    return SandboxList(sandboxes=tuple(made))
+
+
 @_handles("list")
 async def _list(node: Node, c: Call) -> SandboxList:
     return SandboxList(sandboxes=tuple(node.list_sandboxes()))

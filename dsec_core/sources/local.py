@@ -60,10 +60,15 @@ class LocalLayerSource(LayerSource):
                 copy = tmp / "image.erofs"
                 shutil.copyfile(image, copy)  # add() moves its input into the store
                 added = self.store.add(
-                    copy, name=info.name, version=info.version, kind=info.kind, source=info.source
+                    copy,
+                    name=info.name,
+                    version=info.version,
+                    kind=info.kind,
+                    source=info.source,
+                    **info.lineage(),
                 )
             if added.digest != info.digest:
-                self.store.remove(info.ref)
+                self.store.remove(info.ref, force=True)
                 raise LayerCorrupt(
                     f"{image} is not {info.digest}", digest=info.digest, source=self.url
                 )

@@ -56,6 +56,11 @@ def pull_layer(ref: str, src: LayerSource, local: LayerStore) -> Transfer:
         copy = tmp / "image.erofs"
         shutil.copyfile(image, copy)  # add() moves its input; the source's copy stays
         added = local.add(
-            copy, name=info.name, version=info.version, kind=info.kind, source=src.url
+            copy,
+            name=info.name,
+            version=info.version,
+            kind=info.kind,
+            source=src.url,
+            **info.lineage(),  # a snapshot's pulled copy still knows what it goes over
         )
     return Transfer(added.ref, added.digest, added.size, True)

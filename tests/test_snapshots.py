@@ -1,0 +1,442 @@
+"""pack_diff snapshots and restores (issue 10, deliverables 1 and 2), on real sandboxes of an
+in-process node: what survives a pack, n restored siblings with their own writable layers over
+shared layer mounts, chains, excluded paths, and the typed errors of bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dsec
+from dsec_core.catalog.model import Catalog, Environment
+from dsec_core.catalog.store import CatalogStore
+from dsec_core.errors import (
+    LayerInUse,
+    MissingParentLayers,
+    SandboxNotRunning,
+    ToolError,
+    UnknownSandbox,
+    UnknownSource,
+)
+from dsec_core.layers.store import LayerStore
+from dsec_core.linux.cgroups import freeze, frozen
+from dsec_core.linux.mounts import MS_BIND, mount, mounted_under
+from dsec_core.node import snapshots
+from dsec_core.node.node import Node
+from dsec_core.node.snapshots import exclude_paths
+from dsec_core.records import LayerInfo, SandboxSpec
+from dsec_core.testing import node_home
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+BASE = SandboxSpec(layers=("kit-base@1",), memory="128M", disk="64M", ttl=None)
+
+# Changes of every kind over the busybox base layer: new files and directories, a hard link, a
+# symlink, modes and owners, a deleted lower file (whiteout), a replaced lower directory
+# (opaque), and scratch that pack_diff leaves out.
+CHANGES = """
+set -e
+mkdir -p /data/sub /data/cache
+echo hello > /data/f
+ln /data/f /data/hl
+ln -s f /data/link
+chmod 640 /data/f
+chown 1234:2345 /data/f
+chmod 751 /data/sub
+chown 7:8 /data/sub
+rm /etc/group
+rm -rf /var
+mkdir /var
+echo only > /var/only
+echo secret > /tmp/secret
+echo 'history' > /root/.ash_history
+echo junk > /data/cache/junk
+"""
+
+
+async def _node(config) -> Node:
+    node = Node(config)
+    await node.open()
+    return node
+
+
+async def sh(node: Node, sid: str, script: str) -> str:
+    r = await node.exec(sid, ["sh", "-c", script], timeout=30)
+    assert r.exit_code == 0, (script, r.stderr)
+    return r.stdout.decode()
+
+
+def rootfs(node: Node, sid: str):
+    rt = node.sandboxes[sid].rt
+    assert rt.rootfs is not None
+    return rt.rootfs
+
+
+async def check_changes(node: Node, sid: str) -> None:
+    """``sid`` sees exactly the state ``CHANGES`` left, scratch excluded."""
+    out = await sh(
+        node,
+        sid,
+        "cat /data/f; stat -c '%a %u %g %h %i' /data/f /data/hl; stat -c '%a %u %g' /data/sub;"
+        "readlink /data/link; ls /var; test ! -e /etc/group && echo no-group;"
+        "test -e /etc/passwd && echo passwd; ls -A /tmp | wc -l; test ! -e /root/.ash_history"
+        " && echo no-history; test ! -e /data/cache && echo no-cache; stat -c '%u %g' /var/only",
+    )
+    lines = out.splitlines()
+    assert lines[0] == "hello"
+    f, hl = lines[1].split(), lines[2].split()
+    assert f[:4] == ["640", "1234", "2345", "2"] and f == hl  # one inode, two names
+    assert lines[3] == "751 7 8"
+    assert lines[4] == "f"
+    assert lines[5] == "only"  # /var replaced: the base's /var/tmp is hidden (opaque)
+    assert lines[6:] == ["no-group", "passwd", "0", "no-history", "no-cache", "0 0"]
+    # an xattr written into the writable layer travels too
+    assert os.getxattr(rootfs(node, sid) / "data" / "f", "user.color") == b"blue"
+
+
+async def test_pack_and_restore_keeps_every_kind_of_change(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, CHANGES)
+            upper = node.sandboxes[a].rt.data_dir / "upper"
+            os.setxattr(upper / "data" / "f", "user.color", b"blue")
+            t0 = time.perf_counter()
+            snap = await node.pack_diff(a, exclude=["/data/cache"])
+            pack_ms = 1e3 * (time.perf_counter() - t0)
+            print(f"\npack_diff of a small change: {pack_ms:.1f} ms, {snap.size} bytes")
+            assert snap.kind == "snapshot" and snap.parents == ("kit-base@1",)
+            base = LayerStore(config.layer_dir).resolve("kit-base@1")
+            assert snap.parent_digests == (base.digest,)
+            # the source keeps running, thawed
+            assert (await sh(node, a, "echo alive")).strip() == "alive"
+
+            kids = [i.id for i in await node.restore(snap.ref, n=3, spec=BASE)]
+            assert len(set(kids)) == 3
+            for sid in kids:
+                await check_changes(node, sid)
+                assert node.sandboxes[sid].layers == [snap, base]
+            # siblings share each layer's one mount, and each writes to its own upper
+            image = node.mounts.path_for(snap.digest)  # the snapshot as mounted, from the host
+            assert (image / "data" / "f").is_file() and not (image / ".dsec").exists()
+            assert not (image / "tmp").exists()
+            counts = node.mounts.refcounts()
+            assert counts[snap.digest] == 3 and counts[base.digest] == 4
+            uppers = {node.sandboxes[s].rt.data_dir / "upper" for s in kids}
+            assert len(uppers) == 3
+            await sh(node, kids[0], "echo mine > /data/f; touch /data/new")
+            for sid in kids[1:]:
+                assert (await sh(node, sid, "cat /data/f; ls /data")).split() == [
+                    "hello",
+                    "f",
+                    "hl",
+                    "link",
+                    "sub",
+                ]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_chain_of_snapshots(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            # /etc/passwd is copied up from the base: the upper's copy carries overlay's
+            # trusted.overlay.origin, which then sits in a lower layer and is copied up again
+            await sh(node, a, "echo one > /one; echo keep > /gone; chmod 600 /etc/passwd")
+            first = await node.pack_diff(a, name="step", version="1")
+            b = (await node.restore(first.ref))[0].id  # no spec: the defaults
+            await sh(node, b, "echo two > /two; rm /gone; echo changed > /one")
+            await sh(node, b, "echo 'x:x:5:5::/:/bin/sh' >> /etc/passwd")
+            second = await node.pack_diff(b, name="step", version="2")
+            assert second.parents == ("step@1", "kit-base@1")
+            c = (await node.restore(second.ref, spec=BASE))[0].id
+            out = await sh(node, c, "cat /one /two; test ! -e /gone && echo gone")
+            assert out.split() == ["changed", "two", "gone"]
+            out = await sh(node, c, "stat -c %a /etc/passwd; tail -n1 /etc/passwd")
+            assert out.split() == ["600", "x:x:5:5::/:/bin/sh"]
+            assert [i.ref for i in node.sandboxes[c].layers] == ["step@2", "step@1", "kit-base@1"]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_restore_keeps_the_environment_s_env_and_workdir(tmp_path):
+    with node_home("dsec-snap-") as config:
+        CatalogStore(config.catalog_dir).save(
+            Catalog(
+                name="snap",
+                environments=(
+                    Environment(
+                        name="snap-env",
+                        base="kit-base@1",
+                        env={"A": "1", "B": "2"},
+                        workdir="/home",
+                    ),
+                ),
+            )
+        )
+        node = await _node(config)
+        try:
+            spec = SandboxSpec(environment="snap-env", memory="128M", disk="64M")
+            a = (await node.create(spec)).id
+            await sh(node, a, "echo here > mark")
+            snap = await node.pack_diff(a)
+            assert snap.env == ("A=1", "B=2") and snap.workdir == "/home"
+            b = (await node.restore(snap.ref))[0].id
+            assert (await sh(node, b, "pwd; cat mark; echo $A$B")).split() == [
+                "/home",
+                "here",
+                "12",
+            ]
+            # the restore's own spec goes on top
+            own = SandboxSpec(layers=("x@1",), env={"B": "3"}, workdir="/", memory="128M")
+            c = (await node.restore(snap.ref, spec=own))[0].id
+            assert (await sh(node, c, "pwd; echo $A$B")).split() == ["/home", "13"]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_snapshot_of_a_sandbox_that_writes_is_consistent(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            # each step writes a whole new file and renames it over the last
+            await node.exec(
+                a,
+                [
+                    "sh",
+                    "-c",
+                    "(i=0; while :; do i=$((i+1)); seq 1 $i > /c.tmp; mv /c.tmp /c; done)"
+                    " </dev/null >/dev/null 2>&1 &",
+                ],
+                background=True,
+            )
+            await asyncio.sleep(0.3)
+            snap = await node.pack_diff(a)
+            assert not frozen(f"dsec/{a}")
+            before = int((await sh(node, a, "tail -n1 /c")).strip())
+            await asyncio.sleep(0.2)
+            assert int((await sh(node, a, "tail -n1 /c")).strip()) > before  # still writing
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            lines = (await sh(node, b, "cat /c")).split()
+            assert lines == [str(k) for k in range(1, len(lines) + 1)] and lines
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_paused_sandbox_packs_and_stays_paused(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo at-k > /step")
+            await node.pause(a)
+            snap = await node.pack_diff(a)
+            assert frozen(f"dsec/{a}") and node.sandboxes[a].paused
+            await node.resume(a)
+            assert await sh(node, a, "cat /step") == "at-k\n"
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            assert await sh(node, b, "cat /step") == "at-k\n"
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_bad_input_is_a_typed_error(tmp_path):
+    with node_home("dsec-snap-") as config:
+        store = LayerStore(config.layer_dir)
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await node.kill(a)
+            with pytest.raises(UnknownSandbox):
+                await node.pack_diff(a)
+            b = (await node.create(BASE)).id
+            node.sandboxes[b].status = "stopping"  # as a kill in progress leaves it
+            with pytest.raises(SandboxNotRunning):
+                await node.pack_diff(b)
+            node.sandboxes[b].status = "running"
+            # a snapshot over a layer that then goes away
+            base = store.resolve("kit-base@1")
+            snap = await node.pack_diff(b)
+            await node.kill(b)
+            with pytest.raises(LayerInUse) as used:
+                store.remove("kit-base@1")
+            assert used.value.dependents == [snap.ref]
+            store.remove("kit-base@1", force=True)
+            with pytest.raises(MissingParentLayers) as e:
+                await node.restore(snap.ref, n=2, spec=BASE)
+            assert e.value.digests == [base.digest]
+            assert base.digest in str(e.value)
+            assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_snapshot_in_a_shared_source_restores_on_another_node(tmp_path):
+    shared = f"local:{tmp_path / 'shared'}"
+    with node_home("dsec-snap-", layer_sources=("local", shared)) as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo far > /far")
+            with pytest.raises(UnknownSource):
+                await node.pack_diff(a, source="local:/nowhere")
+            snap = await node.pack_diff(a, name="far", version="1", source=shared)
+        finally:
+            await node.close(kill_all=True)
+    # a node whose only source is the shared one: the snapshot and its parent come from it
+    with node_home("dsec-snap2-", layer_sources=(shared,)) as config:
+        node = await _node(config)
+        try:
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            assert (await sh(node, b, "cat /far")).strip() == "far"
+            layers = node.sandboxes[b].layers
+            assert [i.digest for i in layers] == [snap.digest, *snap.parent_digests]
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_kill_during_a_pack_waits_for_it():
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "head -c 30000000 /dev/urandom > /big")
+            pack = asyncio.create_task(node.pack_diff(a))
+            await asyncio.sleep(0)  # the pack starts (and freezes the sandbox) first
+            assert node.sandboxes[a].packing is not None
+            await node.kill(a)
+            info = await pack  # the pack finished before the sandbox went
+            assert info.size > 30_000_000
+            assert not node.sandboxes
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_daemon_that_died_mid_pack_is_followed_by_one_that_recovers():
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            rt = node.sandboxes[a].rt
+            # what a pack leaves if the daemon dies in mkfs.erofs: a view, a frozen sandbox
+            view = config.layer_dir / "tmp" / "pack-dead" / "upper"
+            view.mkdir(parents=True)
+            mount(os.fspath(rt.data_dir / "upper"), view, "", MS_BIND)
+            (rt.dir / "packing").write_text(f"dsec/{a}")
+            freeze(f"dsec/{a}")
+            await node.close()  # the daemon goes; the sandbox stays
+            node = await _node(config)
+            assert a in node.sandboxes
+            assert not frozen(f"dsec/{a}") and not (rt.dir / "packing").exists()
+            assert not mounted_under(config.layer_dir) and not view.parent.exists()
+            assert (await sh(node, a, "echo ok")).strip() == "ok"
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_failed_pack_thaws_the_sandbox_and_leaves_nothing(monkeypatch):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo x > /x")
+
+            def broken(*args, **kw):
+                raise ToolError("mkfs.erofs failed", command=["mkfs.erofs"], exit_code=1)
+
+            monkeypatch.setattr(snapshots, "mkfs_erofs", broken)
+            with pytest.raises(ToolError):
+                await node.pack_diff(a)
+            assert not frozen(f"dsec/{a}")
+            assert (await sh(node, a, "cat /x")).strip() == "x"
+            tmp = config.layer_dir / "tmp"
+            assert not mounted_under(config.layer_dir)
+            assert not tmp.exists() or not any(tmp.iterdir())
+            assert not [i for i in LayerStore(config.layer_dir).list() if i.kind == "snapshot"]
+            assert node.sandboxes[a].packing is None
+        finally:
+            await node.close(kill_all=True)
+
+
+def test_exclude_paths_are_normalized_and_checked():
+    assert exclude_paths(["/a/b/", "c//d"], scrub=False) == (".dsec", "a/b", "c/d")
+    assert "tmp" in exclude_paths([], scrub=True)
+    for bad in ("/", "../x", "a/../../b", ""):
+        with pytest.raises(Exception, match="exclude"):
+            exclude_paths([bad], scrub=False)
+
+
+def test_old_layer_records_still_load():
+    old = {"name": "a", "version": "1", "kind": "base", "digest": "sha256:00", "size": 1}
+    info = LayerInfo.from_dict(old)
+    assert info.parents == () and info.parent_digests == ()
+    snap = LayerInfo.from_dict(
+        {**old, "kind": "snapshot", "parents": ["a@1"], "parent_digests": ["sha256:00"]}
+        | {"env": ["A=1"], "workdir": "/w"}
+    )
+    assert snap.parents == ("a@1",) and snap.env == ("A=1",)
+    assert LayerInfo.from_dict(snap.to_dict()) == snap
+
+
+# --- over the API -------------------------------------------------------------------------------
+
+
+def test_pack_and_restore_through_the_sdk(dsec_client, dsec_node):
+    spec = dict(layers=(dsec_node.layer.ref,), memory="128M", disk="64M", ttl=600)
+    with dsec_client.create(**spec) as sb:
+        assert sb.exec(["sh", "-c", "echo step-k > /state; echo s > /tmp/x"]).exit_code == 0
+        snap = sb.pack_diff(name="sdk-snap", exclude=["/state-cache"])
+        assert isinstance(snap, dsec.LayerInfo) and snap.kind == "snapshot"
+        assert snap.parents == (dsec_node.layer.ref,)
+    kids = dsec_client.restore(snap, n=2, memory="128M", disk="64M", ttl=600)
+    try:
+        assert len({k.id for k in kids}) == 2
+        for k in kids:
+            r = k.exec(["sh", "-c", "cat /state; ls -A /tmp | wc -l"])
+            assert r.stdout.split() == [b"step-k", b"0"]
+            assert k.info.layers == (snap.ref, dsec_node.layer.ref)
+    finally:
+        for k in kids:
+            k.kill()
+    with pytest.raises(dsec.UnknownSandbox):
+        dsec_client.pack_diff(kids[0].id)
+    with pytest.raises(dsec.InvalidSpec):
+        dsec_client.restore(dsec_node.layer.ref)  # not a snapshot
+    with pytest.raises(dsec.UnknownLayer):
+        dsec_client.restore("no-such-snapshot@1")
+
+
+def test_pack_and_restore_through_the_cli(dsec_client, dsec_node):
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    cli = [sys.executable, "-m", "dsec_core.cli", "sandbox"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        out = subprocess.run([*cli, *args], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out
+        return out
+
+    with dsec_client.create(layers=(dsec_node.layer.ref,), memory="128M", disk="64M") as sb:
+        sb.exec(["sh", "-c", "echo cli > /mark"])
+        snap = json.loads(run("pack-diff", sb.id, "--name", "cli-snap", "--json").stdout)
+    assert snap["kind"] == "snapshot" and snap["parents"] == [dsec_node.layer.ref]
+    ref = f"{snap['name']}@{snap['version']}"
+    ids = run("restore", ref, "-n", "2", "--memory", "128M", "--disk", "64M").stdout.split()
+    try:
+        assert len(ids) == 2
+        for sid in ids:
+            assert dsec_client.get(sid).exec(["cat", "/mark"]).stdout == b"cli\n"
+    finally:
+        for sid in ids:
+            dsec_client.kill(sid)
+    bad = subprocess.run([*cli, "restore", "nope@1"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr.startswith("Error: ")
