@@ -136,6 +136,7 @@ __all__ = [
     "AGENT_PATH",
     "AGENT_SCOPES",
     "CGROUP_PARENT",
+    "DRIVE_DIR",
     "AgentChannel",
     "AgentPolicy",
     "Backend",
@@ -153,6 +154,9 @@ __all__ = [
 
 #: Where the agent binary is inside every sandbox.
 AGENT_PATH = "/.dsec/agent"
+#: Where a sandbox that drives others (``SandboxSpec.drives``) finds the node's drive socket
+#: directory (``Feature.DRIVE``): the socket is ``drive.sock`` in it.
+DRIVE_DIR = "/.dsec/drive"
 #: Parent of every sandbox's cgroup in each hierarchy: ``<hierarchy>/dsec/<sandbox id>``.
 CGROUP_PARENT = "dsec"
 
@@ -193,6 +197,11 @@ class Feature(enum.StrEnum):
     #: memory, open files, sockets and sessions stay) and ``resume`` lets them go on; a paused
     #: sandbox can still be killed. The node counts no CPU for it while it is paused.
     PAUSE = "pause"
+    #: Passes ``SandboxRuntime.drive_dir`` (a host directory holding the node's drive socket)
+    #: in at ``DRIVE_DIR``, so a loop in the sandbox can drive the workers its spec names; the
+    #: node tells its connections apart by peer uid, so processes in the sandbox must run as
+    #: uids of its ``idmap`` as seen from the host. Without it the node refuses ``drives``.
+    DRIVE = "drive"
 
 
 @dataclass
@@ -364,6 +373,9 @@ class SandboxRuntime:
     targets: frozenset[str] = frozenset()
     #: ``Feature.DEVICES``: the device nodes the node assigned it, to pass in.
     devices: tuple[DeviceNode, ...] = ()
+    #: ``Feature.DRIVE``: the directory of the node's drive socket, to pass in at
+    #: ``DRIVE_DIR`` (None: the sandbox drives nothing).
+    drive_dir: Path | None = None
 
 
 class Backend(abc.ABC):

@@ -23,6 +23,7 @@ __all__ = [
     "LayerCorrupt",
     "LayerExists",
     "LayerInUse",
+    "LeaseHeld",
     "MissingParentLayers",
     "MountError",
     "NetlinkError",
@@ -37,10 +38,13 @@ __all__ = [
     "SandboxPaused",
     "SessionClosed",
     "SourceUnavailable",
+    "StartTimeout",
     "ToolError",
+    "TrajectoryDiverged",
     "UnknownBackend",
     "UnknownEnvironment",
     "UnknownLayer",
+    "UnknownLease",
     "UnknownPolicy",
     "UnknownSandbox",
     "UnknownSession",
@@ -125,6 +129,10 @@ class UnknownSource(NotFound):
     """A layer source scheme no plugin handles."""
 
 
+class UnknownLease(NotFound):
+    """No lease of that id on the node: it was released, or the node restarted since."""
+
+
 class UnknownPolicy(NotFound):
     """A sandbox asked for a security policy no plugin provides."""
 
@@ -158,6 +166,13 @@ class LayerExists(DsecError):
 class LayerInUse(DsecError):
     """A layer snapshots in the same store are taken over (``dependents`` names them): removing
     it would leave them unrestorable. Remove them first, or force it."""
+
+    http_status = 409
+
+
+class LeaseHeld(DsecError):
+    """A sandbox is held by another trainer's live lease: it can be taken over only once that
+    lease lapses or is released. Carries ``sandbox_id`` and ``lease``."""
 
     http_status = 409
 
@@ -246,6 +261,20 @@ class SandboxNotRunning(SandboxError):
 
 class SandboxPaused(SandboxError):
     """The sandbox is paused: nothing in it answers until it is resumed."""
+
+    http_status = 409
+
+
+class StartTimeout(SandboxError):
+    """A sandbox took longer to start than its spec's ``start_timeout``; it was killed."""
+
+    http_status = 504
+
+
+class TrajectoryDiverged(SandboxError):
+    """A command logged at a step of a trajectory is replayed with another command: the loop
+    that replays it is not the one that ran it. Carries ``trajectory``, ``step``, ``logged``
+    and ``command``."""
 
     http_status = 409
 

@@ -21,6 +21,7 @@ __all__ = [
     "COMPARE_MODES",
     "DEFAULT_DISK",
     "DEVICE_MODES",
+    "INFRA_KINDS",
     "LAYER_KINDS",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
@@ -31,17 +32,20 @@ __all__ = [
     "FileEntry",
     "FnCallResult",
     "IdMap",
+    "InfraEvent",
     "JudgeCase",
     "JudgeResult",
     "JudgeSpec",
     "LayerInfo",
     "LayerRef",
+    "LeaseInfo",
     "Limits",
     "NodeLoad",
     "PolicyState",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxUsage",
+    "TrajectoryEntry",
     "device_requests",
     "parse_size",
 ]
@@ -55,6 +59,11 @@ QOS_CLASSES = ("ls", "be")
 #: How a sandbox holds a device (``DeviceRequest.mode``): "exclusive", alone (no other sandbox,
 #: shared or not, gets it meanwhile), or "shared" with at most the node's share cap of others.
 DEVICE_MODES = ("exclusive", "shared")
+#: Infrastructure failures (``InfraEvent.kind``), told apart from a task's own failure so a
+#: trainer can mask them rather than score them: "preempted" (its trainer's lease lapsed and the
+#: node paused it), "out_of_memory" (the kernel's OOM killer struck in it), "start_timeout" (it
+#: took longer to start than its ``start_timeout``), "node_lost" (its node stopped answering).
+INFRA_KINDS = ("preempted", "out_of_memory", "start_timeout", "node_lost")
 #: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
 MAX_PIDS = 1 << 22
 #: A sandbox's writable layer: its size unless the spec says otherwise, and the bounds. Below
@@ -392,10 +401,21 @@ class SandboxSpec(_Record):
     #: Devices from the node's inventory (``DeviceRequest``; dicts and "gpu:2:shared" text are
     #: read as such): held for the sandbox's life, passed in at their paths.
     devices: tuple[DeviceRequest, ...] = ()
+    #: Seconds the sandbox may take to start; one that takes longer is killed and the create
+    #: is ``StartTimeout`` (an infrastructure failure). None: no bound.
+    start_timeout: float | None = None
+    #: Ids of sandboxes this one may drive (an agent sandbox driving its workers): it reaches
+    #: them through ``DRIVE_SOCKET`` inside, and only them; each command is logged in its
+    #: ``trajectory``.
+    drives: tuple[str, ...] = ()
+    #: The trajectory log that commands this sandbox drives go to (default: its id). A loop
+    #: restarted in a new sandbox of the same trajectory fast-forwards through what was logged.
+    trajectory: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "drives", tuple(self.drives))
         object.__setattr__(self, "devices", device_requests(self.devices))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "labels", dict(self.labels))
@@ -425,6 +445,13 @@ class SandboxSpec(_Record):
             raise InvalidSpec("a sandbox needs an environment or at least one layer")
         if self.ttl is not None and self.ttl <= 0:
             raise InvalidSpec(f"ttl must be positive seconds or None, got {self.ttl}", field="ttl")
+        if self.start_timeout is not None and self.start_timeout <= 0:
+            raise InvalidSpec(
+                f"start_timeout must be positive seconds or None, got {self.start_timeout}",
+                field="start_timeout",
+            )
+        if self.trajectory is not None:
+            check_trajectory_name(self.trajectory)
         if not self.workdir.startswith("/") or "\0" in self.workdir:
             raise InvalidSpec(
                 f"workdir must be an absolute path without NUL, got {self.workdir!r}",
@@ -459,6 +486,17 @@ class SandboxSpec(_Record):
         _check_type("workdir", self.workdir, str, "an absolute path")
         _check_strings("labels", self.labels)
         _check_type("qos", self.qos, str, "a CPU class: ls or be")
+        _check_type("start_timeout", self.start_timeout, (int, float, type(None)), "seconds")
+        if self.start_timeout is not None:
+            _check_finite("start_timeout", self.start_timeout)
+        if isinstance(self.drives, str):
+            raise InvalidSpec(
+                "drives must be a list of sandbox ids, not one string", field="drives"
+            )
+        _check_type("drives", self.drives, (list, tuple), "a list of sandbox ids")
+        for i, sid in enumerate(self.drives):
+            _check_type(f"drives[{i}]", sid, str, "a sandbox id")
+        _check_type("trajectory", self.trajectory, (str, type(None)), "a trajectory name")
 
     @property
     def limits(self) -> Limits:
@@ -473,7 +511,68 @@ class SandboxSpec(_Record):
         d = super().to_dict()
         d["layers"] = list(self.layers)
         d["devices"] = [r.to_dict() for r in self.devices]
+        d["drives"] = list(self.drives)
         return d
+
+
+_TRAJECTORY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_trajectory_name(name: str) -> str:
+    """``name`` if it can name a trajectory log (a file on the node): 1-128 of letters, digits,
+    ``_.-``, not starting with a dot or dash; else ``InvalidSpec``."""
+    if not isinstance(name, str) or not _TRAJECTORY_RE.match(name):
+        raise InvalidSpec(
+            f"a trajectory name is 1-128 letters, digits, '_', '.', '-' (starting with a letter "
+            f"or digit), got {name!r}",
+            field="trajectory",
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class InfraEvent(_Record):
+    """An infrastructure failure (``INFRA_KINDS``) that struck a sandbox: not the task's doing,
+    so a trainer masks it instead of scoring it. ``at`` is the Unix time it happened."""
+
+    kind: str
+    sandbox_id: str = ""
+    at: float = 0.0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LeaseInfo(_Record):
+    """A trainer's lease on sandboxes (``Client.lease``): renewed within ``ttl`` seconds, or it
+    lapses (``state`` "lapsed") and the node pauses them. ``expires`` is Unix time."""
+
+    id: str
+    holder: str
+    sandboxes: tuple[str, ...]
+    ttl: float
+    expires: float
+    state: str = "held"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sandboxes", tuple(self.sandboxes))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["sandboxes"] = list(self.sandboxes)
+        return d
+
+
+@dataclass(frozen=True)
+class TrajectoryEntry(_Record):
+    """One step of a trajectory log: the command a loop ran at ``step`` in ``sandbox_id``, and
+    its result. The log is append-only; a loop that restarts gets these back instead of running
+    the commands again."""
+
+    step: int
+    sandbox_id: str
+    command: str
+    result: ExecResult
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -520,6 +619,8 @@ class SandboxUsage(_Record):
     memory: int | None = None
     cpu_seconds: float | None = None
     pids: int | None = None
+    #: Processes the kernel's OOM killer killed in the sandbox so far.
+    oom_kills: int | None = None
 
 
 @dataclass(frozen=True)
@@ -550,6 +651,11 @@ class ExecResult(_Record):
     #: resident set in bytes of it or of the largest of those descendants.
     cpu_time: float | None = None
     max_rss: int | None = None
+    #: The kernel's OOM killer struck in the sandbox while the command ran (an infrastructure
+    #: failure: ``InfraEvent`` "out_of_memory").
+    oom_killed: bool = False
+    #: Served from a trajectory log: the command ran before (at this step), not now.
+    replayed: bool = False
 
     @property
     def text(self) -> str:

@@ -21,14 +21,18 @@ from ..records import (
     ExecResult,
     FileEntry,
     FnCallResult,
+    InfraEvent,
     JudgeCase,
     JudgeResult,
     JudgeSpec,
     LayerInfo,
+    LeaseInfo,
     PolicyState,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
+    TrajectoryEntry,
+    check_trajectory_name,
     device_requests,
 )
 from .shapes import decoder, encoder
@@ -49,6 +53,7 @@ __all__ = [
     "FileQuery",
     "FnCallRequest",
     "FnCallResult",
+    "InfraEvents",
     "JudgeCase",
     "JudgeResult",
     "JudgeSpec",
@@ -56,6 +61,8 @@ __all__ = [
     "Killed",
     "LayerInfo",
     "LayerList",
+    "LeaseInfo",
+    "LeaseRequest",
     "Message",
     "NodeCapacity",
     "NodeStatus",
@@ -70,6 +77,7 @@ __all__ = [
     "PrefetchedLayer",
     "QosSupport",
     "ReadQuery",
+    "ReleaseQuery",
     "RemoveQuery",
     "Removed",
     "RestoreRequest",
@@ -82,6 +90,7 @@ __all__ = [
     "SessionList",
     "SessionOpenRequest",
     "SessionOpened",
+    "Trajectory",
     "WriteQuery",
     "Written",
 ]
@@ -294,6 +303,10 @@ class ExecRequest(Message):
     max_output: int = field(default=DEFAULT_MAX_OUTPUT, metadata=_MAX_OUTPUT)
     background: bool = False
     exclusive: bool = False
+    #: Log the command as ``step`` (default: the next) of this trajectory; a step logged
+    #: already is answered from the log without running (``replayed``).
+    trajectory: str | None = None
+    step: int | None = field(default=None, metadata=_limits(minimum=0))
 
     def __post_init__(self) -> None:
         # The SDK hands over what its callers pass: a list (paths in it too), a str stdin, any
@@ -308,6 +321,8 @@ class ExecRequest(Message):
         _plain_env(self)
         if not self.cmd:
             raise InvalidSpec("exec needs cmd: a non-empty string or list of strings", field="cmd")
+        if self.trajectory is not None:
+            check_trajectory_name(self.trajectory)
 
 
 @dataclass(frozen=True)
@@ -472,6 +487,43 @@ class RemoveQuery(_PathQuery):
 
     path: str = field(metadata=_PATH)
     recursive: bool = False
+
+
+@dataclass(frozen=True)
+class LeaseRequest(Message):
+    """Take a lease on ``sandboxes`` for ``holder`` (a trainer's name, for messages): renew it
+    within ``ttl`` seconds or the node pauses them (``reclaim``: and reclaims their memory).
+    Sandboxes of a lapsed lease are handed over and resumed."""
+
+    sandboxes: tuple[str, ...] = field(metadata=_limits(minItems=1, maxItems=4096))
+    ttl: float = field(default=10.0, metadata=_limits(minimum=0.2, maximum=86400))
+    holder: str = ""
+    reclaim: bool = False
+
+
+@dataclass(frozen=True)
+class ReleaseQuery(Message):
+    """``kill``: kill the lease's sandboxes too (else they stay as they are)."""
+
+    kill: bool = False
+
+
+@dataclass(frozen=True)
+class InfraEvents(Message):
+    """The infrastructure failures that struck a sandbox, oldest first."""
+
+    events: tuple[InfraEvent, ...]
+
+
+@dataclass(frozen=True)
+class Trajectory(Message):
+    """A trajectory log's steps, in order."""
+
+    name: str
+    entries: tuple[TrajectoryEntry, ...]
+
+    def __post_init__(self) -> None:
+        check_trajectory_name(self.name)
 
 
 @dataclass(frozen=True)

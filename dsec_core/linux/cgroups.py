@@ -36,6 +36,7 @@ __all__ = [
     "hierarchies",
     "memory_cgroup_dir",
     "memory_limit",
+    "oom_kills",
     "open_memory_window",
     "place_process",
     "reclaim_memory",
@@ -201,6 +202,18 @@ def _oom_kills(d: Path, v2: bool) -> int:
         if key == "oom_kill":
             return int(value)
     return 0
+
+
+def oom_kills(relative: str) -> int | None:
+    """How many processes the OOM killer has killed in memory cgroup ``relative`` (None if the
+    cgroup is gone or does not say)."""
+    d = memory_cgroup_dir(relative)
+    if d is None:
+        return None
+    try:
+        return _oom_kills(d, not (d / "memory.limit_in_bytes").exists())
+    except (OSError, ValueError):
+        return None
 
 
 def open_memory_window(d: Path, extra: int) -> MemoryWindow:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,7 @@ from ..errors import (
     PolicyUnavailable,
     SandboxNotRunning,
     SandboxPaused,
+    StartTimeout,
     UnknownSandbox,
     UnknownSource,
 )
@@ -59,6 +61,7 @@ from ..records import (
     FileEntry,
     FnCallResult,
     IdMap,
+    InfraEvent,
     JudgeResult,
     LayerInfo,
     LayerRef,
@@ -73,12 +76,15 @@ from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .devices import DevicePool
 from .disks import WritableDisks
+from .drive import DriveServer
 from .idpool import UidPool
 from .judge import JudgeSpec, judge
+from .leases import Leases
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
 from .snapshots import exclude_paths, pack_upper, recover_packs
+from .trajectory import TrajectoryLogs
 
 __all__ = ["Node"]
 
@@ -129,6 +135,8 @@ class Sandbox:
     exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
     paused: bool = False  # running, but every process stopped where it was (Feature.PAUSE)
     packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
+    events: list[InfraEvent] = field(default_factory=list)  # infrastructure failures it met
+    oom_kills: int = 0  # the OOM kills its backend reported when last asked
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -157,6 +165,8 @@ class Sandbox:
             "expires": self.expires,
             "status": self.status,
             "paused": self.paused,
+            "events": [e.to_dict() for e in self.events],
+            "oom_kills": self.oom_kills,
             "layers": [layer.to_dict() for layer in self.layers],
             "backend_state": self.backend_state,
             "idmap": [self.rt.idmap.host_base, self.rt.idmap.size, self.rt.idmap.group],
@@ -200,6 +210,9 @@ class Node:
         self.agent_binary: Path | None = None
         self.layer_sources: list[LayerSource] = []
         self.pools = Pools(self)
+        self.leases = Leases(self)
+        self.trajectories = TrajectoryLogs(self.config.home / "trajectories")
+        self.drive = DriveServer(self, self.config.run_dir / "drive")
 
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
@@ -225,6 +238,7 @@ class Node:
         self.layer_sources = self.registry.node_sources(cfg)
         await self._adopt()
         await self._drop_pool_members()
+        await self.drive.start()
         self._watch = asyncio.get_running_loop().create_task(self._watch_loop())
 
     async def close(self, kill_all: bool = False, release_runtime: bool = True) -> None:
@@ -232,6 +246,8 @@ class Node:
         ``release_runtime``, the runtime tmpfs goes too (the daemon does that itself, last)."""
         if self._watch:
             self._watch.cancel()
+        self.leases.close()
+        await self.drive.close()
         await self.pools.close()
         if kill_all:
             await asyncio.gather(
@@ -432,6 +448,8 @@ class Node:
                 f"claim Feature.DEVICES); the spec asks for {', '.join(map(str, spec.devices))}",
                 backend=backend.name,
             )
+        if spec.drives:
+            self._check_drives(spec, backend)
         plan = self.policies_for(spec, backend)
         self.devices.check(spec.devices)  # before the load's counts: this names the holders
         self._admit(spec)
@@ -491,6 +509,15 @@ class Node:
             t_layers = time.perf_counter()
             sb.backend_state = await backend.start(rt)
             t_start = time.perf_counter()
+            if spec.start_timeout is not None and t_start - t0 > spec.start_timeout:
+                await backend.stop(rt, sb.backend_state)  # the undo below takes the rest
+                raise StartTimeout(
+                    f"sandbox {sid} took {t_start - t0:.2f}s to start, over its start_timeout "
+                    f"of {spec.start_timeout:g}s: killed",
+                    sandbox_id=sid,
+                    seconds=round(t_start - t0, 3),
+                    start_timeout=spec.start_timeout,
+                )
             sb.status = "running"
             self._write_state(sb)
             log.debug(
@@ -509,6 +536,35 @@ class Node:
             self._arm_ttl(sb)
         self._watch_exit(sb)
         return sb.info()
+
+    def _check_drives(self, spec: SandboxSpec, backend: Backend) -> None:
+        """A sandbox that drives others: its backend passes the drive socket in, and each
+        sandbox it names runs on this node."""
+        if Feature.DRIVE not in backend.features:
+            raise BackendUnavailable(
+                f"backend {backend.name!r} cannot pass the drive socket in (it does not claim "
+                "Feature.DRIVE): its sandboxes cannot drive others",
+                backend=backend.name,
+            )
+        for sid in spec.drives:
+            sb = self.sandboxes.get(sid)
+            if sb is None or sb.status not in ("running", "creating"):
+                raise UnknownSandbox(
+                    f"drives names sandbox {sid!r}, which does not run on this node",
+                    sandbox_id=sid,
+                )
+
+    def record_event(self, event: InfraEvent) -> None:
+        """Note an infrastructure failure that struck a sandbox (``events``)."""
+        sb = self.sandboxes.get(event.sandbox_id)
+        log.warning("sandbox %s: %s: %s", event.sandbox_id, event.kind, event.detail)
+        if sb is not None:
+            sb.events.append(event)
+            self._write_state(sb)
+
+    def events(self, sid: str) -> list[InfraEvent]:
+        """The infrastructure failures that struck sandbox ``sid``, oldest first."""
+        return list(self._get(sid).events)
 
     def _warm_uids(self) -> None:
         """Make the next uid range's user namespace in the background (2 ms of a create
@@ -539,6 +595,7 @@ class Node:
             idmap=idmap,
             enforce=self._enforcer(sid),
             targets=backend.policy_targets,
+            drive_dir=self.drive.directory if spec.drives else None,
         )
 
     async def _prepare_rootfs(
@@ -763,6 +820,7 @@ class Node:
             await sb.stopped.wait()
             return
         sb.status = "stopping"
+        self.leases.forget(sid)
         if sb.packing is not None:  # its thread thaws the sandbox; kill after that
             await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self._unwatch_exit(sb)
@@ -1047,22 +1105,59 @@ class Node:
         max_output: int = 1 << 20,
         background: bool = False,
         exclusive: bool = False,
+        trajectory: str | None = None,
+        step: int | None = None,
     ) -> ExecResult:
         """Run a command in the sandbox (see ``AgentClient.exec``): what it leaves running is
-        killed when it exits unless ``background``; ``exclusive`` kills everything else first."""
+        killed when it exits unless ``background``; ``exclusive`` kills everything else first.
+        With ``trajectory``, the command is ``step`` of that trajectory log (default: the next
+        step): a step logged already is answered from the log without running
+        (``TrajectoryLogs.run``). A command the OOM killer struck is ``oom_killed``."""
         sb = self._get(sid)
         merged = {**sb.rt.spec.env, **(env or {})} or None
         cwd = cwd or sb.rt.spec.workdir or "/"
-        return await self.agent(sid).exec(
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=merged,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
+
+        async def run() -> ExecResult:
+            result = await self.agent(sid).exec(
+                cmd,
+                timeout=timeout,
+                cwd=cwd,
+                env=merged,
+                stdin=stdin,
+                max_output=max_output,
+                background=background,
+                exclusive=exclusive,
+            )
+            if result.exit_code != 0 or result.timed_out:
+                result = self._note_oom(sb, result)
+            return result
+
+        if trajectory is None:
+            if step is not None:
+                raise InvalidSpec("step needs a trajectory", field="step")
+            return await run()
+        command = cmd if isinstance(cmd, str) else shlex.join(cmd)
+        return await self.trajectories.run(trajectory, step, sid, command, run)
+
+    def _note_oom(self, sb: Sandbox, result: ExecResult) -> ExecResult:
+        """``result`` marked ``oom_killed`` if the sandbox's OOM kills grew while it ran (an
+        infra event is recorded then)."""
+        if Feature.CGROUPS not in sb.backend.features:
+            return result
+        kills = sb.backend.usage(sb.rt, sb.backend_state).oom_kills
+        if kills is None or kills <= sb.oom_kills:
+            return result
+        sb.oom_kills = kills
+        self.record_event(
+            InfraEvent(
+                "out_of_memory",
+                sb.rt.id,
+                time.time(),
+                f"the OOM killer struck while {result.command or 'a command'} ran "
+                f"(memory limit {sb.rt.limits.memory} bytes)",
+            )
         )
+        return replace(result, oom_killed=True)
 
     async def session_open(
         self, sid: str, cwd: str | None = None, env: dict[str, str] | None = None
@@ -1203,6 +1298,8 @@ class Node:
             backend_state=doc.get("backend_state") or {},
             status=doc.get("status", "creating"),
             policies=plan,
+            events=[InfraEvent.from_dict(e) for e in doc.get("events") or ()],
+            oom_kills=int(doc.get("oom_kills") or 0),
             # the freezer is the truth: a pause or resume may have been cut short by a crash
             paused=Feature.PAUSE in backend.features
             and backend.paused(rt, doc.get("backend_state") or {}),

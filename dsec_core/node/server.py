@@ -36,6 +36,7 @@ from ..api.messages import (
     DeviceStatus,
     DirListing,
     ErrorBody,
+    InfraEvents,
     KernelFeature,
     Killed,
     LayerList,
@@ -50,6 +51,7 @@ from ..api.messages import (
     SandboxList,
     SessionList,
     SessionOpened,
+    Trajectory,
     Written,
 )
 from ..api.openapi import openapi_document
@@ -64,6 +66,7 @@ from ..errors import (
 )
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
+from ..records import check_trajectory_name
 from .node import Node
 
 __all__ = ["HANDLERS", "PIECE", "error_response", "make_app", "require_token"]
@@ -227,6 +230,47 @@ async def _resume(node: Node, c: Call) -> Any:
     return await node.resume(c.sid)
 
 
+@_handles("events")
+async def _events(node: Node, c: Call) -> InfraEvents:
+    return InfraEvents(events=tuple(node.events(c.sid)))
+
+
+@_handles("lease")
+async def _lease(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.leases.take(list(b.sandboxes), b.ttl, b.holder, b.reclaim)
+
+
+@_handles("lease_get")
+async def _lease_get(node: Node, c: Call) -> Any:
+    return node.leases.get(c.path["lease"])
+
+
+@_handles("lease_renew")
+async def _lease_renew(node: Node, c: Call) -> Any:
+    return await node.leases.renew(c.path["lease"])
+
+
+@_handles("lease_release")
+async def _lease_release(node: Node, c: Call) -> Any:
+    return await node.leases.release(c.path["lease"], kill=c.query.kill)
+
+
+@_handles("trajectory")
+async def _trajectory(node: Node, c: Call) -> Trajectory:
+    name = c.path["name"]
+    check_trajectory_name(name)
+    return Trajectory(name=name, entries=tuple(node.trajectories.entries(name)))
+
+
+@_handles("trajectory_remove")
+async def _trajectory_remove(node: Node, c: Call) -> Removed:
+    name = c.path["name"]
+    if not node.trajectories.remove(name):
+        raise NotFound(f"no trajectory log {name!r} on this node", trajectory=name)
+    return Removed(removed=name)
+
+
 @_handles("usage")
 async def _usage(node: Node, c: Call) -> Any:
     return node.usage(c.sid)
@@ -255,6 +299,8 @@ async def _exec(node: Node, c: Call) -> Any:
         max_output=b.max_output,
         background=b.background,
         exclusive=b.exclusive,
+        trajectory=b.trajectory,
+        step=b.step,
     )
 
 

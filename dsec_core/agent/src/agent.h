@@ -198,6 +198,10 @@ int domain_start(int ruleset, char *err, size_t errlen);
 int domain_active(void);
 pid_t domain_spawn(int sandboxed, void (*fn)(void *), void *arg);
 
+/* ---------------------------------------------------------------- drive.c */
+
+int drive_bridge(const char *path);
+
 /* ---------------------------------------------------------------- main.c */
 
 /* Main's signalfd (SIGCHLD and the stop signals). Handlers inherit it and learn from it that

@@ -8,6 +8,7 @@
  * agent.h declares what they share.
  *
  * Usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]
+ *        dsec-agent drive [SOCKET]   (drive.c: the bridge a loop drives its workers through)
  * The backend binds and listens on a unix stream socket (the node connects to it) before the
  * sandbox starts and passes it as fd N (default 3; runc --preserve-fds), so the node can connect
  * before the agent is even running. With --policy-fd the agent first reads the policy document
@@ -299,6 +300,7 @@ static void usage(void)
 {
     static const char m[] =
         "usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]\n"
+        "       dsec-agent drive [SOCKET]   (drive.c: a loop's bridge to its workers)\n"
         "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
         "(default 3). Runs as the sandbox's init; see the protocol notes in src/wire.c.\n"
         "--policy-fd: read the policy document there and enforce it before serving, reporting\n"
@@ -437,6 +439,8 @@ static int serve(void)
 
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && !strcmp(argv[1], "drive")) /* a client, not the agent: drive.c */
+        return drive_bridge(argc > 2 ? argv[2] : NULL);
     struct agent_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc >= 0)

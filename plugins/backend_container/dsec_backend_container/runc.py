@@ -30,6 +30,7 @@ from typing import Any
 
 from dsec_core.backend import (
     AGENT_PATH,
+    DRIVE_DIR,
     AgentChannel,
     AgentPolicy,
     Backend,
@@ -49,6 +50,7 @@ from dsec_core.linux.cgroups import (
     freeze,
     frozen,
     memory_cgroup_dir,
+    oom_kills,
     open_memory_window,
     reclaim_memory,
     thaw,
@@ -222,6 +224,19 @@ def oci_config(
                 "options": ["bind", "ro", "nosuid", "nodev"],
             },
             *(lxcfs_mounts(lxcfs) if lxcfs is not None else ()),
+            *(
+                [
+                    {
+                        # the node's drive socket (a directory: a restarted daemon's shows through)
+                        "destination": DRIVE_DIR,
+                        "type": "bind",
+                        "source": os.fspath(rt.drive_dir),
+                        "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+                    }
+                ]
+                if rt.drive_dir is not None
+                else []
+            ),
         ],
         "linux": {
             "uidMappings": uids,
@@ -316,6 +331,7 @@ class ContainerBackend(Backend):
             Feature.MEMORY_WINDOW,
             Feature.DEVICES,
             Feature.PAUSE,
+            Feature.DRIVE,
         }
     )
     rootfs = RootfsForm.COMPOSED
@@ -555,6 +571,7 @@ class ContainerBackend(Backend):
             memory=_read_int(CGROUP_ROOT / "memory" / cg / "memory.usage_in_bytes"),
             cpu_seconds=None if cpu_ns is None else cpu_ns * 1e-9,
             pids=_read_int(CGROUP_ROOT / "pids" / cg / "pids.current"),
+            oom_kills=oom_kills(cg),
         )
 
 

@@ -1,0 +1,135 @@
+"""Trajectory logs: every command a rollout loop ran, and its result, append-only on disk.
+
+A loop names its trajectory and numbers its commands (``step`` 0, 1, ...). The node runs a step
+it has not logged and appends it; a step it has logged is answered from the log (``replayed``),
+without running anything, provided it is the same command (else ``TrajectoryDiverged``). So a
+loop that restarts from its beginning, after a preemption killed it or in a new process,
+fast-forwards through what it already did and goes on from there.
+
+One file per trajectory, ``<dir>/<name>.jsonl``: a JSON object per line (the entry, with the
+result's bytes in base64), each written with one ``write`` and ``fdatasync``-ed before the
+caller sees the result, so what a loop saw is in the log even if the node dies next. A line cut
+short by a crash is not an entry (and its command counts as not run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+from ..api.routes import dump_json
+from ..api.shapes import decoder, encoder
+from ..errors import InvalidSpec, TrajectoryDiverged
+from ..records import ExecResult, TrajectoryEntry, check_trajectory_name
+
+__all__ = ["TrajectoryLogs"]
+
+_encode = encoder(TrajectoryEntry)
+_decode = decoder(TrajectoryEntry, strict=False)
+
+
+class TrajectoryLogs:
+    """The node's trajectory logs, under ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._entries: dict[str, list[TrajectoryEntry]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{check_trajectory_name(name)}.jsonl"
+
+    def entries(self, name: str) -> list[TrajectoryEntry]:
+        """The steps logged for ``name``, in order (none if it has no log)."""
+        if name not in self._entries:
+            self._entries[name] = self._read(self.path(name))
+        return self._entries[name]
+
+    @staticmethod
+    def _read(path: Path) -> list[TrajectoryEntry]:
+        out: list[TrajectoryEntry] = []
+        try:
+            lines = path.read_bytes().split(b"\n")
+        except FileNotFoundError:
+            return out
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                entry = _decode(json.loads(line), "entry")
+            except (ValueError, InvalidSpec):
+                break  # cut short by a crash: nothing after it was acknowledged
+            if entry.step != len(out):
+                break
+            out.append(entry)
+        return out
+
+    async def run(
+        self,
+        name: str,
+        step: int | None,
+        sandbox_id: str,
+        command: str,
+        execute: Callable[[], Awaitable[ExecResult]],
+    ) -> ExecResult:
+        """The result of ``command`` at ``step`` of trajectory ``name``: from the log if that
+        step is logged (``replayed``), else ``execute()``'s, appended first. ``step`` None:
+        the next one. Steps of one trajectory run one at a time."""
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            logged = self.entries(name)
+            if step is None:
+                step = len(logged)
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise InvalidSpec(
+                    f"step must be a non-negative integer, got {step!r}", field="step"
+                )
+            if step < len(logged):
+                entry = logged[step]
+                if entry.command != command:
+                    raise TrajectoryDiverged(
+                        f"trajectory {name} step {step}: logged {entry.command!r}, now {command!r}",
+                        trajectory=name,
+                        step=step,
+                        logged=entry.command,
+                        command=command,
+                    )
+                return _replayed(entry.result)
+            if step > len(logged):
+                raise InvalidSpec(
+                    f"trajectory {name} has {len(logged)} steps: step {step} would leave a gap",
+                    field="step",
+                )
+            result = await execute()
+            entry = TrajectoryEntry(step, sandbox_id, command, result, time.time())
+            await asyncio.to_thread(self._append, self.path(name), entry)
+            logged.append(entry)
+            return result
+
+    def _append(self, path: Path, entry: TrajectoryEntry) -> None:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        line = dump_json(_encode(entry) if _encode else entry) + b"\n"
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def remove(self, name: str) -> bool:
+        """Forget trajectory ``name``; whether it had a log."""
+        self._entries.pop(name, None)
+        try:
+            self.path(name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def _replayed(result: ExecResult) -> ExecResult:
+    return replace(result, replayed=True)
