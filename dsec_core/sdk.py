@@ -18,8 +18,10 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
+import logging
 import os
 import stat
+import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,13 @@ from .api.messages import (
     ExecRequest,
     FileQuery,
     FnCallRequest,
+    LeaseRequest,
     PackDiffRequest,
     PauseQuery,
     PolicySettings,
     PrefetchRequest,
     ReadQuery,
+    ReleaseQuery,
     RemoveQuery,
     RestoreRequest,
     SessionExecRequest,
@@ -56,6 +60,7 @@ from .errors import (
     ExecTimeout,
     InvalidSpec,
     NodeUnavailable,
+    UnknownLease,
     UnknownSandbox,
     error_from_wire,
 )
@@ -65,26 +70,33 @@ from .records import (
     ExecResult,
     FileEntry,
     FnCallResult,
+    InfraEvent,
     JudgeResult,
     JudgeSpec,
     LayerInfo,
+    LeaseInfo,
     PolicyState,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
+    TrajectoryEntry,
 )
 
 __all__ = [
     "GROUP_LABEL",
     "AsyncClient",
     "AsyncGroup",
+    "AsyncLease",
     "AsyncSandbox",
     "AsyncSession",
     "Client",
     "Group",
+    "Lease",
     "Sandbox",
     "Session",
 ]
+
+log = logging.getLogger("dsec.sdk")
 
 #: The label that makes a sandbox a member of a rollout group (``Client.group``).
 GROUP_LABEL = "dsec.group"
@@ -356,6 +368,49 @@ class Client:
             return self._call("resume", sid=sandboxes)
         return [self._call("resume", sid=sid) for sid in sandboxes]
 
+    def events(self, sandbox_id: str) -> builtins.list[InfraEvent]:
+        """The infrastructure failures that struck the sandbox (``InfraEvent``: preempted, out
+        of memory, ...), oldest first: not the task's doing, so a trainer masks them."""
+        return list(self._call("events", sid=sandbox_id).events)
+
+    def lease(
+        self,
+        sandboxes: str | Sequence[str],
+        *,
+        ttl: float = 10.0,
+        holder: str = "",
+        reclaim: bool = False,
+        renew: bool = True,
+    ) -> Lease:
+        """Take a lease on ``sandboxes`` (an agent sandbox and its workers, a group's members):
+        if it is not renewed within ``ttl`` seconds (its trainer died) the node pauses them,
+        with ``reclaim`` reclaiming their memory too, and records a "preempted" event. A lease
+        on sandboxes of a lapsed one takes them over and resumes them. ``renew``: a thread of
+        this process renews it every ttl/3 until ``release``. ``LeaseHeld`` if a live lease
+        of another holds one of them."""
+        ids = [sandboxes] if isinstance(sandboxes, str) else list(sandboxes)
+        info = self._call("lease", LeaseRequest(tuple(ids), ttl, holder, reclaim))
+        return Lease(self, info, renew=renew)
+
+    def lease_get(self, lease_id: str) -> LeaseInfo:
+        return self._call("lease_get", lease=lease_id)
+
+    def lease_renew(self, lease_id: str) -> LeaseInfo:
+        """Renew a lease (``Lease.renew``: the handle does it for its holder)."""
+        return self._call("lease_renew", lease=lease_id)
+
+    def lease_release(self, lease_id: str, *, kill: bool = False) -> LeaseInfo:
+        """End a lease (``Lease.release``); ``kill`` kills its sandboxes too."""
+        return self._call("lease_release", query=ReleaseQuery(kill), lease=lease_id)
+
+    def trajectory(self, name: str) -> builtins.list[TrajectoryEntry]:
+        """Every step of trajectory log ``name`` (none if there is no such log)."""
+        return list(self._call("trajectory", trajectory=name).entries)
+
+    def remove_trajectory(self, name: str) -> None:
+        """Remove trajectory log ``name`` (``NotFound`` if there is none)."""
+        self._call("remove_trajectory", trajectory=name)
+
     def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         """The sandbox's security policies: in force (with what they saw), or why not."""
         return list(self._call("policies", sid=sandbox_id).policies)
@@ -461,10 +516,14 @@ class Client:
         max_output: int = DEFAULT_MAX_OUTPUT,
         background: bool = False,
         exclusive: bool = False,
+        trajectory: str | None = None,
+        step: int | None = None,
     ) -> ExecResult:
         """Run ``cmd`` in the sandbox. Processes it leaves running are killed when it exits,
         unless ``background``; ``exclusive`` first kills every other process in the sandbox
-        (sessions, background jobs, other calls), which is how a verifier should run."""
+        (sessions, background jobs, other calls), which is how a verifier should run.
+        ``trajectory``: log it as ``step`` (default: the next) of that trajectory log; a
+        step logged already comes back from the log (``replayed``) without running."""
         body = ExecRequest(
             cmd,  # type: ignore[arg-type]
             timeout,
@@ -474,6 +533,8 @@ class Client:
             max_output,
             background,
             exclusive,
+            trajectory,
+            step,
         )
         return self._call("exec", body, sid=sandbox_id)
 
@@ -638,6 +699,38 @@ class AsyncClient:
             return await self._call("resume", sid=sandboxes)
         return list(await asyncio.gather(*(self._call("resume", sid=s) for s in sandboxes)))
 
+    async def events(self, sandbox_id: str) -> builtins.list[InfraEvent]:
+        return list((await self._call("events", sid=sandbox_id)).events)
+
+    async def lease(
+        self,
+        sandboxes: str | Sequence[str],
+        *,
+        ttl: float = 10.0,
+        holder: str = "",
+        reclaim: bool = False,
+        renew: bool = True,
+    ) -> AsyncLease:
+        """``Client.lease``; renewed by a task of the running loop."""
+        ids = [sandboxes] if isinstance(sandboxes, str) else list(sandboxes)
+        info = await self._call("lease", LeaseRequest(tuple(ids), ttl, holder, reclaim))
+        return AsyncLease(self, info, renew=renew)
+
+    async def lease_get(self, lease_id: str) -> LeaseInfo:
+        return await self._call("lease_get", lease=lease_id)
+
+    async def lease_renew(self, lease_id: str) -> LeaseInfo:
+        return await self._call("lease_renew", lease=lease_id)
+
+    async def lease_release(self, lease_id: str, *, kill: bool = False) -> LeaseInfo:
+        return await self._call("lease_release", query=ReleaseQuery(kill), lease=lease_id)
+
+    async def trajectory(self, name: str) -> builtins.list[TrajectoryEntry]:
+        return list((await self._call("trajectory", trajectory=name)).entries)
+
+    async def remove_trajectory(self, name: str) -> None:
+        await self._call("remove_trajectory", trajectory=name)
+
     async def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         return list((await self._call("policies", sid=sandbox_id)).policies)
 
@@ -734,10 +827,14 @@ class AsyncClient:
         max_output: int = DEFAULT_MAX_OUTPUT,
         background: bool = False,
         exclusive: bool = False,
+        trajectory: str | None = None,
+        step: int | None = None,
     ) -> ExecResult:
         """Run ``cmd`` in the sandbox. Processes it leaves running are killed when it exits,
         unless ``background``; ``exclusive`` first kills every other process in the sandbox
-        (sessions, background jobs, other calls), which is how a verifier should run."""
+        (sessions, background jobs, other calls), which is how a verifier should run.
+        ``trajectory``: log it as ``step`` (default: the next) of that trajectory log; a
+        step logged already comes back from the log (``replayed``) without running."""
         body = ExecRequest(
             cmd,  # type: ignore[arg-type]
             timeout,
@@ -747,6 +844,8 @@ class AsyncClient:
             max_output,
             background,
             exclusive,
+            trajectory,
+            step,
         )
         return await self._call("exec", body, sid=sandbox_id)
 
@@ -1066,3 +1165,107 @@ def _gone_ok() -> Iterator[None]:
         yield
     except UnknownSandbox:
         pass
+
+
+# --- trainer leases ----------------------------------------------------------------------------
+
+
+class Lease:
+    """A trainer's lease on sandboxes (``Client.lease``). With ``renew`` a daemon thread renews
+    it every ttl/3; if the node forgot it (a restarted daemon), the thread takes a new one on
+    the same sandboxes. ``release()`` (or leaving a ``with``) ends it; the sandboxes stay."""
+
+    def __init__(self, client: Client, info: LeaseInfo, renew: bool = True) -> None:
+        self.client = client
+        self.info = info
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if renew:
+            self._thread = threading.Thread(
+                target=self._renewing, name=f"dsec-lease-{info.id}", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.info.id} on {', '.join(self.info.sandboxes)}: {self.info.state}>"
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def renew(self) -> LeaseInfo:
+        """Renew now (a lapsed lease is held again, and what its lapse paused resumes)."""
+        try:
+            self.info = self.client.lease_renew(self.info.id)
+        except UnknownLease:
+            i = self.info
+            self.info = self.client._call(
+                "lease", LeaseRequest(i.sandboxes, i.ttl, i.holder, False)
+            )
+        return self.info
+
+    def _renewing(self) -> None:
+        while not self._stop.wait(self.info.ttl / 3):
+            try:
+                self.renew()
+            except DsecError as e:  # the node away for a moment: try again next period
+                log.warning("renewing lease %s: %s", self.info.id, e)
+
+    def release(self, *, kill: bool = False) -> None:
+        """End the lease (and stop renewing); ``kill`` kills its sandboxes too."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with contextlib.suppress(UnknownLease):
+            self.info = self.client.lease_release(self.info.id, kill=kill)
+
+
+class AsyncLease:
+    """``Lease`` for ``AsyncClient``: renewed by a task of the event loop."""
+
+    def __init__(self, client: AsyncClient, info: LeaseInfo, renew: bool = True) -> None:
+        self.client = client
+        self.info = info
+        self._task = asyncio.get_running_loop().create_task(self._renewing()) if renew else None
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.release()
+
+    async def renew(self) -> LeaseInfo:
+        try:
+            self.info = await self.client.lease_renew(self.info.id)
+        except UnknownLease:
+            i = self.info
+            self.info = await self.client._call(
+                "lease", LeaseRequest(i.sandboxes, i.ttl, i.holder, False)
+            )
+        return self.info
+
+    async def _renewing(self) -> None:
+        while True:
+            await asyncio.sleep(self.info.ttl / 3)
+            try:
+                await self.renew()
+            except DsecError as e:
+                log.warning("renewing lease %s: %s", self.info.id, e)
+
+    async def release(self, *, kill: bool = False) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(UnknownLease):
+            self.info = await self.client.lease_release(self.info.id, kill=kill)

@@ -186,13 +186,19 @@ def test_exec_request_keeps_the_old_wire_shape():
         "max_output": 100,
         "background": False,
         "exclusive": False,
+        "trajectory": None,
+        "step": None,
     }
     assert ExecRequest.from_dict(body).stdin == b"in"
     # the shape before background and exclusive still reads, with both off
     old = ExecRequest.from_dict(
-        {k: v for k, v in body.items() if k not in ("background", "exclusive")}
+        {
+            k: v
+            for k, v in body.items()
+            if k not in ("background", "exclusive", "trajectory", "step")
+        }
     )
-    assert (old.background, old.exclusive) == (False, False)
+    assert (old.background, old.exclusive, old.trajectory, old.step) == (False, False, None, None)
     assert (
         ROUTES["write_file"].target({"sid": "a/b"}, WriteQuery("/t x", "755", 0, False))
         == "/v1/sandboxes/a%2Fb/file?path=%2Ft%20x&mode=755&offset=0&truncate=0"

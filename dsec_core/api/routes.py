@@ -342,14 +342,14 @@ ROUTES: dict[str, Route] = {
         Route(
             "trajectory",
             "GET",
-            "/v1/trajectories/{name}",
+            "/v1/trajectories/{trajectory}",
             "A trajectory log: every command logged, with its result",
             Trajectory,
         ),
         Route(
-            "trajectory_remove",
+            "remove_trajectory",
             "DELETE",
-            "/v1/trajectories/{name}",
+            "/v1/trajectories/{trajectory}",
             "Remove a trajectory log",
             Removed,
             idempotent=True,

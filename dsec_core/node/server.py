@@ -258,14 +258,14 @@ async def _lease_release(node: Node, c: Call) -> Any:
 
 @_handles("trajectory")
 async def _trajectory(node: Node, c: Call) -> Trajectory:
-    name = c.path["name"]
+    name = c.path["trajectory"]
     check_trajectory_name(name)
     return Trajectory(name=name, entries=tuple(node.trajectories.entries(name)))
 
 
-@_handles("trajectory_remove")
+@_handles("remove_trajectory")
 async def _trajectory_remove(node: Node, c: Call) -> Removed:
-    name = c.path["name"]
+    name = c.path["trajectory"]
     if not node.trajectories.remove(name):
         raise NotFound(f"no trajectory log {name!r} on this node", trajectory=name)
     return Removed(removed=name)
