@@ -80,6 +80,7 @@ from .records import (
     SandboxSpec,
     SandboxUsage,
     TrajectoryEntry,
+    check_trajectory_name,
 )
 
 __all__ = [
@@ -405,11 +406,11 @@ class Client:
 
     def trajectory(self, name: str) -> builtins.list[TrajectoryEntry]:
         """Every step of trajectory log ``name`` (none if there is no such log)."""
-        return list(self._call("trajectory", trajectory=name).entries)
+        return list(self._call("trajectory", trajectory=check_trajectory_name(name)).entries)
 
     def remove_trajectory(self, name: str) -> None:
         """Remove trajectory log ``name`` (``NotFound`` if there is none)."""
-        self._call("remove_trajectory", trajectory=name)
+        self._call("remove_trajectory", trajectory=check_trajectory_name(name))
 
     def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         """The sandbox's security policies: in force (with what they saw), or why not."""
@@ -726,10 +727,12 @@ class AsyncClient:
         return await self._call("lease_release", query=ReleaseQuery(kill), lease=lease_id)
 
     async def trajectory(self, name: str) -> builtins.list[TrajectoryEntry]:
-        return list((await self._call("trajectory", trajectory=name)).entries)
+        return list(
+            (await self._call("trajectory", trajectory=check_trajectory_name(name))).entries
+        )
 
     async def remove_trajectory(self, name: str) -> None:
-        await self._call("remove_trajectory", trajectory=name)
+        await self._call("remove_trajectory", trajectory=check_trajectory_name(name))
 
     async def policies(self, sandbox_id: str) -> builtins.list[PolicyState]:
         return list((await self._call("policies", sid=sandbox_id)).policies)

@@ -151,6 +151,7 @@ class DriveServer:
                 f"no sandbox {target!r} among those sandbox {driver.rt.id} drives",
                 sandbox_id=target if isinstance(target, str) else "",
             )
+        await self._unpaused(target)
         cmd = req.get("cmd")
         if isinstance(cmd, list):
             cmd = tuple(cmd)
@@ -168,6 +169,12 @@ class DriveServer:
             step=req.get("step"),
         )
         return _result(result)  # type: ignore[misc]
+
+    async def _unpaused(self, sid: str) -> None:
+        """Wait while worker ``sid`` is paused (its lease lapsed and the loop's command slipped
+        in meanwhile): the command runs when the worker is resumed, as the loop's own would."""
+        while (sb := self.node.sandboxes.get(sid)) is not None and sb.paused:
+            await asyncio.sleep(0.05)
 
 
 def _number(v: Any, name: str) -> float | None:

@@ -173,7 +173,9 @@ class Leases:
             lease.ttl,
             ", ".join(lease.sandboxes),
         )
-        for sid in list(lease.sandboxes):
+        # drivers first: a loop stops before the workers it drives, so no new command of it
+        # meets a paused worker (one in flight is frozen with its worker and goes on after)
+        for sid in sorted(lease.sandboxes, key=lambda sid: not self._drives(sid)):
             sb = self.node.sandboxes.get(sid)
             if sb is None or sb.status != "running":
                 continue
@@ -195,8 +197,12 @@ class Leases:
                 )
             )
 
+    def _drives(self, sid: str) -> bool:
+        sb = self.node.sandboxes.get(sid)
+        return sb is not None and bool(sb.rt.spec.drives)
+
     async def _resume(self, lease: _Lease, sids: list[str]) -> None:
-        for sid in sids:
+        for sid in sorted(sids, key=self._drives):  # workers first, then their drivers
             try:
                 await self.node.resume(sid)
             except DsecError as e:

@@ -821,6 +821,8 @@ class Node:
             return
         sb.status = "stopping"
         self.leases.forget(sid)
+        if sb.rt.spec.drives and not sb.rt.spec.trajectory:  # its own log, named by its id
+            self.trajectories.remove(sid)
         if sb.packing is not None:  # its thread thaws the sandbox; kill after that
             await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self._unwatch_exit(sb)
