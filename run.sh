@@ -83,7 +83,7 @@ setup_python() {
             if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
             else plugins+=(-e "$d"); fi
         done
-        if ! "$venv/bin/pip" install -q -e ".[test]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
+        if ! "$venv/bin/pip" install -q -e ".[test,rl]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
             cat "$stamp_dir/pip.log" >&2
             echo "run.sh: pip install failed" >&2
             exit 1

@@ -1,0 +1,176 @@
+"""dsec.rl (issue 10, deliverable 5): the gymnasium environment over real sandboxes of a kit
+node, forking an episode from its state, infrastructure failures typed in ``info``, and the
+drive socket's Python client speaking to a real node as a sandbox's uid."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+import dsec
+from dsec.rl import INFRA_KINDS, SandboxEnv, command_reward, drive_client_source, infra_event
+from dsec_core.errors import NodeUnavailable, SandboxPaused, StartTimeout, UnknownSandbox
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+FIELDS = {"layers": ["kit-base@1"], "memory": "64M", "disk": "64M"}
+
+
+def make_env(client, **kw) -> SandboxEnv:
+    return SandboxEnv(client, reward=command_reward("grep -q 42 /answer"), **{**FIELDS, **kw})
+
+
+def test_an_episode_steps_through_commands_and_is_scored_on_submit(dsec_client):
+    env = make_env(dsec_client, max_steps=4)
+    assert isinstance(env, gymnasium.Env)
+    try:
+        obs, info = env.reset()
+        assert obs == "" and info["infra"] is None
+        first = info["sandbox_id"]
+        obs, reward, terminated, truncated, info = env.step("echo 41 > /answer; cat /answer")
+        assert (obs, reward, terminated, truncated) == ("41\n", 0.0, False, False)
+        assert env.observation_space.contains(obs) and info["exit_code"] == 0
+        obs, reward, terminated, _, _ = env.step("submit")
+        assert reward == 0.0 and terminated  # 41 is wrong
+        env.reset()  # a fresh sandbox: the old one is gone
+        with pytest.raises(UnknownSandbox):
+            dsec_client.get(first)
+        env.step("echo 42 > /answer")
+        obs, reward, terminated, _, _ = env.step("submit")
+        assert reward == 1.0 and terminated and "reward 1" in obs
+        env.reset()
+        results = [env.step("true") for _ in range(4)]
+        assert [r[3] for r in results] == [False, False, False, True]  # max_steps
+        _, _, _, _, info = env.step("printf '\\001\\377x'")
+        assert info["exit_code"] == 0
+        obs, *_ = env.step("printf 'a\\001b'")
+        assert obs == "a?b"  # outside the observation space's charset
+    finally:
+        env.close()
+
+
+def test_a_fork_goes_on_from_the_state_in_sandboxes_of_its_own(dsec_client):
+    env = make_env(dsec_client, group="rl-fork")
+    kids: list[SandboxEnv] = []
+    try:
+        env.reset()
+        env.step("echo 40 > /answer")
+        kids = env.fork(3)
+        assert len({k.sandbox_id for k in kids} | {env.sandbox_id}) == 4
+        for i, kid in enumerate(kids):
+            obs, *_ = kid.step(f"cat /answer; echo 4{i + 1} > /answer")
+            assert obs == "40\n"  # the state at the fork
+        scores = [kid.step("submit")[1] for kid in kids]
+        assert scores == [0.0, 1.0, 0.0]  # each wrote its own answer
+        assert env.step("cat /answer")[0] == "40\n"  # the parent went on untouched
+        group = {i.id for i in dsec_client.group("rl-fork").members()}
+        assert group == {env.sandbox_id, *(k.sandbox_id for k in kids)}
+    finally:
+        for kid in kids:
+            kid.close()
+        env.close()
+
+
+def test_infrastructure_failures_are_typed_in_info_and_masked(dsec_client):
+    env = make_env(dsec_client)
+    try:
+        env.reset()
+        sid = env.sandbox_id
+        dsec_client.pause(sid)  # a lease lapsed, say
+        obs, reward, terminated, truncated, info = env.step("echo hi")
+        assert info["infra"].kind == "preempted" and info["masked"]
+        assert (reward, terminated, truncated) == (0.0, False, True)
+        dsec_client.resume(sid)
+        obs, reward, _, truncated, info = env.step("dd if=/dev/zero of=/dev/null bs=100M count=1")
+        assert info["infra"].kind == "out_of_memory" and truncated and info["masked"]
+        assert [e.kind for e in dsec_client.events(sid)] == ["out_of_memory"]
+        _, _, _, truncated, info = env.step("exit 3")  # the task's own failure: no event
+        assert info["infra"] is None and info["exit_code"] == 3 and not truncated
+    finally:
+        env.close()
+    slow = make_env(dsec_client, start_timeout=1e-6)
+    obs, info = slow.reset()
+    assert info["infra"].kind == "start_timeout" and slow.sandbox_id is None
+    lost = make_env(dsec.Client("/nonexistent/dsec.sock", autostart=False, retry=0.2))
+    obs, info = lost.reset()
+    assert info["infra"].kind == "node_lost"
+
+
+def test_infra_event_classifies_errors_not_the_task_s_own():
+    assert {
+        infra_event(e).kind  # type: ignore[union-attr]
+        for e in (NodeUnavailable("x"), StartTimeout("x"), SandboxPaused("x", sandbox_id="s"))
+    } == {"node_lost", "start_timeout", "preempted"}
+    assert infra_event(UnknownSandbox("x")) is None
+    assert infra_event(dsec.ExecResult(1, b"", b"", 0.1)) is None
+    oom = infra_event(dsec.ExecResult(137, b"", b"", 0.1, oom_killed=True), "s")
+    assert oom is not None and oom.kind == "out_of_memory" and oom.sandbox_id == "s"
+    assert set(INFRA_KINDS) == {"preempted", "out_of_memory", "start_timeout", "node_lost"}
+
+
+def test_the_python_drive_client_drives_a_worker_as_the_sandbox_s_uid(dsec_node, dsec_client):
+    worker = dsec_client.create(**FIELDS)
+    agent = dsec_client.create(**FIELDS, drives=[worker.id], trajectory="py-client")
+    try:
+        # a process of the agent sandbox's host uid, as its loop would be (python is not in
+        # the busybox base, so the client runs on the host under that uid)
+        uid = int(
+            next(
+                line.split()[1]
+                for line in Path(f"/proc/{agent.info.pid}/status").read_text().splitlines()
+                if line.startswith("Uid:")
+            )
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chmod(tmp, 0o755)
+            (Path(tmp) / "drive.py").write_text(drive_client_source())
+            loop = (
+                "import json, sys\n"
+                "from drive import Drive, DriveError\n"
+                "d = Drive(sys.argv[1])\n"
+                "(w,) = d.workers()\n"
+                "out = [d.exec(w, 'echo ran >> /ran; wc -l < /ran')['stdout'] for _ in range(2)]\n"
+                "try:\n"
+                "    d.exec('elsewhere', 'true')\n"
+                "except DriveError as e:\n"
+                "    out.append(e.type)\n"
+                "print(json.dumps(out))\n"
+            )
+            sock = dsec_node.config.run_dir / "drive" / "drive.sock"
+            gid = dsec_node.config.sandbox_gid
+
+            def as_sandbox() -> None:
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+
+            python = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+            assert python is not None
+            run = lambda: subprocess.run(  # noqa: E731
+                [python, "-c", loop, os.fspath(sock)],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                preexec_fn=as_sandbox,
+            )
+            first = run()
+            assert first.returncode == 0, first.stderr
+            assert json.loads(first.stdout) == ["1\n", "2\n", "UnknownSandbox"]
+            again = run()  # a restarted loop: both steps come back from the log
+            assert json.loads(again.stdout) == ["1\n", "2\n", "UnknownSandbox"]
+        assert dsec_client.exec(worker.id, "cat /ran").stdout == b"ran\nran\n"
+        assert [e.step for e in dsec_client.trajectory("py-client")] == [0, 1]
+    finally:
+        agent.kill()
+        worker.kill()
+        with contextlib.suppress(dsec.NotFound):
+            dsec_client.remove_trajectory("py-client")
