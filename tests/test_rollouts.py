@@ -310,3 +310,32 @@ def test_lease_through_the_sdk_and_its_typed_errors(dsec_client):
         dsec_client.trajectory("../x")
     with pytest.raises(dsec.DsecError):
         dsec_client.remove_trajectory("never-made")
+
+
+def test_events_and_trajectories_through_the_cli(dsec_client, dsec_node):
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run(
+            [sys.executable, "-m", "dsec_core.cli", *args], env=env, capture_output=True, text=True
+        )
+        assert (out.returncode == 0) == ok, out
+        return out
+
+    with dsec_client.create(layers=(dsec_node.layer.ref,), memory="64M", disk="64M") as sb:
+        sb.exec("dd if=/dev/zero of=/dev/null bs=100M count=1")
+        sb.exec("echo one", trajectory="cli-traj")
+        sb.exec("exit 4", trajectory="cli-traj")
+        assert "out_of_memory" in run("sandbox", "events", sb.id).stdout
+        (event,) = [
+            json.loads(x) for x in run("sandbox", "events", sb.id, "--json").stdout.split("\n") if x
+        ]
+        assert event["kind"] == "out_of_memory" and event["sandbox_id"] == sb.id
+    lines = run("trajectory", "show", "cli-traj").stdout.splitlines()
+    assert len(lines) == 2 and "exit 4" in lines[1] and lines[0].endswith("echo one")
+    rows = [
+        json.loads(x) for x in run("trajectory", "show", "cli-traj", "--json").stdout.splitlines()
+    ]
+    assert [(r["step"], r["stdout"], r["exit_code"]) for r in rows] == [(0, "one\n", 0), (1, "", 4)]
+    assert run("trajectory", "rm", "cli-traj").stdout.strip() == "removed cli-traj"
+    assert run("trajectory", "rm", "cli-traj", ok=False).stderr.startswith("Error: ")

@@ -508,6 +508,52 @@ def sandbox_resume(sandbox_ids) -> None:
             click.echo(f"resumed {info.id}")
 
 
+@sandbox.command("events")
+@click.argument("sandbox_id")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
+def sandbox_events(sandbox_id, as_json) -> None:
+    """The infrastructure failures that struck a sandbox (preempted, out of memory, ...)."""
+    with Client() as client:
+        for event in client.events(sandbox_id):
+            if as_json:
+                click.echo(json.dumps(event.to_dict()))
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
+                click.echo(f"{when}  {event.kind:<14} {event.detail}")
+
+
+@cli.group()
+def trajectory() -> None:
+    """Trajectory logs: the commands a rollout loop ran, which a restarted loop replays."""
+
+
+@trajectory.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per step")
+def trajectory_show(name, as_json) -> None:
+    """Every step of trajectory NAME: the command and how it ended."""
+    with Client() as client:
+        for e in client.trajectory(name):
+            r = e.result
+            if as_json:
+                row = {"step": e.step, "sandbox_id": e.sandbox_id, "command": e.command}
+                row |= {"exit_code": r.exit_code, "timed_out": r.timed_out}
+                row |= {"stdout": r.stdout.decode("utf-8", "replace")}
+                click.echo(json.dumps(row | {"stderr": r.stderr.decode("utf-8", "replace")}))
+            else:
+                end = "timed out" if r.timed_out else f"exit {r.exit_code}"
+                click.echo(f"{e.step:>5}  {e.sandbox_id}  {end:<10} {e.command}")
+
+
+@trajectory.command("rm")
+@click.argument("name")
+def trajectory_rm(name) -> None:
+    """Remove trajectory log NAME."""
+    with Client() as client:
+        client.remove_trajectory(name)
+    click.echo(f"removed {name}")
+
+
 # --- node ----------------------------------------------------------------------------------
 
 
