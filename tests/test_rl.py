@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -174,3 +175,16 @@ def test_the_python_drive_client_drives_a_worker_as_the_sandbox_s_uid(dsec_node,
         worker.kill()
         with contextlib.suppress(dsec.NotFound):
             dsec_client.remove_trajectory("py-client")
+
+
+def test_the_example_runs_episodes_a_fork_and_a_preemption():
+    example = Path(__file__).parent.parent / "examples" / "rl_preemption.py"
+    out = subprocess.run(
+        [sys.executable, os.fspath(example)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "episode 0: reward 1.0" in text and "episode 1: reward 0.0" in text
+    assert "guessed 42, reward 1.0, state 1000" in text
+    assert text.count("event preempted") == 2 and "resumed: running, running" in text
+    assert "8 steps logged, the worker ran 8 parts" in text and text.endswith("done\n")
