@@ -15,7 +15,9 @@ that look into the host's /proc or the host side of the writable layer need
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
+import json
 import os
 import re
 import signal
@@ -533,6 +535,32 @@ class BackendConformance:
         time.sleep(0.3)
         assert int(sb.exec("cat /tmp/n").stdout) > after
         assert sb.resume().state == "running"  # not paused: a no-op
+
+    def test_a_driver_reaches_its_worker_and_nothing_else(self, dsec_sandboxes):
+        """An agent sandbox (``drives``) runs a command in its worker through the drive socket
+        and the agent's bridge, and the step is logged (asked again, it is not run again); a
+        sandbox it does not drive is not there for it, and a worker cannot reach the socket."""
+        self.need(Feature.DRIVE)
+        worker = dsec_sandboxes.create()
+        other = dsec_sandboxes.create()
+        agent = dsec_sandboxes.create(drives=[worker.id])
+
+        def drive(sb, request: dict) -> dict:
+            r = sb.exec([AGENT_PATH, "drive"], stdin=json.dumps(request) + "\n")
+            assert r.exit_code == 0, r
+            return json.loads(r.stdout)
+
+        step = {"op": "exec", "sandbox": worker.id, "cmd": "echo x >> /tmp/ran; wc -l < /tmp/ran"}
+        for _ in range(2):
+            answer = drive(agent, {**step, "step": 0})["result"]
+            assert base64.b64decode(answer["stdout"]) == b"1\n"
+        assert answer["replayed"]
+        assert worker.exec("cat /tmp/ran").stdout == b"x\n"
+        denied = drive(agent, {"op": "exec", "sandbox": other.id, "cmd": "touch /tmp/x"})
+        assert denied["error"]["type"] == "UnknownSandbox"
+        assert other.exec("test -e /tmp/x").exit_code == 1
+        refused = worker.exec([AGENT_PATH, "drive"], stdin='{"op": "workers"}\n')
+        assert refused.exit_code != 0 or b"error" in refused.stdout
 
     def test_a_memory_window_bounds_one_judged_case(self, dsec_client, dsec_node):
         """Judge mode over the backend's memory window: in a member of 160 MiB, a case limited
