@@ -352,19 +352,24 @@ class Client:
     def usage(self, sandbox_id: str) -> SandboxUsage:
         return self._call("usage", sid=sandbox_id)
 
-    def pause(self, sandboxes: str | Sequence[str], *, reclaim: bool = False) -> Any:
-        """Pause one sandbox (its id: returns its ``SandboxInfo``) or a group (a list of ids:
-        returns theirs): every process stops where it is; memory, open files and sessions
-        stay, and nothing in it answers until ``resume``. ``reclaim`` then has the kernel
-        take back what of its memory it can. Pausing a paused one changes nothing."""
+    def pause(self, sandboxes: str | Sequence[str] | Group, *, reclaim: bool = False) -> Any:
+        """Pause one sandbox (its id: returns its ``SandboxInfo``) or several (a list of ids,
+        or a rollout ``Group``: returns theirs): every process stops where it is; memory, open
+        files and sessions stay, and nothing in it answers until ``resume``. ``reclaim`` then
+        has the kernel take back what of its memory it can. Pausing a paused one changes
+        nothing."""
+        if isinstance(sandboxes, Group):
+            return sandboxes.pause(reclaim=reclaim)
         q = PauseQuery(reclaim)
         if isinstance(sandboxes, str):
             return self._call("pause", query=q, sid=sandboxes)
         return [self._call("pause", query=q, sid=sid) for sid in sandboxes]
 
-    def resume(self, sandboxes: str | Sequence[str]) -> Any:
-        """Let paused sandboxes go on where they were (one id, or a list); a no-op for one
-        that is not paused."""
+    def resume(self, sandboxes: str | Sequence[str] | Group) -> Any:
+        """Let paused sandboxes go on where they were (one id, a list, or a ``Group``); a no-op
+        for one that is not paused."""
+        if isinstance(sandboxes, Group):
+            return sandboxes.resume()
         if isinstance(sandboxes, str):
             return self._call("resume", sid=sandboxes)
         return [self._call("resume", sid=sid) for sid in sandboxes]
@@ -687,15 +692,21 @@ class AsyncClient:
     async def usage(self, sandbox_id: str) -> SandboxUsage:
         return await self._call("usage", sid=sandbox_id)
 
-    async def pause(self, sandboxes: str | Sequence[str], *, reclaim: bool = False) -> Any:
+    async def pause(
+        self, sandboxes: str | Sequence[str] | AsyncGroup, *, reclaim: bool = False
+    ) -> Any:
         """``Client.pause``, awaited; a group's sandboxes are paused at once."""
+        if isinstance(sandboxes, AsyncGroup):
+            return await sandboxes.pause(reclaim=reclaim)
         q = PauseQuery(reclaim)
         if isinstance(sandboxes, str):
             return await self._call("pause", query=q, sid=sandboxes)
         return list(await asyncio.gather(*(self._call("pause", query=q, sid=s) for s in sandboxes)))
 
-    async def resume(self, sandboxes: str | Sequence[str]) -> Any:
+    async def resume(self, sandboxes: str | Sequence[str] | AsyncGroup) -> Any:
         """``Client.resume``, awaited; a group's sandboxes are resumed at once."""
+        if isinstance(sandboxes, AsyncGroup):
+            return await sandboxes.resume()
         if isinstance(sandboxes, str):
             return await self._call("resume", sid=sandboxes)
         return list(await asyncio.gather(*(self._call("resume", sid=s) for s in sandboxes)))

@@ -202,6 +202,8 @@ def test_a_group_is_found_again_by_name_and_handled_whole(dsec_client, dsec_node
         assert dsec_client.get(outsider.id).info.state == "running"
         assert [i.state for i in group.resume()] == ["running", "running"]
         assert group.resume() == []  # nothing paused: nothing to do
+        assert [i.state for i in dsec_client.pause(group)] == ["paused", "paused"]  # the handle
+        assert [i.state for i in dsec_client.resume(group)] == ["running", "running"]
         assert made[0].exec("echo on").stdout == b"on\n"
         assert group.kill() == 2 and group.members() == []
         assert dsec_client.get(outsider.id).info.state == "running"
@@ -220,5 +222,7 @@ async def test_an_async_group_pauses_and_kills_at_once(dsec_node):
             assert {i.state for i in await group.pause()} == {"paused"}
             assert {i.state for i in await group.members()} == {"paused"}
             assert len(await group.resume()) == 3
+            assert {i.state for i in await client.pause(group)} == {"paused"}
+            assert {i.state for i in await client.resume(group)} == {"running"}
         finally:
             assert await group.kill() == 3
