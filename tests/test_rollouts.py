@@ -339,3 +339,39 @@ def test_events_and_trajectories_through_the_cli(dsec_client, dsec_node):
     assert [(r["step"], r["stdout"], r["exit_code"]) for r in rows] == [(0, "one\n", 0), (1, "", 4)]
     assert run("trajectory", "rm", "cli-traj").stdout.strip() == "removed cli-traj"
     assert run("trajectory", "rm", "cli-traj", ok=False).stderr.startswith("Error: ")
+
+
+async def test_a_takeover_after_a_daemon_restart_resumes_what_the_lapse_paused():
+    with node_home("dsec-roll-") as config:
+        node = await _node(config)
+        try:
+            w = (await node.create(BASE)).id
+            own = (await node.create(BASE)).id
+            await node.pause(own)  # its trainer paused this one itself
+            await node.leases.take([w, own], ttl=0.3, holder="trainer-1")
+            await asyncio.sleep(0.8)
+            assert node.sandboxes[w].info().state == "paused"
+            assert [e.kind for e in node.events(w)] == ["preempted"] and not node.events(own)
+            await node.close()  # the daemon goes; the sandboxes stay, paused
+            node = await _node(config)  # a new daemon knows no lease
+            assert node.sandboxes[w].preempted and not node.sandboxes[own].preempted
+            await node.leases.take([w, own], ttl=5, holder="trainer-2")
+            assert node.sandboxes[w].info().state == "running"
+            assert node.sandboxes[own].info().state == "paused"  # left as its trainer left it
+            assert (await node.exec(w, "echo on")).stdout == b"on\n"
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_an_async_lease_renews_from_a_task(dsec_node):
+    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+        sb = await client.create(layers=["kit-base@1"], memory="64M")
+        try:
+            async with await client.lease(sb.id, ttl=0.5, holder="async") as lease:
+                await asyncio.sleep(1.2)
+                assert (await client.get(sb.id)).info.state == "running"
+                assert (await client.lease_get(lease.id)).state == "held"
+            with pytest.raises(UnknownLease):
+                await client.lease_get(lease.id)
+        finally:
+            await client.kill(sb.id)

@@ -7,8 +7,9 @@ of its sandboxes (``Node.pause``, with ``reclaim`` if the lease asked) and recor
 event "preempted" on each. Nothing is lost: processes stand where they were.
 
 A new trainer takes a lease on the same sandboxes (or the same lease is renewed by a trainer
-that was only slow): a lapsed lease's sandboxes are handed over, and those the lapse paused
-are resumed, so the loop goes on. A sandbox held by a live lease of another holder is
+that was only slow): a lapsed lease's sandboxes are handed over, and those a lapse paused
+(``Sandbox.preempted``, kept in their saved state) are resumed, so the loop goes on; sandboxes
+the trainer paused itself stay paused. A sandbox held by a live lease of another holder is
 ``LeaseHeld``. Leases live in the daemon's memory: a restarted daemon knows none (a trainer's
 next renewal is ``UnknownLease``, and the SDK takes a new lease on the same sandboxes).
 """
@@ -19,7 +20,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import DsecError, InvalidSpec, LeaseHeld, UnknownLease
@@ -47,7 +48,6 @@ class _Lease:
     expires: float = 0.0  # Unix time
     state: str = "held"  # "held" | "lapsed"
     timer: asyncio.TimerHandle | None = None
-    paused: set[str] = field(default_factory=set)  # those the lapse paused
 
     def info(self) -> LeaseInfo:
         return LeaseInfo(
@@ -83,33 +83,26 @@ class Leases:
                     lease=held.id,
                 )
         lease = _Lease(secrets.token_hex(8), holder, ids, float(ttl), reclaim)
-        resume = []
         for sid in ids:
             old = self._leases.get(self._by_sandbox.get(sid, ""))
             if old is not None:
                 old.sandboxes.remove(sid)
-                if sid in old.paused:
-                    old.paused.discard(sid)
-                    resume.append(sid)
                 if not old.sandboxes:
                     self._drop(old)
             self._by_sandbox[sid] = lease.id
         self._leases[lease.id] = lease
         self._arm(lease)
-        await self._resume(lease, resume)
+        await self._resume(lease)
         return lease.info()
 
     async def renew(self, lease_id: str) -> LeaseInfo:
         """Push ``lease_id``'s expiry a ttl ahead; a lapsed lease is held again and what its
         lapse paused is resumed."""
         lease = self._get(lease_id)
+        self._arm(lease)
         if lease.state == "lapsed":
             lease.state = "held"
-            resume, lease.paused = sorted(lease.paused), set()
-            self._arm(lease)
-            await self._resume(lease, resume)
-        else:
-            self._arm(lease)
+            await self._resume(lease)
         return lease.info()
 
     async def release(self, lease_id: str, kill: bool = False) -> LeaseInfo:
@@ -130,7 +123,6 @@ class Leases:
         lease = self._leases.get(self._by_sandbox.pop(sid, ""))
         if lease is not None:
             lease.sandboxes.remove(sid)
-            lease.paused.discard(sid)
             if not lease.sandboxes:
                 self._drop(lease)
 
@@ -179,14 +171,13 @@ class Leases:
             sb = self.node.sandboxes.get(sid)
             if sb is None or sb.status != "running":
                 continue
-            was_paused = sb.paused
+            if sb.paused:  # paused by its trainer: its trainer resumes it
+                continue
             try:
-                await self.node.pause(sid, reclaim=lease.reclaim)
+                await self.node.pause(sid, reclaim=lease.reclaim, preempted=True)
             except DsecError as e:
                 log.warning("lease %s lapsed, but %s could not be paused: %s", lease.id, sid, e)
                 continue
-            if not was_paused:
-                lease.paused.add(sid)
             self.node.record_event(
                 InfraEvent(
                     "preempted",
@@ -201,8 +192,13 @@ class Leases:
         sb = self.node.sandboxes.get(sid)
         return sb is not None and bool(sb.rt.spec.drives)
 
-    async def _resume(self, lease: _Lease, sids: list[str]) -> None:
-        for sid in sorted(sids, key=self._drives):  # workers first, then their drivers
+    async def _resume(self, lease: _Lease) -> None:
+        """Resume those of the lease's sandboxes a lapse paused (``Sandbox.preempted``, kept
+        in their state, so this holds across a daemon restart too): workers first."""
+        for sid in sorted(lease.sandboxes, key=self._drives):
+            sb = self.node.sandboxes.get(sid)
+            if sb is None or not sb.preempted:
+                continue
             try:
                 await self.node.resume(sid)
             except DsecError as e:

@@ -134,6 +134,7 @@ class Sandbox:
     policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
     exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
     paused: bool = False  # running, but every process stopped where it was (Feature.PAUSE)
+    preempted: bool = False  # paused because its trainer's lease lapsed (resumed on takeover)
     packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
     events: list[InfraEvent] = field(default_factory=list)  # infrastructure failures it met
     oom_kills: int = 0  # the OOM kills its backend reported when last asked
@@ -165,6 +166,7 @@ class Sandbox:
             "expires": self.expires,
             "status": self.status,
             "paused": self.paused,
+            "preempted": self.preempted,
             "events": [e.to_dict() for e in self.events],
             "oom_kills": self.oom_kills,
             "layers": [layer.to_dict() for layer in self.layers],
@@ -1020,7 +1022,7 @@ class Node:
         return made
 
     # --- FnCall pools ---------------------------------------------------------------------
-    async def pause(self, sid: str, reclaim: bool = False) -> SandboxInfo:
+    async def pause(self, sid: str, reclaim: bool = False, preempted: bool = False) -> SandboxInfo:
         """Stop every process of a running sandbox where it is (``Feature.PAUSE``): memory,
         open files and sessions stay; its CPU no longer counts toward admission. ``reclaim``
         then has the kernel take back what of its memory it can (``Backend.pause``). Pausing
@@ -1038,7 +1040,7 @@ class Node:
         if not sb.paused:
             t0 = time.perf_counter()
             await sb.backend.pause(sb.rt, sb.backend_state, reclaim=reclaim)
-            sb.paused = True
+            sb.paused, sb.preempted = True, preempted
             self._write_state(sb)
             log.debug("paused %s in %.1f ms", sid, 1e3 * (time.perf_counter() - t0))
         return sb.info()
@@ -1051,7 +1053,7 @@ class Node:
         await self._packed(sb)
         if sb.paused:
             await sb.backend.resume(sb.rt, sb.backend_state)
-            sb.paused = False
+            sb.paused = sb.preempted = False
             self._write_state(sb)
         return sb.info()
 
@@ -1291,7 +1293,7 @@ class Node:
             devices=tuple(DeviceNode.from_dict(d) for d in doc.get("devices") or ()),
         )
         plan = self._load_plan(sid, doc, spec, backend)
-        return Sandbox(
+        sb = Sandbox(
             rt=rt,
             backend=backend,
             layers=layers,
@@ -1302,10 +1304,13 @@ class Node:
             policies=plan,
             events=[InfraEvent.from_dict(e) for e in doc.get("events") or ()],
             oom_kills=int(doc.get("oom_kills") or 0),
+            preempted=bool(doc.get("preempted")),
             # the freezer is the truth: a pause or resume may have been cut short by a crash
             paused=Feature.PAUSE in backend.features
             and backend.paused(rt, doc.get("backend_state") or {}),
         )
+        sb.preempted = sb.preempted and sb.paused  # a crash between freezer and record
+        return sb
 
     def _load_plan(
         self, sid: str, doc: dict[str, Any], spec: SandboxSpec, backend: Backend
