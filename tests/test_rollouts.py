@@ -24,8 +24,9 @@ from dsec_core.errors import (
     UnknownLease,
     UnknownSandbox,
 )
+from dsec_core.node import trajectory
 from dsec_core.node.node import Node
-from dsec_core.records import SandboxSpec
+from dsec_core.records import ExecResult, SandboxSpec
 from dsec_core.testing import node_home, running_kit_node
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -375,3 +376,22 @@ async def test_an_async_lease_renews_from_a_task(dsec_node):
                 await client.lease_get(lease.id)
         finally:
             await client.kill(sb.id)
+
+
+async def test_trajectories_beyond_the_cache_are_read_back_from_their_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(trajectory, "CACHED", 1)
+    logs = trajectory.TrajectoryLogs(tmp_path)
+    ran: list[str] = []
+
+    def execute(name: str):
+        async def run() -> ExecResult:
+            ran.append(name)
+            return ExecResult(0, name.encode(), b"", 0.01, command="c")
+
+        return run
+
+    for name in ("a", "b", "a", "b"):  # each pushes the other out of the cache
+        r = await logs.run(name, 0, "sb", "c", execute(name))
+        assert r.stdout == name.encode()
+    assert ran == ["a", "b"]  # the second time, from the files
+    assert len(logs._entries) == 1

@@ -187,6 +187,10 @@ class Sandbox:
         }
 
 
+#: How many infrastructure events a sandbox keeps (the most recent).
+MAX_EVENTS = 100
+
+
 class Node:
     """Everything one node does; the HTTP API and the tests drive this class."""
 
@@ -562,6 +566,7 @@ class Node:
         log.warning("sandbox %s: %s: %s", event.sandbox_id, event.kind, event.detail)
         if sb is not None:
             sb.events.append(event)
+            del sb.events[:-MAX_EVENTS]  # the most recent ones
             self._write_state(sb)
 
     def events(self, sid: str) -> list[InfraEvent]:

@@ -15,6 +15,7 @@ short by a crash is not an entry (and its command counts as not run).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import time
@@ -27,7 +28,11 @@ from ..api.shapes import decoder, encoder
 from ..errors import InvalidSpec, TrajectoryDiverged
 from ..records import ExecResult, TrajectoryEntry, check_trajectory_name
 
-__all__ = ["TrajectoryLogs"]
+__all__ = ["CACHED", "TrajectoryLogs"]
+
+#: How many trajectories' steps the node keeps in memory (the least recently used are read
+#: from their files again when next needed).
+CACHED = 256
 
 _encode = encoder(TrajectoryEntry)
 _decode = decoder(TrajectoryEntry, strict=False)
@@ -38,7 +43,9 @@ class TrajectoryLogs:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._entries: dict[str, list[TrajectoryEntry]] = {}
+        self._entries: collections.OrderedDict[str, list[TrajectoryEntry]] = (
+            collections.OrderedDict()
+        )
         self._locks: dict[str, asyncio.Lock] = {}
 
     def path(self, name: str) -> Path:
@@ -46,8 +53,15 @@ class TrajectoryLogs:
 
     def entries(self, name: str) -> list[TrajectoryEntry]:
         """The steps logged for ``name``, in order (none if it has no log)."""
-        if name not in self._entries:
+        if name in self._entries:
+            self._entries.move_to_end(name)
+        else:
             self._entries[name] = self._read(self.path(name))
+            while len(self._entries) > CACHED:
+                old, _ = self._entries.popitem(last=False)
+                lock = self._locks.get(old)
+                if lock is not None and not lock.locked():
+                    del self._locks[old]
         return self._entries[name]
 
     @staticmethod
@@ -124,6 +138,9 @@ class TrajectoryLogs:
     def remove(self, name: str) -> bool:
         """Forget trajectory ``name``; whether it had a log."""
         self._entries.pop(name, None)
+        lock = self._locks.get(name)
+        if lock is not None and not lock.locked():
+            del self._locks[name]
         try:
             self.path(name).unlink()
         except FileNotFoundError:
