@@ -291,6 +291,8 @@ def main() -> None:
             rows.append((f"{what} {kind} (p50 / p99 of {rounds})", f"{p50} / {p99} ms"))
     for name, value in rows:
         print(f"  {name:44} {value:>18}")
+    if sum(steps) < 5 and not args.quick:
+        print("\nnote: the setup took under 5 s (calibrated on a busier CPU); raise --step-s")
     print(
         f"\nsame final checksum in the source, {N * repeats} forks and {N} replays; "
         "targets: fork_vs_replay_ratio >= 10, idle pause and resume <= 50 ms (SDK round trip)\n"
