@@ -1090,6 +1090,33 @@ def _in_group(spec: SandboxSpec | None, kw: dict[str, Any], name: str) -> Sandbo
     return dataclasses.replace(spec, labels={**spec.labels, GROUP_LABEL: name})
 
 
+def _fork_source(source: Any, snapshot: Any) -> str | None:
+    """The id of the member a fork packs; None when it restores ``snapshot``."""
+    if (source is None) == (snapshot is None):
+        raise InvalidSpec("fork takes a source member or a snapshot, one of them", field="source")
+    sid = source.id if isinstance(source, _Bound) else source
+    if sid is not None and (not isinstance(sid, str) or not sid):
+        raise InvalidSpec(f"a fork source is a sandbox id or handle, got {sid!r}", field="source")
+    return sid
+
+
+def _fork_spec(
+    name: str, layers: tuple[str, ...], spec: SandboxSpec | None, kw: dict[str, Any]
+) -> SandboxSpec:
+    """The restore spec of a fork, labelled into group ``name`` and checked before anything is
+    packed; ``layers`` only make it valid, the node replaces them by the snapshot's."""
+    return _in_group(spec, {"layers": layers, **kw}, name)
+
+
+def _check_member(name: str, info: SandboxInfo) -> None:
+    if info.labels.get(GROUP_LABEL) != name:
+        raise InvalidSpec(
+            f"sandbox {info.id} is not a member of group {name!r}; a group forks its own",
+            field="source",
+            sandbox_id=info.id,
+        )
+
+
 class Group:
     """A rollout group: sandboxes created, paused, resumed and killed together, found again by
     name from any process (see ``Client.group``)."""
@@ -1104,6 +1131,28 @@ class Group:
     def create(self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> list[Sandbox]:
         """``n`` new members (all or none), labelled into the group."""
         return self.client.create_many(_in_group(spec, kw, self.name), n)
+
+    def fork(
+        self,
+        source: str | Sandbox | None = None,
+        n: int = 1,
+        *,
+        snapshot: str | LayerInfo | None = None,
+        spec: SandboxSpec | None = None,
+        **kw: Any,
+    ) -> list[Sandbox]:
+        """``n`` new members that each start from member ``source``'s state now (packed with
+        ``pack_diff``, then ``restore``), each with its own writable layer; or from an
+        earlier ``snapshot`` instead. ``spec`` (or its fields) goes to ``Client.restore``.
+        ``InvalidSpec`` if ``source`` is not a member of this group."""
+        sid = _fork_source(source, snapshot)
+        if sid is None:
+            ref = snapshot.ref if isinstance(snapshot, LayerInfo) else str(snapshot)
+            return self.client.restore(ref, n, _fork_spec(self.name, (ref,), spec, kw))
+        info = self.client.get(sid).info
+        _check_member(self.name, info)
+        restore_spec = _fork_spec(self.name, info.layers, spec, kw)
+        return self.client.restore(self.client.pack_diff(sid), n, restore_spec)
 
     def members(self) -> list[SandboxInfo]:
         """The group's sandboxes on the node now, oldest first."""
@@ -1145,6 +1194,25 @@ class AsyncGroup:
         self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
     ) -> list[AsyncSandbox]:
         return await self.client.create_many(_in_group(spec, kw, self.name), n)
+
+    async def fork(
+        self,
+        source: str | AsyncSandbox | None = None,
+        n: int = 1,
+        *,
+        snapshot: str | LayerInfo | None = None,
+        spec: SandboxSpec | None = None,
+        **kw: Any,
+    ) -> list[AsyncSandbox]:
+        """``Group.fork``, awaited."""
+        sid = _fork_source(source, snapshot)
+        if sid is None:
+            ref = snapshot.ref if isinstance(snapshot, LayerInfo) else str(snapshot)
+            return await self.client.restore(ref, n, _fork_spec(self.name, (ref,), spec, kw))
+        info = (await self.client.get(sid)).info
+        _check_member(self.name, info)
+        restore_spec = _fork_spec(self.name, info.layers, spec, kw)
+        return await self.client.restore(await self.client.pack_diff(sid), n, restore_spec)
 
     async def members(self) -> list[SandboxInfo]:
         found = [i for i in await self.client.list() if i.labels.get(GROUP_LABEL) == self.name]

@@ -47,7 +47,7 @@ COMPOSED = {
     "upload": "write_file",
     "download": "read_file",
     "close": None,
-    "group": None,  # a handle: its methods are list, create, pause, resume and kill
+    "group": None,  # a handle: its methods are list, create, pack_diff+restore, pause, ...
 }
 #: Routes no SDK method needs: tools read the document.
 NOT_IN_SDK = {"openapi"}

@@ -226,3 +226,52 @@ async def test_an_async_group_pauses_and_kills_at_once(dsec_node):
             assert {i.state for i in await client.resume(group)} == {"running"}
         finally:
             assert await group.kill() == 3
+
+
+def test_a_group_forks_a_member_into_new_members_that_each_write_their_own(dsec_client, dsec_node):
+    spec = dict(memory="64M", disk="64M", ttl=600)
+    outsider = dsec_client.create(layers=(dsec_node.layer.ref,), **spec)
+    group = dsec_client.group("fork-7")
+    try:
+        (source,) = group.create(layers=(dsec_node.layer.ref,), **spec)
+        assert source.exec(["sh", "-c", "echo step-k > /state"]).exit_code == 0
+        kids = group.fork(source, n=2, **spec)
+        source.exec(["sh", "-c", "echo later > /state"])  # after the fork: not theirs
+        assert all(k.info.labels[GROUP_LABEL] == "fork-7" for k in kids)
+        assert [k.exec(["cat", "/state"]).stdout for k in kids] == [b"step-k\n"] * 2
+        kids[0].exec(["sh", "-c", "echo mine > /state"])  # its own writable layer
+        assert kids[1].exec(["cat", "/state"]).stdout == b"step-k\n"
+        assert source.exec(["cat", "/state"]).stdout == b"later\n"
+        # from a snapshot taken before, here of a fork: a chain
+        snap = kids[0].pack_diff()
+        (grandkid,) = group.fork(snapshot=snap, **spec)
+        assert grandkid.exec(["cat", "/state"]).stdout == b"mine\n"
+        made = [source.id, *(k.id for k in kids), grandkid.id]
+        assert [i.id for i in group.members()] == made
+        with pytest.raises(dsec.InvalidSpec, match="not a member"):
+            group.fork(outsider.id)
+        with pytest.raises(dsec.InvalidSpec):
+            group.fork(n=2)  # neither a source nor a snapshot
+        with pytest.raises(dsec.InvalidSpec):
+            group.fork(source, snapshot=snap)  # both
+        assert group.kill() == 4 and group.members() == []
+        assert dsec_client.get(outsider.id).info.state == "running"
+    finally:
+        group.kill()
+        outsider.kill()
+
+
+async def test_an_async_group_forks_a_member(dsec_node):
+    spec = dict(memory="64M", disk="64M", ttl=600)
+    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+        group = client.group("async-fork-7")
+        try:
+            (source,) = await group.create(layers=(dsec_node.layer.ref,), **spec)
+            await source.exec(["sh", "-c", "echo step-k > /state"])
+            kids = await group.fork(source.id, n=2, **spec)
+            await kids[0].exec(["sh", "-c", "echo mine > /state"])
+            seen = [(await k.exec(["cat", "/state"])).stdout for k in kids]
+            assert seen == [b"mine\n", b"step-k\n"]
+            assert len(await group.members()) == 3
+        finally:
+            assert await group.kill() == 3
