@@ -1162,6 +1162,12 @@ class Group:
     def sandboxes(self) -> list[Sandbox]:
         return [Sandbox(self.client, i) for i in self.members()]
 
+    def lease(self, *, ttl: float = 10.0, holder: str = "", reclaim: bool = False) -> Lease:
+        """A lease on every member now (``Client.lease``): they pause if this process stops
+        renewing it, and a new trainer's lease on the group resumes them."""
+        ids = [i.id for i in self.members()]
+        return self.client.lease(ids, ttl=ttl, holder=holder or self.name, reclaim=reclaim)
+
     def pause(self, *, reclaim: bool = False) -> list[SandboxInfo]:
         """Pause every member that runs (see ``Client.pause``)."""
         live = [i.id for i in self.members() if i.state == "running"]
@@ -1220,6 +1226,12 @@ class AsyncGroup:
 
     async def sandboxes(self) -> list[AsyncSandbox]:
         return [AsyncSandbox(self.client, i) for i in await self.members()]
+
+    async def lease(
+        self, *, ttl: float = 10.0, holder: str = "", reclaim: bool = False
+    ) -> AsyncLease:
+        ids = [i.id for i in await self.members()]
+        return await self.client.lease(ids, ttl=ttl, holder=holder or self.name, reclaim=reclaim)
 
     async def pause(self, *, reclaim: bool = False) -> list[SandboxInfo]:
         live = [i.id for i in await self.members() if i.state == "running"]

@@ -204,6 +204,12 @@ def test_a_group_is_found_again_by_name_and_handled_whole(dsec_client, dsec_node
         assert group.resume() == []  # nothing paused: nothing to do
         assert [i.state for i in dsec_client.pause(group)] == ["paused", "paused"]  # the handle
         assert [i.state for i in dsec_client.resume(group)] == ["running", "running"]
+        lease = group.lease(ttl=0.3)
+        lease.release()  # a trainer that ends its lease leaves the group running
+        assert {i.state for i in group.members()} == {"running"}
+        with group.lease(ttl=5) as lease:
+            assert set(lease.info.sandboxes) == {sb.id for sb in made}
+            assert lease.info.holder == "rollout-7"
         assert made[0].exec("echo on").stdout == b"on\n"
         assert group.kill() == 2 and group.members() == []
         assert dsec_client.get(outsider.id).info.state == "running"
