@@ -183,6 +183,8 @@ def _base_body(t: Target, name: str) -> Any:
         "session_exec": {"cmd": "true", "timeout": 2.0, "max_output": 100},
         "set_policy": {"settings": {}},
         "prefetch": {"refs": [layer]},
+        # a day: the lease must not lapse (pausing the target) while the run goes on
+        "lease": {"sandboxes": [t.sid], "ttl": 86400.0, "holder": "fuzz"},
         "write_file": b"data",
     }.get(name)
 
@@ -201,7 +203,13 @@ def _base_query(name: str) -> dict[str, str] | None:
 
 def _params(t: Target, name: str) -> dict[str, str]:
     route = ROUTES[name]
-    params = {"sid": t.sid, "ses": t.ses, "policy": "none"}
+    params = {
+        "sid": t.sid,
+        "ses": t.ses,
+        "policy": "none",
+        "lease": "no-such-lease",
+        "trajectory": "fuzzed-trajectory",
+    }
     if name == "kill":  # never the run's target
         params["sid"] = "no-such-sandbox"
     return {k: params[k] for k in route.params}
