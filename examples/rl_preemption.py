@@ -117,6 +117,15 @@ def trainer(address: str, trajectory: str) -> None:
     time.sleep(3600)  # training... until the preemption
 
 
+def wait_for(what: str, ready, timeout: float = 60.0) -> None:
+    """Poll ``ready()`` until it is true; RuntimeError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
 def preemption(client: dsec.Client, address: str) -> None:
     print("== 3. a rollout that survives its trainer's preemption")
     first = subprocess.Popen(
@@ -125,23 +134,25 @@ def preemption(client: dsec.Client, address: str) -> None:
         text=True,
     )
     assert first.stdout is not None
-    agent, worker = first.stdout.readline().split()
+    line = first.stdout.readline()
+    if not line:
+        raise RuntimeError(f"trainer-1 exited ({first.wait()}) before it started the loop")
+    agent, worker = line.split()
     progress = lambda: client.exec(agent, "cat /progress 2>/dev/null || echo 0").text.strip()  # noqa: E731
-    while int(progress()) < 3:
-        time.sleep(0.1)
+    wait_for("the loop's third step", lambda: int(progress()) >= 3)
     print(f"   trainer-1 (pid {first.pid}) is at step {progress()}: preempting it (SIGKILL)")
     first.send_signal(signal.SIGKILL)
     first.wait()
-    while {client.get(agent).info.state, client.get(worker).info.state} != {"paused"}:
-        time.sleep(0.1)
+    states = lambda: {client.get(agent).info.state, client.get(worker).info.state}  # noqa: E731
+    wait_for("the pair to pause", lambda: states() == {"paused"})
     for sid in (agent, worker):
         (event,) = client.events(sid)
         print(f"   {sid}: {client.get(sid).info.state}, event {event.kind}: {event.detail}")
     print("   trainer-2 takes the lease over")
     with client.lease([agent, worker], ttl=5.0, holder="trainer-2"):
         print(f"   resumed: {client.get(agent).info.state}, {client.get(worker).info.state}")
-        while client.exec(agent, "cat /finished 2>/dev/null").text != "done\n":
-            time.sleep(0.1)
+        finished = lambda: client.exec(agent, "cat /finished 2>/dev/null").text == "done\n"  # noqa: E731
+        wait_for("the loop to complete", finished)
     ran = client.exec(worker, "cat /build.log").text.split()
     log = client.trajectory("example-rollout")
     print(f"   the loop completed: {len(log)} steps logged, the worker ran {len(ran)} parts")
