@@ -179,10 +179,13 @@ def test_the_python_drive_client_drives_a_worker_as_the_sandbox_s_uid(dsec_node,
 
 def test_the_example_runs_episodes_a_fork_and_a_preemption():
     example = Path(__file__).parent.parent / "examples" / "rl_preemption.py"
-    out = subprocess.run(
-        [sys.executable, os.fspath(example)], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
+    try:
+        out = subprocess.run(
+            [sys.executable, os.fspath(example)], capture_output=True, text=True, timeout=200
+        )
+    except subprocess.TimeoutExpired as e:  # say where it stood (pytest's own timeout would not)
+        pytest.fail(f"the example did not finish: stdout {e.stdout!r}, stderr {e.stderr!r}")
+    assert out.returncode == 0, (out.stdout, out.stderr)
     text = out.stdout
     assert "episode 0: reward 1.0" in text and "episode 1: reward 0.0" in text
     assert "guessed 42, reward 1.0, state 1000" in text
