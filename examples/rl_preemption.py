@@ -182,6 +182,11 @@ def main() -> None:
                 episodes(client)
                 forking(client)
                 preemption(client, address)
+            except Exception:
+                if config.log_path.exists():  # what the node saw, for the report
+                    tail = config.log_path.read_text().splitlines()[-40:]
+                    print("node log:", *tail, sep="\n", file=sys.stderr)
+                raise
             finally:
                 for info in client.list():
                     client.kill(info.id)

@@ -24,7 +24,7 @@ from dsec_core.errors import (
     UnknownLease,
     UnknownSandbox,
 )
-from dsec_core.node import trajectory
+from dsec_core.node import leases, trajectory
 from dsec_core.node.node import Node
 from dsec_core.records import ExecResult, SandboxSpec
 from dsec_core.testing import node_home, running_kit_node
@@ -395,3 +395,20 @@ async def test_trajectories_beyond_the_cache_are_read_back_from_their_files(tmp_
         assert r.stdout == name.encode()
     assert ran == ["a", "b"]  # the second time, from the files
     assert len(logs._entries) == 1
+
+
+async def test_a_lease_lapses_on_time_whatever_the_wall_clock_does(monkeypatch):
+    # The lapse once compared time.time() to the expiry: a timer the loop ran a hair early,
+    # or a wall clock stepped back, made it believe in a renewal and never lapse.
+    with node_home("dsec-roll-") as config:
+        node = await _node(config)
+        try:
+            sid = (await node.create(BASE)).id
+            lease = await node.leases.take([sid], ttl=0.3)
+            real = time.time
+            monkeypatch.setattr(leases.time, "time", lambda: real() - 3600)  # stepped back
+            await asyncio.sleep(0.8)
+            assert node.leases.get(lease.id).state == "lapsed"
+            assert node.sandboxes[sid].info().state == "paused"
+        finally:
+            await node.close(kill_all=True)

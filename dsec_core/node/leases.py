@@ -48,6 +48,7 @@ class _Lease:
     expires: float = 0.0  # Unix time
     state: str = "held"  # "held" | "lapsed"
     timer: asyncio.TimerHandle | None = None
+    armed: int = 0  # counts arms: a timer of an earlier one (renewed since) does nothing
 
     def info(self) -> LeaseInfo:
         return LeaseInfo(
@@ -149,13 +150,18 @@ class Leases:
         if lease.timer is not None:
             lease.timer.cancel()
         lease.expires = time.time() + lease.ttl
+        lease.armed += 1
+        armed = lease.armed
         loop = asyncio.get_running_loop()
-        lease.timer = loop.call_later(lease.ttl, lambda: self.node._spawn(self._lapse(lease)))
+        lease.timer = loop.call_later(
+            lease.ttl, lambda: self.node._spawn(self._lapse(lease, armed))
+        )
 
-    async def _lapse(self, lease: _Lease) -> None:
+    async def _lapse(self, lease: _Lease, armed: int) -> None:
+        # Not by the clock: the loop may run a timer a hair early, and wall time may step.
         if self._leases.get(lease.id) is not lease or lease.state != "held":
             return
-        if time.time() < lease.expires:  # renewed meanwhile
+        if armed != lease.armed:  # renewed between the timer and this task
             return
         lease.state = "lapsed"
         log.warning(
