@@ -170,6 +170,7 @@ def main() -> None:
         trainer(*args.trainer)
         return
     home = Path(tempfile.mkdtemp(prefix="dsec-example-"))
+    print(f"node home: {home}", flush=True)
     config = NodeConfig(home=home)
     os.environ["DSEC_HOME"] = os.fspath(home)
     try:

@@ -18,7 +18,9 @@ import pytest
 
 import dsec
 from dsec.rl import INFRA_KINDS, SandboxEnv, command_reward, drive_client_source, infra_event
+from dsec_core.config import NodeConfig
 from dsec_core.errors import NodeUnavailable, SandboxPaused, StartTimeout, UnknownSandbox
+from dsec_core.localnode import stop_daemon
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -184,6 +186,15 @@ def test_the_example_runs_episodes_a_fork_and_a_preemption():
             [sys.executable, os.fspath(example)], capture_output=True, text=True, timeout=200
         )
     except subprocess.TimeoutExpired as e:  # say where it stood (pytest's own timeout would not)
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        if text.startswith("node home: "):  # killed, it could not stop its node: stop it here
+            home = Path(text.splitlines()[0].removeprefix("node home: "))
+            socket = os.fspath(NodeConfig(home=home).socket_path)
+            with contextlib.suppress(dsec.DsecError), dsec.Client(socket, autostart=False) as c:
+                for info in c.list():
+                    c.kill(info.id)
+            stop_daemon(NodeConfig(home=home))
+            shutil.rmtree(home, ignore_errors=True)
         pytest.fail(f"the example did not finish: stdout {e.stdout!r}, stderr {e.stderr!r}")
     assert out.returncode == 0, (out.stdout, out.stderr)
     text = out.stdout
@@ -191,3 +202,4 @@ def test_the_example_runs_episodes_a_fork_and_a_preemption():
     assert "guessed 42, reward 1.0, state 1000" in text
     assert text.count("event preempted") == 2 and "resumed: running, running" in text
     assert "8 steps logged, the worker ran 8 parts" in text and text.endswith("done\n")
+    assert not Path(text.splitlines()[0].removeprefix("node home: ")).exists()
