@@ -11,8 +11,8 @@ and sandboxes that drive nothing are refused.
 
 Protocol: one JSON object per line each way, any number per connection, answered in order.
 
-    {"op": "exec", "sandbox": ID, "cmd": STR|[ARGV], "timeout": S?, "cwd": P?, "env": {..}?,
-     "stdin": B64?, "max_output": N?, "step": K?}   -> {"result": ExecResult}
+    {"op": "exec", "sandbox": ID, "cmd": STR|[ARGV], "step": K?, and the other fields of the
+     API's exec body (timeout, cwd, env, stdin, ...)}  -> {"result": ExecResult}
     {"op": "workers"}                               -> {"result": [ID, ...]}
     {"op": "trajectory"}                            -> {"result": [TrajectoryEntry, ...]}
     anything wrong                                  -> {"error": {"type", "message"}}
@@ -36,6 +36,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..api.messages import ExecRequest
 from ..api.routes import dump_json
 from ..api.shapes import decoder, encoder
 from ..backend import DRIVE_DIR
@@ -45,10 +46,12 @@ from ..records import ExecResult, TrajectoryEntry
 if TYPE_CHECKING:
     from .node import Node, Sandbox
 
-__all__ = ["DRIVE_SOCKET", "DriveServer"]
+__all__ = ["DRIVE_SOCKET", "SOCKET_NAME", "DriveServer"]
 
+#: The socket's name in its directory, on the host and inside (``DRIVE_DIR``).
+SOCKET_NAME = "drive.sock"
 #: The drive socket inside a sandbox that drives others.
-DRIVE_SOCKET = f"{DRIVE_DIR}/drive.sock"
+DRIVE_SOCKET = f"{DRIVE_DIR}/{SOCKET_NAME}"
 #: The longest request line read (an exec's stdin travels in it).
 MAX_LINE = 32 << 20
 
@@ -56,7 +59,7 @@ log = logging.getLogger("dsec.drive")
 
 _result = encoder(ExecResult)
 _entries = encoder(list[TrajectoryEntry])
-_stdin = decoder(bytes | None)
+_exec_request = decoder(ExecRequest)  # the API's own checks of an exec body
 assert _result is not None and _entries is not None
 
 
@@ -66,7 +69,7 @@ class DriveServer:
     def __init__(self, node: Node, directory: Path) -> None:
         self.node = node
         self.directory = directory
-        self.socket_path = directory / "drive.sock"
+        self.socket_path = directory / SOCKET_NAME
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -141,32 +144,28 @@ class DriveServer:
             return _entries(self.node.trajectories.entries(trajectory))  # type: ignore[misc]
         if op != "exec":
             raise InvalidSpec(f"unknown op {op!r}: exec, workers or trajectory", field="op")
-        unknown = set(req) - {"op", "sandbox", "cmd", "timeout", "cwd", "env", "stdin", "step"}
-        unknown -= {"max_output"}
-        if unknown:
-            raise InvalidSpec(f"exec: unknown field(s) {sorted(unknown)}", fields=sorted(unknown))
         target = req.get("sandbox")
         if not isinstance(target, str) or target not in spec.drives:
             raise UnknownSandbox(
                 f"no sandbox {target!r} among those sandbox {driver.rt.id} drives",
                 sandbox_id=target if isinstance(target, str) else "",
             )
+        body = _exec_request({k: v for k, v in req.items() if k not in ("op", "sandbox")}, "exec")
+        if body.trajectory is not None:
+            raise InvalidSpec("a driver's commands go to its own trajectory", field="trajectory")
         await self._unpaused(target)
-        cmd = req.get("cmd")
-        if isinstance(cmd, list):
-            cmd = tuple(cmd)
-        if not cmd or not (isinstance(cmd, str) or all(isinstance(a, str) for a in cmd)):
-            raise InvalidSpec("exec needs cmd: a non-empty string or list of strings", field="cmd")
         result = await self.node.exec(
             target,
-            cmd,
-            timeout=_number(req.get("timeout"), "timeout"),
-            cwd=req.get("cwd"),
-            env=req.get("env"),
-            stdin=_stdin(req.get("stdin"), "stdin"),
-            max_output=int(req.get("max_output") or 1 << 20),
+            body.cmd,
+            timeout=body.timeout,
+            cwd=body.cwd,
+            env=body.env,
+            stdin=body.stdin,
+            max_output=body.max_output,
+            background=body.background,
+            exclusive=body.exclusive,
             trajectory=trajectory,
-            step=req.get("step"),
+            step=body.step,
         )
         return _result(result)  # type: ignore[misc]
 
@@ -175,14 +174,6 @@ class DriveServer:
         in meanwhile): the command runs when the worker is resumed, as the loop's own would."""
         while (sb := self.node.sandboxes.get(sid)) is not None and sb.paused:
             await asyncio.sleep(0.05)
-
-
-def _number(v: Any, name: str) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidSpec(f"{name} must be a number of seconds", field=name)
-    return float(v)
 
 
 def _error(e: DsecError) -> bytes:
