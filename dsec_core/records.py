@@ -544,7 +544,8 @@ class InfraEvent(_Record):
 @dataclass(frozen=True)
 class LeaseInfo(_Record):
     """A trainer's lease on sandboxes (``Client.lease``): renewed within ``ttl`` seconds, or it
-    lapses (``state`` "lapsed") and the node pauses them. ``expires`` is Unix time."""
+    lapses (``state`` "lapsed") and the node pauses them (``reclaim``: and reclaims their
+    memory). ``expires`` is Unix time."""
 
     id: str
     holder: str
@@ -552,6 +553,7 @@ class LeaseInfo(_Record):
     ttl: float
     expires: float
     state: str = "held"
+    reclaim: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sandboxes", tuple(self.sandboxes))

@@ -1264,6 +1264,11 @@ def _gone_ok() -> Iterator[None]:
 # --- trainer leases ----------------------------------------------------------------------------
 
 
+def _lease_again(info: LeaseInfo) -> LeaseRequest:
+    """The request that takes ``info``'s lease again, as it was asked for."""
+    return LeaseRequest(info.sandboxes, info.ttl, info.holder, info.reclaim)
+
+
 class Lease:
     """A trainer's lease on sandboxes (``Client.lease``). With ``renew`` a daemon thread renews
     it every ttl/3; if the node forgot it (a restarted daemon), the thread takes a new one on
@@ -1297,11 +1302,8 @@ class Lease:
         """Renew now (a lapsed lease is held again, and what its lapse paused resumes)."""
         try:
             self.info = self.client.lease_renew(self.info.id)
-        except UnknownLease:
-            i = self.info
-            self.info = self.client._call(
-                "lease", LeaseRequest(i.sandboxes, i.ttl, i.holder, False)
-            )
+        except UnknownLease:  # a restarted node forgot it: the same lease again
+            self.info = self.client._call("lease", _lease_again(self.info))
         return self.info
 
     def _renewing(self) -> None:
@@ -1341,11 +1343,8 @@ class AsyncLease:
     async def renew(self) -> LeaseInfo:
         try:
             self.info = await self.client.lease_renew(self.info.id)
-        except UnknownLease:
-            i = self.info
-            self.info = await self.client._call(
-                "lease", LeaseRequest(i.sandboxes, i.ttl, i.holder, False)
-            )
+        except UnknownLease:  # a restarted node forgot it: the same lease again
+            self.info = await self.client._call("lease", _lease_again(self.info))
         return self.info
 
     async def _renewing(self) -> None:

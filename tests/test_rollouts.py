@@ -301,6 +301,13 @@ def test_lease_through_the_sdk_and_its_typed_errors(dsec_client):
         assert dsec_client.get(sb.id).info.state == "paused"
         assert dsec_client.lease_renew(lease.id).state == "held"  # a slow trainer is back
         assert dsec_client.get(sb.id).info.state == "running"
+        lease.release()
+        # a node that forgot a lease (a restart): renewing takes it again, as it was asked for
+        lease = dsec_client.lease([sb.id], ttl=5, reclaim=True, renew=False)
+        first = lease.id
+        dsec_client.lease_release(first)
+        again = lease.renew()
+        assert again.id != first and again.reclaim and again.sandboxes == (sb.id,)
         lease.release(kill=True)
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)

@@ -52,7 +52,13 @@ class _Lease:
 
     def info(self) -> LeaseInfo:
         return LeaseInfo(
-            self.id, self.holder, tuple(self.sandboxes), self.ttl, self.expires, self.state
+            self.id,
+            self.holder,
+            tuple(self.sandboxes),
+            self.ttl,
+            self.expires,
+            self.state,
+            self.reclaim,
         )
 
 
