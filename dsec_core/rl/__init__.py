@@ -46,6 +46,14 @@ Reward = Callable[[Client, str], float]
 CHARSET = string.printable
 
 
+#: The errors that are infrastructure failures, and their ``InfraEvent`` kinds.
+_INFRA_ERRORS: dict[type[DsecError], str] = {
+    NodeUnavailable: "node_lost",
+    StartTimeout: "start_timeout",
+    SandboxPaused: "preempted",
+}
+
+
 def drive_client_source() -> str:
     """The text of the drive socket's Python client (standard library only), to write into an
     agent sandbox as ``drive.py``: ``from drive import Drive``."""
@@ -60,12 +68,7 @@ def infra_event(error: BaseException | ExecResult, sandbox_id: str = "") -> Infr
         if error.oom_killed:
             return InfraEvent("out_of_memory", error.sandbox_id or sandbox_id, now, error.command)
         return None
-    kind = {
-        NodeUnavailable: "node_lost",
-        StartTimeout: "start_timeout",
-        SandboxPaused: "preempted",
-    }
-    for cls, name in kind.items():
+    for cls, name in _INFRA_ERRORS.items():
         if isinstance(error, cls):
             sid = getattr(error, "context", {}).get("sandbox_id") or sandbox_id
             return InfraEvent(name, sid, now, str(error))
