@@ -7,7 +7,7 @@
  * (processes, sessions, descriptors) at the top of main.c.
  *
  * Build, as ensure_agent does it: gcc -static -O2 -Wall -Werror -I src -o dsec-agent followed
- * by every .c file in src/. Usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]
+ * by every .c file in src/. Usage: dsec-agent [--fd N | --serial PATH] [--policy-fd N [--status-fd N]]
  *
  * Every .c file includes this header first, so _GNU_SOURCE is set before any system header.
  */
@@ -80,6 +80,18 @@ void req_free(struct req *r);
 const char *req_get(const struct req *r, const char *k);
 int req_count(const struct req *r, const char *k);
 long long req_num(const struct req *r, const char *k, long long dflt, int *bad);
+
+/* ---------------------------------------------------------------- mux.c */
+
+struct pollfd;
+void mux_init(int serial_fd, int host, void (*deliver)(int fd));
+int mux_active(void);
+void mux_open(int fd);
+int mux_npollfds(void);
+int mux_pollfds(struct pollfd *p, int *wait_ms);
+int mux_handle(const struct pollfd *p, int n);
+void mux_close_fds_in_handler(void);
+int forward_main(int argc, char **argv);
 
 /* ---------------------------------------------------------------- proctree.c */
 

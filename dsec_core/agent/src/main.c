@@ -7,13 +7,17 @@
  * proctree.c (process trees), guard.c (keeping sandbox code away from the agent) and util.c;
  * agent.h declares what they share.
  *
- * Usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]
+ * Usage: dsec-agent [--fd N | --serial PATH] [--policy-fd N [--status-fd N]]
  *        dsec-agent drive [SOCKET]   (drive.c: the bridge a loop drives its workers through)
+ *        dsec-agent forward --listen-fd N --serial-fd M   (mux.c: a VM's host-side forwarder)
  * The backend binds and listens on a unix stream socket (the node connects to it) before the
  * sandbox starts and passes it as fd N (default 3; runc --preserve-fds), so the node can connect
  * before the agent is even running. With --policy-fd the agent first reads the policy document
  * there (seccomp filter, Landlock file rules and scopes) and enforces it, reporting the outcome
  * on --status-fd, before it serves anything (policy.c); without it, it serves at once.
+ * In a VM guest there is no socket to inherit: --serial names the virtio-serial port the host's
+ * forwarder multiplexes the node's connections over (mux.c), and each stream it opens arrives
+ * in the accept loop below as if accepted.
  *
  * ARCHITECTURE
  * The main process accepts connections and reads just the request header (non-blocking, so a
@@ -94,6 +98,7 @@ static void handler_init(int keep_fd, struct session *keep)
         _exit(1);
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     close(g_listen_fd);
+    mux_close_fds_in_handler();
     for (int i = 0; i < g_nconns; i++)
         if (g_conns[i].fd != keep_fd)
             close(g_conns[i].fd);
@@ -255,18 +260,24 @@ static int conn_progress(int i)
     }
 }
 
+/* A new connection (accepted, or a stream the VM channel opened): read its header. */
+static void conn_add(int fd)
+{
+    if (g_nconns == g_capconns) {
+        g_capconns = g_capconns ? g_capconns * 2 : 16;
+        g_conns = xrealloc(g_conns, g_capconns * sizeof *g_conns);
+    }
+    g_conns[g_nconns++] = (struct conn){.fd = fd, .t0 = now_ms()};
+    conn_progress(g_nconns - 1); /* usually the whole header is already there */
+}
+
 static void accept_all(void)
 {
     for (;;) {
         int fd = accept4(g_listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0)
             return;
-        if (g_nconns == g_capconns) {
-            g_capconns = g_capconns ? g_capconns * 2 : 16;
-            g_conns = xrealloc(g_conns, g_capconns * sizeof *g_conns);
-        }
-        g_conns[g_nconns++] = (struct conn){.fd = fd, .t0 = now_ms()};
-        conn_progress(g_nconns - 1); /* usually the whole header is already there */
+        conn_add(fd);
     }
 }
 
@@ -299,10 +310,12 @@ static void handle_signals(void)
 static void usage(void)
 {
     static const char m[] =
-        "usage: dsec-agent [--fd N] [--policy-fd N [--status-fd N]]\n"
+        "usage: dsec-agent [--fd N | --serial PATH] [--policy-fd N [--status-fd N]]\n"
         "       dsec-agent drive [SOCKET]   (drive.c: a loop's bridge to its workers)\n"
+        "       dsec-agent forward --listen-fd N --serial-fd M   (mux.c: a VM's host side)\n"
         "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
-        "(default 3). Runs as the sandbox's init; see the protocol notes in src/wire.c.\n"
+        "(default 3), or on the streams of a VM's virtio-serial port at PATH. Runs as the\n"
+        "sandbox's init; see the protocol notes in src/wire.c.\n"
         "--policy-fd: read the policy document there and enforce it before serving, reporting\n"
         "\"ok\" or the error on --status-fd (src/policy.c describes both).\n";
     if (write(2, m, sizeof m - 1) < 0) {
@@ -311,16 +324,21 @@ static void usage(void)
 
 /* The descriptors the command line names (-1: not given). */
 struct agent_args {
-    int fd, policy_fd, status_fd;
+    int fd, policy_fd, status_fd, serial_fd;
+    const char *serial;
 };
 
 /* -1 to go on and serve, else the status to exit with. */
 static int parse_args(int argc, char **argv, struct agent_args *a)
 {
-    *a = (struct agent_args){.fd = 3, .policy_fd = -1, .status_fd = -1};
+    *a = (struct agent_args){.fd = 3, .policy_fd = -1, .status_fd = -1, .serial_fd = -1};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
             a->fd = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--serial") && i + 1 < argc) {
+            a->serial = argv[++i];
+        } else if (!strcmp(argv[i], "--serial-fd") && i + 1 < argc) {
+            a->serial_fd = atoi(argv[++i]); /* an inherited port (tests: a socketpair's end) */
         } else if (!strcmp(argv[i], "--policy-fd") && i + 1 < argc) {
             a->policy_fd = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--status-fd") && i + 1 < argc) {
@@ -370,7 +388,8 @@ static int open_signalfd(void)
     return 0;
 }
 
-/* Fill p[] (signals, listener, then one slot per connection); the earliest header deadline. */
+/* Fill p[] (signals, listener, one slot per connection, then the VM channel's); the earliest
+ * header deadline. */
 static long long fill_pollfds(struct pollfd *p)
 {
     p[0] = (struct pollfd){.fd = g_sig_fd, .events = POLLIN};
@@ -417,13 +436,15 @@ static int serve(void)
     struct pollfd *p = NULL;
     int pcap = 0;
     for (;;) {
-        if (pcap < g_nconns + 2) {
-            pcap = g_nconns + 18;
+        if (pcap < g_nconns + 2 + mux_npollfds()) {
+            pcap = g_nconns + mux_npollfds() + 18;
             p = xrealloc(p, pcap * sizeof *p);
         }
         int n = g_nconns;
         long long next = fill_pollfds(p);
-        int rc = poll(p, 2 + n, poll_wait(next));
+        int wait = poll_wait(next);
+        int m = mux_pollfds(p + 2 + n, &wait);
+        int rc = poll(p, 2 + n + m, wait);
         if (rc < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
             return 1;
@@ -434,6 +455,7 @@ static int serve(void)
         drop_slow_conns();
         if (p[1].revents)
             accept_all();
+        mux_handle(p + 2 + n, m); /* may add connections: after the loops over p[2..n+2) */
     }
 }
 
@@ -441,6 +463,8 @@ int main(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "drive")) /* a client, not the agent: drive.c */
         return drive_bridge(argc > 2 ? argv[2] : NULL);
+    if (argc >= 2 && !strcmp(argv[1], "forward")) /* a VM's host side, not the agent: mux.c */
+        return forward_main(argc, argv);
     struct agent_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc >= 0)
@@ -450,7 +474,15 @@ int main(int argc, char **argv)
         if (fcntl(i, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
             return 1;
     guard_init();
-    if (take_listener(a.fd) < 0) {
+    if (a.serial || a.serial_fd >= 0) {
+        int sfd = a.serial ? open(a.serial, O_RDWR | O_CLOEXEC) : a.serial_fd;
+        if (sfd < 0) {
+            logmsg("%s: %s", a.serial, strerror(errno));
+            policy_report_failure(a.status_fd, "its --serial port cannot be opened");
+            return 2;
+        }
+        mux_init(sfd, 0, conn_add);
+    } else if (take_listener(a.fd) < 0) {
         policy_report_failure(a.status_fd, "its --fd is not a listening socket");
         return 2;
     }
