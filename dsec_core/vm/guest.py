@@ -318,7 +318,7 @@ def _module_name(name: str) -> str:
 def _module_index(kernel: GuestKernel) -> dict[str, Path]:
     """Every loadable module of the kernel by normalised name (``virtio-rng`` -> ``virtio_rng``)."""
     index = {}
-    for path in (kernel.modules_dir / "kernel").rglob("*.ko*"):
+    for path in kernel.modules_dir.rglob("*.ko*"):  # kernel/, and updates/ or extra/ if any
         base = path.name.split(".ko")[0]
         index[_module_name(base)] = path
     return index
