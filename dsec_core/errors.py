@@ -18,6 +18,7 @@ __all__ = [
     "CommandFailed",
     "DsecError",
     "ExecTimeout",
+    "GuestImageError",
     "InvalidSpec",
     "LayerBuildError",
     "LayerCorrupt",
@@ -219,6 +220,13 @@ class ToolError(DsecError):
         super().__init__(
             full, command=command or [], exit_code=exit_code, stdout=stdout, stderr=stderr, **ctx
         )
+
+
+class GuestImageError(ToolError):
+    """Making a VM guest's boot files failed: apt cannot get the kernel package (or the pinned
+    version), a kernel module is unknown or compressed, a file for the initramfs is unusable.
+    Carries ``command``, ``exit_code`` and ``stderr`` when a program failed, and ``module``
+    when a module is at fault."""
 
 
 class BackendUnavailable(DsecError):
