@@ -19,6 +19,7 @@ __all__ = [
     "DsecError",
     "ExecTimeout",
     "GuestImageError",
+    "GuestPanic",
     "InvalidSpec",
     "LayerBuildError",
     "LayerCorrupt",
@@ -277,6 +278,13 @@ class StartTimeout(SandboxError):
     """A sandbox took longer to start than its spec's ``start_timeout``; it was killed."""
 
     http_status = 504
+
+
+class GuestPanic(SandboxError):
+    """A VM sandbox's guest kernel panicked (an infrastructure failure, not the command's):
+    carries ``sandbox_id`` and the ``console``'s last lines."""
+
+    http_status = 500
 
 
 class TrajectoryDiverged(SandboxError):

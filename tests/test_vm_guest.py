@@ -21,6 +21,7 @@ from dsec_core.vm.guest import (
     ensure_kernel,
     module_closure,
 )
+from dsec_core.vm.qemu import host_tsc_khz
 
 #: Shared by test runs on this machine, so the kernel package is downloaded once.
 KERNEL_CACHE = Path(os.environ.get("DSEC_TEST_KERNELS", "/var/cache/dsec-test-kernels"))
@@ -196,18 +197,6 @@ def test_initramfs_members_and_cache(kernel, tmp_path):
         build_initramfs(tmp_path / "out", None, ["virtio_blk"], {})
     with pytest.raises(InvalidSpec):
         build_initramfs(tmp_path / "out", None, [], {"etc/relative": b""})
-
-
-def host_tsc_khz() -> int:
-    """The host's clock rate, which is the rate of a TCG guest's TSC (QEMU reads the host's).
-
-    Told to the guest kernel because its own calibration against microvm's PIT fails when the
-    host is busy (TCG's PIT then runs late), and a kernel that finds no TSC rate and no HPET or
-    ACPI PM timer hangs early in boot."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("cpu MHz"):
-            return int(float(line.split(":")[1]) * 1000)
-    return 2_000_000
 
 
 BOOT_INIT = b"""#!/bin/sh

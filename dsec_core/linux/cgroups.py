@@ -39,6 +39,7 @@ __all__ = [
     "oom_kills",
     "open_memory_window",
     "place_process",
+    "place_process_cpu",
     "reclaim_memory",
     "release_self",
     "remove_cgroups",
@@ -412,10 +413,37 @@ def place_process(pid: int, relative: str, memory: int) -> tuple[Path, ...]:
     return tuple(dirs)
 
 
+def place_process_cpu(pid: int, relative: str, cpus: float, period: int = 100_000) -> Path:
+    """Move process ``pid`` into ``relative`` of the cpu controller's hierarchy, made if
+    missing, with a CFS quota of ``cpus`` cores. ``NodeUnavailable`` without a cpu
+    controller or if the kernel refuses."""
+    hier = cpu_hierarchy()
+    if hier is None:
+        raise NodeUnavailable("no cpu cgroup controller", cgroup=relative)
+    cg = hier / relative
+    quota = max(1000, int(cpus * period))
+    try:
+        cg.mkdir(parents=True, exist_ok=True)
+        if hier == cgroup2_root():
+            (cg / "cpu.max").write_text(f"{quota} {period}")
+        else:
+            (cg / "cpu.cfs_period_us").write_text(str(period))
+            (cg / "cpu.cfs_quota_us").write_text(str(quota))
+        (cg / "cgroup.procs").write_text(str(pid))
+    except OSError as e:
+        raise NodeUnavailable(
+            f"cannot put process {pid} into cpu cgroup {relative}: {e}", cgroup=relative
+        ) from e
+    return cg
+
+
 def remove_cgroups(relative: str) -> list[Path]:
-    """Remove ``<hierarchy>/<relative>`` of the memory and pids hierarchies, and their parent
-    once empty; returns those that could not go (still holding processes)."""
-    return [cg for cg in (h / relative for h in hierarchies()) if not _remove_cgroup(cg)]
+    """Remove ``<hierarchy>/<relative>`` of the memory and pids hierarchies (and of the cpu
+    controller's, where ``place_process_cpu`` made one), and their parent once empty; returns
+    those that could not go (still holding processes)."""
+    cpu = cpu_hierarchy()
+    places = [*hierarchies(), *([cpu] if cpu is not None and cpu not in hierarchies() else [])]
+    return [cg for cg in (h / relative for h in places) if not _remove_cgroup(cg)]
 
 
 def _remove_cgroup(cg: Path) -> bool:

@@ -1,0 +1,260 @@
+"""QEMU for VM sandboxes: which accelerator truly works here, the command line of a microVM or a
+full VM, and the host processes around one (QEMU itself and the agent channel's forwarder).
+
+KVM is used only where it really runs guests: ``/dev/kvm`` opens, the CPU has hardware
+virtualisation (``vmx``/``svm``) and the module is not PVM's (a PVM nested platform offers
+``/dev/kvm`` but runs ordinary guests about a thousand times slower than TCG). Elsewhere QEMU
+translates (TCG) with a small translation cache, which is most of an idle guest's host memory.
+
+Machines: ``microvm`` (no PCI, no firmware beyond qboot, virtio-mmio devices) boots fastest but
+QEMU 7.2 gives it no device-memory region, so virtio-pmem cannot attach to it (the guest's
+nd_pmem fails with "could not reserve region"); layers over virtio-pmem therefore run on a
+``q35`` machine trimmed the same way (qboot firmware, ``-nodefaults``, only virtio-pci
+devices), which boots about 0.3 s slower under TCG. ``VmConfig.machine`` picks; the devices
+follow the machine's bus.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BackendUnavailable
+
+__all__ = [
+    "PMEM_ALIGN",
+    "Drive",
+    "Pmem",
+    "VmConfig",
+    "accelerator",
+    "find_firecracker",
+    "find_qemu",
+    "host_tsc_khz",
+    "kill",
+    "kvm_usable",
+    "qemu_argv",
+    "spawn",
+]
+
+QEMU = "qemu-system-x86_64"
+QBOOT = Path("/usr/share/qemu/qboot.rom")
+#: virtio-pmem regions are whole 2 MiB pages (the guest maps them with huge pages).
+PMEM_ALIGN = 2 << 20
+#: TCG's translation cache (MiB): QEMU's default is 1 GiB of address space, touched as code
+#: runs; a guest that runs a shell and a few tools needs far less.
+TCG_CACHE_MIB = 64
+#: Where the layer devices sit on q35's root bus: layer i at slot PMEM_SLOT + i, so the guest
+#: tells them apart by PCI address.
+PMEM_SLOT = 0x10
+
+
+def kvm_usable() -> bool:
+    """Whether KVM truly runs guests here (see the module docstring)."""
+    if Path("/sys/module/kvm_pvm").exists():
+        return False
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    os.close(fd)
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("vmx", "svm"))
+
+
+def host_tsc_khz() -> int:
+    """The host's clock rate in kHz, which is the rate of a TCG guest's TSC (QEMU reads the
+    host's). Told to the guest kernel (``tsc_early_khz=``): its own calibration against the
+    emulated PIT fails when the host is busy (TCG's PIT then runs late), and a kernel that
+    finds no TSC rate and no HPET or ACPI PM timer hangs early in boot."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return 2_000_000
+
+
+def accelerator() -> str:
+    """``kvm`` where it truly works, else ``tcg``."""
+    return "kvm" if kvm_usable() else "tcg"
+
+
+def find_qemu() -> str:
+    path = shutil.which(QEMU)
+    if path is None:
+        raise BackendUnavailable(
+            f"{QEMU} is not installed (apt-get install qemu-system-x86)", missing=QEMU
+        )
+    return path
+
+
+def find_firecracker() -> str | None:
+    """Firecracker's binary if this host has it (it needs real KVM: None without it)."""
+    path = shutil.which("firecracker")
+    return path if path is not None and kvm_usable() else None
+
+
+@dataclass(frozen=True)
+class Drive:
+    """A virtio-blk disk; the guest finds it by ``serial`` (``/sys/block/vd*/serial``)."""
+
+    path: Path
+    serial: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class Pmem:
+    """A read-only file mapped into the guest as a virtio-pmem device (size: whole 2 MiB)."""
+
+    path: Path
+    size: int
+
+
+@dataclass(frozen=True)
+class VmConfig:
+    """One VM's QEMU: what it boots, what it holds, and where its host ends are."""
+
+    kernel: Path
+    initrd: Path
+    cmdline: str
+    vcpus: int
+    memory_mib: int
+    qmp: Path  # QMP's unix socket (QEMU listens)
+    console: Path  # the guest's serial console, written to a file
+    agent_fd: int  # the agent port's chardev: our end of a connected socket, QEMU's fd 3
+    machine: str = "microvm"  # or "q35" (needed for pmem and displays)
+    accel: str = "tcg"
+    drives: tuple[Drive, ...] = ()
+    pmems: tuple[Pmem, ...] = ()
+    display: bool = False  # a std VGA display and a virtio tablet and keyboard
+    vnc: int | None = None  # a VNC display number, on 127.0.0.1 only
+    incoming: Path | None = None  # start from this saved state (QMP migrate to a file)
+    extra: tuple[str, ...] = field(default=())
+
+
+def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
+    """QEMU's command line for ``cfg``; the agent's chardev is fd 3 in QEMU."""
+    pci = cfg.machine != "microvm"
+    dev = "pci" if pci else "device"
+    if cfg.pmems and not pci:
+        raise BackendUnavailable(
+            "virtio-pmem needs a machine with device memory (q35); microvm has none",
+            machine=cfg.machine,
+        )
+    if cfg.machine == "microvm":
+        machine = "microvm,acpi=on,pit=off,pic=off,rtc=off"
+    else:
+        machine = f"{cfg.machine},smbus=off,sata=off,usb=off,vmport=off"
+    accel = cfg.accel if cfg.accel != "tcg" else f"tcg,tb-size={TCG_CACHE_MIB}"
+    memory = f"{cfg.memory_mib}M"
+    if cfg.pmems:
+        total = sum(p.size for p in cfg.pmems)
+        memory += f",slots={len(cfg.pmems)},maxmem={cfg.memory_mib + (total >> 20)}M"
+    argv = [
+        qemu,
+        "-name",
+        "dsec-vm",
+        "-M",
+        machine,
+        "-accel",
+        accel,
+        "-cpu",
+        "host" if cfg.accel == "kvm" else "max",
+        "-smp",
+        str(cfg.vcpus),
+        "-m",
+        memory,
+        "-nodefaults",
+        "-no-user-config",
+        "-no-reboot",
+        "-kernel",
+        os.fspath(cfg.kernel),
+        "-initrd",
+        os.fspath(cfg.initrd),
+        "-append",
+        cfg.cmdline,
+        "-serial",
+        f"file:{cfg.console}",
+        "-qmp",
+        f"unix:{cfg.qmp},server=on,wait=off",
+        "-chardev",
+        "socket,id=agent,fd=3",
+        "-device",
+        f"virtio-serial-{dev}",
+        "-device",
+        "virtserialport,chardev=agent,name=dsec.agent",
+    ]
+    if QBOOT.exists() and not cfg.display:  # SeaBIOS's VGA set-up is what a display needs
+        argv += ["-bios", os.fspath(QBOOT)]
+    if not cfg.display:
+        argv += ["-display", "none", "-vga", "none"]
+    else:
+        argv += ["-vga", "std", "-device", "virtio-tablet-pci", "-device", "virtio-keyboard-pci"]
+        argv += ["-display", "none"] if cfg.vnc is None else ["-vnc", f"127.0.0.1:{cfg.vnc}"]
+    for i, d in enumerate(cfg.drives):
+        ro = ",readonly=on" if d.readonly else ""
+        argv += [
+            "-drive",
+            f"file={d.path},if=none,format=raw,id=d{i},cache=none,aio=threads{ro}",
+            "-device",
+            f"virtio-blk-{dev},drive=d{i},serial={d.serial}",
+        ]
+    for i, p in enumerate(cfg.pmems):
+        argv += [
+            "-object",
+            f"memory-backend-file,id=pm{i},mem-path={p.path},size={p.size},share=off,readonly=on",
+            "-device",
+            f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,addr={PMEM_SLOT + i:#x}",
+        ]
+    if cfg.incoming is not None:
+        argv += ["-incoming", f"exec:cat {_quote(cfg.incoming)}"]
+    return argv + list(cfg.extra)
+
+
+def _quote(path: Path) -> str:
+    s = os.fspath(path)
+    if any(c in s for c in " '\"\\$`"):
+        raise BackendUnavailable(f"a VM state file path QEMU cannot take: {s!r}")
+    return s
+
+
+def spawn(argv: Sequence[str], fds: Sequence[int], log: Path | None = None) -> int:
+    """Start ``argv`` in a session of its own (it outlives the daemon that started it) with
+    ``fds`` as its fds 3, 4, ..., stdin from /dev/null and stdout/stderr to ``log`` (else
+    /dev/null); returns its pid."""
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    out = (
+        os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        if log is not None
+        else devnull
+    )
+
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in fds]
+    try:
+        actions = [
+            (os.POSIX_SPAWN_DUP2, devnull, 0),
+            (os.POSIX_SPAWN_DUP2, out, 1),
+            (os.POSIX_SPAWN_DUP2, out, 2),
+        ]
+        actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
+        return os.posix_spawn(argv[0], list(argv), os.environ, file_actions=actions, setsid=True)
+    finally:
+        for fd in {devnull, out, *high}:
+            os.close(fd)
+
+
+def kill(pid: int) -> None:
+    """SIGKILL ``pid`` if it still runs (the caller reaps it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

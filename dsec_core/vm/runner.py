@@ -1,0 +1,395 @@
+"""``QemuBackend``: what a VM backend plugin subclasses. One sandbox is one QEMU process booting
+a Debian kernel and an initramfs whose init (``init.sh``) mounts the sandbox's layers and hands
+the root to ``dsec-agent``; the node reaches the agent through a forwarder process on the host
+(``dsec-agent forward``), over one virtio-serial port (``AgentChannel.FORWARDED``).
+
+Per sandbox, on the host: QEMU and the forwarder (each in a session of its own, so both outlive
+a daemon restart), both in the cgroups ``dsec/<id>`` (memory: the guest's RAM plus QEMU's own
+overhead; pids; cpu: the sandbox's cores), and in the sandbox's runtime directory QEMU's QMP
+socket, its log and the guest's console. The writable disk (``rt.disk``) gets an ext4 made by
+the host. Stopping kills both processes and removes the cgroups; the node removes the
+directories.
+
+Subclasses set ``machine`` (and ``display``); ``layers_over`` says how the layers reach the
+guest: ``"pmem"`` (virtio-pmem, mounted with DAX: guests share the host's page cache of
+each layer; needs a q35 machine here, see ``qemu``) or ``"blk"`` (read-only virtio-blk, each
+guest caching what it reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..agent.rpc import AgentClient
+from ..backend import AgentChannel, Backend, Feature, RootfsForm, SandboxRuntime, cgroup_path
+from ..config import NodeConfig
+from ..errors import (
+    BackendUnavailable,
+    DsecError,
+    GuestPanic,
+    SandboxError,
+    StartTimeout,
+)
+from ..linux.cgroups import place_process, place_process_cpu, remove_cgroups
+from ..linux.ext4 import mkfs_ext4
+from ..records import SandboxUsage
+from . import qemu
+from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
+from .images import pmem_image
+
+__all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend"]
+
+INIT_SCRIPT = Path(__file__).with_name("init.sh")
+#: What every guest loads (with their dependencies), in this order.
+GUEST_MODULES = (
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_console",
+    "virtio_blk",
+    "virtio_pmem",
+    "nd_pmem",
+    "erofs",
+    "overlay",
+)
+#: Kernel command line: a quiet boot without probing what a dsec guest never has.
+CMDLINE = (
+    "console=ttyS0 quiet panic=-1 i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd "
+    "tsc=reliable no_timer_check cryptomgr.notests random.trust_cpu=on "
+    "rcupdate.rcu_expedited=1 mitigations=off"
+)
+#: QEMU's own memory beyond the guest's RAM (TCG's translation cache, device state).
+QEMU_OVERHEAD = 256 << 20
+#: Seconds a guest may take to boot when the spec sets no start_timeout (TCG is slow).
+BOOT_TIMEOUT = 120.0
+#: Seconds one connection waits for the booting guest's agent before another is tried.
+PING_PATIENCE = 10.0
+#: Lines of the guest's console kept in an error.
+CONSOLE_TAIL = 60
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def console_tail(path: Path, lines: int = CONSOLE_TAIL) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class QemuBackend(Backend):
+    """A VM backend: subclass, set ``name``, ``machine`` and what you claim."""
+
+    rootfs = RootfsForm.IMAGES
+    agent_channel = AgentChannel.FORWARDED
+    features: ClassVar[frozenset[Feature]] = frozenset(
+        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE}
+    )
+    machine: ClassVar[str] = "microvm"
+    display: ClassVar[bool] = False
+
+    def __init__(self, config: NodeConfig) -> None:
+        super().__init__(config)
+        self.qemu = qemu.find_qemu()
+        self.accel = qemu.accelerator()
+        self.cache = Path(os.environ.get("DSEC_VM_CACHE") or config.home / "vm")
+        self.kernel_package = os.environ.get("DSEC_VM_KERNEL", DEFAULT_KERNEL_PACKAGE)
+        self.kernel_version = os.environ.get("DSEC_VM_KERNEL_VERSION") or None
+        self.layers_over = os.environ.get("DSEC_VM_LAYERS", "pmem")
+        if self.layers_over not in ("pmem", "blk"):
+            raise BackendUnavailable(
+                f"DSEC_VM_LAYERS={self.layers_over!r}: say pmem or blk", backend=self.name
+            )
+        self._boot: dict[tuple[str, str | None, str], tuple[GuestKernel, Path]] = {}
+
+    @classmethod
+    def check_available(cls) -> None:
+        qemu.find_qemu()
+        if os.geteuid() != 0:
+            raise BackendUnavailable(f"backend {cls.name!r} needs root (cgroups, mounts)")
+
+    # --- what a guest boots ----------------------------------------------------------------
+    def boot_files(self, agent: Path) -> tuple[GuestKernel, Path]:
+        """The kernel and the initramfs (init script, agent, modules), made once per node."""
+        key = (self.kernel_package, self.kernel_version, os.fspath(agent))
+        if key not in self._boot:
+            kernel = ensure_kernel(self.cache / "kernels", self.kernel_package, self.kernel_version)
+            initrd = build_initramfs(
+                self.cache / "initramfs",
+                kernel,
+                GUEST_MODULES,
+                {"/init": INIT_SCRIPT.read_bytes(), "/dsec-agent": agent},
+            )
+            self._boot[key] = (kernel, initrd)
+        return self._boot[key]
+
+    def machine_for(self, pmem: bool) -> str:
+        return "q35" if pmem or self.machine != "microvm" else "microvm"
+
+    def vm_config(self, rt: SandboxRuntime, agent_fd: int) -> qemu.VmConfig:
+        """The VM of sandbox ``rt``: its layers, disk, size and channels."""
+        kernel, initrd = self.boot_files(rt.agent_binary)
+        pmem = self.layers_over == "pmem"
+        drives: list[qemu.Drive] = []
+        pmems: list[qemu.Pmem] = []
+        for i, layer in enumerate(rt.images):
+            if pmem:
+                image = pmem_image(self.cache / "pmem", layer)
+                pmems.append(qemu.Pmem(image, image.stat().st_size))
+            else:
+                # an on-demand layer's blob is not a device the guest can name: unpack it
+                image = (
+                    layer.image if layer.device is None else pmem_image(self.cache / "pmem", layer)
+                )
+                drives.append(qemu.Drive(image, f"dsec-l{i}"))
+        assert rt.disk is not None
+        drives.append(qemu.Drive(rt.disk, "dsec-rw", readonly=False))
+        cmdline = (
+            f"{CMDLINE} dsec.layers={len(rt.images)} dsec.pmem={int(pmem)} "
+            f"dsec.hostname=dsec-{rt.id[:12]}"
+        )
+        if self.accel == "tcg":
+            cmdline += f" tsc_early_khz={qemu.host_tsc_khz()}"
+        return qemu.VmConfig(
+            kernel=kernel.vmlinuz,
+            initrd=initrd,
+            cmdline=cmdline,
+            vcpus=max(1, math.ceil(rt.limits.cpu)),
+            memory_mib=max(128, rt.limits.memory >> 20),
+            qmp=rt.dir / "qmp.sock",
+            console=rt.dir / "console.log",
+            agent_fd=agent_fd,
+            machine=self.machine_for(pmem),
+            accel=self.accel,
+            drives=tuple(drives),
+            pmems=tuple(pmems),
+            display=self.display,
+        )
+
+    # --- start ---------------------------------------------------------------------------
+    async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        try:
+            await self._start(rt, state)
+        except BaseException:
+            await self.stop(rt, state)
+            raise
+        return state
+
+    async def _start(self, rt: SandboxRuntime, state: dict[str, Any]) -> None:
+        assert rt.disk is not None
+        disk = rt.disk
+
+        def prepare() -> None:  # mkfs and images: blocking work, off the loop
+            disk.unlink(missing_ok=True)
+            mkfs_ext4(disk, rt.disk_size)
+
+        await asyncio.to_thread(prepare)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
+            state.update(machine=cfg.machine, accel=cfg.accel)
+            rt.agent_socket.unlink(missing_ok=True)
+            listener.bind(os.fspath(rt.agent_socket))
+            listener.listen(1024)
+            argv = qemu.qemu_argv(cfg, self.qemu)
+            pid = qemu.spawn(argv, [theirs.fileno()], log=rt.dir / "qemu.log")
+            state.update(pid=pid, start_time=_start_time(pid))
+            fwd = qemu.spawn(
+                [os.fspath(rt.agent_binary), "forward", "--listen-fd", "3", "--serial-fd", "4"],
+                [listener.fileno(), ours.fileno()],
+                log=rt.dir / "forward.log",
+            )
+            state.update(forwarder=fwd, forwarder_start=_start_time(fwd))
+        finally:
+            for s in (ours, theirs, listener):
+                s.close()
+        self._confine(rt, state)
+        await self._wait_ready(rt, state)
+
+    def _confine(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """QEMU and its forwarder into ``dsec/<id>``: RAM plus overhead, the sandbox's cores."""
+        memory = rt.limits.memory + QEMU_OVERHEAD
+        for key in ("pid", "forwarder"):
+            place_process(state[key], cgroup_path(rt.id), memory)
+            place_process_cpu(state[key], cgroup_path(rt.id), rt.limits.cpu)
+
+    async def _wait_ready(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """Until the agent answers through the forwarder: the guest has booted. A QEMU that
+        exits first is a failed start (``GuestPanic`` if the guest's kernel said so)."""
+        limit = rt.spec.start_timeout or BOOT_TIMEOUT
+        pidfd = os.pidfd_open(state["pid"])
+        loop = asyncio.get_running_loop()
+        died: asyncio.Future[None] = loop.create_future()
+
+        def exited() -> None:
+            if not died.done():
+                died.set_result(None)
+
+        loop.add_reader(pidfd, exited)
+        ping = asyncio.ensure_future(self._ping_until_up(rt))
+        try:
+            done, _ = await asyncio.wait(
+                {ping, died}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            ping.cancel()
+            with contextlib.suppress(BaseException):
+                await ping
+        if ping in done and ping.exception() is None:
+            return
+        console = rt.dir / "console.log"
+        if died in done or (ping in done and not self._running(state)):
+            raise self._death(rt, state, during="boot")
+        if ping in done:
+            exc = ping.exception()
+            assert exc is not None
+            raise exc
+        raise StartTimeout(
+            f"sandbox {rt.id}: the guest did not answer within {limit:g}s; its console "
+            f"ends:\n{console_tail(console)}",
+            sandbox_id=rt.id,
+            seconds=limit,
+        )
+
+    @staticmethod
+    async def _ping_until_up(rt: SandboxRuntime) -> None:
+        client = AgentClient(rt.agent_socket, rt.id)
+        while True:
+            try:
+                # one connection waits in the channel while the guest boots; a new one now and
+                # then in case a guest that restarted its end dropped it
+                await asyncio.wait_for(client.ping(), PING_PATIENCE)
+                return
+            except (DsecError, TimeoutError):
+                await asyncio.sleep(0.05)
+
+    def _death(self, rt: SandboxRuntime, state: Mapping[str, Any], during: str) -> DsecError:
+        """The error for a QEMU that is gone: a guest kernel panic, or its own exit."""
+        console = console_tail(rt.dir / "console.log")
+        log = console_tail(rt.dir / "qemu.log", 5)
+        if "Kernel panic" in console:
+            return GuestPanic(
+                f"sandbox {rt.id}: the guest kernel panicked during {during}:\n{console}",
+                sandbox_id=rt.id,
+                console=console,
+            )
+        return SandboxError(
+            f"sandbox {rt.id}: QEMU exited during {during}; console:\n{console}\nqemu: {log}",
+            sandbox_id=rt.id,
+            console=console,
+        )
+
+    # --- liveness ------------------------------------------------------------------------
+    @staticmethod
+    def _running(state: Mapping[str, Any]) -> bool:
+        pid = state.get("pid")
+        return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
+
+    async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
+        return self._running(state)
+
+    def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
+        pid = state.get("pid")
+        if not isinstance(pid, int):
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        if _start_time(pid) != state.get("start_time"):
+            os.close(fd)
+            return None
+        return fd
+
+    def death_cause(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> str:
+        """Why a sandbox that stopped on its own did (its console's last words)."""
+        return str(self._death(rt, state, during="its life"))
+
+    # --- stop ----------------------------------------------------------------------------
+    async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        for key in ("pid", "forwarder"):
+            pid = state.get(key)
+            if isinstance(pid, int) and _start_time(pid) == state.get(
+                "start_time" if key == "pid" else "forwarder_start"
+            ):
+                await _kill_and_wait(pid)
+            if isinstance(pid, int):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)  # ours, if this daemon started it
+        for _ in range(100):
+            if not remove_cgroups(cgroup_path(rt.id)):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise SandboxError(f"sandbox {rt.id}: its cgroups stay busy", sandbox_id=rt.id)
+        rt.agent_socket.unlink(missing_ok=True)
+        (rt.dir / "qmp.sock").unlink(missing_ok=True)
+
+    def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
+        """QEMU's host memory and CPU time (the guest's own view is not the host's)."""
+        pid = state.get("pid")
+        if not isinstance(pid, int) or not self._running(state):
+            return SandboxUsage()
+        return SandboxUsage(memory=_rss(pid), cpu_seconds=_cpu_seconds(pid))
+
+    def describe(self, state: Mapping[str, Any]) -> str:
+        return json.dumps({k: state.get(k) for k in ("machine", "accel")})
+
+
+async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while _start_time(pid) is not None and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            await asyncio.sleep(0.005)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)

@@ -1,0 +1,14 @@
+"""dsec microVM backend plugin: each sandbox is a small QEMU guest with its own kernel, booted
+from the node's EROFS layers (virtio-pmem with DAX, or read-only virtio-blk) and served by the
+same agent as a container, over a virtio-serial channel."""
+
+from dsec_core.hookspecs import hookimpl
+
+from .microvm import MicroVmBackend
+
+__all__ = ["MicroVmBackend"]
+
+
+@hookimpl
+def dsec_register_backends(register):
+    register(MicroVmBackend)
