@@ -382,7 +382,7 @@ class SandboxSpec(_Record):
     pids: int = 512
     #: The writable layer's size: writes beyond it fail with ENOSPC inside the sandbox.
     disk: int | str = "10G"
-    ttl: float | None = 3600.0  # seconds; None: lives until killed
+    ttl: float | None = 3600.0  # seconds from when it runs; None: lives until killed
     env: Mapping[str, str] = field(default_factory=dict)
     workdir: str = "/"
     labels: Mapping[str, str] = field(default_factory=dict)

@@ -525,6 +525,8 @@ class Node:
                     start_timeout=spec.start_timeout,
                 )
             sb.status = "running"
+            if spec.ttl:  # a sandbox's life counts from when it runs (a VM boots for seconds)
+                sb.expires = time.time() + spec.ttl
             self._write_state(sb)
             log.debug(
                 "created %s: prepare %.1f ms, layers %.1f ms, backend %.1f ms, total %.1f ms",
