@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from dsec_backend_vm.display import DISPLAY_KERNEL_PACKAGE, DISPLAY_MODULES, display_qemu_args
 from dsec_backend_vm.guest import ensure_guest_program
+from dsec_backend_vm.kernel import ensure_vmlinux, vmlinux_from_bzimage
 from dsec_backend_vm.screen import (
     ABS_MAX,
     Click,
@@ -40,12 +41,13 @@ from qemu.qmp import ExecuteError, QMPClient
 from qemu.qmp.message import Message
 from qemu.qmp.models import ErrorResponse
 
-from dsec_core.errors import InvalidSpec
+from dsec_core.errors import GuestImageError, InvalidSpec
 from dsec_core.vm.guest import build_initramfs, ensure_kernel
 
 #: Shared by test runs on this machine (as in tests/test_vm_guest.py), so the kernel package
 #: is downloaded once.
 KERNEL_CACHE = Path(os.environ.get("DSEC_TEST_KERNELS", "/var/cache/dsec-test-kernels"))
+VMLINUX_CACHE = KERNEL_CACHE.with_name(KERNEL_CACHE.name + "-vmlinux")
 
 # clickpad.c's button, half-open, and its colours
 BUTTON = (100, 100, 300, 180)  # x0, y0, x1, y1
@@ -246,6 +248,22 @@ def test_guest_program_is_built_once(tmp_path):
         ensure_guest_program("nosuch", tmp_path)
 
 
+def test_vmlinux_from_bzimage_refuses_other_files():
+    with pytest.raises(GuestImageError, match="not a bzImage"):
+        vmlinux_from_bzimage(b"\x7fELF" + b"\0" * 1000)
+    fake = bytearray(0x1000)
+    fake[0x1F1] = 1
+    fake[0x202:0x206] = b"HdrS"
+    fake[0x206:0x208] = (0x20F).to_bytes(2, "little")
+    fake[0x248:0x250] = (0).to_bytes(4, "little") + (16).to_bytes(4, "little")
+    fake[0x400:0x410] = b"BZh9 not xz nor gz"[:16]
+    with pytest.raises(GuestImageError, match="not handled"):
+        vmlinux_from_bzimage(bytes(fake))
+    fake[0x400:0x410] = b"\xfd7zXZ\x00" + b"\0" * 10
+    with pytest.raises(GuestImageError, match="does not decompress"):
+        vmlinux_from_bzimage(bytes(fake))
+
+
 # ---- a VM --------------------------------------------------------------------------------------
 
 CLICKPAD_INIT = b"""#!/bin/sh
@@ -333,6 +351,7 @@ def vm() -> Iterator[ClickpadVM]:
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
         pytest.skip("fetching the guest kernel needs apt-get and dpkg-deb")
     kernel = ensure_kernel(KERNEL_CACHE, package=DISPLAY_KERNEL_PACKAGE)
+    vmlinux = ensure_vmlinux(kernel.vmlinuz, VMLINUX_CACHE)  # boots 3 s sooner than vmlinuz
     workdir = Path(tempfile.mkdtemp(prefix="dsec-vm-display-"))
     proc = None
     try:
@@ -345,7 +364,7 @@ def vm() -> Iterator[ClickpadVM]:
             "qemu-system-x86_64", "-M", "q35", "-accel", "tcg", "-m", "512M", "-smp", "1",
             "-nodefaults", "-no-user-config", "-no-reboot", "-serial", "stdio",
             "-qmp", f"unix:{qmp_path},server=on,wait=off",
-            "-kernel", str(kernel.vmlinuz), "-initrd", str(initrd),
+            "-kernel", str(vmlinux), "-initrd", str(initrd),
             "-append", "console=ttyS0 quiet panic=-1",
             *display_qemu_args(vnc_display=vnc),
         ]  # fmt: skip
