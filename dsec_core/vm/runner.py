@@ -46,6 +46,7 @@ from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
+from .vmlinux import ensure_vmlinux
 
 __all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend"]
 
@@ -123,20 +124,24 @@ class QemuBackend(Backend):
     )
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
+    #: The Debian kernel package guests boot unless DSEC_VM_KERNEL names another.
+    kernel_package: ClassVar[str] = DEFAULT_KERNEL_PACKAGE
+    #: Modules guests load beyond ``GUEST_MODULES`` (a display's drivers, say).
+    extra_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
         self.qemu = qemu.find_qemu()
         self.accel = qemu.accelerator()
         self.cache = Path(os.environ.get("DSEC_VM_CACHE") or config.home / "vm")
-        self.kernel_package = os.environ.get("DSEC_VM_KERNEL", DEFAULT_KERNEL_PACKAGE)
+        self.kernel = os.environ.get("DSEC_VM_KERNEL") or self.kernel_package
         self.kernel_version = os.environ.get("DSEC_VM_KERNEL_VERSION") or None
         self.layers_over = os.environ.get("DSEC_VM_LAYERS", "pmem")
         if self.layers_over not in ("pmem", "blk"):
             raise BackendUnavailable(
                 f"DSEC_VM_LAYERS={self.layers_over!r}: say pmem or blk", backend=self.name
             )
-        self._boot: dict[tuple[str, str | None, str], tuple[GuestKernel, Path]] = {}
+        self._boot: dict[tuple[str, str | None, str], tuple[GuestKernel, Path, Path]] = {}
 
     @classmethod
     def check_available(cls) -> None:
@@ -145,18 +150,20 @@ class QemuBackend(Backend):
             raise BackendUnavailable(f"backend {cls.name!r} needs root (cgroups, mounts)")
 
     # --- what a guest boots ----------------------------------------------------------------
-    def boot_files(self, agent: Path) -> tuple[GuestKernel, Path]:
-        """The kernel and the initramfs (init script, agent, modules), made once per node."""
-        key = (self.kernel_package, self.kernel_version, os.fspath(agent))
+    def boot_files(self, agent: Path) -> tuple[GuestKernel, Path, Path]:
+        """The kernel (and its unpacked ``vmlinux``, booted through PVH: the guest need not
+        decompress it) and the initramfs (init script, agent, modules), made once per node."""
+        key = (self.kernel, self.kernel_version, os.fspath(agent))
         if key not in self._boot:
-            kernel = ensure_kernel(self.cache / "kernels", self.kernel_package, self.kernel_version)
+            kernel = ensure_kernel(self.cache / "kernels", self.kernel, self.kernel_version)
             initrd = build_initramfs(
                 self.cache / "initramfs",
                 kernel,
-                GUEST_MODULES,
+                (*GUEST_MODULES, *self.extra_modules),
                 {"/init": INIT_SCRIPT.read_bytes(), "/dsec-agent": agent},
             )
-            self._boot[key] = (kernel, initrd)
+            vmlinux = ensure_vmlinux(kernel.vmlinuz, self.cache / "vmlinux")
+            self._boot[key] = (kernel, vmlinux, initrd)
         return self._boot[key]
 
     def machine_for(self, pmem: bool) -> str:
@@ -164,7 +171,7 @@ class QemuBackend(Backend):
 
     def vm_config(self, rt: SandboxRuntime, agent_fd: int) -> qemu.VmConfig:
         """The VM of sandbox ``rt``: its layers, disk, size and channels."""
-        kernel, initrd = self.boot_files(rt.agent_binary)
+        _, vmlinux, initrd = self.boot_files(rt.agent_binary)
         pmem = self.layers_over == "pmem"
         drives: list[qemu.Drive] = []
         pmems: list[qemu.Pmem] = []
@@ -187,7 +194,7 @@ class QemuBackend(Backend):
         if self.accel == "tcg":
             cmdline += f" tsc_early_khz={qemu.host_tsc_khz()}"
         return qemu.VmConfig(
-            kernel=kernel.vmlinuz,
+            kernel=vmlinux,
             initrd=initrd,
             cmdline=cmdline,
             vcpus=max(1, math.ceil(rt.limits.cpu)),

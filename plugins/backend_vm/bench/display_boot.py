@@ -26,9 +26,9 @@ from pathlib import Path
 
 from dsec_backend_vm.display import DISPLAY_KERNEL_PACKAGE
 from dsec_backend_vm.guest import ensure_guest_program
-from dsec_backend_vm.kernel import ensure_vmlinux
 
 from dsec_core.vm.guest import build_initramfs, ensure_kernel
+from dsec_core.vm.vmlinux import ensure_vmlinux
 
 KERNEL_CACHE = Path(os.environ.get("DSEC_TEST_KERNELS", "/var/cache/dsec-test-kernels"))
 QBOOT = Path("/usr/share/qemu/qboot.rom")

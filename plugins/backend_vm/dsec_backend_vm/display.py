@@ -8,7 +8,7 @@ as modules).
 
 Measured under TCG on a 2-core host (q35, 512 MiB, ``bench/display_boot.py``), QEMU's start to
 clickpad's first frame: virtio-gpu 2.6 s, bochs-drm (``-device VGA``) 2.8 s, booting the
-uncompressed ``vmlinux`` through PVH (``dsec_backend_vm.kernel``); with the bzImage as shipped
+uncompressed ``vmlinux`` through PVH (``dsec_core.vm.vmlinux``); with the bzImage as shipped
 every set takes 6-7 s, as the guest spends 3.5 s decompressing it. The firmware (SeaBIOS or
 qboot) makes no measurable difference once PVH skips the bzImage's loader. vesafb (``vga=`` with
 SeaBIOS's VGA BIOS, no display modules, 6.2 s) needs the bzImage's real-mode set-up, so it

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from dsec_backend_vm.display import DISPLAY_KERNEL_PACKAGE, DISPLAY_MODULES, display_qemu_args
 from dsec_backend_vm.guest import ensure_guest_program
-from dsec_backend_vm.kernel import ensure_vmlinux, vmlinux_from_bzimage
 from dsec_backend_vm.screen import (
     ABS_MAX,
     Click,
@@ -43,6 +42,7 @@ from qemu.qmp.models import ErrorResponse
 
 from dsec_core.errors import GuestImageError, InvalidSpec
 from dsec_core.vm.guest import build_initramfs, ensure_kernel
+from dsec_core.vm.vmlinux import ensure_vmlinux, vmlinux_from_bzimage
 
 #: Shared by test runs on this machine (as in tests/test_vm_guest.py), so the kernel package
 #: is downloaded once.

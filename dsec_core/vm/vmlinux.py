@@ -13,21 +13,25 @@ import gzip
 import hashlib
 import lzma
 import os
+import shutil
 import struct
+import subprocess
 from pathlib import Path
 
-from dsec_core.errors import GuestImageError
+from ..errors import GuestImageError
 
 __all__ = ["ensure_vmlinux", "vmlinux_from_bzimage"]
 
 _XZ = b"\xfd7zXZ\x00"
 _GZIP = b"\x1f\x8b"
+_LZ4_LEGACY = b"\x02!L\x18"  # Debian's cloud kernels: lz4 -l, decompressed by the lz4 tool
 
 
 def vmlinux_from_bzimage(bzimage: bytes) -> bytes:
     """The ELF ``vmlinux`` inside a bzImage, found through its setup header (``payload_offset``
-    and ``payload_length``, boot protocol 2.08 and later). xz and gzip payloads are handled;
-    anything else, or a file that is not a bzImage, is a ``GuestImageError``."""
+        and ``payload_length``, boot protocol 2.08 and later). xz and gzip payloads are handled,
+        and lz4 (legacy frames, through the ``lz4`` program: Python has no lz4 of its own); anything
+    else, or a file that is not a bzImage, is a ``GuestImageError``."""
     if len(bzimage) < 0x250 or bzimage[0x202:0x206] != b"HdrS":
         raise GuestImageError("not a bzImage (no HdrS setup header)")
     (version,) = struct.unpack_from("<H", bzimage, 0x206)
@@ -42,6 +46,8 @@ def vmlinux_from_bzimage(bzimage: bytes) -> bytes:
             out = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(payload)
         elif payload.startswith(_GZIP):
             out = gzip.decompress(payload)
+        elif payload.startswith(_LZ4_LEGACY):
+            out = _unlz4(payload)
         else:
             raise GuestImageError(f"bzImage payload compression {payload[:6]!r} is not handled")
     except (lzma.LZMAError, OSError, EOFError) as e:
@@ -49,6 +55,23 @@ def vmlinux_from_bzimage(bzimage: bytes) -> bytes:
     if not out.startswith(b"\x7fELF"):
         raise GuestImageError("bzImage payload is not an ELF vmlinux")
     return out
+
+
+def _unlz4(payload: bytes) -> bytes:
+    """An lz4 legacy-frame payload decompressed (the kernel appends its size, which lz4 reads
+    as a frame of garbage after the data: the data is what counts)."""
+    lz4 = shutil.which("lz4")
+    if lz4 is None:
+        raise GuestImageError("the kernel is lz4-compressed: install lz4 (apt-get install lz4)")
+    proc = subprocess.run([lz4, "-dc"], input=payload, capture_output=True)
+    if not proc.stdout.startswith(b"\x7fELF"):
+        raise GuestImageError(
+            "bzImage payload does not decompress with lz4",
+            command=[lz4, "-dc"],
+            exit_code=proc.returncode,
+            stderr=proc.stderr.decode(errors="replace"),
+        )
+    return proc.stdout
 
 
 def ensure_vmlinux(vmlinuz: Path, cache_dir: Path) -> Path:
