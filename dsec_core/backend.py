@@ -430,6 +430,12 @@ class Backend(abc.ABC):
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         """Whether a sandbox started earlier (perhaps by a previous daemon) still runs."""
 
+    def death_cause(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> tuple[str, str] | None:
+        """Why a sandbox that stopped on its own did, asked once the node noticed and before
+        ``stop``: ``(kind, text)``, kind "guest_panic" or "crashed" (a VM's console's last
+        words, a runtime's log), or None (the default: nothing to say beyond its death)."""
+        return None
+
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         """A descriptor that turns readable once the sandbox has stopped on its own (a pidfd of
         its init, say), for the node to watch instead of asking ``alive`` every second: a node

@@ -34,6 +34,7 @@ __all__ = [
     "PluginInvalid",
     "PolicyUnavailable",
     "RequestTooLarge",
+    "SandboxDied",
     "SandboxError",
     "SandboxNotRunning",
     "SandboxPathError",
@@ -104,6 +105,13 @@ class NotFound(DsecError):
 
 class UnknownSandbox(NotFound):
     """No sandbox with that id on this node."""
+
+
+class SandboxDied(UnknownSandbox):
+    """The sandbox is gone: it stopped on its own (its init or VM killed from outside, a guest
+    kernel panic) and the node cleaned up after it. Carries ``sandbox_id``, ``cause`` (what
+    the backend saw: a VM's console's last words, say) and ``kind``: "guest_panic" or
+    "crashed". An infrastructure failure, not the task's doing."""
 
 
 class UnknownLayer(NotFound):

@@ -45,6 +45,7 @@ from ..errors import (
     InvalidSpec,
     MissingParentLayers,
     PolicyUnavailable,
+    SandboxDied,
     SandboxNotRunning,
     SandboxPaused,
     StartTimeout,
@@ -187,6 +188,8 @@ class Sandbox:
         }
 
 
+#: How many dead sandboxes' causes of death the node remembers (the most recent).
+MAX_DEATHS = 1024
 #: How many infrastructure events a sandbox keeps (the most recent).
 MAX_EVENTS = 100
 
@@ -201,6 +204,8 @@ class Node:
         self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
         self.devices = DevicePool()  # the inventory, checked in open()
         self.sandboxes: dict[str, Sandbox] = {}
+        #: sandbox id -> (kind, cause) of those that died on their own, the latest MAX_DEATHS
+        self.deaths: dict[str, tuple[str, str]] = {}
         self._backends: dict[str, Backend] = {}
         self._tasks: set[asyncio.Task] = set()
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -766,6 +771,14 @@ class Node:
     # --- lookup ---------------------------------------------------------------------------
     def _get(self, sid: str) -> Sandbox:
         sb = self.sandboxes.get(sid)
+        if sb is None and sid in self.deaths:
+            kind, cause = self.deaths[sid]
+            raise SandboxDied(
+                f"sandbox {sid} died on its own ({kind}): {cause}",
+                sandbox_id=sid,
+                kind=kind,
+                cause=cause,
+            )
         if sb is None:
             raise UnknownSandbox(
                 f"no sandbox {sid!r} on this node", name=sid, known=sorted(self.sandboxes)
@@ -837,6 +850,17 @@ class Node:
         self._unwatch_exit(sb)
         if sb.ttl_handle:
             sb.ttl_handle.cancel()
+        if reason == "died":  # what it died of, while what the backend left still tells
+            try:
+                said = sb.backend.death_cause(sb.rt, sb.backend_state)
+            except Exception:  # a cause is a courtesy; the cleanup must go on
+                log.exception("sandbox %s: asking its backend why it died", sid)
+                said = None
+            kind, cause = said or ("crashed", "its init or runtime stopped")
+            self.deaths[sid] = (kind, cause)
+            while len(self.deaths) > MAX_DEATHS:
+                self.deaths.pop(next(iter(self.deaths)))
+            self.record_event(InfraEvent("crashed", sid, time.time(), f"{kind}: {cause}"))
         log.info("killing sandbox %s (%s)", sid, reason)
         try:
             await self._teardown(sb)

@@ -27,7 +27,7 @@ from typing import Any
 import gymnasium
 from gymnasium import spaces
 
-from ..errors import DsecError, NodeUnavailable, SandboxPaused, StartTimeout
+from ..errors import DsecError, NodeUnavailable, SandboxDied, SandboxPaused, StartTimeout
 from ..records import ExecResult, InfraEvent, LayerInfo, SandboxSpec
 from ..sdk import GROUP_LABEL, Client
 
@@ -51,6 +51,7 @@ _INFRA_ERRORS: dict[type[DsecError], str] = {
     NodeUnavailable: "node_lost",
     StartTimeout: "start_timeout",
     SandboxPaused: "preempted",
+    SandboxDied: "crashed",
 }
 
 

@@ -95,6 +95,13 @@ $bb mkdir -p /newroot/.dsec /newroot/proc /newroot/dev /newroot/sys /newroot/tmp
 $bb mount -t tmpfs -o mode=0755,size=16m dsec /newroot/.dsec
 $bb cp /dsec-agent /newroot/.dsec/agent
 $bb cp /bin/busybox /newroot/.dsec/busybox
+# The layers' mounts where the sandbox can see how they came (read-only, DAX or not).
+i=0
+while [ $i -lt "$layers" ]; do
+    $bb mkdir -p "/newroot/.dsec/layers/$i"
+    $bb mount --move "/run/l$i" "/newroot/.dsec/layers/$i" || fail "move layer $i"
+    i=$((i + 1))
+done
 $bb mount --move /dev /newroot/dev
 $bb mount --move /sys /newroot/sys
 $bb umount /proc

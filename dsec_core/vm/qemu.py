@@ -140,6 +140,7 @@ class VmConfig:
     display: bool = False  # a std VGA display and a virtio tablet and keyboard
     vnc: int | None = None  # a VNC display number, on 127.0.0.1 only
     incoming: Path | None = None  # start from this saved state (QMP migrate to a file)
+    name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
     extra: tuple[str, ...] = field(default=())
 
 
@@ -164,7 +165,7 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
     argv = [
         qemu,
         "-name",
-        "dsec-vm",
+        f"{cfg.name},process={cfg.name}",
         "-M",
         machine,
         "-accel",

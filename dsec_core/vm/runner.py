@@ -207,6 +207,7 @@ class QemuBackend(Backend):
             drives=tuple(drives),
             pmems=tuple(pmems),
             display=self.display,
+            name=f"dsec-{rt.id}",
         )
 
     # --- start ---------------------------------------------------------------------------
@@ -348,9 +349,11 @@ class QemuBackend(Backend):
             return None
         return fd
 
-    def death_cause(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> str:
-        """Why a sandbox that stopped on its own did (its console's last words)."""
-        return str(self._death(rt, state, during="its life"))
+    def death_cause(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> tuple[str, str]:
+        """A guest kernel panic, or QEMU gone (killed from outside, say): the console's last
+        words either way."""
+        error = self._death(rt, state, during="its life")
+        return ("guest_panic" if isinstance(error, GuestPanic) else "crashed", str(error))
 
     # --- stop ----------------------------------------------------------------------------
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:

@@ -1,0 +1,151 @@
+"""The microVM backend beyond the kit: what the guest is (its own kernel, layers over virtio-pmem
+with DAX or virtio-blk, limits as vCPUs and RAM, QEMU confined on the host), and every failure
+path (no QEMU, a guest that never answers, a guest that panics, QEMU killed from outside)
+ending in a typed error with nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from dsec_backend_microvm import MicroVmBackend
+
+from dsec_core.backend import cgroup_path
+from dsec_core.errors import BackendUnavailable, DsecError, SandboxDied, StartTimeout
+from dsec_core.linux.cgroups import CGROUP_ROOT
+from dsec_core.testing import leftovers, running_kit_node
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root"),
+]
+
+
+@pytest.fixture
+def vm(dsec_sandboxes):
+    return dsec_sandboxes.create(cpu=2, memory="384M")
+
+
+@pytest.fixture
+def dsec_backend_name() -> str:
+    return "microvm"
+
+
+def _qemu_pids(sandbox_id: str) -> list[int]:
+    """Host pids of QEMU processes named after the sandbox (``-name dsec-<id>``)."""
+    needle = f"dsec-{sandbox_id}".encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
+def _nothing_left(node, sandbox_id: str) -> None:
+    """Nothing of the sandbox: no directory, mount, cgroup or process (QEMU, forwarder)."""
+    left = leftovers(node.config.home)
+    mine = {k: [x for x in v if sandbox_id in x] for k, v in left.items()}
+    assert not any(mine.values()), f"left behind: {mine}"
+    assert not left["processes"], left["processes"]
+    assert not _qemu_pids(sandbox_id)
+
+
+def test_the_guest_has_its_own_kernel_and_the_limits(vm):
+    host = os.uname().release.encode()
+    assert host not in vm.exec("cat /proc/version").stdout
+    assert vm.exec("nproc").stdout.strip() == b"2"
+    total_kib = int(vm.exec("grep MemTotal /proc/meminfo").stdout.split()[1])
+    assert 250 << 10 < total_kib <= 384 << 10
+
+
+def test_layers_are_mapped_with_dax(vm):
+    mounts = vm.exec("cat /proc/mounts").stdout.decode()
+    erofs = [line for line in mounts.splitlines() if " erofs " in line]
+    assert erofs and all("dax=always" in line for line in erofs), mounts
+    assert all(line.split()[0].startswith("/dev/pmem") for line in erofs), mounts
+
+
+def test_qemu_is_confined_on_the_host(vm, dsec_client):
+    pid = dsec_client.get(vm.id).info.pid
+    assert pid in _qemu_pids(vm.id)
+    memory = CGROUP_ROOT / "memory" / cgroup_path(vm.id)
+    assert str(pid) in (memory / "cgroup.procs").read_text().split()
+    assert int((memory / "memory.limit_in_bytes").read_text()) > 384 << 20
+    quota = CGROUP_ROOT / "cpu" / cgroup_path(vm.id) / "cpu.cfs_quota_us"
+    assert int(quota.read_text()) == 200_000
+
+
+def test_no_qemu_is_backend_unavailable_saying_how_to_install(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(BackendUnavailable, match="apt-get install qemu-system-x86"):
+        MicroVmBackend.check_available()
+
+
+def test_a_guest_that_never_answers_is_a_start_timeout_and_leaves_nothing(
+    dsec_sandboxes, dsec_node, dsec_client
+):
+    before = {i.id for i in dsec_client.list()}
+    with pytest.raises(StartTimeout) as caught:
+        dsec_sandboxes.create(start_timeout=0.3)
+    sid = caught.value.context.get("sandbox_id")
+    assert sid and not _qemu_pids(sid)
+    assert {i.id for i in dsec_client.list()} == before
+    _nothing_left(dsec_node, sid)
+
+
+def test_a_guest_kernel_panic_is_reported_with_its_cause(vm, dsec_client, dsec_node):
+    with pytest.raises(DsecError):  # the agent goes down with its kernel
+        vm.exec("echo c > /proc/sysrq-trigger", timeout=10)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            dsec_client.get(vm.id)
+        except SandboxDied as e:
+            assert e.context["kind"] == "guest_panic"
+            assert "sysrq" in e.context["cause"].lower()
+            break
+        assert time.monotonic() < deadline, "the node did not notice the panic"
+        time.sleep(0.2)
+    _nothing_left(dsec_node, vm.id)
+
+
+def test_qemu_killed_from_outside_is_noticed_with_its_cause(vm, dsec_client, dsec_node):
+    pid = dsec_client.get(vm.id).info.pid
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            vm.exec("true")
+        except SandboxDied as e:
+            assert e.context["kind"] == "crashed" and "QEMU exited" in e.context["cause"]
+            break
+        except DsecError:
+            pass  # the agent is gone before the node has noticed
+        assert time.monotonic() < deadline, "the node did not notice QEMU's death"
+        time.sleep(0.2)
+    _nothing_left(dsec_node, vm.id)
+
+
+def test_layers_over_virtio_blk(monkeypatch):
+    """Where pmem is not wanted (or cannot be had), the layers reach a microvm machine as
+    read-only virtio-blk disks."""
+    monkeypatch.setenv("DSEC_VM_LAYERS", "blk")
+    with running_kit_node("dsec-kit-blk-") as node, node.client() as client:
+        sb = client.create(layers=["kit-base@1"], backend="microvm")
+        try:
+            mounts = sb.exec("cat /proc/mounts").stdout.decode()
+            erofs = [line for line in mounts.splitlines() if " erofs " in line]
+            assert erofs and all(line.split()[0].startswith("/dev/vd") for line in erofs)
+            assert sb.exec("echo hi > /root/f && cat /root/f").stdout == b"hi\n"
+            cmdline = Path(f"/proc/{client.get(sb.id).info.pid}/cmdline").read_bytes()
+            assert b"microvm" in cmdline
+        finally:
+            sb.kill()
