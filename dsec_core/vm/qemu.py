@@ -39,6 +39,7 @@ __all__ = [
     "kill",
     "kvm_usable",
     "qemu_argv",
+    "quoted",
     "spawn",
 ]
 
@@ -219,11 +220,13 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
             f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,addr={PMEM_SLOT + i:#x}",
         ]
     if cfg.incoming is not None:
-        argv += ["-incoming", f"exec:cat {_quote(cfg.incoming)}"]
+        argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]
     return argv + list(cfg.extra)
 
 
-def _quote(path: Path) -> str:
+def quoted(path: Path) -> str:
+    """``path`` for a shell command QEMU runs (``exec:`` migration URIs): refused if it holds
+    anything a shell would read specially (our paths never do)."""
     s = os.fspath(path)
     if any(c in s for c in " '\"\\$`"):
         raise BackendUnavailable(f"a VM state file path QEMU cannot take: {s!r}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
+from .qmp import QMP_SOCKET, Qmp
 from .vmlinux import ensure_vmlinux
 
 __all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend"]
@@ -72,6 +74,10 @@ CMDLINE = (
 QEMU_OVERHEAD = 256 << 20
 #: Seconds a guest may take to boot when the spec sets no start_timeout (TCG is slow).
 BOOT_TIMEOUT = 120.0
+#: Where a paused VM's memory and device state go, in its data directory (on disk).
+SAVED_STATE = "vm.state"
+#: Seconds a VM's state may take to save or load (QEMU streams it through ``cat``).
+MIGRATE_TIMEOUT = 120.0
 #: Seconds one connection waits for the booting guest's agent before another is tried.
 PING_PATIENCE = 10.0
 #: Lines of the guest's console kept in an error.
@@ -120,7 +126,7 @@ class QemuBackend(Backend):
     rootfs = RootfsForm.IMAGES
     agent_channel = AgentChannel.FORWARDED
     features: ClassVar[frozenset[Feature]] = frozenset(
-        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE}
+        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE, Feature.PAUSE}
     )
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
@@ -229,10 +235,19 @@ class QemuBackend(Backend):
             mkfs_ext4(disk, rt.disk_size)
 
         await asyncio.to_thread(prepare)
+        await self._launch(rt, state)
+        await self._wait_ready(rt, state)
+
+    async def _launch(
+        self, rt: SandboxRuntime, state: dict[str, Any], incoming: Path | None = None
+    ) -> None:
+        """QEMU (from ``incoming``, a saved state, if given) and its forwarder, confined."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
+            if incoming is not None:
+                cfg = dataclasses.replace(cfg, incoming=incoming)
             state.update(machine=cfg.machine, accel=cfg.accel)
             rt.agent_socket.unlink(missing_ok=True)
             listener.bind(os.fspath(rt.agent_socket))
@@ -250,7 +265,6 @@ class QemuBackend(Backend):
             for s in (ours, theirs, listener):
                 s.close()
         self._confine(rt, state)
-        await self._wait_ready(rt, state)
 
     def _confine(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """QEMU and its forwarder into ``dsec/<id>``: RAM plus overhead, the sandbox's cores."""
@@ -334,7 +348,8 @@ class QemuBackend(Backend):
         return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
 
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
-        return self._running(state)
+        """QEMU runs, or the VM is paused to its file (then no process is needed)."""
+        return self._running(state) or self.paused(rt, state)
 
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         pid = state.get("pid")
@@ -357,15 +372,8 @@ class QemuBackend(Backend):
 
     # --- stop ----------------------------------------------------------------------------
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
-        for key in ("pid", "forwarder"):
-            pid = state.get(key)
-            if isinstance(pid, int) and _start_time(pid) == state.get(
-                "start_time" if key == "pid" else "forwarder_start"
-            ):
-                await _kill_and_wait(pid)
-            if isinstance(pid, int):
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)  # ours, if this daemon started it
+        await self._end_processes(state)
+        self._saved(rt).unlink(missing_ok=True)
         for _ in range(100):
             if not remove_cgroups(cgroup_path(rt.id)):
                 break
@@ -374,6 +382,95 @@ class QemuBackend(Backend):
             raise SandboxError(f"sandbox {rt.id}: its cgroups stay busy", sandbox_id=rt.id)
         rt.agent_socket.unlink(missing_ok=True)
         (rt.dir / "qmp.sock").unlink(missing_ok=True)
+
+    # --- pause: the VM saved to a file, QEMU gone ------------------------------------------
+    def _saved(self, rt: SandboxRuntime) -> Path:
+        return rt.data_dir / SAVED_STATE
+
+    async def pause(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], reclaim: bool = False
+    ) -> None:
+        """Stop the guest, stream its memory and device state to ``<data dir>/vm.state``
+        (QMP ``migrate``), and end QEMU and its forwarder: a paused VM holds no host memory
+        but its page cache's share of the layers. Connections open at the time end. The
+        state dict records the file (``saved``); ``reclaim`` changes nothing more."""
+        saved = self._saved(rt)
+        if state.get("saved"):
+            return
+        saved.unlink(missing_ok=True)
+        async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
+            await q.execute("stop")
+            try:
+                await q.execute("migrate", {"uri": f"exec:cat > {qemu.quoted(saved)}"})
+                await self._migrated(q, rt, "save")
+            except BaseException:
+                saved.unlink(missing_ok=True)
+                await q.execute("cont")
+                raise
+        writable = dict(state)  # the node's dict: updated in place below
+        await self._end_processes(writable)
+        assert isinstance(state, dict)
+        state.update(pid=None, start_time=None, forwarder=None, forwarder_start=None)
+        state["saved"] = os.fspath(saved)
+
+    async def resume(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """A new QEMU loads the saved state (``-incoming``) with the same disks, and the guest
+        goes on from the instant it was saved; the file is removed."""
+        if not state.get("saved"):
+            return
+        assert isinstance(state, dict)
+        saved = Path(state["saved"])
+        fresh: dict[str, Any] = {}
+        try:
+            await self._launch(rt, fresh, incoming=saved)
+            async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
+                await self._migrated(q, rt, "load")
+                await q.execute("cont")
+        except BaseException:
+            await self._end_processes(fresh)
+            raise
+        state.update(fresh)
+        state.pop("saved", None)
+        saved.unlink(missing_ok=True)
+
+    async def _migrated(self, q: Qmp, rt: SandboxRuntime, what: str) -> None:
+        """Until the save (``query-migrate``) or load (``query-status``) is done."""
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while time.monotonic() < deadline:
+            if what == "save":
+                status = (await q.execute("query-migrate")).get("status")
+                if status == "completed":
+                    return
+                if status in ("failed", "cancelled"):
+                    raise SandboxError(
+                        f"sandbox {rt.id}: saving the VM's state {status}", sandbox_id=rt.id
+                    )
+            else:
+                status = (await q.execute("query-status")).get("status")
+                if status in ("paused", "postmigrate", "running"):
+                    return
+                if status not in ("inmigrate", "prelaunch"):
+                    raise SandboxError(
+                        f"sandbox {rt.id}: loading the VM's state ended {status}",
+                        sandbox_id=rt.id,
+                    )
+            await asyncio.sleep(0.01)
+        raise SandboxError(
+            f"sandbox {rt.id}: the VM's state did not {what} within {MIGRATE_TIMEOUT:g}s",
+            sandbox_id=rt.id,
+        )
+
+    def paused(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
+        return bool(state.get("saved")) and self._saved(rt).exists()
+
+    async def _end_processes(self, state: Mapping[str, Any]) -> None:
+        for key, started in (("pid", "start_time"), ("forwarder", "forwarder_start")):
+            pid = state.get(key)
+            if isinstance(pid, int) and _start_time(pid) == state.get(started):
+                await _kill_and_wait(pid)
+            if isinstance(pid, int):
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)  # ours, if this daemon started it
 
     def usage(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> SandboxUsage:
         """QEMU's host memory and CPU time (the guest's own view is not the host's)."""
