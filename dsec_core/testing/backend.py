@@ -100,13 +100,21 @@ class BackendConformance:
     ``class Base(BackendConformance, abstract=True)``. ``lacks`` maps features the backend
     claims but sandboxes of this ``sandbox_spec`` do not have to the reason (the container
     backend under ``runtime="runsc"`` does not share the host's kernel); checks that need them
-    are skipped with that reason.
+    are skipped with that reason. ``differs`` maps names of single checks to the reason they
+    do not hold for this variant (what its runtime does differently); they are skipped with it.
     """
 
     backend_name: ClassVar[str] = ""
     sandbox_spec: ClassVar[Mapping[str, Any]] = {}
     writable_root: ClassVar[bool] = True
     lacks: ClassVar[Mapping[Feature, str]] = {}
+    differs: ClassVar[Mapping[str, str]] = {}
+
+    @pytest.fixture(autouse=True)
+    def _variant_differs(self, request: pytest.FixtureRequest) -> None:
+        reason = self.differs.get(request.node.originalname)
+        if reason is not None:
+            pytest.skip(f"{request.node.originalname} with {self.sandbox_spec}: {reason}")
 
     def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -362,7 +362,8 @@ class ContainerBackend(Backend):
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
         self.default_runtime = config.runtime or DEFAULT_RUNTIME
-        self._paths = {self.default_runtime: find_runtime(self.default_runtime)}
+        self._paths: dict[str, str] = {}
+        self._runtime_path(self.default_runtime)
         self.state_root = config.run_dir / "runc"
         # runsc's state, one --root per sandbox (removing it removes all of runsc's files)
         self.gvisor_root = config.run_dir / "runsc"
@@ -742,6 +743,12 @@ class _AgentFds:
         if self.answer_r >= 0:
             await _agent_answer(self.answer_r, sandbox_id)
 
+    def __exit__(self, *exc: object) -> None:
+        self.close_inherited()
+        if self.answer_r >= 0:
+            os.close(self.answer_r)
+            self.answer_r = -1
+
 
 async def _agent_answer(fd: int, sandbox_id: str) -> None:
     """Read the agent's answer to its document on ``fd`` (its first line: under gVisor the
@@ -779,12 +786,6 @@ async def _wait_for_socket(path: Path, pid: int, sandbox_id: str, timeout: float
             )
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.02)
-
-    def __exit__(self, *exc: object) -> None:
-        self.close_inherited()
-        if self.answer_r >= 0:
-            os.close(self.answer_r)
-            self.answer_r = -1
 
 
 def _sealed_memfd(data: bytes) -> int:
