@@ -94,6 +94,21 @@ def host_pids_limit(pids: int) -> int:
     return 2 * pids + PIDS_HEADROOM
 
 
+def check_oci(rt: SandboxRuntime, config: dict[str, Any]) -> None:
+    """What policies put in the OCI config that runsc would not apply to the sandbox's
+    processes, refused rather than claimed enforced: an AppArmor profile (runsc confines
+    nothing with it; the Sentry's own syscall filter stands in its place)."""
+    profile = config.get("process", {}).get("apparmorProfile")
+    if profile:
+        raise PolicyUnavailable(
+            f"sandbox {rt.id}: AppArmor profile {profile!r} cannot be enforced under gVisor "
+            "(runsc does not apply AppArmor profiles to the sandbox's processes: they run on "
+            "its user-space kernel); use runtime runc, or the landlock policy on runc",
+            policy="apparmor",
+            sandbox_id=rt.id,
+        )
+
+
 def runsc_config(config: dict[str, Any], rt: SandboxRuntime, with_policy: bool) -> None:
     """Adapt runc's OCI config for runsc in place: the agent binds its socket in ``UDS_DIR``
     and reads its policy document (and answers) on its stdin."""
@@ -117,7 +132,13 @@ def uds_dir(rt: SandboxRuntime) -> Path:
 
 
 def argv(
-    runsc: str, root: Path, log: Path, pid_file: Path, rt: SandboxRuntime, platform_name: str
+    runsc: str,
+    root: Path,
+    log: Path,
+    pid_file: Path,
+    rt: SandboxRuntime,
+    platform_name: str,
+    oci_seccomp: bool = False,
 ) -> list[str]:
     return [
         runsc,
@@ -131,6 +152,8 @@ def argv(
         "--network=none",
         # the agent's own socket and the drive socket: both in bind mounts of the sandbox's
         "--host-uds=all",
+        # a seccomp filter in the OCI config is applied inside the Sentry only when asked
+        *(["--oci-seccomp"] if oci_seccomp else []),
         "run",
         "--detach",
         "--pid-file",

@@ -494,19 +494,43 @@ class ContainerBackend(Backend):
         config = oci_config(rt, agent_policy=document is not None, lxcfs=lxcfs, cpus=cores)
         gvisor.runsc_config(config, rt, document is not None)
         rt.enforce("oci", config)
+        gvisor.check_oci(rt, config)
         fd = os.open(rt.dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with open(fd, "w") as f:
             json.dump(config, f)
-        log, pid_file = rt.dir / "runsc.log", rt.dir / "init.pid"
         root = self.gvisor_root / rt.id
         root.mkdir(mode=0o700, exist_ok=True)
         state: dict[str, Any] = {"runtime": "runsc", "cpus": cores, "lxcfs": lxcfs is not None}
+        try:  # whatever fails, nothing is left: no process, cgroup, runsc state or socket
+            await self._run_gvisor(rt, runsc, root, config, document, state)
+        except BaseException:
+            await self.stop(rt, state)
+            raise
+        return state
+
+    async def _run_gvisor(
+        self,
+        rt: SandboxRuntime,
+        runsc: str,
+        root: Path,
+        config: dict[str, Any],
+        document: bytes | None,
+        state: dict[str, Any],
+    ) -> None:
+        log, pid_file = rt.dir / "runsc.log", rt.dir / "init.pid"
         with gvisor.GvisorChannel(rt, document) as channel:
-            argv = gvisor.argv(runsc, root, log, pid_file, rt, gvisor.platform())
+            argv = gvisor.argv(
+                runsc,
+                root,
+                log,
+                pid_file,
+                rt,
+                gvisor.platform(),
+                oci_seccomp=bool(config["linux"].get("seccomp")),
+            )
             exit_code = await _spawn_and_wait(argv, [], stdin=channel.stdin)
             channel.close_inherited()
             if exit_code != 0:
-                await self._cleanup(rt, state)
                 raise ToolError(
                     f"sandbox {rt.id}: runsc could not start the container under gVisor",
                     command=argv,
@@ -519,21 +543,16 @@ class ContainerBackend(Backend):
             if state["gofer"] is not None:
                 state["gofer_start_time"] = _start_time(state["gofer"])
             self._known.add(rt.id)
-            if lxcfs is not None:
+            if state["lxcfs"]:
                 self.lxcfs.add(rt.id, pid, state["start_time"])
             started = StartedSandbox(
                 pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
             )
-            try:
-                if document is not None:
-                    await _agent_answer(channel.answer_fd(), rt.id)
-                await _wait_for_socket(channel.socket_path, pid, rt.id)
-                await asyncio.to_thread(rt.enforce, "started", started)
-                state["qos"] = apply_qos(rt, pid)
-            except BaseException:
-                await self.stop(rt, state)
-                raise
-        return state
+            if document is not None:
+                await _agent_answer(channel.answer_fd(), rt.id, gvisor=True)
+            await _wait_for_socket(channel.socket_path, pid, rt.id)
+            await asyncio.to_thread(rt.enforce, "started", started)
+            state["qos"] = apply_qos(rt, pid)
 
     def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
         return [
@@ -633,7 +652,12 @@ class ContainerBackend(Backend):
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)
         shutil.rmtree(self.state_root / rt.id, ignore_errors=True)
-        shutil.rmtree(self.gvisor_root / rt.id, ignore_errors=True)
+        gvisor_root = self.gvisor_root / rt.id
+        if gvisor_root.is_dir():  # a gofer a failed runsc run left (stop kills a known one)
+            gofer = gvisor.gofer_pid(gvisor_root)
+            if gofer is not None and (state is None or gofer != state.get("gofer")):
+                await _kill_and_wait(gofer)
+            shutil.rmtree(gvisor_root, ignore_errors=True)
 
     @contextlib.asynccontextmanager
     async def memory_window(
@@ -750,7 +774,7 @@ class _AgentFds:
             self.answer_r = -1
 
 
-async def _agent_answer(fd: int, sandbox_id: str) -> None:
+async def _agent_answer(fd: int, sandbox_id: str, gvisor: bool = False) -> None:
     """Read the agent's answer to its document on ``fd`` (its first line: under gVisor the
     sandbox process keeps the other end open); ``PolicyUnavailable`` with the agent's reason if
     it refused (it then exits without serving)."""
@@ -761,6 +785,8 @@ async def _agent_answer(fd: int, sandbox_id: str) -> None:
     refused = parse_status(answer)
     if refused is not None:
         part, message = refused
+        if gvisor and part == "landlock":
+            message += " (gVisor implements no Landlock: use runtime runc for file rules)"
         raise PolicyUnavailable(
             f"sandbox {sandbox_id}: its agent could not enforce its policy ({part}): {message}",
             policy=part,

@@ -141,6 +141,19 @@ def test_network_other_than_none_is_refused(gvisor_sandboxes, dsec_node):
     assert not [d for d in leftovers(dsec_node.home)["sandbox_dirs"]]
 
 
+def test_landlock_is_refused_clearly(gvisor_sandboxes, dsec_node):
+    """gVisor has no Landlock: a file policy is PolicyUnavailable saying so, and the failed
+    create leaves nothing behind."""
+    with pytest.raises(PolicyUnavailable) as e:
+        gvisor_sandboxes.create(policies={"landlock": {"read_only": ["/usr"]}})
+    assert e.value.policy == "landlock" and "gVisor" in str(e.value), e.value
+    left = leftovers(dsec_node.home)  # the node's own mounts (run/, layers, lxcfs) stay
+    sandbox_mounts = [m for m in left["mounts"] if "/sandboxes/" in m]
+    assert not left["sandbox_dirs"] and not sandbox_mounts and not left["cgroups"], left
+    assert not any((dsec_node.config.run_dir / "runsc").iterdir())
+    assert _runsc_pids(os.fspath(dsec_node.home)) == []  # no sandbox of the node is left
+
+
 def test_missing_runsc_names_the_package(monkeypatch):
     from dsec_backend_container.runc import find_runtime
 
@@ -170,14 +183,16 @@ def test_platform_is_ptrace_without_real_kvm():
         assert gvisor.platform() == "kvm"
 
 
-def _runsc_pids(sandbox_id: str) -> list[int]:
+def _runsc_pids(needle: str) -> list[int]:
+    """Host pids of runsc processes (sandbox, gofer, ...) whose command line has ``needle``."""
     found = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if argv and b"runsc" in argv[0] and sandbox_id.encode() in argv:
+            argv0 = os.path.basename(cmdline.split(b"\0")[0])
+            if argv0.startswith(b"runsc") and needle.encode() in cmdline:
                 found.append(int(pid))
     return found
