@@ -40,9 +40,9 @@ class TestGvisorConformance(BackendConformance):
     }
     differs = {
         "test_root_inside_is_not_root_outside": (
-            "gVisor shows its processes its own user namespace (uid_map 0 0 4294967295); the "
-            "Sentry and gofer run in the sandbox's user namespace, mapped to its host uid range "
-            "(test_sentry_runs_in_the_uid_range)"
+            "gVisor shows its processes its own user namespace (uid_map 0 0 4294967295); on "
+            "the host the Sentry runs as nobody and the gofer as the sandbox's root uid, never "
+            "as host root (test_no_runsc_process_is_host_root)"
         ),
         "test_memory_limit": (
             "the memory cgroup holds the Sentry, gVisor's kernel, and the host's OOM killer "
@@ -88,11 +88,17 @@ def test_the_kernel_is_gvisors(gvisor_sandboxes, dsec_client):
     assert b"gVisor" in dmesg or b"not permitted" in dmesg, dmesg[:300]
 
 
-def test_sentry_runs_in_the_uid_range(gvisor_sandboxes, dsec_client):
+def test_no_runsc_process_is_host_root(gvisor_sandboxes):
+    """The Sentry (``runsc-sandbox``) and the gofer run as unprivileged host uids: the gofer
+    as the sandbox's root (the first uid of its range), the Sentry as nobody."""
     sb = gvisor_sandboxes.create()
-    pid = dsec_client.get(sb.id).info.pid
-    uids = Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[:1]
-    assert int(uids[0]) != 0, "gVisor's sandbox process runs as host root"
+    host_root = int(sb.exec("cat /proc/self/uid_map").stdout.split()[1])  # gVisor's own: 0
+    pids = _runsc_pids(sb.id)
+    assert len(pids) >= 2, pids  # the sandbox and its gofer
+    for pid in pids:
+        uid = int(Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0])
+        assert uid != 0, f"runsc process {pid} runs as host root"
+    assert host_root == 0  # what gVisor shows inside, whatever the host uid
 
 
 def test_runc_is_still_the_default(dsec_sandboxes):
