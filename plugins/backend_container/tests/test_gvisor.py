@@ -9,25 +9,29 @@ import shutil
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from dsec_backend_container import gvisor
 
+from dsec_core.api.shapes import decoder, encoder
 from dsec_core.backend import Feature, cgroup_path
+from dsec_core.cli import cli
+from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, DsecError, InvalidSpec, PolicyUnavailable
+from dsec_core.records import SandboxSpec
 from dsec_core.testing import BackendConformance, cgroup_hierarchies, leftovers
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root"),
-    pytest.mark.skipif(
-        shutil.which("runsc") is None,
-        reason="gVisor's runsc is not installed (apt-get install runsc)",
-    ),
-]
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
+needs_runsc = pytest.mark.skipif(
+    shutil.which("runsc") is None, reason="gVisor's runsc is not installed (apt-get install runsc)"
+)
 
 GVISOR = {"runtime": "runsc"}
 #: What gVisor's Sentry answers in /proc/version, whatever the host runs.
 GVISOR_VERSION = b"Linux version 4.4.0 #1 SMP Sun Jan 10 15:06:54 PST 2016"
 
 
+@needs_root
+@needs_runsc
 class TestGvisorConformance(BackendConformance):
     backend_name = "container"
     sandbox_spec = GVISOR
@@ -64,6 +68,10 @@ class TestGvisorConformance(BackendConformance):
 
 @pytest.fixture
 def gvisor_sandboxes(dsec_sandboxes):
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    if shutil.which("runsc") is None:
+        pytest.skip("gVisor's runsc is not installed (apt-get install runsc)")
     dsec_sandboxes.default_spec.update(backend="container", **GVISOR)
     return dsec_sandboxes
 
@@ -101,6 +109,7 @@ def test_no_runsc_process_is_host_root(gvisor_sandboxes):
     assert host_root == 0  # what gVisor shows inside, whatever the host uid
 
 
+@needs_root
 def test_runc_is_still_the_default(dsec_sandboxes):
     sb = dsec_sandboxes.create()
     assert sb.info.runtime == "runc"
@@ -135,6 +144,7 @@ def test_unknown_runtime_is_invalid(gvisor_sandboxes):
     assert e.value.field == "runtime"
 
 
+@needs_root
 def test_runtime_on_another_backend_is_invalid(dsec_client, dsec_node):
     with pytest.raises(InvalidSpec) as e:
         dsec_client.create(layers=[dsec_node.layer.ref], backend="fncall", runtime="runsc")
@@ -202,3 +212,29 @@ def _runsc_pids(needle: str) -> list[int]:
             if argv0.startswith(b"runsc") and needle.encode() in cmdline:
                 found.append(int(pid))
     return found
+
+
+def test_the_runtime_is_a_spec_field_on_the_wire():
+    spec = SandboxSpec(layers=["base@1"], runtime="runsc")
+    encode = encoder(SandboxSpec)
+    assert encode is not None
+    wire = encode(spec)
+    assert wire["runtime"] == "runsc"
+    assert decoder(SandboxSpec)(wire, "spec") == spec
+    assert SandboxSpec(layers=["base@1"]).runtime is None
+    with pytest.raises(InvalidSpec) as e:
+        SandboxSpec(layers=["base@1"], runtime=3)
+    assert e.value.field == "runtime"
+
+
+def test_the_node_default_comes_from_dsec_runtime(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSEC_HOME", os.fspath(tmp_path))
+    monkeypatch.delenv("DSEC_RUNTIME", raising=False)
+    assert NodeConfig.from_env().runtime is None
+    monkeypatch.setenv("DSEC_RUNTIME", "runsc")
+    assert NodeConfig.from_env().runtime == "runsc"
+
+
+def test_cli_create_takes_runtime():
+    out = CliRunner().invoke(cli, ["sandbox", "create", "--help"]).output
+    assert "--runtime" in out and "runsc" in out
