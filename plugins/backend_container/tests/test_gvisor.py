@@ -18,7 +18,12 @@ from dsec_core.cli import cli
 from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable, DsecError, InvalidSpec, PolicyUnavailable
 from dsec_core.records import SandboxSpec
-from dsec_core.testing import BackendConformance, cgroup_hierarchies, leftovers
+from dsec_core.testing import (
+    BackendConformance,
+    cgroup_hierarchies,
+    leftovers,
+    running_kit_node,
+)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
 needs_runsc = pytest.mark.skipif(
@@ -238,3 +243,17 @@ def test_the_node_default_comes_from_dsec_runtime(monkeypatch, tmp_path):
 def test_cli_create_takes_runtime():
     out = CliRunner().invoke(cli, ["sandbox", "create", "--help"]).output
     assert "--runtime" in out and "runsc" in out
+
+
+@needs_root
+@needs_runsc
+def test_a_node_with_dsec_runtime_runsc_runs_every_sandbox_under_gvisor(monkeypatch):
+    monkeypatch.setenv("DSEC_RUNTIME", "runsc")
+    with running_kit_node("dsec-gvisor-default-") as node, node.client() as client:
+        sb = client.create(layers=[node.layer.ref])
+        assert sb.info.runtime == "runsc"
+        assert GVISOR_VERSION in sb.exec("cat /proc/version").stdout
+        runc = client.create(layers=[node.layer.ref], runtime="runc")
+        assert runc.info.runtime == "runc"
+        sb.kill()
+        runc.kill()
