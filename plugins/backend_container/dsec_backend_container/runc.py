@@ -361,7 +361,8 @@ class ContainerBackend(Backend):
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
-        self.default_runtime = config.runtime or DEFAULT_RUNTIME
+        # a subclass without runtimes (FnCall) runs runc whatever the node's default
+        self.default_runtime = (config.runtime if self.runtimes else None) or DEFAULT_RUNTIME
         self._paths: dict[str, str] = {}
         self._runtime_path(self.default_runtime)
         self.state_root = config.run_dir / "runc"
@@ -389,7 +390,7 @@ class ContainerBackend(Backend):
 
     @classmethod
     def check_available(cls) -> None:
-        find_runtime(default_runtime() or DEFAULT_RUNTIME)
+        find_runtime((default_runtime() if cls.runtimes else None) or DEFAULT_RUNTIME)
         if lxcfs_enabled():
             find_lxcfs()
         if os.geteuid() != 0:

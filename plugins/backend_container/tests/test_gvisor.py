@@ -257,3 +257,6 @@ def test_a_node_with_dsec_runtime_runsc_runs_every_sandbox_under_gvisor(monkeypa
         assert runc.info.runtime == "runc"
         sb.kill()
         runc.kill()
+        # FnCall members stay on runc (their reset works from the host's side)
+        r = client.fncall(node.environment("kit-fncall"), "cat /proc/version", timeout=30)
+        assert r.ok and GVISOR_VERSION not in r.stdout, r
