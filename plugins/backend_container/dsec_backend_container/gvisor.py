@@ -17,7 +17,7 @@ What differs from runc, and why:
 - Host devices do not reach a gVisor sandbox (it implements /dev itself).
 - The host's pids cgroup counts host tasks: the Sentry's and gofer's threads and one ptrace
   stub per address space, not the sandbox's processes; its limit is ``host_pids_limit`` of the
-  spec's (gVisor 2022 has no pids limit of its own), so a fork bomb is still bounded.
+  spec's, so a fork bomb (a stub per process) is still bounded.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def gofer_pid(root: Path) -> int | None:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        pid = doc.get("GoferPid")
+        pid = doc.get("goferPid", doc.get("GoferPid"))  # runsc writes goferPid
         if isinstance(pid, int) and pid > 0:
             return pid
     return None

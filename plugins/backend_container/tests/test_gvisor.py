@@ -59,8 +59,8 @@ class TestGvisorConformance(BackendConformance):
         ),
         "test_pids_limit": (
             "the host's pids cgroup counts the Sentry's threads and ptrace stubs, not the "
-            "sandbox's processes, so its limit is gvisor.host_pids_limit(pids) and usage pids "
-            "are host tasks; gVisor (2022) has no pids limit of its own (test_limits_hold)"
+            "sandbox's processes: its limit is gvisor.host_pids_limit(pids), and usage pids "
+            "are host tasks (test_limits_hold)"
         ),
         "test_exec_leaves_nothing_running": (
             "gVisor (runsc 20221219) reparents orphans to PID 1, not to the exec's "
@@ -188,10 +188,12 @@ def test_kill_leaves_no_runsc_process_or_state(gvisor_sandboxes, dsec_node):
     sb = gvisor_sandboxes.create()
     root = dsec_node.config.run_dir / "runsc" / sb.id
     assert root.is_dir()
+    gofer = gvisor.gofer_pid(root)
+    assert gofer is not None and os.path.exists(f"/proc/{gofer}"), "runsc's state names no gofer"
     pids = _runsc_pids(sb.id)
     assert pids, "no runsc process names the sandbox"
     sb.kill()
-    assert _runsc_pids(sb.id) == []
+    assert _runsc_pids(sb.id) == [] and not os.path.exists(f"/proc/{gofer}")
     assert not root.exists()
     left = leftovers(dsec_node.home)
     assert not [x for v in left.values() for x in v if sb.id in x], left
