@@ -165,7 +165,8 @@ def argv(
 
 
 def gofer_pid(root: Path) -> int | None:
-    """The gofer's host pid from runsc's state under ``root`` (None if there is none)."""
+    """The gofer's host pid from runsc's state under ``root`` (None if there is none). The
+    gofer is reparented to the host's init, which reaps it once it is killed."""
     try:
         states = list(root.glob("*.state"))
     except OSError:

@@ -189,11 +189,11 @@ def test_kill_leaves_no_runsc_process_or_state(gvisor_sandboxes, dsec_node):
     root = dsec_node.config.run_dir / "runsc" / sb.id
     assert root.is_dir()
     gofer = gvisor.gofer_pid(root)
-    assert gofer is not None and os.path.exists(f"/proc/{gofer}"), "runsc's state names no gofer"
+    assert gofer is not None and gofer in _runsc_pids(sb.id), "runsc's state names no gofer"
     pids = _runsc_pids(sb.id)
     assert pids, "no runsc process names the sandbox"
     sb.kill()
-    assert _runsc_pids(sb.id) == [] and not os.path.exists(f"/proc/{gofer}")
+    assert _runsc_pids(sb.id) == [] and not _running(gofer)
     assert not root.exists()
     left = leftovers(dsec_node.home)
     assert not [x for v in left.values() for x in v if sb.id in x], left
@@ -204,6 +204,16 @@ def test_platform_is_ptrace_without_real_kvm():
         assert gvisor.platform() == "ptrace"
     else:
         assert gvisor.platform() == "kvm"
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie (a killed gofer waits for the host's
+    init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _runsc_pids(needle: str) -> list[int]:
