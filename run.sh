@@ -14,7 +14,7 @@ cd "$here"
 venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
-APT_PACKAGES=(runc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
+APT_PACKAGES=(runc runsc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
               clang libbpf-dev nftables  # the egress policy's BPF programs and netns
               apparmor  # apparmor_parser, for the apparmor policy's profiles

@@ -387,6 +387,10 @@ class Backend(abc.ABC):
     rootfs: ClassVar[RootfsForm] = RootfsForm.COMPOSED
     agent_channel: ClassVar[AgentChannel] = AgentChannel.UNIX
     policy_targets: ClassVar[frozenset[str]] = frozenset()
+    #: The runtimes a sandbox may name in ``SandboxSpec.runtime`` (the container backend's OCI
+    #: runtimes: runc, runsc); the node refuses any other (``InvalidSpec``). A backend puts the
+    #: one a sandbox runs under in its state as ``"runtime"`` (``SandboxInfo.runtime``).
+    runtimes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config

@@ -18,11 +18,23 @@ from .errors import InvalidSpec
 from .linux.hostmem import meminfo
 from .records import parse_size
 
-__all__ = ["NodeConfig", "default_home", "mem_total", "parse_devices", "parse_share_caps"]
+__all__ = [
+    "NodeConfig",
+    "default_home",
+    "default_runtime",
+    "mem_total",
+    "parse_devices",
+    "parse_share_caps",
+]
 
 
 def default_home() -> Path:
     return Path(os.environ.get("DSEC_HOME", "/var/lib/dsec"))
+
+
+def default_runtime() -> str | None:
+    """The node's OCI runtime for sandboxes that name none (``DSEC_RUNTIME``, e.g. ``runsc``)."""
+    return os.environ.get("DSEC_RUNTIME", "").strip().lower() or None
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,6 +108,10 @@ class NodeConfig:
     devices: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     device_share_cap: int = 4
     device_share_caps: Mapping[str, int] = field(default_factory=dict)
+    # The OCI runtime of sandboxes whose spec names none (``SandboxSpec.runtime``): None is
+    # the backend's own default (runc for the container backend); "runsc" runs them under
+    # gVisor (``DSEC_RUNTIME``).
+    runtime: str | None = None
 
     @classmethod
     def from_env(cls) -> NodeConfig:
@@ -150,6 +166,8 @@ class NodeConfig:
             kw["disk_fs"] = os.environ["DSEC_DISK_FS"].strip().lower()
         if os.environ.get("DSEC_DAEMON_MEMORY"):
             kw["daemon_memory"] = parse_size(os.environ["DSEC_DAEMON_MEMORY"], "DSEC_DAEMON_MEMORY")
+        if default_runtime():
+            kw["runtime"] = default_runtime()
         if os.environ.get("DSEC_DEVICES"):
             kw["devices"] = parse_devices(os.environ["DSEC_DEVICES"])
         if os.environ.get("DSEC_DEVICE_SHARE_CAP"):

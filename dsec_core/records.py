@@ -411,6 +411,10 @@ class SandboxSpec(_Record):
     #: The trajectory log that commands this sandbox drives go to (default: its id). A loop
     #: restarted in a new sandbox of the same trajectory fast-forwards through what was logged.
     trajectory: str | None = None
+    #: The OCI runtime the backend runs it under: None is the node's default
+    #: (``NodeConfig.runtime``); the container backend knows "runc" and "runsc" (gVisor). A
+    #: runtime the backend does not know (or any, for a backend without runtimes) is refused.
+    runtime: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -487,6 +491,7 @@ class SandboxSpec(_Record):
         _check_strings("labels", self.labels)
         _check_type("qos", self.qos, str, "a CPU class: ls or be")
         _check_type("start_timeout", self.start_timeout, (int, float, type(None)), "seconds")
+        _check_type("runtime", self.runtime, (str, type(None)), "a runtime name such as runsc")
         if self.start_timeout is not None:
             _check_finite("start_timeout", self.start_timeout)
         if isinstance(self.drives, str):
@@ -598,6 +603,8 @@ class SandboxInfo(_Record):
     qos: str = "ls"  # the CPU class (SandboxSpec.qos)
     #: The devices it holds, by host path (``SandboxSpec.devices``; inside at the same path).
     devices: tuple[str, ...] = ()
+    #: The OCI runtime it runs under ("runc", "runsc"), if its backend has runtimes.
+    runtime: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -116,12 +116,30 @@ def sandbox() -> None:
     show_default=True,
     help="CPU class: ls (latency-sensitive) or be (best effort: SCHED_IDLE, lowest weight).",
 )
+@click.option(
+    "--runtime",
+    default=None,
+    help="OCI runtime: runc, or runsc (gVisor); default: the node's (DSEC_RUNTIME).",
+)
 @click.option("-e", "--setenv", multiple=True, help="KEY=VALUE environment for commands.")
 @click.option("--device", "devices", multiple=True, help=DEVICE_HELP)
 @click.option("-n", "--count", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_create(
-    environment, layers, backend, cpu, memory, pids, disk, ttl, qos, setenv, devices, count, as_json
+    environment,
+    layers,
+    backend,
+    cpu,
+    memory,
+    pids,
+    disk,
+    ttl,
+    qos,
+    runtime,
+    setenv,
+    devices,
+    count,
+    as_json,
 ) -> None:
     """Create sandboxes and print their ids."""
     spec = SandboxSpec(
@@ -136,6 +154,7 @@ def sandbox_create(
         env=_kv(setenv, "--setenv"),
         qos=qos,
         devices=devices,
+        runtime=runtime,
     )
     Client().close()  # starts the node if needed, before the progress bar
     if count == 1:

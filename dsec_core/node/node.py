@@ -156,6 +156,7 @@ class Sandbox:
             policies=self.policies.states(),
             qos=spec.qos,
             devices=tuple(d.host_path for d in self.rt.devices),
+            runtime=self.backend_state.get("runtime"),
         )
 
     def state_doc(self) -> dict[str, Any]:
@@ -453,6 +454,13 @@ class Node:
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
         backend = self.backend(spec.backend)
+        if spec.runtime is not None and spec.runtime not in backend.runtimes:
+            known = ", ".join(sorted(backend.runtimes)) or "none: it takes no runtime"
+            raise InvalidSpec(
+                f"backend {backend.name!r} has no runtime {spec.runtime!r} (its runtimes: {known})",
+                field="runtime",
+                backend=backend.name,
+            )
         if spec.devices and Feature.DEVICES not in backend.features:
             raise BackendUnavailable(
                 f"backend {backend.name!r} cannot pass devices into a sandbox (it does not "

@@ -97,12 +97,24 @@ class BackendConformance:
     areas such as ``/tmp``, ``/root`` and ``/work`` take writes); the kit then checks private
     writes there and that the root refuses them, and skips the writable layer's ownership. A
     base class of your own that sets no ``backend_name`` is declared with
-    ``class Base(BackendConformance, abstract=True)``.
+    ``class Base(BackendConformance, abstract=True)``. ``lacks`` maps features the backend
+    claims but sandboxes of this ``sandbox_spec`` do not have to the reason (the container
+    backend under ``runtime="runsc"`` does not share the host's kernel); checks that need them
+    are skipped with that reason. ``differs`` maps names of single checks to the reason they
+    do not hold for this variant (what its runtime does differently); they are skipped with it.
     """
 
     backend_name: ClassVar[str] = ""
     sandbox_spec: ClassVar[Mapping[str, Any]] = {}
     writable_root: ClassVar[bool] = True
+    lacks: ClassVar[Mapping[Feature, str]] = {}
+    differs: ClassVar[Mapping[str, str]] = {}
+
+    @pytest.fixture(autouse=True)
+    def _variant_differs(self, request: pytest.FixtureRequest) -> None:
+        reason = self.differs.get(request.node.originalname)
+        if reason is not None:
+            pytest.skip(f"{request.node.originalname} with {self.sandbox_spec}: {reason}")
 
     def __init_subclass__(cls, abstract: bool = False, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -128,6 +140,15 @@ class BackendConformance:
         if missing:
             names = ", ".join(f"Feature.{f.name} ({f.value!r})" for f in missing)
             pytest.skip(f"backend {self.backend_name!r} does not claim {names}")
+        for f in features:
+            if f in self.lacks:
+                pytest.skip(
+                    f"Feature.{f.name} ({f.value!r}) with {self.sandbox_spec}: {self.lacks[f]}"
+                )
+
+    def has(self, feature: Feature) -> bool:
+        """Whether sandboxes of this class have ``feature`` (claimed, not in ``lacks``)."""
+        return feature in self.backend_class().features and feature not in self.lacks
 
     # --- the declared contract ------------------------------------------------------------
     def test_declares_the_contract(self):
@@ -465,7 +486,7 @@ class BackendConformance:
             time.sleep(0.2)
         with pytest.raises(UnknownSandbox):
             dsec_client.get(sb.id)
-        if Feature.SHARED_KERNEL in self.backend_class().features:  # else it has no host view
+        if self.has(Feature.SHARED_KERNEL):  # else it has no host view
             assert _host_pids_with(f"sleep {marker}") == []
         self._assert_nothing_left(dsec_node, sb.id)
 

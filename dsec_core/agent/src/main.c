@@ -7,12 +7,14 @@
  * proctree.c (process trees), guard.c (keeping sandbox code away from the agent) and util.c;
  * agent.h declares what they share.
  *
- * Usage: dsec-agent [--fd N | --serial PATH] [--policy-fd N [--status-fd N]]
+ * Usage: dsec-agent [--fd N | --listen PATH | --serial PATH] [--policy-fd N [--status-fd N]]
  *        dsec-agent drive [SOCKET]   (drive.c: the bridge a loop drives its workers through)
  *        dsec-agent forward --listen-fd N --serial-fd M   (mux.c: a VM's host-side forwarder)
  * The backend binds and listens on a unix stream socket (the node connects to it) before the
  * sandbox starts and passes it as fd N (default 3; runc --preserve-fds), so the node can connect
- * before the agent is even running. With --policy-fd the agent first reads the policy document
+ * before the agent is even running. Where a runtime cannot pass descriptors (gVisor's runsc), the
+ * agent binds PATH itself (--listen), in a directory the host sees, and the node waits for it.
+ * With --policy-fd the agent first reads the policy document
  * there (seccomp filter, Landlock file rules and scopes) and enforces it, reporting the outcome
  * on --status-fd, before it serves anything (policy.c); without it, it serves at once.
  * In a VM guest there is no socket to inherit: --serial names the virtio-serial port the host's
@@ -70,6 +72,7 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,6 +91,15 @@ static int g_listen_fd = -1;
 static struct conn *g_conns;
 static int g_nconns, g_capconns;
 
+static void agent_sigmask(sigset_t *mask)
+{
+    sigemptyset(mask);
+    sigaddset(mask, SIGCHLD);
+    sigaddset(mask, SIGTERM);
+    sigaddset(mask, SIGINT);
+    sigaddset(mask, SIGHUP);
+}
+
 /* ---------------------------------------------------------------- handlers */
 
 /* In a freshly forked handler: drop everything that belongs to other requests or sessions. */
@@ -104,6 +116,15 @@ static void handler_init(int keep_fd, struct session *keep)
             close(g_conns[i].fd);
     sessions_close_fds_in_handler(keep_fd, keep);
     set_nonblock(keep_fd, 0);
+    /* A signalfd of its own: gVisor ties one to the task that made it, so the inherited one
+     * would go on reading main's signals, never this handler's SIGCHLD. */
+    sigset_t mask;
+    agent_sigmask(&mask);
+    int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd >= 0) {
+        close(g_sig_fd);
+        g_sig_fd = sfd;
+    }
 }
 
 /* What a handler is forked to serve. */
@@ -310,12 +331,13 @@ static void handle_signals(void)
 static void usage(void)
 {
     static const char m[] =
-        "usage: dsec-agent [--fd N | --serial PATH] [--policy-fd N [--status-fd N]]\n"
+        "usage: dsec-agent [--fd N | --listen PATH | --serial PATH] [--policy-fd N [--status-fd N]]\n"
         "       dsec-agent drive [SOCKET]   (drive.c: a loop's bridge to its workers)\n"
         "       dsec-agent forward --listen-fd N --serial-fd M   (mux.c: a VM's host side)\n"
         "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
-        "(default 3), or on the streams of a VM's virtio-serial port at PATH. Runs as the\n"
-        "sandbox's init; see the protocol notes in src/wire.c.\n"
+        "(default 3), on one it binds at PATH (--listen), or on the streams of a VM's\n"
+        "virtio-serial port at PATH (--serial). Runs as the sandbox's init; see the protocol\n"
+        "notes in src/wire.c.\n"
         "--policy-fd: read the policy document there and enforce it before serving, reporting\n"
         "\"ok\" or the error on --status-fd (src/policy.c describes both).\n";
     if (write(2, m, sizeof m - 1) < 0) {
@@ -325,16 +347,20 @@ static void usage(void)
 /* The descriptors the command line names (-1: not given). */
 struct agent_args {
     int fd, policy_fd, status_fd, serial_fd;
-    const char *serial;
+    const char *listen; /* NULL: the listener is inherited at fd */
+    const char *serial; /* a VM's port (mux.c): no listener at all */
 };
 
 /* -1 to go on and serve, else the status to exit with. */
 static int parse_args(int argc, char **argv, struct agent_args *a)
 {
-    *a = (struct agent_args){.fd = 3, .policy_fd = -1, .status_fd = -1, .serial_fd = -1};
+    *a = (struct agent_args){
+        .fd = 3, .policy_fd = -1, .status_fd = -1, .serial_fd = -1, .listen = NULL};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
             a->fd = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
+            a->listen = argv[++i];
         } else if (!strcmp(argv[i], "--serial") && i + 1 < argc) {
             a->serial = argv[++i];
         } else if (!strcmp(argv[i], "--serial-fd") && i + 1 < argc) {
@@ -354,12 +380,14 @@ static int parse_args(int argc, char **argv, struct agent_args *a)
     return -1;
 }
 
-/* Adopt the inherited listening socket; CLOEXEC so no command inherits it. */
-static int take_listener(int fd)
+/* Adopt the listening socket; CLOEXEC so no command inherits it. One inherited is checked
+ * (gVisor does not answer SO_ACCEPTCONN for a socket bound in a host directory: ours is not). */
+static int take_listener(int fd, int inherited)
 {
     int acc = 0;
     socklen_t al = sizeof acc;
-    if (fd < 0 || getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &al) < 0 || !acc) {
+    if (fd < 0 ||
+        (inherited && (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &acc, &al) < 0 || !acc))) {
         logmsg("fd %d is not a listening socket", fd);
         return -1;
     }
@@ -369,16 +397,35 @@ static int take_listener(int fd)
     return 0;
 }
 
+/* Bind and listen on a unix socket at path (replacing what is there); the fd, or -1. */
+static int bind_listener(const char *path)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof sa.sun_path) {
+        logmsg("--listen %s: path too long", path);
+        return -1;
+    }
+    strcpy(sa.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        logmsg("socket: %s", strerror(errno));
+        return -1;
+    }
+    unlink(path);
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(fd, 1024) < 0) {
+        logmsg("--listen %s: %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 /* Signals arrive on a signalfd, read in the poll loop, so there are no async handlers; child
  * processes undo the mask (reset_child_signals). */
 static int open_signalfd(void)
 {
     sigset_t mask;
-    sigemptyset(&mask);
-    sigaddset(&mask, SIGCHLD);
-    sigaddset(&mask, SIGTERM);
-    sigaddset(&mask, SIGINT);
-    sigaddset(&mask, SIGHUP);
+    agent_sigmask(&mask);
     sigprocmask(SIG_BLOCK, &mask, NULL);
     g_sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
     if (g_sig_fd < 0) {
@@ -482,7 +529,10 @@ int main(int argc, char **argv)
             return 2;
         }
         mux_init(sfd, 0, conn_add);
-    } else if (take_listener(a.fd) < 0) {
+    } else if (a.listen && (a.fd = bind_listener(a.listen)) < 0) {
+        policy_report_failure(a.status_fd, "cannot listen at its --listen path");
+        return 2;
+    } else if (take_listener(a.fd, !a.listen) < 0) {
         policy_report_failure(a.status_fd, "its --fd is not a listening socket");
         return 2;
     }

@@ -6,7 +6,9 @@ at ``rt.agent_socket`` as fd 3 (``AgentChannel.UNIX``). Security policies enforc
 agent (target ``"agent"``: the policy document as a sealed memfd at fd 4, the agent's answer on
 a pipe at fd 5, read before ``start`` returns), the OCI config (``"oci"``) and once the
 container runs (``"started"``: its init pid, network namespace and cgroup v2 directory, while
-the agent applies its document, before ``start`` returns). Stopping does not go
+the agent applies its document, before ``start`` returns). A sandbox whose ``runtime`` (or the
+node's, ``NodeConfig.runtime``) is ``runsc`` runs the same bundle under gVisor (``gvisor.py``
+says what changes). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
 then we remove the cgroups and runc's state ourselves. Its CPU class (``qos.py``) is applied to
@@ -42,8 +44,14 @@ from dsec_core.backend import (
     cgroup_path,
     parse_status,
 )
-from dsec_core.config import NodeConfig
-from dsec_core.errors import BackendUnavailable, PolicyUnavailable, SandboxError, ToolError
+from dsec_core.config import NodeConfig, default_runtime
+from dsec_core.errors import (
+    BackendUnavailable,
+    InvalidSpec,
+    PolicyUnavailable,
+    SandboxError,
+    ToolError,
+)
 from dsec_core.linux.cgroups import (
     cgroup2_root,
     close_memory_window,
@@ -57,13 +65,17 @@ from dsec_core.linux.cgroups import (
 )
 from dsec_core.records import SandboxUsage
 
+from . import gvisor
 from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
 from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
 from .qos import apply_qos, cpu_shares
 
 __all__ = ["ContainerBackend", "device_rules", "oci_config", "oci_devices"]
 
-RUNTIMES = ("runc",)  # crun 1.8 fails on this kernel's hybrid cgroups; runc is what works here
+# The OCI runtimes a sandbox may ask for (``SandboxSpec.runtime``), with how to install each;
+# crun 1.8 fails on this kernel's hybrid cgroups, so it is not one of them.
+RUNTIMES = {"runc": "apt-get install runc", "runsc": "apt-get install runsc"}
+DEFAULT_RUNTIME = "runc"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 # The OCI defaults, plus the kernel page-info files: DSec saw a recursive grep touching
@@ -107,15 +119,23 @@ POLICY_ANSWER_TIMEOUT = 10.0
 STATUS_MAX = 4096
 
 
-def find_runtime() -> str:
-    for name in RUNTIMES:
-        path = shutil.which(name)
-        if path:
-            return path
-    raise BackendUnavailable(
-        "container backend: no OCI runtime found (install runc: apt-get install runc)",
-        missing="runc",
-    )
+def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
+    """The path of OCI runtime ``name`` (``RUNTIMES``): ``InvalidSpec`` for one this backend
+    does not know, ``BackendUnavailable`` naming the package if it is not installed."""
+    if name not in RUNTIMES:
+        raise InvalidSpec(
+            f"container backend: unknown runtime {name!r} (known: {', '.join(RUNTIMES)})",
+            field="runtime",
+        )
+    path = shutil.which(name)
+    if path is None:
+        what = "gVisor's runsc" if name == "runsc" else name
+        raise BackendUnavailable(
+            f"container backend: runtime {name} asked for, but {what} is not installed "
+            f"(install it: {RUNTIMES[name]})",
+            missing=name,
+        )
+    return path
 
 
 def agent_args(with_policy: bool) -> list[str]:
@@ -337,13 +357,20 @@ class ContainerBackend(Backend):
     rootfs = RootfsForm.COMPOSED
     agent_channel = AgentChannel.UNIX
     policy_targets = frozenset({"agent", "oci", "started"})
+    runtimes = frozenset(RUNTIMES)
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
-        self.runtime = find_runtime()
+        # a subclass without runtimes (FnCall) runs runc whatever the node's default
+        self.default_runtime = (config.runtime if self.runtimes else None) or DEFAULT_RUNTIME
+        self._paths: dict[str, str] = {}
+        self._runtime_path(self.default_runtime)
         self.state_root = config.run_dir / "runc"
-        self.state_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.state_root, 0o700)  # runc's init reaches its fifo through /proc, not here
+        # runsc's state, one --root per sandbox (removing it removes all of runsc's files)
+        self.gvisor_root = config.run_dir / "runsc"
+        for d in (self.state_root, self.gvisor_root):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)  # runc's init reaches its fifo through /proc, not here
         # Always there, to re-adopt and finally stop one a daemon with other settings started;
         # new sandboxes get its files only with DSEC_LXCFS on.
         self.lxcfs = Lxcfs(config.home, config.run_dir)
@@ -352,9 +379,18 @@ class ContainerBackend(Backend):
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
+    def runtime_of(self, rt: SandboxRuntime) -> str:
+        """The OCI runtime the sandbox runs under: its spec's, else the node's default."""
+        return rt.spec.runtime or self.default_runtime
+
+    def _runtime_path(self, name: str) -> str:
+        if name not in self._paths:
+            self._paths[name] = find_runtime(name)
+        return self._paths[name]
+
     @classmethod
     def check_available(cls) -> None:
-        find_runtime()
+        find_runtime((default_runtime() if cls.runtimes else None) or DEFAULT_RUNTIME)
         if lxcfs_enabled():
             find_lxcfs()
         if os.geteuid() != 0:
@@ -367,9 +403,15 @@ class ContainerBackend(Backend):
         policy = AgentPolicy()
         rt.enforce("agent", policy)
         document = None if policy.empty() else policy.encode()
+        runtime = self.runtime_of(rt)
+        path = self._runtime_path(runtime)
+        if runtime == "runsc":
+            gvisor.check_spec(rt)
         lxcfs = await self.lxcfs.ensure() if self.use_lxcfs else None
         cores = self.pinning.pick(rt.id, rt.limits.cpu) if self.pinning is not None else None
         try:
+            if runtime == "runsc":
+                return await self._start_gvisor(rt, path, document, lxcfs, cores)
             return await self._start(rt, policy, document, lxcfs, cores)
         except BaseException:
             self._forget(rt.id)
@@ -409,7 +451,7 @@ class ContainerBackend(Backend):
             pid = int(pid_file.read_text().strip())
             start_time = _start_time(pid)
             state = {
-                "runtime": self.runtime,
+                "runtime": "runc",
                 "pid": pid,
                 "start_time": start_time,
                 "cpus": cores,
@@ -440,9 +482,82 @@ class ContainerBackend(Backend):
                 raise
         return state
 
+    async def _start_gvisor(
+        self,
+        rt: SandboxRuntime,
+        runsc: str,
+        document: bytes | None,
+        lxcfs: Path | None,
+        cores: list[int] | None,
+    ) -> dict[str, Any]:
+        """``_start`` under runsc: the agent binds its socket itself and reads its document on
+        its stdin (``gvisor.GvisorChannel``); start returns once that socket is there."""
+        config = oci_config(rt, agent_policy=document is not None, lxcfs=lxcfs, cpus=cores)
+        gvisor.runsc_config(config, rt, document is not None)
+        rt.enforce("oci", config)
+        gvisor.check_oci(rt, config)
+        fd = os.open(rt.dir / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as f:
+            json.dump(config, f)
+        root = self.gvisor_root / rt.id
+        root.mkdir(mode=0o700, exist_ok=True)
+        state: dict[str, Any] = {"runtime": "runsc", "cpus": cores, "lxcfs": lxcfs is not None}
+        try:  # whatever fails, nothing is left: no process, cgroup, runsc state or socket
+            await self._run_gvisor(rt, runsc, root, config, document, state)
+        except BaseException:
+            await self.stop(rt, state)
+            raise
+        return state
+
+    async def _run_gvisor(
+        self,
+        rt: SandboxRuntime,
+        runsc: str,
+        root: Path,
+        config: dict[str, Any],
+        document: bytes | None,
+        state: dict[str, Any],
+    ) -> None:
+        log, pid_file = rt.dir / "runsc.log", rt.dir / "init.pid"
+        with gvisor.GvisorChannel(rt, document) as channel:
+            argv = gvisor.argv(
+                runsc,
+                root,
+                log,
+                pid_file,
+                rt,
+                gvisor.platform(),
+                oci_seccomp=bool(config["linux"].get("seccomp")),
+            )
+            exit_code = await _spawn_and_wait(argv, [], stdin=channel.stdin)
+            channel.close_inherited()
+            if exit_code != 0:
+                raise ToolError(
+                    f"sandbox {rt.id}: runsc could not start the container under gVisor",
+                    command=argv,
+                    exit_code=exit_code,
+                    stderr=_runc_errors(log),
+                    sandbox_id=rt.id,
+                )
+            pid = int(pid_file.read_text().strip())
+            state.update(pid=pid, start_time=_start_time(pid), gofer=gvisor.gofer_pid(root))
+            if state["gofer"] is not None:
+                state["gofer_start_time"] = _start_time(state["gofer"])
+            self._known.add(rt.id)
+            if state["lxcfs"]:
+                self.lxcfs.add(rt.id, pid, state["start_time"])
+            started = StartedSandbox(
+                pid=pid, netns=Path(f"/proc/{pid}/ns/net"), cgroup2=_cgroup2_dir(rt.id)
+            )
+            if document is not None:
+                await _agent_answer(channel.answer_fd(), rt.id, gvisor=True)
+            await _wait_for_socket(channel.socket_path, pid, rt.id)
+            await asyncio.to_thread(rt.enforce, "started", started)
+            state["qos"] = apply_qos(rt, pid)
+
     def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
         return [
-            self.runtime,
+            self._runtime_path("runc"),
             "--root",
             os.fspath(self.state_root),
             "--log",
@@ -523,18 +638,27 @@ class ContainerBackend(Backend):
         pid = state.get("pid")
         if pid and _start_time(pid) == state.get("start_time"):
             await _kill_and_wait(pid)
+        gofer = state.get("gofer")  # runsc's file server, outside the sandbox's cgroups
+        if gofer and _start_time(gofer) == state.get("gofer_start_time"):
+            await _kill_and_wait(gofer)
         await self._cleanup(rt, state)
         self._forget(rt.id)
 
     async def close(self) -> None:
         """lxcfs stops with the node when no container of it is left (their runc state is
         gone); otherwise it keeps serving them and the next daemon re-adopts it."""
-        left = any(self.state_root.iterdir()) if self.state_root.is_dir() else False
+        left = any(any(d.iterdir()) for d in (self.state_root, self.gvisor_root) if d.is_dir())
         await self.lxcfs.close(stop=not left)
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)
         shutil.rmtree(self.state_root / rt.id, ignore_errors=True)
+        gvisor_root = self.gvisor_root / rt.id
+        if gvisor_root.is_dir():  # a gofer a failed runsc run left (stop kills a known one)
+            gofer = gvisor.gofer_pid(gvisor_root)
+            if gofer is not None and (state is None or gofer != state.get("gofer")):
+                await _kill_and_wait(gofer)
+            shutil.rmtree(gvisor_root, ignore_errors=True)
 
     @contextlib.asynccontextmanager
     async def memory_window(
@@ -641,26 +765,54 @@ class _AgentFds:
     async def agent_answer(self, sandbox_id: str) -> None:
         """Wait for the agent's answer to its document; ``PolicyUnavailable`` with the agent's
         reason if it refused (it then exits without serving)."""
-        if self.answer_r < 0:
-            return
-        try:
-            answer = await asyncio.wait_for(_read_to_eof(self.answer_r), POLICY_ANSWER_TIMEOUT)
-        except TimeoutError:
-            answer = b"error agent: no answer to its policy within %ds" % POLICY_ANSWER_TIMEOUT
-        refused = parse_status(answer)
-        if refused is not None:
-            part, message = refused
-            raise PolicyUnavailable(
-                f"sandbox {sandbox_id}: its agent could not enforce its policy ({part}): {message}",
-                policy=part,
-                sandbox_id=sandbox_id,
-            )
+        if self.answer_r >= 0:
+            await _agent_answer(self.answer_r, sandbox_id)
 
     def __exit__(self, *exc: object) -> None:
         self.close_inherited()
         if self.answer_r >= 0:
             os.close(self.answer_r)
             self.answer_r = -1
+
+
+async def _agent_answer(fd: int, sandbox_id: str, gvisor: bool = False) -> None:
+    """Read the agent's answer to its document on ``fd`` (its first line: under gVisor the
+    sandbox process keeps the other end open); ``PolicyUnavailable`` with the agent's reason if
+    it refused (it then exits without serving)."""
+    try:
+        answer = await asyncio.wait_for(_read_line(fd), POLICY_ANSWER_TIMEOUT)
+    except TimeoutError:
+        answer = b"error agent: no answer to its policy within %ds" % POLICY_ANSWER_TIMEOUT
+    refused = parse_status(answer)
+    if refused is not None:
+        part, message = refused
+        if gvisor and part == "landlock":
+            message += " (gVisor implements no Landlock: use runtime runc for file rules)"
+        raise PolicyUnavailable(
+            f"sandbox {sandbox_id}: its agent could not enforce its policy ({part}): {message}",
+            policy=part,
+            sandbox_id=sandbox_id,
+        )
+
+
+async def _wait_for_socket(path: Path, pid: int, sandbox_id: str, timeout: float = 10.0) -> None:
+    """Until the agent has bound its socket at ``path`` (gVisor: it binds it itself)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    delay = 0.001
+    while not path.is_socket():
+        if not Path(f"/proc/{pid}").exists():
+            raise SandboxError(
+                f"sandbox {sandbox_id}: gVisor's sandbox process exited before its agent listened",
+                sandbox_id=sandbox_id,
+            )
+        if loop.time() > deadline:
+            raise SandboxError(
+                f"sandbox {sandbox_id}: its agent did not listen within {timeout:g}s",
+                sandbox_id=sandbox_id,
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)
 
 
 def _sealed_memfd(data: bytes) -> int:
@@ -679,23 +831,26 @@ def _sealed_memfd(data: bytes) -> int:
     return fd
 
 
-async def _read_to_eof(fd: int) -> bytes:
-    """What a pipe carries until its last writer closes it, at most ``STATUS_MAX`` bytes kept."""
+async def _read_line(fd: int) -> bytes:
+    """What a pipe or socket carries up to its first newline or EOF, at most ``STATUS_MAX``
+    bytes."""
     os.set_blocking(fd, False)
     out = bytearray()
-    while True:
+    while b"\n" not in out and len(out) < STATUS_MAX:
         await _readable(fd)
         try:
             chunk = os.read(fd, STATUS_MAX)
         except BlockingIOError:
             continue
         if not chunk:
-            return bytes(out)
+            break
         out += chunk[: max(0, STATUS_MAX - len(out))]
+    return bytes(out)
 
 
-async def _spawn_and_wait(argv: list[str], fds: list[int]) -> int:
-    """posix_spawn ``argv`` with ``fds`` as its fds 3, 4, ... and wait for it without a thread.
+async def _spawn_and_wait(argv: list[str], fds: list[int], stdin: int | None = None) -> int:
+    """posix_spawn ``argv`` with ``fds`` as its fds 3, 4, ... (and ``stdin`` as its fd 0, else
+    /dev/null) and wait for it without a thread.
 
     posix_spawn (vfork underneath) is much cheaper than fork from a large daemon, and its
     file actions place the descriptors atomically, which subprocess cannot do.
@@ -703,9 +858,13 @@ async def _spawn_and_wait(argv: list[str], fds: list[int]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
     # copies out of the way of 3, 4, ... first: one of ours may sit where another must go
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in fds]
+    if stdin is not None:
+        high.append(fcntl.fcntl(stdin, fcntl.F_DUPFD_CLOEXEC, 64))
     try:
         actions = [(os.POSIX_SPAWN_DUP2, devnull, i) for i in range(3)]
-        actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high)]
+        if stdin is not None:
+            actions[0] = (os.POSIX_SPAWN_DUP2, high[-1], 0)
+        actions += [(os.POSIX_SPAWN_DUP2, fd, 3 + i) for i, fd in enumerate(high[: len(fds)])]
         pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
     finally:
         os.close(devnull)
