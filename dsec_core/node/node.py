@@ -1078,7 +1078,12 @@ class Node:
         await self._packed(sb)
         if not sb.paused:
             t0 = time.perf_counter()
-            await sb.backend.pause(sb.rt, sb.backend_state, reclaim=reclaim)
+            # a VM's pause ends its process (its state goes to a file): not a death
+            self._unwatch_exit(sb)
+            try:
+                await sb.backend.pause(sb.rt, sb.backend_state, reclaim=reclaim)
+            finally:
+                self._watch_exit(sb)
             sb.paused, sb.preempted = True, preempted
             self._write_state(sb)
             log.debug("paused %s in %.1f ms", sid, 1e3 * (time.perf_counter() - t0))
@@ -1092,6 +1097,8 @@ class Node:
         await self._packed(sb)
         if sb.paused:
             await sb.backend.resume(sb.rt, sb.backend_state)
+            self._unwatch_exit(sb)  # a VM resumes in a new process: watch that one
+            self._watch_exit(sb)
             sb.paused = sb.preempted = False
             self._write_state(sb)
         return sb.info()

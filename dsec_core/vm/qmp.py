@@ -92,8 +92,9 @@ class Qmp:
                 f"QEMU refused {command}: {e}", command=command, qmp_class=e.error_class
             ) from e
         except TimeoutError as e:
-            raise self._error(f"QEMU did not answer {command} within {limit:g}s",
-                              command=command) from e
+            raise self._error(
+                f"QEMU did not answer {command} within {limit:g}s", command=command
+            ) from e
         except (QMPError, OSError, EOFError) as e:
             raise self._error(
                 f"QMP {command} failed: {type(e).__name__}: {e}", command=command
@@ -111,7 +112,8 @@ class Qmp:
             pass
 
     async def __aenter__(self) -> Qmp:
-        await self.connect()
+        if not self._connected:
+            await self.connect()
         return self
 
     async def __aexit__(

@@ -243,6 +243,7 @@ class QemuBackend(Backend):
     ) -> None:
         """QEMU (from ``incoming``, a saved state, if given) and its forwarder, confined."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        (rt.dir / QMP_SOCKET).unlink(missing_ok=True)  # a previous QEMU's (a resume)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
@@ -423,7 +424,7 @@ class QemuBackend(Backend):
         fresh: dict[str, Any] = {}
         try:
             await self._launch(rt, fresh, incoming=saved)
-            async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
+            async with await self._monitor(rt, fresh) as q:
                 await self._migrated(q, rt, "load")
                 await q.execute("cont")
         except BaseException:
@@ -432,6 +433,21 @@ class QemuBackend(Backend):
         state.update(fresh)
         state.pop("saved", None)
         saved.unlink(missing_ok=True)
+
+    async def _monitor(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> Qmp:
+        """A connected monitor of a QEMU just started (it makes its socket as it starts)."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            q = Qmp(rt.dir / QMP_SOCKET, rt.id)
+            try:
+                await q.connect()
+                return q
+            except SandboxError:
+                if not self._running(state):
+                    raise self._death(rt, state, during="resume") from None
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
 
     async def _migrated(self, q: Qmp, rt: SandboxRuntime, what: str) -> None:
         """Until the save (``query-migrate``) or load (``query-status``) is done."""

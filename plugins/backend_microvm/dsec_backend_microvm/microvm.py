@@ -8,7 +8,6 @@ not yet driven: QEMU runs every guest (``README.md`` says what was measured with
 
 from __future__ import annotations
 
-from dsec_core.backend import Feature
 from dsec_core.vm.qemu import find_firecracker
 from dsec_core.vm.runner import QemuBackend
 
@@ -20,7 +19,7 @@ class MicroVmBackend(QemuBackend):
 
     name = "microvm"
     machine = "microvm"
-    features = frozenset({Feature.PID_NAMESPACE, Feature.NET_NAMESPACE})
+    features = QemuBackend.features  # a pid namespace in the guest, no NIC, pause to a file
 
     def hypervisor(self) -> str:
         """What runs the guests here: ``qemu-kvm``, ``qemu-tcg`` (Firecracker's binary, if

@@ -149,3 +149,22 @@ def test_layers_over_virtio_blk(monkeypatch):
             assert b"microvm" in cmdline
         finally:
             sb.kill()
+
+
+def test_pause_saves_the_vm_to_a_file_and_ends_qemu(vm, dsec_client, dsec_node):
+    """DSec's VM pause: memory and devices to a file, no QEMU while paused, and the guest goes
+    on from the same instant (a session's shell and its variables, a background process)."""
+    s = vm.session()
+    s.exec("X=41; sleep 1000 > /dev/null 2>&1 &")
+    vm.write_file("/root/before", b"kept")
+    pid = dsec_client.get(vm.id).info.pid
+    dsec_client.pause(vm.id)
+    assert not _qemu_pids(vm.id), "QEMU still runs while the VM is paused"
+    saved = dsec_node.config.home / "sandboxes" / vm.id / "vm.state"
+    assert saved.stat().st_size > 0
+    info = dsec_client.resume(vm.id)
+    assert info.pid != pid and _qemu_pids(vm.id) == [info.pid]
+    assert not saved.exists()
+    assert s.exec("echo $((X+1))").stdout == b"42\n"
+    assert b"sleep" in vm.exec("ps -o comm 2>/dev/null || cat /proc/[0-9]*/comm").stdout
+    assert vm.read_file("/root/before") == b"kept"
