@@ -508,6 +508,15 @@ class AgentClient:
         )
         return sorted((self._entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
 
+    async def wake(self, seed: bytes, hostname: str | None = None) -> None:
+        """For a VM guest started from a saved state: mix ``seed`` (1-256 bytes) into the
+        kernel's random pool and reseed its CRNG, and set ``hostname`` (a container's root
+        may do neither)."""
+        fields: list[tuple[str, Any]] = [("op", "wake"), ("seed", seed.hex())]
+        if hostname is not None:
+            fields.append(("hostname", hostname))
+        await self._call(fields)
+
     async def stat(self, path: str | os.PathLike[str]) -> FileEntry:
         """lstat of one path (a symlink is reported as a symlink)."""
         reply, _ = await self._call([("op", "stat"), ("path", os.fspath(path))])

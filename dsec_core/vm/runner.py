@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
+import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import time
@@ -43,6 +46,7 @@ from ..errors import (
 )
 from ..linux.cgroups import place_process, place_process_cpu, remove_cgroups
 from ..linux.ext4 import mkfs_ext4
+from ..linux.files import SparseFile
 from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
@@ -51,6 +55,8 @@ from .qmp import QMP_SOCKET, Qmp
 from .vmlinux import ensure_vmlinux
 
 __all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend"]
+
+log = logging.getLogger(__name__)
 
 INIT_SCRIPT = Path(__file__).with_name("init.sh")
 #: What every guest loads (with their dependencies), in this order.
@@ -78,6 +84,8 @@ BOOT_TIMEOUT = 120.0
 SAVED_STATE = "vm.state"
 #: Seconds a VM's state may take to save or load (QEMU streams it through ``cat``).
 MIGRATE_TIMEOUT = 120.0
+#: A start template's files (``<cache>/templates/<key>/``).
+TEMPLATE_STATE, TEMPLATE_DISK, TEMPLATE_READY = "vm.state", "disk.raw", "ready"
 #: Seconds one connection waits for the booting guest's agent before another is tried.
 PING_PATIENCE = 10.0
 #: Lines of the guest's console kept in an error.
@@ -148,6 +156,10 @@ class QemuBackend(Backend):
                 f"DSEC_VM_LAYERS={self.layers_over!r}: say pmem or blk", backend=self.name
             )
         self._boot: dict[tuple[str, str | None, str], tuple[GuestKernel, Path, Path]] = {}
+        #: DSEC_VM_SNAPSHOT_START=0: every VM boots (else most start from a template)
+        self.snapshot_start = os.environ.get("DSEC_VM_SNAPSHOT_START", "1") != "0"
+        self._making: set[str] = set()  # template keys being saved now
+        self._template_disks: dict[str, SparseFile] = {}
 
     @classmethod
     def check_available(cls) -> None:
@@ -229,6 +241,22 @@ class QemuBackend(Backend):
     async def _start(self, rt: SandboxRuntime, state: dict[str, Any]) -> None:
         assert rt.disk is not None
         disk = rt.disk
+        key = await asyncio.to_thread(self.template_key, rt) if self.snapshot_start else None
+        template = self.cache / "templates" / key if key else None
+        if template is not None and (template / TEMPLATE_READY).exists():
+            try:
+                await self._start_from(rt, state, template)
+                return
+            except DsecError as e:  # a stale or broken template: boot, and make it again
+                log.warning(
+                    "sandbox %s: starting from template %s failed (%s); booting",
+                    rt.id,
+                    template.name,
+                    e,
+                )
+                await self._end_processes(state)
+                state.clear()
+                shutil.rmtree(template, ignore_errors=True)
 
         def prepare() -> None:  # mkfs and images: blocking work, off the loop
             disk.unlink(missing_ok=True)
@@ -237,6 +265,83 @@ class QemuBackend(Backend):
         await asyncio.to_thread(prepare)
         await self._launch(rt, state)
         await self._wait_ready(rt, state)
+        if template is not None and key is not None and key not in self._making:
+            self._making.add(key)
+            try:
+                await self._save_template(rt, state, template)
+            except DsecError as e:  # the sandbox runs on; the next one boots again
+                log.warning("sandbox %s: saving a start template failed: %s", rt.id, e)
+            finally:
+                self._making.discard(key)
+
+    # --- fast start: a fresh boot saved once, loaded by every later VM of its shape ----------
+    def template_key(self, rt: SandboxRuntime) -> str:
+        """What makes two sandboxes' fresh boots the same: the boot files, the layers and
+        how they attach, vCPUs, RAM, the disk's size and the machine."""
+        cfg = self.vm_config(rt, -1)
+        shape = {
+            "kernel": os.fspath(cfg.kernel),
+            "initrd": os.fspath(cfg.initrd),
+            "cmdline": cfg.cmdline.rsplit(" dsec.hostname=", 1)[0],
+            "vcpus": cfg.vcpus,
+            "memory": cfg.memory_mib,
+            "machine": cfg.machine,
+            "accel": cfg.accel,
+            "display": cfg.display,
+            "layers": [os.fspath(d.path) for d in cfg.drives if d.readonly]
+            + [os.fspath(p.path) for p in cfg.pmems],
+            "disk": rt.disk_size,
+            "qemu": self.qemu,
+        }
+        blob = json.dumps(shape, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:24]
+
+    async def _save_template(self, rt: SandboxRuntime, state: Mapping[str, Any], to: Path) -> None:
+        """Save the just-booted sandbox (nothing has run in it yet) as the template ``to``: its
+        memory and devices (stopped for it: about half a second) and its disk as it was."""
+        assert rt.disk is not None
+        work = to.parent / f".{to.name}.{os.getpid()}.{os.urandom(4).hex()}"
+        work.mkdir(parents=True)
+        try:
+            async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
+                await q.execute("stop")
+                try:
+                    target = qemu.quoted(work / TEMPLATE_STATE)
+                    await q.execute("migrate", {"uri": f"exec:cat > {target}"})
+                    await self._migrated(q, rt, "save")
+                    disk = await asyncio.to_thread(SparseFile.read, rt.disk)
+                finally:
+                    await q.execute("cont")
+            await asyncio.to_thread(disk.write, work / TEMPLATE_DISK)
+            (work / TEMPLATE_READY).touch()
+            with contextlib.suppress(OSError):  # another daemon made the same one meanwhile
+                os.rename(work, to)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    async def _start_from(self, rt: SandboxRuntime, state: dict[str, Any], template: Path) -> None:
+        """Start the sandbox from ``template``: a copy of its disk, its memory loaded, then the
+        guest's randomness reseeded and its hostname set before anything runs."""
+        assert rt.disk is not None
+        disk = rt.disk
+
+        def prepare() -> None:
+            image = self._template_disks.get(template.name)
+            if image is None:
+                image = self._template_disks[template.name] = SparseFile.read(
+                    template / TEMPLATE_DISK
+                )
+            disk.unlink(missing_ok=True)
+            image.write(disk)
+
+        await asyncio.to_thread(prepare)
+        await self._launch(rt, state, incoming=template / TEMPLATE_STATE)
+        async with await self._monitor(rt, state) as q:
+            await self._migrated(q, rt, "load")
+            await q.execute("cont")
+        await self._wait_ready(rt, state)
+        await AgentClient(rt.agent_socket, rt.id).wake(os.urandom(64), f"dsec-{rt.id[:12]}")
+        state["template"] = template.name
 
     async def _launch(
         self, rt: SandboxRuntime, state: dict[str, Any], incoming: Path | None = None
@@ -438,13 +543,18 @@ class QemuBackend(Backend):
         """A connected monitor of a QEMU just started (it makes its socket as it starts)."""
         deadline = time.monotonic() + 10.0
         while True:
+            if not (rt.dir / QMP_SOCKET).exists() and time.monotonic() < deadline:
+                if not self._running(state):
+                    raise self._death(rt, state, during="start")
+                await asyncio.sleep(0.005)
+                continue
             q = Qmp(rt.dir / QMP_SOCKET, rt.id)
             try:
                 await q.connect()
                 return q
             except SandboxError:
                 if not self._running(state):
-                    raise self._death(rt, state, during="resume") from None
+                    raise self._death(rt, state, during="start") from None
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.01)

@@ -93,6 +93,10 @@ int mux_handle(const struct pollfd *p, int n);
 void mux_close_fds_in_handler(void);
 int forward_main(int argc, char **argv);
 
+/* ---------------------------------------------------------------- random.c */
+
+void op_wake(int conn, struct req *r);
+
 /* ---------------------------------------------------------------- proctree.c */
 
 int descendants(pid_t root, pid_t **out);

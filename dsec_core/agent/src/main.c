@@ -213,6 +213,8 @@ static void dispatch(int fd, unsigned char *hdr, uint32_t hlen)
         op_ping(fd);
     } else if (!strcmp(op, "sessions")) {
         op_sessions(fd);
+    } else if (!strcmp(op, "wake")) {
+        op_wake(fd, r);
     } else if (!strcmp(op, "session_open")) {
         op_session_open(fd, r);
     } else if (!strcmp(op, "session_close")) {

@@ -94,7 +94,7 @@ def test_a_guest_that_never_answers_is_a_start_timeout_and_leaves_nothing(
 ):
     before = {i.id for i in dsec_client.list()}
     with pytest.raises(StartTimeout) as caught:
-        dsec_sandboxes.create(start_timeout=0.3)
+        dsec_sandboxes.create(start_timeout=0.01)
     sid = caught.value.context.get("sandbox_id")
     assert sid and not _qemu_pids(sid)
     assert {i.id for i in dsec_client.list()} == before
@@ -168,3 +168,17 @@ def test_pause_saves_the_vm_to_a_file_and_ends_qemu(vm, dsec_client, dsec_node):
     assert s.exec("echo $((X+1))").stdout == b"42\n"
     assert b"sleep" in vm.exec("ps -o comm 2>/dev/null || cat /proc/[0-9]*/comm").stdout
     assert vm.read_file("/root/before") == b"kept"
+
+
+def test_later_vms_start_from_a_saved_boot_with_their_own_randomness(dsec_sandboxes, dsec_node):
+    """The first VM of a shape is saved once booted; the next start from that state (no
+    boot), each with its own hostname and its CRNG reseeded with the node's fresh bytes."""
+    cache = Path(os.environ.get("DSEC_VM_CACHE") or dsec_node.config.home / "vm") / "templates"
+    first = dsec_sandboxes.create(memory="320M")
+    assert any((d / "ready").exists() for d in cache.iterdir()), "no template was saved"
+    clones = [dsec_sandboxes.create(memory="320M") for _ in range(2)]
+    seen = set()
+    for sb in (first, *clones):
+        assert sb.exec("hostname").stdout == f"dsec-{sb.id[:12]}\n".encode()
+        seen.add(sb.exec("head -c 16 /dev/urandom | od -An -x").stdout)
+    assert len(seen) == 3, "two VMs from one saved state drew the same random bytes"
