@@ -37,7 +37,7 @@ from ..errors import DsecError, InvalidSpec, NodeUnavailable
 from ..layers.build import build_layer
 from ..layers.store import LayerStore
 from ..linux.loop import loop_backing_files
-from ..linux.mounts import mounted_under
+from ..linux.mounts import mounted_under, unmount
 from ..localnode import daemon_pid, ensure_daemon, stop_daemon
 from ..records import LayerInfo, SandboxSpec
 from ..sdk import Client
@@ -385,7 +385,16 @@ def running_kit_node(prefix: str = "dsec-kit-") -> Iterator[KitNode]:
             path=os.fspath(parent),
         ) from e
     home = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    node = KitNode.start(home)
+    try:
+        node = KitNode.start(home)
+    except BaseException:  # a daemon that would not start: leave nothing of it either
+        with contextlib.suppress(DsecError):
+            stop_daemon(NodeConfig(home=home))
+        for mp in sorted(mounted_under(home), key=lambda p: len(os.fspath(p)), reverse=True):
+            with contextlib.suppress(OSError, DsecError):
+                unmount(mp)
+        shutil.rmtree(home, ignore_errors=True)
+        raise
     try:
         yield node
     finally:
