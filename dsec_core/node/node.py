@@ -57,6 +57,7 @@ from ..linux import sysctl
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
+    DEFAULT_BACKEND,
     SANDBOX_START_MEMORY,
     ExecResult,
     FileEntry,
@@ -181,6 +182,7 @@ class Sandbox:
             ],
             "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
             "disk_size": self.rt.disk_size,
+            "kernel": self.rt.kernel,
             "devices": [d.to_dict() for d in self.rt.devices],
             "policy_plan": {
                 "chosen": {p.name: s for p, s in self.policies.chosen},
@@ -451,9 +453,33 @@ class Node:
                 f"placement declined node {load.node}", reason="placement", node=load.node
             )
 
+    def resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, str | None]:
+        """``spec`` with its environment applied (the environment's env under the spec's, its
+        workdir unless the spec names one, its backend unless the spec names one, else
+        ``DEFAULT_BACKEND``), and the kernel the environment asks a VM backend to boot."""
+        if not spec.environment:
+            return replace(spec, backend=spec.backend or DEFAULT_BACKEND), None
+        environment = self.catalogs.environment(spec.environment)
+        return replace(
+            spec,
+            env={**dict(environment.env or {}), **spec.env},
+            workdir=spec.workdir if spec.workdir != "/" else (environment.workdir or "/"),
+            backend=spec.backend or environment.backend or DEFAULT_BACKEND,
+        ), environment.kernel
+
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
+        spec, kernel = self.resolve(spec)
+        assert spec.backend is not None  # resolve names one
         backend = self.backend(spec.backend)
+        if kernel is not None and backend.shares_host_kernel():
+            raise InvalidSpec(
+                f"environment {spec.environment} asks for kernel {kernel}, but backend "
+                f"{backend.name!r} runs on the host's kernel: a kernel is for VM backends",
+                field="backend",
+                backend=backend.name,
+                kernel=kernel,
+            )
         if spec.runtime is not None and spec.runtime not in backend.runtimes:
             known = ", ".join(sorted(backend.runtimes)) or "none: it takes no runtime"
             raise InvalidSpec(
@@ -480,7 +506,7 @@ class Node:
             self.uids.release(idmap)
             raise
         try:
-            return await self._create(sid, spec, backend, plan, idmap, devices, t0)
+            return await self._create(sid, spec, kernel, backend, plan, idmap, devices, t0)
         except BaseException:
             # nothing of the sandbox is left (_create undid it all)
             self.uids.release(idmap)
@@ -491,6 +517,7 @@ class Node:
         self,
         sid: str,
         spec: SandboxSpec,
+        kernel: str | None,
         backend: Backend,
         plan: PolicyPlan,
         idmap: IdMap,
@@ -500,14 +527,10 @@ class Node:
         self._warm_uids()
         refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
-            environment = self.catalogs.environment(spec.environment)
-            refs += environment.layer_refs()
-            env = {**dict(environment.env or {}), **spec.env}
-            workdir = spec.workdir if spec.workdir != "/" else (environment.workdir or "/")
-            spec = SandboxSpec(**{**spec.to_dict(), "env": env, "workdir": workdir})
+            refs += self.catalogs.environment(spec.environment).layer_refs()
         sources = self.resolve_layers(refs)
         layers = [info for _, info in sources]
-        rt = replace(self._runtime(sid, spec, backend, idmap), devices=devices)
+        rt = replace(self._runtime(sid, spec, backend, idmap), devices=devices, kernel=kernel)
         rt.dir.mkdir(mode=0o700)
         self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
         now = time.time()
@@ -1337,6 +1360,7 @@ class Node:
             disk=Path(doc["disk"]) if doc.get("disk") else None,
             disk_size=int(doc.get("disk_size") or 0),
             devices=tuple(DeviceNode.from_dict(d) for d in doc.get("devices") or ()),
+            kernel=doc.get("kernel"),
         )
         plan = self._load_plan(sid, doc, spec, backend)
         sb = Sandbox(
