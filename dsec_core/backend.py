@@ -115,8 +115,8 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
 - A backend with a kernel of its own (no ``SHARED_KERNEL``: VMs) boots ``rt.kernel`` when
   it is set: a Debian kernel package, ``"package"`` or ``"package=version"``
   (``split_kernel``), which the node takes from the sandbox's catalog environment
-  (``Environment.kernel``); None: the backend's default. The node refuses a kernel for a
-  backend that shares the host's.
+  (``Environment.kernel``); None: the backend's default. A backend that shares the host's
+  kernel never gets one.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -392,8 +392,7 @@ class SandboxRuntime:
     #: What a VM backend boots: a Debian kernel package, optionally pinned, as
     #: ``"package=version"`` (``split_kernel``), e.g. ``"linux-image-cloud-amd64=6.1.192-3"``;
     #: the node sets it from the sandbox's environment (``Environment.kernel``). None: the
-    #: backend's default. Backends that share the host's kernel never get one (the node
-    #: refuses such a create).
+    #: backend's default. Backends that share the host's kernel never get one.
     kernel: str | None = None
 
 

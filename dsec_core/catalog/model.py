@@ -68,9 +68,7 @@ def kernel_text(kernel: str | Mapping[str, Any] | None) -> str | None:
             f"kernel: {package!r} is not a Debian package name (such as linux-image-cloud-amd64)",
             field="kernel",
         )
-    if version is not None and (
-        not isinstance(version, str) or not _VERSION_RE.fullmatch(version)
-    ):
+    if version is not None and (not isinstance(version, str) or not _VERSION_RE.fullmatch(version)):
         raise InvalidSpec(
             f"kernel: {version!r} is not a Debian version (such as 6.1.192-3)", field="kernel"
         )
@@ -102,7 +100,8 @@ class Environment:
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "kernel", kernel_text(self.kernel))
         if self.backend is not None and not (
-            isinstance(self.backend, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.backend)
+            isinstance(self.backend, str)
+            and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.backend)
         ):
             raise InvalidSpec(
                 f"environment {self.name}: backend must be a backend name, got {self.backend!r}",
@@ -484,7 +483,9 @@ def parse_catalog(
     root = Path(root)
     name = doc["name"]
     recipes = _recipes(doc, root, where, check_sources)
-    environments = [_environment(doc, i, name, where) for i in range(len(doc.get("environments", [])))]
+    environments = [
+        _environment(doc, i, name, where) for i in range(len(doc.get("environments", [])))
+    ]
     _unique(environments, "environments", where)
     if check_layers:
         check_environment_layers(environments, recipes, store, where)

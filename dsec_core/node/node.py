@@ -472,14 +472,10 @@ class Node:
         spec, kernel = self.resolve(spec)
         assert spec.backend is not None  # resolve names one
         backend = self.backend(spec.backend)
-        if kernel is not None and backend.shares_host_kernel():
-            raise InvalidSpec(
-                f"environment {spec.environment} asks for kernel {kernel}, but backend "
-                f"{backend.name!r} runs on the host's kernel: a kernel is for VM backends",
-                field="backend",
-                backend=backend.name,
-                kernel=kernel,
-            )
+        if backend.shares_host_kernel():
+            # a create that named a container backend over a VM environment: the environment's
+            # kernel means nothing there
+            kernel = None
         if spec.runtime is not None and spec.runtime not in backend.runtimes:
             known = ", ".join(sorted(backend.runtimes)) or "none: it takes no runtime"
             raise InvalidSpec(
