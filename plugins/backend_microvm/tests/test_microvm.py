@@ -10,6 +10,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from dsec_backend_microvm import MicroVmBackend
@@ -194,7 +195,7 @@ def test_a_sandboxs_kernel_wins_over_the_backends_default(tmp_path, monkeypatch)
 
     def ensure_kernel(cache, package, version):
         asked.append((package, version))
-        return package
+        return SimpleNamespace(package=package, vmlinuz=tmp_path / "vmlinuz")
 
     monkeypatch.setattr(runner, "ensure_kernel", ensure_kernel)
     monkeypatch.setattr(runner, "build_initramfs", lambda *a: tmp_path / "initrd")
@@ -203,7 +204,7 @@ def test_a_sandboxs_kernel_wins_over_the_backends_default(tmp_path, monkeypatch)
     monkeypatch.delenv("DSEC_VM_KERNEL_VERSION", raising=False)
     backend = MicroVmBackend(NodeConfig(home=tmp_path))
     agent = tmp_path / "agent"
-    assert backend.boot_files(agent)[0] == "linux-image-amd64"
+    assert backend.boot_files(agent)[0].package == "linux-image-amd64"
     backend.boot_files(agent, "linux-image-cloud-amd64=6.1.192-3")
     backend.boot_files(agent, "linux-image-rt-amd64")
     backend.boot_files(agent, "linux-image-cloud-amd64=6.1.192-3")  # made once per kernel
