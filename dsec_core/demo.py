@@ -196,7 +196,7 @@ def run_demo(catalog_file: str | None = None, console: Console | None = None) ->
         )
     console.print(table)
     for line in skipped:
-        console.print(line, markup=False, highlight=False)
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"{len(results)} rollouts in parallel in {wall:.2f}s wall; mean reward "
         f"{sum(r['reward'] for r in results) / max(1, len(results)):.3f}"
