@@ -201,9 +201,7 @@ def test_default_catalog():
     assert (vm.backend, vm.kernel) == ("microvm", "linux-image-cloud-amd64=6.1.192-3")
     assert {e.backend for e in cat.environments if e.name != vm.name} == {None}
     assert cat.task("textstats").reward == "pass_rate" and cat.task("textstats").report
-    assert {t.reward for t in cat.tasks if t.name not in ("textstats", "fizzbuzz-vm")} == {
-        "judge"
-    }
+    assert {t.reward for t in cat.tasks if t.name not in ("textstats", "fizzbuzz-vm")} == {"judge"}
     assert all(t.judge and t.judge.cases == "cases" for t in cat.tasks if t.reward == "judge")
 
 
@@ -461,7 +459,9 @@ def test_environment_backend_and_kernel_load_and_round_trip(catalog_dir):
     with pytest.raises(InvalidSpec, match="not a Debian package name"):
         Environment(name="e", base="b@1", backend="microvm", kernel="Linux 6")
     with pytest.raises(InvalidSpec, match="not a Debian version"):
-        Environment(name="e", base="b@1", backend="microvm", kernel={"package": "linux-x", "version": "x"})
+        Environment(
+            name="e", base="b@1", backend="microvm", kernel={"package": "linux-x", "version": "x"}
+        )
     with pytest.raises(InvalidSpec, match="backend must be a backend name"):
         Environment(name="e", base="b@1", backend="a b")
 

@@ -89,9 +89,7 @@ def _path_without(tmp_path: Path, program: str) -> str:
 
 
 def test_demo_without_qemu_skips_the_microvm_task_saying_why(demo_home, tmp_path):
-    env = dict(
-        os.environ, DSEC_HOME=os.fspath(demo_home.home), PATH=_path_without(tmp_path, QEMU)
-    )
+    env = dict(os.environ, DSEC_HOME=os.fspath(demo_home.home), PATH=_path_without(tmp_path, QEMU))
     out = subprocess.run(
         [sys.executable, "-m", "dsec_core.cli", "demo", "--json"],
         env=env,

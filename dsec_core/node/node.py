@@ -453,7 +453,7 @@ class Node:
                 f"placement declined node {load.node}", reason="placement", node=load.node
             )
 
-    def resolve(self, spec: SandboxSpec) -> tuple[SandboxSpec, str | None]:
+    def resolve_spec(self, spec: SandboxSpec) -> tuple[SandboxSpec, str | None]:
         """``spec`` with its environment applied (the environment's env under the spec's, its
         workdir unless the spec names one, its backend unless the spec names one, else
         ``DEFAULT_BACKEND``), and the kernel the environment asks a VM backend to boot."""
@@ -469,7 +469,7 @@ class Node:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         t0 = time.perf_counter()
-        spec, kernel = self.resolve(spec)
+        spec, kernel = self.resolve_spec(spec)
         assert spec.backend is not None  # resolve names one
         backend = self.backend(spec.backend)
         if backend.shares_host_kernel():
