@@ -215,6 +215,11 @@ class Feature(enum.StrEnum):
     #: node tells its connections apart by peer uid, so processes in the sandbox must run as
     #: uids of its ``idmap`` as seen from the host. Without it the node refuses ``drives``.
     DRIVE = "drive"
+    #: ``save`` writes the running sandbox's memory, device state and writable disk, all of
+    #: one instant, to a directory (the sandbox runs on), and ``start_from`` starts a new
+    #: sandbox of the same spec from such a directory, going on from that instant with its
+    #: own copy of the disk: the node's memory snapshots and their restore (VM forks).
+    MEMORY_SNAPSHOT = "memory-snapshot"
 
 
 @dataclass
@@ -518,6 +523,25 @@ class Backend(abc.ABC):
         """With ``Feature.PAUSE``: whether the sandbox is paused now (what a restarted node
         believes over its records)."""
         return False
+
+    async def save(self, rt: SandboxRuntime, state: Mapping[str, Any], to: Path) -> None:
+        """With ``Feature.MEMORY_SNAPSHOT``: save the running sandbox, memory, devices and
+        writable disk of one instant, into the new directory ``to`` (made by the backend,
+        absent on failure); the sandbox goes on running."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot save a sandbox's memory "
+            "(it does not claim Feature.MEMORY_SNAPSHOT)",
+            backend=self.name,
+        )
+
+    async def start_from(self, rt: SandboxRuntime, saved: Path) -> dict[str, Any]:
+        """With ``Feature.MEMORY_SNAPSHOT``: ``start``, but from what ``save`` wrote to
+        ``saved`` (the spec's limits are the saved sandbox's); the same contract otherwise."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} cannot start from a saved sandbox "
+            "(it does not claim Feature.MEMORY_SNAPSHOT)",
+            backend=self.name,
+        )
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """With ``Feature.RESET``: make the running sandbox as it was when ``start`` returned,

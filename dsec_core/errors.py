@@ -51,6 +51,7 @@ __all__ = [
     "UnknownPolicy",
     "UnknownSandbox",
     "UnknownSession",
+    "UnknownSnapshot",
     "UnknownSource",
     "error_from_wire",
 ]
@@ -112,6 +113,10 @@ class SandboxDied(UnknownSandbox):
     kernel panic) and the node cleaned up after it. Carries ``sandbox_id``, ``cause`` (what
     the backend saw: a VM's console's last words, say) and ``kind``: "guest_panic" or
     "crashed". An infrastructure failure, not the task's doing."""
+
+
+class UnknownSnapshot(NotFound):
+    """No memory snapshot of that name on this node."""
 
 
 class UnknownLayer(NotFound):

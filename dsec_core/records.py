@@ -41,6 +41,7 @@ __all__ = [
     "LayerRef",
     "LeaseInfo",
     "Limits",
+    "MemorySnapshot",
     "NodeLoad",
     "PolicyState",
     "SandboxInfo",
@@ -550,6 +551,21 @@ class InfraEvent(_Record):
     sandbox_id: str = ""
     at: float = 0.0
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class MemorySnapshot(_Record):
+    """A running VM sandbox saved at one instant (``Client.snapshot_memory``): its memory,
+    devices and writable disk, on the node that made it. ``Client.restore(name, n)`` starts n
+    sandboxes that go on from that instant, each with its own copy of the disk; they take the
+    saved sandbox's spec (backend, layers, limits). ``bytes``: what it holds on disk."""
+
+    name: str
+    sandbox_id: str
+    backend: str
+    created: float
+    bytes: int
+    spec: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from .api.messages import (
     FileQuery,
     FnCallRequest,
     LeaseRequest,
+    MemorySnapshotRequest,
     PackDiffRequest,
     PauseQuery,
     PolicySettings,
@@ -75,6 +76,7 @@ from .records import (
     JudgeSpec,
     LayerInfo,
     LeaseInfo,
+    MemorySnapshot,
     PolicyState,
     SandboxInfo,
     SandboxSpec,
@@ -107,6 +109,15 @@ EXEC_GRACE = 30.0  # past an exec's own timeout, how long a client waits for the
 RETRY_TIMEOUT = 15.0  # seconds a request keeps trying while the node is away (a restart)
 
 _SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(SandboxSpec))
+
+
+def _snapshot_ref(snapshot: str | LayerInfo | MemorySnapshot) -> str:
+    """What ``restore`` names: a snapshot layer's ref or a memory snapshot's name."""
+    if isinstance(snapshot, LayerInfo):
+        return snapshot.ref
+    if isinstance(snapshot, MemorySnapshot):
+        return snapshot.name
+    return snapshot
 
 
 def _spec(spec: SandboxSpec | None, kw: dict[str, Any]) -> SandboxSpec:
@@ -445,14 +456,26 @@ class Client:
         body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
         return self._call("pack_diff", body, sid=sandbox_id)
 
+    def snapshot_memory(self, sandbox_id: str, name: str | None = None) -> MemorySnapshot:
+        """Save a running VM sandbox's memory, devices and disk at one instant (it runs on);
+        ``restore(snapshot.name, n)`` starts n sandboxes that go on from there."""
+        return self._call("snapshot_memory", MemorySnapshotRequest(name), sid=sandbox_id)
+
+    def remove_memory_snapshot(self, name: str) -> None:
+        self._call("remove_memory_snapshot", snapshot=name)
+
     def restore(
-        self, snapshot: str | LayerInfo, n: int = 1, spec: SandboxSpec | None = None, **kw: Any
+        self,
+        snapshot: str | LayerInfo | MemorySnapshot,
+        n: int = 1,
+        spec: SandboxSpec | None = None,
+        **kw: Any,
     ) -> builtins.list[Sandbox]:
         """``n`` new sandboxes that each start from ``snapshot``'s state, each with its own
         writable layer over the same read-only layers; all or nothing. ``spec`` (or its
         fields) sets the rest; its layers and environment are replaced by the snapshot's.
         ``MissingParentLayers`` names the digests of parent layers no source holds."""
-        ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
+        ref = _snapshot_ref(snapshot)
         # the node replaces the layers; a spec needs some to be valid
         body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
         return [Sandbox(self, i) for i in self._call("restore", body).sandboxes]
@@ -772,11 +795,22 @@ class AsyncClient:
         body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
         return await self._call("pack_diff", body, sid=sandbox_id)
 
+    async def snapshot_memory(self, sandbox_id: str, name: str | None = None) -> MemorySnapshot:
+        """``Client.snapshot_memory``, awaited."""
+        return await self._call("snapshot_memory", MemorySnapshotRequest(name), sid=sandbox_id)
+
+    async def remove_memory_snapshot(self, name: str) -> None:
+        await self._call("remove_memory_snapshot", snapshot=name)
+
     async def restore(
-        self, snapshot: str | LayerInfo, n: int = 1, spec: SandboxSpec | None = None, **kw: Any
+        self,
+        snapshot: str | LayerInfo | MemorySnapshot,
+        n: int = 1,
+        spec: SandboxSpec | None = None,
+        **kw: Any,
     ) -> builtins.list[AsyncSandbox]:
         """``Client.restore``, awaited."""
-        ref = snapshot.ref if isinstance(snapshot, LayerInfo) else snapshot
+        ref = _snapshot_ref(snapshot)
         # the node replaces the layers; a spec needs some to be valid
         body = RestoreRequest(ref, n, _spec(spec, {"layers": (ref,), **kw}))
         return [AsyncSandbox(self, i) for i in (await self._call("restore", body)).sandboxes]
@@ -970,6 +1004,7 @@ _SANDBOX_METHODS = (
     "policies",
     "set_policy",
     "pack_diff",
+    "snapshot_memory",
     "kill",
 )
 

@@ -940,6 +940,10 @@ def test_an_environments_backend_and_kernel_reach_the_sandbox(dsec_node, dsec_sa
     sb = dsec_sandboxes.create(environment=env, layers=(), backend=None, memory="384M")
     assert sb.info.backend == "microvm" and sb.info.environment == env
     assert sb.exec("uname -r").stdout.decode().strip() == release
+    # the kernel is in the sandbox's state, for the runtime a restarted daemon rebuilds
+    state = json.loads((dsec_node.config.runtime_dir / sb.id / "state.json").read_text())
+    assert state["kernel"] == "=".join(PINNED_KERNEL)
+    assert state["spec"]["backend"] == "microvm"  # resolved: the spec the node keeps names it
     assert dsec_sandboxes.client.get(sb.id).info.backend == "microvm"
 
 

@@ -27,6 +27,7 @@ from ..records import (
     JudgeSpec,
     LayerInfo,
     LeaseInfo,
+    MemorySnapshot,
     PolicyState,
     SandboxInfo,
     SandboxSpec,
@@ -63,6 +64,8 @@ __all__ = [
     "LayerList",
     "LeaseInfo",
     "LeaseRequest",
+    "MemorySnapshot",
+    "MemorySnapshotRequest",
     "Message",
     "NodeCapacity",
     "NodeStatus",
@@ -585,10 +588,20 @@ class PackDiffRequest(Message):
 
 
 @dataclass(frozen=True)
+class MemorySnapshotRequest(Message):
+    """Save a running VM sandbox's memory, devices and disk of one instant under ``name``
+    (default ``<id>-<unix time>``); it runs on."""
+
+    name: str | None = None
+
+
+@dataclass(frozen=True)
 class RestoreRequest(Message):
     """Create ``count`` sandboxes from snapshot layer ``snapshot`` (``name@version``), each
     with its own writable layer over the snapshot and its parents; ``spec`` gives the rest
-    (limits, env, labels: its layers and environment are replaced). All or nothing."""
+    (limits, env, labels: its layers and environment are replaced). All or nothing. A
+    memory snapshot's name instead: VMs that go on from its instant, each with its own copy
+    of its disk, with its spec (``spec`` gives only ttl and labels)."""
 
     snapshot: str = field(metadata=_limits(minLength=1))
     count: int = field(default=1, metadata=_limits(minimum=1))

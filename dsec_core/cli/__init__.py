@@ -479,6 +479,29 @@ def sandbox_pack_diff(sandbox_id, name, version, exclude, no_scrub, source, as_j
         click.echo(f"{info.ref} {info.digest} {info.size} bytes over {', '.join(info.parents)}")
 
 
+@sandbox.command("snapshot-memory")
+@click.argument("sandbox_id")
+@click.option("--name", help="The snapshot's name (default <id>-<unix time>).")
+@click.option("--json", "as_json", is_flag=True)
+def sandbox_snapshot_memory(sandbox_id, name, as_json) -> None:
+    """Save a running VM sandbox's memory, devices and disk at one instant (it runs on);
+    `dsec sandbox restore NAME -n N` starts N sandboxes from there."""
+    with Client() as client:
+        snap = client.snapshot_memory(sandbox_id, name)
+    if as_json:
+        _dump(snap.to_dict())
+    else:
+        click.echo(f"{snap.name} {snap.bytes} bytes ({snap.backend} sandbox {snap.sandbox_id})")
+
+
+@sandbox.command("rm-memory-snapshot")
+@click.argument("name")
+def sandbox_rm_memory_snapshot(name) -> None:
+    """Remove a memory snapshot."""
+    with Client() as client:
+        client.remove_memory_snapshot(name)
+
+
 @sandbox.command("restore")
 @click.argument("snapshot")
 @click.option("-n", "--count", type=int, default=1, show_default=True)
@@ -488,7 +511,8 @@ def sandbox_pack_diff(sandbox_id, name, version, exclude, no_scrub, source, as_j
 @click.option("--ttl", type=float, default=3600.0, show_default=True, help="Lifetime, seconds.")
 @click.option("--json", "as_json", is_flag=True)
 def sandbox_restore(snapshot, count, memory, cpu, disk, ttl, as_json) -> None:
-    """Create COUNT sandboxes that each start from SNAPSHOT (name@version); print their ids."""
+    """Create COUNT sandboxes that each start from SNAPSHOT (a snapshot layer's name@version,
+    or a memory snapshot's name: then its own limits apply); print their ids."""
     with Client() as client:
         made = client.restore(snapshot, n=count, memory=memory, cpu=cpu, disk=disk, ttl=ttl)
     if as_json:

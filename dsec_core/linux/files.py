@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import InvalidSpec, LayerBuildError
 from .mounts import mounted_under
 
-__all__ = ["SparseFile", "digest_hex", "file_digest", "remove_tree", "write_atomic"]
+__all__ = ["SparseFile", "copy_sparse", "digest_hex", "file_digest", "remove_tree", "write_atomic"]
 
 _CHUNK = 1 << 20
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: the logical block size, at most this
@@ -40,6 +40,45 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def copy_sparse(src: Path, dst: Path, mode: int = 0o600) -> None:
+    """Copy ``src`` to the new file ``dst`` extent by extent (``SEEK_DATA``/``SEEK_HOLE``,
+    in-kernel ``copy_file_range``): its holes stay holes, nothing passes through our memory.
+    A failed copy leaves no ``dst``."""
+    fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except BaseException:
+        os.close(fd_in)
+        raise
+    try:
+        size = os.fstat(fd_in).st_size
+        os.ftruncate(fd_out, size)
+        offset = 0
+        while offset < size:
+            try:
+                data = os.lseek(fd_in, offset, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                break  # only a hole is left
+            hole = os.lseek(fd_in, data, os.SEEK_HOLE)
+            pos = data
+            while pos < hole:
+                n = os.copy_file_range(fd_in, fd_out, hole - pos, pos, pos)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"copying {src}: short copy at {pos}")
+                pos += n
+            offset = hole
+    except BaseException:
+        os.close(fd_out)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        raise
+    finally:
+        os.close(fd_in)
+    os.close(fd_out)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -50,10 +51,12 @@ from ..errors import (
     SandboxPaused,
     StartTimeout,
     UnknownSandbox,
+    UnknownSnapshot,
     UnknownSource,
 )
 from ..layers.store import LayerStore
 from ..linux import sysctl
+from ..linux.files import write_atomic
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
@@ -67,6 +70,7 @@ from ..records import (
     JudgeResult,
     LayerInfo,
     LayerRef,
+    MemorySnapshot,
     NodeLoad,
     PolicyState,
     SandboxInfo,
@@ -191,6 +195,8 @@ class Sandbox:
         }
 
 
+#: A memory snapshot's name (a directory under ``<home>/memory-snapshots``).
+_SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: How many dead sandboxes' causes of death the node remembers (the most recent).
 MAX_DEATHS = 1024
 #: How many infrastructure events a sandbox keeps (the most recent).
@@ -467,7 +473,8 @@ class Node:
             backend=spec.backend or environment.backend or DEFAULT_BACKEND,
         ), environment.kernel
 
-    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo:
+        """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``)."""
         t0 = time.perf_counter()
         spec, kernel = self.resolve_spec(spec)
         assert spec.backend is not None  # resolve names one
@@ -502,7 +509,7 @@ class Node:
             self.uids.release(idmap)
             raise
         try:
-            return await self._create(sid, spec, kernel, backend, plan, idmap, devices, t0)
+            return await self._create(sid, spec, kernel, backend, plan, idmap, devices, t0, saved)
         except BaseException:
             # nothing of the sandbox is left (_create undid it all)
             self.uids.release(idmap)
@@ -519,6 +526,7 @@ class Node:
         idmap: IdMap,
         devices: tuple[DeviceNode, ...],
         t0: float,
+        saved: Path | None = None,
     ) -> SandboxInfo:
         self._warm_uids()
         refs = list(spec.layers)  # explicit layers go on top of the environment's
@@ -545,7 +553,9 @@ class Node:
             self._write_state(sb)  # first, so a crash from here on leaves a trace to clean
             sb.rt = rt = await self._prepare_rootfs(rt, backend, sources, taken)
             t_layers = time.perf_counter()
-            sb.backend_state = await backend.start(rt)
+            sb.backend_state = await (
+                backend.start(rt) if saved is None else backend.start_from(rt, saved)
+            )
             t_start = time.perf_counter()
             if spec.start_timeout is not None and t_start - t0 > spec.start_timeout:
                 await backend.stop(rt, sb.backend_state)  # the undo below takes the rest
@@ -749,10 +759,12 @@ class Node:
         self.disks.remove(rt.id, rt.data_dir)
         shutil.rmtree(rt.dir, ignore_errors=True)
 
-    async def create_many_settled(self, spec: SandboxSpec, n: int) -> list[SandboxInfo | DsecError]:
+    async def create_many_settled(
+        self, spec: SandboxSpec, n: int, saved: Path | None = None
+    ) -> list[SandboxInfo | DsecError]:
         """Create ``n`` sandboxes concurrently; each slot holds its sandbox or its typed error."""
         results = await asyncio.gather(
-            *(self.create(spec) for _ in range(n)), return_exceptions=True
+            *(self.create(spec, saved) for _ in range(n)), return_exceptions=True
         )
         out: list[SandboxInfo | DsecError] = []
         for r in results:
@@ -1056,6 +1068,8 @@ class Node:
         killed and its error raised."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
+        if self._memory_snapshot_dir(snapshot, must_exist=False).is_dir():
+            return await self._restore_memory(snapshot, n, spec)
         info = self.checked_snapshot(snapshot)
         fields = spec.to_dict() if spec is not None else {}
         saved_env = dict(item.partition("=")[::2] for item in info.env)
@@ -1072,6 +1086,86 @@ class Node:
             }
         )
         results = await self.create_many_settled(spec, n)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.kill(i.id) for i in made), return_exceptions=True)
+            raise failed[0]
+        return made
+
+    # --- memory snapshots (VM forks) -------------------------------------------------------
+    def _memory_snapshot_dir(self, name: str, must_exist: bool = True) -> Path:
+        if not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name):
+            if not must_exist:  # not a memory snapshot's name: maybe a layer's
+                return self.config.home / "memory-snapshots" / ".none"
+            raise InvalidSpec(
+                f"memory snapshot name {name!r}: 1-64 of letters, digits, '.', '_', '-'",
+                field="name",
+            )
+        d = self.config.home / "memory-snapshots" / name
+        if must_exist and not (d / "meta.json").is_file():
+            raise UnknownSnapshot(f"no memory snapshot {name!r} on this node", name=name)
+        return d
+
+    async def snapshot_memory(self, sid: str, name: str | None = None) -> MemorySnapshot:
+        """Save a running sandbox's memory, devices and writable disk at one instant
+        (``Feature.MEMORY_SNAPSHOT``: VM backends); it runs on. ``restore(name, n)`` then
+        starts n sandboxes from that instant."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if sb.paused:
+            raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
+        if Feature.MEMORY_SNAPSHOT not in sb.backend.features:
+            raise BackendUnavailable(
+                f"backend {sb.backend.name!r} cannot save a sandbox's memory (only VM "
+                "backends can; pack_diff saves any sandbox's files)",
+                backend=sb.backend.name,
+            )
+        name = name or f"{sid}-{int(time.time())}"
+        d = self._memory_snapshot_dir(name, must_exist=False)
+        if d.exists():
+            raise InvalidSpec(f"memory snapshot {name!r} exists already", field="name")
+        d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._unwatch_exit(sb)  # the guest stops for the save: not a death
+        try:
+            await sb.backend.save(sb.rt, sb.backend_state, d)
+        except FileExistsError:
+            raise InvalidSpec(f"memory snapshot {name!r} exists already", field="name") from None
+        finally:
+            self._watch_exit(sb)
+        snap = MemorySnapshot(
+            name=name,
+            sandbox_id=sid,
+            backend=sb.backend.name,
+            created=time.time(),
+            bytes=sum(f.stat().st_blocks * 512 for f in d.iterdir() if f.is_file()),
+            spec=sb.rt.spec.to_dict(),
+        )
+        write_atomic(d / "meta.json", json.dumps(snap.to_dict()).encode(), 0o600)
+        return snap
+
+    def memory_snapshot(self, name: str) -> MemorySnapshot:
+        d = self._memory_snapshot_dir(name)
+        return MemorySnapshot.from_dict(json.loads((d / "meta.json").read_text()))
+
+    def remove_memory_snapshot(self, name: str) -> None:
+        d = self._memory_snapshot_dir(name)
+        shutil.rmtree(d)
+
+    async def _restore_memory(
+        self, name: str, n: int, spec: SandboxSpec | None
+    ) -> list[SandboxInfo]:
+        """n sandboxes from memory snapshot ``name``: its spec, but ``spec``'s ttl and
+        labels (a VM must have the saved one's RAM and vCPUs to load its state)."""
+        snap = self.memory_snapshot(name)
+        fields = dict(snap.spec)
+        if spec is not None:
+            fields.update(ttl=spec.ttl, labels={**fields.get("labels", {}), **spec.labels})
+        made_spec = SandboxSpec(**fields)
+        results = await self.create_many_settled(
+            made_spec, n, saved=self._memory_snapshot_dir(name)
+        )
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if not isinstance(r, SandboxInfo)]
         if failed:

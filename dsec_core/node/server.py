@@ -190,6 +190,18 @@ async def _pack_diff(node: Node, c: Call) -> Any:
     )
 
 
+@_handles("snapshot_memory")
+async def _memory_snapshot(node: Node, c: Call) -> Any:
+    return await node.snapshot_memory(c.sid, c.body.name)
+
+
+@_handles("remove_memory_snapshot")
+async def _remove_memory_snapshot(node: Node, c: Call) -> Removed:
+    name = c.path["snapshot"]
+    node.remove_memory_snapshot(name)
+    return Removed(removed=name)
+
+
 @_handles("restore")
 async def _restore(node: Node, c: Call) -> SandboxList:
     count = c.body.count

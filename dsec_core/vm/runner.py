@@ -54,7 +54,7 @@ from ..errors import (
 )
 from ..linux.cgroups import place_process, place_process_cpu, remove_cgroups
 from ..linux.ext4 import mkfs_ext4
-from ..linux.files import SparseFile
+from ..linux.files import copy_sparse
 from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
@@ -142,7 +142,7 @@ class QemuBackend(Backend):
     rootfs = RootfsForm.IMAGES
     agent_channel = AgentChannel.FORWARDED
     features: ClassVar[frozenset[Feature]] = frozenset(
-        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE, Feature.PAUSE}
+        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE, Feature.PAUSE, Feature.MEMORY_SNAPSHOT}
     )
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
@@ -167,7 +167,6 @@ class QemuBackend(Backend):
         #: DSEC_VM_SNAPSHOT_START=0: every VM boots (else most start from a template)
         self.snapshot_start = os.environ.get("DSEC_VM_SNAPSHOT_START", "1") != "0"
         self._making: set[str] = set()  # template keys being saved now
-        self._template_disks: dict[str, SparseFile] = {}
 
     @classmethod
     def check_available(cls) -> None:
@@ -310,7 +309,16 @@ class QemuBackend(Backend):
     async def _save_template(self, rt: SandboxRuntime, state: Mapping[str, Any], to: Path) -> None:
         """Save the just-booted sandbox (nothing has run in it yet) as the template ``to``: its
         memory and devices (stopped for it: about half a second) and its disk as it was."""
+        with contextlib.suppress(FileExistsError):  # another daemon made the same one meanwhile
+            await self.save(rt, state, to)
+
+    async def save(self, rt: SandboxRuntime, state: Mapping[str, Any], to: Path) -> None:
+        """The guest stopped, its memory and devices streamed to ``to/vm.state`` and its disk
+        copied (holes kept) while nothing writes to it, then let go on; ``FileExistsError`` if
+        ``to`` exists."""
         assert rt.disk is not None
+        if to.exists():
+            raise FileExistsError(to)
         work = to.parent / f".{to.name}.{os.getpid()}.{os.urandom(4).hex()}"
         work.mkdir(parents=True)
         try:
@@ -320,15 +328,25 @@ class QemuBackend(Backend):
                     target = qemu.quoted(work / TEMPLATE_STATE)
                     await q.execute("migrate", {"uri": f"exec:cat > {target}"})
                     await self._migrated(q, rt, "save")
-                    disk = await asyncio.to_thread(SparseFile.read, rt.disk)
+                    await asyncio.to_thread(copy_sparse, rt.disk, work / TEMPLATE_DISK)
                 finally:
                     await q.execute("cont")
-            await asyncio.to_thread(disk.write, work / TEMPLATE_DISK)
             (work / TEMPLATE_READY).touch()
-            with contextlib.suppress(OSError):  # another daemon made the same one meanwhile
+            try:
                 os.rename(work, to)
+            except OSError as e:
+                raise FileExistsError(to) from e
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    async def start_from(self, rt: SandboxRuntime, saved: Path) -> dict[str, Any]:
+        state: dict[str, Any] = {}
+        try:
+            await self._start_from(rt, state, saved)
+        except BaseException:
+            await self.stop(rt, state)
+            raise
+        return state
 
     async def _start_from(self, rt: SandboxRuntime, state: dict[str, Any], template: Path) -> None:
         """Start the sandbox from ``template``: a copy of its disk, its memory loaded, then the
@@ -337,13 +355,8 @@ class QemuBackend(Backend):
         disk = rt.disk
 
         def prepare() -> None:
-            image = self._template_disks.get(template.name)
-            if image is None:
-                image = self._template_disks[template.name] = SparseFile.read(
-                    template / TEMPLATE_DISK
-                )
             disk.unlink(missing_ok=True)
-            image.write(disk)
+            copy_sparse(template / TEMPLATE_DISK, disk)
 
         await asyncio.to_thread(prepare)
         await self._launch(rt, state, incoming=template / TEMPLATE_STATE)

@@ -16,7 +16,14 @@ import pytest
 from dsec_backend_microvm import MicroVmBackend
 
 from dsec_core.backend import cgroup_path
-from dsec_core.errors import BackendUnavailable, DsecError, SandboxDied, StartTimeout
+from dsec_core.errors import (
+    BackendUnavailable,
+    DsecError,
+    NotFound,
+    SandboxDied,
+    StartTimeout,
+    UnknownSnapshot,
+)
 from dsec_core.linux.cgroups import CGROUP_ROOT
 from dsec_core.testing import leftovers, running_kit_node
 
@@ -213,3 +220,44 @@ def test_a_sandboxs_kernel_wins_over_the_backends_default(tmp_path, monkeypatch)
         ("linux-image-cloud-amd64", "6.1.192-3"),
         ("linux-image-rt-amd64", None),
     ]
+
+
+def test_restore_n_from_a_memory_snapshot_goes_on_from_its_instant(vm, dsec_client):
+    """A VM fork: three VMs from one memory snapshot each go on from the saved instant (a
+    background counter keeps counting from where it was, a session keeps its variables), each
+    with its own disk; the source runs on."""
+    s = vm.session()
+    s.exec("N=7")
+    vm.exec(
+        "(i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done) "
+        "> /dev/null 2>&1 &",
+        background=True,
+    ).check()
+    time.sleep(1.0)
+    snap = vm.snapshot_memory(name=f"fork-{vm.id}")
+    assert snap.backend == "microvm" and snap.bytes > 0
+    at_save = int(vm.exec("cat /root/count").stdout)
+    forks = dsec_client.restore(snap.name, 3)
+    try:
+        assert len({f.id for f in forks}) == 3
+        for i, f in enumerate(forks):
+            count = int(f.exec("cat /root/count").stdout)
+            assert count >= at_save - 12, "the fork did not start from the saved instant"
+            time.sleep(0.3)
+            assert int(f.exec("cat /root/count").stdout) > count, "its counter stopped"
+            f.write_file("/root/mine", str(i).encode())
+        for i, f in enumerate(forks):
+            assert f.read_file("/root/mine") == str(i).encode()  # disks are their own
+        assert vm.exec("cat /root/mine 2>/dev/null || echo none").stdout == b"none\n"
+        assert vm.exec("hostname").stdout == f"dsec-{vm.id[:12]}\n".encode()
+        assert forks[0].exec("hostname").stdout == f"dsec-{forks[0].id[:12]}\n".encode()
+    finally:
+        for f in forks:
+            f.kill()
+        dsec_client.remove_memory_snapshot(snap.name)
+    with pytest.raises(UnknownSnapshot):
+        dsec_client.remove_memory_snapshot(snap.name)
+    with pytest.raises(NotFound):  # neither a memory snapshot nor a snapshot layer now
+        dsec_client.restore(snap.name, 1)
+    with pytest.raises(BackendUnavailable):
+        dsec_client.snapshot_memory(dsec_client.create(layers=["kit-base@1"]).id)
