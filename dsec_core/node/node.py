@@ -477,7 +477,7 @@ class Node:
         """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``)."""
         t0 = time.perf_counter()
         spec, kernel = self.resolve_spec(spec)
-        assert spec.backend is not None  # resolve names one
+        assert spec.backend is not None  # resolve_spec names one
         backend = self.backend(spec.backend)
         if backend.shares_host_kernel():
             # a create that named a container backend over a VM environment: the environment's
