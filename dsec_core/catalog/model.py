@@ -34,6 +34,7 @@ __all__ = [
     "catalog_schema",
     "check_environment_layers",
     "default_catalog_file",
+    "kernel_text",
     "load_catalog",
     "parse_catalog",
 ]
@@ -62,7 +63,9 @@ def kernel_text(kernel: str | Mapping[str, Any] | None) -> str | None:
     elif isinstance(kernel, str):
         package, version = split_kernel(kernel)
     else:
-        raise InvalidSpec(f"kernel must be text or {{package, version}}, got {kernel!r}")
+        raise InvalidSpec(
+            f"kernel must be text or {{package, version}}, got {kernel!r}", field="kernel"
+        )
     if not isinstance(package, str) or not _PACKAGE_RE.fullmatch(package):
         raise InvalidSpec(
             f"kernel: {package!r} is not a Debian package name (such as linux-image-cloud-amd64)",
