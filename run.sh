@@ -19,7 +19,9 @@ APT_PACKAGES=(runc runsc erofs-utils e2fsprogs debootstrap busybox-static gcc li
               clang libbpf-dev nftables  # the egress policy's BPF programs and netns
               apparmor  # apparmor_parser, for the apparmor policy's profiles
               lxcfs  # sandboxes' own CPUs and memory in /proc: the container backend runs it
-              procps)  # free and uptime, which the limits tests copy into a sandbox
+              procps  # free and uptime, which the limits tests copy into a sandbox
+              qemu-system-x86 lz4)  # microVM sandboxes (the demo's fizzbuzz-vm): QEMU, and lz4
+                                    # for guest kernels compressed with it
 # apparmor starts no service on install: its postinst enables apparmor.service for the next
 # boot (a unit conditioned on the kernel having AppArmor, so inert here) and, only if the
 # kernel has AppArmor enabled, loads the profiles in /etc/apparmor.d; a stock Debian 12 has

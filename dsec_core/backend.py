@@ -112,6 +112,11 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   (the container backend's lxcfs: stopped when no container is left, else left running).
 - With ``PAUSE``, ``pause`` returns once no process of the sandbox runs, ``resume`` lets them
   go on where they stopped, and ``stop`` kills a paused sandbox as a running one.
+- A backend with a kernel of its own (no ``SHARED_KERNEL``: VMs) boots ``rt.kernel`` when
+  it is set: a Debian kernel package, ``"package"`` or ``"package=version"``
+  (``split_kernel``), which the node takes from the sandbox's catalog environment
+  (``Environment.kernel``); None: the backend's default. A backend that shares the host's
+  kernel never gets one.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -150,6 +155,7 @@ __all__ = [
     "StartedSandbox",
     "cgroup_path",
     "parse_status",
+    "split_kernel",
 ]
 
 #: Where the agent binary is inside every sandbox.
@@ -159,6 +165,13 @@ AGENT_PATH = "/.dsec/agent"
 DRIVE_DIR = "/.dsec/drive"
 #: Parent of every sandbox's cgroup in each hierarchy: ``<hierarchy>/dsec/<sandbox id>``.
 CGROUP_PARENT = "dsec"
+
+
+def split_kernel(kernel: str) -> tuple[str, str | None]:
+    """``SandboxRuntime.kernel`` as (Debian package, version or None: apt's candidate):
+    ``"linux-image-cloud-amd64=6.1.192-3"`` is ``("linux-image-cloud-amd64", "6.1.192-3")``."""
+    package, _, version = kernel.partition("=")
+    return package, version or None
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -381,6 +394,11 @@ class SandboxRuntime:
     #: ``Feature.DRIVE``: the directory of the node's drive socket, to pass in at
     #: ``DRIVE_DIR`` (None: the sandbox drives nothing).
     drive_dir: Path | None = None
+    #: What a VM backend boots: a Debian kernel package, optionally pinned, as
+    #: ``"package=version"`` (``split_kernel``), e.g. ``"linux-image-cloud-amd64=6.1.192-3"``;
+    #: the node sets it from the sandbox's environment (``Environment.kernel``). None: the
+    #: backend's default. Backends that share the host's kernel never get one.
+    kernel: str | None = None
 
 
 class Backend(abc.ABC):

@@ -4,7 +4,9 @@ Builds the default catalog if missing, starts the embedded node if none runs, th
 task creates a sandbox of its environment, runs its command, computes the reward from the exit
 code or the JUnit pass rate, and kills the sandbox; a judge task goes to judge mode instead (a
 warm FnCall member compiles once and runs each case with its own limits; reward 1.0 if every
-case is accepted).
+case is accepted). Tasks whose environment names another backend (a microVM) run after the
+container ones, or are skipped with one line saying why where that backend cannot run here
+(no QEMU, say).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from .catalog.model import default_catalog_file, load_catalog
 from .catalog.rewards import compute_reward
 from .catalog.store import CatalogStore
 from .config import NodeConfig
+from .errors import BackendUnavailable, DsecError, UnknownBackend
 from .layers.store import LayerStore
-from .records import SandboxSpec
+from .plugins import registry
+from .records import DEFAULT_BACKEND, SandboxSpec
 from .sdk import AsyncClient, Client
 
 __all__ = ["ensure_catalog", "run_demo"]
@@ -84,7 +88,7 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         reward = compute_reward(task, result, (lambda _p: report) if report is not None else None)
     finally:
         await sb.kill()
-    return _row(
+    row = _row(
         task,
         reward,
         started,
@@ -93,6 +97,8 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         result.duration,
         timed_out=result.timed_out,
     )
+    row["backend"] = sb.info.backend  # the environment's, resolved by the node
+    return row
 
 
 async def _judged(client: AsyncClient, task) -> dict[str, Any]:
@@ -103,6 +109,7 @@ async def _judged(client: AsyncClient, task) -> dict[str, Any]:
     outcome = f"{r.verdict} {r.passed}/{r.total}"
     row = _row(task, compute_reward(task, r), started, r.member, outcome, r.duration)
     row["verdicts"] = [c.verdict for c in r.cases]
+    row["backend"] = task.judge_spec().backend
     return row
 
 
@@ -130,16 +137,47 @@ def _row(
     }
 
 
+def _unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot run here (what is missing and how to install it), or None."""
+    try:
+        registry().backend(backend).check_available()
+    except DsecError as e:
+        return str(e)
+    return None
+
+
 def run_demo(catalog_file: str | None = None, console: Console | None = None) -> list[dict]:
     console = console or Console()
     config = NodeConfig.from_env()
     path = Path(catalog_file) if catalog_file else default_catalog_file()
     catalog = ensure_catalog(path, config, console)
     Client().close()  # start the embedded node if none runs
+    backends = {t.name: catalog.environment(t.environment).backend for t in catalog.tasks}
+    # the container tasks in parallel first; then each task on another backend (a microVM),
+    # alone, as its guest boots on the same cores
+    first = [t for t in catalog.tasks if backends[t.name] in (None, DEFAULT_BACKEND)]
+    later = [t for t in catalog.tasks if t not in first]
+    skipped: list[str] = []
+
+    async def on_own_backend(client: AsyncClient, task) -> dict[str, Any] | None:
+        backend = backends[task.name] or DEFAULT_BACKEND
+        why = _unavailable(backend)
+        if why is None:
+            try:
+                return await _rollout(client, task)
+            except (UnknownBackend, BackendUnavailable) as e:  # the node's own check said no
+                why = str(e)
+        skipped.append(f"skipped task {task.name} on backend {backend}: {why}")
+        return None
 
     async def all_rollouts() -> list[dict]:
         async with AsyncClient() as client:
-            return list(await asyncio.gather(*(_rollout(client, t) for t in catalog.tasks)))
+            done = list(await asyncio.gather(*(_rollout(client, t) for t in first)))
+            for task in later:
+                row = await on_own_backend(client, task)
+                if row is not None:
+                    done.append(row)
+            return done
 
     started = time.monotonic()
     results = asyncio.run(all_rollouts())
@@ -157,6 +195,8 @@ def run_demo(catalog_file: str | None = None, console: Console | None = None) ->
             f"{r['seconds']:.2f}s",
         )
     console.print(table)
+    for line in skipped:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(
         f"{len(results)} rollouts in parallel in {wall:.2f}s wall; mean reward "
         f"{sum(r['reward'] for r in results) / max(1, len(results)):.3f}"

@@ -19,6 +19,7 @@ from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 
 __all__ = [
     "COMPARE_MODES",
+    "DEFAULT_BACKEND",
     "DEFAULT_DISK",
     "DEVICE_MODES",
     "INFRA_KINDS",
@@ -57,6 +58,8 @@ LAYER_KINDS = ("base", "workspace", "toolkit", "snapshot")
 #: CPU classes: "ls" (latency-sensitive: normal scheduling) and "be" (best-effort: runs only on
 #: CPU time the rest leave idle). ``SandboxSpec.qos``; the backend enforces them.
 QOS_CLASSES = ("ls", "be")
+#: The backend of a sandbox whose spec names none and whose environment names none either.
+DEFAULT_BACKEND = "container"
 #: How a sandbox holds a device (``DeviceRequest.mode``): "exclusive", alone (no other sandbox,
 #: shared or not, gets it meanwhile), or "shared" with at most the node's share cap of others.
 DEVICE_MODES = ("exclusive", "shared")
@@ -377,7 +380,10 @@ class SandboxSpec(_Record):
 
     environment: str | None = None
     layers: tuple[str, ...] = ()
-    backend: str = "container"
+    #: The backend to run it on; None: the environment's (``Environment.backend``), else
+    #: ``DEFAULT_BACKEND``. The node resolves it at create: the spec it keeps (and
+    #: ``SandboxInfo.backend``) always names one.
+    backend: str | None = None
     cpu: float = 1.0
     memory: int | str = "512M"
     pids: int = 512
@@ -479,7 +485,7 @@ class SandboxSpec(_Record):
         _check_type("layers", self.layers, (list, tuple), "a list of name@version strings")
         for i, ref in enumerate(self.layers):
             _check_type(f"layers[{i}]", ref, str, "a name@version string")
-        _check_type("backend", self.backend, str, "a backend name")
+        _check_type("backend", self.backend, (str, type(None)), "a backend name or None")
         _check_type("cpu", self.cpu, (int, float), "a number of cores")
         _check_finite("cpu", self.cpu)
         _check_type("memory", self.memory, (int, str), "bytes or a size such as 512M")
@@ -845,9 +851,12 @@ class NodeLoad(_Record):
     def refusal(self, spec: SandboxSpec) -> AdmissionRejected | None:
         """Why this node cannot take ``spec`` (the error to raise), or None if it can."""
         lim = spec.limits
-        if spec.backend not in self.backends:
+        # None with an environment: the environment's backend, which only the node's catalogs
+        # know; its create refuses a backend it does not run (UnknownBackend)
+        backend = spec.backend or (None if spec.environment else DEFAULT_BACKEND)
+        if backend is not None and backend not in self.backends:
             return AdmissionRejected(
-                f"node {self.node} does not run backend {spec.backend!r}",
+                f"node {self.node} does not run backend {backend!r}",
                 reason="backend",
                 node=self.node,
             )

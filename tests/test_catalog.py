@@ -188,14 +188,20 @@ def test_default_catalog():
         "reverse-words": 0.0,
         "balanced-brackets": 0.0,
         "textstats": 0.75,
+        "fizzbuzz-vm": 1.0,
     }
     assert {t.name: t.expect for t in cat.tasks} == expected
     for task in cat.tasks:
         env = cat.environment(task.environment)
-        assert env.layer_refs() == ["dsec-toolkit@1", f"task-{task.name}@1", "debian-python@12"]
-        assert env.workdir == f"/workspace/{task.name}"
+        workspace = task.name.removesuffix("-vm")
+        assert env.layer_refs() == ["dsec-toolkit@1", f"task-{workspace}@1", "debian-python@12"]
+        assert env.workdir == f"/workspace/{workspace}"
+    # one task on a microVM with a pinned kernel; the others on the node's default backend
+    vm = cat.environment("fizzbuzz-vm")
+    assert (vm.backend, vm.kernel) == ("microvm", "linux-image-cloud-amd64=6.1.192-3")
+    assert {e.backend for e in cat.environments if e.name != vm.name} == {None}
     assert cat.task("textstats").reward == "pass_rate" and cat.task("textstats").report
-    assert {t.reward for t in cat.tasks if t.name != "textstats"} == {"judge"}
+    assert {t.reward for t in cat.tasks if t.name not in ("textstats", "fizzbuzz-vm")} == {"judge"}
     assert all(t.judge and t.judge.cases == "cases" for t in cat.tasks if t.reward == "judge")
 
 
@@ -249,6 +255,53 @@ SCHEMA_FAULTS = [
         "workspace",
         "$.environments[1].workdir",
         "expected an absolute path",
+    ),
+    (
+        "bad backend name",
+        ["environments", 0, "backend"],
+        "micro vm",
+        "$.environments[0].backend",
+        "a name is letters",
+    ),
+    (
+        "kernel without a backend",
+        ["environments", 0, "kernel"],
+        "linux-image-cloud-amd64",
+        "$.environments[0].kernel",
+        "'kernel' needs 'backend' too",
+    ),
+    (
+        "kernel on the container backend",
+        ["environments", 0],
+        {"name": "plain", "base": "mini-base@1", "backend": "container", "kernel": "linux-x"},
+        "$.environments[0].kernel",
+        "a kernel is for VM backends (such as microvm); the container backend runs on the host",
+    ),
+    (
+        "kernel not a package",
+        ["environments", 0],
+        {"name": "plain", "base": "mini-base@1", "backend": "microvm", "kernel": 6},
+        "$.environments[0].kernel",
+        "expected a Debian kernel package",
+    ),
+    (
+        "kernel with an unknown field",
+        ["environments", 0],
+        {"name": "plain", "base": "mini-base@1", "backend": "microvm", "kernel": {"pkg": "x"}},
+        "$.environments[0].kernel",
+        "expected a Debian kernel package",
+    ),
+    (
+        "kernel version not a Debian version",
+        ["environments", 0],
+        {
+            "name": "plain",
+            "base": "mini-base@1",
+            "backend": "microvm",
+            "kernel": "linux-image-amd64=latest",
+        },
+        "$.environments[0].kernel",
+        "does not match",
     ),
     ("unknown reward", ["tasks", 0, "reward"], "accuracy", "$.tasks[0].reward", "is not one of"),
     ("negative timeout", ["tasks", 0, "timeout"], -1, "$.tasks[0].timeout", "less than or equal"),
@@ -386,6 +439,31 @@ def test_meaning_faults_name_their_json_path(catalog_dir, what, change, path, wo
         load_catalog(write_catalog(catalog_dir, doc))
     assert e.value.path == path, str(e.value)
     assert words in str(e.value)
+
+
+def test_environment_backend_and_kernel_load_and_round_trip(catalog_dir):
+    doc = small_catalog()
+    doc["environments"][0].update(
+        backend="microvm", kernel={"package": "linux-image-amd64", "version": "6.1.192-3"}
+    )
+    doc["environments"][1].update(backend="microvm", kernel="linux-image-cloud-amd64")
+    cat = load_catalog(write_catalog(catalog_dir, doc))
+    plain, hello = cat.environments
+    assert (plain.backend, plain.kernel) == ("microvm", "linux-image-amd64=6.1.192-3")
+    assert (hello.backend, hello.kernel) == ("microvm", "linux-image-cloud-amd64")
+    again = parse_catalog(cat.to_document(), root=catalog_dir)
+    assert again.environments == cat.environments
+    # the model checks what the schema does, for environments made in code
+    with pytest.raises(InvalidSpec, match="a kernel is for VM backends"):
+        Environment(name="e", base="b@1", kernel="linux-image-amd64")
+    with pytest.raises(InvalidSpec, match="not a Debian package name"):
+        Environment(name="e", base="b@1", backend="microvm", kernel="Linux 6")
+    with pytest.raises(InvalidSpec, match="not a Debian version"):
+        Environment(
+            name="e", base="b@1", backend="microvm", kernel={"package": "linux-x", "version": "x"}
+        )
+    with pytest.raises(InvalidSpec, match="backend must be a backend name"):
+        Environment(name="e", base="b@1", backend="a b")
 
 
 def test_unreadable_files(tmp_path):
@@ -818,3 +896,62 @@ def test_catalog_store_sees_a_resaved_catalog(tmp_path):
     assert store.environment("e").workdir == "/two"
     # a saved catalog may name layers that live in another source: checked at create time
     assert store.environment("e").base == "somewhere@1"
+
+
+# --- an environment's backend and kernel at create time (a node) ----------------------------
+
+#: A pinned kernel in the suite's VM cache, so the test needs no network (the microVM
+#: backend's guests load modules of the cloud kernel's set; test_microvm checks that a
+#: runtime's kernel wins over the backend's default).
+PINNED_KERNEL = ("linux-image-cloud-amd64", "6.1.192-3")
+needs_node = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
+needs_qemu = pytest.mark.skipif(
+    shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"
+)
+
+
+@pytest.fixture
+def dsec_backend_name() -> str:
+    return "container"
+
+
+def _vm_environment(node, name: str) -> str:
+    package, version = PINNED_KERNEL
+    env = Environment(
+        name=name,
+        base=node.layer.ref,
+        backend="microvm",
+        kernel={"package": package, "version": version},
+    )
+    CatalogStore(node.config.catalog_dir).save(
+        dsec_core.catalog.Catalog(name=name, environments=(env,))
+    )
+    return name
+
+
+@needs_node
+@needs_qemu
+def test_an_environments_backend_and_kernel_reach_the_sandbox(dsec_node, dsec_sandboxes):
+    from dsec_core.vm.guest import ensure_kernel
+
+    env = _vm_environment(dsec_node, "vm-pinned-kernel")
+    cache = Path(os.environ.get("DSEC_VM_CACHE") or dsec_node.home / "vm") / "kernels"
+    release = ensure_kernel(cache, *PINNED_KERNEL).release
+    sb = dsec_sandboxes.create(environment=env, layers=(), backend=None, memory="384M")
+    assert sb.info.backend == "microvm" and sb.info.environment == env
+    assert sb.exec("uname -r").stdout.decode().strip() == release
+    # the kernel is in the sandbox's state, for the runtime a restarted daemon rebuilds
+    state = json.loads((dsec_node.config.runtime_dir / sb.id / "state.json").read_text())
+    assert state["kernel"] == "=".join(PINNED_KERNEL)
+    assert state["spec"]["backend"] == "microvm"  # resolved: the spec the node keeps names it
+    assert dsec_sandboxes.client.get(sb.id).info.backend == "microvm"
+
+
+@needs_node
+def test_a_backend_the_spec_names_wins_over_the_environments(dsec_node, dsec_sandboxes):
+    env = _vm_environment(dsec_node, "vm-overridden")
+    sb = dsec_sandboxes.create(environment=env, layers=(), backend="container")
+    assert sb.info.backend == "container"  # and the environment's kernel means nothing there
+    assert sb.exec("uname -r").stdout.decode().strip() == os.uname().release
+    plain = dsec_sandboxes.create(backend=None)  # no environment, no backend: the default
+    assert plain.info.backend == "container"

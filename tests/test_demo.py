@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from dsec_core.localnode import daemon_pid, stop_daemon
 from dsec_core.node.pools import POOL_LABEL
 from dsec_core.sdk import Client
 from dsec_core.testing import leftovers
+from dsec_core.vm.qemu import QEMU
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs root")]
 
@@ -32,6 +35,7 @@ def demo_home(built_catalog_config):
     assert not any(left.values()), left
 
 
+@pytest.mark.skipif(shutil.which(QEMU) is None, reason="QEMU is not installed")
 def test_demo_runs_every_task_and_scores_them(demo_home):
     env = dict(os.environ, DSEC_HOME=os.fspath(demo_home.home))
     out = subprocess.run(
@@ -44,8 +48,14 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dsec demo rollouts" in out.stdout
     results = json.loads(out.stdout[out.stdout.index("[\n") :])
-    tasks = load_catalog(default_catalog_file()).tasks
+    catalog = load_catalog(default_catalog_file())
+    tasks = catalog.tasks
     assert {r["task"] for r in results} == {t.name for t in tasks}
+    # the microVM task ran after the container ones, on its environment's backend and kernel
+    on_vm = [t.name for t in tasks if catalog.environment(t.environment).backend == "microvm"]
+    assert on_vm and [r["task"] for r in results][-len(on_vm) :] == on_vm
+    assert {r["backend"] for r in results if r["task"] in on_vm} == {"microvm"}
+    assert {r["backend"] for r in results if r["task"] not in on_vm} <= {"container", "fncall"}
     for r in results:
         assert r["ok"], r
     rewards = {r["reward"] for r in results}
@@ -62,3 +72,37 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
         left = client.list()
     assert left and all(POOL_LABEL in s.labels for s in left), left
     assert len(leftovers(demo_home.home)["sandbox_dirs"]) == len(left)
+
+
+def _path_without(tmp_path: Path, program: str) -> str:
+    """A PATH of one directory linking every program on this one's but ``program``."""
+    farm = tmp_path / "bin"
+    farm.mkdir()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            link = farm / name
+            if name != program and not link.exists():
+                link.symlink_to(os.path.join(directory, name))
+    return os.fspath(farm)
+
+
+def test_demo_without_qemu_skips_the_microvm_task_saying_why(demo_home, tmp_path):
+    env = dict(os.environ, DSEC_HOME=os.fspath(demo_home.home), PATH=_path_without(tmp_path, QEMU))
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "demo", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("skipped task")]
+    assert skipped == [
+        f"skipped task fizzbuzz-vm on backend microvm: {QEMU} is not installed "
+        "(apt-get install qemu-system-x86)"
+    ], out.stdout
+    results = json.loads(out.stdout[out.stdout.index("[\n") :])
+    assert "fizzbuzz-vm" not in {r["task"] for r in results}
+    assert results and all(r["ok"] for r in results)

@@ -19,10 +19,11 @@ from typing import Any
 import jsonschema
 import yaml
 
+from ..backend import split_kernel
 from ..errors import CatalogInvalid, DsecError, InvalidSpec, UnknownEnvironment, UnknownLayer
 from ..layers.recipes import LayerRecipe
 from ..layers.store import LayerStore
-from ..records import JudgeSpec, LayerRef
+from ..records import DEFAULT_BACKEND, JudgeSpec, LayerRef
 
 __all__ = [
     "REWARDS",
@@ -33,6 +34,7 @@ __all__ = [
     "catalog_schema",
     "check_environment_layers",
     "default_catalog_file",
+    "kernel_text",
     "load_catalog",
     "parse_catalog",
 ]
@@ -40,9 +42,49 @@ __all__ = [
 REWARDS = ("exit_code", "pass_rate", "judge")
 
 
+#: A Debian package name, and a Debian version (epoch and revision allowed).
+_PACKAGE_RE = re.compile(r"[a-z0-9][a-z0-9.+-]+")
+_VERSION_RE = re.compile(r"[0-9][A-Za-z0-9.+~:-]*")
+
+
+def kernel_text(kernel: str | Mapping[str, Any] | None) -> str | None:
+    """A catalog's ``kernel`` (``{package, version}``, ``"package"`` or
+    ``"package=version"``) as ``SandboxRuntime.kernel`` text; ``InvalidSpec`` if it is not."""
+    if kernel is None:
+        return None
+    if isinstance(kernel, Mapping):
+        package, version = kernel.get("package"), kernel.get("version")
+        if set(kernel) - {"package", "version"}:
+            raise InvalidSpec(
+                f"kernel: unknown field(s) {sorted(set(kernel) - {'package', 'version'})}; "
+                "expected package and version",
+                field="kernel",
+            )
+    elif isinstance(kernel, str):
+        package, version = split_kernel(kernel)
+    else:
+        raise InvalidSpec(
+            f"kernel must be text or {{package, version}}, got {kernel!r}", field="kernel"
+        )
+    if not isinstance(package, str) or not _PACKAGE_RE.fullmatch(package):
+        raise InvalidSpec(
+            f"kernel: {package!r} is not a Debian package name (such as linux-image-cloud-amd64)",
+            field="kernel",
+        )
+    if version is not None and (not isinstance(version, str) or not _VERSION_RE.fullmatch(version)):
+        raise InvalidSpec(
+            f"kernel: {version!r} is not a Debian version (such as 6.1.192-3)", field="kernel"
+        )
+    return package if version is None else f"{package}={version}"
+
+
 @dataclass(frozen=True)
 class Environment:
-    """What a sandbox is made of: a base layer, workspace and toolkit layers, env and workdir."""
+    """What a sandbox is made of: a base layer, workspace and toolkit layers, env and workdir,
+    and what runs it: ``backend`` (None: the node's default, ``DEFAULT_BACKEND``, unless the
+    create names one) and, for a VM backend, the ``kernel`` it boots: a Debian kernel package,
+    ``"package"`` or ``"package=version"`` (a ``{package, version}`` mapping is read as such;
+    None: the backend's default)."""
 
     name: str
     base: str
@@ -52,11 +94,29 @@ class Environment:
     workdir: str = "/"
     description: str = ""
     catalog: str = ""  # the catalog that defines it
+    backend: str | None = None
+    kernel: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workspaces", tuple(self.workspaces))
         object.__setattr__(self, "toolkits", tuple(self.toolkits))
         object.__setattr__(self, "env", dict(self.env))
+        object.__setattr__(self, "kernel", kernel_text(self.kernel))
+        if self.backend is not None and not (
+            isinstance(self.backend, str)
+            and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.backend)
+        ):
+            raise InvalidSpec(
+                f"environment {self.name}: backend must be a backend name, got {self.backend!r}",
+                field="backend",
+            )
+        if self.kernel is not None and (self.backend or DEFAULT_BACKEND) == DEFAULT_BACKEND:
+            raise InvalidSpec(
+                f"environment {self.name}: a kernel is for VM backends (such as microvm); "
+                f"{'its' if self.backend else 'the default'} backend, {DEFAULT_BACKEND!r}, "
+                "runs on the host's kernel",
+                field="kernel",
+            )
 
     def layer_refs(self) -> list[str]:
         """``name@version`` of every layer, top first: toolkits, workspaces, then the base.
@@ -77,6 +137,10 @@ class Environment:
             doc["workdir"] = self.workdir
         if self.description:
             doc["description"] = self.description
+        if self.backend is not None:
+            doc["backend"] = self.backend
+        if self.kernel is not None:
+            doc["kernel"] = self.kernel
         return doc
 
 
@@ -376,6 +440,26 @@ def check_environment_layers(
                 raise _invalid(where, path, f"layer {ref} is a {kind} layer, not a {want} layer")
 
 
+def _environment(doc: Mapping[str, Any], i: int, catalog: str, where: str) -> Environment:
+    e = doc["environments"][i]
+    try:
+        return Environment(
+            name=e["name"],
+            base=e["base"],
+            workspaces=e.get("workspaces", ()),
+            toolkits=e.get("toolkits", ()),
+            env=e.get("env", {}),
+            workdir=e.get("workdir", "/"),
+            description=e.get("description", ""),
+            catalog=catalog,
+            backend=e.get("backend"),
+            kernel=e.get("kernel"),
+        )
+    except InvalidSpec as err:  # what the schema cannot say (it says most of it first)
+        key = err.context.get("field", "")
+        raise _invalid(where, ["environments", i, *([key] if key else [])], str(err)) from err
+
+
 def default_catalog_file() -> Path:
     """The catalog shipped with dsec (inside the package, so an installed wheel has it)."""
     return Path(__file__).resolve().with_name("default") / "default.yaml"
@@ -403,17 +487,7 @@ def parse_catalog(
     name = doc["name"]
     recipes = _recipes(doc, root, where, check_sources)
     environments = [
-        Environment(
-            name=e["name"],
-            base=e["base"],
-            workspaces=e.get("workspaces", ()),
-            toolkits=e.get("toolkits", ()),
-            env=e.get("env", {}),
-            workdir=e.get("workdir", "/"),
-            description=e.get("description", ""),
-            catalog=name,
-        )
-        for e in doc.get("environments", [])
+        _environment(doc, i, name, where) for i in range(len(doc.get("environments", [])))
     ]
     _unique(environments, "environments", where)
     if check_layers:

@@ -103,7 +103,11 @@ def sandbox() -> None:
 @sandbox.command("create")
 @click.option("--env", "environment", help="Catalog environment (base + workspaces + toolkits).")
 @click.option("--layer", "layers", multiple=True, help="name@version; repeat, top layer first.")
-@click.option("--backend", default="container", show_default=True)
+@click.option(
+    "--backend",
+    default=None,
+    help="Backend (container, microvm, ...); default: the environment's, else container.",
+)
 @click.option("--cpu", type=float, default=1.0, show_default=True, help="CPU cores.")
 @click.option("--memory", default="512M", show_default=True)
 @click.option("--pids", type=int, default=512, show_default=True)

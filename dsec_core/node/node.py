@@ -60,6 +60,7 @@ from ..linux.files import write_atomic
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import (
+    DEFAULT_BACKEND,
     SANDBOX_START_MEMORY,
     ExecResult,
     FileEntry,
@@ -185,6 +186,7 @@ class Sandbox:
             ],
             "disk": None if self.rt.disk is None else os.fspath(self.rt.disk),
             "disk_size": self.rt.disk_size,
+            "kernel": self.rt.kernel,
             "devices": [d.to_dict() for d in self.rt.devices],
             "policy_plan": {
                 "chosen": {p.name: s for p, s in self.policies.chosen},
@@ -457,10 +459,30 @@ class Node:
                 f"placement declined node {load.node}", reason="placement", node=load.node
             )
 
+    def resolve_spec(self, spec: SandboxSpec) -> tuple[SandboxSpec, str | None]:
+        """``spec`` with its environment applied (the environment's env under the spec's, its
+        workdir unless the spec names one, its backend unless the spec names one, else
+        ``DEFAULT_BACKEND``), and the kernel the environment asks a VM backend to boot."""
+        if not spec.environment:
+            return replace(spec, backend=spec.backend or DEFAULT_BACKEND), None
+        environment = self.catalogs.environment(spec.environment)
+        return replace(
+            spec,
+            env={**dict(environment.env or {}), **spec.env},
+            workdir=spec.workdir if spec.workdir != "/" else (environment.workdir or "/"),
+            backend=spec.backend or environment.backend or DEFAULT_BACKEND,
+        ), environment.kernel
+
     async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo:
         """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``)."""
         t0 = time.perf_counter()
+        spec, kernel = self.resolve_spec(spec)
+        assert spec.backend is not None  # resolve_spec names one
         backend = self.backend(spec.backend)
+        if backend.shares_host_kernel():
+            # a create that named a container backend over a VM environment: the environment's
+            # kernel means nothing there
+            kernel = None
         if spec.runtime is not None and spec.runtime not in backend.runtimes:
             known = ", ".join(sorted(backend.runtimes)) or "none: it takes no runtime"
             raise InvalidSpec(
@@ -487,7 +509,7 @@ class Node:
             self.uids.release(idmap)
             raise
         try:
-            return await self._create(sid, spec, backend, plan, idmap, devices, t0, saved)
+            return await self._create(sid, spec, kernel, backend, plan, idmap, devices, t0, saved)
         except BaseException:
             # nothing of the sandbox is left (_create undid it all)
             self.uids.release(idmap)
@@ -498,6 +520,7 @@ class Node:
         self,
         sid: str,
         spec: SandboxSpec,
+        kernel: str | None,
         backend: Backend,
         plan: PolicyPlan,
         idmap: IdMap,
@@ -508,14 +531,10 @@ class Node:
         self._warm_uids()
         refs = list(spec.layers)  # explicit layers go on top of the environment's
         if spec.environment:
-            environment = self.catalogs.environment(spec.environment)
-            refs += environment.layer_refs()
-            env = {**dict(environment.env or {}), **spec.env}
-            workdir = spec.workdir if spec.workdir != "/" else (environment.workdir or "/")
-            spec = SandboxSpec(**{**spec.to_dict(), "env": env, "workdir": workdir})
+            refs += self.catalogs.environment(spec.environment).layer_refs()
         sources = self.resolve_layers(refs)
         layers = [info for _, info in sources]
-        rt = replace(self._runtime(sid, spec, backend, idmap), devices=devices)
+        rt = replace(self._runtime(sid, spec, backend, idmap), devices=devices, kernel=kernel)
         rt.dir.mkdir(mode=0o700)
         self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
         now = time.time()
@@ -1431,6 +1450,7 @@ class Node:
             disk=Path(doc["disk"]) if doc.get("disk") else None,
             disk_size=int(doc.get("disk_size") or 0),
             devices=tuple(DeviceNode.from_dict(d) for d in doc.get("devices") or ()),
+            kernel=doc.get("kernel"),
         )
         plan = self._load_plan(sid, doc, spec, backend)
         sb = Sandbox(

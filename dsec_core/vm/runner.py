@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ..agent.rpc import AgentClient
-from ..backend import AgentChannel, Backend, Feature, RootfsForm, SandboxRuntime, cgroup_path
+from ..backend import (
+    AgentChannel,
+    Backend,
+    Feature,
+    RootfsForm,
+    SandboxRuntime,
+    cgroup_path,
+    split_kernel,
+)
 from ..config import NodeConfig
 from ..errors import (
     BackendUnavailable,
@@ -167,20 +175,23 @@ class QemuBackend(Backend):
             raise BackendUnavailable(f"backend {cls.name!r} needs root (cgroups, mounts)")
 
     # --- what a guest boots ----------------------------------------------------------------
-    def boot_files(self, agent: Path) -> tuple[GuestKernel, Path, Path]:
+    def boot_files(self, agent: Path, kernel: str | None = None) -> tuple[GuestKernel, Path, Path]:
         """The kernel (and its unpacked ``vmlinux``, booted through PVH: the guest need not
-        decompress it) and the initramfs (init script, agent, modules), made once per node."""
-        key = (self.kernel, self.kernel_version, os.fspath(agent))
+        decompress it) and the initramfs (init script, agent, modules), made once per node and
+        kernel. ``kernel``: a sandbox's ``rt.kernel`` ("package" or "package=version"), over
+        the node's default (``kernel_package``, DSEC_VM_KERNEL, DSEC_VM_KERNEL_VERSION)."""
+        package, version = split_kernel(kernel) if kernel else (self.kernel, self.kernel_version)
+        key = (package, version, os.fspath(agent))
         if key not in self._boot:
-            kernel = ensure_kernel(self.cache / "kernels", self.kernel, self.kernel_version)
+            guest = ensure_kernel(self.cache / "kernels", package, version)
             initrd = build_initramfs(
                 self.cache / "initramfs",
-                kernel,
+                guest,
                 (*GUEST_MODULES, *self.extra_modules),
                 {"/init": INIT_SCRIPT.read_bytes(), "/dsec-agent": agent},
             )
-            vmlinux = ensure_vmlinux(kernel.vmlinuz, self.cache / "vmlinux")
-            self._boot[key] = (kernel, vmlinux, initrd)
+            vmlinux = ensure_vmlinux(guest.vmlinuz, self.cache / "vmlinux")
+            self._boot[key] = (guest, vmlinux, initrd)
         return self._boot[key]
 
     def machine_for(self, pmem: bool) -> str:
@@ -188,7 +199,7 @@ class QemuBackend(Backend):
 
     def vm_config(self, rt: SandboxRuntime, agent_fd: int) -> qemu.VmConfig:
         """The VM of sandbox ``rt``: its layers, disk, size and channels."""
-        _, vmlinux, initrd = self.boot_files(rt.agent_binary)
+        _, vmlinux, initrd = self.boot_files(rt.agent_binary, rt.kernel)
         pmem = self.layers_over == "pmem"
         drives: list[qemu.Drive] = []
         pmems: list[qemu.Pmem] = []

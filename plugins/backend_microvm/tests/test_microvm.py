@@ -10,6 +10,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from dsec_backend_microvm import MicroVmBackend
@@ -189,6 +190,36 @@ def test_later_vms_start_from_a_saved_boot_with_their_own_randomness(dsec_sandbo
         assert sb.exec("hostname").stdout == f"dsec-{sb.id[:12]}\n".encode()
         seen.add(sb.exec("head -c 16 /dev/urandom | od -An -x").stdout)
     assert len(seen) == 3, "two VMs from one saved state drew the same random bytes"
+
+
+def test_a_sandboxs_kernel_wins_over_the_backends_default(tmp_path, monkeypatch):
+    """``rt.kernel`` (from the sandbox's catalog environment) is what the guest boots; without
+    one, the backend's own (DSEC_VM_KERNEL, DSEC_VM_KERNEL_VERSION, else its default)."""
+    from dsec_core.config import NodeConfig
+    from dsec_core.vm import runner
+
+    asked: list[tuple[str, str | None]] = []
+
+    def ensure_kernel(cache, package, version):
+        asked.append((package, version))
+        return SimpleNamespace(package=package, vmlinuz=tmp_path / "vmlinuz")
+
+    monkeypatch.setattr(runner, "ensure_kernel", ensure_kernel)
+    monkeypatch.setattr(runner, "build_initramfs", lambda *a: tmp_path / "initrd")
+    monkeypatch.setattr(runner, "ensure_vmlinux", lambda *a: tmp_path / "vmlinux")
+    monkeypatch.setenv("DSEC_VM_KERNEL", "linux-image-amd64")
+    monkeypatch.delenv("DSEC_VM_KERNEL_VERSION", raising=False)
+    backend = MicroVmBackend(NodeConfig(home=tmp_path))
+    agent = tmp_path / "agent"
+    assert backend.boot_files(agent)[0].package == "linux-image-amd64"
+    backend.boot_files(agent, "linux-image-cloud-amd64=6.1.192-3")
+    backend.boot_files(agent, "linux-image-rt-amd64")
+    backend.boot_files(agent, "linux-image-cloud-amd64=6.1.192-3")  # made once per kernel
+    assert asked == [
+        ("linux-image-amd64", None),
+        ("linux-image-cloud-amd64", "6.1.192-3"),
+        ("linux-image-rt-amd64", None),
+    ]
 
 
 def test_restore_n_from_a_memory_snapshot_goes_on_from_its_instant(vm, dsec_client):
