@@ -900,10 +900,11 @@ def test_catalog_store_sees_a_resaved_catalog(tmp_path):
 
 # --- an environment's backend and kernel at create time (a node) ----------------------------
 
-#: A pinned kernel in the suite's VM cache, so the test needs no network (the microVM
-#: backend's guests load modules of the cloud kernel's set; test_microvm checks that a
-#: runtime's kernel wins over the backend's default).
-PINNED_KERNEL = ("linux-image-cloud-amd64", "6.1.192-3")
+#: The kernel package VM environments here pin (the microVM backend's guests load modules of
+#: the cloud kernel's set; test_microvm checks that a runtime's kernel wins over the backend's
+#: default). Its version is whatever apt offers when the suite runs (a mirror drops old
+#: kernels), fetched once into the suite's VM cache.
+KERNEL_PACKAGE = "linux-image-cloud-amd64"
 needs_node = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
 needs_qemu = pytest.mark.skipif(
     shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"
@@ -915,8 +916,17 @@ def dsec_backend_name() -> str:
     return "container"
 
 
+def _pinned_kernel(node) -> tuple[str, str, str]:
+    """(package, version, release) of the kernel VM environments here pin."""
+    from dsec_core.vm.guest import ensure_kernel
+
+    cache = Path(os.environ.get("DSEC_VM_CACHE") or node.home / "vm") / "kernels"
+    kernel = ensure_kernel(cache, KERNEL_PACKAGE)
+    return kernel.package, kernel.version, kernel.release
+
+
 def _vm_environment(node, name: str) -> str:
-    package, version = PINNED_KERNEL
+    package, version, _ = _pinned_kernel(node)
     env = Environment(
         name=name,
         base=node.layer.ref,
@@ -932,17 +942,14 @@ def _vm_environment(node, name: str) -> str:
 @needs_node
 @needs_qemu
 def test_an_environments_backend_and_kernel_reach_the_sandbox(dsec_node, dsec_sandboxes):
-    from dsec_core.vm.guest import ensure_kernel
-
     env = _vm_environment(dsec_node, "vm-pinned-kernel")
-    cache = Path(os.environ.get("DSEC_VM_CACHE") or dsec_node.home / "vm") / "kernels"
-    release = ensure_kernel(cache, *PINNED_KERNEL).release
+    package, version, release = _pinned_kernel(dsec_node)
     sb = dsec_sandboxes.create(environment=env, layers=(), backend=None, memory="384M")
     assert sb.info.backend == "microvm" and sb.info.environment == env
     assert sb.exec("uname -r").stdout.decode().strip() == release
     # the kernel is in the sandbox's state, for the runtime a restarted daemon rebuilds
     state = json.loads((dsec_node.config.runtime_dir / sb.id / "state.json").read_text())
-    assert state["kernel"] == "=".join(PINNED_KERNEL)
+    assert state["kernel"] == f"{package}={version}"
     assert state["spec"]["backend"] == "microvm"  # resolved: the spec the node keeps names it
     assert dsec_sandboxes.client.get(sb.id).info.backend == "microvm"
 

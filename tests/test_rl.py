@@ -19,7 +19,13 @@ import pytest
 import dsec
 from dsec.rl import INFRA_KINDS, SandboxEnv, command_reward, drive_client_source, infra_event
 from dsec_core.config import NodeConfig
-from dsec_core.errors import NodeUnavailable, SandboxPaused, StartTimeout, UnknownSandbox
+from dsec_core.errors import (
+    NodeUnavailable,
+    SandboxDied,
+    SandboxPaused,
+    StartTimeout,
+    UnknownSandbox,
+)
 from dsec_core.localnode import stop_daemon
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -110,13 +116,24 @@ def test_infrastructure_failures_are_typed_in_info_and_masked(dsec_client):
 def test_infra_event_classifies_errors_not_the_task_s_own():
     assert {
         infra_event(e).kind  # type: ignore[union-attr]
-        for e in (NodeUnavailable("x"), StartTimeout("x"), SandboxPaused("x", sandbox_id="s"))
-    } == {"node_lost", "start_timeout", "preempted"}
+        for e in (
+            NodeUnavailable("x"),
+            StartTimeout("x"),
+            SandboxPaused("x", sandbox_id="s"),
+            SandboxDied("x", sandbox_id="s", kind="guest_panic", cause="..."),
+        )
+    } == {"node_lost", "start_timeout", "preempted", "crashed"}
     assert infra_event(UnknownSandbox("x")) is None
     assert infra_event(dsec.ExecResult(1, b"", b"", 0.1)) is None
     oom = infra_event(dsec.ExecResult(137, b"", b"", 0.1, oom_killed=True), "s")
     assert oom is not None and oom.kind == "out_of_memory" and oom.sandbox_id == "s"
-    assert set(INFRA_KINDS) == {"preempted", "out_of_memory", "start_timeout", "node_lost"}
+    assert set(INFRA_KINDS) == {
+        "preempted",
+        "out_of_memory",
+        "start_timeout",
+        "node_lost",
+        "crashed",
+    }
 
 
 def test_the_python_drive_client_drives_a_worker_as_the_sandbox_s_uid(dsec_node, dsec_client):
