@@ -112,6 +112,8 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   (the container backend's lxcfs: stopped when no container is left, else left running).
 - With ``PAUSE``, ``pause`` returns once no process of the sandbox runs, ``resume`` lets them
   go on where they stopped, and ``stop`` kills a paused sandbox as a running one.
+- With ``SCREEN``, ``screenshot`` returns a PNG of the display and ``input`` delivers typed
+  events (``dsec_core.inputs``) to it; the node calls neither on a paused sandbox.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -130,6 +132,7 @@ from typing import Any, ClassVar
 
 from .config import NodeConfig
 from .errors import BackendUnavailable, PluginInvalid
+from .inputs import InputEvent
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
 __all__ = [
@@ -202,6 +205,10 @@ class Feature(enum.StrEnum):
     #: node tells its connections apart by peer uid, so processes in the sandbox must run as
     #: uids of its ``idmap`` as seen from the host. Without it the node refuses ``drives``.
     DRIVE = "drive"
+    #: The sandbox has a display: ``screenshot`` returns it as a PNG image and ``input`` sends
+    #: it key presses, pointer moves and clicks (``dsec_core.inputs``). Without it the node
+    #: refuses both.
+    SCREEN = "screen"
 
 
 @dataclass
@@ -490,6 +497,27 @@ class Backend(abc.ABC):
         """With ``Feature.PAUSE``: whether the sandbox is paused now (what a restarted node
         believes over its records)."""
         return False
+
+    async def screenshot(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bytes:
+        """With ``Feature.SCREEN``: the sandbox's display now, as PNG bytes."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} has no screen (it does not claim Feature.SCREEN)",
+            backend=self.name,
+            feature=Feature.SCREEN.value,
+        )
+
+    async def input(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], events: list[InputEvent]
+    ) -> None:
+        """With ``Feature.SCREEN``: deliver ``events`` (checked records) in order, each whole
+        (a click's press and release both) before the next. A point off the screen or a key
+        the display does not know is an ``InvalidSpec``; events before it were delivered."""
+        raise BackendUnavailable(
+            f"backend {self.name!r} has no screen to send input to "
+            "(it does not claim Feature.SCREEN)",
+            backend=self.name,
+            feature=Feature.SCREEN.value,
+        )
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """With ``Feature.RESET``: make the running sandbox as it was when ``start`` returned,

@@ -598,6 +598,9 @@ class SandboxInfo(_Record):
     qos: str = "ls"  # the CPU class (SandboxSpec.qos)
     #: The devices it holds, by host path (``SandboxSpec.devices``; inside at the same path).
     devices: tuple[str, ...] = ()
+    #: Where to watch its display over VNC (``host:port`` on the node's loopback), if its
+    #: backend has a screen and the node serves it (``DSEC_VM_VNC``).
+    vnc: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

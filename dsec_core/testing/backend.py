@@ -31,8 +31,10 @@ import pytest
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
 from ..errors import (
     AdmissionRejected,
+    BackendUnavailable,
     DsecError,
     ExecTimeout,
+    InvalidSpec,
     PluginInvalid,
     SandboxPathError,
     SandboxPaused,
@@ -598,6 +600,21 @@ class BackendConformance:
         sb.kill()
         again = dsec_sandboxes.create(devices=[KIT_DEVICE_KIND])
         assert again.info.devices == (os.fspath(path),)
+
+    def test_screen_or_a_typed_refusal(self, dsec_sandboxes):
+        """With ``Feature.SCREEN`` a screenshot is a PNG and bad input is refused before it is
+        sent; without it both calls are a ``BackendUnavailable`` naming the feature."""
+        sb = dsec_sandboxes.create()
+        if Feature.SCREEN not in self.backend_class().features:
+            for call in (sb.screenshot, lambda: sb.input([{"type": "key", "key": "a"}])):
+                with pytest.raises(BackendUnavailable) as e:
+                    call()
+                assert e.value.feature == Feature.SCREEN.value
+            return
+        png = sb.screenshot()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n"), png[:16]
+        with pytest.raises(InvalidSpec):
+            sb.input([{"type": "click", "x": -1, "y": 0}])
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
