@@ -13,6 +13,8 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -23,12 +25,13 @@ import pytest
 from dsec_backend_vm.guest import ensure_guest_program
 
 from dsec_core.api.transport import HTTPTransport
-from dsec_core.errors import BackendUnavailable, InvalidSpec
+from dsec_core.errors import BackendUnavailable, InvalidSpec, SandboxError
 from dsec_core.inputs import Click, Key
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.testing import BackendConformance
 from dsec_core.testing.fixtures import KitNode, running_kit_node
+from dsec_core.vm.qmp import QMP_SOCKET, Qmp, qmp_execute
 
 pytestmark = pytest.mark.skipif(
     shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"
@@ -249,6 +252,44 @@ def test_vnc_answers_on_loopback(dsec_sandboxes):
     sb.kill()
     with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
         pass
+
+
+def _dsec(node: KitNode, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DSEC_HOME=os.fspath(node.home))
+    return subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+async def test_cli_and_qmp_helper(dsec_sandboxes, dsec_node, tmp_path):
+    sb = dsec_sandboxes.create()
+    out = tmp_path / "screen.png"
+    done = _dsec(dsec_node, "sandbox", "screenshot", sb.id, "-o", os.fspath(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes().startswith(b"\x89PNG")
+    done = _dsec(dsec_node, "sandbox", "input", sb.id, "--click", "5,5", "--key", "a")
+    assert done.returncode == 0 and "sent 2 event(s)" in done.stdout, done.stderr
+    done = _dsec(dsec_node, "sandbox", "input", sb.id, "--click", "5")
+    assert done.returncode != 0 and "X,Y" in done.stderr and "Traceback" not in done.stderr
+    done = _dsec(dsec_node, "sandbox", "input", sb.id, "--key", "no such key")
+    assert done.returncode == 1 and "Error: " in done.stderr and "Traceback" not in done.stderr
+
+    # the QMP helper the backend uses: answers, QEMU's refusals and a missing QEMU are typed
+    sock = dsec_node.config.run_dir / "sandboxes" / sb.id / QMP_SOCKET
+    assert (await qmp_execute(sock, "query-status", sandbox_id=sb.id))["status"] == "running"
+    async with Qmp(sock, sb.id) as qmp:
+        with pytest.raises(SandboxError) as e:
+            await qmp.execute("no-such-command")
+        assert e.value.qmp_class == "CommandNotFound" and e.value.command == "no-such-command"
+        assert e.value.sandbox_id == sb.id
+    with pytest.raises(SandboxError) as e:
+        await qmp_execute(tmp_path / "nothing.sock", "query-status")
+    assert "qmp_class" not in e.value.context
 
 
 def test_a_container_sandbox_has_no_screen(dsec_sandboxes):
