@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 from dsec_backend_vm.guest import ensure_guest_program
 
+from dsec_core.api.messages import InputRequest
 from dsec_core.api.transport import HTTPTransport
 from dsec_core.errors import BackendUnavailable, InvalidSpec, SandboxError
-from dsec_core.inputs import Click, Key
+from dsec_core.inputs import MAX_EVENTS, Click, Key, Move, input_dicts, parse_inputs
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.testing import BackendConformance
@@ -252,6 +253,24 @@ def test_vnc_answers_on_loopback(dsec_sandboxes):
     sb.kill()
     with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
         pass
+
+
+def test_input_records_and_their_wire_form():
+    events = [Key("a"), Move(1, 2), Click(3, 4, "right"), {"type": "click", "x": 5, "y": 6}]
+    assert input_dicts(events) == [
+        {"type": "key", "key": "a"},
+        {"type": "move", "x": 1, "y": 2},
+        {"type": "click", "x": 3, "y": 4, "button": "right"},
+        {"type": "click", "x": 5, "y": 6, "button": "left"},
+    ]
+    assert parse_inputs(input_dicts(events))[:3] == events[:3]
+    assert InputRequest(tuple(input_dicts(events))).to_dict()["events"][0] == {
+        "type": "key",
+        "key": "a",
+    }
+    for bad in ([], [{"type": "key", "key": "a"}] * (MAX_EVENTS + 1), [{"type": "move"}]):
+        with pytest.raises(InvalidSpec):
+            InputRequest(tuple(bad))
 
 
 def _dsec(node: KitNode, *args: str) -> subprocess.CompletedProcess[str]:
