@@ -131,7 +131,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .config import NodeConfig
-from .errors import BackendUnavailable, PluginInvalid
+from .errors import BackendUnavailable, FeatureUnavailable, PluginInvalid
 from .inputs import InputEvent
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
@@ -500,7 +500,7 @@ class Backend(abc.ABC):
 
     async def screenshot(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bytes:
         """With ``Feature.SCREEN``: the sandbox's display now, as PNG bytes."""
-        raise BackendUnavailable(
+        raise FeatureUnavailable(
             f"backend {self.name!r} has no screen (it does not claim Feature.SCREEN)",
             backend=self.name,
             feature=Feature.SCREEN.value,
@@ -512,7 +512,7 @@ class Backend(abc.ABC):
         """With ``Feature.SCREEN``: deliver ``events`` (checked records) in order, each whole
         (a click's press and release both) before the next. A point off the screen or a key
         the display does not know is an ``InvalidSpec``; events before it were delivered."""
-        raise BackendUnavailable(
+        raise FeatureUnavailable(
             f"backend {self.name!r} has no screen to send input to "
             "(it does not claim Feature.SCREEN)",
             backend=self.name,

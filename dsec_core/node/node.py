@@ -42,6 +42,7 @@ from ..errors import (
     AdmissionRejected,
     BackendUnavailable,
     DsecError,
+    FeatureUnavailable,
     InvalidSpec,
     MissingParentLayers,
     PolicyUnavailable,
@@ -1232,7 +1233,7 @@ class Node:
         if sb.paused:
             raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if Feature.SCREEN not in sb.backend.features:
-            raise BackendUnavailable(
+            raise FeatureUnavailable(
                 f"sandbox {sid} has no screen: backend {sb.backend.name!r} does not claim "
                 f"Feature.SCREEN (the 'vm' backend does)",
                 sandbox_id=sid,

@@ -31,9 +31,9 @@ import pytest
 from ..backend import AGENT_PATH, AgentChannel, Backend, Feature, RootfsForm, cgroup_path
 from ..errors import (
     AdmissionRejected,
-    BackendUnavailable,
     DsecError,
     ExecTimeout,
+    FeatureUnavailable,
     InvalidSpec,
     PluginInvalid,
     SandboxPathError,
@@ -603,11 +603,11 @@ class BackendConformance:
 
     def test_screen_or_a_typed_refusal(self, dsec_sandboxes):
         """With ``Feature.SCREEN`` a screenshot is a PNG and bad input is refused before it is
-        sent; without it both calls are a ``BackendUnavailable`` naming the feature."""
+        sent; without it both calls are a ``FeatureUnavailable`` naming the feature."""
         sb = dsec_sandboxes.create()
         if Feature.SCREEN not in self.backend_class().features:
             for call in (sb.screenshot, lambda: sb.input([{"type": "key", "key": "a"}])):
-                with pytest.raises(BackendUnavailable) as e:
+                with pytest.raises(FeatureUnavailable) as e:
                     call()
                 assert e.value.feature == Feature.SCREEN.value
             return

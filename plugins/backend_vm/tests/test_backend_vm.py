@@ -26,7 +26,7 @@ from dsec_backend_vm.guest import ensure_guest_program
 
 from dsec_core.api.messages import InputRequest
 from dsec_core.api.transport import HTTPTransport
-from dsec_core.errors import BackendUnavailable, InvalidSpec, SandboxError
+from dsec_core.errors import BackendUnavailable, FeatureUnavailable, InvalidSpec, SandboxError
 from dsec_core.inputs import MAX_EVENTS, Click, Key, Move, input_dicts, parse_inputs
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
@@ -314,10 +314,11 @@ async def test_cli_and_qmp_helper(dsec_sandboxes, dsec_node, tmp_path):
 def test_a_container_sandbox_has_no_screen(dsec_sandboxes):
     dsec_sandboxes.default_spec["backend"] = "container"
     sb = dsec_sandboxes.create()
-    with pytest.raises(BackendUnavailable) as e:
+    with pytest.raises(FeatureUnavailable) as e:  # a BackendUnavailable, but the client's error
         sb.screenshot()
-    assert e.value.feature == "screen"
-    with pytest.raises(BackendUnavailable):
+    assert e.value.feature == "screen" and e.value.http_status == 409
+    assert isinstance(e.value, BackendUnavailable)
+    with pytest.raises(FeatureUnavailable):
         sb.input([{"type": "key", "key": "a"}])
 
 
