@@ -117,6 +117,8 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   (``split_kernel``), which the node takes from the sandbox's catalog environment
   (``Environment.kernel``); None: the backend's default. A backend that shares the host's
   kernel never gets one.
+- With ``SCREEN``, ``screenshot`` returns a PNG of the display and ``input`` delivers typed
+  events (``dsec_core.inputs``) to it; the node calls neither on a paused sandbox.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -134,7 +136,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from .config import NodeConfig
-from .errors import BackendUnavailable, PluginInvalid
+from .errors import BackendUnavailable, FeatureUnavailable, PluginInvalid
+from .inputs import InputEvent
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
 
 __all__ = [
@@ -220,6 +223,10 @@ class Feature(enum.StrEnum):
     #: sandbox of the same spec from such a directory, going on from that instant with its
     #: own copy of the disk: the node's memory snapshots and their restore (VM forks).
     MEMORY_SNAPSHOT = "memory-snapshot"
+    #: The sandbox has a display: ``screenshot`` returns it as a PNG image and ``input`` sends
+    #: it key presses, pointer moves and clicks (``dsec_core.inputs``). Without it the node
+    #: refuses both.
+    SCREEN = "screen"
 
 
 @dataclass
@@ -541,6 +548,27 @@ class Backend(abc.ABC):
             f"backend {self.name!r} cannot start from a saved sandbox "
             "(it does not claim Feature.MEMORY_SNAPSHOT)",
             backend=self.name,
+        )
+
+    async def screenshot(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bytes:
+        """With ``Feature.SCREEN``: the sandbox's display now, as PNG bytes."""
+        raise FeatureUnavailable(
+            f"backend {self.name!r} has no screen (it does not claim Feature.SCREEN)",
+            backend=self.name,
+            feature=Feature.SCREEN.value,
+        )
+
+    async def input(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], events: list[InputEvent]
+    ) -> None:
+        """With ``Feature.SCREEN``: deliver ``events`` (checked records) in order, each whole
+        (a click's press and release both) before the next. A point off the screen or a key
+        the display does not know is an ``InvalidSpec``; events before it were delivered."""
+        raise FeatureUnavailable(
+            f"backend {self.name!r} has no screen to send input to "
+            "(it does not claim Feature.SCREEN)",
+            backend=self.name,
+            feature=Feature.SCREEN.value,
         )
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "CommandFailed",
     "DsecError",
     "ExecTimeout",
+    "FeatureUnavailable",
     "GuestImageError",
     "GuestPanic",
     "InvalidSpec",
@@ -247,6 +248,14 @@ class BackendUnavailable(DsecError):
     """The backend exists but cannot run here (missing runtime, kernel feature, ...)."""
 
     http_status = 503
+
+
+class FeatureUnavailable(BackendUnavailable):
+    """The sandbox's backend does not offer what the request needs (``feature``: a screen,
+    say), so this sandbox can never serve it: a client's error (409), unlike the host lacking
+    a backend's runtime. Carries ``backend`` and ``feature``."""
+
+    http_status = 409
 
 
 class PolicyUnavailable(DsecError):

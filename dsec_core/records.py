@@ -627,6 +627,9 @@ class SandboxInfo(_Record):
     devices: tuple[str, ...] = ()
     #: The OCI runtime it runs under ("runc", "runsc"), if its backend has runtimes.
     runtime: str | None = None
+    #: Where to watch its display over VNC (``host:port`` on the node's loopback), if its
+    #: backend has a screen and the node serves it (``DSEC_VM_VNC``).
+    vnc: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -32,6 +32,7 @@ from .api.messages import (
     ExecRequest,
     FileQuery,
     FnCallRequest,
+    InputRequest,
     LeaseRequest,
     MemorySnapshotRequest,
     PackDiffRequest,
@@ -65,6 +66,7 @@ from .errors import (
     UnknownSandbox,
     error_from_wire,
 )
+from .inputs import InputEvent, input_dicts
 from .localnode import ensure_daemon
 from .records import (
     DeviceRequest,
@@ -209,6 +211,11 @@ def _upload_mode(local: Path, mode: int | None) -> int:
         raise InvalidSpec(f"local: {local} is not a regular file", field="local")
     # The sticky bit means nothing on a file and WriteQuery refuses it: leave it behind.
     return mode if mode is not None else st.st_mode & 0o6777
+
+
+def _input_request(events: Sequence[Mapping[str, Any] | InputEvent]) -> InputRequest:
+    """The request of ``events``, checked here (``InvalidSpec`` before anything is sent)."""
+    return InputRequest(tuple(input_dicts(events)))
 
 
 def _retry_timeout(retry: float | None) -> float:
@@ -640,6 +647,16 @@ class Client:
     def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         self._call("remove", query=RemoveQuery(path, recursive), sid=sandbox_id)
 
+    def screenshot(self, sandbox_id: str) -> bytes:
+        """The sandbox's display now, as PNG bytes (a backend with a screen: ``vm``)."""
+        return self._call("screenshot", sid=sandbox_id)
+
+    def input(self, sandbox_id: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
+        """Send input to the sandbox's display in order: records (``dsec_core.inputs``:
+        ``Key("a")``, ``Move(x, y)``, ``Click(x, y)``) or their dicts (``{"type": "click",
+        "x": 200, "y": 140}``); returns how many were sent."""
+        return self._call("input", _input_request(events), sid=sandbox_id).sent
+
 
 class AsyncClient:
     """Asyncio client of a dsec node; the same methods as ``Client``, awaited."""
@@ -984,6 +1001,14 @@ class AsyncClient:
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         await self._call("remove", query=RemoveQuery(path, recursive), sid=sandbox_id)
 
+    async def screenshot(self, sandbox_id: str) -> bytes:
+        """The sandbox's display now, as PNG bytes (a backend with a screen: ``vm``)."""
+        return await self._call("screenshot", sid=sandbox_id)
+
+    async def input(self, sandbox_id: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
+        """Send input to the sandbox's display in order (see ``Client.input``)."""
+        return (await self._call("input", _input_request(events), sid=sandbox_id)).sent
+
 
 # --- handles: a sandbox or session bound to its client -------------------------------------
 
@@ -1000,6 +1025,8 @@ _SANDBOX_METHODS = (
     "list_dir",
     "stat",
     "remove",
+    "screenshot",
+    "input",
     "usage",
     "policies",
     "set_policy",

@@ -16,6 +16,8 @@ from typing import Any
 
 from ..agent.rpc import MAX_OUTPUT
 from ..errors import InvalidSpec
+from ..inputs import MAX_EVENTS as MAX_INPUT_EVENTS
+from ..inputs import input_dicts
 from ..records import (
     DeviceRequest,
     ExecResult,
@@ -55,6 +57,8 @@ __all__ = [
     "FnCallRequest",
     "FnCallResult",
     "InfraEvents",
+    "InputRequest",
+    "InputSent",
     "JudgeCase",
     "JudgeResult",
     "JudgeSpec",
@@ -535,6 +539,31 @@ class PauseQuery(Message):
     can (page cache; its processes' own memory stays where the host has no swap)."""
 
     reclaim: bool = False
+
+
+@dataclass(frozen=True)
+class InputRequest(Message):
+    """Input for a sandbox's display (``Feature.SCREEN``), sent in order: ``{"type": "key",
+    "key": "a"}`` (a QEMU key name: ``a``, ``ret``, ``shift``), ``{"type": "move", "x": 10,
+    "y": 20}``, ``{"type": "click", "x": 10, "y": 20, "button": "left"}`` (button optional:
+    left, middle, right, wheel-up, wheel-down, side, extra). Coordinates are pixels of the
+    screenshot."""
+
+    events: tuple[Mapping[str, Any], ...] = field(
+        metadata=_limits(minItems=1, maxItems=MAX_INPUT_EVENTS)
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.events, AbcSequence) and not isinstance(self.events, str | bytes):
+            checked = input_dicts(self.events)  # InvalidSpec names the bad event and field
+            object.__setattr__(self, "events", tuple(checked))
+
+
+@dataclass(frozen=True)
+class InputSent(Message):
+    """How many input events were sent."""
+
+    sent: int
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def _operation(route: Route, schemas: dict[str, Any]) -> dict[str, Any]:
             "content": {"application/json": {"schema": json_schema(route.body, schemas)}},
         }
     if route.response is RAW:
-        content = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+        content = {route.raw_type: {"schema": {"type": "string", "format": "binary"}}}
     elif route.response is dict:
         content = {"application/json": {"schema": {"type": "object"}}}
     else:

@@ -30,6 +30,8 @@ from .messages import (
     FnCallRequest,
     FnCallResult,
     InfraEvents,
+    InputRequest,
+    InputSent,
     JudgeResult,
     JudgeSpec,
     Killed,
@@ -65,12 +67,14 @@ from .messages import (
 )
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
-__all__ = ["JSON", "MAX_BODY", "OCTETS", "RAW", "ROUTES", "Route", "dump_json"]
+__all__ = ["JSON", "MAX_BODY", "OCTETS", "PNG", "RAW", "ROUTES", "Route", "dump_json"]
 
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
 JSON = "application/json"
 OCTETS = "application/octet-stream"
+#: A ``RAW`` answer that is a PNG image (``Route.raw_type``).
+PNG = "image/png"
 #: The largest JSON body a node reads (``RequestTooLarge`` beyond it): room for an exec's 16 MiB
 #: of stdin in base64 and a command and environment as large as the agent takes. Raw bodies
 #: (file writes) are streamed and have no such limit.
@@ -101,6 +105,8 @@ class Route:
     #: The body's ``timeout`` bounds the call instead: a client waits that long plus a grace
     #: period, and running out of it means the command timed out (``ExecTimeout``).
     exec_timeout: bool = False
+    #: The content type of a ``RAW`` answer.
+    raw_type: str = OCTETS
     params: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +121,7 @@ class Route:
 
     @property
     def response_type(self) -> str:
-        return OCTETS if self.response is RAW else JSON
+        return self.raw_type if self.response is RAW else JSON
 
     # --- the client's side ----------------------------------------------------------------
     #
@@ -425,6 +431,22 @@ ROUTES: dict[str, Route] = {
             Removed,
             query=RemoveQuery,
             idempotent=True,
+        ),
+        Route(
+            "screenshot",
+            "GET",
+            _SB + "/screenshot",
+            "The sandbox's display now, as a PNG image (backends with a screen: vm)",
+            RAW,
+            raw_type=PNG,
+        ),
+        Route(
+            "input",
+            "POST",
+            _SB + "/input",
+            "Send key presses, pointer moves and clicks to the sandbox's display, in order",
+            InputSent,
+            body=InputRequest,
         ),
         Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
         Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),

@@ -555,6 +555,50 @@ def sandbox_resume(sandbox_ids) -> None:
             click.echo(f"resumed {info.id}")
 
 
+@sandbox.command("screenshot")
+@click.argument("sandbox_id")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False), required=True, help="the PNG file to write"
+)
+def sandbox_screenshot(sandbox_id, output) -> None:
+    """Save a sandbox's display as a PNG image (backends with a screen: vm)."""
+    with Client() as client:
+        png = client.screenshot(sandbox_id)
+    Path(output).write_bytes(png)
+    click.echo(f"wrote {output} ({len(png)} bytes)")
+
+
+def _point(value: str, what: str) -> tuple[int, int]:
+    x, sep, y = value.partition(",")
+    if not sep or not x.strip().isdigit() or not y.strip().isdigit():
+        raise click.BadParameter(f"{value!r} is not X,Y in pixels", param_hint=what)
+    return int(x), int(y)
+
+
+@sandbox.command("input")
+@click.argument("sandbox_id")
+@click.option("--click", "clicks", multiple=True, metavar="X,Y", help="click (left) at X,Y")
+@click.option("--key", "keys", multiple=True, metavar="KEY", help="press a key (QEMU name: a, ret)")
+@click.option("--move", "moves", multiple=True, metavar="X,Y", help="move the pointer to X,Y")
+@click.option("--button", default="left", show_default=True, help="the button --click presses")
+def sandbox_input(sandbox_id, clicks, keys, moves, button) -> None:
+    """Send input to a sandbox's display: moves, then clicks, then keys, each in the order
+    given (call it again for another order)."""
+    events: list[dict[str, Any]] = [
+        {"type": "move", "x": x, "y": y} for x, y in (_point(m, "--move") for m in moves)
+    ]
+    events += [
+        {"type": "click", "x": x, "y": y, "button": button}
+        for x, y in (_point(c, "--click") for c in clicks)
+    ]
+    events += [{"type": "key", "key": k} for k in keys]
+    if not events:
+        raise click.UsageError("say what to send: --click X,Y, --key KEY or --move X,Y")
+    with Client() as client:
+        sent = client.input(sandbox_id, events)
+    click.echo(f"sent {sent} event(s)")
+
+
 @sandbox.command("events")
 @click.argument("sandbox_id")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per event")

@@ -43,6 +43,7 @@ from ..errors import (
     AdmissionRejected,
     BackendUnavailable,
     DsecError,
+    FeatureUnavailable,
     InvalidSpec,
     MissingParentLayers,
     PolicyUnavailable,
@@ -54,6 +55,7 @@ from ..errors import (
     UnknownSnapshot,
     UnknownSource,
 )
+from ..inputs import InputEvent, parse_inputs
 from ..layers.store import LayerStore
 from ..linux import sysctl
 from ..linux.files import write_atomic
@@ -162,6 +164,7 @@ class Sandbox:
             qos=spec.qos,
             devices=tuple(d.host_path for d in self.rt.devices),
             runtime=self.backend_state.get("runtime"),
+            vnc=self.backend_state.get("vnc"),
         )
 
     def state_doc(self) -> dict[str, Any]:
@@ -1372,6 +1375,38 @@ class Node:
 
     async def remove(self, sid: str, path: str, recursive: bool = False) -> None:
         await self.agent(sid).remove(path, recursive=recursive)
+
+    # --- the screen (Feature.SCREEN) -------------------------------------------------------
+    def _screen(self, sid: str) -> Sandbox:
+        """A running, unpaused sandbox whose backend has a screen."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if sb.paused:
+            raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
+        if Feature.SCREEN not in sb.backend.features:
+            raise FeatureUnavailable(
+                f"sandbox {sid} has no screen: backend {sb.backend.name!r} does not claim "
+                f"Feature.SCREEN (the 'vm' backend does)",
+                sandbox_id=sid,
+                backend=sb.backend.name,
+                feature=Feature.SCREEN.value,
+            )
+        return sb
+
+    async def screenshot(self, sid: str) -> bytes:
+        """The sandbox's display now, as PNG bytes."""
+        sb = self._screen(sid)
+        return await sb.backend.screenshot(sb.rt, sb.backend_state)
+
+    async def input(self, sid: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
+        """Send key presses, pointer moves and clicks to the sandbox's display, in order
+        (``dsec_core.inputs``: a bad event is ``InvalidSpec`` before any is sent); returns how
+        many were sent."""
+        checked = parse_inputs(events)
+        sb = self._screen(sid)
+        await sb.backend.input(sb.rt, sb.backend_state, checked)
+        return len(checked)
 
     # --- persistence and adoption ---------------------------------------------------------
     def _write_state(self, sb: Sandbox) -> None:

@@ -37,6 +37,7 @@ from ..api.messages import (
     DirListing,
     ErrorBody,
     InfraEvents,
+    InputSent,
     KernelFeature,
     Killed,
     LayerList,
@@ -386,6 +387,16 @@ async def _read_file(node: Node, c: Call) -> bytes | AsyncIterator[bytes]:
             piece = await node.read_file(c.sid, q.path, pos, want)
 
     return pieces()
+
+
+@_handles("screenshot")
+async def _screenshot(node: Node, c: Call) -> bytes:
+    return await node.screenshot(c.sid)
+
+
+@_handles("input")
+async def _input(node: Node, c: Call) -> InputSent:
+    return InputSent(sent=await node.input(c.sid, c.body.events))
 
 
 @_handles("write_file")

@@ -33,6 +33,8 @@ from ..errors import (
     AdmissionRejected,
     DsecError,
     ExecTimeout,
+    FeatureUnavailable,
+    InvalidSpec,
     PluginInvalid,
     SandboxPathError,
     SandboxPaused,
@@ -619,6 +621,21 @@ class BackendConformance:
         sb.kill()
         again = dsec_sandboxes.create(devices=[KIT_DEVICE_KIND])
         assert again.info.devices == (os.fspath(path),)
+
+    def test_screen_or_a_typed_refusal(self, dsec_sandboxes):
+        """With ``Feature.SCREEN`` a screenshot is a PNG and bad input is refused before it is
+        sent; without it both calls are a ``FeatureUnavailable`` naming the feature."""
+        sb = dsec_sandboxes.create()
+        if Feature.SCREEN not in self.backend_class().features:
+            for call in (sb.screenshot, lambda: sb.input([{"type": "key", "key": "a"}])):
+                with pytest.raises(FeatureUnavailable) as e:
+                    call()
+                assert e.value.feature == Feature.SCREEN.value
+            return
+        png = sb.screenshot()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n"), png[:16]
+        with pytest.raises(InvalidSpec):
+            sb.input([{"type": "click", "x": -1, "y": 0}])
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()

@@ -372,15 +372,35 @@ def module_closure(kernel: GuestKernel, names: Iterable[str]) -> list[str]:
                 module=name,
             )
         state[name] = "visiting"
-        for dep in _read_module(name, index[name]).modinfo().get("depends", []):
+        info = _read_module(name, index[name]).modinfo()
+        for dep in info.get("depends", []):
             for dep_name in filter(None, dep.split(",")):
                 visit(_module_name(dep_name.strip()), name)
+        for soft in _soft_pre(info.get("softdep", []), index, builtin):
+            visit(soft, name)
         state[name] = "done"
         order.append(name)
 
     for name in names:
         visit(_module_name(name), None)
     return order
+
+
+def _soft_pre(softdeps: Iterable[str], index: Mapping[str, Path], builtin: set[str]) -> list[str]:
+    """The modules a module's ``softdep=pre: ...`` asks for first, where one can be named
+    without modprobe's alias table: the module of that name, else its ``_generic`` one
+    (``libcrc32c`` wants ``crc32c``: ``crc32c_generic``, which any CPU runs; without it the
+    generic kernel's libcrc32c fails to load). The rest are left out: soft dependencies are
+    optional."""
+    found = []
+    for line in softdeps:
+        pre = line.split("post:")[0].split("pre:")[1:] if "pre:" in line else []
+        for word in " ".join(pre).split():
+            for candidate in (_module_name(word), _module_name(word) + "_generic"):
+                if candidate in index or candidate in builtin:
+                    found.append(candidate)
+                    break
+    return found
 
 
 # ---- the initramfs -----------------------------------------------------------------------------

@@ -138,7 +138,7 @@ class VmConfig:
     accel: str = "tcg"
     drives: tuple[Drive, ...] = ()
     pmems: tuple[Pmem, ...] = ()
-    display: bool = False  # a std VGA display and a virtio tablet and keyboard
+    display: bool = False  # a virtio-gpu display and a virtio tablet (q35 only)
     vnc: int | None = None  # a VNC display number, on 127.0.0.1 only
     incoming: Path | None = None  # start from this saved state (QMP migrate to a file)
     name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
@@ -197,13 +197,12 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         "-device",
         "virtserialport,chardev=agent,name=dsec.agent",
     ]
-    if QBOOT.exists() and not cfg.display:  # SeaBIOS's VGA set-up is what a display needs
+    if QBOOT.exists():  # virtio-gpu needs no VGA BIOS: qboot serves displays too
         argv += ["-bios", os.fspath(QBOOT)]
     if not cfg.display:
         argv += ["-display", "none", "-vga", "none"]
     else:
-        argv += ["-vga", "std", "-device", "virtio-tablet-pci", "-device", "virtio-keyboard-pci"]
-        argv += ["-display", "none"] if cfg.vnc is None else ["-vnc", f"127.0.0.1:{cfg.vnc}"]
+        argv += _display_args(cfg)
     for i, d in enumerate(cfg.drives):
         ro = ",readonly=on" if d.readonly else ""
         argv += [
@@ -222,6 +221,20 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
     if cfg.incoming is not None:
         argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]
     return argv + list(cfg.extra)
+
+
+def _display_args(cfg: VmConfig) -> list[str]:
+    """A virtio-gpu card and a virtio tablet (absolute pointer: a click lands on the pixel
+    asked for) on q35; keys go to q35's own PS/2 keyboard, built into the guest kernel.
+    ``-nodefaults`` (above) matters: without it q35 adds a standard VGA card too and
+    ``screendump`` shows that card's text console. The screen is seen over QMP
+    (``screendump``) and, if ``cfg.vnc`` is set, over VNC on loopback only."""
+    if cfg.machine == "microvm":
+        raise BackendUnavailable("a display needs a PCI machine (q35)", machine=cfg.machine)
+    argv = ["-vga", "none", "-device", "virtio-gpu-pci", "-device", "virtio-tablet-pci"]
+    if cfg.vnc is None:
+        return [*argv, "-display", "none"]
+    return [*argv, "-display", "none", "-vnc", f"127.0.0.1:{int(cfg.vnc)}"]
 
 
 def quoted(path: Path) -> str:

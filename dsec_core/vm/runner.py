@@ -10,10 +10,10 @@ socket, its log and the guest's console. The writable disk (``rt.disk``) gets an
 the host. Stopping kills both processes and removes the cgroups; the node removes the
 directories.
 
-Subclasses set ``machine`` (and ``display``); ``layers_over`` says how the layers reach the
-guest: ``"pmem"`` (virtio-pmem, mounted with DAX: guests share the host's page cache of
-each layer; needs a q35 machine here, see ``qemu``) or ``"blk"`` (read-only virtio-blk, each
-guest caching what it reads).
+Subclasses set ``machine`` (and ``display``, ``vnc_display``); ``layers_over`` says how the
+layers reach the guest: ``"pmem"`` (virtio-pmem, mounted with DAX: guests share the host's
+page cache of each layer; needs a q35 machine here, see ``qemu``) or ``"blk"`` (read-only
+virtio-blk, each guest caching what it reads).
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ GUEST_MODULES = (
     "nd_pmem",
     "erofs",
     "overlay",
+    "ext4",  # the writable disk's (built into the cloud kernel, a module in the generic one)
 )
 #: Kernel command line: a quiet boot without probing what a dsec guest never has.
 CMDLINE = (
@@ -236,7 +237,13 @@ class QemuBackend(Backend):
             pmems=tuple(pmems),
             display=self.display,
             name=f"dsec-{rt.id}",
+            vnc=self.vnc_display(rt),
         )
+
+    def vnc_display(self, rt: SandboxRuntime) -> int | None:
+        """The VNC display number sandbox ``rt`` serves its screen on (loopback only), or
+        None for none (the default; a display backend picks a free one when asked)."""
+        return None
 
     # --- start ---------------------------------------------------------------------------
     async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
@@ -379,6 +386,8 @@ class QemuBackend(Backend):
             if incoming is not None:
                 cfg = dataclasses.replace(cfg, incoming=incoming)
             state.update(machine=cfg.machine, accel=cfg.accel)
+            if cfg.vnc is not None:
+                state["vnc"] = f"127.0.0.1:{5900 + cfg.vnc}"
             rt.agent_socket.unlink(missing_ok=True)
             listener.bind(os.fspath(rt.agent_socket))
             listener.listen(1024)
@@ -630,7 +639,7 @@ class QemuBackend(Backend):
         return SandboxUsage(memory=_rss(pid), cpu_seconds=_cpu_seconds(pid))
 
     def describe(self, state: Mapping[str, Any]) -> str:
-        return json.dumps({k: state.get(k) for k in ("machine", "accel")})
+        return json.dumps({k: state.get(k) for k in ("machine", "accel", "vnc")})
 
 
 async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:

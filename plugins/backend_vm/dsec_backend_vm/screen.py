@@ -1,6 +1,6 @@
 """A VM's screen and input over QMP: ``screendump_png`` takes a screenshot as PNG bytes, and
-input requests (``{"type": "key"|"move"|"click", ...}``) are parsed into typed ``InputEvent``
-records and sent as ``input-send-event`` batches.
+typed input events (``dsec_core.inputs``: key, move, click) are sent as ``input-send-event``
+batches.
 
 QEMU 7.1 and later write PNG themselves (``screendump`` with ``format: png``, when built with
 libpng, as Debian's 7.2 is); an older or PNG-less QEMU writes PPM, which ``ppm_to_png`` turns
@@ -9,18 +9,16 @@ into PNG here with zlib alone.
 
 from __future__ import annotations
 
-import re
 import struct
 import tempfile
 import zlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from qemu.qmp import ExecuteError, QMPClient
+from qemu.qmp import ExecuteError
 
-from dsec_core.errors import InvalidSpec
+from dsec_core.errors import InvalidSpec, SandboxError
+from dsec_core.inputs import BUTTONS, Click, InputEvent, Key, Move, parse_input, parse_inputs
 
 __all__ = [
     "ABS_MAX",
@@ -37,23 +35,34 @@ __all__ = [
     "parse_inputs",
     "png_size",
     "ppm_to_png",
+    "screen_size",
     "screendump_png",
     "send_input",
 ]
 
 #: QEMU's absolute axes run 0..ABS_MAX whatever the screen's size.
 ABS_MAX = 0x7FFF
-#: QEMU's ``InputButton`` names.
-BUTTONS = ("left", "middle", "right", "wheel-up", "wheel-down", "side", "extra")
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_QCODE = re.compile(r"[a-z0-9_]{1,32}")
+
+
+class Executes(Protocol):
+    """What the helpers here talk to: a ``qemu.qmp.QMPClient`` or ``dsec_core.vm.qmp.Qmp``."""
+
+    async def execute(self, cmd: str, arguments: dict[str, Any] | None = None) -> Any: ...
+
+
+def _refused(e: Exception) -> bool:
+    """Whether ``e`` is QEMU refusing a command (not the connection failing): a
+    ``qemu.qmp.ExecuteError`` from a bare client, a ``SandboxError`` with ``qmp_class`` from
+    ``dsec_core.vm.qmp``."""
+    return isinstance(e, ExecuteError) or (isinstance(e, SandboxError) and "qmp_class" in e.context)
 
 
 # ---- screenshots -------------------------------------------------------------------------------
 
 
-async def screendump_png(qmp: QMPClient, *, head: int | None = None) -> bytes:
+async def screendump_png(qmp: Executes, *, head: int | None = None) -> bytes:
     """A screenshot of the VM's display as PNG bytes (of ``head`` of a multi-head card if
     given). QEMU writes it to a file of ours; PPM is the fallback when QEMU refuses PNG."""
     with tempfile.TemporaryDirectory(prefix="dsec-screen-") as tmp:
@@ -62,11 +71,25 @@ async def screendump_png(qmp: QMPClient, *, head: int | None = None) -> bytes:
         try:
             await qmp.execute("screendump", {"filename": str(png), "format": "png", **args})
             return png.read_bytes()
-        except ExecuteError:
-            pass  # no "format" before QEMU 7.1, or built without libpng
+        except (ExecuteError, SandboxError) as e:
+            if not _refused(e):  # the connection failed, not the format
+                raise
+            # QEMU refused "format" (before 7.1, or built without libpng): PPM below
         ppm = Path(tmp) / "screen.ppm"
         await qmp.execute("screendump", {"filename": str(ppm), **args})
         return ppm_to_png(ppm.read_bytes())
+
+
+async def screen_size(qmp: Executes, *, head: int | None = None) -> tuple[int, int]:
+    """``(width, height)`` of the VM's display now: QMP reports no mode, so this reads the
+    header of an uncompressed PPM screendump (cheaper than a PNG's compression)."""
+    with tempfile.TemporaryDirectory(prefix="dsec-screen-") as tmp:
+        ppm = Path(tmp) / "screen.ppm"
+        args: dict[str, Any] = {} if head is None else {"head": head}
+        await qmp.execute("screendump", {"filename": str(ppm), **args})
+        with open(ppm, "rb") as f:
+            width, height, _, _ = _ppm_header(f.read(256))
+        return width, height
 
 
 def _ppm_header(data: bytes) -> tuple[int, int, int, int]:
@@ -135,99 +158,6 @@ def png_size(png: bytes) -> tuple[int, int]:
 # ---- input -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Key:
-    """Press and release a key, named by its QEMU ``QKeyCode`` (``a``, ``ret``, ``shift``)."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Move:
-    """Move the pointer to pixel (``x``, ``y``)."""
-
-    x: int
-    y: int
-
-
-@dataclass(frozen=True)
-class Click:
-    """Move the pointer to pixel (``x``, ``y``), then press and release ``button``."""
-
-    x: int
-    y: int
-    button: str = "left"
-
-
-InputEvent = Key | Move | Click
-
-_FIELDS: dict[str, tuple[type, frozenset[str], frozenset[str]]] = {
-    # type: (record, required fields, optional fields)
-    "key": (Key, frozenset({"key"}), frozenset()),
-    "move": (Move, frozenset({"x", "y"}), frozenset()),
-    "click": (Click, frozenset({"x", "y"}), frozenset({"button"})),
-}
-
-
-def _coordinate(spec: Mapping[str, Any], name: str) -> int:
-    value = spec[name]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidSpec(f"input {name} must be a non-negative integer, not {value!r}", field=name)
-    return value
-
-
-def parse_input(spec: Mapping[str, Any]) -> InputEvent:
-    """One input request as its record. ``{"type": "key", "key": "a"}``, ``{"type": "move",
-    "x": 10, "y": 20}``, ``{"type": "click", "x": 10, "y": 20, "button": "left"}`` (button
-    optional). A wrong type, a missing or unknown field, a bad key name, a negative or
-    non-integer coordinate or an unknown button is an ``InvalidSpec`` naming it. Whether a
-    point is on the screen is known only when it is sent (``send_input``)."""
-    if not isinstance(spec, Mapping):
-        raise InvalidSpec(f"an input event is an object, not {type(spec).__name__}")
-    kind = spec.get("type")
-    if not isinstance(kind, str) or kind not in _FIELDS:
-        raise InvalidSpec(
-            f"input type must be one of {', '.join(_FIELDS)}, not {kind!r}", field="type"
-        )
-    _record, required, optional = _FIELDS[kind]
-    given = set(spec) - {"type"}
-    if missing := sorted(required - given):
-        raise InvalidSpec(f"{kind} input needs {', '.join(missing)}", field=missing[0])
-    if unknown := sorted(given - required - optional):
-        raise InvalidSpec(f"{kind} input has unknown field {unknown[0]!r}", field=unknown[0])
-    if kind == "key":
-        key = spec["key"]
-        if not isinstance(key, str) or not _QCODE.fullmatch(key):
-            raise InvalidSpec(
-                f"key must be a QEMU key name such as 'a', 'ret' or 'shift', not {key!r}",
-                field="key",
-            )
-        return Key(key)
-    x, y = _coordinate(spec, "x"), _coordinate(spec, "y")
-    if kind == "move":
-        return Move(x, y)
-    button = spec.get("button", "left")
-    if button not in BUTTONS:
-        raise InvalidSpec(
-            f"button must be one of {', '.join(BUTTONS)}, not {button!r}", field="button"
-        )
-    return Click(x, y, button)
-
-
-def parse_inputs(specs: Sequence[Mapping[str, Any]]) -> list[InputEvent]:
-    """A list of input requests as records; the first bad one is an ``InvalidSpec`` that says
-    which (``index``)."""
-    if not isinstance(specs, Sequence) or isinstance(specs, str | bytes):
-        raise InvalidSpec("input events come as a list")
-    events = []
-    for i, spec in enumerate(specs):
-        try:
-            events.append(parse_input(spec))
-        except InvalidSpec as e:
-            raise InvalidSpec(f"input event {i}: {e.message}", index=i, **e.context) from e
-    return events
-
-
 def key_event(qcode: str, down: bool) -> dict[str, Any]:
     """An ``input-send-event`` key event for QEMU key name ``qcode``."""
     return {"type": "key", "data": {"down": down, "key": {"type": "qcode", "data": qcode}}}
@@ -270,13 +200,13 @@ def event_batches(event: InputEvent, width: int, height: int) -> list[list[dict[
     raise TypeError(f"not an input event: {event!r}")
 
 
-async def send_input(qmp: QMPClient, event: InputEvent, screen: tuple[int, int]) -> None:
+async def send_input(qmp: Executes, event: InputEvent, screen: tuple[int, int]) -> None:
     """Send ``event`` to the VM, pointer positions scaled to ``screen`` (width, height: take it
     from a screenshot, ``png_size``). A key QEMU does not know is an ``InvalidSpec``."""
     for batch in event_batches(event, *screen):
         try:
             await qmp.execute("input-send-event", {"events": batch})
-        except ExecuteError as e:
-            if isinstance(event, Key):
+        except (ExecuteError, SandboxError) as e:
+            if isinstance(event, Key) and _refused(e):
                 raise InvalidSpec(f"QEMU refused key {event.key!r}: {e}", field="key") from e
             raise
