@@ -60,6 +60,7 @@ TARGETS = {  # figure: (limit, "le" for at most)
 }
 VM_MEMORY = "256M"  # every microVM of the memory part, pmem and blk alike
 FILE_BYTES = 512 << 10
+STOPS = (signal.SIGINT, signal.SIGTERM)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -93,6 +94,45 @@ def phase(what: str, since: float) -> float:
     return now
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block is done (a node half started or half stopped
+    would leave its daemon, mounts or home behind), then interrupt as usual."""
+    caught: list[int] = []
+    saved = {s: signal.signal(s, lambda n, _f: caught.append(n)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def bench_node(prefix: str) -> Iterator[KitNode]:
+    """``running_kit_node`` whose start and stop a signal does not cut short."""
+    running = running_kit_node(prefix)
+    with signals_held():
+        node = running.__enter__()
+    try:
+        yield node
+    except BaseException:
+        with signals_held():
+            if not running.__exit__(*sys.exc_info()):
+                raise
+    else:
+        with signals_held():
+            running.__exit__(None, None, None)
+
+
+def create(client: dsec.Client, spec: dict) -> dsec.Sandbox:
+    """``client.create`` that a signal does not cut short: an interrupted call would leave the
+    daemon making a sandbox that the node's stop does not yet list, and so does not kill."""
+    with signals_held():
+        return client.create(**spec)
+
+
 def private_vm_cache(scratch: Path) -> Path:
     """A VM cache under ``scratch`` sharing the slow-to-make boot files of ``DSEC_VM_CACHE``
     (when set) but with pmem images and templates of its own, removed with ``scratch``."""
@@ -114,7 +154,7 @@ def create_rounds(
     first, each = [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        sb = client.create(**spec)
+        sb = create(client, spec)
         try:
             sb.exec("true").check()
             first.append(time.perf_counter() - t0)
@@ -146,7 +186,7 @@ def latency(node: KitNode, layers: list[str], rounds: int, execs: int) -> dict[s
             # saves its shape's template, timed apart
             t0 = time.perf_counter()
             try:
-                client.create(**spec).kill()
+                create(client, spec).kill()
             except dsec.DsecError as e:
                 out[name] = {"skipped": f"create failed: {e}"}
                 continue
@@ -234,14 +274,14 @@ def idle_vms_memory(node: KitNode, layers: list[str], n: int, settle: float) -> 
     spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
     read = "cat $(find /opt/bench -type f) > /dev/null"
     with node.client() as client:
-        client.create(**spec).kill()  # the shape's template (if none yet), before the measure
+        create(client, spec).kill()  # the shape's template (if none yet), before the measure
         drop_caches()
         time.sleep(1)
         before, others = used(), qemu_pids()
         vms = []
         try:
             for _ in range(n):
-                sb = client.create(**spec)
+                sb = create(client, spec)
                 vms.append(sb)
                 sb.exec(["sh", "-c", read]).check()
             time.sleep(settle)  # idle: let QEMU's threads and the guests settle
@@ -302,7 +342,7 @@ def main() -> None:
         mem = {}
         # the latency node is the pmem variant's node too: one cold boot fewer
         with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="pmem", DSEC_VM_SNAPSHOT_START="1"):
-            with running_kit_node("dsec-bench-vm-") as node:
+            with bench_node("dsec-bench-vm-") as node:
                 layers = with_data_layer(node, tree)
                 t = phase("node, layers", started)
                 lat = latency(node, layers, rounds, execs)
@@ -310,14 +350,14 @@ def main() -> None:
                 mem["pmem"] = idle_vms_memory(node, layers, n_vms, settle)
                 t = phase("memory, pmem", t)
         with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="blk", DSEC_VM_SNAPSHOT_START="1"):
-            with running_kit_node("dsec-bench-vm-blk-") as node:
+            with bench_node("dsec-bench-vm-blk-") as node:
                 t = phase("node stopped; node started", t)
                 mem["blk"] = idle_vms_memory(node, with_data_layer(node, tree), n_vms, settle)
                 t = phase("memory, blk", t)
         boot: list[float] = []
         if boots:
             with environment(DSEC_VM_CACHE=cache, DSEC_VM_SNAPSHOT_START="0"):
-                with running_kit_node("dsec-bench-vm-boot-") as node, node.client() as client:
+                with bench_node("dsec-bench-vm-boot-") as node, node.client() as client:
                     layers = with_data_layer(node, tree)
                     spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
                     boot, _ = create_rounds(client, spec, boots, 0)
