@@ -1,0 +1,471 @@
+#!/usr/bin/env python3
+"""Sandboxes as VMs against containers, in one run: create -> first exec, exec latency, and the
+host memory of idle microVMs with their layers over virtio-pmem (DAX) against virtio-blk.
+
+1. Latency, one node (layers over pmem, fast start on), the kit's busybox layer ``kit-base@1``:
+   create -> first ``true`` p50/p90 for the container backend under runc (the baseline) and
+   gVisor (runsc), the microVM (fast start: the run's first VM boots and is saved as its shape's
+   template, reported apart as the cold boot; later ones load it) and the full VM backend
+   ``vm`` when the node has it (its row says so when not); then ``true`` in a running sandbox of
+   each, many rounds.
+2. Boot every time: a node with ``DSEC_VM_SNAPSHOT_START=0``, create -> first exec p50.
+3. Memory: a ``toolkit`` layer of incompressible files (48 MB; 16 MB with --quick) built in
+   the bench; for pmem and then blk (``DSEC_VM_LAYERS``, read by the daemon at its start, so a
+   node each), the same N idle microVMs (8; 3 with --quick) with the same RAM each ``cat`` every
+   file of the layer to /dev/null and are then left idle. Host memory is the rise of
+   MemTotal - MemAvailable (/proc/meminfo) from before the N start to when all are idle, page
+   cache dropped before each variant; what the VMs' memory cgroups hold (anonymous and mapped
+   file pages, a page shared by VMs charged once) and the sum of the QEMU processes' PSS are
+   the others. ``pmem_vs_blk_host_mem_ratio`` is the cgroups' figure: on a shared host the
+   system-wide one also counts whatever other processes did meanwhile (the table says when
+   other QEMUs ran; it is in the JSON as ``pmem_vs_blk_system_used_ratio``). Each variant's
+   template VM is made (and killed) before the drop, so both count only the N.
+
+    python bench/vm.py [--quick]
+
+The VMs use a private copy of the VM cache (``DSEC_VM_CACHE``'s kernels, initramfs and
+vmlinux linked, its own pmem images and templates), so the run leaves nothing in the shared
+cache. Everything it makes (sandboxes, node daemons, homes, that cache) is removed at the end,
+on Ctrl-C and SIGTERM too. --quick takes under a minute: fewer rounds, fewer and smaller VMs,
+no boot-every-time row; it says so. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import dsec
+from dsec_core.backend import cgroup_path
+from dsec_core.layers.build import build_layer
+from dsec_core.layers.store import LayerStore
+from dsec_core.linux.cgroups import CGROUP_ROOT
+from dsec_core.testing import KitNode, running_kit_node
+
+TARGETS = {  # figure: (limit, "le" for at most)
+    "pmem_vs_blk_host_mem_ratio": 0.7,
+    "gvisor_create_p50_ms": 300.0,
+    "microvm_exec_p50_ms": 20.0,
+}
+VM_MEMORY = "256M"  # every microVM of the memory part, pmem and blk alike
+FILE_BYTES = 512 << 10
+STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def ms(v: float) -> float:
+    return round(v * 1000, 1)
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """``values`` in os.environ (which a node daemon started meanwhile inherits), then back."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def phase(what: str, since: float) -> float:
+    """Say on stderr that ``what`` is done and how long it took; returns now."""
+    now = time.perf_counter()
+    print(f"bench: {what} ({now - since:.1f} s)", file=sys.stderr, flush=True)
+    return now
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block is done (a node half started or half stopped
+    would leave its daemon, mounts or home behind), then interrupt as usual."""
+    caught: list[int] = []
+    saved = {s: signal.signal(s, lambda n, _f: caught.append(n)) for s in STOPS}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def bench_node(prefix: str) -> Iterator[KitNode]:
+    """``running_kit_node`` whose start and stop a signal does not cut short."""
+    running = running_kit_node(prefix)
+    with signals_held():
+        node = running.__enter__()
+    try:
+        yield node
+    except BaseException:
+        with signals_held():
+            if not running.__exit__(*sys.exc_info()):
+                raise
+    else:
+        with signals_held():
+            running.__exit__(None, None, None)
+
+
+def create(client: dsec.Client, spec: dict) -> dsec.Sandbox:
+    """``client.create`` that a signal does not cut short: an interrupted call would leave the
+    daemon making a sandbox that the node's stop does not yet list, and so does not kill."""
+    with signals_held():
+        return client.create(**spec)
+
+
+def private_vm_cache(scratch: Path) -> Path:
+    """A VM cache under ``scratch`` sharing the slow-to-make boot files of ``DSEC_VM_CACHE``
+    (when set) but with pmem images and templates of its own, removed with ``scratch``."""
+    cache = scratch / "vm-cache"
+    cache.mkdir()
+    shared = os.environ.get("DSEC_VM_CACHE")
+    if shared:
+        for part in ("kernels", "initramfs", "vmlinux"):
+            (Path(shared) / part).mkdir(parents=True, exist_ok=True)
+            (cache / part).symlink_to(Path(shared) / part)
+    return cache
+
+
+# --- latency ----------------------------------------------------------------------------------
+def create_rounds(
+    client: dsec.Client, spec: dict, rounds: int, execs: int
+) -> tuple[list[float], list[float]]:
+    """``rounds`` times: create, first ``true`` (timed together), ``execs`` more (each timed)."""
+    first, each = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        sb = create(client, spec)
+        try:
+            sb.exec("true").check()
+            first.append(time.perf_counter() - t0)
+            for _ in range(execs):
+                t = time.perf_counter()
+                sb.exec("true").check()
+                each.append(time.perf_counter() - t)
+        finally:
+            sb.kill()
+    return first, each
+
+
+def latency(node: KitNode, layers: list[str], rounds: int, execs: int) -> dict[str, dict]:
+    common = dict(layers=layers, memory=VM_MEMORY)
+    kinds = {
+        "container": dict(common, backend="container", runtime="runc"),
+        "gvisor": dict(common, backend="container", runtime="runsc"),
+        "microvm": dict(common, backend="microvm"),
+        "vm": dict(common, backend="vm"),
+    }
+    out: dict[str, dict] = {}
+    with node.client() as client:
+        have = set(client.node_info()["backends"])
+        for name, spec in kinds.items():
+            if spec["backend"] not in have:
+                out[name] = {"skipped": f"backend {spec['backend']!r} is not registered"}
+                continue
+            # warm: the layer mounted, runsc in page cache; for a VM, the cold boot that
+            # saves its shape's template, timed apart
+            t0 = time.perf_counter()
+            try:
+                create(client, spec).kill()
+            except dsec.DsecError as e:
+                out[name] = {"skipped": f"create failed: {e}"}
+                continue
+            warm = time.perf_counter() - t0
+            first, each = create_rounds(client, spec, rounds, execs)
+            out[name] = {"first": first, "exec": each, "warm": warm}
+    return out
+
+
+# --- memory -----------------------------------------------------------------------------------
+def data_tree(root: Path, total: int) -> Path:
+    """``total`` bytes of incompressible files (a fixed seed), like a toolkit's libraries."""
+    rng = random.Random(11)
+    tree = root / "data"
+    for i in range(total // FILE_BYTES):
+        d = tree / "opt" / "bench" / f"d{i // 16:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:03d}.so").write_bytes(rng.randbytes(FILE_BYTES))
+    return tree
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, rest = line.split(":", 1)
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def used() -> int:
+    m = meminfo()
+    return m["MemTotal"] - m["MemAvailable"]
+
+
+def pss(pid: int) -> dict[str, int]:
+    """``Pss``, ``Pss_Anon`` and ``Pss_File`` of ``pid`` in bytes (zero where absent)."""
+    out = dict.fromkeys(("Pss", "Pss_Anon", "Pss_File"), 0)
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def qemu_pids() -> set[int]:
+    """Every QEMU system emulator on the host (ours and anyone else's)."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().startswith("qemu-system"):
+                    found.add(int(pid))
+    return found
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cgroup_held(sandbox_id: str) -> int:
+    """What the sandbox's memory cgroup (v1) holds in anonymous and mapped file pages: a page
+    is charged to one cgroup, so page cache shared by VMs counts once in a sum; unmapped cache
+    (the template's state file read at load) does not count."""
+    stat = CGROUP_ROOT / "memory" / cgroup_path(sandbox_id) / "memory.stat"
+    try:
+        fields = dict(line.split() for line in stat.read_text().splitlines())
+    except OSError:
+        return 0
+    return int(fields.get("rss", 0)) + int(fields.get("mapped_file", 0))
+
+
+def with_data_layer(node: KitNode, tree: Path) -> list[str]:
+    """The kit's base and a toolkit layer of ``tree`` built into the node's store."""
+    store = LayerStore(node.config.layer_dir)
+    data = build_layer(tree, name="bench-data", version="1", kind="toolkit", store=store)
+    return [node.layer.ref, data.ref]
+
+
+def idle_vms_memory(node: KitNode, layers: list[str], n: int, settle: float) -> dict:
+    """Start ``n`` microVMs over ``layers``, each reading all of the data layer; the host
+    memory they add once idle, and what the guests say about their mounts and page cache."""
+    spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
+    read = "cat $(find /opt/bench -type f) > /dev/null"
+    with node.client() as client:
+        create(client, spec).kill()  # the shape's template (if none yet), before the measure
+        drop_caches()
+        time.sleep(1)
+        before, others = used(), qemu_pids()
+        vms = []
+        try:
+            for _ in range(n):
+                sb = create(client, spec)
+                vms.append(sb)
+                sb.exec(["sh", "-c", read]).check()
+            time.sleep(settle)  # idle: let QEMU's threads and the guests settle
+            after = used()
+            pids = [client.get(sb.id).info.pid for sb in vms]
+            others |= qemu_pids() - set(pids)
+            rollups = [pss(p) for p in pids if p]
+            held = sum(cgroup_held(sb.id) for sb in vms)
+            probe = (
+                vms[0]
+                .exec(
+                    [
+                        "sh",
+                        "-c",
+                        "grep erofs /proc/mounts; grep -E '^(Cached|MemFree):' /proc/meminfo",
+                    ]
+                )
+                .stdout.decode()
+            )
+        finally:
+            for sb in vms:
+                with contextlib.suppress(dsec.DsecError):
+                    sb.kill()
+    guest_cached = next(
+        (int(line.split()[1]) << 10 for line in probe.splitlines() if line.startswith("Cached:")),
+        0,
+    )
+    return {
+        "host_used_bytes": after - before,
+        "cgroup_bytes": held,
+        "other_qemus": len(others),
+        "qemu_pss_bytes": sum(r["Pss"] for r in rollups),
+        "qemu_pss_anon_bytes": sum(r["Pss_Anon"] for r in rollups),
+        "qemu_pss_file_bytes": sum(r["Pss_File"] for r in rollups),
+        "guest_cached_bytes": guest_cached,
+        "guest_mounts": [line for line in probe.splitlines() if "erofs" in line],
+    }
+
+
+# --- the run ----------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and VMs (< 1 min)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench: needs root")
+    if args.quick:
+        rounds, execs, boots, n_vms, data_mb, settle = 3, 6, 0, 3, 16, 1.0
+    else:
+        rounds, execs, boots, n_vms, data_mb, settle = 20, 5, 5, 8, 48, 3.0
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
+    scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-vm-", dir="/var/tmp"))
+    started = time.perf_counter()
+    try:
+        cache = os.fspath(private_vm_cache(scratch))
+        tree = data_tree(scratch, data_mb << 20)
+        mem = {}
+        # the latency node is the pmem variant's node too: one cold boot fewer
+        with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="pmem", DSEC_VM_SNAPSHOT_START="1"):
+            with bench_node("dsec-bench-vm-") as node:
+                layers = with_data_layer(node, tree)
+                t = phase("node, layers", started)
+                lat = latency(node, layers, rounds, execs)
+                t = phase("latency", t)
+                mem["pmem"] = idle_vms_memory(node, layers, n_vms, settle)
+                t = phase("memory, pmem", t)
+        with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="blk", DSEC_VM_SNAPSHOT_START="1"):
+            with bench_node("dsec-bench-vm-blk-") as node:
+                t = phase("node stopped; node started", t)
+                mem["blk"] = idle_vms_memory(node, with_data_layer(node, tree), n_vms, settle)
+                t = phase("memory, blk", t)
+        boot: list[float] = []
+        if boots:
+            with environment(DSEC_VM_CACHE=cache, DSEC_VM_SNAPSHOT_START="0"):
+                with bench_node("dsec-bench-vm-boot-") as node, node.client() as client:
+                    layers = with_data_layer(node, tree)
+                    spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
+                    boot, _ = create_rounds(client, spec, boots, 0)
+                    t = phase("boot every time", t)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    took = time.perf_counter() - started
+    report(args.quick, lat, boot, mem, rounds, execs, n_vms, data_mb, took)
+
+
+def report(
+    quick: bool,
+    lat: dict[str, dict],
+    boot: list[float],
+    mem: dict[str, dict],
+    rounds: int,
+    execs: int,
+    n_vms: int,
+    data_mb: int,
+    took: float,
+) -> None:
+    fig: dict[str, object] = {"quick": quick}
+    names = {"container": "container (runc)", "gvisor": "gVisor (runsc)"}
+    names |= {"microvm": "microVM (fast start)", "vm": "full VM"}
+    mode = "--quick: fewer rounds, fewer and smaller VMs, no boot-every-time row"
+    print(
+        f"\n{mode if quick else 'full run'}"
+        f" ({took:.0f} s); create -> first exec over {rounds} rounds, exec `true` over "
+        f"{rounds * execs}\n"
+    )
+    print(f"  {'':22} {'create p50':>11} {'create p90':>11} {'exec p50':>9} {'vs runc':>8}")
+    base = statistics.median(lat["container"]["first"])
+    for name, r in lat.items():
+        if "skipped" in r:
+            print(f"  {names[name]:22} skipped: {r['skipped']}")
+            continue
+        p50, p90, ex = (
+            statistics.median(r["first"]),
+            pct(r["first"], 0.9),
+            statistics.median(r["exec"]),
+        )
+        print(
+            f"  {names[name]:22} {ms(p50):>8} ms {ms(p90):>8} ms {ms(ex):>6} ms {p50 / base:>7.1f}x"
+        )
+        fig[f"{name}_create_p50_ms"] = ms(p50)
+        fig[f"{name}_create_p90_ms"] = ms(p90)
+        fig[f"{name}_exec_p50_ms"] = ms(ex)
+        if name in ("microvm", "vm"):
+            fig[f"{name}_cold_boot_s"] = round(r["warm"], 2)
+            fig[f"{name}_create_p50_s"] = round(p50, 3)
+    if "microvm_cold_boot_s" in fig:
+        print(
+            f"  {'microVM first (cold)':22} {fig['microvm_cold_boot_s']:>9} s   "
+            "boot + template save"
+        )
+    if boot:
+        fig["microvm_boot_create_p50_s"] = round(statistics.median(boot), 3)
+        line = f"{fig['microvm_boot_create_p50_s']:>9} s   p50 of {len(boot)}, snapshot start off"
+        print(f"  {'microVM boot each time':22} {line}")
+
+    def ratio(key: str) -> float | None:
+        pm, bl = mem["pmem"][key], mem["blk"][key]
+        return round(pm / bl, 3) if pm > 0 and bl > 0 else None
+
+    mb = lambda v: f"{v / 1e6:.0f} MB"  # noqa: E731
+    print(
+        f"\n{n_vms} idle microVMs of {VM_MEMORY} each having read all of a "
+        f"{mb(data_mb << 20)} layer: host memory they added\n"
+    )
+    head = ("system used", "cgroups", "QEMU PSS", "anon", "file", "guest Cached")
+    print(f"  {'':18} " + " ".join(f"{h:>12}" for h in head))
+    keys = ("host_used_bytes", "cgroup_bytes", "qemu_pss_bytes")
+    keys += ("qemu_pss_anon_bytes", "qemu_pss_file_bytes", "guest_cached_bytes")
+    for over, r in mem.items():
+        print(f"  {'layers over ' + over:18} " + " ".join(f"{mb(r[k]):>12}" for k in keys))
+    print(f"  {'pmem / blk':18} " + " ".join(f"{ratio(k)!s:>12}" for k in keys[:3]))
+    for over, r in mem.items():
+        print(f"  {over} guest: {'; '.join(r['guest_mounts'])}")
+    others = max(r["other_qemus"] for r in mem.values())
+    if others:
+        print(
+            f"  note: {others} QEMU processes of others ran on this host during a measure; the "
+            "system-wide figure counts whatever they did (the cgroup and PSS ones do not)"
+        )
+    print(
+        "  system used: rise of MemTotal - MemAvailable, page cache dropped before; cgroups: "
+        "anon + mapped file pages\n  charged to the VMs' memory cgroups (a shared page once); "
+        "QEMU PSS: shared pages split; guest Cached: one guest's"
+    )
+    for over, r in mem.items():
+        for k in ("host_used_bytes", "cgroup_bytes", "qemu_pss_bytes", "guest_cached_bytes"):
+            fig[f"{over}_{k.removesuffix('_bytes')}_bytes"] = r[k]
+    fig["pmem_vs_blk_host_mem_ratio"] = ratio("cgroup_bytes")
+    fig["pmem_vs_blk_system_used_ratio"] = ratio("host_used_bytes")
+    fig["pmem_vs_blk_pss_ratio"] = ratio("qemu_pss_bytes")
+    fig["other_qemus_during_memory"] = others
+    fig["idle_vms"], fig["layer_mb"] = n_vms, data_mb
+    fig["microvm_create_p50_s"] = fig.get("microvm_create_p50_s")
+
+    print("\ntargets")
+    for key, limit in TARGETS.items():
+        value = fig.get(key)
+        verdict = "n/a" if value is None else ("pass" if value <= limit else "FAIL")
+        print(f"  {key:30} {value!s:>8}  <= {limit:<6} {verdict}")
+    print()
+    print(json.dumps(fig))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
