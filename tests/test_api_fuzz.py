@@ -211,6 +211,7 @@ def _params(t: Target, name: str) -> dict[str, str]:
         "policy": "none",
         "lease": "no-such-lease",
         "trajectory": "fuzzed-trajectory",
+        "snapshot": "no-such-snapshot",
     }
     if name == "kill":  # never the run's target
         params["sid"] = "no-such-sandbox"

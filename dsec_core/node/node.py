@@ -1120,10 +1120,11 @@ class Node:
         if sb.paused:
             raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if Feature.MEMORY_SNAPSHOT not in sb.backend.features:
-            raise BackendUnavailable(
+            raise FeatureUnavailable(
                 f"backend {sb.backend.name!r} cannot save a sandbox's memory (only VM "
                 "backends can; pack_diff saves any sandbox's files)",
                 backend=sb.backend.name,
+                feature=Feature.MEMORY_SNAPSHOT.value,
             )
         name = name or f"{sid}-{int(time.time())}"
         d = self._memory_snapshot_dir(name, must_exist=False)
