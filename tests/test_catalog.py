@@ -198,7 +198,8 @@ def test_default_catalog():
         assert env.workdir == f"/workspace/{workspace}"
     # one task on a microVM with a pinned kernel; the others on the node's default backend
     vm = cat.environment("fizzbuzz-vm")
-    assert (vm.backend, vm.kernel) == ("microvm", "linux-image-cloud-amd64=6.1.192-3")
+    # the package alone: a version would break once a Debian mirror drops it
+    assert (vm.backend, vm.kernel) == ("microvm", "linux-image-cloud-amd64")
     assert {e.backend for e in cat.environments if e.name != vm.name} == {None}
     assert cat.task("textstats").reward == "pass_rate" and cat.task("textstats").report
     assert {t.reward for t in cat.tasks if t.name not in ("textstats", "fizzbuzz-vm")} == {"judge"}

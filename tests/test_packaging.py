@@ -91,5 +91,5 @@ def test_the_installed_package_loads_its_default_catalog(wheel, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     path, counts = out.stdout.splitlines()
-    assert path.startswith(str(site)) and counts.split()[0] == "5"
+    assert path.startswith(str(site)) and counts.split()[0] == "6"
     assert int(counts.split()[1]) >= 7

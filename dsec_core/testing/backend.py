@@ -622,20 +622,54 @@ class BackendConformance:
         again = dsec_sandboxes.create(devices=[KIT_DEVICE_KIND])
         assert again.info.devices == (os.fspath(path),)
 
-    def test_screen_or_a_typed_refusal(self, dsec_sandboxes):
-        """With ``Feature.SCREEN`` a screenshot is a PNG and bad input is refused before it is
-        sent; without it both calls are a ``FeatureUnavailable`` naming the feature."""
+    def test_no_screen_is_a_typed_refusal(self, dsec_sandboxes):
+        """Without ``Feature.SCREEN`` a screenshot and input are each a ``FeatureUnavailable``
+        naming the feature (the client's error, not the node's)."""
+        if Feature.SCREEN in self.backend_class().features:
+            pytest.skip(f"backend {self.backend_name!r} has a screen (test_screen_shows)")
         sb = dsec_sandboxes.create()
-        if Feature.SCREEN not in self.backend_class().features:
-            for call in (sb.screenshot, lambda: sb.input([{"type": "key", "key": "a"}])):
-                with pytest.raises(FeatureUnavailable) as e:
-                    call()
-                assert e.value.feature == Feature.SCREEN.value
-            return
+        for call in (sb.screenshot, lambda: sb.input([{"type": "key", "key": "a"}])):
+            with pytest.raises(FeatureUnavailable) as e:
+                call()
+            assert e.value.feature == Feature.SCREEN.value
+
+    def test_screen_shows_and_refuses_bad_input(self, dsec_sandboxes):
+        """With ``Feature.SCREEN`` a screenshot is a PNG and bad input is refused before it is
+        sent."""
+        self.need(Feature.SCREEN)
+        sb = dsec_sandboxes.create()
         png = sb.screenshot()
         assert png.startswith(b"\x89PNG\r\n\x1a\n"), png[:16]
         with pytest.raises(InvalidSpec):
             sb.input([{"type": "click", "x": -1, "y": 0}])
+
+    def test_memory_snapshot_forks_go_on_from_its_instant(self, dsec_sandboxes, dsec_client):
+        """Two sandboxes restored from one memory snapshot each hold what the saved one had
+        at that instant (a file, a session's variable, a process still running), each with
+        its own writable layer; the saved sandbox runs on."""
+        self.need(Feature.MEMORY_SNAPSHOT)
+        sb = dsec_sandboxes.create()
+        marker = _marker()
+        s = sb.session()
+        s.exec("KEPT=41")
+        sb.exec(f"sleep {marker} > /dev/null 2>&1 &", background=True).check()
+        sb.write_file("/root/before", b"saved")
+        snap = dsec_client.snapshot_memory(sb.id, f"kit-{sb.id}")
+        try:
+            forks = dsec_client.restore(snap.name, 2)
+            try:
+                for i, f in enumerate(forks):
+                    assert f.read_file("/root/before") == b"saved"
+                    assert _sandbox_has(f, f"sleep {marker}"), "the fork lost a process"
+                    f.write_file("/root/mine", str(i).encode())
+                assert [f.read_file("/root/mine") for f in forks] == [b"0", b"1"]
+            finally:
+                for f in forks:
+                    f.kill()
+        finally:
+            dsec_client.remove_memory_snapshot(snap.name)
+        assert s.exec("echo $((KEPT+1))").stdout == b"42\n"
+        assert sb.exec("test -e /root/mine").exit_code != 0
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()
