@@ -30,10 +30,13 @@ __all__ = [
     "MissingParentLayers",
     "MountError",
     "NetlinkError",
+    "NodeLost",
     "NodeUnavailable",
     "NotFound",
+    "PermissionDenied",
     "PluginInvalid",
     "PolicyUnavailable",
+    "QuotaExceeded",
     "RequestTooLarge",
     "SandboxDied",
     "SandboxError",
@@ -278,6 +281,14 @@ class AdmissionRejected(DsecError):
     http_status = 429
 
 
+class QuotaExceeded(AdmissionRejected):
+    """The request would take a project (or one of its ancestors) over its quota of sandboxes,
+    CPU or memory. Carries ``project`` (the project whose quota it is), ``resource``
+    (``sandboxes``, ``cpu`` or ``memory``), ``limit``, ``used`` and ``requested``."""
+
+    http_status = 429
+
+
 class SandboxError(DsecError):
     """A sandbox operation failed inside or around the sandbox."""
 
@@ -364,10 +375,25 @@ class NodeUnavailable(DsecError):
     http_status = 503
 
 
+class NodeLost(NodeUnavailable):
+    """The node that holds the sandbox stopped answering the control plane's probes (its
+    daemon or its machine is gone). Carries ``node`` and ``sandbox``; the sandbox's state is
+    unknown until the node comes back."""
+
+
 class AuthenticationFailed(DsecError):
-    """A request to the node's network API carried no bearer token, or the wrong one."""
+    """A request to the node's network API carried no bearer token, or the wrong one; or an
+    apiserver request carried no API key, a revoked one or an unknown one."""
 
     http_status = 401
+
+
+class PermissionDenied(DsecError):
+    """The caller's key is valid but its role may not do this (an agent key managing keys, a
+    member key creating projects). Never raised for another project's sandbox: that is
+    ``UnknownSandbox``, so ids do not leak."""
+
+    http_status = 403
 
 
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:
