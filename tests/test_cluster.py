@@ -187,6 +187,7 @@ def test_sandboxes_run_on_every_node_in_its_uid_range(kit: KitCluster, ray_clust
                 s = states[e.name]
                 assert inside == b"0" and s.uid_base <= int(host) < s.uid_base + s.uid_count
                 assert [i.id for i in client.list()] == [sb.id]  # its own node only
+                assert sb.id.endswith(f"-{e.name}")  # what routes it to its node
             finally:
                 sb.kill()
 
@@ -198,6 +199,10 @@ def test_the_overflow_label_reaches_its_node(kit: KitCluster):
     for e in kit.endpoints:
         env = _environ(kit.daemon_pids[e.name])
         assert env["DSEC_NODE_LABELS"] == f"dsec.pool={pools[e.name]}"
+        with kit.client(e.name) as client:  # the node itself says so to the watcher
+            probe = client.probe()
+            assert probe.name == e.name and probe.load.node == e.name
+            assert dict(probe.load.labels) == {"dsec.pool": pools[e.name]}
 
 
 @needs_cluster
