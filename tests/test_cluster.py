@@ -5,6 +5,7 @@ process (each stopped by pid), no home, no temp dir."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -119,6 +120,11 @@ def test_uid_slots_are_disjoint_and_bounded():
     assert [b - bases[0] for b in bases] == [0, 4096 * 65536, 2 * 4096 * 65536]
     with pytest.raises(InvalidSpec, match="--uid-ranges"):
         plan.uid_slot_base(16)  # 16 nodes of 2**28 ids each end past 2**32 - 2
+    # a host's nodes laid out by an earlier plan: a new one goes past all of them
+    other = ClusterPlan(uid_base=100000, uid_size=65536, uid_ranges=1024)
+    held = [(other.uid_slot_base(k), other.uid_slot_base(k) + other.uid_span) for k in (0, 5)]
+    assert plan.free_slot(held) == 2  # slot 1 overlaps other's slot 5
+    assert plan.free_slot([]) == 0
 
 
 def test_without_ray_the_cluster_says_what_to_install(monkeypatch):
@@ -304,3 +310,22 @@ def test_down_kills_sandboxes_and_leaves_no_daemon_or_actor(kit: KitCluster, ray
         assert not list((home / "sandboxes").iterdir())
     # and up again on the same homes works (the fixture's teardown takes it down)
     assert [e.name for e in up(ray_cluster.address, kit.plan)] == ["n1", "n2", "n3"]
+
+
+@needs_cluster
+def test_a_daemon_that_cannot_start_is_a_typed_error_and_down_still_cleans(
+    kit: KitCluster, ray_cluster
+):
+    down(ray_cluster.address)
+    bad = dataclasses.replace(kit.plan, env={"DSEC_MAX_BATCH": "0"})
+    with pytest.raises(NodeUnavailable, match="DSEC_MAX_BATCH must be a positive integer"):
+        up(ray_cluster.address, bad)
+    states = status(ray_cluster.address)
+    assert [(s.endpoint.name, s.endpoint.alive, s.pid) for s in states] == [
+        ("n1", False, None),
+        ("n2", False, None),
+        ("n3", False, None),
+    ]
+    assert [r["pid"] for r in down(ray_cluster.address)] == [None, None, None]
+    assert status(ray_cluster.address) == []
+    kit.up()  # as the module found it, for the fixture's own checks at teardown

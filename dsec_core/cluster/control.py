@@ -198,10 +198,15 @@ class ClusterPlan:
     env: Mapping[str, str] = field(default_factory=dict)
     start_timeout: float = 60.0
 
+    @property
+    def uid_span(self) -> int:
+        """How many host uids one node holds."""
+        return self.uid_size * self.uid_ranges
+
     def uid_slot_base(self, slot: int) -> int:
         """The first host uid of the ``slot``-th node on one host; ``InvalidSpec`` past the
         largest host id."""
-        span = self.uid_size * self.uid_ranges
+        span = self.uid_span
         base = self.uid_base + slot * span
         if base + span - 1 > MAX_HOST_ID:
             raise InvalidSpec(
@@ -211,6 +216,16 @@ class ClusterPlan:
                 field="uid_ranges",
             )
         return base
+
+    def free_slot(self, spans: Sequence[tuple[int, int]]) -> int:
+        """The first slot whose uids overlap none of ``spans`` (``[start, end)`` held by the
+        host's other nodes, which an earlier plan may have laid out differently)."""
+        k = 0
+        while True:
+            base = self.uid_slot_base(k)  # InvalidSpec once past the largest host id
+            if all(base + self.uid_span <= lo or hi <= base for lo, hi in spans):
+                return k
+            k += 1
 
     def settings(self, name: str, ray_node: Mapping[str, Any], slot: int) -> KeeperSettings:
         return KeeperSettings(
@@ -288,22 +303,20 @@ def up(address: str | None = None, plan: ClusterPlan | None = None) -> list[Node
     taken_names = set(handles)
     by_node = {s["endpoint"]["ray_node_id"]: name for name, s in known.items()}
     host_of = {n["NodeID"]: n.get("NodeManagerHostname", n["NodeManagerAddress"]) for n in nodes}
-    used_slots: dict[str, set[int]] = {}
+    used: dict[str, list[tuple[int, int]]] = {}  # host -> uid spans its nodes hold
     for s in known.values():
         host = host_of.get(s["endpoint"]["ray_node_id"])
         if host is not None:
-            span = plan.uid_size * plan.uid_ranges
-            used_slots.setdefault(host, set()).add((s["uid_base"] - plan.uid_base) // span)
+            used.setdefault(host, []).append((s["uid_base"], s["uid_base"] + s["uid_count"]))
     actor = _actor(ray)
     for node in nodes:
         if node["NodeID"] in by_node:
             continue
         name = _next_name(taken_names)
         taken_names.add(name)
-        host = host_of[node["NodeID"]]
-        slots = used_slots.setdefault(host, set())
-        slot = next(k for k in range(len(slots) + 1) if k not in slots)
-        slots.add(slot)
+        spans = used.setdefault(host_of[node["NodeID"]], [])
+        slot = plan.free_slot(spans)
+        spans.append((plan.uid_slot_base(slot), plan.uid_slot_base(slot) + plan.uid_span))
         handles[name] = actor.options(
             name=ACTOR_PREFIX + name,
             namespace=NAMESPACE,

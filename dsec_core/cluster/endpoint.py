@@ -57,7 +57,7 @@ class NodeEndpoint:
     name: str
     url: str
     token: str = field(repr=False)
-    labels: Mapping[str, str] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)  # hashable all the same
     ray_node_id: str = ""
     alive: bool = True
 
