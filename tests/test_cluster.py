@@ -34,9 +34,7 @@ from dsec_core.sdk import Client
 from dsec_core.testing import (
     KitCluster,
     LocalRayCluster,
-    cluster_daemons,
     free_port,
-    local_ray_cluster,
     ray_importable,
 )
 
@@ -46,26 +44,17 @@ needs_cluster = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    t0 = time.monotonic()
-    with local_ray_cluster(3, overflow=("n3",)) as rc:
-        print(f"\n3-node Ray cluster up in {time.monotonic() - t0:.1f}s")
-        yield rc
-        pids = rc.pids()
-        root = rc.root
-    # stopped by pid at exit: every process of the cluster is gone, and its temp dirs
-    alive = [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
-    assert alive == [], f"Ray processes left: {alive}"
-    assert not root.exists()
+@pytest.fixture
+def ray_cluster(dsec_ray_cluster: LocalRayCluster) -> LocalRayCluster:
+    """The kit's module-wide 3-node Ray cluster (n3 in the overflow pool); at the end of the
+    module it is stopped by pid and fails the last test if any of its processes survived."""
+    return dsec_ray_cluster
 
 
-@pytest.fixture(scope="module")
-def kit(ray_cluster: LocalRayCluster):
-    t0 = time.monotonic()
-    with cluster_daemons(ray_cluster) as kit:
-        print(f"dsec cluster up (3 daemons) in {time.monotonic() - t0:.1f}s")
-        yield kit
+@pytest.fixture
+def kit(dsec_cluster: KitCluster) -> KitCluster:
+    """The kit's module-wide daemons on it; ``down`` and checked at the end of the module."""
+    return dsec_cluster
 
 
 def dsec(capsys, *args: str) -> tuple[int, str, str]:
@@ -150,6 +139,22 @@ def test_no_address_or_nothing_there_fails_fast(tmp_path):
     )
     assert out.returncode == 1 and "Error: no Ray cluster answers at" in out.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_a_cluster_is_stopped_by_pid_to_its_last_process(tmp_path):
+    # the stop of LocalRayCluster on a stand-in tree: a process whose child outlives it
+    root = tmp_path / "ray"
+    root.mkdir()
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & exec sleep 61"], start_new_session=True)
+    stand_in = LocalRayCluster(address="127.0.0.2:1", nodes=[], root=root, procs=[proc])
+    deadline = time.monotonic() + 5
+    while len(stand_in.pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = stand_in.pids()
+    assert len(pids) == 2 and len(stand_in.left_behind()) == 3  # two processes, the dir
+    stand_in.stop(grace=0.5)
+    assert stand_in.left_behind() == []
+    assert all(_gone(p) for p in pids) and not root.exists()
 
 
 # --- a real cluster ------------------------------------------------------------------------
@@ -287,11 +292,8 @@ def test_down_kills_sandboxes_and_leaves_no_daemon_or_actor(kit: KitCluster, ray
     pids = dict(kit.daemon_pids)
     with pytest.raises(InvalidSpec, match="no cluster node named n9"):
         down(ray_cluster.address, names=["n9"])
-    t0 = time.monotonic()
     code, out, err = dsec(capsys, "cluster", "down", "--json", "--address", ray_cluster.address)
     assert code == 0, err
-    with capsys.disabled():
-        print(f"dsec cluster down in {time.monotonic() - t0:.1f}s")
     results = json.loads(out)
     assert [(r["name"], r["pid"]) for r in results] == sorted(pids.items())
     assert {r["name"]: r["killed"] for r in results} == {"n1": 1, "n2": 0, "n3": 0}

@@ -134,6 +134,12 @@ class LocalRayCluster:
             time.sleep(0.05)
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def left_behind(self) -> list[str]:
+        """What of the cluster is still there (after ``stop``, nothing): processes seen in
+        it that still run, its temp dir."""
+        left = [f"pid {p}: {_cmdline(p)[:80]!r}" for p in self._alive()]
+        return left + ([f"temp dir {self.root}"] if self.root.exists() else [])
+
     def _alive(self) -> list[int]:
         return [pid for pid, start in self._seen.items() if _start_time(pid) == start]
 
@@ -184,8 +190,8 @@ def local_ray_cluster(
                 )
             )
             log.close()
-            if head:
-                _wait_for_port(HEAD_IP, port, cluster, timeout)
+            # workers start at once: `ray start --address` waits for the GCS itself
+        _wait_for_port(HEAD_IP, port, cluster, timeout)
         ids = _wait_for_nodes(cluster, ips, timeout)
         cluster.nodes = [
             RayNodeProcess(
@@ -197,9 +203,17 @@ def local_ray_cluster(
             )
             for k, ip in enumerate(ips)
         ]
-        yield cluster
-    finally:
+    except BaseException:
         cluster.stop()
+        raise
+    try:
+        yield cluster
+    except BaseException:
+        cluster.stop()
+        raise
+    cluster.stop()
+    left = cluster.left_behind()
+    assert not left, f"the Ray cluster left things behind: {left}"
 
 
 def _ray_start_args(ip: str, temp_dir: Path, cpus: int, overflow: bool) -> list[str]:
@@ -222,6 +236,7 @@ def _ray_start_args(ip: str, temp_dir: Path, cpus: int, overflow: bool) -> list[
         "--metrics-export-port=0",
         "--runtime-env-agent-port=0",
         "--disable-usage-stats",
+        "--include-log-monitor=false",  # workers' prints stay in their log files
     ]
     if overflow:
         args.append("--resources=" + json.dumps({"dsec_overflow": 1}))
