@@ -390,7 +390,8 @@ async def _forward(
     request_id: str,
 ) -> Response:
     """Pass ``request`` to ``entry`` as it is (body streamed) and its answer back."""
-    target = request.url.path
+    raw = request.scope.get("raw_path")
+    target = raw.decode("latin-1") if raw else quote(request.url.path)
     if request.url.query:
         target += "?" + request.url.query
     length_text = request.headers.get("content-length")
