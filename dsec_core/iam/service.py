@@ -375,6 +375,12 @@ class Iam:
         """See ``dsec_core.iam.can_manage``."""
         return can_manage(principal, project)
 
+    @staticmethod
+    def usage(sandboxes: int = 0, cpu: float = 0.0, memory: int = 0) -> Usage:
+        """A ``Usage`` record, for callers that hold an ``Iam`` but keep off its records'
+        module (the apiserver's ``Authority`` protocol)."""
+        return Usage(sandboxes, cpu, memory)
+
     def require_manage(self, principal: Principal, project: str) -> None:
         """``PermissionDenied`` unless ``principal`` may manage ``project``."""
         self._allow(principal, check_project_path(project))
