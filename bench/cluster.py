@@ -52,12 +52,16 @@ def _p50(xs: list[float]) -> float:
 def overhead(direct: dsec.Client, api: dsec.Client, spec: dsec.SandboxSpec, rounds: int):
     t_direct, t_api, e_direct, e_api = [], [], [], []
     for i in range(rounds + 2):
-        for which, client, times, execs in (
-            ("direct", direct, t_direct, e_direct),
-            ("api", api, t_api, e_api),
-        ) if i % 2 == 0 else (
-            ("api", api, t_api, e_api),
-            ("direct", direct, t_direct, e_direct),
+        for _which, client, times, execs in (
+            (
+                ("direct", direct, t_direct, e_direct),
+                ("api", api, t_api, e_api),
+            )
+            if i % 2 == 0
+            else (
+                ("api", api, t_api, e_api),
+                ("direct", direct, t_direct, e_direct),
+            )
         ):
             t0 = time.perf_counter()
             sb = client.create(spec)
@@ -184,11 +188,15 @@ def main() -> None:
         ("create p50, direct on n1 (baseline)", f"{fig['direct_create_p50_ms']} ms"),
         ("create p50, through the apiserver", f"{fig['apiserver_create_p50_ms']} ms"),
         ("apiserver overhead p50", f"{fig['apiserver_overhead_p50_ms']} ms (target <= 5)"),
-        ("exec p50, direct / apiserver", f"{fig['direct_exec_p50_ms']} / "
-         f"{fig['apiserver_exec_p50_ms']} ms"),
+        (
+            "exec p50, direct / apiserver",
+            f"{fig['direct_exec_p50_ms']} / {fig['apiserver_exec_p50_ms']} ms",
+        ),
         ("creates/s, 1 apiserver", fig["creates_per_s_1_apiserver"]),
-        ("creates/s, 2 apiservers", f"{fig['creates_per_s_2_apiservers']} "
-         f"(x{fig['two_vs_one_apiserver_ratio']})"),
+        (
+            "creates/s, 2 apiservers",
+            f"{fig['creates_per_s_2_apiservers']} (x{fig['two_vs_one_apiserver_ratio']})",
+        ),
         ("node loss detected after", f"{fig['node_loss_detect_s']} s (target <= 5)"),
     ]
     width = max(len(r[0]) for r in rows)
