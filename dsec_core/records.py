@@ -24,11 +24,14 @@ __all__ = [
     "DEVICE_MODES",
     "INFRA_KINDS",
     "LAYER_KINDS",
+    "POOL_LABEL",
+    "PROJECT_LABEL",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
     "VERDICTS",
     "CaseResult",
     "DeviceRequest",
+    "ExecOutput",
     "ExecResult",
     "FileEntry",
     "FnCallResult",
@@ -666,6 +669,25 @@ class PolicyState(_Record):
     state: str
     settings: Mapping[str, Any] = field(default_factory=dict)
     stats: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: The label that names a sandbox's project (set by the apiserver from the caller's key; a
+#: client cannot choose it there).
+PROJECT_LABEL = "dsec.project"
+#: The label of a node's pool (``NodeLoad.labels``): ``overflow`` for the burst pool.
+POOL_LABEL = "dsec.pool"
+
+
+@dataclass(frozen=True)
+class ExecOutput(_Record):
+    """A piece of a running command's output (``Sandbox.exec_stream``), as it came."""
+
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
