@@ -81,12 +81,12 @@ def _end(result: ExecResult) -> bytes:
     return _event({"end": {"exitCode": code, "exited": code >= 0, "status": status}})
 
 
-def _exec_stream(client: Any, sid: str, argv: list[str], **kw: Any) -> AsyncIterator[Any]:
+async def _exec_stream(client: Any, sid: str, argv: list[str], **kw: Any) -> Any:
     """dsec's streaming exec: ``ExecOutput(stream, data)`` items, then the ``ExecResult``."""
     stream = getattr(client, "exec_stream", None)
     if stream is None:
         raise RpcError("unimplemented", "this dsec node has no streaming exec")
-    return stream(sid, argv, **kw)
+    return await stream(sid, argv, **kw)
 
 
 class _Output:
@@ -136,19 +136,22 @@ async def start_events(
         argv, env, cwd = command_argv(message)
         async with caller_client(connect, key) as client:
             out, result = _Output(), None
+            items = await _exec_stream(client, sid, argv, timeout=timeout, env=env, cwd=cwd)
             try:
-                async for item in _exec_stream(
-                    client, sid, argv, timeout=timeout, env=env, cwd=cwd
-                ):
+                async for item in items:
                     if isinstance(item, ExecResult):
                         result = item
                         break
                     for piece in out.feed(item.stream, item.data):
                         yield piece
             finally:
-                if result is None and out.pid:
+                if result is None:
+                    # the client went away: leaving dsec's stream kills the command; a kill by
+                    # pid as well, should the node not have seen the stream close yet
                     with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                        await client.exec(sid, _kill_argv("KILL", out.pid), timeout=10)
+                        await items.aclose()
+                        if out.pid:
+                            await client.exec(sid, _kill_argv("KILL", out.pid), timeout=10)
             for piece in out.finish():
                 yield piece
             if result is None:
