@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from e2b import (  # noqa: E402
     CommandExitException,
     FileNotFoundException,
     NotFoundException,
+    RateLimitException,
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
@@ -31,14 +34,16 @@ from e2b import (  # noqa: E402
     SandboxState,
     TimeoutException,
 )
+from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
 
 from dsec_core.e2b import Templates, make_app  # noqa: E402
-from dsec_core.errors import AuthenticationFailed  # noqa: E402
+from dsec_core.errors import AuthenticationFailed, QuotaExceeded  # noqa: E402
 from dsec_core.sdk import AsyncClient  # noqa: E402
 from dsec_core.testing import KitNode, free_port  # noqa: E402
 
 KEY = "e2b-test-key"
 BAD_KEY = "revoked-key"
+OVER_QUOTA_KEY = "over-quota-key"
 
 
 class Served:
@@ -56,6 +61,10 @@ def served(dsec_node: KitNode) -> Iterator[Served]:
     def connect(key: str) -> AsyncClient:
         if key == BAD_KEY:  # what the apiserver's connect raises for a revoked key
             raise AuthenticationFailed("the API key is revoked")
+        if key == OVER_QUOTA_KEY:  # what it raises for a project at its quota
+            raise QuotaExceeded(
+                "project org/a is at its sandbox quota", project="org/a", resource="sandboxes"
+            )
         return AsyncClient(socket, autostart=False)
 
     app = make_app(connect, Templates({"base": environment}))
@@ -70,6 +79,7 @@ def served(dsec_node: KitNode) -> Iterator[Served]:
         assert time.monotonic() < deadline, "the E2B app did not start"
         time.sleep(0.02)
     url = f"http://127.0.0.1:{port}"
+    spooled = set(Path(tempfile.gettempdir()).glob("dsec-e2b-*"))
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=KEY)
     try:
@@ -83,6 +93,10 @@ def served(dsec_node: KitNode) -> Iterator[Served]:
         server.should_exit = True
         thread.join(10)
         assert not thread.is_alive()
+    # the app spools file bodies through temporary files; none is left behind
+    assert set(Path(tempfile.gettempdir()).glob("dsec-e2b-*")) == spooled
+    with dsec_node.client() as c:  # every sandbox the tests made through E2B is gone
+        assert [i.id for i in c.list() if "e2b.template" in i.labels and i.state != "dead"] == []
 
 
 @pytest.fixture
@@ -123,6 +137,8 @@ def test_bad_or_missing_key_is_the_sdks_authentication_error(served):
     assert "401" in str(e.value) and "revoked" in str(e.value)
     r = httpx.get(f"{served.url}/v2/sandboxes")
     assert r.status_code == 401 and r.json()["code"] == 401 and "X-API-KEY" in r.json()["message"]
+    r = httpx.get(f"{served.url}/files", params={"path": "/x"}, headers={"E2b-Sandbox-Id": "x"})
+    assert r.status_code == 401 and "X-Access-Token" in r.json()["message"]
 
 
 def test_commands_exit_codes_envs_cwd(served, sandboxes):
@@ -176,6 +192,41 @@ def test_background_command_wait_and_kill(served, sandboxes):
         h.wait()
     assert e.value.exit_code != 0
     assert sb.commands.kill(h.pid) is False  # gone already
+
+
+def test_commands_list_shows_running_commands(served, sandboxes):
+    sb = Sandbox.create()
+    sandboxes.append(sb)
+    h = sb.commands.run("sleep 60", background=True, cwd="/tmp")
+    listed = {p.pid: p for p in sb.commands.list()}
+    assert h.pid in listed
+    # its argv now (the shell has become the command), where it runs
+    assert " ".join([listed[h.pid].cmd, *listed[h.pid].args]).endswith("sleep 60")
+    assert listed[h.pid].cwd == "/tmp"
+    assert h.kill() is True
+    assert h.pid not in {p.pid for p in sb.commands.list()}
+
+
+def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
+    sb = Sandbox.create()
+    sandboxes.append(sb)
+    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*PTY"):
+        sb.pty.create(PtySize(rows=24, cols=80))
+    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*watching"):
+        sb.files.watch_dir("/tmp")
+    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*stdin"):
+        sb.commands.run("cat", stdin=True)
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create(network={"deny_out": ["0.0.0.0/0"]})
+    assert e.value.status_code == 400 and "network" in str(e.value)
+
+
+def test_over_quota_is_the_sdks_rate_limit_error_without_retries(served):
+    t0 = time.monotonic()
+    with pytest.raises(RateLimitException) as e:
+        Sandbox.create(api_key=OVER_QUOTA_KEY)
+    assert "429" in str(e.value) and "QuotaExceeded" in str(e.value)
+    assert time.monotonic() - t0 < 2  # Should-Retry: false, so no backoff
 
 
 def test_files_write_read_list_exists_remove(served, sandboxes):

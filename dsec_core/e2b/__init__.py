@@ -22,13 +22,14 @@ an environment's own name. ``timeout`` is the sandbox's ttl, ``metadata`` its la
 ``e2b.meta.<key>``, ``envs`` its environment.
 
 Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
-``commands.connect``, ``commands.list`` and stdin (``send_stdin``, ``stdin=True``):
-``SandboxException`` "unimplemented ..."; ``files.watch_dir``: the same; file metadata: the
-SDK's own ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: 400
-``InvalidArgumentException``; ``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto
-pause/resume), ``allow_internet_access=True`` on create: ``SandboxException`` 400; snapshots,
+``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
+"Code.UNIMPLEMENTED: ..."; ``files.watch_dir``: the same; file metadata: the SDK's own
+``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
+``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
+``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
 forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
-or 405. Commands run as root whatever ``user`` says, and relative paths start at ``/root``.
+or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
+``commands.list`` shows each command's argv as it runs now, without its ``envs``.
 """
 
 from __future__ import annotations

@@ -23,16 +23,15 @@ from .connect import (
     unary_error,
 )
 from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
-from .process import send_signal, start_events
+from .process import list_processes, send_signal, start_events
 
 __all__ = ["envd_routes"]
 
-_PROCESS_UNARY = {"SendSignal": send_signal}
+_PROCESS_UNARY = {"SendSignal": send_signal, "List": list_processes}
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
 #: ``SandboxException: Code.UNIMPLEMENTED: ...``).
 _UNSUPPORTED = {
     ("process.Process", "Connect"): "reconnecting to a running command is not supported",
-    ("process.Process", "List"): "listing commands is not supported",
     ("process.Process", "Update"): "PTY is not supported",
     ("process.Process", "SendInput"): "stdin is not supported",
     ("process.Process", "StreamInput"): "stdin is not supported",

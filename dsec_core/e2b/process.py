@@ -23,12 +23,15 @@ from ..records import ExecResult
 from .callers import Connect, caller_client
 from .connect import RpcError, end_stream, envelope, rpc_error
 
-__all__ = ["PROLOGUE", "command_argv", "send_signal", "start_events"]
+__all__ = ["PROLOGUE", "command_argv", "list_processes", "send_signal", "start_events"]
 
-#: Prints the shell's pid (the command's, after ``exec``) as a marked line on stderr, falls
-#: back to /bin/sh when the environment has no bash, then becomes the command.
+#: Prints the shell's pid (the command's, after ``exec``) as a marked line on stderr, marks the
+#: command with it (``DSEC_E2B_PID``, which ``List`` looks for: equal to a process's own pid
+#: only in the command itself, not in what it starts), falls back to /bin/sh when the
+#: environment has no bash, then becomes the command.
 PROLOGUE = (
     "printf '\\036e2b-pid %s\\n' \"$$\" >&2\n"
+    'export DSEC_E2B_PID="$$"\n'
     'if [ "$1" = /bin/bash ] && [ ! -x /bin/bash ]; then shift; '
     '[ "$1" = -l ] && shift; set -- /bin/sh "$@"; fi\n'
     'exec "$@"'
@@ -185,3 +188,28 @@ async def send_signal(client: Any, sid: str, message: Mapping[str, Any]) -> dict
     if r.exit_code != 0:
         raise RpcError("not_found", f"process {pid} not found")
     return {}
+
+
+#: Every running command started here: pid, cwd and argv (NUL-separated), each field after
+#: a 0x1e byte.
+_LIST = (
+    "for d in /proc/[0-9]*; do p=${d#/proc/}; "
+    "tr '\\0' '\\n' < $d/environ 2>/dev/null | grep -qx \"DSEC_E2B_PID=$p\" || continue; "
+    'printf \'\\036%s\\036%s\\036\' "$p" "$(readlink $d/cwd)"; cat $d/cmdline; done'
+)
+
+
+async def list_processes(client: Any, sid: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """``List``: the commands started through ``Start`` that still run, as envd's
+    ``ProcessInfo``: the argv each runs now (``sleep 9`` for ``bash -c "sleep 9"``, which
+    bash ``exec``s) and its cwd; their ``envs`` are not reported."""
+    r = await client.exec(sid, ["/bin/sh", "-c", _LIST], timeout=30)
+    fields = r.stdout.split(b"\x1e")[1:]
+    out = []
+    for pid, cwd, cmdline in zip(fields[0::3], fields[1::3], fields[2::3], strict=False):
+        argv = [a.decode("utf-8", "replace") for a in cmdline.split(b"\0")[:-1]]
+        if not pid.isdigit() or not argv:
+            continue  # it ended while being listed
+        config = {"cmd": argv[0], "args": argv[1:], "envs": {}, "cwd": cwd.decode()}
+        out.append({"config": config, "pid": int(pid)})
+    return {"processes": out}
