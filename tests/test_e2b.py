@@ -4,7 +4,7 @@ files, paging and filters, pause and connect, errors; sync ``Sandbox`` and ``Asy
 
 from __future__ import annotations
 
-import asyncio
+import io
 import os
 import tempfile
 import threading
@@ -117,6 +117,7 @@ def test_create_maps_template_metadata_envs_and_timeout(served, sandboxes):
     assert info.metadata == {"run": "r1"}
     assert info.state == SandboxState.RUNNING
     assert 110 <= (info.end_at - info.started_at).total_seconds() <= 130
+    assert (info.cpu_count, info.memory_mb) == (1, 512)  # dsec's default spec
     assert sb.commands.run("echo $GREETING").stdout == "hello\n"
     assert sb.is_running()
     # the labels are dsec's, for dsec's own filters
@@ -238,6 +239,11 @@ def test_files_write_read_list_exists_remove(served, sandboxes):
     blob = bytes(range(256)) * 40_000  # 10 MB, more than one piece each way
     sb.files.write("/work/blob.bin", blob)
     assert sb.files.read("/work/blob.bin", format="bytes") == bytearray(blob)
+    assert b"".join(sb.files.read("/work/blob.bin", format="stream")) == blob
+    # a file object goes as one streamed octet-stream body, not multipart
+    sb.files.write("/work/streamed.bin", io.BytesIO(blob[:3_000_000]))
+    assert sb.files.read("/work/streamed.bin", format="bytes") == bytearray(blob[:3_000_000])
+    sb.files.remove("/work/streamed.bin")
     assert sb.commands.run("cat /work/dir/hello.txt").stdout == "hi there\n"
     entries = {e.name: e for e in sb.files.list("/work")}
     assert set(entries) == {"dir", "blob.bin"}
@@ -328,6 +334,13 @@ async def test_async_sandbox_core_flows(served):
         assert (e.value.exit_code, e.value.stderr) == (7, "no\n")
         with pytest.raises(TimeoutException):
             await sb.commands.run("sleep 30", timeout=1)
+        h = await sb.commands.run("sleep 60", background=True)
+        assert await h.kill() is True
+        with pytest.raises(CommandExitException):
+            await h.wait()
+        await sb.set_timeout(900)
+        end = (await sb.get_info()).end_at
+        assert abs((end - datetime.now(end.tzinfo)).total_seconds() - 900) < 30
         await sb.files.write("/a/b.txt", b"bytes\x00here")
         assert await sb.files.read("/a/b.txt", format="bytes") == bytearray(b"bytes\x00here")
         assert [e.name for e in await sb.files.list("/a")] == ["b.txt"]
@@ -343,4 +356,8 @@ async def test_async_sandbox_core_flows(served):
     assert await AsyncSandbox.kill(sb.sandbox_id) is False
     with pytest.raises(SandboxNotFoundException):
         await AsyncSandbox.get_info(sb.sandbox_id)
-    await asyncio.sleep(0)
+    with pytest.raises(AuthenticationException):
+        await AsyncSandbox.create(api_key=BAD_KEY)
+    with pytest.raises(SandboxException) as e:
+        await AsyncSandbox.create(template="no-such-template")
+    assert e.value.status_code == 404
