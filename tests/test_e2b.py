@@ -286,6 +286,16 @@ def test_list_pages_and_filters(served, sandboxes):
     only = Sandbox.list(query=SandboxQuery(metadata={"run": run, "i": "1"})).next_items()
     assert [s.metadata["i"] for s in only] == ["1"]
     assert Sandbox.list(query=SandboxQuery(metadata={"run": "other"})).next_items() == []
+    # newest first, filtered by template too, pages the same way
+    q = SandboxQuery(metadata={"run": run}, template="base")
+    pager = Sandbox.list(query=q, limit=1, order="desc")
+    newest = [pager.next_items()[0].sandbox_id for _ in range(3)]
+    assert not pager.has_next
+    assert newest == [sb.sandbox_id for sb in reversed(sandboxes)]
+    q = SandboxQuery(metadata={"run": run}, template="not-this-one")
+    assert Sandbox.list(query=q).next_items() == []
+    r = httpx.get(f"{served.url}/v2/sandboxes?nextToken=junk", headers={"X-API-KEY": KEY})
+    assert r.status_code == 400 and "nextToken" in r.json()["message"]
 
 
 def test_pause_then_connect_resumes(served, sandboxes):

@@ -108,8 +108,8 @@ class _Output:
             return []
         self.err += data
         m = _MARK.search(self.err)
-        if m is None:
-            return []
+        if m is None:  # the line is the shell's first output; no line in 4 KiB: it never comes
+            return self._started(0, self.err) if len(self.err) > 4096 else []
         rest = self.err[: m.start()] + self.err[m.end() :]
         return self._started(int(m.group(1)), rest)
 
