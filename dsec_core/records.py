@@ -830,9 +830,15 @@ class NodeLoad(_Record):
     #: The node's devices by kind: ``total``, ``idle`` (held by no sandbox: what an exclusive
     #: request may take) and ``shareable`` (not held exclusively and under the share cap).
     devices: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    #: What a create there would find mounted (the control plane fills these from the node's
+    #: probe): layers as ``name@version``, and environments all of whose layers those are.
+    layers: tuple[str, ...] = ()
+    environments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", tuple(self.backends))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "environments", tuple(self.environments))
         object.__setattr__(self, "labels", dict(self.labels))
         object.__setattr__(self, "devices", {k: dict(v) for k, v in self.devices.items()})
 

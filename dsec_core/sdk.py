@@ -258,6 +258,13 @@ def _resolve(
     return Address("unix", path=os.fspath(config.socket_path)), token
 
 
+def _api_key(token: str | None, api_key: str | None) -> str | None:
+    """An apiserver's API key travels as the bearer token, as a node's token does."""
+    if api_key is not None and token is not None and api_key != token:
+        raise InvalidSpec("give token or api_key, not both", field="api_key")
+    return token if token is not None else api_key
+
+
 def _timeout(route: Route, body: Any) -> float | None:
     """How long to wait for the answer: the route's default, or an exec's own timeout plus a
     grace period for the node to kill the command and answer."""
@@ -378,8 +385,9 @@ class Client:
     """Synchronous client of a dsec node.
 
     ``address`` is ``unix:///path`` (or a path), ``http://host:port`` or ``https://host:port``;
-    ``token`` is the node's API token (TCP only); ``verify`` checks the node's TLS certificate
-    against the system's CAs (True), a CA file (a path), or not at all (False). ``Client()``
+    ``token`` is the node's API token (TCP only), or ``api_key`` an apiserver's API key (the
+    same header); ``verify`` checks the node's TLS certificate against the system's CAs
+    (True), a CA file (a path), or not at all (False). ``Client()``
     uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed). ``retry`` is
     how many seconds a request keeps trying while the node is away (``DSEC_RETRY_TIMEOUT``).
     """
@@ -392,8 +400,10 @@ class Client:
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
         retry: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         retry = _retry_timeout(retry)
+        token = _api_key(token, api_key)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = HTTPTransport(where, token=token, verify=verify, retry=retry)
@@ -795,8 +805,10 @@ class AsyncClient:
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
         retry: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         retry = _retry_timeout(retry)
+        token = _api_key(token, api_key)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = AsyncHTTPTransport(where, token=token, verify=verify, retry=retry)

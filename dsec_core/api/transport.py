@@ -249,8 +249,8 @@ def stream_request_head(
     length: int | None,
     extra: Mapping[str, str] | None = None,
 ) -> bytes:
-    """The head of a request whose body follows separately: ``length`` bytes of it, or chunked
-    when ``length`` is None (``chunk`` frames each piece)."""
+    """The head of a request whose body follows separately: ``length`` bytes of it (0: none),
+    or chunked when ``length`` is None (``chunk`` frames each piece)."""
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode(), target.encode()), head]
     for key, value in (extra or {}).items():
         if any(c in key + value for c in "\r\n\0"):
@@ -260,7 +260,7 @@ def stream_request_head(
         lines.append(b"content-type: %s\r\n" % content_type.encode())
     if length is None:
         lines.append(b"transfer-encoding: chunked\r\n")
-    else:
+    elif length or method in ("POST", "PUT", "PATCH"):
         lines.append(b"content-length: %d\r\n" % length)
     lines.append(b"\r\n")
     return b"".join(lines)
@@ -545,7 +545,7 @@ class HTTPTransport:
         timeout: float | None = None,
     ) -> StreamedResponse:
         """The blocking twin of ``AsyncHTTPTransport.stream`` (the body sent whole)."""
-        length = len(body) if body is not None else (0 if method in ("POST", "PUT") else None)
+        length = len(body) if body is not None else 0
         data = stream_request_head(method, target, self._head, content_type, length, headers)
         sock = self._take() or self._connect(timeout)
         parser = ResponseParser()
@@ -769,7 +769,7 @@ class AsyncHTTPTransport:
         if isinstance(body, (bytes, bytearray, memoryview)):
             length = len(body) if length is None else length
         elif body is None:
-            length = 0 if method in ("POST", "PUT") else None
+            length = 0
         head = stream_request_head(method, target, self._head, content_type, length, headers)
         reader, writer = conn = self._take() or await self._connect()
         parser = ResponseParser()
