@@ -15,7 +15,7 @@ import uvicorn
 
 pytest.importorskip("e2b")
 
-from e2b import (  # noqa: E402
+from e2b import (
     AuthenticationException,
     Sandbox,
     SandboxNotFoundException,
@@ -23,11 +23,11 @@ from e2b import (  # noqa: E402
     SandboxQuery,
 )
 
-from dsec_core.e2b import Templates, make_app  # noqa: E402
-from dsec_core.iam import Iam  # noqa: E402
-from dsec_core.sdk import AsyncClient  # noqa: E402
-from dsec_core.testing.apiserver import named_nodes, running_apiserver  # noqa: E402
-from dsec_core.testing.procs import free_port  # noqa: E402
+from dsec_core.e2b import Templates, make_app
+from dsec_core.iam import Iam
+from dsec_core.sdk import AsyncClient
+from dsec_core.testing.apiserver import named_nodes, running_apiserver
+from dsec_core.testing.procs import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
