@@ -35,17 +35,32 @@ or 405. Commands run as root whatever ``user`` says; relative paths start at ``/
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.routing import BaseRoute
 
 from .callers import ENVD_PORT, Connect
 from .envd import envd_routes
 from .lifecycle import DEFAULT_TEMPLATES, ENVD_VERSION, Templates, lifecycle_routes
 
-__all__ = ["DEFAULT_TEMPLATES", "ENVD_PORT", "ENVD_VERSION", "Connect", "Templates", "make_app"]
+__all__ = [
+    "DEFAULT_TEMPLATES",
+    "ENVD_PORT",
+    "ENVD_VERSION",
+    "Connect",
+    "Templates",
+    "e2b_routes",
+    "make_app",
+]
+
+
+def e2b_routes(connect: Connect, templates: Templates | None = None) -> list[BaseRoute]:
+    """The E2B API's routes, for another app's route table (the apiserver serves them beside
+    its own ``/v1`` ones on one listener): ``connect`` turns each request's API key into a dsec
+    client; ``templates`` (default: ``DSEC_E2B_TEMPLATES`` over ``DEFAULT_TEMPLATES``) maps
+    template names to environments."""
+    templates = templates if templates is not None else Templates.from_env()
+    return [*lifecycle_routes(connect, templates), *envd_routes(connect)]
 
 
 def make_app(connect: Connect, templates: Templates | None = None) -> Starlette:
-    """The E2B API as an ASGI app: ``connect`` turns each request's API key into a dsec client;
-    ``templates`` (default: ``DSEC_E2B_TEMPLATES`` over ``DEFAULT_TEMPLATES``) maps template
-    names to environments."""
-    templates = templates if templates is not None else Templates.from_env()
-    return Starlette(routes=[*lifecycle_routes(connect, templates), *envd_routes(connect)])
+    """The E2B API as an ASGI app of its own (``e2b_routes``)."""
+    return Starlette(routes=e2b_routes(connect, templates))
