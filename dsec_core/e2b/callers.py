@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -113,8 +113,3 @@ async def caller_client(connect: Connect, key: str) -> AsyncIterator[Any]:
     finally:
         with contextlib.suppress(Exception):
             await client.close()
-
-
-def labels_with_prefix(labels: Mapping[str, str], prefix: str) -> dict[str, str]:
-    """The labels under ``prefix``, with it taken off."""
-    return {k[len(prefix) :]: v for k, v in labels.items() if k.startswith(prefix)}
