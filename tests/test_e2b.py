@@ -152,6 +152,11 @@ def test_commands_exit_codes_envs_cwd(served, sandboxes):
     assert (e.value.exit_code, e.value.stdout, e.value.stderr) == (3, "partial\n", "oops\n")
     assert sb.commands.run("echo $A-$B", envs={"A": "x", "B": "y"}).stdout == "x-y\n"
     assert sb.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    # more than dsec's default 1 MiB cap of exec output
+    assert len(sb.commands.run("head -c 3000000 /dev/zero | tr '\\0' a").stdout) == 3_000_000
+    # what a command leaves running lives on, as under envd
+    sb.commands.run("sleep 45 > /dev/null 2>&1 &")
+    assert "sleep 45" in sb.commands.run("ps -o args || ps").stdout
 
 
 def test_output_streams_while_the_command_runs(served, sandboxes):

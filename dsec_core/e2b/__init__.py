@@ -29,7 +29,12 @@ Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
 ``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
 forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
-``commands.list`` shows each command's argv as it runs now, without its ``envs``.
+``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
+lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped
+background handle, the program ending) dsec kills it, where envd would let it run on; what it
+started in the background (``cmd &``) does run on. Output past 16 MiB per stream is dropped
+(the result's ``error`` says so). ``download_url``/``upload_url`` signatures are not checked
+(a request needs the ``X-Access-Token`` header). No keepalive events are sent on quiet streams.
 """
 
 from __future__ import annotations

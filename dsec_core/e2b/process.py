@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from ..api.messages import MAX_OUTPUT
 from ..errors import DsecError
 from ..records import ExecResult
 from .callers import Connect, caller_client
@@ -81,7 +82,10 @@ def _data(stream: str, data: bytes) -> bytes:
 def _end(result: ExecResult) -> bytes:
     code = result.exit_code
     status = f"exit status {code}" if code >= 0 else f"signal: {-code}"
-    return _event({"end": {"exitCode": code, "exited": code >= 0, "status": status}})
+    end: dict[str, Any] = {"exitCode": code, "exited": code >= 0, "status": status}
+    if result.truncated:
+        end["error"] = f"output past {MAX_OUTPUT} bytes per stream was dropped"
+    return _event({"end": end})
 
 
 async def _exec_stream(client: Any, sid: str, argv: list[str], **kw: Any) -> Any:
@@ -139,7 +143,18 @@ async def start_events(
         argv, env, cwd = command_argv(message)
         async with caller_client(connect, key) as client:
             out, result = _Output(), None
-            items = await _exec_stream(client, sid, argv, timeout=timeout, env=env, cwd=cwd)
+            # background: what the command leaves running lives on, as under envd
+            # (`cmd &`); the output cap is the largest dsec's exec allows
+            items = await _exec_stream(
+                client,
+                sid,
+                argv,
+                timeout=timeout,
+                env=env,
+                cwd=cwd,
+                background=True,
+                max_output=MAX_OUTPUT,
+            )
             try:
                 async for item in items:
                     if isinstance(item, ExecResult):
