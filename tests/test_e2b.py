@@ -198,6 +198,14 @@ def test_background_command_wait_and_kill(served, sandboxes):
         h.wait()
     assert e.value.exit_code != 0
     assert sb.commands.kill(h.pid) is False  # gone already
+    # a command lives as long as its stream: let go of it and dsec kills it
+    h = sb.commands.run("sleep 77", background=True)
+    assert h.pid in {p.pid for p in sb.commands.list()}
+    h.disconnect()
+    deadline = time.monotonic() + 10
+    while h.pid in {p.pid for p in sb.commands.list()}:
+        assert time.monotonic() < deadline, "the command outlived its stream"
+        time.sleep(0.1)
 
 
 def test_commands_list_shows_running_commands(served, sandboxes):
