@@ -5,7 +5,9 @@ files, paging and filters, pause and connect, errors; sync ``Sandbox`` and ``Asy
 from __future__ import annotations
 
 import io
+import json
 import os
+import struct
 import tempfile
 import threading
 import time
@@ -42,6 +44,7 @@ from dsec_core.sdk import AsyncClient  # noqa: E402
 from dsec_core.testing import KitNode, free_port  # noqa: E402
 
 KEY = "e2b-test-key"
+
 BAD_KEY = "revoked-key"
 OVER_QUOTA_KEY = "over-quota-key"
 
@@ -173,6 +176,52 @@ def test_output_streams_while_the_command_runs(served, sandboxes):
     assert "".join(s for _, s in seen) == "first\nsecond\n" == r.stdout
     assert errs == ["late\n"]
     assert end - seen[0][0] >= 0.8  # the first line came a second before the command ended
+
+
+def _envelopes(body: bytes) -> list[tuple[int, dict]]:
+    out = []
+    while body:
+        flags, n = struct.unpack(">BI", body[:5])
+        out.append((flags, json.loads(body[5 : 5 + n])))
+        body = body[5 + n :]
+    return out
+
+
+def test_start_stream_wire_format_with_keepalives(served, sandboxes):
+    """The Connect framing itself: enveloped events, a keepalive on a quiet stream, and the
+    end-of-stream envelope (flags 0x02) last."""
+    sb = Sandbox.create()
+    sandboxes.append(sb)
+    request = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "sleep 2.5; echo x"]}}
+    data = json.dumps(request).encode()
+    r = httpx.post(
+        f"{served.url}/process.Process/Start",
+        content=struct.pack(">BI", 0, len(data)) + data,
+        headers={
+            "Content-Type": "application/connect+json",
+            "Connect-Protocol-Version": "1",
+            "X-Access-Token": KEY,
+            "E2b-Sandbox-Id": sb.sandbox_id,
+            "Keepalive-Ping-Interval": "1",
+        },
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.headers["content-type"] == "application/connect+json"
+    frames = _envelopes(r.content)
+    kinds = [next(iter(m["event"])) if flags == 0 else "END" for flags, m in frames]
+    assert kinds[0] == "start" and frames[0][1]["event"]["start"]["pid"] > 0
+    assert "keepalive" in kinds and kinds.index("keepalive") < kinds.index("data")
+    assert frames[kinds.index("data")][1]["event"]["data"] == {"stdout": "eAo="}  # "x\n"
+    assert kinds[-2:] == ["end", "END"] and frames[-1] == (2, {})
+    assert frames[-2][1]["event"]["end"]["exitCode"] == 0
+    # an error is the end-of-stream envelope's, under a 200
+    r = httpx.post(
+        f"{served.url}/process.Process/Start",
+        content=struct.pack(">BI", 0, len(data)) + data,
+        headers={"Content-Type": "application/connect+json", "E2b-Sandbox-Id": "nope"},
+    )
+    [(flags, end)] = _envelopes(r.content)
+    assert r.status_code == 200 and flags == 2 and end["error"]["code"] == "unauthenticated"
 
 
 def test_command_timeout_is_the_sdks_timeout(served, sandboxes):

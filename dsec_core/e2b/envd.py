@@ -23,7 +23,7 @@ from .connect import (
     unary_error,
 )
 from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
-from .process import list_processes, send_signal, start_events
+from .process import keepalive_interval, list_processes, send_signal, start_events
 
 __all__ = ["envd_routes"]
 
@@ -95,7 +95,15 @@ def envd_routes(connect: Connect) -> list[Route]:
             return _stream_error(err) if stream else unary_error(err)
         if name == ("process.Process", "Start"):
             return StreamingResponse(
-                start_events(connect, key, sid, message, timeout), media_type=STREAM_CONTENT_TYPE
+                start_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
+                    timeout,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
             )
         call: Any = None
         if name[0] == "process.Process":

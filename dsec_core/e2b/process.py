@@ -10,10 +10,11 @@ takes out of the stream) and ``exec``s the command, so that pid is the command's
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import anyio
@@ -24,7 +25,14 @@ from ..records import ExecResult
 from .callers import Connect, caller_client
 from .connect import RpcError, end_stream, envelope, rpc_error
 
-__all__ = ["PROLOGUE", "command_argv", "list_processes", "send_signal", "start_events"]
+__all__ = [
+    "PROLOGUE",
+    "command_argv",
+    "keepalive_interval",
+    "list_processes",
+    "send_signal",
+    "start_events",
+]
 
 #: Prints the shell's pid (the command's, after ``exec``) as a marked line on stderr, marks the
 #: command with it (``DSEC_E2B_PID``, which ``List`` looks for: equal to a process's own pid
@@ -130,15 +138,69 @@ class _Output:
         return [] if self.pid is not None else self._started(0, self.err)
 
 
+_KEEPALIVE = object()
+
+
+async def _with_keepalives(
+    items: AsyncIterator[Any], interval: float | None
+) -> AsyncGenerator[Any, None]:
+    """``items``, and ``_KEEPALIVE`` whenever none came for ``interval`` seconds (None: never).
+    A task reads ``items`` one item ahead at most, so the command's output is not read faster
+    than the client takes it."""
+    if not interval:
+        async for item in items:
+            yield item
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                await queue.put(item)
+            await queue.put(done)
+        except Exception as e:
+            await queue.put(e)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), interval)
+            except TimeoutError:
+                yield _KEEPALIVE
+                continue
+            if item is done:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+def keepalive_interval(value: str | None) -> float | None:
+    """The ``Keepalive-Ping-Interval`` header (seconds) the SDK sends with ``Start``: how
+    often envd says it is alive on a quiet stream; None if absent or not a number."""
+    try:
+        return max(1.0, float(value)) if value else None
+    except ValueError:
+        return None
+
+
 async def start_events(
     connect: Connect,
     key: str,
     sid: str,
     message: Mapping[str, Any],
     timeout: float | None,
+    keepalive: float | None = None,
 ) -> AsyncIterator[bytes]:
-    """The ``Start`` response stream, envelope by envelope. A command cut off by the client
-    going away is killed in the sandbox (the stream is its only handle)."""
+    """The ``Start`` response stream, envelope by envelope, with a keepalive event every
+    ``keepalive`` seconds of quiet. A command cut off by the client going away is killed in
+    the sandbox (the stream is its only handle)."""
     try:
         argv, env, cwd = command_argv(message)
         async with caller_client(connect, key) as client:
@@ -155,14 +217,21 @@ async def start_events(
                 background=True,
                 max_output=MAX_OUTPUT,
             )
+            ticking = _with_keepalives(items, keepalive)
             try:
-                async for item in items:
+                async for item in ticking:
+                    if item is _KEEPALIVE:
+                        if out.pid is not None:
+                            yield _event({"keepalive": {}})
+                        continue
                     if isinstance(item, ExecResult):
                         result = item
                         break
                     for piece in out.feed(item.stream, item.data):
                         yield piece
             finally:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await ticking.aclose()
                 if result is None:
                     # the client went away: leaving dsec's stream kills the command; a kill by
                     # pid as well, should the node not have seen the stream close yet
