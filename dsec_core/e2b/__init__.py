@@ -34,7 +34,7 @@ lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dro
 background handle, the program ending) dsec kills it, where envd would let it run on; what it
 started in the background (``cmd &``) does run on. Output past 16 MiB per stream is dropped
 (the result's ``error`` says so). ``download_url``/``upload_url`` signatures are not checked
-(a request needs the ``X-Access-Token`` header). No keepalive events are sent on quiet streams.
+(a request needs the ``X-Access-Token`` header).
 """
 
 from __future__ import annotations
