@@ -32,6 +32,7 @@ from e2b import (  # noqa: E402
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
+    SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
     TimeoutException,
@@ -331,6 +332,13 @@ def test_kill_get_info_and_connect_after_kill(served):
         Sandbox.connect(sid)
     with pytest.raises(NotFoundException):
         sb.set_timeout(60)
+    # envd's paths answer as E2B's proxy does for a gone sandbox
+    with pytest.raises(SandboxNotRunningException):
+        sb.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        sb.files.read("/etc/passwd")
+    with pytest.raises(SandboxNotRunningException):
+        sb.files.list("/")
 
 
 def test_list_pages_and_filters(served, sandboxes):
