@@ -314,6 +314,11 @@ def test_files_write_read_list_exists_remove(served, sandboxes):
     assert entries["dir"].type.value == "dir" and entries["dir"].path == "/work/dir"
     assert sb.files.exists("/work/dir/hello.txt") and not sb.files.exists("/work/nope")
     assert sb.files.make_dir("/work/new") is True and sb.files.make_dir("/work/new") is False
+    moved = sb.files.rename("/work/dir/hello.txt", "/work/new/hello.txt")
+    assert (moved.path, moved.type.value, moved.size) == ("/work/new/hello.txt", "file", 9)
+    got = sb.files.get_info("/work/new/hello.txt")
+    assert got.permissions == "-rw-r--r--" and got.modified_time.year >= 2024
+    sb.files.rename("/work/new/hello.txt", "/work/dir/hello.txt")
     sb.files.remove("/work/dir")
     assert not sb.files.exists("/work/dir/hello.txt")
     with pytest.raises(FileNotFoundException):
