@@ -27,6 +27,7 @@ from e2b import (  # noqa: E402
     AuthenticationException,
     CommandExitException,
     FileNotFoundException,
+    InvalidArgumentException,
     NotFoundException,
     RateLimitException,
     Sandbox,
@@ -35,6 +36,7 @@ from e2b import (  # noqa: E402
     SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
+    TemplateException,
     TimeoutException,
 )
 from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
@@ -280,6 +282,10 @@ def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
         sb.files.watch_dir("/tmp")
     with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*stdin"):
         sb.commands.run("cat", stdin=True)
+    with pytest.raises(InvalidArgumentException, match="gzip"):
+        sb.files.write("/x.txt", "data", gzip=True)
+    with pytest.raises(TemplateException):  # the SDK's own check against envd's version
+        sb.files.write("/x.txt", "data", metadata={"k": "v"})
     with pytest.raises(SandboxException) as e:
         Sandbox.create(network={"deny_out": ["0.0.0.0/0"]})
     assert e.value.status_code == 400 and "network" in str(e.value)
