@@ -831,6 +831,11 @@ class AsyncStreamedResponse:
         self.headers = parser.headers
         self._closed = False
 
+    @property
+    def complete(self) -> bool:
+        """The whole answer came with its head (nothing more to wait for)."""
+        return self._done is not None
+
     async def __aenter__(self) -> AsyncStreamedResponse:
         return self
 

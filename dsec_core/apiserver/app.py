@@ -401,6 +401,15 @@ async def _forward(
         raise gw._unreachable(entry, e) from e
     if gw.metrics:
         gw.metrics.forwarded(route.name, time.perf_counter() - t0)
+    if upstream.complete:  # a small answer, all in already: pass it on whole (no chunking)
+        async with upstream:
+            content = await upstream.read()
+        return Response(
+            content,
+            upstream.status_code,
+            headers={REQUEST_ID: request_id},
+            media_type=upstream.headers.get("content-type"),
+        )
     return _Relay(upstream, {REQUEST_ID: request_id})
 
 
@@ -437,26 +446,34 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
         if gw.metrics:
             gw.metrics.placed(name, entry.pool, overflow)
 
-    async def send(name: str, k: int) -> CreateResult | DsecError:
+    async def send(name: str, k: int) -> bytes | DsecError:
         entry = gw.nodes.nodes[name]
         content = route.encode_body(CreateRequest(spec, k))
         try:
-            answer = await gw._request(
+            return await gw._request(
                 entry, "POST", route.path, content, route.timeout, request_id=rid
             )
         except DsecError as e:
             return e
-        return route.decode_response(answer)
 
     results = await asyncio.gather(*(send(n, k) for n, k in shares.items()))
+    if len(results) == 1 and isinstance(results[0], bytes):
+        # one node made them: its answer goes back as it is, read only for the ids
+        raw = json.loads(results[0])
+        for info in raw.get("sandboxes", ()):
+            gw._remember(info["id"], principal.project)
+        if gw.metrics:
+            gw.metrics.create_done(time.perf_counter() - t0, not raw.get("errors"))
+        return Response(results[0], route.status, media_type=JSON)
     made: list[SandboxInfo] = []
     errors: list[ErrorBody] = []
     for (_name, k), result in zip(shares.items(), results, strict=True):
         if isinstance(result, DsecError):
             errors += [ErrorBody(**result.to_wire())] * k
         else:
-            made += result.sandboxes
-            errors += result.errors
+            answer = route.decode_response(result)
+            made += answer.sandboxes
+            errors += answer.errors
     for info in made:
         gw._remember(info.id, principal.project)
     if gw.metrics:
@@ -464,8 +481,8 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     if body.count == 1 and not made:
         first = results[0]
         raise first if isinstance(first, DsecError) else error_from_wire(errors[0].to_dict())
-    answer = CreateResult(sandboxes=tuple(made), errors=tuple(errors))
-    return Response(route.encode_response(answer), route.status, media_type=JSON)
+    merged = CreateResult(sandboxes=tuple(made), errors=tuple(errors))
+    return Response(route.encode_response(merged), route.status, media_type=JSON)
 
 
 async def _fan_out(
