@@ -142,6 +142,7 @@ class NodeSet:
         self.nodes: dict[str, NodeEntry] = {}
         self._task: asyncio.Task[None] | None = None
         self._last_discovery = 0.0
+        self.round = 0  # good probes so far: what is derived from them is as old as this
         for address in static:
             self._register(address)
 
@@ -225,6 +226,7 @@ class NodeSet:
             return
         entry.probe, entry.misses, entry.last_ok = probe, 0, time.time()
         entry.pending.clear()  # the probe counts what was placed before it
+        self.round += 1
         if not entry.healthy:
             log.info("node %s healthy (%s)", entry.name, entry.address.url)
         entry.healthy, entry.lost_at, entry.error = True, None, ""
