@@ -33,6 +33,7 @@ from dsec_core.iam import Iam, Quota
 from dsec_core.localnode import daemon_pid
 from dsec_core.records import PROJECT_LABEL, ExecOutput, ExecResult
 from dsec_core.testing.apiserver import named_nodes, running_apiserver, start_apiserver
+from dsec_core.testing.etcd import etcd_server
 from dsec_core.testing.procs import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -354,3 +355,55 @@ def test_tls(cluster, tmp_path):
     finally:
         api.stop()
         Path(api.log).unlink(missing_ok=True)
+
+
+def test_two_apiservers_share_iam_in_etcd(cluster):
+    with etcd_server() as etcd:
+        url = etcd.url("dsec-test")
+        with Iam.open(url) as shared:
+            shared.create_project("shared")
+            info, key = shared.create_key("shared", "member")
+            with (
+                running_apiserver(cluster.nodes, url) as one,
+                running_apiserver(cluster.nodes, url) as two,
+            ):
+                with cluster.client(key, one.url) as c1, cluster.client(key, two.url) as c2:
+                    sb = c1.create(cluster.spec())
+                    assert c2.exec(sb.id, "echo both").stdout == b"both\n"
+                    c2.kill(sb.id)
+                    assert sb.id not in {i.id for i in c1.list()}
+                    shared.revoke_key(info.key_id)
+                    time.sleep(2.5)  # each apiserver remembers a good key for at most 2 s
+                    for c in (c1, c2):
+                        with pytest.raises(AuthenticationFailed):
+                            c.list()
+
+
+def _peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_file_bodies_stream_through_without_being_held(cluster):
+    """One 160 MiB PUT and one 160 MiB GET through the apiserver (single requests, not the
+    SDK's 8 MiB pieces): its peak memory grows by far less than a body."""
+    size = 160 << 20
+    data = os.urandom(1 << 20) * (size >> 20)
+    key = cluster.key("acme/big")
+    with running_apiserver(cluster.nodes, cluster.iam_url) as api:
+        with cluster.client(key, api.url) as c, c.create(cluster.spec(disk="1G")) as sb:
+            t = HTTPTransport(api.url, token=key)
+            try:
+                before = _peak_rss(api.proc.pid)
+                target = f"/v1/sandboxes/{sb.id}/file?path=/tmp/big&mode=0644"
+                r = t.request("PUT", target, body=data, content_type="application/octet-stream")
+                assert r.status_code == 200, r.text
+                assert r.json()["written"] == size
+                r = t.request("GET", f"/v1/sandboxes/{sb.id}/file?path=/tmp/big", timeout=120)
+                assert r.status_code == 200 and r.content == data
+                grown = _peak_rss(api.proc.pid) - before
+            finally:
+                t.close()
+    assert grown < 48 << 20, f"the apiserver's peak memory grew {grown >> 20} MiB"
