@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import os
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
@@ -67,6 +69,7 @@ from ..errors import (
 )
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
+from ..observe import ObservedRequests, exec_outcome
 from ..records import check_trajectory_name
 from .node import Node
 
@@ -299,10 +302,26 @@ async def _set_policy(node: Node, c: Call) -> Any:
     return node.set_policy(c.sid, c.path["policy"], c.body.settings)
 
 
+async def _counted(node: Node, kind: str, run: Awaitable[Any]) -> Any:
+    """The result of command ``run`` of ``kind`` (exec, session, fncall), counted in the
+    node's metrics by outcome with its time."""
+    t0 = time.perf_counter()
+    try:
+        result = await run
+    except BaseException:
+        node.metrics.observe_exec(kind, "error", time.perf_counter() - t0)
+        raise
+    outcome = exec_outcome(result.exit_code, result.timed_out)
+    if getattr(result, "error", ""):  # a FnCall whose pool member died under it
+        outcome = "error"
+    node.metrics.observe_exec(kind, outcome, time.perf_counter() - t0)
+    return result
+
+
 @_handles("exec")
 async def _exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.exec(
+    run = node.exec(
         c.sid,
         b.cmd,
         timeout=b.timeout,
@@ -315,12 +334,13 @@ async def _exec(node: Node, c: Call) -> Any:
         trajectory=b.trajectory,
         step=b.step,
     )
+    return await _counted(node, "exec", run)
 
 
 @_handles("fncall")
 async def _fncall(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.fncall(
+    run = node.fncall(
         b.environment,
         b.cmd,
         script=b.script,
@@ -334,6 +354,7 @@ async def _fncall(node: Node, c: Call) -> Any:
         memory=b.memory,
         devices=b.devices,
     )
+    return await _counted(node, "fncall", run)
 
 
 @_handles("judge")
@@ -354,9 +375,10 @@ async def _sessions(node: Node, c: Call) -> SessionList:
 @_handles("session_exec")
 async def _session_exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.session_exec(
+    run = node.session_exec(
         c.sid, c.path["ses"], b.cmd, timeout=b.timeout, stdin=b.stdin, max_output=b.max_output
     )
+    return await _counted(node, "session", run)
 
 
 @_handles("session_close")
@@ -566,6 +588,9 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: on_http_error, Exception: on_other_error},
+        # request ids, the access log, dsec_requests_total and GET /metrics (not a route of
+        # the table: it answers Prometheus' text, and sits behind the token like the rest)
+        middleware=[Middleware(ObservedRequests, logger="dsec.access", metrics=node.metrics)],
     )
     app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
     return app
