@@ -372,17 +372,17 @@ def observed_node() -> Iterator[ObservedNode]:
 
 def test_metrics_follow_creates_execs_and_states(observed_node: ObservedNode):
     on = observed_node
-    layer = on.node.layer.ref
+    environment = on.node.environment("observe-env")  # the kit's busybox layer alone
     before = on.metrics()
     assert value(before, "dsec_layer_cache_total", result="miss") == 0  # nothing mounted yet
     with on.node.client() as client, contextlib.ExitStack() as stack:
-        a = client.create(layers=(layer,), memory="64M", ttl=120)
+        a = client.create(environment=environment, memory="64M", ttl=120)
         stack.callback(_kill, client, a.id)
         after_a = on.metrics()
-        # the first sandbox of the layer mounted it; the second finds it mounted
+        # the first sandbox of the environment mounted its layer; the second finds it mounted
         assert value(after_a, "dsec_layer_cache_total", result="miss") == 1
         assert value(after_a, "dsec_layer_cache_total", result="hit") == 0
-        b = client.create(layers=(layer,), memory="64M", ttl=120)
+        b = client.create(environment=environment, memory="64M", ttl=120)
         stack.callback(_kill, client, b.id)
         with pytest.raises(UnknownLayer):
             client.create(layers=("no-such-layer@1",), memory="64M", ttl=120)
@@ -491,3 +491,22 @@ def test_metrics_over_tcp_need_the_token(observed_node: ObservedNode):
         r = c.get("/metrics", headers={"Authorization": f"Bearer {on.token}"})
     assert r.status_code == 200
     assert "dsec_sandboxes" in r.text and "# TYPE dsec_create_seconds histogram" in r.text
+
+
+def test_the_access_log_can_be_switched_off(monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    monkeypatch.setenv("DSEC_ACCESS_LOG", "off")
+    with running_kit_node("dsec-observe-quiet-") as node:
+        transport = httpx.HTTPTransport(uds=os.fspath(node.config.socket_path))
+        with httpx.Client(transport=transport, base_url="http://node", timeout=30) as c:
+            sid = c.post(
+                "/v1/sandboxes", json={"spec": {"layers": [node.layer.ref], "memory": "64M"}}
+            ).json()["sandboxes"][0]["id"]
+            r = c.delete(f"/v1/sandboxes/{sid}", headers={"X-Request-Id": "quiet-1"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "quiet-1"
+            assert c.get("/metrics").status_code == 200  # metrics stay
+        lines = [json.loads(x) for x in (node.home / "dsecd.log").read_text().splitlines()]
+    assert not [x for x in lines if x["logger"] == "dsec.access"]
+    # the node's own lines still carry the request's id
+    assert any(x.get("request_id") == "quiet-1" and "killing sandbox" in x["msg"] for x in lines)

@@ -590,7 +590,7 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         exception_handlers={HTTPException: on_http_error, Exception: on_other_error},
         # request ids, the access log, dsec_requests_total and GET /metrics (not a route of
         # the table: it answers Prometheus' text, and sits behind the token like the rest)
-        middleware=[Middleware(ObservedRequests, logger="dsec.access", metrics=node.metrics)],
+        middleware=[Middleware(ObservedRequests, metrics=node.metrics)],
     )
     app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
     return app
