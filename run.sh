@@ -20,8 +20,10 @@ APT_PACKAGES=(runc runsc erofs-utils e2fsprogs debootstrap busybox-static gcc li
               apparmor  # apparmor_parser, for the apparmor policy's profiles
               lxcfs  # sandboxes' own CPUs and memory in /proc: the container backend runs it
               procps  # free and uptime, which the limits tests copy into a sandbox
-              qemu-system-x86 lz4)  # microVM sandboxes (the demo's fizzbuzz-vm): QEMU, and lz4
-                                    # for guest kernels compressed with it
+              qemu-system-x86 lz4  # microVM sandboxes (the demo's fizzbuzz-vm): QEMU, and lz4
+                                   # for guest kernels compressed with it
+              etcd-server)  # IAM state shared by several apiservers (DSEC_IAM=etcd://...);
+                            # the tests start their own on loopback
 # apparmor starts no service on install: its postinst enables apparmor.service for the next
 # boot (a unit conditioned on the kernel having AppArmor, so inert here) and, only if the
 # kernel has AppArmor enabled, loads the profiles in /etc/apparmor.d; a stock Debian 12 has
@@ -61,6 +63,13 @@ setup_apt() {
         # runs its own lxcfs, so one we just installed stays off (one already there is left be).
         if [[ " ${missing[*]} " == *" lxcfs "* ]] && command -v systemctl >/dev/null; then
             systemctl disable --quiet lxcfs 2>/dev/null || true
+        fi
+        # etcd-server's package enables etcd.service (a member listening on localhost:2379) for
+        # the next boot (and starts it where no policy-rc.d holds it back); the tests start their
+        # own etcd and an operator points DSEC_IAM at theirs, so one we just installed is stopped
+        # and stays off.
+        if [[ " ${missing[*]} " == *" etcd-server "* ]] && command -v systemctl >/dev/null; then
+            systemctl disable --now --quiet etcd 2>/dev/null || true
         fi
     fi
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,37 @@ def default_runtime() -> str | None:
 def mem_total() -> int:
     """The host's RAM in bytes."""
     return meminfo("MemTotal").get("MemTotal", 1 << 30)
+
+
+_NODE_NAME = re.compile(r"[a-z0-9]{1,16}")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}")
+
+
+def check_node_name(name: str) -> str:
+    """``name`` if it can name a node (``[a-z0-9]{1,16}``: it ends every sandbox id the node
+    makes, after a ``-``), else ``InvalidSpec``."""
+    if not isinstance(name, str) or not _NODE_NAME.fullmatch(name):
+        raise InvalidSpec(
+            f"a node name is 1-16 lowercase letters and digits, got {name!r}",
+            field="DSEC_NODE_NAME",
+        )
+    return name
+
+
+def parse_labels(text: str, where: str) -> dict[str, str]:
+    """``"k=v,k2=v2"`` -> ``{"k": "v", "k2": "v2"}``; keys ``[A-Za-z0-9][A-Za-z0-9._/-]*``,
+    values anything without a comma."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not _LABEL_KEY.fullmatch(key):
+            raise InvalidSpec(f"{where}: expected key=value pairs, got {item!r}", field=where)
+        out[key] = value.strip()
+    return out
 
 
 def _positive_int(name: str) -> int:
@@ -112,10 +144,21 @@ class NodeConfig:
     # the backend's own default (runc for the container backend); "runsc" runs them under
     # gVisor (``DSEC_RUNTIME``).
     runtime: str | None = None
+    # The node's name in a cluster (``DSEC_NODE_NAME``, ``[a-z0-9]{1,16}``). A named node makes
+    # sandbox ids ``<12 hex>-<name>``, so a stateless apiserver routes an id to its node by the
+    # part after the last ``-``; placement knows the node by it (else by its home).
+    node_name: str | None = None
+    # What placement may select the node by (``DSEC_NODE_LABELS="dsec.pool=overflow,zone=a"``):
+    # ``NodeLoad.labels``. ``dsec.pool`` names the node's pool (home when absent).
+    node_labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> NodeConfig:
         kw: dict[str, Any] = {}
+        if os.environ.get("DSEC_NODE_NAME", "").strip():
+            kw["node_name"] = check_node_name(os.environ["DSEC_NODE_NAME"].strip())
+        if os.environ.get("DSEC_NODE_LABELS", "").strip():
+            kw["node_labels"] = parse_labels(os.environ["DSEC_NODE_LABELS"], "DSEC_NODE_LABELS")
         if "DSEC_CPU_OVERCOMMIT" in os.environ:
             kw["cpu_overcommit"] = float(os.environ["DSEC_CPU_OVERCOMMIT"])
         if "DSEC_MEMORY_OVERCOMMIT" in os.environ:

@@ -21,7 +21,9 @@ __all__ = [
     "FeatureUnavailable",
     "GuestImageError",
     "GuestPanic",
+    "IamUnavailable",
     "InvalidSpec",
+    "KeyExists",
     "LayerBuildError",
     "LayerCorrupt",
     "LayerExists",
@@ -36,6 +38,8 @@ __all__ = [
     "PermissionDenied",
     "PluginInvalid",
     "PolicyUnavailable",
+    "ProjectExists",
+    "ProjectInUse",
     "QuotaExceeded",
     "RequestTooLarge",
     "SandboxDied",
@@ -50,9 +54,11 @@ __all__ = [
     "TrajectoryDiverged",
     "UnknownBackend",
     "UnknownEnvironment",
+    "UnknownKey",
     "UnknownLayer",
     "UnknownLease",
     "UnknownPolicy",
+    "UnknownProject",
     "UnknownSandbox",
     "UnknownSession",
     "UnknownSnapshot",
@@ -394,6 +400,43 @@ class PermissionDenied(DsecError):
     ``UnknownSandbox``, so ids do not leak."""
 
     http_status = 403
+
+
+# --- IAM (dsec_core.iam) -------------------------------------------------------------------
+
+
+class UnknownProject(NotFound):
+    """No IAM project at that path (``name``): it was never created, or it was revoked."""
+
+
+class UnknownKey(NotFound):
+    """No API key with that id (``name``), or none the caller may manage: another project's
+    key ids are not told apart from ones that never existed."""
+
+
+class ProjectExists(DsecError):
+    """An IAM project at that path (``project``) already exists."""
+
+    http_status = 409
+
+
+class KeyExists(DsecError):
+    """The project (``project``) already has an API key of that name (``name``)."""
+
+    http_status = 409
+
+
+class ProjectInUse(DsecError):
+    """An IAM project still has subprojects (``children``) or API keys (``keys``): revoking
+    it would orphan them. Revoke them first, or force it (which revokes them too)."""
+
+    http_status = 409
+
+
+class IamUnavailable(DsecError):
+    """The IAM store (its SQLite file or etcd, ``store``) cannot be reached or read."""
+
+    http_status = 503
 
 
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:

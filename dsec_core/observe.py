@@ -259,7 +259,7 @@ class NodeMetrics:
 
     - ``dsec_create_seconds{backend,outcome}``: each sandbox's create, outcome ok|error;
     - ``dsec_sandboxes{state}``: sandboxes by state, from ``sandbox_states()`` at scrape time;
-    - ``dsec_exec_total{kind,outcome}``: commands run, kind exec|session|fncall, outcome
+    - ``dsec_exec_total{kind,outcome}``: commands run, kind exec|stream|session|fncall, outcome
       ok|nonzero|timeout|error (``exec_outcome``; error: the call failed, nothing ran);
     - ``dsec_exec_seconds{kind}``: their round trip inside the node;
     - ``dsec_layer_cache_total{result}``: hit|miss, from ``layer_cache()`` at scrape time;
@@ -284,7 +284,7 @@ class NodeMetrics:
         )
         self.exec_total = Counter(
             "dsec_exec",
-            "Commands run in sandboxes, by kind (exec, session, fncall) and outcome (ok, "
+            "Commands run in sandboxes, by kind (exec, stream, session, fncall) and outcome (ok, "
             "nonzero exit, timeout, error: the call failed)",
             ("kind", "outcome"),
             registry=r,

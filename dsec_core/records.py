@@ -24,11 +24,14 @@ __all__ = [
     "DEVICE_MODES",
     "INFRA_KINDS",
     "LAYER_KINDS",
+    "POOL_LABEL",
+    "PROJECT_LABEL",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
     "VERDICTS",
     "CaseResult",
     "DeviceRequest",
+    "ExecOutput",
     "ExecResult",
     "FileEntry",
     "FnCallResult",
@@ -668,6 +671,25 @@ class PolicyState(_Record):
     stats: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: The label that names a sandbox's project (set by the apiserver from the caller's key; a
+#: client cannot choose it there).
+PROJECT_LABEL = "dsec.project"
+#: The label of a node's pool (``NodeLoad.labels``): ``overflow`` for the burst pool.
+POOL_LABEL = "dsec.pool"
+
+
+@dataclass(frozen=True)
+class ExecOutput(_Record):
+    """A piece of a running command's output (``Sandbox.exec_stream``), as it came."""
+
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
+
+
 @dataclass(frozen=True)
 class ExecResult(_Record):
     """What one command did: exit code, captured output (capped), time, and why it stopped."""
@@ -808,9 +830,15 @@ class NodeLoad(_Record):
     #: The node's devices by kind: ``total``, ``idle`` (held by no sandbox: what an exclusive
     #: request may take) and ``shareable`` (not held exclusively and under the share cap).
     devices: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    #: What a create there would find mounted (the control plane fills these from the node's
+    #: probe): layers as ``name@version``, and environments all of whose layers those are.
+    layers: tuple[str, ...] = ()
+    environments: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", tuple(self.backends))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "environments", tuple(self.environments))
         object.__setattr__(self, "labels", dict(self.labels))
         object.__setattr__(self, "devices", {k: dict(v) for k, v in self.devices.items()})
 

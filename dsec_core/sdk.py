@@ -15,14 +15,17 @@ never reached the node, and GETs and deletes also if it broke before the answer 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import builtins
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import stat
 import threading
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +48,14 @@ from .api.messages import (
     RestoreRequest,
     SessionExecRequest,
     SessionOpenRequest,
+    TtlRequest,
     WriteQuery,
 )
-from .api.routes import ROUTES, Route
+from .api.routes import JSON, ROUTES, Route, dump_json
 from .api.transport import (
     Address,
     AsyncHTTPTransport,
+    AsyncStreamedResponse,
     HTTPTransport,
     Response,
     TransportError,
@@ -70,6 +75,7 @@ from .inputs import InputEvent, input_dicts
 from .localnode import ensure_daemon
 from .records import (
     DeviceRequest,
+    ExecOutput,
     ExecResult,
     FileEntry,
     FnCallResult,
@@ -252,6 +258,13 @@ def _resolve(
     return Address("unix", path=os.fspath(config.socket_path)), token
 
 
+def _api_key(token: str | None, api_key: str | None) -> str | None:
+    """An apiserver's API key travels as the bearer token, as a node's token does."""
+    if api_key is not None and token is not None and api_key != token:
+        raise InvalidSpec("give token or api_key, not both", field="api_key")
+    return token if token is not None else api_key
+
+
 def _timeout(route: Route, body: Any) -> float | None:
     """How long to wait for the answer: the route's default, or an exec's own timeout plus a
     grace period for the node to kill the command and answer."""
@@ -287,12 +300,94 @@ def _transport_error(route: Route, body: Any, e: TransportError, address: str) -
     return NodeUnavailable(f"the node did not answer: {e}", address=address)
 
 
+#: How long a client waits for a streamed exec's answer to begin (its lines come as they may)
+STREAM_START_TIMEOUT = 60.0
+
+
+class _ExecLines:
+    """Turns the pieces of an ``exec_stream`` answer into ``ExecOutput``s and the last
+    ``ExecResult``; the node's error line is raised as its typed error."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.done = False
+
+    def feed(self, piece: bytes) -> list[ExecOutput | ExecResult]:
+        self._buf += piece
+        out: list[ExecOutput | ExecResult] = []
+        while not self.done and (i := self._buf.find(b"\n")) >= 0:
+            line, self._buf = self._buf[:i], self._buf[i + 1 :]
+            out.append(self._item(line))
+        return out
+
+    def _item(self, line: bytes) -> ExecOutput | ExecResult:
+        try:
+            obj = json.loads(line)
+            (key, value), *rest = obj.items()
+            if rest:
+                raise ValueError("more than one key")
+            if key in ("stdout", "stderr"):
+                return ExecOutput(key, base64.b64decode(value, validate=True))
+            if key == "result":
+                self.done = True
+                return ROUTES["exec"].decode_response(dump_json(value))
+            if key == "error":
+                self.done = True
+                raise error_from_wire(value)
+            raise ValueError(f"unknown key {key!r}")
+        except DsecError:
+            raise
+        except (ValueError, TypeError, AttributeError, binascii.Error) as e:
+            raise DsecError(f"the node's exec stream has a malformed line: {e}") from None
+
+    def end(self) -> DsecError:
+        return NodeUnavailable("the node ended the exec stream without a result")
+
+
+def _stream_request(
+    sandbox_id: str, cmd: Any, timeout: float | None, kw: dict[str, Any]
+) -> tuple[Route, str, bytes]:
+    route = ROUTES["exec_stream"]
+    body = ExecRequest(
+        cmd,
+        timeout,
+        kw.get("cwd"),
+        kw.get("env"),
+        kw.get("stdin"),
+        kw.get("max_output", DEFAULT_MAX_OUTPUT),
+        kw.get("background", False),
+        kw.get("exclusive", False),
+    )
+    content = route.encode_body(body)
+    assert content is not None
+    return route, route.target({"sid": sandbox_id}), content
+
+
+async def _aexec_lines(
+    route: Route, r: AsyncStreamedResponse, address: str
+) -> AsyncIterator[ExecOutput | ExecResult]:
+    async with r:
+        if r.status_code >= 300:
+            _answer(route, Response(r.status_code, await r.read(), r.headers))
+        lines = _ExecLines()
+        try:
+            async for piece in r:
+                for item in lines.feed(piece):
+                    yield item
+                if lines.done:
+                    return
+        except TransportError as e:
+            raise NodeUnavailable(f"the exec stream broke: {e}", address=address) from e
+        raise lines.end()
+
+
 class Client:
     """Synchronous client of a dsec node.
 
     ``address`` is ``unix:///path`` (or a path), ``http://host:port`` or ``https://host:port``;
-    ``token`` is the node's API token (TCP only); ``verify`` checks the node's TLS certificate
-    against the system's CAs (True), a CA file (a path), or not at all (False). ``Client()``
+    ``token`` is the node's API token (TCP only), or ``api_key`` an apiserver's API key (the
+    same header); ``verify`` checks the node's TLS certificate against the system's CAs
+    (True), a CA file (a path), or not at all (False). ``Client()``
     uses ``DSEC_ADDRESS``/``DSEC_TOKEN``, or the local node (started if needed). ``retry`` is
     how many seconds a request keeps trying while the node is away (``DSEC_RETRY_TIMEOUT``).
     """
@@ -305,8 +400,10 @@ class Client:
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
         retry: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         retry = _retry_timeout(retry)
+        token = _api_key(token, api_key)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = HTTPTransport(where, token=token, verify=verify, retry=retry)
@@ -574,6 +671,45 @@ class Client:
         )
         return self._call("exec", body, sid=sandbox_id)
 
+    def exec_stream(
+        self,
+        sandbox_id: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = 300.0,
+        **kw: Any,
+    ) -> Iterator[ExecOutput | ExecResult]:
+        """``exec``, with the output as it comes: ``ExecOutput`` pieces (``stream`` "stdout"
+        or "stderr", ``data``), then the ``ExecResult`` (its stdout and stderr empty). Takes
+        ``exec``'s arguments but ``trajectory``. Leaving the loop early kills the command."""
+        route, target, content = _stream_request(sandbox_id, cmd, timeout, kw)
+        try:
+            r = self._http.stream(
+                "POST", target, body=content, content_type=JSON, timeout=STREAM_START_TIMEOUT
+            )
+        except TransportError as e:
+            raise NodeUnavailable(f"the node did not answer: {e}", address=self.address) from e
+        with r:
+            if r.status_code >= 300:
+                _answer(route, Response(r.status_code, r.read(), r.headers))
+            lines = _ExecLines()
+            try:
+                for piece in r:
+                    yield from lines.feed(piece)
+                    if lines.done:
+                        return
+            except TransportError as e:
+                raise NodeUnavailable(f"the exec stream broke: {e}", address=self.address) from e
+            raise lines.end()
+
+    def set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        """Let the sandbox live ``ttl`` more seconds from now (None: until killed)."""
+        return self._call("set_ttl", TtlRequest(ttl), sid=sandbox_id)
+
+    def probe(self) -> Any:
+        """What the control plane's watcher sees of the node (``NodeProbe``)."""
+        return self._call("probe")
+
     def session_open(
         self, sandbox_id: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None
     ) -> Session:
@@ -669,8 +805,10 @@ class AsyncClient:
         verify: bool | str | os.PathLike[str] = True,
         autostart: bool = True,
         retry: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         retry = _retry_timeout(retry)
+        token = _api_key(token, api_key)
         where, token = _resolve(address, token, autostart)
         self.address = str(where)
         self._http = AsyncHTTPTransport(where, token=token, verify=verify, retry=retry)
@@ -914,6 +1052,30 @@ class AsyncClient:
         )
         return await self._call("exec", body, sid=sandbox_id)
 
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = 300.0,
+        **kw: Any,
+    ) -> AsyncIterator[ExecOutput | ExecResult]:
+        """The asyncio twin of ``Client.exec_stream``: an async iterator."""
+        route, target, content = _stream_request(sandbox_id, cmd, timeout, kw)
+        try:
+            r = await self._http.stream(
+                "POST", target, body=content, content_type=JSON, timeout=STREAM_START_TIMEOUT
+            )
+        except TransportError as e:
+            raise NodeUnavailable(f"the node did not answer: {e}", address=self.address) from e
+        return _aexec_lines(route, r, self.address)
+
+    async def set_ttl(self, sandbox_id: str, ttl: float | None) -> SandboxInfo:
+        return await self._call("set_ttl", TtlRequest(ttl), sid=sandbox_id)
+
+    async def probe(self) -> Any:
+        return await self._call("probe")
+
     async def session_open(
         self, sandbox_id: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None
     ) -> AsyncSession:
@@ -1014,6 +1176,8 @@ class AsyncClient:
 
 _SANDBOX_METHODS = (
     "exec",
+    "exec_stream",
+    "set_ttl",
     "pause",
     "resume",
     "session_open",

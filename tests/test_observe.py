@@ -392,6 +392,8 @@ def test_metrics_follow_creates_execs_and_states(observed_node: ObservedNode):
         assert a.exec("sleep 5", timeout=0.3).timed_out
         ses = a.session()
         assert ses.exec("echo hi").exit_code == 0
+        *_, streamed = a.exec_stream("echo hi; exit 4")
+        assert streamed.exit_code == 4
         b.pause()
         with pytest.raises(DsecError):  # a paused sandbox's agent is frozen: the call fails
             b.exec("true")
@@ -415,6 +417,7 @@ def test_metrics_follow_creates_execs_and_states(observed_node: ObservedNode):
         for outcome, n in (("ok", 1), ("nonzero", 1), ("timeout", 1), ("error", 1)):
             assert value(got, "dsec_exec_total", kind="exec", outcome=outcome) == n, outcome
         assert value(got, "dsec_exec_total", kind="session", outcome="ok") == 1
+        assert value(got, "dsec_exec_total", kind="stream", outcome="nonzero") == 1
         assert value(got, "dsec_exec_seconds_count", kind="exec") == 4
         # the timed-out command's 0.3 s went into the histogram
         assert value(got, "dsec_exec_seconds_sum", kind="exec") >= 0.3

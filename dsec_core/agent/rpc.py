@@ -19,11 +19,12 @@ most ``RECV_PIECE``. A reply that breaks those limits or the field encoding rais
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shlex
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import (
@@ -355,6 +356,24 @@ class AgentClient:
         process in the sandbox (other calls' commands, sessions, background jobs), so nothing
         that ran before can tamper with this command while it runs: run verifiers this way.
         """
+        fields, command = self._exec_fields(
+            cmd, timeout, cwd, env, stdin, max_output, background, exclusive
+        )
+        cap = self._output_cap(max_output)
+        reply, body = await self._call(fields, bytes(stdin or b""), timeout, max_body=2 * cap)
+        return self._result(reply, body, command, cap)
+
+    def _exec_fields(
+        self,
+        cmd: str | Sequence[str],
+        timeout: float | None,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        stdin: bytes | None,
+        max_output: int,
+        background: bool,
+        exclusive: bool,
+    ) -> tuple[list[tuple[str, Any]], str]:
         if isinstance(cmd, str):
             argv, command = ["/bin/sh", "-c", cmd], cmd
         else:
@@ -376,9 +395,83 @@ class AgentClient:
             fields.append(("background", 1))
         if exclusive:
             fields.append(("exclusive", 1))
+        return fields, command
+
+    async def exec_stream(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+        background: bool = False,
+        exclusive: bool = False,
+    ) -> AsyncIterator[tuple[str, bytes] | ExecResult]:
+        """``exec``, with the output as it comes: ``("stdout" | "stderr", bytes)`` pieces, then
+        the ``ExecResult`` (its stdout and stderr empty). ``max_output`` bounds each stream's
+        total as in ``exec``. Closing the iterator early closes the connection, and the agent
+        kills the command. An agent older than streaming answers at the end only: its output
+        then comes as one piece per stream before the result."""
+        fields, command = self._exec_fields(
+            cmd, timeout, cwd, env, stdin, max_output, background, exclusive
+        )
+        fields.append(("stream", 1))
+        body = bytes(stdin or b"")
+        if len(body) > MAX_FRAME:
+            raise InvalidSpec(
+                f"request body of {len(body)} bytes is over the agent's {MAX_FRAME} byte limit"
+            )
+        if body:
+            fields.append(("body_len", len(body)))
         cap = self._output_cap(max_output)
-        reply, body = await self._call(fields, bytes(stdin or b""), timeout, max_body=2 * cap)
-        return self._result(reply, body, command, cap)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout + _TIMEOUT_SLACK
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            try:
+                await loop.sock_connect(sock, self.socket_path)
+                await loop.sock_sendall(sock, _encode(fields))
+                if body:
+                    await loop.sock_sendall(sock, body)
+            except OSError as e:
+                raise self._gone(e.strerror or e) from e
+            sent = {b"out": 0, b"err": 0}
+            while True:
+                read = self._read_reply(loop, sock, fields, (REPLY_HEADER, 2 * cap))
+                try:
+                    if deadline is None:
+                        reply, rbody = await read
+                    else:
+                        reply, rbody = await asyncio.wait_for(read, deadline - loop.time())
+                except TimeoutError:
+                    raise SandboxError(
+                        f"{self._where()}: the agent did not answer within "
+                        f"{timeout + _TIMEOUT_SLACK:.0f}s",  # type: ignore[operator]
+                        sandbox_id=self.sandbox_id,
+                    ) from None
+                except (OSError, EOFError) as e:
+                    raise self._gone(getattr(e, "strerror", None) or e) from e
+                if "error" in reply:
+                    raise self._error(reply)
+                if "chunk" in reply:
+                    which = _one(reply, "chunk")
+                    if which not in sent or sent[which] + len(rbody) > cap:
+                        raise self._forged(f"an output chunk beyond the {cap} byte cap")
+                    sent[which] += len(rbody)
+                    yield ("stdout" if which == b"out" else "stderr", rbody)
+                    continue
+                result = self._result(reply, rbody, command, cap)
+                if result.stdout:
+                    yield ("stdout", result.stdout)
+                if result.stderr:
+                    yield ("stderr", result.stderr)
+                yield dataclasses.replace(result, stdout=b"", stderr=b"")
+                return
+        finally:
+            sock.close()
 
     async def session_open(
         self,

@@ -30,6 +30,7 @@ from ..records import (
     LayerInfo,
     LeaseInfo,
     MemorySnapshot,
+    NodeLoad,
     PolicyState,
     SandboxInfo,
     SandboxSpec,
@@ -72,6 +73,8 @@ __all__ = [
     "MemorySnapshotRequest",
     "Message",
     "NodeCapacity",
+    "NodeLoad",
+    "NodeProbe",
     "NodeStatus",
     "PackDiffRequest",
     "PauseQuery",
@@ -82,6 +85,7 @@ __all__ = [
     "PrefetchRequest",
     "PrefetchResult",
     "PrefetchedLayer",
+    "ProjectUsage",
     "QosSupport",
     "ReadQuery",
     "ReleaseQuery",
@@ -98,6 +102,7 @@ __all__ = [
     "SessionOpenRequest",
     "SessionOpened",
     "Trajectory",
+    "TtlRequest",
     "WriteQuery",
     "Written",
 ]
@@ -187,6 +192,40 @@ class NodeStatus(Message):
     qos: QosSupport | None = None  # None from a node older than the CPU classes
     pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (environment, size)
     devices: tuple[DeviceStatus, ...] = ()  # the inventory (DSEC_DEVICES) and its holders
+
+
+@dataclass(frozen=True)
+class ProjectUsage(Message):
+    """What one project's live sandboxes on a node hold: their number and their CPU and memory
+    limits (the apiserver checks quotas against these sums)."""
+
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory: int = 0
+
+
+@dataclass(frozen=True)
+class NodeProbe(Message):
+    """What the control plane's watcher learns of a node each probe: its name, its load, the
+    layers it holds mounted now (``name@version``; a create there reuses them), the
+    environments all of whose layers those are, and its live sandboxes by project
+    (``PROJECT_LABEL``)."""
+
+    name: str
+    version: str
+    load: NodeLoad
+    layers: tuple[str, ...] = ()
+    environments: tuple[str, ...] = ()
+    projects: Mapping[str, ProjectUsage] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TtlRequest(Message):
+    """A sandbox's new time to live, in seconds from now; null: it lives until killed."""
+
+    ttl: float | None = field(
+        default=None, metadata=_limits(exclusiveMinimum=0, maximum=MAX_TIMEOUT)
+    )
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from .messages import (
     LeaseRequest,
     MemorySnapshot,
     MemorySnapshotRequest,
+    NodeProbe,
     NodeStatus,
     PackDiffRequest,
     PauseQuery,
@@ -62,12 +63,13 @@ from .messages import (
     SessionOpened,
     SessionOpenRequest,
     Trajectory,
+    TtlRequest,
     WriteQuery,
     Written,
 )
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
-__all__ = ["JSON", "MAX_BODY", "OCTETS", "PNG", "RAW", "ROUTES", "Route", "dump_json"]
+__all__ = ["JSON", "MAX_BODY", "NDJSON", "OCTETS", "PNG", "RAW", "ROUTES", "Route", "dump_json"]
 
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
@@ -75,6 +77,8 @@ JSON = "application/json"
 OCTETS = "application/octet-stream"
 #: A ``RAW`` answer that is a PNG image (``Route.raw_type``).
 PNG = "image/png"
+#: A ``RAW`` answer of JSON objects, one per line, as they come (``exec_stream``).
+NDJSON = "application/x-ndjson"
 #: The largest JSON body a node reads (``RequestTooLarge`` beyond it): room for an exec's 16 MiB
 #: of stdin in base64 and a command and environment as large as the agent takes. Raw bodies
 #: (file writes) are streamed and have no such limit.
@@ -277,6 +281,15 @@ ROUTES: dict[str, Route] = {
         Route("node_info", "GET", "/v1/node", "What the node daemon is and holds", NodeStatus),
         Route("openapi", "GET", "/v1/openapi.json", "This API as an OpenAPI 3.1 document", dict),
         Route(
+            "probe",
+            "GET",
+            "/v1/node/probe",
+            "What the control plane's watcher asks each interval: the node's load, its mounted "
+            "layers and warm environments, and its live sandboxes by project",
+            NodeProbe,
+            timeout=10.0,
+        ),
+        Route(
             "create",
             "POST",
             "/v1/sandboxes",
@@ -385,6 +398,27 @@ ROUTES: dict[str, Route] = {
             ExecResult,
             body=ExecRequest,
             exec_timeout=True,
+        ),
+        Route(
+            "exec_stream",
+            "POST",
+            _SB + "/exec/stream",
+            "Run a command in a sandbox, its output streamed as it comes: one JSON object a "
+            'line, {"stdout": base64} or {"stderr": base64}, then {"result": ExecResult} '
+            '(its stdout and stderr empty) or {"error": ...}',
+            RAW,
+            body=ExecRequest,
+            raw_type=NDJSON,
+            exec_timeout=True,
+        ),
+        Route(
+            "set_ttl",
+            "PUT",
+            _SB + "/ttl",
+            "Set a sandbox's time to live, from now (null: until killed)",
+            SandboxInfo,
+            body=TtlRequest,
+            idempotent=True,
         ),
         Route(
             "session_open",

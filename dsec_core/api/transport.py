@@ -27,7 +27,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,9 +37,11 @@ from ..errors import InvalidSpec
 __all__ = [
     "Address",
     "AsyncHTTPTransport",
+    "AsyncStreamedResponse",
     "HTTPTransport",
     "Response",
     "ResponseParser",
+    "StreamedResponse",
     "TransportError",
     "TransportTimeout",
     "ssl_context",
@@ -239,6 +241,36 @@ def request_bytes(
     )
 
 
+def stream_request_head(
+    method: str,
+    target: str,
+    head: bytes,
+    content_type: str | None,
+    length: int | None,
+    extra: Mapping[str, str] | None = None,
+) -> bytes:
+    """The head of a request whose body follows separately: ``length`` bytes of it (0: none),
+    or chunked when ``length`` is None (``chunk`` frames each piece)."""
+    lines = [b"%s %s HTTP/1.1\r\n" % (method.encode(), target.encode()), head]
+    for key, value in (extra or {}).items():
+        if any(c in key + value for c in "\r\n\0"):
+            raise InvalidSpec(f"header {key!r} must not contain line breaks")
+        lines.append(f"{key}: {value}\r\n".encode("latin-1"))
+    if content_type:
+        lines.append(b"content-type: %s\r\n" % content_type.encode())
+    if length is None:
+        lines.append(b"transfer-encoding: chunked\r\n")
+    elif length or method in ("POST", "PUT", "PATCH"):
+        lines.append(b"content-length: %d\r\n" % length)
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def chunk(piece: bytes) -> bytes:
+    """One piece of a chunked request body (an empty piece ends the body)."""
+    return b"%x\r\n%s\r\n" % (len(piece), piece)
+
+
 class ResponseParser:
     """Reads one HTTP/1.1 response from the bytes fed to it; knows nothing of sockets."""
 
@@ -251,6 +283,7 @@ class ResponseParser:
         self._parts: list[bytes] = []
         self._http10 = False
         self.received = False  # any byte of an answer
+        self.head_done = False  # the status and headers are known (``status``, ``headers``)
 
     def feed(self, data: bytes) -> Response | None:
         """Add what the socket gave; the response once it is complete, else None."""
@@ -335,6 +368,7 @@ class ResponseParser:
             headers[key.strip().lower()] = value.strip()
         if 100 <= self._status < 200:  # an interim answer: the real one follows
             return
+        self.head_done = True
         self._headers = headers
         self._http10 = version == "HTTP/1.0"
         if self._status in (204, 304):
@@ -349,10 +383,29 @@ class ResponseParser:
         else:
             self._mode = "close"
 
+    @property
+    def status(self) -> int:
+        return self._status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._headers
+
+    def drain(self) -> bytes:
+        """The body bytes parsed so far and not yet taken (streaming: the caller takes the
+        body piece by piece; the finished ``Response`` then holds only the rest)."""
+        if not self._parts:
+            return b""
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
     def _done(self, keep_alive: bool = True) -> Response:
         conn = self._headers.get("connection", "").lower()
         keep_alive = keep_alive and conn != "close" and (not self._http10 or conn == "keep-alive")
-        return Response(self._status, b"".join(self._parts), self._headers, keep_alive)
+        content = b"".join(self._parts)
+        self._parts.clear()  # a streaming caller takes the rest from the Response
+        return Response(self._status, content, self._headers, keep_alive)
 
 
 # --- the blocking twin -------------------------------------------------------------------------
@@ -481,11 +534,103 @@ class HTTPTransport:
             sock.close()
         return response
 
+    def stream(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> StreamedResponse:
+        """The blocking twin of ``AsyncHTTPTransport.stream`` (the body sent whole)."""
+        length = len(body) if body is not None else 0
+        data = stream_request_head(method, target, self._head, content_type, length, headers)
+        sock = self._take() or self._connect(timeout)
+        parser = ResponseParser()
+        done = None
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(data + (body or b""))
+            while not parser.head_done and done is None:
+                data = sock.recv(_READ)
+                done = parser.feed(data) if data else parser.eof()
+            sock.settimeout(None)
+        except TimeoutError as e:
+            sock.close()
+            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+        except TransportError:
+            sock.close()
+            raise
+        except OSError as e:
+            sock.close()
+            if not parser.received:
+                raise _Stale(f"{self.address}: {e}") from e
+            raise _Broken(f"{self.address}: {e}") from e
+        except BaseException:
+            sock.close()
+            raise
+        return StreamedResponse(self, sock, parser, done)
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._idle.append(sock)
+
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
+
+
+class StreamedResponse:
+    """An answer whose body is read as it is iterated (``HTTPTransport.stream``)."""
+
+    def __init__(
+        self,
+        transport: HTTPTransport,
+        sock: socket.socket,
+        parser: ResponseParser,
+        done: Response | None,
+    ) -> None:
+        self._transport, self._sock, self._parser, self._done = transport, sock, parser, done
+        self.status_code = parser.status
+        self.headers = parser.headers
+        self._closed = False
+
+    def __enter__(self) -> StreamedResponse:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            piece = self._parser.drain()
+            if piece:
+                yield piece
+            if self._done is not None:
+                if self._done.content:
+                    yield self._done.content
+                return
+            try:
+                data = self._sock.recv(_READ)
+                self._done = self._parser.feed(data) if data else self._parser.eof()
+            except OSError as e:
+                raise _Broken(f"{self._transport.address}: {e}") from e
+
+    def read(self) -> bytes:
+        return b"".join(self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._done is not None and self._done.keep_alive:
+            self._transport._give_back(self._sock)
+        else:
+            self._sock.close()
 
 
 # --- the asyncio twin --------------------------------------------------------------------------
@@ -605,7 +750,119 @@ class AsyncHTTPTransport:
             writer.close()
         return response
 
+    async def stream(
+        self,
+        method: str,
+        target: str,
+        *,
+        body: bytes | AsyncIterable[bytes] | None = None,
+        length: int | None = None,
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> AsyncStreamedResponse:
+        """Send a request whose body may come in pieces (``length`` bytes in all, or chunked
+        when None) and return once the answer's head is in: its body is read as the caller
+        iterates. ``timeout`` bounds the connect, the send and the wait for the head; reading
+        the body has none (a command may print nothing for minutes). Never retried: the node
+        may have acted on it. The caller must ``aclose`` the answer (``async with``)."""
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            length = len(body) if length is None else length
+        elif body is None:
+            length = 0
+        head = stream_request_head(method, target, self._head, content_type, length, headers)
+        reader, writer = conn = self._take() or await self._connect()
+        parser = ResponseParser()
+        try:
+            async with asyncio.timeout(timeout):
+                writer.write(head)
+                if isinstance(body, (bytes, bytearray, memoryview)):
+                    writer.write(bytes(body))
+                elif body is not None:
+                    async for piece in body:
+                        if piece:
+                            writer.write(chunk(piece) if length is None else piece)
+                            await writer.drain()
+                    if length is None:
+                        writer.write(chunk(b""))
+                await writer.drain()
+                done = None
+                while not parser.head_done and done is None:
+                    data = await reader.read(_READ)
+                    done = parser.feed(data) if data else parser.eof()
+        except TimeoutError as e:
+            writer.close()
+            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
+        except TransportError:
+            writer.close()
+            raise
+        except OSError as e:
+            writer.close()
+            if not parser.received:
+                raise _Stale(f"{self.address}: {e}") from e
+            raise _Broken(f"{self.address}: {e}") from e
+        except BaseException:
+            writer.close()
+            raise
+        return AsyncStreamedResponse(self, conn, parser, done)
+
+    def _give_back(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        self._idle.append(conn)
+
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         for _, writer in idle:
+            writer.close()
+
+
+class AsyncStreamedResponse:
+    """An answer whose body is read as it is iterated (``AsyncHTTPTransport.stream``).
+    Its connection goes back to the pool only if the whole body was read."""
+
+    def __init__(
+        self,
+        transport: AsyncHTTPTransport,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        parser: ResponseParser,
+        done: Response | None,
+    ) -> None:
+        self._transport, self._conn, self._parser, self._done = transport, conn, parser, done
+        self.status_code = parser.status
+        self.headers = parser.headers
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncStreamedResponse:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        reader = self._conn[0]
+        while True:
+            piece = self._parser.drain()
+            if piece:
+                yield piece
+            if self._done is not None:
+                if self._done.content:
+                    yield self._done.content
+                return
+            try:
+                data = await reader.read(_READ)
+                self._done = self._parser.feed(data) if data else self._parser.eof()
+            except OSError as e:
+                raise _Broken(f"{self._transport.address}: {e}") from e
+
+    async def read(self) -> bytes:
+        """The whole (rest of the) body."""
+        return b"".join([piece async for piece in self])
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        writer = self._conn[1]
+        if self._done is not None and self._done.keep_alive:
+            self._transport._give_back(self._conn)
+        else:
             writer.close()

@@ -27,6 +27,8 @@ from ..localnode import ensure_daemon, ping, stop_daemon
 from ..plugins import get_plugin_manager, plugin_descriptions, registry
 from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
+from .apiserver import apiserver
+from .iam import iam
 from .layers import catalog, layer
 from .plugin import plugin
 
@@ -750,6 +752,8 @@ def _add_plugin_commands() -> None:
     cli.add_command(layer)
     cli.add_command(catalog)
     cli.add_command(plugin)
+    cli.add_command(apiserver)
+    cli.add_command(iam)
     get_plugin_manager().hook.dsec_register_commands(cli=cli)
 
 

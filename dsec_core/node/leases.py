@@ -89,7 +89,9 @@ class Leases:
                     sandbox_id=sid,
                     lease=held.id,
                 )
-        lease = _Lease(secrets.token_hex(8), holder, ids, float(ttl), reclaim)
+        name = self.node.config.node_name  # as sandbox ids: an apiserver routes by the suffix
+        lease_id = secrets.token_hex(8) + (f"-{name}" if name else "")
+        lease = _Lease(lease_id, holder, ids, float(ttl), reclaim)
         for sid in ids:
             old = self._leases.get(self._by_sandbox.get(sid, ""))
             if old is not None:

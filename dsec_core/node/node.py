@@ -20,7 +20,7 @@ import secrets
 import shlex
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..observe import NodeMetrics
 from ..records import (
     DEFAULT_BACKEND,
+    PROJECT_LABEL,
     SANDBOX_START_MEMORY,
     ExecResult,
     FileEntry,
@@ -233,6 +234,7 @@ class Node:
         # policy name -> (monotonic time checked, why it is unavailable or None)
         self._available: dict[str, tuple[float, PolicyUnavailable | None]] = {}
         self.mounts: MountCache | None = None
+        self._mounted_refs: dict[str, str] = {}  # layer digest -> name@version, once mounted
         self.ondemand: OnDemandLayers | None = None
         self.catalogs = CatalogStore(self.config.catalog_dir)
         self.disks = WritableDisks(self.config.disk_dir, self.config.disk_fs)
@@ -436,7 +438,8 @@ class Node:
         cfg = self.config
         mem = meminfo("MemTotal", "MemAvailable")
         return NodeLoad(
-            node=os.fspath(cfg.home),
+            node=cfg.node_name or os.fspath(cfg.home),
+            labels=cfg.node_labels,
             backends=tuple(sorted(self.registry.backends)),
             cpu_capacity=cfg.cpu_capacity,
             # best-effort sandboxes take only idle CPU, paused ones none at all
@@ -458,6 +461,56 @@ class Node:
             memory_pressure_limit=cfg.memory_pressure_limit,
             devices=self.devices.usage(),
         )
+
+    def warm(self) -> tuple[list[str], list[str]]:
+        """What a create here would find mounted: the layers (``name@version``) that live
+        sandboxes use or that linger after their last user, and the environments all of whose
+        layers are among them (placement prefers such a node)."""
+        live = [s for s in self.sandboxes.values() if s.status in ("creating", "running")]
+        held = self.mounts.refcounts() if self.mounts else {}
+        layers = {info.ref for sb in live for info in sb.layers}
+        layers |= {ref for digest, ref in self._mounted_refs.items() if digest in held}
+        environments = []
+        with contextlib.suppress(DsecError):  # a broken catalog leaves the answer without
+            for env in self.catalogs.environments():
+                refs = env.layer_refs()
+                if refs and all(r in layers for r in refs):
+                    environments.append(env.name)
+        return sorted(layers), sorted(environments)
+
+    def project_usage(self) -> dict[str, tuple[int, float, int]]:
+        """Live sandboxes by project (``PROJECT_LABEL``): how many, and their CPU and memory
+        limits summed."""
+        out: dict[str, tuple[int, float, int]] = {}
+        for sb in self.sandboxes.values():
+            project = sb.rt.spec.labels.get(PROJECT_LABEL)
+            if project is None or sb.status not in ("creating", "running"):
+                continue
+            n, cpu, memory = out.get(project, (0, 0.0, 0))
+            out[project] = (n + 1, cpu + sb.rt.limits.cpu, memory + sb.rt.limits.memory)
+        return out
+
+    async def set_ttl(self, sid: str, ttl: float | None) -> SandboxInfo:
+        """Give a running sandbox ``ttl`` more seconds from now (None: until killed)."""
+        sb = self._get(sid)
+        if sb.status != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+        if ttl is not None and not 0 < ttl < float("inf"):
+            raise InvalidSpec(f"ttl must be a positive number of seconds, got {ttl}", field="ttl")
+        if sb.ttl_handle:
+            sb.ttl_handle.cancel()
+            sb.ttl_handle = None
+        sb.expires = None if ttl is None else time.time() + ttl
+        if sb.expires is not None:
+            self._arm_ttl(sb)
+        self._write_state(sb)
+        return sb.info()
+
+    def new_sandbox_id(self) -> str:
+        """A fresh sandbox id: 12 hex digits, then ``-<node name>`` on a named node (an
+        apiserver routes the id to its node by that suffix)."""
+        sid = secrets.token_hex(6)
+        return f"{sid}-{self.config.node_name}" if self.config.node_name else sid
 
     def _admit(self, spec: SandboxSpec) -> None:
         """Local admission: this node is the one eligible node if ``spec`` fits, and the
@@ -545,7 +598,7 @@ class Node:
         plan = self.policies_for(spec, backend)
         self.devices.check(spec.devices)  # before the load's counts: this names the holders
         self._admit(spec)
-        sid = secrets.token_hex(6)
+        sid = self.new_sandbox_id()
         idmap = self.uids.allocate()
         try:
             devices = self.devices.allocate(sid, spec.devices)
@@ -722,6 +775,7 @@ class Node:
         for (_, info), (image, device) in zip(sources, files, strict=True):
             mounts.append(self.mounts.acquire(info.digest, image, device))
             taken.append(info.digest)
+            self._mounted_refs[info.digest] = info.ref
         rootfs = rt.dir / "rootfs"
         userns = self.uids.namespace(rt.idmap)
         try:
@@ -1346,6 +1400,47 @@ class Node:
             return await run()
         command = cmd if isinstance(cmd, str) else shlex.join(cmd)
         return await self.trajectories.run(trajectory, step, sid, command, run)
+
+    def exec_stream(
+        self,
+        sid: str,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        max_output: int = 1 << 20,
+        background: bool = False,
+        exclusive: bool = False,
+    ) -> AsyncIterator[tuple[str, bytes] | ExecResult]:
+        """``exec`` with the output as it comes (``AgentClient.exec_stream``): a sandbox that
+        is not there or not running is refused now; what goes wrong later ends the stream."""
+        sb = self._get(sid)
+        agent = self.agent(sid)
+        merged = {**sb.rt.spec.env, **(env or {})} or None
+        cwd = cwd or sb.rt.spec.workdir or "/"
+
+        async def run() -> AsyncIterator[tuple[str, bytes] | ExecResult]:
+            stream = agent.exec_stream(
+                cmd,
+                timeout=timeout,
+                cwd=cwd,
+                env=merged,
+                stdin=stdin,
+                max_output=max_output,
+                background=background,
+                exclusive=exclusive,
+            )
+            try:
+                async for item in stream:
+                    if isinstance(item, ExecResult) and (item.exit_code != 0 or item.timed_out):
+                        item = self._note_oom(sb, item)
+                    yield item
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return run()
 
     def _note_oom(self, sb: Sandbox, result: ExecResult) -> ExecResult:
         """``result`` marked ``oom_killed`` if the sandbox's OOM kills grew while it ran (an

@@ -12,6 +12,7 @@ TCP listeners with a bearer token; the root-only unix socket needs none.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import logging
@@ -44,13 +45,16 @@ from ..api.messages import (
     Killed,
     LayerList,
     NodeCapacity,
+    NodeProbe,
     NodeStatus,
     PolicyStates,
     PoolStatus,
     PrefetchedLayer,
     PrefetchResult,
+    ProjectUsage,
     QosSupport,
     Removed,
+    SandboxInfo,
     SandboxList,
     SessionList,
     SessionOpened,
@@ -70,7 +74,7 @@ from ..errors import (
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
 from ..observe import ObservedRequests, exec_outcome
-from ..records import check_trajectory_name
+from ..records import ExecResult, check_trajectory_name
 from .node import Node
 
 __all__ = ["HANDLERS", "PIECE", "error_response", "make_app", "require_token"]
@@ -151,6 +155,74 @@ def _qos_support() -> QosSupport:
         cpu_idle=feature(cpu_idle()),
         core_scheduling=feature(sched.core_scheduling()),
     )
+
+
+@_handles("probe")
+async def _probe(node: Node, c: Call) -> NodeProbe:
+    layers, environments = node.warm()
+    return NodeProbe(
+        name=node.config.node_name or os.fspath(node.config.home),
+        version=__version__,
+        load=node.load(),
+        layers=tuple(layers),
+        environments=tuple(environments),
+        projects={
+            p: ProjectUsage(sandboxes=n, cpu=cpu, memory=memory)
+            for p, (n, cpu, memory) in node.project_usage().items()
+        },
+    )
+
+
+@_handles("set_ttl")
+async def _set_ttl(node: Node, c: Call) -> SandboxInfo:
+    return await node.set_ttl(c.sid, c.body.ttl)
+
+
+@_handles("exec_stream")
+async def _exec_stream(node: Node, c: Call) -> AsyncIterator[bytes]:
+    """The command's output as NDJSON lines as it comes, then its result or its error (the
+    status is 200 once the first line may go; a refusal before that is a typed error)."""
+    b = c.body
+    if b.trajectory is not None or b.step is not None:
+        raise InvalidSpec(
+            "exec_stream does not log trajectories: use exec for a trajectory's step",
+            field="trajectory",
+        )
+    t0 = time.perf_counter()
+    try:
+        stream = node.exec_stream(
+            c.sid,
+            b.cmd,
+            timeout=b.timeout,
+            cwd=b.cwd,
+            env=b.env,
+            stdin=b.stdin,
+            max_output=b.max_output,
+            background=b.background,
+            exclusive=b.exclusive,
+        )
+    except DsecError:
+        node.metrics.observe_exec("stream", "error", time.perf_counter() - t0)
+        raise
+    encode_result = ROUTES["exec"].encode_response
+
+    async def lines() -> AsyncIterator[bytes]:
+        outcome = "error"  # unless a result comes (a client gone mid-stream is one too)
+        try:
+            async for item in stream:
+                if isinstance(item, ExecResult):
+                    outcome = exec_outcome(item.exit_code, item.timed_out)
+                    yield b'{"result":' + encode_result(item) + b"}\n"
+                else:
+                    name, data = item
+                    yield dump_json({name: base64.b64encode(data).decode()}) + b"\n"
+        except DsecError as e:
+            yield dump_json({"error": e.to_wire()}) + b"\n"
+        finally:
+            node.metrics.observe_exec("stream", outcome, time.perf_counter() - t0)
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    return lines()
 
 
 @_handles("openapi")
@@ -304,7 +376,7 @@ async def _set_policy(node: Node, c: Call) -> Any:
 
 async def _counted(node: Node, kind: str, run: Awaitable[Any]) -> Any:
     """The result of command ``run`` of ``kind`` (exec, session, fncall), counted in the
-    node's metrics by outcome with its time."""
+    node's metrics by outcome with its time. (exec_stream counts its own, as "stream".)"""
     t0 = time.perf_counter()
     try:
         result = await run

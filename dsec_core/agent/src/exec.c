@@ -205,6 +205,9 @@ struct exec_run {
     long long deadline;       /* the timeout, -1 for none */
     long long grace_end;      /* after the exit, how long to wait for EOF on the pipes */
     long long t_end;
+    int stream;               /* send output as it comes (chunk frames), not in the result */
+    int conn;
+    int broken;               /* a chunk could not be sent: the client is gone */
 };
 
 /* Positions in one round's pollfd array; -1 if that fd is not polled this round. */
@@ -345,6 +348,29 @@ static int exec_pollfds(const struct exec_run *x, int conn, struct pollfd *p,
     return np;
 }
 
+/* Streaming: send what each stream holds as a chunk frame (fields chunk=out|err, the bytes as
+ * the body) and take it off the stream's allowance, so max_output still bounds the total. */
+static void exec_flush_one(struct exec_run *x, struct stream *s, const char *which)
+{
+    if (!x->stream || s->b.len == 0)
+        return;
+    if (!x->broken) {
+        struct buf h = {0};
+        resp_begin(&h);
+        resp_str(&h, "chunk", which);
+        if (resp_send(x->conn, &h, s->b.p, s->b.len, NULL, 0) < 0)
+            x->broken = 1;
+    }
+    s->cap -= s->b.len;
+    s->b.len = 0;
+}
+
+static void exec_flush(struct exec_run *x)
+{
+    exec_flush_one(x, &x->so, "out");
+    exec_flush_one(x, &x->se, "err");
+}
+
 static void exec_time_out(struct exec_run *x)
 {
     x->timed_out = 1;
@@ -414,6 +440,11 @@ static void exec_wait(int conn, struct exec_run *x)
             stream_read(&x->so);
         if (ix.err >= 0 && p[ix.err].revents)
             stream_read(&x->se);
+        exec_flush(x);
+        if (x->broken) {
+            exec_kill_all(x->pid);
+            _exit(0);
+        }
         if (ix.in >= 0 && p[ix.in].revents)
             exec_feed_stdin(x);
         if (p[ix.sig].revents)
@@ -427,6 +458,7 @@ void op_exec(int conn, struct req *r)
     int bad = read_run_opts(r, &o);
     long long background = req_num(r, "background", 0, &bad);
     long long exclusive = req_num(r, "exclusive", 0, &bad);
+    long long stream = req_num(r, "stream", 0, &bad);
     int argc = req_count(r, "arg");
     const char *cwd = req_get(r, "cwd");
     if (!cwd || !*cwd)
@@ -463,7 +495,10 @@ void op_exec(int conn, struct req *r)
         exec_child(argv, envp, inp[0], outp[1], errp[1]);
     struct exec_run x;
     exec_run_init(&x, pid, outp, errp, inp, in, &o);
+    x.stream = stream != 0;
+    x.conn = conn;
     exec_wait(conn, &x);
+    exec_flush(&x); /* what a timeout drained */
     if (!x.t_end)
         x.t_end = now_us();
     if (x.in_w >= 0)

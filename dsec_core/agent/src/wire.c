@@ -17,6 +17,9 @@
  *                                                stdout_len; body = stdout ++ stderr
  *            When the command exits, what it left running is killed unless background=1;
  *            exclusive=1 kills every other process in the sandbox before it starts.
+ *            stream=1 sends the output as it comes, before the result: frames with
+ *            chunk=out|err and the bytes as the body; the result then has stdout_len=0 and
+ *            no body (max_output still bounds each stream's total).
  *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died

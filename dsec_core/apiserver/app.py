@@ -1,0 +1,715 @@
+"""The apiserver's HTTP app: the node API's route table, served over many nodes.
+
+Every request carries an API key (``Authorization: Bearer <key>`` or ``X-API-Key``), checked by
+IAM. Then, by route:
+
+- routes of one sandbox (``/v1/sandboxes/{sid}/...``) go to the node named by the id's suffix,
+  once the sandbox is known to be the caller's project's (its ``dsec.project`` label, looked up
+  once and remembered); another project's sandbox, a made-up id, or a node nobody registered
+  are all ``UnknownSandbox`` (404), so ids do not leak. The request and the answer stream
+  through without being read whole (exec output, file bodies);
+- ``create`` sets the caller's project label, checks the project's quotas (and its ancestors')
+  against the nodes' probes, places each sandbox with the ``dsec_place`` hook over the healthy
+  nodes (the home pool, or the overflow pool for a spec that allows it once the home pool is
+  over ``overflow_at``) and sends each node its share at once;
+- ``list`` asks every healthy node and keeps the caller's sandboxes;
+- leases route by their id's suffix as sandboxes do; fncall, judge and prefetch go where
+  placement says; trajectories, memory snapshots and restores go to the node that has them.
+
+The apiserver holds no sandbox state: killed and restarted, it learns everything again from
+the nodes, and several run side by side against the same nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route as StarletteRoute
+
+from .. import __version__, plugins
+from ..api.messages import (
+    CreateRequest,
+    CreateResult,
+    ErrorBody,
+    NodeCapacity,
+    NodeStatus,
+    SandboxList,
+)
+from ..api.openapi import openapi_document
+from ..api.routes import JSON, MAX_BODY, ROUTES, Route, dump_json
+from ..api.transport import AsyncStreamedResponse, TransportError
+from ..errors import (
+    AdmissionRejected,
+    DsecError,
+    InvalidSpec,
+    NodeLost,
+    NodeUnavailable,
+    NotFound,
+    PermissionDenied,
+    RequestTooLarge,
+    UnknownLease,
+    UnknownSandbox,
+    UnknownSnapshot,
+    error_from_wire,
+)
+from ..records import PROJECT_LABEL, SANDBOX_START_MEMORY, NodeLoad, SandboxInfo, SandboxSpec
+from .nodes import NodeEntry, NodeSet
+
+__all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "Principal", "make_app"]
+
+log = logging.getLogger("dsec.apiserver")
+
+#: A spec carrying this label with the value ``true`` may run in the overflow pool (DSec's
+#: cloud burst) when the home pool is over ``overflow_at`` of its capacity.
+OVERFLOW_LABEL = "dsec.overflow"
+#: Labels a client may not set: the apiserver sets them.
+_RESERVED = (PROJECT_LABEL,)
+#: How many sandbox -> project answers are remembered (a sandbox's project never changes).
+_PROJECT_CACHE = 200_000
+#: The request id header, set on every request forwarded to a node.
+REQUEST_ID = "x-request-id"
+
+
+class Principal(Protocol):
+    project: str
+    role: str
+
+
+class Usage(Protocol):
+    sandboxes: int
+    cpu: float
+    memory: int
+
+
+class Authority(Protocol):
+    """What the apiserver asks IAM (``dsec_core.iam.Iam``)."""
+
+    def authenticate(self, secret: str | None) -> Any: ...
+
+    def can_reach(self, principal: Any, project: str) -> bool: ...
+
+    def check_quota(self, project: str, usage: Mapping[str, Any], add: Any) -> None: ...
+
+    def usage(self, sandboxes: int, cpu: float, memory: int) -> Any: ...
+
+
+class Metrics(Protocol):
+    """What the apiserver reports (``dsec_core.observe.ApiserverMetrics``); None: nothing."""
+
+    def create_done(self, seconds: float, ok: bool) -> None: ...
+
+    def placed(self, node: str, pool: str, overflow: bool) -> None: ...
+
+    def forwarded(self, route: str, seconds: float) -> None: ...
+
+
+@dataclass
+class Gateway:
+    """The apiserver's state: its nodes, its IAM, its settings. Nothing here outlives a
+    restart but the caches."""
+
+    nodes: NodeSet
+    iam: Authority
+    overflow_at: float = 0.8
+    metrics: Metrics | None = None
+
+    def __post_init__(self) -> None:
+        self._projects: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+
+    # --- who asks, and what they may reach ------------------------------------------------
+    def principal(self, request: Request) -> Any:
+        header = request.headers.get("authorization")
+        secret = None
+        if header is not None:
+            scheme, _, value = header.partition(" ")
+            secret = value.strip() if scheme.lower() == "bearer" else None
+        secret = secret or request.headers.get("x-api-key")
+        return self.iam.authenticate(secret)
+
+    def node_of(self, resource_id: str, what: str = "sandbox") -> NodeEntry:
+        """The registered node a sandbox (or lease) id names, or the not-found error a
+        made-up id gets; ``NodeLost`` if that node is not answering."""
+        _, sep, name = resource_id.rpartition("-")
+        entry = self.nodes.get(name) if sep else None
+        if entry is None:
+            if what == "lease":
+                raise UnknownLease(f"no lease {resource_id!r}", name=resource_id)
+            raise UnknownSandbox(f"no sandbox {resource_id!r}", name=resource_id)
+        if not entry.healthy:
+            raise NodeLost(
+                f"node {entry.name}, which holds {what} {resource_id}, is not answering "
+                f"({entry.error}); its state is unknown until it is back",
+                node=entry.name,
+                sandbox=resource_id,
+            )
+        return entry
+
+    async def project_of(self, entry: NodeEntry, sid: str) -> str | None:
+        if sid in self._projects:
+            self._projects.move_to_end(sid)
+            return self._projects[sid]
+        r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
+        info = ROUTES["get"].decode_response(r)
+        project = info.labels.get(PROJECT_LABEL)
+        self._remember(sid, project)
+        return project
+
+    def _remember(self, sid: str, project: str | None) -> None:
+        self._projects[sid] = project
+        if len(self._projects) > _PROJECT_CACHE:
+            self._projects.popitem(last=False)
+
+    def forget(self, sid: str) -> None:
+        self._projects.pop(sid, None)
+
+    def reaches(self, principal: Any, project: str | None) -> bool:
+        return project is not None and self.iam.can_reach(principal, project)
+
+    async def sandbox_node(self, principal: Any, sid: str) -> NodeEntry:
+        """The node of a sandbox the caller may touch; ``UnknownSandbox`` otherwise."""
+        entry = self.node_of(sid)
+        if not self.reaches(principal, await self.project_of(entry, sid)):
+            raise UnknownSandbox(f"no sandbox {sid!r}", name=sid)
+        return entry
+
+    # --- talking to nodes -----------------------------------------------------------------
+    async def _request(
+        self,
+        entry: NodeEntry,
+        method: str,
+        target: str,
+        body: bytes | None = None,
+        timeout: float | None = 60.0,
+        request_id: str | None = None,
+    ) -> bytes:
+        """A small request to a node; its 2xx body, or the node's typed error raised."""
+        try:
+            async with await entry.transport.stream(
+                method,
+                target,
+                body=body,
+                content_type=JSON if body is not None else None,
+                headers={REQUEST_ID: request_id} if request_id else None,
+                timeout=timeout,
+            ) as r:
+                content = await r.read()
+        except TransportError as e:
+            raise self._unreachable(entry, e) from e
+        if r.status_code >= 300:
+            raise _node_error(entry, r.status_code, content)
+        return content
+
+    def _unreachable(self, entry: NodeEntry, e: Exception) -> DsecError:
+        return NodeUnavailable(
+            f"node {entry.name} did not answer: {e}", node=entry.name, address=entry.address.url
+        )
+
+    # --- placement ------------------------------------------------------------------------
+    def usage_by_project(self) -> dict[str, Any]:
+        """Every project's live sandboxes over the healthy nodes (last probe plus what was
+        placed since), for quotas."""
+        totals: dict[str, list[float]] = {}
+        for entry in self.nodes.healthy():
+            assert entry.probe is not None
+            rows = [(p, u.sandboxes, u.cpu, u.memory) for p, u in entry.probe.projects.items()]
+            rows += [(p, n, c, m) for p, (n, c, m) in entry.pending.items()]
+            for project, n, cpu, memory in rows:
+                t = totals.setdefault(project, [0, 0.0, 0])
+                t[0] += n
+                t[1] += cpu
+                t[2] += memory
+        return {p: self.iam.usage(int(n), cpu, int(m)) for p, (n, cpu, m) in totals.items()}
+
+    def place(self, spec: SandboxSpec, count: int) -> tuple[dict[str, int], bool]:
+        """How many of ``count`` sandboxes go to each node (by name), and whether they
+        overflowed; ``AdmissionRejected`` with each node's reason if some cannot be placed."""
+        healthy = self.nodes.healthy()
+        home = [e for e in healthy if e.pool != "overflow"]
+        burst = [e for e in healthy if e.pool == "overflow"]
+        overflow = (
+            spec.labels.get(OVERFLOW_LABEL, "").lower() == "true"
+            and bool(burst)
+            and _utilisation(home) > self.overflow_at
+        )
+        pools = [burst, home] if overflow else [home]
+        loads: dict[str, NodeLoad] = {}
+        for entry in healthy:
+            load = entry.load()
+            if load is not None:
+                loads[entry.name] = load
+        out: dict[str, int] = {}
+        reasons: dict[str, str] = {
+            e.name: f"unhealthy: {e.error}" for e in self.nodes.nodes.values() if not e.healthy
+        }
+        if not overflow:
+            reasons.update({e.name: "overflow pool (the spec does not allow it)" for e in burst})
+        used_overflow = False
+        for _ in range(count):
+            chosen = None
+            for pool in pools:
+                eligible = []
+                for entry in pool:
+                    refusal = loads[entry.name].refusal(spec) if entry.name in loads else None
+                    if entry.name not in loads:
+                        reasons[entry.name] = "no probe yet"
+                    elif refusal is not None:
+                        reasons[entry.name] = str(refusal)
+                    else:
+                        eligible.append(loads[entry.name])
+                chosen = plugins.place(spec, eligible) if eligible else None
+                if chosen is not None:
+                    used_overflow = used_overflow or pool is burst
+                    break
+            if chosen is None:
+                raise AdmissionRejected(
+                    "no node can take the sandbox: "
+                    + "; ".join(f"{n}: {r}" for n, r in sorted(reasons.items()))
+                    if reasons
+                    else "no node can take the sandbox: no nodes are registered",
+                    reason="placement",
+                    nodes=dict(sorted(reasons.items())),
+                )
+            out[chosen.node] = out.get(chosen.node, 0) + 1
+            loads[chosen.node] = _with_one_more(loads[chosen.node], spec)
+        return out, used_overflow
+
+
+def _utilisation(entries: Sequence[NodeEntry]) -> float:
+    """The home pool's use: the mean load of its healthy nodes (1.0 if it has none)."""
+    loads = [e.probe.load.load for e in entries if e.probe is not None]
+    return sum(loads) / len(loads) if loads else 1.0
+
+
+def _with_one_more(load: NodeLoad, spec: SandboxSpec) -> NodeLoad:
+    """``load`` once one more sandbox of ``spec`` is placed there: counted as the node counts
+    one being created (``SANDBOX_START_MEMORY`` off what is available)."""
+    lim = spec.limits
+    available = load.memory_available
+    return replace(
+        load,
+        sandboxes=load.sandboxes + 1,
+        cpu_committed=load.cpu_committed + (0.0 if spec.qos == "be" else lim.cpu),
+        memory_committed=load.memory_committed + lim.memory,
+        memory_available=None if available is None else available - SANDBOX_START_MEMORY,
+    )
+
+
+def _node_error(entry: NodeEntry, status: int, content: bytes) -> DsecError:
+    try:
+        payload = json.loads(content)["error"]
+        payload["type"]
+    except (ValueError, KeyError, TypeError):
+        return NodeUnavailable(
+            f"node {entry.name} answered {status}: {content[:300]!r}", node=entry.name
+        )
+    return error_from_wire(payload)
+
+
+# --- the HTTP side ---------------------------------------------------------------------------
+
+
+def _error(err: DsecError, request_id: str | None = None) -> Response:
+    headers = {REQUEST_ID: request_id} if request_id else None
+    return Response(
+        dump_json({"error": err.to_wire()}), err.http_status, headers=headers, media_type=JSON
+    )
+
+
+async def _json_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise RequestTooLarge(f"the request body has {declared} bytes", field="body")
+    body = bytearray()
+    async for data in request.stream():
+        body += data
+        if len(body) > MAX_BODY:
+            raise RequestTooLarge(f"the request body is over {MAX_BODY} bytes", field="body")
+    return bytes(body)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get(REQUEST_ID, "")
+    if 0 < len(given) <= 64 and all(c.isalnum() or c in "._-" for c in given):
+        return given
+    return secrets.token_hex(8)
+
+
+class _Relay(StreamingResponse):
+    """A node's answer passed on as it arrives; the node connection is closed (or pooled)
+    when it ends, and a node that breaks off mid-answer breaks ours off too."""
+
+    def __init__(self, upstream: AsyncStreamedResponse, headers: dict[str, str]) -> None:
+        self.upstream = upstream
+        super().__init__(
+            self._pieces(),
+            upstream.status_code,
+            headers=headers,
+            media_type=upstream.headers.get("content-type"),
+        )
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        async with self.upstream:
+            async for piece in self.upstream:
+                yield piece
+
+    async def stream_response(self, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for piece in self.body_iterator:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except (TransportError, OSError) as e:
+            log.warning("relay cut off: %s", e)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+Handler = Callable[[Gateway, Request, Any, str], Awaitable[Response]]
+
+
+async def _forward(
+    gw: Gateway,
+    entry: NodeEntry,
+    request: Request,
+    route: Route,
+    request_id: str,
+) -> Response:
+    """Pass ``request`` to ``entry`` as it is (body streamed) and its answer back."""
+    raw = request.scope.get("raw_path")
+    target = raw.decode("latin-1") if raw else quote(request.url.path)
+    if request.url.query:
+        target += "?" + request.url.query
+    length_text = request.headers.get("content-length")
+    has_body = request.method in ("POST", "PUT")
+    length = int(length_text) if length_text and length_text.isdigit() else None
+    timeout = None if route.exec_timeout or route.timeout is None else route.timeout + 30
+    t0 = time.perf_counter()
+    try:
+        upstream = await entry.transport.stream(
+            request.method,
+            target,
+            body=request.stream() if has_body else None,
+            length=length if has_body else None,
+            content_type=request.headers.get("content-type"),
+            headers={REQUEST_ID: request_id},
+            timeout=timeout,
+        )
+    except TransportError as e:
+        raise gw._unreachable(entry, e) from e
+    if gw.metrics:
+        gw.metrics.forwarded(route.name, time.perf_counter() - t0)
+    return _Relay(upstream, {REQUEST_ID: request_id})
+
+
+def _sandbox_handler(route: Route) -> Handler:
+    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+        sid = request.path_params["sid"]
+        entry = await gw.sandbox_node(principal, sid)
+        response = await _forward(gw, entry, request, route, rid)
+        if route.name == "kill" and response.status_code < 300:
+            gw.forget(sid)
+        return response
+
+    return handle
+
+
+async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    t0 = time.perf_counter()
+    route = ROUTES["create"]
+    if principal.role not in ("admin", "member", "agent"):
+        raise PermissionDenied(f"role {principal.role!r} cannot create sandboxes")
+    body: CreateRequest = route.decode_body(await _json_body(request))
+    labels = {k: v for k, v in body.spec.labels.items() if k not in _RESERVED}
+    spec = replace(body.spec, labels={**labels, PROJECT_LABEL: principal.project})
+    lim = spec.limits
+    gw.iam.check_quota(
+        principal.project,
+        gw.usage_by_project(),
+        gw.iam.usage(body.count, body.count * lim.cpu, body.count * lim.memory),
+    )
+    shares, overflow = gw.place(spec, body.count)
+    for name, k in shares.items():
+        entry = gw.nodes.nodes[name]
+        entry.placed(principal.project, k, lim.cpu, lim.memory)
+        if gw.metrics:
+            gw.metrics.placed(name, entry.pool, overflow)
+
+    async def send(name: str, k: int) -> CreateResult | DsecError:
+        entry = gw.nodes.nodes[name]
+        content = route.encode_body(CreateRequest(spec, k))
+        try:
+            answer = await gw._request(
+                entry, "POST", route.path, content, route.timeout, request_id=rid
+            )
+        except DsecError as e:
+            return e
+        return route.decode_response(answer)
+
+    results = await asyncio.gather(*(send(n, k) for n, k in shares.items()))
+    made: list[SandboxInfo] = []
+    errors: list[ErrorBody] = []
+    for (_name, k), result in zip(shares.items(), results, strict=True):
+        if isinstance(result, DsecError):
+            errors += [ErrorBody(**result.to_wire())] * k
+        else:
+            made += result.sandboxes
+            errors += result.errors
+    for info in made:
+        gw._remember(info.id, principal.project)
+    if gw.metrics:
+        gw.metrics.create_done(time.perf_counter() - t0, not errors)
+    if body.count == 1 and not made:
+        first = results[0]
+        raise first if isinstance(first, DsecError) else error_from_wire(errors[0].to_dict())
+    answer = CreateResult(sandboxes=tuple(made), errors=tuple(errors))
+    return Response(route.encode_response(answer), route.status, media_type=JSON)
+
+
+async def _fan_out(
+    gw: Gateway, route: Route, target: str, rid: str
+) -> list[tuple[NodeEntry, Any | DsecError]]:
+    entries = gw.nodes.healthy()
+
+    async def ask(entry: NodeEntry) -> Any:
+        try:
+            return route.decode_response(
+                await gw._request(entry, route.method, target, request_id=rid)
+            )
+        except DsecError as e:
+            return e
+
+    return list(zip(entries, await asyncio.gather(*(ask(e) for e in entries)), strict=True))
+
+
+async def _list(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    route = ROUTES["list"]
+    mine: list[SandboxInfo] = []
+    for _entry, answer in await _fan_out(gw, route, route.path, rid):
+        if isinstance(answer, DsecError):
+            continue  # a node that stopped answering since its last probe: the watcher tells
+        for info in answer.sandboxes:
+            project = info.labels.get(PROJECT_LABEL)
+            gw._remember(info.id, project)
+            if gw.reaches(principal, project):
+                mine.append(info)
+    mine.sort(key=lambda i: (i.created, i.id))
+    return Response(route.encode_response(SandboxList(tuple(mine))), media_type=JSON)
+
+
+async def _node_info(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """The apiserver as a node: the sums of its healthy nodes."""
+    healthy = [e for e in gw.nodes.healthy() if e.probe is not None]
+    loads = [e.probe.load for e in healthy if e.probe is not None]
+    status = NodeStatus(
+        version=__version__,
+        pid=os.getpid(),
+        home=f"apiserver:{len(healthy)}/{len(gw.nodes.nodes)} nodes",
+        sandboxes=sum(load.sandboxes for load in loads),
+        capacity=NodeCapacity(
+            cpu=sum(load.cpu_capacity for load in loads),
+            memory=sum(load.memory_capacity for load in loads),
+            sandboxes=sum(load.max_sandboxes for load in loads),
+        ),
+        backends=tuple(sorted({b for load in loads for b in load.backends})),
+        layer_sources=(),
+    )
+    return Response(ROUTES["node_info"].encode_response(status), media_type=JSON)
+
+
+async def _openapi(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    return Response(dump_json(openapi_document()), media_type=JSON)
+
+
+async def _probe(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    raise NotFound(
+        "an apiserver has no probe of its own: ask `dsec apiserver nodes`, or a node directly"
+    )
+
+
+def _lease_handler(route: Route) -> Handler:
+    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+        if "lease" in request.path_params:
+            entry = gw.node_of(request.path_params["lease"], "lease")
+            return await _forward(gw, entry, request, route, rid)
+        # a new lease: its sandboxes must all be the caller's, on one node
+        raw = await _json_body(request)
+        body = route.decode_body(raw)
+        nodes = {(await gw.sandbox_node(principal, sid)).name for sid in body.sandboxes}
+        if len(nodes) != 1:
+            raise InvalidSpec(
+                f"a lease's sandboxes must be on one node; these are on {sorted(nodes)}",
+                field="sandboxes",
+            )
+        entry = gw.nodes.nodes[nodes.pop()]
+        answer = await gw._request(entry, "POST", route.path, raw, request_id=rid)
+        return Response(answer, route.status, media_type=JSON)
+
+    return handle
+
+
+def _anywhere_handler(route: Route) -> Handler:
+    """Routes whose answer is on whichever node has the thing (a trajectory, a memory
+    snapshot): asked of each healthy node in turn until one knows it."""
+
+    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+        if principal.role == "agent" and route.method != "GET":
+            raise PermissionDenied(f"an agent key cannot {route.summary.lower()}")
+        last: DsecError = NotFound(f"not found on any node: {request.url.path}")
+        for entry in gw.nodes.healthy():
+            try:
+                answer = await gw._request(entry, request.method, request.url.path, request_id=rid)
+            except NotFound as e:
+                last = e
+                continue
+            return Response(answer, route.status, media_type=JSON)
+        raise last
+
+    return handle
+
+
+async def _placed_call(gw: Gateway, request: Request, route: Route, rid: str) -> Response:
+    """fncall, judge: to a node placement picks for the environment."""
+    raw = await _json_body(request)
+    body = route.decode_body(raw)
+    spec = SandboxSpec(environment=body.environment)
+    shares, _ = gw.place(spec, 1)
+    entry = gw.nodes.nodes[next(iter(shares))]
+    timeout = None if route.timeout is None or route.exec_timeout else route.timeout + 30
+    answer = await gw._request(entry, "POST", route.path, raw, timeout, request_id=rid)
+    return Response(answer, route.status, media_type=JSON)
+
+
+def _placed_handler(route: Route) -> Handler:
+    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+        return await _placed_call(gw, request, route, rid)
+
+    return handle
+
+
+async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """A restore goes to the node that holds the snapshot (the first that does not say it
+    has no such snapshot), with the caller's project on what it makes."""
+    route = ROUTES["restore"]
+    raw = await _json_body(request)
+    route.decode_body(raw)  # 422 before any node is asked
+    last: DsecError = UnknownSnapshot("no node holds that snapshot")
+    for entry in gw.nodes.healthy():
+        try:
+            answer = await gw._request(entry, "POST", route.path, raw, route.timeout, rid)
+        except (UnknownSnapshot, NotFound) as e:
+            last = e
+            continue
+        made = route.decode_response(answer)
+        for info in made.sandboxes:
+            gw._remember(info.id, info.labels.get(PROJECT_LABEL))
+        return Response(answer, route.status, media_type=JSON)
+    raise last
+
+
+async def _layers(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    route = ROUTES["layers"]
+    for entry in gw.nodes.healthy():
+        return Response(
+            await gw._request(entry, "GET", route.path, request_id=rid), media_type=JSON
+        )
+    raise NodeUnavailable("no healthy node to ask")
+
+
+async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """Warm the layers on every healthy node; the first node's answer is returned."""
+    route = ROUTES["prefetch"]
+    if principal.role == "agent":
+        raise PermissionDenied("an agent key cannot prefetch layers")
+    raw = await _json_body(request)
+    route.decode_body(raw)
+    entries = gw.nodes.healthy()
+    if not entries:
+        raise NodeUnavailable("no healthy node to warm")
+    answers = await asyncio.gather(
+        *(gw._request(e, "POST", route.path, raw, None, rid) for e in entries),
+        return_exceptions=True,
+    )
+    for answer in answers:
+        if isinstance(answer, bytes):
+            return Response(answer, route.status, media_type=JSON)
+    first = answers[0]
+    raise first if isinstance(first, DsecError) else NodeUnavailable(str(first))
+
+
+_SPECIAL: dict[str, Handler] = {
+    "create": _create,
+    "list": _list,
+    "node_info": _node_info,
+    "openapi": _openapi,
+    "probe": _probe,
+    "restore": _restore,
+    "layers": _layers,
+    "prefetch": _prefetch,
+}
+
+
+def _handler(route: Route) -> Handler:
+    if route.name in _SPECIAL:
+        return _SPECIAL[route.name]
+    if "sid" in route.params:
+        return _sandbox_handler(route)
+    if route.name.startswith("lease"):
+        return _lease_handler(route)
+    if route.name in ("fncall", "judge"):
+        return _placed_handler(route)
+    return _anywhere_handler(route)  # trajectories, memory snapshots
+
+
+def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Response]]:
+    handler = _handler(route)
+
+    async def endpoint(request: Request) -> Response:
+        rid = _request_id(request)
+        try:
+            principal = gw.principal(request)
+            if route.query is not None:
+                route.decode_query(request.query_params)  # 422 here, not from a node
+            response = await handler(gw, request, principal, rid)
+        except DsecError as e:
+            return _error(e, rid)
+        response.headers.setdefault(REQUEST_ID, rid)
+        return response
+
+    return endpoint
+
+
+def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()) -> Starlette:
+    """The apiserver's ASGI app: every route of the node API, over ``gw``'s nodes."""
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = (
+            NotFound(f"no route {request.method} {request.url.path}")
+            if exc.status_code == 404
+            else DsecError(f"{request.method} {request.url.path}: {exc.detail}")
+        )
+        return Response(dump_json({"error": err.to_wire()}), exc.status_code, media_type=JSON)
+
+    routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
+    app = Starlette(
+        routes=[*routes, *extra_routes],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: on_http_error},
+    )
+    app.router.redirect_slashes = False
+    return app

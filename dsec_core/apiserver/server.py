@@ -1,0 +1,157 @@
+"""Running an apiserver: ``dsec apiserver --listen http://127.0.0.1:8500 --node n1=http://...``
+or ``--ray ADDRESS`` (nodes found through Ray: ``dsec cluster up``).
+
+It serves plain HTTP or TLS (``--tls-cert``/``--tls-key``), keeps nothing on disk but what IAM
+keeps (``--iam``: SQLite by default, etcd when several apiservers share it), and stops on
+SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from ..api.transport import Address
+from ..errors import InvalidSpec
+from .app import Gateway, Metrics, make_app
+from .nodes import NodeAddress, NodeSet, WatchSettings
+
+__all__ = ["ApiserverConfig", "build", "parse_node", "serve"]
+
+log = logging.getLogger("dsec.apiserver")
+
+
+@dataclass
+class ApiserverConfig:
+    """What an apiserver serves and where its nodes are."""
+
+    listen: str = "http://127.0.0.1:8500"
+    nodes: Sequence[NodeAddress] = ()
+    ray_address: str | None = None  # discover nodes through Ray (``dsec cluster up``)
+    iam: str | None = None  # IAM store URL (``Iam.open``); None: its default
+    watch: WatchSettings = field(default_factory=WatchSettings)
+    overflow_at: float = 0.8  # the home pool's use above which overflow is allowed
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    e2b: bool = True  # serve the E2B-compatible API on the same listener
+
+    def address(self) -> Address:
+        a = Address.parse(self.listen)
+        if not a.tcp:
+            raise InvalidSpec(f"the apiserver listens on TCP, not {self.listen}", field="listen")
+        if a.scheme == "https":
+            if not (self.tls_cert and self.tls_key):
+                raise InvalidSpec("https needs --tls-cert and --tls-key", field="listen")
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    os.fspath(self.tls_cert), os.fspath(self.tls_key)
+                )
+            except (OSError, ssl.SSLError) as e:
+                raise InvalidSpec(f"cannot load {self.tls_cert} with {self.tls_key}: {e}") from e
+        return a
+
+
+def parse_node(text: str, token: str | None = None) -> NodeAddress:
+    """``name=url`` (``n1=http://127.0.0.2:8400``) as a node's address."""
+    name, eq, url = text.partition("=")
+    if not eq or not name or not url:
+        raise InvalidSpec(f"a node is NAME=URL, got {text!r}", field="node")
+    Address.parse(url)
+    return NodeAddress(name=name.strip(), url=url.strip(), token=token)
+
+
+def _ray_discovery(address: str) -> Any:
+    async def discover() -> list[NodeAddress]:
+        from ..cluster import discover as ray_discover  # Ray is only needed when asked for
+
+        found = await asyncio.to_thread(ray_discover, address)
+        return [
+            NodeAddress(name=e.name, url=e.url, token=e.token, labels=dict(e.labels)) for e in found
+        ]
+
+    return discover
+
+
+def build(
+    config: ApiserverConfig, iam: Any = None, metrics: Metrics | None = None
+) -> tuple[Gateway, Any]:
+    """The gateway and its ASGI app (whose lifespan starts and stops the watcher). ``iam``:
+    an ``Authority``; by default the store ``config.iam`` names."""
+    if iam is None:
+        from ..iam import Iam
+
+        iam = Iam.open(config.iam)
+    discover = _ray_discovery(config.ray_address) if config.ray_address else None
+    if not config.nodes and discover is None:
+        raise InvalidSpec("an apiserver needs nodes: --node NAME=URL or --ray ADDRESS")
+    nodes = NodeSet(config.nodes, discover, config.watch, getattr(metrics, "probed", None))
+    gw = Gateway(nodes=nodes, iam=iam, overflow_at=config.overflow_at, metrics=metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await nodes.start()
+        log.info(
+            "apiserver %d serving %s over %d nodes (%d healthy)",
+            os.getpid(),
+            config.listen,
+            len(nodes.nodes),
+            len(nodes.healthy()),
+        )
+        try:
+            yield
+        finally:
+            await nodes.stop()
+
+    extra: list[Any] = []
+    if config.e2b:
+        extra += _e2b_routes(config)
+    return gw, make_app(gw, lifespan=lifespan, extra_routes=extra)
+
+
+def _e2b_routes(config: ApiserverConfig) -> list[Any]:
+    return []
+
+
+def serve(config: ApiserverConfig, iam: Any = None) -> None:
+    """Run the apiserver in this process until SIGTERM/SIGINT."""
+    address = config.address()
+    _, app = build(config, iam)
+    tls: dict[str, Any] = {}
+    if address.scheme == "https":
+        tls = {
+            "ssl_certfile": os.fspath(config.tls_cert or ""),
+            "ssl_keyfile": os.fspath(config.tls_key or ""),
+        }
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=address.host,
+            port=address.port,
+            lifespan="on",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=300,
+            backlog=4096,
+            loop="uvloop" if _has("uvloop") else "asyncio",
+            http="httptools" if _has("httptools") else "h11",
+            **tls,
+        )
+    )
+    server.run()
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False

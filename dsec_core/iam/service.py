@@ -1,0 +1,421 @@
+"""``Iam``: nested projects with quotas, API keys with roles, and the checks every apiserver
+request goes through (who is this key, may it reach that project, does the request fit the
+quotas).
+
+API keys look like ``dsk_<key id>_<secret part>``: the id finds the key's record, the whole
+key is checked against the SHA-256 hash stored there. One fast hash is enough because the
+secret part is 256 random bits: nobody can guess it or brute-force a hash of it, and unlike
+passwords there is no small space of likely values to try; a slow KDF (scrypt, PBKDF2) would
+only add tens of milliseconds to every request. Digests are compared with
+``hmac.compare_digest``.
+
+Authenticated keys and the project table are cached in the process for ``cache_ttl`` seconds
+(2 by default): a key revoked or a quota changed by another process takes effect within that
+bound; by this process, at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ..config import default_home
+from ..errors import (
+    AuthenticationFailed,
+    InvalidSpec,
+    KeyExists,
+    PermissionDenied,
+    ProjectExists,
+    ProjectInUse,
+    QuotaExceeded,
+    UnknownKey,
+    UnknownProject,
+)
+from .model import (
+    RESOURCES,
+    ROLES,
+    ROOT,
+    KeyInfo,
+    Principal,
+    Project,
+    ProjectRevocation,
+    Quota,
+    Usage,
+    ancestors,
+    check_key_name,
+    check_project_path,
+    in_subtree,
+    parent_of,
+)
+from .store import EtcdStore, IamStore, SqliteStore
+
+__all__ = ["KEY_PREFIX", "Iam", "can_manage", "can_reach", "default_iam_url"]
+
+#: Every API key starts with this, so a leaked one is recognisable (secret scanners).
+KEY_PREFIX = "dsk_"
+_SECRET_RE = re.compile(r"^dsk_([0-9a-f]{16})_([0-9a-f]{64})$")
+#: One message for every failure, so a caller learns nothing about which keys exist.
+_AUTH_FAILED = "API key missing, malformed, unknown or revoked"
+_CACHE_MAX = 10_000
+
+
+def default_iam_url() -> str:
+    """``DSEC_IAM`` if set, else the SQLite file ``$DSEC_HOME/iam.db``."""
+    return os.environ.get("DSEC_IAM") or f"sqlite://{default_home().absolute() / 'iam.db'}"
+
+
+def can_reach(principal: Principal, project: str) -> bool:
+    """May ``principal`` touch sandboxes labelled with ``project``? Admins and members: those
+    of their project and its subprojects; agents: only those of exactly their own project."""
+    if principal.role == "agent":
+        return project == principal.project
+    return principal.role in ("admin", "member") and in_subtree(project, principal.project)
+
+
+def can_manage(principal: Principal, project: str) -> bool:
+    """May ``principal`` create, change or revoke ``project`` and keys in it? Only an admin
+    of that project or one above it."""
+    return principal.role == "admin" and in_subtree(project, principal.project)
+
+
+def _project_key(path: str) -> str:
+    return f"project/{path}"
+
+
+def _key_key(key_id: str) -> str:
+    return f"key/{key_id}"
+
+
+def _name_key(project: str, name: str) -> str:
+    return f"keyname/{project}:{name}"
+
+
+def _digest(secret: str) -> str:
+    return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+def _stored_key(value: Mapping[str, Any]) -> tuple[KeyInfo, str]:
+    fields = dict(value)
+    digest = str(fields.pop("hash"))
+    return KeyInfo.from_dict(fields), digest
+
+
+class Iam:
+    """Projects, API keys and authorisation over one ``IamStore``.
+
+    Every operation takes and returns the records of ``dsec_core.iam.model``. Those that
+    change something take ``actor``: the principal asking (the apiserver passes the caller's),
+    checked with ``can_manage``; None is the machine's operator working on the store
+    directly (the ``dsec iam`` CLI), who may do anything. Thread-safe; its methods block on
+    the store (microseconds on SQLite, a loopback round trip on etcd), so an asyncio server
+    may prefer to call the uncached paths through a thread.
+    """
+
+    def __init__(self, store: IamStore, *, cache_ttl: float = 2.0) -> None:
+        self.store = store
+        self.cache_ttl = cache_ttl
+        self._lock = threading.Lock()
+        self._keys: dict[str, tuple[str, Principal, float]] = {}
+        self._projects: dict[str, Project] | None = None
+        self._projects_at = 0.0
+
+    @classmethod
+    def open(cls, url: str | None = None, *, cache_ttl: float = 2.0) -> Iam:
+        """IAM on the store ``url`` names: ``sqlite:///abs/path.db`` or
+        ``etcd://host:port[/prefix]`` (default prefix ``dsec/iam``). None: ``DSEC_IAM``, else
+        ``sqlite:///$DSEC_HOME/iam.db``."""
+        url = url or default_iam_url()
+        parsed = urlparse(url)
+        if parsed.scheme == "sqlite" and not parsed.netloc and parsed.path.startswith("/"):
+            return cls(SqliteStore(Path(parsed.path)), cache_ttl=cache_ttl)
+        if parsed.scheme == "etcd" and parsed.netloc:
+            prefix = parsed.path.strip("/") or "dsec/iam"
+            return cls(EtcdStore(f"http://{parsed.netloc}", prefix), cache_ttl=cache_ttl)
+        raise InvalidSpec(
+            f"IAM store {url!r}: expected sqlite:///absolute/path.db or etcd://host:port[/prefix]",
+            field="iam",
+        )
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Iam:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- projects ---------------------------------------------------------------------------
+
+    def _allow(self, actor: Principal | None, project: str) -> None:
+        if actor is not None and not can_manage(actor, project):
+            raise PermissionDenied(
+                f"key {actor.key_id} ({actor.role} of {actor.project}) may not manage "
+                f"project {project}",
+                project=project,
+            )
+
+    def _forget_projects(self) -> None:
+        with self._lock:
+            self._projects = None
+
+    def create_project(
+        self, path: str, quota: Quota | None = None, *, actor: Principal | None = None
+    ) -> Project:
+        """Make project ``path`` under its existing parent (``UnknownProject`` if there is
+        none, ``ProjectExists`` if ``path`` is taken)."""
+        check_project_path(path)
+        if path == ROOT:
+            raise ProjectExists("the root project always exists", project=ROOT)
+        self._allow(actor, path)
+        project = Project(path, quota or Quota(), time.time())
+        parent = parent_of(path)
+        require = [] if parent == ROOT else [_project_key(parent)]
+        if not self.store.create({_project_key(path): project.to_dict()}, require):
+            if require and self.store.get(require[0]) is None:
+                raise UnknownProject(
+                    f"no project {parent} to create {path} in", name=parent, project=path
+                )
+            raise ProjectExists(f"project {path} already exists", project=path)
+        self._forget_projects()
+        return project
+
+    def project(self, path: str) -> Project:
+        """Project ``path`` as stored now (the root: a record with no quota)."""
+        check_project_path(path)
+        if path == ROOT:
+            return Project(ROOT)
+        value = self.store.get(_project_key(path))
+        if value is None:
+            raise UnknownProject(f"no project {path}", name=path)
+        return Project.from_dict(value)
+
+    def projects(
+        self, under: str | None = None, *, actor: Principal | None = None
+    ) -> list[Project]:
+        """The projects in ``under``'s subtree (itself included; None: all), by path. An
+        actor sees only the subtree of its own project."""
+        under = check_project_path(under) if under is not None else ROOT
+        if actor is not None and not in_subtree(under, actor.project):
+            if not in_subtree(actor.project, under):
+                return []
+            under = actor.project
+        prefix = "project/" if under == ROOT else f"project/{under}"
+        out = [
+            Project.from_dict(v)
+            for v in self.store.scan(prefix).values()
+            if in_subtree(v["path"], under)
+        ]
+        return sorted(out, key=lambda p: p.path)
+
+    def set_quota(self, path: str, quota: Quota, *, actor: Principal | None = None) -> Project:
+        """Replace ``path``'s quota; it applies to the next ``check_quota`` (in other
+        processes: within ``cache_ttl``)."""
+        check_project_path(path)
+        if path == ROOT:
+            raise InvalidSpec("the root project has no quota; set one on each org", field="path")
+        self._allow(actor, path)
+        if not isinstance(quota, Quota):
+            raise InvalidSpec(f"quota must be a Quota, got {quota!r}", field="quota")
+        current = self.project(path)
+        updated = Project(path, quota, current.created)
+        if not self.store.update(_project_key(path), updated.to_dict()):
+            raise UnknownProject(f"no project {path}", name=path)
+        self._forget_projects()
+        return updated
+
+    def revoke_project(
+        self, path: str, *, force: bool = False, actor: Principal | None = None
+    ) -> ProjectRevocation:
+        """Remove project ``path``. One with subprojects or keys is ``ProjectInUse`` unless
+        ``force``, which removes them too (keys first, then projects deepest first).
+
+        Sandboxes still running with that project's label are the apiserver's to deal with."""
+        check_project_path(path)
+        if path == ROOT:
+            raise InvalidSpec("the root project cannot be revoked", field="path")
+        self._allow(actor, path)
+        self.project(path)  # UnknownProject if absent
+        children = sorted(
+            (v["path"] for v in self.store.scan(f"project/{path}/").values()),
+            key=lambda p: (-p.count("/"), p),
+        )
+        stored = [_stored_key(v)[0] for v in self.store.scan("key/").values()]
+        keys = [k for k in stored if in_subtree(k.project, path)]
+        if (children or keys) and not force:
+            raise ProjectInUse(
+                f"project {path} has {len(children)} subproject(s) and {len(keys)} key(s); "
+                "revoke them first, or force it",
+                project=path,
+                children=children,
+                keys=[k.key_id for k in keys],
+            )
+        doomed = [_key_key(k.key_id) for k in keys]
+        doomed += [_name_key(k.project, k.name) for k in keys if k.name]
+        self.store.delete(doomed)
+        self.store.delete([_project_key(p) for p in [*children, path]])
+        with self._lock:
+            self._projects = None
+            for k in keys:
+                self._keys.pop(k.key_id, None)
+        return ProjectRevocation((*children, path), tuple(k.key_id for k in keys))
+
+    # --- keys -------------------------------------------------------------------------------
+
+    def create_key(
+        self,
+        project: str,
+        role: str,
+        name: str | None = None,
+        *,
+        actor: Principal | None = None,
+    ) -> tuple[KeyInfo, str]:
+        """A new API key of ``role`` for ``project`` and its secret, the only time the secret
+        is shown: only its hash is kept. ``name`` (optional) is unique within the project
+        (``KeyExists``)."""
+        check_project_path(project)
+        check_key_name(name)
+        if role not in ROLES:
+            raise InvalidSpec(f"role must be one of {', '.join(ROLES)}, got {role!r}", field="role")
+        self._allow(actor, project)
+        require = [] if project == ROOT else [_project_key(project)]
+        while True:
+            key_id = secrets.token_hex(8)
+            secret = f"{KEY_PREFIX}{key_id}_{secrets.token_hex(32)}"
+            info = KeyInfo(key_id, project, role, name, time.time())
+            items = {_key_key(key_id): info.to_dict() | {"hash": _digest(secret)}}
+            if name:
+                items[_name_key(project, name)] = {"key_id": key_id}
+            if self.store.create(items, require):
+                return info, secret
+            if require and self.store.get(require[0]) is None:
+                raise UnknownProject(f"no project {project}", name=project)
+            if name and self.store.get(_name_key(project, name)) is not None:
+                raise KeyExists(
+                    f"project {project} already has a key named {name}", project=project, name=name
+                )
+            # else the random id collided with an existing key's (1 in 2**64): draw again
+
+    def keys(self, project: str | None = None, *, actor: Principal | None = None) -> list[KeyInfo]:
+        """The keys of ``project`` and its subprojects (None: all), by project then creation;
+        never their secrets or hashes. An actor sees only those it may manage."""
+        top = check_project_path(project) if project is not None else ROOT
+        out = []
+        for value in self.store.scan("key/").values():
+            info = _stored_key(value)[0]
+            if in_subtree(info.project, top) and (actor is None or can_manage(actor, info.project)):
+                out.append(info)
+        return sorted(out, key=lambda k: (k.project, k.created, k.key_id))
+
+    def revoke_key(self, key_id: str, *, actor: Principal | None = None) -> KeyInfo:
+        """Remove key ``key_id``: it stops authenticating at once in this process, within
+        ``cache_ttl`` in others. A key the actor may not manage is ``UnknownKey`` too."""
+        value = self.store.get(_key_key(key_id)) if re.fullmatch(r"[0-9a-f]{16}", key_id) else None
+        info = _stored_key(value)[0] if value is not None else None
+        if info is None or (actor is not None and not can_manage(actor, info.project)):
+            raise UnknownKey(f"no API key {key_id}", name=key_id)
+        doomed = [_key_key(key_id)] + ([_name_key(info.project, info.name)] if info.name else [])
+        self.store.delete(doomed)
+        with self._lock:
+            self._keys.pop(key_id, None)
+        return info
+
+    def authenticate(self, secret: str | None) -> Principal:
+        """The principal of API key ``secret``; ``AuthenticationFailed`` (one message for all)
+        if it is missing, malformed, unknown, revoked, or its project was revoked."""
+        match = _SECRET_RE.match(secret) if isinstance(secret, str) else None
+        if match is None:
+            raise AuthenticationFailed(_AUTH_FAILED)
+        key_id = match.group(1)
+        digest = _digest(secret)  # type: ignore[arg-type]
+        now = time.monotonic()
+        with self._lock:
+            cached = self._keys.get(key_id)
+        if cached is not None and cached[2] > now:
+            if hmac.compare_digest(cached[0], digest):
+                return cached[1]
+            raise AuthenticationFailed(_AUTH_FAILED)
+        value = self.store.get(_key_key(key_id))
+        if value is None:
+            raise AuthenticationFailed(_AUTH_FAILED)
+        info, stored = _stored_key(value)
+        if not hmac.compare_digest(stored, digest):
+            raise AuthenticationFailed(_AUTH_FAILED)
+        if info.project != ROOT and self.store.get(_project_key(info.project)) is None:
+            raise AuthenticationFailed(_AUTH_FAILED)  # revoked with its project
+        principal = Principal(key_id, info.project, info.role)
+        with self._lock:
+            if len(self._keys) >= _CACHE_MAX:
+                self._keys.clear()
+            self._keys[key_id] = (stored, principal, now + self.cache_ttl)
+        return principal
+
+    # --- authorisation ----------------------------------------------------------------------
+
+    @staticmethod
+    def can_reach(principal: Principal, project: str) -> bool:
+        """See ``dsec_core.iam.can_reach``."""
+        return can_reach(principal, project)
+
+    @staticmethod
+    def can_manage(principal: Principal, project: str) -> bool:
+        """See ``dsec_core.iam.can_manage``."""
+        return can_manage(principal, project)
+
+    def require_manage(self, principal: Principal, project: str) -> None:
+        """``PermissionDenied`` unless ``principal`` may manage ``project``."""
+        self._allow(principal, check_project_path(project))
+
+    def _project_table(self, path: str) -> dict[str, Project]:
+        """Every project, from a snapshot at most ``cache_ttl`` old (fresher if ``path`` is not
+        in it: it may have been made since)."""
+        now = time.monotonic()
+        with self._lock:
+            table, at = self._projects, self._projects_at
+        if table is None or at + self.cache_ttl <= now or path not in table:
+            table = {p.path: p for p in self.projects()}
+            with self._lock:
+                self._projects, self._projects_at = table, now
+        return table
+
+    def check_quota(self, project: str, usage: Mapping[str, Usage], add: Usage) -> None:
+        """``QuotaExceeded`` unless ``add`` fits in ``project``'s quota and every ancestor's,
+        each counted over its whole subtree. ``usage`` maps each project's path to what its
+        own running sandboxes take (the apiserver sums the nodes' reports); the error names
+        the project whose quota it is, nearest first. ``UnknownProject`` if ``project`` is
+        not there."""
+        check_project_path(project)
+        if project == ROOT:
+            return
+        table = self._project_table(project)
+        if project not in table:
+            raise UnknownProject(f"no project {project}", name=project)
+        for path in ancestors(project):
+            quota = table[path].quota if path in table else Quota()
+            limits = [(r, quota.limit(r)) for r in RESOURCES if quota.limit(r) is not None]
+            if not limits:
+                continue
+            used = sum((u for p, u in usage.items() if in_subtree(p, path)), Usage())
+            for resource, limit in limits:
+                assert limit is not None
+                before, asked = used.amount(resource), add.amount(resource)
+                if before + asked > limit:
+                    raise QuotaExceeded(
+                        f"project {path}'s quota of {resource} is {limit:g}: {before:g} in use, "
+                        f"{asked:g} more asked for"
+                        + ("" if path == project else f" (by {project})"),
+                        project=path,
+                        resource=resource,
+                        limit=limit,
+                        used=before,
+                        requested=asked,
+                    )

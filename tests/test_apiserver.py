@@ -1,0 +1,355 @@
+"""``dsec apiserver`` over three real named node daemons (two in the home pool, one in the
+overflow pool), as its own process: the SDK works through it as against a node; API keys are
+checked and a project cannot see or touch another's sandboxes, not even by guessing ids;
+quotas hold down the project tree; placement spreads batches and overflows only what may;
+killing and restarting it loses nothing, and two run side by side; a lost node is noticed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+from dsec_core.api.transport import HTTPTransport
+from dsec_core.apiserver import OVERFLOW_LABEL
+from dsec_core.errors import (
+    AdmissionRejected,
+    AuthenticationFailed,
+    InvalidSpec,
+    NodeLost,
+    NotFound,
+    QuotaExceeded,
+    UnknownSandbox,
+)
+from dsec_core.iam import Iam, Quota
+from dsec_core.localnode import daemon_pid
+from dsec_core.records import PROJECT_LABEL, ExecOutput, ExecResult
+from dsec_core.testing.apiserver import named_nodes, running_apiserver, start_apiserver
+from dsec_core.testing.procs import free_port
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+class Cluster:
+    def __init__(self, nodes, iam: Iam, iam_url: str, api) -> None:
+        self.nodes, self.iam, self.iam_url, self.api = nodes, iam, iam_url, api
+        self.layer = nodes[0].node.layer.ref
+
+    def key(self, project: str, role: str = "member") -> str:
+        if project not in {p.path for p in self.iam.projects()}:
+            parts = project.split("/")
+            for i in range(1, len(parts) + 1):
+                path = "/".join(parts[:i])
+                if path not in {p.path for p in self.iam.projects()}:
+                    self.iam.create_project(path)
+        return self.iam.create_key(project, role)[1]
+
+    def client(self, key: str, url: str | None = None) -> dsec.Client:
+        return dsec.Client(url or self.api.url, api_key=key)
+
+    def spec(self, **kw):
+        return dsec.SandboxSpec(layers=(self.layer,), memory="64M", cpu=0.5, **kw)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    iam = Iam.open(iam_url)
+    spec = {"n1": {}, "n2": {}, "n3": {"dsec.pool": "overflow"}}
+    with named_nodes(spec) as nodes, running_apiserver(nodes, iam_url) as api:
+        yield Cluster(nodes, iam, iam_url, api)
+    iam.close()
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_the_sdk_works_through_the_apiserver(cluster):
+    with cluster.client(cluster.key("acme/rl")) as c:
+        assert set(c.node_info()["backends"]) >= {"container"}
+        with c.create(cluster.spec(labels={"run": "7"})) as sb:
+            assert sb.id.rsplit("-", 1)[1] in {"n1", "n2"}  # the home pool
+            assert sb.info.labels == {"run": "7", PROJECT_LABEL: "acme/rl"}
+            r = sb.exec(["sh", "-c", "echo $X; cat"], env={"X": "hi"}, stdin=b"in")
+            assert (r.exit_code, r.stdout) == (0, b"hi\nin")
+            items = list(sb.exec_stream("echo a; sleep 1; echo b"))
+            assert [i.data for i in items if isinstance(i, ExecOutput)] == [b"a\n", b"b\n"]
+            assert isinstance(items[-1], ExecResult)
+            big = os.urandom(5 << 20)
+            sb.write_file("/tmp/big", big)
+            assert sb.read_file("/tmp/big") == big
+            assert [e.name for e in sb.list_dir("/tmp")] == ["big"]
+            with sb.session() as ses:
+                ses.exec("cd /tmp; Y=2")
+                assert ses.exec("echo $PWD $Y").stdout == b"/tmp 2\n"
+            assert sb.set_ttl(100).expires is not None
+            assert sb.id in {i.id for i in c.list()}
+        assert sb.id not in {i.id for i in c.list()}
+
+
+def test_exec_output_streams_through_while_the_command_runs(cluster):
+    with cluster.client(cluster.key("acme/stream")) as c, c.create(cluster.spec()) as sb:
+        t0 = time.monotonic()
+        stream = sb.exec_stream("echo first; sleep 2; echo second")
+        first = next(stream)
+        assert first.data == b"first\n" and time.monotonic() - t0 < 1.5
+        rest = list(stream)
+        assert rest[-1].exit_code == 0 and time.monotonic() - t0 >= 2
+
+
+def test_async_sdk_and_batches_spread_over_the_home_pool(cluster):
+    key = cluster.key("acme/batch")
+
+    async def main() -> list[str]:
+        async with dsec.AsyncClient(cluster.api.url, api_key=key) as c:
+            sbs = await c.create_many(cluster.spec(), n=6)
+            try:
+                outs = await asyncio.gather(*(sb.exec(["echo", sb.id]) for sb in sbs))
+                assert [o.stdout for o in outs] == [f"{sb.id}\n".encode() for sb in sbs]
+                return [sb.id for sb in sbs]
+            finally:
+                await asyncio.gather(*(sb.kill() for sb in sbs))
+
+    ids = asyncio.run(main())
+    assert {i.rsplit("-", 1)[1] for i in ids} == {"n1", "n2"}
+
+
+def test_keys_are_checked(cluster):
+    for key in (None, "", "nonsense", "dsk_0000000000000000_" + "0" * 64):
+        with dsec.Client(cluster.api.url, api_key=key) as c, pytest.raises(AuthenticationFailed):
+            c.list()
+    info, secret = cluster.iam.create_key("acme", "member")
+    with cluster.client(secret) as c:
+        c.list()
+        cluster.iam.revoke_key(info.key_id)
+        time.sleep(2.5)  # the apiserver remembers a good key for at most 2 s
+        with pytest.raises(AuthenticationFailed):
+            c.list()
+    # a node's own token is no key
+    with dsec.Client(cluster.api.url, api_key=cluster.nodes[0].token) as c:
+        with pytest.raises(AuthenticationFailed):
+            c.list()
+
+
+def test_a_project_can_neither_see_nor_touch_another_projects_sandboxes(cluster):
+    a = cluster.client(cluster.key("orga/x"))
+    b = cluster.client(cluster.key("orgb/y"))
+    agent_sibling = cluster.client(cluster.key("orga/z", "agent"))
+    with a.create(cluster.spec()) as sb:
+        a.write_file(sb.id, "/tmp/secret", b"s3cret")
+        for other in (b, agent_sibling):
+            assert sb.id not in {i.id for i in other.list()}
+            for call in (
+                lambda c: c.get(sb.id),
+                lambda c: c.exec(sb.id, "true"),
+                lambda c: list(c.exec_stream(sb.id, "true")),
+                lambda c: c.read_file(sb.id, "/tmp/secret"),
+                lambda c: c.write_file(sb.id, "/tmp/secret", b"x"),
+                lambda c: c.list_dir(sb.id, "/tmp"),
+                lambda c: c.usage(sb.id),
+                lambda c: c.set_ttl(sb.id, 1),
+                lambda c: c.pause(sb.id),
+                lambda c: c.kill(sb.id),
+            ):
+                with pytest.raises(UnknownSandbox) as e:
+                    call(other)
+                assert "secret" not in str(e.value)
+        # guessed ids: on a real node, on a made-up node, with path tricks; all the same 404
+        node = sb.id.rsplit("-", 1)[1]
+        for guess in (
+            f"{secrets.token_hex(6)}-{node}",
+            f"{sb.id[:12]}-nosuchnode",
+            "../../v1/sandboxes",
+            f"{sb.id}/../x",
+            sb.id.upper(),
+        ):
+            with pytest.raises(NotFound):  # UnknownSandbox, or no such route: a 404 each
+                b.exec(guess, "true")
+        assert a.read_file(sb.id, "/tmp/secret") == b"s3cret"  # untouched
+        # the parent's member reaches the child's sandboxes; the agent of the same project too
+        with cluster.client(cluster.key("orga")) as parent:
+            assert parent.exec(sb.id, "echo ok").stdout == b"ok\n"
+        with cluster.client(cluster.key("orga/x", "agent")) as agent:
+            assert agent.exec(sb.id, "echo ok").stdout == b"ok\n"
+    a.close()
+    b.close()
+    agent_sibling.close()
+
+
+def test_a_client_cannot_choose_its_project_label(cluster):
+    with cluster.client(cluster.key("orgc/p")) as c:
+        with c.create(cluster.spec(labels={PROJECT_LABEL: "orga/x"})) as sb:
+            assert sb.info.labels[PROJECT_LABEL] == "orgc/p"
+
+
+def test_quotas_are_inherited_down_the_tree(cluster):
+    cluster.iam.create_project("quota", Quota(sandboxes=3))
+    cluster.iam.create_project("quota/team", Quota(sandboxes=10, memory=256 << 20))
+    cluster.iam.create_project("quota/team/job")
+    with cluster.client(cluster.key("quota/team/job")) as c:
+        sbs = c.create_many(cluster.spec(), n=3)
+        try:
+            with pytest.raises(QuotaExceeded) as e:
+                c.create(cluster.spec())
+            assert e.value.project == "quota" and e.value.resource == "sandboxes"
+        finally:
+            for sb in sbs:
+                sb.kill()
+        with pytest.raises(QuotaExceeded) as e:
+            c.create(cluster.spec(memory="512M"))
+        assert e.value.project == "quota/team" and e.value.resource == "memory"
+        _wait(lambda: not c.list())
+        with c.create(cluster.spec()):  # room again once they are gone
+            pass
+
+
+def test_bad_input_gets_typed_errors(cluster):
+    key = cluster.key("acme/bad")
+    t = HTTPTransport(cluster.api.url, token=key)
+    try:
+        r = t.request(
+            "POST",
+            "/v1/sandboxes",
+            body=json.dumps({"spec": {"cpu": "lots"}}).encode(),
+            content_type="application/json",
+        )
+        assert r.status_code == 422
+        err = r.json()["error"]
+        assert err["type"] == "InvalidSpec" and "cpu" in err["context"]["field"]
+        assert r.headers["x-request-id"]
+        r = t.request("POST", "/v1/sandboxes", body=b"{not json", content_type="application/json")
+        assert r.status_code == 422
+    finally:
+        t.close()
+    with cluster.client(key) as c:
+        with pytest.raises(AdmissionRejected) as e:
+            c.create(cluster.spec(cpu=100000.0))
+        assert set(e.value.nodes) >= {"n1", "n2", "n3"}
+        assert "CPU" in e.value.nodes["n1"] and "overflow" in e.value.nodes["n3"]
+        with pytest.raises(InvalidSpec):
+            c.exec("x-n1", "")
+
+
+def test_overflow_only_for_specs_that_allow_it_above_the_threshold(cluster):
+    key = cluster.key("acme/burst")
+    with cluster.client(key) as c:  # the default threshold (0.8) is far off
+        with c.create(cluster.spec(labels={OVERFLOW_LABEL: "true"})) as sb:
+            assert not sb.id.endswith("-n3")
+    # an apiserver whose threshold the home pool is always over
+    with running_apiserver(cluster.nodes, cluster.iam_url, args=["--overflow-at", "0"]) as api:
+        with cluster.client(key, api.url) as c:
+            with c.create(cluster.spec(labels={OVERFLOW_LABEL: "true"})) as sb:
+                assert sb.id.endswith("-n3")
+            with c.create(cluster.spec()) as sb:
+                assert not sb.id.endswith("-n3")
+
+
+def test_restarted_and_side_by_side_apiservers_serve_the_same_sandboxes(cluster):
+    key = cluster.key("acme/restart")
+    second = start_apiserver(cluster.nodes, cluster.iam_url)
+    try:
+        with cluster.client(key) as c:
+            sb = c.create(cluster.spec())
+        with cluster.client(key, second.url) as c2:
+            assert sb.id in {i.id for i in c2.list()}
+            assert c2.exec(sb.id, "echo two").stdout == b"two\n"
+        second.stop(signal.SIGKILL)  # killed: it kept nothing
+        third = start_apiserver(cluster.nodes, cluster.iam_url)
+        try:
+            with cluster.client(key, third.url) as c3:
+                assert sb.id in {i.id for i in c3.list()}
+                assert c3.exec(sb.id, "echo three").stdout == b"three\n"
+                c3.kill(sb.id)
+        finally:
+            third.stop()
+            third.log.unlink(missing_ok=True)
+    finally:
+        second.stop()
+        second.log.unlink(missing_ok=True)
+
+
+def test_a_node_that_registers_under_another_name_is_never_used(cluster, tmp_path):
+    n1 = cluster.nodes[0]
+    wrong = type(n1)("impostor", n1.url, n1.token, n1.node)
+    with running_apiserver([wrong], cluster.iam_url) as api:
+        with cluster.client(cluster.key("acme/impostor"), api.url) as c:
+            time.sleep(1.5)
+            with pytest.raises(AdmissionRejected) as e:
+                c.create(cluster.spec())
+            assert "calls itself 'n1'" in e.value.nodes["impostor"]
+            with pytest.raises(UnknownSandbox):  # and n1's ids are not routed anywhere
+                c.get(f"{secrets.token_hex(6)}-n1")
+
+
+def test_a_lost_node_is_noticed_and_creates_go_elsewhere(cluster):
+    key = cluster.key("acme/lost")
+    n2 = next(n for n in cluster.nodes if n.name == "n2")
+    with cluster.client(key) as c:
+        sbs = c.create_many(cluster.spec(), n=4)
+        on_n2 = [sb for sb in sbs if sb.id.endswith("-n2")]
+        on_n1 = [sb for sb in sbs if sb.id.endswith("-n1")]
+        assert on_n1 and on_n2
+        pid = daemon_pid(n2.node.config)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            _wait(lambda: _lost(c, on_n2[0].id), timeout=5)
+            detected = time.monotonic() - t0
+            assert detected <= 5
+            with pytest.raises(NodeLost) as e:
+                c.exec(on_n2[0].id, "true")
+            assert e.value.node == "n2"
+            made = c.create_many(cluster.spec(), n=3)
+            assert all(not sb.id.endswith("-n2") for sb in made)
+            for sb in on_n1:  # the survivors did not notice
+                assert sb.exec("echo fine").stdout == b"fine\n"
+            for sb in made:
+                sb.kill()
+        finally:
+            n2.node.ensure_running()  # it comes back and re-adopts its sandboxes
+        _wait(lambda: c.exec(on_n2[0].id, "echo back").stdout == b"back\n", timeout=15)
+        for sb in sbs:
+            sb.kill()
+
+
+def _lost(c: dsec.Client, sid: str) -> bool:
+    try:
+        c.exec(sid, "true")
+    except NodeLost:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def test_tls(cluster, tmp_path):
+    from tests.conftest import make_self_signed
+
+    cert, key_file = make_self_signed(tmp_path)
+    port = free_port()
+    api = start_apiserver(
+        cluster.nodes,
+        cluster.iam_url,
+        port=port,
+        args=["--tls-cert", os.fspath(cert), "--tls-key", os.fspath(key_file)],
+        scheme="https",
+    )
+    try:
+        with dsec.Client(api.url, api_key=cluster.key("acme/tls"), verify=cert) as c:
+            with c.create(cluster.spec()) as sb:
+                assert sb.exec("echo tls").stdout == b"tls\n"
+    finally:
+        api.stop()
+        Path(api.log).unlink(missing_ok=True)
