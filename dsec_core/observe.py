@@ -26,11 +26,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from .errors import AuthenticationFailed
+
 __all__ = [
     "ACCESS_LOGGER",
     "CREATE_BUCKETS",
     "EXEC_BUCKETS",
     "FORWARD_BUCKETS",
+    "OVERFLOW_POOL",
     "REQUEST_ID",
     "REQUEST_ID_HEADER",
     "SANDBOX_STATES",
@@ -38,6 +41,7 @@ __all__ = [
     "JsonLogFormatter",
     "NodeMetrics",
     "ObservedRequests",
+    "ProbedNode",
     "RequestIdFilter",
     "RequestMetrics",
     "current_request_id",
@@ -312,6 +316,17 @@ class NodeMetrics:
         self._requests.inc(method, route, code)
 
 
+#: The pool name of the overflow pool (the node label ``dsec.pool=overflow``).
+OVERFLOW_POOL = "overflow"
+
+
+class ProbedNode(Protocol):
+    """The watcher's record of a node, as ``ApiserverMetrics.probed`` reads it."""
+
+    name: str
+    healthy: bool
+
+
 class ApiserverMetrics:
     """An apiserver's metrics, in a registry of its own (``registry``, made if not given).
 
@@ -319,11 +334,15 @@ class ApiserverMetrics:
       and the node's create included;
     - ``dsec_apiserver_requests_total{method,route,code}``: HTTP requests answered;
     - ``dsec_placement_decisions_total{node,pool}``: sandboxes placed on each node;
-    - ``dsec_overflow_total``: creates sent to the overflow pool;
+    - ``dsec_overflow_total``: sandboxes placed in the overflow pool because the home pool was
+      over its threshold;
     - ``dsec_node_healthy{node}``: 1 while the watcher finds the node healthy, else 0;
     - ``dsec_node_probe_seconds{node}``: the watcher's probes;
     - ``dsec_apiserver_forward_seconds{route}``: requests forwarded to a node, until its
-      answer's head.
+      answer's head (``route``: the route's name).
+
+    The method names are those the apiserver's ``Metrics`` protocol calls, so an instance is
+    passed to it as is.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -344,7 +363,9 @@ class ApiserverMetrics:
             registry=r,
         )
         self.overflow = Counter(
-            "dsec_overflow", "Creates that overflowed to the overflow pool", registry=r
+            "dsec_overflow",
+            "Sandboxes placed in the overflow pool past the home pool's threshold",
+            registry=r,
         )
         self.node_healthy = Gauge(
             "dsec_node_healthy",
@@ -361,7 +382,7 @@ class ApiserverMetrics:
         )
         self.forward_seconds = Histogram(
             "dsec_apiserver_forward_seconds",
-            "Time from forwarding a request to a node to the head of its answer, by route",
+            "Time from forwarding a request to a node to the head of its answer, by route name",
             ("route",),
             buckets=FORWARD_BUCKETS,
             registry=r,
@@ -370,26 +391,32 @@ class ApiserverMetrics:
     def observe_request(self, method: str, route: str, code: int, seconds: float) -> None:
         self._requests.inc(method, route, code)
 
-    def observe_create(self, ok: bool, seconds: float) -> None:
+    def create_done(self, seconds: float, ok: bool) -> None:
         """A create request took ``seconds`` and succeeded (``ok``) or failed."""
         self.create_seconds.labels("ok" if ok else "error").observe(seconds)
 
-    def placed(self, node: str, pool: str, count: int = 1) -> None:
-        """Placement put ``count`` sandboxes on ``node`` of ``pool``."""
+    def placed(self, node: str, pool: str, overflow: bool = False, count: int = 1) -> None:
+        """Placement put ``count`` sandboxes on ``node`` of ``pool``; with ``overflow`` (the
+        request went past its home pool) those in the overflow pool count as overflow too."""
         self.placement_decisions.labels(node, pool).inc(count)
+        if overflow and pool == OVERFLOW_POOL:
+            self.overflow.inc(count)
 
-    def overflowed(self, count: int = 1) -> None:
-        """``count`` creates went to the overflow pool."""
-        self.overflow.inc(count)
-
-    def node_health(self, node: str, healthy: bool) -> None:
-        self.node_healthy.labels(node).set(1 if healthy else 0)
-
-    def observe_probe(self, node: str, seconds: float) -> None:
-        self.node_probe_seconds.labels(node).observe(seconds)
-
-    def observe_forward(self, route: str, seconds: float) -> None:
+    def forwarded(self, route: str, seconds: float) -> None:
+        """A request of ``route`` (its name in the route table) was forwarded to a node and
+        its answer's head came back after ``seconds``."""
         self.forward_seconds.labels(route).observe(seconds)
+
+    def probed(self, node: str | ProbedNode, seconds: float, ok: bool) -> None:
+        """The watcher probed ``node`` (a name, or the watcher's entry for it, whose
+        ``healthy`` then says the health: one missed probe need not make a node unhealthy)
+        in ``seconds``; ``ok``: it answered."""
+        if isinstance(node, str):
+            name, healthy = node, ok
+        else:
+            name, healthy = node.name, node.healthy
+        self.node_probe_seconds.labels(name).observe(seconds)
+        self.node_healthy.labels(name).set(1 if healthy else 0)
 
     def forget_node(self, node: str) -> None:
         """Drop a node's series (it left the cluster), so they do not linger at their last
@@ -415,7 +442,9 @@ class ObservedRequests:
     ``metrics`` by route template and status, and writes one line for it to ``logger`` at INFO
     (method, route, status, duration_ms, request id, and the sandbox id when the route has the
     path parameter ``sandbox_param``). ``GET metrics_path`` answers ``metrics``' registry in
-    the Prometheus text format (pass ``metrics_path=None`` to serve none).
+    the Prometheus text format (pass ``metrics_path=None`` to serve none), to whoever
+    ``metrics_allowed(scope)`` lets through (default: everyone who reached the middleware; the
+    node's TCP listeners check their token before it), else 401 ``AuthenticationFailed``.
 
     A plain ASGI callable, not Starlette's BaseHTTPMiddleware, so it adds a few microseconds to
     a request rather than a task and a queue. Requests that match no route are counted as
@@ -430,12 +459,14 @@ class ObservedRequests:
         metrics: RequestMetrics | None = None,
         metrics_path: str | None = "/metrics",
         sandbox_param: str = "sid",
+        metrics_allowed: Callable[[Any], bool] | None = None,
     ) -> None:
         self.app = app
         self.log = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.metrics = metrics
         self.metrics_path = metrics_path if metrics is not None else None
         self.sandbox_param = sandbox_param
+        self.metrics_allowed = metrics_allowed
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -511,11 +542,17 @@ class ObservedRequests:
 
     async def _serve_metrics(self, scope: Any, send: Any) -> None:
         assert self.metrics is not None
-        body, content_type = render_metrics(self.metrics.registry)
+        if self.metrics_allowed is not None and not self.metrics_allowed(scope):
+            err = AuthenticationFailed(f"{self.metrics_path} needs a credential this server takes")
+            body = json.dumps({"error": err.to_wire()}).encode()
+            content_type, status = "application/json", 401
+        else:
+            body, content_type = render_metrics(self.metrics.registry)
+            status = 200
         await send(
             {
                 "type": "http.response.start",
-                "status": 200,
+                "status": status,
                 "headers": [
                     (b"content-type", content_type.encode()),
                     (b"content-length", str(len(body)).encode()),

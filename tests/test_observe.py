@@ -91,19 +91,24 @@ def test_each_metrics_object_has_a_registry_of_its_own():
     # the apiserver's metrics, twice in one process too
     for _ in range(2):
         api = ApiserverMetrics()
-        api.placed("n1", "home", 3)
-        api.overflowed()
-        api.node_health("n1", True)
-        api.observe_probe("n1", 0.003)
-        api.observe_forward("/v1/sandboxes", 0.001)
-        api.observe_create(False, 0.2)
+        api.placed("n1", "home", False, count=3)
+        api.placed("n1", "home", True)  # a request that overflowed: its home share is no overflow
+        api.placed("n3", "overflow", True, count=2)
+        api.probed("n1", 0.003, True)
+        api.probed(Probed("n2", healthy=True), 0.5, False)  # one missed probe, still healthy
+        api.probed(Probed("n3", healthy=False), 0.5, False)
+        api.forwarded("exec", 0.001)
+        api.create_done(0.2, False)
         api.observe_request("POST", "/v1/sandboxes", 201, 0.01)
         got = samples(_render(api.registry))
-        assert value(got, "dsec_placement_decisions_total", node="n1", pool="home") == 3
-        assert value(got, "dsec_overflow_total") == 1
+        assert value(got, "dsec_placement_decisions_total", node="n1", pool="home") == 4
+        assert value(got, "dsec_placement_decisions_total", node="n3", pool="overflow") == 2
+        assert value(got, "dsec_overflow_total") == 2
         assert value(got, "dsec_node_healthy", node="n1") == 1
+        assert value(got, "dsec_node_healthy", node="n2") == 1
+        assert value(got, "dsec_node_healthy", node="n3") == 0
         assert value(got, "dsec_node_probe_seconds_count", node="n1") == 1
-        assert value(got, "dsec_apiserver_forward_seconds_count", route="/v1/sandboxes") == 1
+        assert value(got, "dsec_apiserver_forward_seconds_count", route="exec") == 1
         assert value(got, "dsec_apiserver_create_seconds_count", outcome="error") == 1
         assert (
             value(
@@ -118,6 +123,14 @@ def test_each_metrics_object_has_a_registry_of_its_own():
         api.forget_node("n1")
         api.forget_node("n1")  # a node forgotten twice is no error
         assert value(samples(_render(api.registry)), "dsec_node_healthy", node="n1") == 0
+
+
+@dataclass
+class Probed:
+    """The watcher's entry for a node, as ApiserverMetrics.probed reads it."""
+
+    name: str
+    healthy: bool
 
 
 def _render(registry: CollectorRegistry) -> str:
@@ -260,13 +273,13 @@ async def test_the_request_id_is_taken_echoed_and_on_every_log_line(served: Serv
     assert r.json() == {"rid": "trainer-7.step_3"}  # the handler saw it
     inner = [x for x in served.records if x.name == "dsec.test-inner"]
     access = [x for x in served.records if x.name == "dsec.test-access"]
-    assert [x.request_id for x in inner] == ["trainer-7.step_3"]  # type: ignore[attr-defined]
+    assert [x.request_id for x in inner] == ["trainer-7.step_3"]
     (line,) = access
-    assert line.request_id == "trainer-7.step_3"  # type: ignore[attr-defined]
-    assert line.route == "/v1/sandboxes/{sid}"  # type: ignore[attr-defined]
-    assert line.status == 200 and line.method == "GET"  # type: ignore[attr-defined]
-    assert line.sandbox == "abc"  # type: ignore[attr-defined]
-    assert 0 <= line.duration_ms < 1000  # type: ignore[attr-defined]
+    assert line.request_id == "trainer-7.step_3"
+    assert line.route == "/v1/sandboxes/{sid}"
+    assert line.status == 200 and line.method == "GET"
+    assert line.sandbox == "abc"
+    assert 0 <= line.duration_ms < 1000
     assert REQUEST_ID.get() is None  # reset once the request is over
 
 
@@ -300,7 +313,7 @@ async def test_requests_are_counted_by_route_template_and_metrics_are_served(ser
     assert value(got, "dsec_requests_total", method="GET", route="/fail", code="500") == 1
     assert not any("/v1/sandboxes/a" in str(labels) for _, labels in got)
     access = [x for x in served.records if x.name == "dsec.test-access"]
-    assert [(x.route, x.status) for x in access][3:] == [  # type: ignore[attr-defined]
+    assert [(x.route, x.status) for x in access][3:] == [
         ("unmatched", 404),
         ("/fail", 500),
         ("/metrics", 200),
@@ -513,3 +526,23 @@ def test_the_access_log_can_be_switched_off(monkeypatch):
     assert not [x for x in lines if x["logger"] == "dsec.access"]
     # the node's own lines still carry the request's id
     assert any(x.get("request_id") == "quiet-1" and "killing sandbox" in x["msg"] for x in lines)
+
+
+async def test_metrics_can_be_guarded():
+    metrics = ApiserverMetrics()
+
+    async def nothing(scope, receive, send):
+        raise AssertionError("not reached: /metrics is the middleware's")
+
+    def allowed(scope) -> bool:
+        return (b"authorization", b"Bearer scraper") in scope["headers"]
+
+    app = ObservedRequests(nothing, metrics=metrics, metrics_allowed=allowed)
+    async with _client(app) as c:
+        r = await c.get("/metrics")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationFailed"
+        assert "x-request-id" in r.headers
+        r = await c.get("/metrics", headers={"Authorization": "Bearer scraper"})
+        assert r.status_code == 200 and "dsec_apiserver_create_seconds" in r.text
+        got = samples(r.text)
+    assert value(got, "dsec_apiserver_requests_total", method="GET", route="/metrics", code="401")
