@@ -25,7 +25,6 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -235,10 +234,18 @@ def served() -> Iterator[Served]:
     async def fail(request: Request) -> JSONResponse:
         raise RuntimeError("handler bug")
 
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        inner_log.error("internal error: %s", exc)
+        return JSONResponse({"error": "internal"}, 500)
+
     metrics = NodeMetrics()
+    # as the node's make_app does: outermost, around Starlette's error middleware
     app = Starlette(
         routes=[Route("/v1/sandboxes/{sid}", sandbox), Route("/fail", fail)],
-        middleware=[Middleware(ObservedRequests, logger="dsec.test-access", metrics=metrics)],
+        exception_handlers={Exception: on_error},
+    )
+    app.middleware_stack = ObservedRequests(
+        app.build_middleware_stack(), logger="dsec.test-access", metrics=metrics
     )
     records: list[logging.LogRecord] = []
 
@@ -321,6 +328,17 @@ async def test_requests_are_counted_by_route_template_and_metrics_are_served(ser
     async with _client(served.app) as c:
         got = samples((await c.get("/metrics")).text)
     assert value(got, "dsec_requests_total", method="GET", route="/metrics", code="200") == 1
+
+
+async def test_an_internal_error_is_logged_and_answered_with_the_request_id(served: Served):
+    async with _client(served.app) as c:
+        r = await c.get("/fail", headers={"X-Request-Id": "oops-1"})
+    assert r.status_code == 500 and r.json() == {"error": "internal"}
+    assert r.headers["x-request-id"] == "oops-1"
+    (err,) = [x for x in served.records if x.name == "dsec.test-inner"]
+    assert err.getMessage() == "internal error: handler bug" and err.request_id == "oops-1"
+    (line,) = [x for x in served.records if x.name == "dsec.test-access"]
+    assert (line.route, line.status, line.request_id) == ("/fail", 500, "oops-1")
 
 
 async def test_made_up_methods_do_not_grow_the_series(served: Served):

@@ -25,7 +25,6 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
@@ -660,11 +659,13 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: on_http_error, Exception: on_other_error},
-        # request ids, the access log, dsec_requests_total and GET /metrics (not a route of
-        # the table: it answers Prometheus' text, and sits behind the token like the rest)
-        middleware=[Middleware(ObservedRequests, metrics=node.metrics)],
     )
     app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
+    # Request ids, the access log, dsec_requests_total and GET /metrics (not a route of the
+    # table: it answers Prometheus' text, and sits behind the token like the rest). Outermost,
+    # around Starlette's own error middleware, so an internal error's 500 carries the request
+    # id and so does the line on_other_error logs.
+    app.middleware_stack = ObservedRequests(app.build_middleware_stack(), metrics=node.metrics)
     return app
 
 
