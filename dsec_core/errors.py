@@ -163,9 +163,10 @@ class UnknownPolicy(NotFound):
 
 
 class InvalidSpec(DsecError):
-    """A request or spec is malformed: wrong type, bad size string, conflicting fields."""
+    """A request or spec is malformed: wrong type, bad size string, conflicting fields
+    (HTTP 422, with ``field`` the path to what is wrong: ``CreateRequest.spec.cpu``)."""
 
-    http_status = 400
+    http_status = 422
 
 
 class RequestTooLarge(InvalidSpec):

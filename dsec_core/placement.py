@@ -1,13 +1,15 @@
 """Placement: choosing the node for a sandbox among the eligible ones (``NodeLoad`` records).
 
 The default, best-of-k, samples ``k`` eligible nodes at random and takes the least loaded
-(``NodeLoad.load``, in steps of ``LOAD_GRAIN``; ties go to the node with fewer sandboxes for its
-size, then to the first name). Nodes that already hold the request's layers
-mounted (``holds``: a create there mounts nothing and finds the page cache warm) are sampled
-first, while they are under ``WARM_LOAD``. Sampling rather than scanning keeps many
-concurrent placers from all piling onto the one emptiest node, and k = 2-3 already comes close
-to the least-loaded choice (the "power of two choices"). ``DSEC_PLACEMENT_K`` sets k (default
-3). It is registered by core and answers last: a plugin's ``dsec_place`` goes first.
+(``NodeLoad.load``). Loads within ``LOAD_GRAIN`` of the least count as equal (a probe's memory
+reading moves by more than one sandbox does); among those the node with the fewest sandboxes
+wins, where a node that already holds the request's layers mounted (``holds``: a create there
+mounts nothing and finds the page cache warm) counts ``WARM_SANDBOXES`` fewer while its load is
+under ``WARM_LOAD``. So a batch goes mostly where its layers are, and spreads once that node
+holds a few more than the others. Sampling rather than scanning keeps many concurrent
+placers from all piling onto the one emptiest node, and k = 2-3 already comes close to the
+least-loaded choice (the "power of two choices"). ``DSEC_PLACEMENT_K`` sets k (default 3). It
+is registered by core and answers last: a plugin's ``dsec_place`` goes first.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ from .errors import InvalidSpec
 from .hookspecs import hookimpl
 from .records import NodeLoad, SandboxSpec
 
-__all__ = ["LOAD_GRAIN", "WARM_LOAD", "best_of_k", "dsec_place", "holds", "placement_k"]
+__all__ = [
+    "LOAD_GRAIN",
+    "WARM_LOAD",
+    "WARM_SANDBOXES",
+    "best_of_k",
+    "dsec_place",
+    "holds",
+    "placement_k",
+]
 
 DEFAULT_K = 3
-#: A node holding the request's layers is preferred only while its load is under this.
-WARM_LOAD = 0.8
-#: Loads closer than this count as equal (then the node with fewer sandboxes wins).
+#: Loads closer than this to the least count as equal (then the fewest sandboxes wins).
 LOAD_GRAIN = 0.02
+#: What holding the request's layers is worth, in sandboxes, while the node's load is under
+#: ``WARM_LOAD``.
+WARM_SANDBOXES = 4
+WARM_LOAD = 0.8
 
 
 def placement_k() -> int:
@@ -46,26 +58,27 @@ def placement_k() -> int:
 
 
 def best_of_k(
-    nodes: Sequence[NodeLoad], k: int, rng: random.Random | None = None
+    nodes: Sequence[NodeLoad],
+    k: int,
+    rng: random.Random | None = None,
+    request: SandboxSpec | None = None,
 ) -> NodeLoad | None:
     """The least loaded of ``k`` nodes sampled from ``nodes`` (all of them if there are no
-    more than ``k``); None if ``nodes`` is empty."""
+    more than ``k``), nodes holding ``request``'s layers first as the module says; None if
+    ``nodes`` is empty."""
     if not nodes:
         return None
     sample = list(nodes) if len(nodes) <= k else (rng or random).sample(list(nodes), k)
-    return min(sample, key=_order)
+    least = min(n.load for n in sample)
+    close = [n for n in sample if n.load <= least + LOAD_GRAIN]
 
+    def order(n: NodeLoad) -> tuple[float, float, str]:
+        count = float(n.sandboxes)
+        if request is not None and n.load < WARM_LOAD and holds(n, request):
+            count -= WARM_SANDBOXES
+        return (count / max(n.max_sandboxes, 1), n.load, n.node)
 
-def _order(node: NodeLoad) -> tuple[int, float, float, str]:
-    """Least loaded first, loads within ``LOAD_GRAIN`` of each other counting as equal (a
-    probe's memory reading moves by more than a sandbox does); among equals, the fewest
-    sandboxes for the node's size, then the exact load, then the name."""
-    return (
-        int(node.load / LOAD_GRAIN),
-        node.sandboxes / max(node.max_sandboxes, 1),
-        node.load,
-        node.node,
-    )
+    return min(close, key=order)
 
 
 def holds(node: NodeLoad, request: SandboxSpec) -> bool:
@@ -80,5 +93,4 @@ def holds(node: NodeLoad, request: SandboxSpec) -> bool:
 
 @hookimpl(trylast=True)
 def dsec_place(request: SandboxSpec, nodes: list[NodeLoad]) -> NodeLoad | None:
-    warm = [n for n in nodes if n.load < WARM_LOAD and holds(n, request)]
-    return best_of_k(warm or nodes, placement_k())
+    return best_of_k(nodes, placement_k(), request=request)

@@ -186,7 +186,7 @@ def _base_body(t: Target, name: str) -> Any:
         # a day: the lease must not lapse (pausing the target) while the run goes on
         "lease": {"sandboxes": [t.sid], "ttl": 86400.0, "holder": "fuzz"},
         "write_file": b"data",
-        # the target is a container: valid input is FeatureUnavailable (409), mistyped a 400
+        # the target is a container: valid input is FeatureUnavailable (409), mistyped a 422
         "input": {"events": [{"type": "click", "x": 1, "y": 2, "button": "left"}]},
     }.get(name)
 

@@ -22,6 +22,7 @@ LAZY_IMPORTS = {
     "boto3": "0.4 s to import; every command loads the S3 plugin, few use S3",
     "boto3.exceptions": "as boto3",
     "boto3.s3.transfer": "as boto3",
+    "ray": "optional (dsec[cluster]) and 2 s to import; only dsec_core.cluster's calls need it",
     "dsec_core.node.daemon": "the CLI's `node start --foreground` only; uvicorn and the node "
     "would slow every other command's start-up",
 }

@@ -157,6 +157,14 @@ def test_quota_is_enforced_on_the_project_and_every_ancestor(iam):
     # an unlimited project under no quota at all, and the root
     iam.check_quota("org2", {"org2": Usage(100, 100.0, 100 * G)}, one)
     iam.check_quota(ROOT, {}, one)
+    assert iam.usage(2, 1.5, G) == Usage(2, 1.5, G)
+    with pytest.raises(QuotaExceeded):
+        iam.check_quota("org/team/job", {"org/team/job": iam.usage(5, 1.0, G)}, iam.usage(1))
+    # the apiserver may pass what the nodes sent, as plain JSON
+    with pytest.raises(QuotaExceeded):
+        iam.check_quota("org/team/job", {"org/team/job": {"sandboxes": 5}}, {"sandboxes": 1})
+    with pytest.raises(InvalidSpec):
+        iam.check_quota("org/team/job", {"org/team/job": {"sandboxes": -5}}, one)
     with pytest.raises(UnknownProject):
         iam.check_quota("org/nope", {}, one)
 

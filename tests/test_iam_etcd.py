@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,14 @@ def test_losing_etcd_mid_run_is_iam_unavailable_and_cached_keys_lapse():
         with pytest.raises(IamUnavailable):
             iam.projects()
         iam.close()
+
+
+def test_an_etcd_that_cannot_start_leaves_nothing_behind(tmp_path):
+    before = set(Path(tempfile.gettempdir()).glob("dsec-etcd-*"))
+    with pytest.raises(RuntimeError, match="etcd did not start"):
+        with etcd_server("false", start_timeout=2):  # exits at once, each of its three tries
+            pass
+    with pytest.raises(FileNotFoundError):
+        with etcd_server(str(tmp_path / "no-such-etcd")):
+            pass
+    assert set(Path(tempfile.gettempdir()).glob("dsec-etcd-*")) <= before

@@ -66,10 +66,11 @@ from ..errors import (
     UnknownSnapshot,
     error_from_wire,
 )
+from ..iam import Principal, Usage
 from ..records import PROJECT_LABEL, SANDBOX_START_MEMORY, NodeLoad, SandboxInfo, SandboxSpec
 from .nodes import NodeEntry, NodeSet
 
-__all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "Principal", "make_app"]
+__all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "make_app"]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -84,27 +85,14 @@ _PROJECT_CACHE = 200_000
 REQUEST_ID = "x-request-id"
 
 
-class Principal(Protocol):
-    project: str
-    role: str
-
-
-class Usage(Protocol):
-    sandboxes: int
-    cpu: float
-    memory: int
-
-
 class Authority(Protocol):
     """What the apiserver asks IAM (``dsec_core.iam.Iam``)."""
 
-    def authenticate(self, secret: str | None) -> Any: ...
+    def authenticate(self, secret: str | None) -> Principal: ...
 
-    def can_reach(self, principal: Any, project: str) -> bool: ...
+    def can_reach(self, principal: Principal, project: str) -> bool: ...
 
-    def check_quota(self, project: str, usage: Mapping[str, Any], add: Any) -> None: ...
-
-    def usage(self, sandboxes: int, cpu: float, memory: int) -> Any: ...
+    def check_quota(self, project: str, usage: Mapping[str, Usage], add: Usage) -> None: ...
 
 
 class Metrics(Protocol):
@@ -232,7 +220,7 @@ class Gateway:
                 t[0] += n
                 t[1] += cpu
                 t[2] += memory
-        return {p: self.iam.usage(int(n), cpu, int(m)) for p, (n, cpu, m) in totals.items()}
+        return {p: Usage(int(n), cpu, int(m)) for p, (n, cpu, m) in totals.items()}
 
     def place(self, spec: SandboxSpec, count: int) -> tuple[dict[str, int], bool]:
         """How many of ``count`` sandboxes go to each node (by name), and whether they
@@ -440,7 +428,7 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     gw.iam.check_quota(
         principal.project,
         gw.usage_by_project(),
-        gw.iam.usage(body.count, body.count * lim.cpu, body.count * lim.memory),
+        Usage(body.count, body.count * lim.cpu, body.count * lim.memory),
     )
     shares, overflow = gw.place(spec, body.count)
     for name, k in shares.items():

@@ -28,6 +28,7 @@ from ..plugins import get_plugin_manager, plugin_descriptions, registry
 from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
 from .apiserver import apiserver
+from .cluster import cluster
 from .iam import iam
 from .layers import catalog, layer
 from .plugin import plugin
@@ -754,6 +755,7 @@ def _add_plugin_commands() -> None:
     cli.add_command(plugin)
     cli.add_command(apiserver)
     cli.add_command(iam)
+    cli.add_command(cluster)
     get_plugin_manager().hook.dsec_register_commands(cli=cli)
 
 

@@ -239,7 +239,10 @@ class Iam:
         """Remove project ``path``. One with subprojects or keys is ``ProjectInUse`` unless
         ``force``, which removes them too (keys first, then projects deepest first).
 
-        Sandboxes still running with that project's label are the apiserver's to deal with."""
+        Sandboxes still running with that project's label are the apiserver's to deal with.
+        The check for subprojects and keys and the removal are two steps: a subproject or key
+        made in between by another process is left without its parent, and such a key no
+        longer authenticates (``authenticate`` checks that the key's project exists)."""
         check_project_path(path)
         if path == ROOT:
             raise InvalidSpec("the root project cannot be revoked", field="path")
@@ -350,8 +353,9 @@ class Iam:
         info, stored = _stored_key(value)
         if not hmac.compare_digest(stored, digest):
             raise AuthenticationFailed(_AUTH_FAILED)
-        if info.project != ROOT and self.store.get(_project_key(info.project)) is None:
-            raise AuthenticationFailed(_AUTH_FAILED)  # revoked with its project
+        # revoked with its project? (the project table is cached like keys: one read per ttl)
+        if info.project != ROOT and info.project not in self._project_table(info.project):
+            raise AuthenticationFailed(_AUTH_FAILED)
         principal = Principal(key_id, info.project, info.role)
         with self._lock:
             if len(self._keys) >= _CACHE_MAX:
@@ -371,6 +375,12 @@ class Iam:
         """See ``dsec_core.iam.can_manage``."""
         return can_manage(principal, project)
 
+    @staticmethod
+    def usage(sandboxes: int = 0, cpu: float = 0.0, memory: int = 0) -> Usage:
+        """A ``Usage`` record, for callers that hold an ``Iam`` but keep off its records'
+        module (the apiserver's ``Authority`` protocol)."""
+        return Usage(sandboxes, cpu, memory)
+
     def require_manage(self, principal: Principal, project: str) -> None:
         """``PermissionDenied`` unless ``principal`` may manage ``project``."""
         self._allow(principal, check_project_path(project))
@@ -387,13 +397,24 @@ class Iam:
                 self._projects, self._projects_at = table, now
         return table
 
-    def check_quota(self, project: str, usage: Mapping[str, Usage], add: Usage) -> None:
+    def check_quota(
+        self,
+        project: str,
+        usage: Mapping[str, Usage | Mapping[str, Any]],
+        add: Usage | Mapping[str, Any],
+    ) -> None:
         """``QuotaExceeded`` unless ``add`` fits in ``project``'s quota and every ancestor's,
         each counted over its whole subtree. ``usage`` maps each project's path to what its
         own running sandboxes take (the apiserver sums the nodes' reports); the error names
         the project whose quota it is, nearest first. ``UnknownProject`` if ``project`` is
-        not there."""
+        not there. Usage given as plain dicts (``Usage.to_dict`` form) is read as such.
+
+        Two requests checked at once against the same usage may both fit and together go
+        over: the apiserver's usage is what the nodes last reported, so quotas bound what
+        runs up to the requests in flight between two probes."""
         check_project_path(project)
+        add = add if isinstance(add, Usage) else Usage.from_dict(add)
+        own = {p: u if isinstance(u, Usage) else Usage.from_dict(u) for p, u in usage.items()}
         if project == ROOT:
             return
         table = self._project_table(project)
@@ -404,10 +425,11 @@ class Iam:
             limits = [(r, quota.limit(r)) for r in RESOURCES if quota.limit(r) is not None]
             if not limits:
                 continue
-            used = sum((u for p, u in usage.items() if in_subtree(p, path)), Usage())
+            inside = [u for p, u in own.items() if in_subtree(p, path)]
             for resource, limit in limits:
                 assert limit is not None
-                before, asked = used.amount(resource), add.amount(resource)
+                before = sum(u.amount(resource) for u in inside)
+                asked = add.amount(resource)
                 if before + asked > limit:
                     raise QuotaExceeded(
                         f"project {path}'s quota of {resource} is {limit:g}: {before:g} in use, "

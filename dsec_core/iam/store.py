@@ -11,16 +11,16 @@ the same project or key name twice.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import sqlite3
 import threading
-import urllib.error
-import urllib.request
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import IamUnavailable, InvalidSpec
 
@@ -192,27 +192,65 @@ class EtcdStore(IamStore):
         self.prefix = prefix.strip("/") + "/"
         self.url = f"etcd://{self.endpoint.removeprefix('http://')}/{self.prefix.rstrip('/')}"
         self.timeout = timeout
+        parsed = urlsplit(self.endpoint)
+        if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+            raise InvalidSpec(f"etcd endpoint {endpoint!r}: expected http://host:port", field="iam")
+        self._host, self._port = parsed.hostname, parsed.port
+        # one kept-alive connection per thread: a request costs a loopback round trip, not
+        # a TCP handshake too
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._connections: list[http.client.HTTPConnection] = []
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._connections.append(conn)
+        return conn
 
     def _call(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.endpoint}/v3/{route}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-            method="POST",
-        )
+        """POST ``body`` to ``/v3/<route>`` on this thread's kept-alive connection; a
+        connection etcd closed meanwhile (idle, restarted) is reopened once. (Should etcd have
+        applied a create just before dropping the connection, the retry finds its keys taken
+        and reports them existing: never a second create.)"""
+        data = json.dumps(body).encode()
+        for attempt in (1, 2):
+            conn = self._connection()
+            try:
+                conn.request("POST", f"/v3/{route}", data, {"Content-Type": "application/json"})
+                answer = conn.getresponse()
+                payload = answer.read()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if attempt == 2 or not isinstance(
+                    e, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+                ):
+                    raise IamUnavailable(
+                        f"cannot reach etcd at {self.endpoint} ({route}): {e}", store=self.url
+                    ) from e
+        if answer.status != 200:
+            detail = payload[:500].decode(errors="replace")
+            raise IamUnavailable(
+                f"etcd at {self.endpoint} refused {route}: HTTP {answer.status} {detail}",
+                store=self.url,
+            )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
-                out: dict[str, Any] = json.loads(answer.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:500].decode(errors="replace")
+            out: dict[str, Any] = json.loads(payload)
+        except ValueError as e:
             raise IamUnavailable(
-                f"etcd at {self.endpoint} refused {route}: HTTP {e.code} {detail}", store=self.url
-            ) from e
-        except (OSError, ValueError) as e:
-            raise IamUnavailable(
-                f"cannot reach etcd at {self.endpoint} ({route}): {e}", store=self.url
+                f"etcd at {self.endpoint} answered {route} with no JSON", store=self.url
             ) from e
         return out
+
+    def close(self) -> None:
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()
 
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key)

@@ -7,6 +7,9 @@ or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then
 - ``BackendConformance``: every backend plugin's checks (set ``backend_name``).
 - ``LayerSourceConformance``: every layer-source plugin's checks (provide ``dsec_source``,
   ``corrupt`` and ``unreachable``).
+- ``local_ray_cluster``, ``cluster_daemons`` and fixtures ``dsec_ray_cluster``,
+  ``dsec_cluster``: a 3-node Ray cluster on loopback and dsec node daemons on it (needs Ray:
+  ``pip install 'dsec[cluster]'``; the fixtures skip without it).
 - fixtures ``dsec_node``, ``dsec_client``, ``dsec_backend_name``, ``dsec_sandboxes``: a real
   node daemon in a private home (under ``DSEC_KIT_HOME``, else ``DSEC_HOME``, else the temporary
   directory), a client of it, the backend under test, and a recorder that kills every sandbox
@@ -36,27 +39,45 @@ from .fixtures import (
     running_kit_node,
 )
 from .procs import free_port, stop_process
+from .ray import (
+    KitCluster,
+    LocalRayCluster,
+    RayNodeProcess,
+    cluster_daemons,
+    dsec_cluster,
+    dsec_ray_cluster,
+    local_ray_cluster,
+    ray_importable,
+)
 from .sources import LayerSourceConformance
 
 __all__ = [
     "KIT_DEVICE_KIND",
     "BackendConformance",
+    "KitCluster",
     "KitNode",
     "LayerSourceConformance",
+    "LocalRayCluster",
+    "RayNodeProcess",
     "SandboxRecorder",
     "build_busybox_layer",
     "cgroup_hierarchies",
+    "cluster_daemons",
     "dsec_backend_name",
     "dsec_client",
+    "dsec_cluster",
     "dsec_node",
+    "dsec_ray_cluster",
     "dsec_sandboxes",
     "free_port",
     "kit_home_parent",
     "leaves_no_mounts_or_threads",
     "leftovers",
+    "local_ray_cluster",
     "make_busybox_rootfs",
     "make_standin_device",
     "node_home",
+    "ray_importable",
     "running_kit_node",
     "stop_process",
 ]

@@ -265,7 +265,7 @@ def test_a_bad_class_is_a_typed_400_on_the_api(dsec_node):
         r = t.request("POST", "/v1/sandboxes", body=body, content_type="application/json")
     finally:
         t.close()
-    assert r.status_code == 400, r.text
+    assert r.status_code == 422, r.text
     err = error_from_wire(r.json()["error"])
     assert isinstance(err, dsec.InvalidSpec) and err.context["field"] == "qos"
     assert "ls, be" in str(err)

@@ -234,7 +234,7 @@ def test_bad_input_is_a_typed_400_over_the_api(dsec_sandboxes, dsec_node):
                 content_type="application/json",
                 timeout=30,
             )
-            assert r.status_code == 400, (body, r.status_code, r.content)
+            assert r.status_code == 422, (body, r.status_code, r.content)
             assert r.json()["error"]["type"] == "InvalidSpec", body
         r = t.request("GET", f"/v1/sandboxes/{sb.id}/screenshot", timeout=60)
         assert r.status_code == 200 and r.headers["content-type"] == "image/png"

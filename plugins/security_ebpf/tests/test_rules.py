@@ -61,7 +61,7 @@ def test_bad_rules_are_typed_errors_naming_the_rule(text, why):
         parse_rule(text, "allow[3]")
     assert err.value.field == "allow[3]"
     assert str(text) in str(err.value)
-    assert err.value.http_status == 400
+    assert err.value.http_status == 422
 
 
 def test_settings():
