@@ -323,8 +323,11 @@ OVERFLOW_POOL = "overflow"
 class ProbedNode(Protocol):
     """The watcher's record of a node, as ``ApiserverMetrics.probed`` reads it."""
 
-    name: str
-    healthy: bool
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def healthy(self) -> bool: ...
 
 
 class ApiserverMetrics:

@@ -10,6 +10,7 @@ that carried an ``X-Request-Id``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import json
 import logging
@@ -130,6 +131,22 @@ class Probed:
 
     name: str
     healthy: bool
+
+
+def test_apiserver_metrics_take_the_calls_the_apiserver_makes():
+    from dsec_core.apiserver.app import Metrics
+    from dsec_core.apiserver.nodes import NodeAddress, NodeEntry
+
+    for name in ("create_done", "placed", "forwarded"):
+        wanted = list(inspect.signature(getattr(Metrics, name)).parameters)
+        have = list(inspect.signature(getattr(ApiserverMetrics, name)).parameters)
+        assert have[: len(wanted)] == wanted, name
+    api = ApiserverMetrics()
+    entry = NodeEntry(NodeAddress("n7", "http://127.0.0.1:1"))  # the watcher's on_probe
+    api.probed(entry, 0.01, False)
+    got = samples(_render(api.registry))
+    assert value(got, "dsec_node_healthy", node="n7") == 0
+    assert value(got, "dsec_node_probe_seconds_count", node="n7") == 1
 
 
 def _render(registry: CollectorRegistry) -> str:
