@@ -120,6 +120,16 @@ def test_without_ray_the_cluster_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ClusterUnavailable, match=r"pip install 'dsec\[cluster\]'"):
         discover("127.0.0.2:6379")
+    # and in a process that never had it: the package and the CLI import, the command says so
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import dsec_core.cluster\n"
+        "from dsec_core.cli import main\n"
+        "main(['cluster', 'ls', '--address', '127.0.0.2:6379'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "Error: dsec cluster needs Ray" in out.stderr and "dsec[cluster]" in out.stderr
 
 
 @needs_cluster

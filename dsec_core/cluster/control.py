@@ -11,7 +11,12 @@ the overflow pool: its daemon gets ``DSEC_NODE_LABELS=dsec.pool=overflow``, the 
 Ray is imported when first used, so ``import dsec_core.cluster`` works without it. This
 process connects to the cluster as a driver with an explicit address (``ray.init(address=)``
 never starts a cluster then); a process already connected (a trainer's driver) is reused.
-Calls block: run them in a thread from async code.
+Calls block: run them in a thread from async code (the first call connects, about half a
+second; later ones are a few milliseconds). A process on a machine that is no Ray node
+connects with Ray Client (``ray://head:10001``, ``pip install 'ray[client]'``).
+
+Each daemon's bearer token is made by its keeper and handed out through Ray: whoever can call
+Ray actors on the cluster can read it, as they can run any code there anyway.
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""An E2B-compatible API over dsec: the stock ``e2b`` SDK runs against it unchanged.
+
+Point the SDK at the server that mounts this app (the apiserver, or any ASGI server)::
+
+    E2B_API_URL=http://127.0.0.1:8700 E2B_SANDBOX_URL=http://127.0.0.1:8700 \\
+    E2B_API_KEY=<a dsec API key> python agent.py
+
+Both URLs are the same server: the control plane (``/v2/sandboxes``, ``/sandboxes/{id}/...``;
+JSON over HTTP) and envd (``/health``, ``/files``, the Connect-RPC services
+``process.Process`` and ``filesystem.Filesystem``, JSON codec) live side by side; with
+``E2B_SANDBOX_URL`` set the SDK names the sandbox in an ``E2b-Sandbox-Id`` header.
+
+``make_app(connect)`` builds the app; ``connect(api_key)`` returns (or awaits to) a
+``dsec.AsyncClient`` acting for that caller, which the app closes when the request is done.
+A request without a key is the SDK's ``AuthenticationException`` (401); what ``connect`` or
+the node raises maps to E2B's answers (404 unknown, 429 admission or quota, 400 bad input,
+409 paused, 5xx the rest).
+
+Templates are dsec environments: ``DSEC_E2B_TEMPLATES="base=python,web=node20"`` maps names,
+``base`` (E2B's default) is ``python`` unless mapped otherwise, and any other name is taken as
+an environment's own name. ``timeout`` is the sandbox's ttl, ``metadata`` its labels
+``e2b.meta.<key>``, ``envs`` its environment.
+
+Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
+``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
+"Code.UNIMPLEMENTED: ..."; ``files.watch_dir``: the same; file metadata: the SDK's own
+``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
+``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
+``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
+forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
+or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
+``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
+lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped
+background handle, the program ending) dsec kills it, where envd would let it run on; what it
+started in the background (``cmd &``) does run on. Output past 16 MiB per stream is dropped
+(the result's ``error`` says so). ``download_url``/``upload_url`` signatures are not checked
+(a request needs the ``X-Access-Token`` header).
+"""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute
+
+from .callers import ENVD_PORT, Connect
+from .envd import envd_routes
+from .lifecycle import DEFAULT_TEMPLATES, ENVD_VERSION, Templates, lifecycle_routes
+
+__all__ = [
+    "DEFAULT_TEMPLATES",
+    "ENVD_PORT",
+    "ENVD_VERSION",
+    "Connect",
+    "Templates",
+    "e2b_routes",
+    "make_app",
+]
+
+
+def e2b_routes(connect: Connect, templates: Templates | None = None) -> list[BaseRoute]:
+    """The E2B API's routes, for another app's route table (the apiserver serves them beside
+    its own ``/v1`` ones on one listener): ``connect`` turns each request's API key into a dsec
+    client; ``templates`` (default: ``DSEC_E2B_TEMPLATES`` over ``DEFAULT_TEMPLATES``) maps
+    template names to environments."""
+    templates = templates if templates is not None else Templates.from_env()
+    return [*lifecycle_routes(connect, templates), *envd_routes(connect)]
+
+
+def make_app(connect: Connect, templates: Templates | None = None) -> Starlette:
+    """The E2B API as an ASGI app of its own (``e2b_routes``)."""
+    return Starlette(routes=e2b_routes(connect, templates))

@@ -1,0 +1,131 @@
+"""envd's paths, as the SDK calls them on ``E2B_SANDBOX_URL``: ``GET /health``, ``GET``/``POST
+/files``, and the Connect services ``process.Process`` and ``filesystem.Filesystem``. The
+sandbox is the ``E2b-Sandbox-Id`` header; the caller, the ``X-Access-Token`` header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import DsecError, UnknownSandbox
+from .callers import Connect, caller_client, envd_key, sandbox_of
+from .connect import (
+    CODE_STATUS,
+    STREAM_CONTENT_TYPE,
+    RpcError,
+    end_stream,
+    read_message,
+    rpc_error,
+    timeout_seconds,
+    unary_error,
+)
+from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
+from .process import keepalive_interval, list_processes, send_signal, start_events
+
+__all__ = ["envd_routes"]
+
+_PROCESS_UNARY = {"SendSignal": send_signal, "List": list_processes}
+#: Calls envd has that dsec does not, each with why (the SDK raises them as
+#: ``SandboxException: Code.UNIMPLEMENTED: ...``).
+_UNSUPPORTED = {
+    ("process.Process", "Connect"): "reconnecting to a running command is not supported",
+    ("process.Process", "Update"): "PTY is not supported",
+    ("process.Process", "SendInput"): "stdin is not supported",
+    ("process.Process", "StreamInput"): "stdin is not supported",
+    ("process.Process", "CloseStdin"): "stdin is not supported",
+    ("filesystem.Filesystem", "WatchDir"): "watching directories is not supported",
+    ("filesystem.Filesystem", "CreateWatcher"): "watching directories is not supported",
+    ("filesystem.Filesystem", "GetWatcherEvents"): "watching directories is not supported",
+    ("filesystem.Filesystem", "RemoveWatcher"): "watching directories is not supported",
+}
+_SERVICES = ("process.Process", "filesystem.Filesystem")
+_STREAMS = {("process.Process", "Start"), ("process.Process", "Connect")}
+_STREAMS |= {("filesystem.Filesystem", "WatchDir")}
+
+
+def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
+    """envd's HTTP error: a gone sandbox is the 502 E2B's proxy answers (the SDK raises
+    ``SandboxNotRunningException``), the rest by their Connect code's status."""
+    err = e if isinstance(e, RpcError) else rpc_error(e, sid)
+    status = 502 if err.code == "unavailable" else CODE_STATUS[err.code]
+    return JSONResponse({"code": status, "message": err.message}, status_code=status)
+
+
+def envd_routes(connect: Connect) -> list[Route]:
+    async def health(request: Request) -> Response:
+        """204 while the sandbox runs; 502 "... was not found" once it is gone, which is how
+        the SDK's ``is_running`` and its error probes tell."""
+        try:
+            sid = sandbox_of(request)
+            async with caller_client(connect, envd_key(request)) as client:
+                info = (await client.get(sid)).info
+                if info.state not in ("running",):
+                    raise UnknownSandbox(f"sandbox {sid} is {info.state}", name=sid)
+            return Response(status_code=204)
+        except DsecError as e:
+            return _http_error(e, request.headers.get("e2b-sandbox-id", ""))
+
+    async def files(request: Request) -> Response:
+        sid = ""
+        try:
+            sid = sandbox_of(request)
+            async with caller_client(connect, envd_key(request)) as client:
+                if request.method == "GET":
+                    return await read_file(client, sid, absolute(request.query_params.get("path")))
+                return await write_files(client, sid, request)
+        except (DsecError, RpcError) as e:
+            return _http_error(e, sid)
+
+    async def rpc(request: Request) -> Response:
+        name = (request.url.path.split("/")[-2], request.path_params["method"])
+        stream = name in _STREAMS
+        try:
+            sid = sandbox_of(request)
+            key = envd_key(request)
+            message = await read_message(request, stream=stream)
+            timeout = timeout_seconds(request)
+        except (DsecError, RpcError) as e:
+            err = e if isinstance(e, RpcError) else rpc_error(e)
+            return _stream_error(err) if stream else unary_error(err)
+        if name in _UNSUPPORTED:
+            err = RpcError("unimplemented", f"{name[0]}/{name[1]}: {_UNSUPPORTED[name]} by dsec")
+            return _stream_error(err) if stream else unary_error(err)
+        if name == ("process.Process", "Start"):
+            return StreamingResponse(
+                start_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
+                    timeout,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
+            )
+        call: Any = None
+        if name[0] == "process.Process":
+            call = _PROCESS_UNARY.get(name[1])
+        elif name[0] == "filesystem.Filesystem":
+            call = FILESYSTEM_UNARY.get(name[1])
+        if call is None:
+            return unary_error(RpcError("unimplemented", f"no method {name[0]}/{name[1]}"))
+        try:
+            async with caller_client(connect, key) as client:
+                return JSONResponse(await call(client, sid, message))
+        except RpcError as e:
+            return unary_error(e)
+        except DsecError as e:
+            return unary_error(rpc_error(e, sid))
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/files", files, methods=["GET", "POST"]),
+        *(Route(f"/{s}/{{method:str}}", rpc, methods=["POST"]) for s in _SERVICES),
+    ]
+
+
+def _stream_error(err: RpcError) -> Response:
+    return Response(end_stream(err), media_type=STREAM_CONTENT_TYPE)

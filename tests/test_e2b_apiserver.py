@@ -1,0 +1,122 @@
+"""The E2B app as the apiserver uses it: ``connect`` is a dsec client of a real ``dsec
+apiserver`` (its own process, over a named node) with the caller's IAM key. The stock SDK then
+works with a project's key, a wrong key is the SDK's ``AuthenticationException``, and another
+project's sandbox is not found, on the control plane and on envd's paths alike."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+pytest.importorskip("e2b")
+
+from e2b import (
+    AuthenticationException,
+    Sandbox,
+    SandboxNotFoundException,
+    SandboxNotRunningException,
+    SandboxQuery,
+)
+
+from dsec_core.e2b import Templates, make_app
+from dsec_core.iam import Iam
+from dsec_core.sdk import AsyncClient
+from dsec_core.testing.apiserver import named_nodes, running_apiserver
+from dsec_core.testing.procs import free_port
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+class Plane:
+    def __init__(self, url: str, iam: Iam) -> None:
+        self.url, self.iam = url, iam
+
+    def key(self, project: str) -> str:
+        known = {p.path for p in self.iam.projects()}
+        parts = project.split("/")
+        for i in range(1, len(parts) + 1):
+            if "/".join(parts[:i]) not in known:
+                self.iam.create_project("/".join(parts[:i]))
+        return self.iam.create_key(project, "member")[1]
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory) -> Iterator[Plane]:
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    iam = Iam.open(iam_url)
+    with named_nodes({"e1": {}}) as nodes, running_apiserver(nodes, iam_url) as api:
+        environment = nodes[0].node.environment("e2b-kit")
+        app = make_app(
+            lambda key: AsyncClient(api.url, api_key=key), Templates({"base": environment})
+        )
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
+        thread = threading.Thread(target=server.run, name="e2b-app", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("E2B_API_URL", url)
+            mp.setenv("E2B_SANDBOX_URL", url)
+            mp.delenv("E2B_API_KEY", raising=False)
+            try:
+                yield Plane(url, iam)
+            finally:
+                server.should_exit = True
+                thread.join(10)
+    iam.close()
+
+
+def test_a_project_key_works_and_other_projects_cannot_reach_its_sandbox(plane):
+    a, b = plane.key("e2b/a"), plane.key("e2b/b")
+    sb = Sandbox.create(api_key=a, metadata={"who": "a"})
+    try:
+        seen: list[str] = []
+        r = sb.commands.run("echo one; sleep 0.5; echo two", on_stdout=seen.append)
+        assert r.stdout == "one\ntwo\n" and seen[0] == "one\n"
+        sb.files.write("/data/x.txt", "through the apiserver")
+        assert sb.files.read("/data/x.txt") == "through the apiserver"
+        assert sb.get_info().metadata == {"who": "a"}
+        mine = Sandbox.list(api_key=a, query=SandboxQuery(metadata={"who": "a"})).next_items()
+        assert [s.sandbox_id for s in mine] == [sb.sandbox_id]
+        # project b: not found, never forbidden, on every path
+        assert Sandbox.list(api_key=b, query=SandboxQuery(metadata={"who": "a"})).next_items() == []
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_info(sb.sandbox_id, api_key=b)
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.connect(sb.sandbox_id, api_key=b)
+        assert Sandbox.kill(sb.sandbox_id, api_key=b) is False
+        stolen = Sandbox(
+            sandbox_id=sb.sandbox_id,
+            sandbox_domain=None,
+            envd_version=sb._envd_version,
+            envd_access_token=b,
+            connection_config=type(sb.connection_config)(
+                api_key=b,
+                extra_sandbox_headers={"X-Access-Token": b, "E2b-Sandbox-Id": sb.sandbox_id},
+            ),
+        )
+        with pytest.raises(SandboxNotRunningException):
+            stolen.commands.run("echo stolen")
+        with pytest.raises(SandboxNotRunningException):
+            stolen.files.read("/data/x.txt")
+        assert sb.is_running()
+    finally:
+        assert sb.kill() is True
+
+
+def test_a_wrong_key_is_the_sdks_authentication_error(plane):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="dsk_0000000000000000_" + "0" * 64)
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="nonsense").next_items()
