@@ -1,17 +1,14 @@
-"""The E2B app as the apiserver uses it: ``connect`` is a dsec client of a real ``dsec
-apiserver`` (its own process, over a named node) with the caller's IAM key. The stock SDK then
+"""The E2B API as a real ``dsec apiserver`` process serves it (over a named node), its calls
+going back through the apiserver with the caller's IAM key. The stock SDK then
 works with a project's key, a wrong key is the SDK's ``AuthenticationException``, and another
 project's sandbox is not found, on the control plane and on envd's paths alike."""
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 
 pytest.importorskip("e2b")
 
@@ -23,11 +20,8 @@ from e2b import (
     SandboxQuery,
 )
 
-from dsec_core.e2b import Templates, make_app
 from dsec_core.iam import Iam
-from dsec_core.sdk import AsyncClient
-from dsec_core.testing.apiserver import named_nodes, running_apiserver
-from dsec_core.testing.procs import free_port
+from dsec_core.testing.apiserver import named_nodes, start_apiserver
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -47,33 +41,23 @@ class Plane:
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory) -> Iterator[Plane]:
+    """The apiserver itself serves the E2B API, on its one listener."""
     iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
     iam = Iam.open(iam_url)
-    with named_nodes({"e1": {}}) as nodes, running_apiserver(nodes, iam_url) as api:
+    with named_nodes({"e1": {}}) as nodes:
         environment = nodes[0].node.environment("e2b-kit")
-        app = make_app(
-            lambda key: AsyncClient(api.url, api_key=key), Templates({"base": environment})
-        )
-        port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        )
-        thread = threading.Thread(target=server.run, name="e2b-app", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("E2B_API_URL", url)
-            mp.setenv("E2B_SANDBOX_URL", url)
-            mp.delenv("E2B_API_KEY", raising=False)
-            try:
-                yield Plane(url, iam)
-            finally:
-                server.should_exit = True
-                thread.join(10)
+            mp.setenv("DSEC_E2B_TEMPLATES", f"base={environment}")  # read as it starts
+            api = start_apiserver(nodes, iam_url)
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("E2B_API_URL", api.url)
+                mp.setenv("E2B_SANDBOX_URL", api.url)
+                mp.delenv("E2B_API_KEY", raising=False)
+                yield Plane(api.url, iam)
+        finally:
+            api.stop()
+            api.log.unlink(missing_ok=True)
     iam.close()
 
 

@@ -21,7 +21,11 @@ from typing import Any
 import uvicorn
 
 from ..api.transport import Address
+from ..cluster import discover as ray_discover  # Ray itself is imported when first called
+from ..e2b import e2b_routes
 from ..errors import InvalidSpec
+from ..iam import Iam
+from ..sdk import AsyncClient
 from .app import Gateway, Metrics, make_app
 from .nodes import NodeAddress, NodeSet, WatchSettings
 
@@ -71,8 +75,6 @@ def parse_node(text: str, token: str | None = None) -> NodeAddress:
 
 def _ray_discovery(address: str) -> Any:
     async def discover() -> list[NodeAddress]:
-        from ..cluster import discover as ray_discover  # Ray is only needed when asked for
-
         found = await asyncio.to_thread(ray_discover, address)
         return [
             NodeAddress(name=e.name, url=e.url, token=e.token, labels=dict(e.labels)) for e in found
@@ -87,8 +89,6 @@ def build(
     """The gateway and its ASGI app (whose lifespan starts and stops the watcher). ``iam``:
     an ``Authority``; by default the store ``config.iam`` names."""
     if iam is None:
-        from ..iam import Iam
-
         iam = Iam.open(config.iam)
     discover = _ray_discovery(config.ray_address) if config.ray_address else None
     if not config.nodes and discover is None:
@@ -118,7 +118,17 @@ def build(
 
 
 def _e2b_routes(config: ApiserverConfig) -> list[Any]:
-    return []
+    """The E2B-compatible API on the same listener. Its calls come back to this apiserver
+    with the caller's key (over loopback: the self-connection is not verified, it never
+    leaves the machine), so they are authorised and placed as any other."""
+    a = config.address()
+    host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
+    url = f"{a.scheme}://{host}:{a.port}"
+
+    def connect(key: str) -> AsyncClient:
+        return AsyncClient(url, api_key=key, verify=False, autostart=False)
+
+    return list(e2b_routes(connect))
 
 
 def serve(config: ApiserverConfig, iam: Any = None) -> None:
