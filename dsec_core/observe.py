@@ -300,6 +300,7 @@ class NodeMetrics:
             buckets=EXEC_BUCKETS,
             registry=r,
         )
+        self._exec_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._requests = _RequestCounter("dsec_requests", r)
         r.register(_NodeState(sandbox_states, layer_cache))
 
@@ -309,8 +310,12 @@ class NodeMetrics:
 
     def observe_exec(self, kind: str, outcome: str, seconds: float) -> None:
         """One command of ``kind`` ended with ``outcome`` after ``seconds``."""
-        self.exec_total.labels(kind, outcome).inc()
-        self.exec_seconds.labels(kind).observe(seconds)
+        children = self._exec_children.get((kind, outcome))
+        if children is None:  # labels() validates and locks on each call; a dict lookup not
+            children = (self.exec_total.labels(kind, outcome), self.exec_seconds.labels(kind))
+            self._exec_children[(kind, outcome)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_request(self, method: str, route: str, code: int, seconds: float) -> None:
         self._requests.inc(method, route, code)
