@@ -42,7 +42,9 @@ class MountCache:
     """One read-only mount per layer digest, shared by all sandboxes and reference counted.
 
     ``acquire`` mounts on first use; ``release`` unmounts when the count drops to zero (after
-    ``linger`` seconds if set: ``sweep`` does it). Thread-safe.
+    ``linger`` seconds if set: ``sweep`` does it). Thread-safe. ``hits`` counts the acquires
+    that found the layer mounted, ``misses`` those that mounted it (the node's
+    ``dsec_layer_cache_total``).
     """
 
     def __init__(self, root: Path, linger: float = 0.0):
@@ -50,6 +52,8 @@ class MountCache:
         self.linger = linger
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
         root.mkdir(parents=True, exist_ok=True)
 
     def path_for(self, digest: str) -> Path:
@@ -72,6 +76,9 @@ class MountCache:
                         _rmdir_quiet(target)
                         raise
                 entry = self._entries[digest] = _Entry(target, 0, None)
+                self.misses += 1
+            else:
+                self.hits += 1
             entry.refs += 1
             entry.idle_since = None
             return entry.path

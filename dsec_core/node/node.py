@@ -61,6 +61,7 @@ from ..linux import sysctl
 from ..linux.files import write_atomic
 from ..linux.hostmem import meminfo, pressure
 from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
+from ..observe import NodeMetrics
 from ..records import (
     DEFAULT_BACKEND,
     PROJECT_LABEL,
@@ -147,6 +148,11 @@ class Sandbox:
     packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
     events: list[InfraEvent] = field(default_factory=list)  # infrastructure failures it met
     oom_kills: int = 0  # the OOM kills its backend reported when last asked
+
+    @property
+    def state(self) -> str:
+        """What ``info().state`` says: the status, or "paused" for a paused running one."""
+        return "paused" if self.paused and self.status == "running" else self.status
 
     def info(self) -> SandboxInfo:
         spec = self.rt.spec
@@ -238,6 +244,9 @@ class Node:
         self.leases = Leases(self)
         self.trajectories = TrajectoryLogs(self.config.home / "trajectories")
         self.drive = DriveServer(self, self.config.run_dir / "drive")
+        self.metrics = NodeMetrics(
+            sandbox_states=self.state_counts, layer_cache=self.layer_cache_counts
+        )
 
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
@@ -530,7 +539,39 @@ class Node:
         ), environment.kernel
 
     async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo:
-        """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``)."""
+        """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``); its
+        time goes into ``metrics`` (``dsec_create_seconds``) whether it succeeds or fails."""
+        t0 = time.perf_counter()
+        try:
+            info = await self._admit_and_create(spec, saved)
+        except BaseException:
+            self.metrics.observe_create(self._backend_label(spec), False, time.perf_counter() - t0)
+            raise
+        self.metrics.observe_create(info.backend, True, time.perf_counter() - t0)
+        return info
+
+    def _backend_label(self, spec: SandboxSpec) -> str:
+        """The backend a failed create would have used, for its metric ("unknown" if even
+        that failed)."""
+        try:
+            return self.resolve_spec(spec)[0].backend or "unknown"
+        except DsecError:
+            return "unknown"
+
+    def state_counts(self) -> dict[str, int]:
+        """How many sandboxes are in each state (``Sandbox.state``), for ``dsec_sandboxes``."""
+        counts: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            counts[sb.state] = counts.get(sb.state, 0) + 1
+        return counts
+
+    def layer_cache_counts(self) -> dict[str, int]:
+        """The layer mount cache's hits and misses since the node opened."""
+        if self.mounts is None:
+            return {}
+        return {"hit": self.mounts.hits, "miss": self.mounts.misses}
+
+    async def _admit_and_create(self, spec: SandboxSpec, saved: Path | None) -> SandboxInfo:
         t0 = time.perf_counter()
         spec, kernel = self.resolve_spec(spec)
         assert spec.backend is not None  # resolve_spec names one

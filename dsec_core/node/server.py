@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import logging
 import os
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from ..errors import (
 )
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
+from ..observe import ObservedRequests, exec_outcome
 from ..records import ExecResult, check_trajectory_name
 from .node import Node
 
@@ -185,23 +187,30 @@ async def _exec_stream(node: Node, c: Call) -> AsyncIterator[bytes]:
             "exec_stream does not log trajectories: use exec for a trajectory's step",
             field="trajectory",
         )
-    stream = node.exec_stream(
-        c.sid,
-        b.cmd,
-        timeout=b.timeout,
-        cwd=b.cwd,
-        env=b.env,
-        stdin=b.stdin,
-        max_output=b.max_output,
-        background=b.background,
-        exclusive=b.exclusive,
-    )
+    t0 = time.perf_counter()
+    try:
+        stream = node.exec_stream(
+            c.sid,
+            b.cmd,
+            timeout=b.timeout,
+            cwd=b.cwd,
+            env=b.env,
+            stdin=b.stdin,
+            max_output=b.max_output,
+            background=b.background,
+            exclusive=b.exclusive,
+        )
+    except DsecError:
+        node.metrics.observe_exec("stream", "error", time.perf_counter() - t0)
+        raise
     encode_result = ROUTES["exec"].encode_response
 
     async def lines() -> AsyncIterator[bytes]:
+        outcome = "error"  # unless a result comes (a client gone mid-stream is one too)
         try:
             async for item in stream:
                 if isinstance(item, ExecResult):
+                    outcome = exec_outcome(item.exit_code, item.timed_out)
                     yield b'{"result":' + encode_result(item) + b"}\n"
                 else:
                     name, data = item
@@ -209,6 +218,7 @@ async def _exec_stream(node: Node, c: Call) -> AsyncIterator[bytes]:
         except DsecError as e:
             yield dump_json({"error": e.to_wire()}) + b"\n"
         finally:
+            node.metrics.observe_exec("stream", outcome, time.perf_counter() - t0)
             await stream.aclose()  # type: ignore[attr-defined]
 
     return lines()
@@ -363,10 +373,26 @@ async def _set_policy(node: Node, c: Call) -> Any:
     return node.set_policy(c.sid, c.path["policy"], c.body.settings)
 
 
+async def _counted(node: Node, kind: str, run: Awaitable[Any]) -> Any:
+    """The result of command ``run`` of ``kind`` (exec, session, fncall), counted in the
+    node's metrics by outcome with its time. (exec_stream counts its own, as "stream".)"""
+    t0 = time.perf_counter()
+    try:
+        result = await run
+    except BaseException:
+        node.metrics.observe_exec(kind, "error", time.perf_counter() - t0)
+        raise
+    outcome = exec_outcome(result.exit_code, result.timed_out)
+    if getattr(result, "error", ""):  # a FnCall whose pool member died under it
+        outcome = "error"
+    node.metrics.observe_exec(kind, outcome, time.perf_counter() - t0)
+    return result
+
+
 @_handles("exec")
 async def _exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.exec(
+    run = node.exec(
         c.sid,
         b.cmd,
         timeout=b.timeout,
@@ -379,12 +405,13 @@ async def _exec(node: Node, c: Call) -> Any:
         trajectory=b.trajectory,
         step=b.step,
     )
+    return await _counted(node, "exec", run)
 
 
 @_handles("fncall")
 async def _fncall(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.fncall(
+    run = node.fncall(
         b.environment,
         b.cmd,
         script=b.script,
@@ -398,6 +425,7 @@ async def _fncall(node: Node, c: Call) -> Any:
         memory=b.memory,
         devices=b.devices,
     )
+    return await _counted(node, "fncall", run)
 
 
 @_handles("judge")
@@ -418,9 +446,10 @@ async def _sessions(node: Node, c: Call) -> SessionList:
 @_handles("session_exec")
 async def _session_exec(node: Node, c: Call) -> Any:
     b = c.body
-    return await node.session_exec(
+    run = node.session_exec(
         c.sid, c.path["ses"], b.cmd, timeout=b.timeout, stdin=b.stdin, max_output=b.max_output
     )
+    return await _counted(node, "session", run)
 
 
 @_handles("session_close")
@@ -632,6 +661,11 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         exception_handlers={HTTPException: on_http_error, Exception: on_other_error},
     )
     app.router.redirect_slashes = False  # a 307 to another path is no answer an API client wants
+    # Request ids, the access log, dsec_requests_total and GET /metrics (not a route of the
+    # table: it answers Prometheus' text, and sits behind the token like the rest). Outermost,
+    # around Starlette's own error middleware, so an internal error's 500 carries the request
+    # id and so does the line on_other_error logs.
+    app.middleware_stack = ObservedRequests(app.build_middleware_stack(), metrics=node.metrics)
     return app
 
 
