@@ -321,9 +321,17 @@ def test_a_lost_node_is_noticed_and_creates_go_elsewhere(cluster):
                 sb.kill()
         finally:
             n2.node.ensure_running()  # it comes back and re-adopts its sandboxes
-        _wait(lambda: c.exec(on_n2[0].id, "echo back").stdout == b"back\n", timeout=15)
+        _wait(lambda: _answers(c, on_n2[0].id), timeout=15)
         for sb in sbs:
             sb.kill()
+
+
+def _answers(c: dsec.Client, sid: str) -> bool:
+    """The sandbox answers through the apiserver again (its node is back)."""
+    try:
+        return c.exec(sid, "echo back").stdout == b"back\n"
+    except NodeLost:
+        return False
 
 
 def _lost(c: dsec.Client, sid: str) -> bool:
@@ -407,3 +415,47 @@ def test_file_bodies_stream_through_without_being_held(cluster):
             finally:
                 t.close()
     assert grown < 48 << 20, f"the apiserver's peak memory grew {grown >> 20} MiB"
+
+
+def test_metrics_and_a_request_id_that_follows_the_request_to_the_node(cluster):
+    key = cluster.key("acme/observe")
+    with cluster.client(key) as c, c.create(cluster.spec(labels={OVERFLOW_LABEL: "x"})) as sb:
+        node = next(n for n in cluster.nodes if sb.id.endswith("-" + n.name))
+        t = HTTPTransport(cluster.api.url, token=key)
+        try:
+            rid = "trace-" + secrets.token_hex(6)
+            r = t.request("GET", f"/v1/sandboxes/{sb.id}/usage", timeout=10)
+            assert r.status_code == 200 and r.headers["x-request-id"]
+            r = _get_with_id(t, f"/v1/sandboxes/{sb.id}/usage", rid)
+            assert r.status_code == 200 and r.headers["x-request-id"] == rid
+            metrics = t.request("GET", "/metrics", timeout=10)
+            assert metrics.status_code == 200
+            text = metrics.text
+        finally:
+            t.close()
+        assert 'dsec_apiserver_create_seconds_count{outcome="ok"}' in text
+        assert f'dsec_placement_decisions_total{{node="{node.name}",pool="home"}}' in text
+        assert 'dsec_node_healthy{node="n3"} 1.0' in text
+        assert "dsec_apiserver_requests_total" in text
+        anonymous = HTTPTransport(cluster.api.url, token="nonsense")
+        try:
+            assert anonymous.request("GET", "/metrics").status_code == 401
+        finally:
+            anonymous.close()
+        # the node logged the same id for the forwarded request, as JSON
+        lines = node.node.config.log_path.read_text().splitlines()
+        hits = [json.loads(line) for line in lines if rid in line]
+        assert hits and all(h["request_id"] == rid for h in hits)
+        # and the apiserver's own log line for it is JSON with the id too
+        deadline = time.monotonic() + 5
+        while rid not in cluster.api.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        mine = [json.loads(x) for x in cluster.api.output().splitlines() if rid in x]
+        assert mine and mine[0]["request_id"] == rid
+
+
+def _get_with_id(t: HTTPTransport, target: str, rid: str):
+    r = t.stream("GET", target, headers={"x-request-id": rid}, timeout=10)
+    with r:
+        r.read()
+    return r

@@ -27,7 +27,6 @@ import collections
 import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -67,6 +66,7 @@ from ..errors import (
     error_from_wire,
 )
 from ..iam import Principal, Usage
+from ..observe import ApiserverMetrics, ObservedRequests, current_request_id, new_request_id
 from ..records import PROJECT_LABEL, SANDBOX_START_MEMORY, NodeLoad, SandboxInfo, SandboxSpec
 from .nodes import NodeEntry, NodeSet
 
@@ -338,10 +338,9 @@ async def _json_body(request: Request) -> bytes:
 
 
 def _request_id(request: Request) -> str:
-    given = request.headers.get(REQUEST_ID, "")
-    if 0 < len(given) <= 64 and all(c.isalnum() or c in "._-" for c in given):
-        return given
-    return secrets.token_hex(8)
+    """The request's id: set by ``ObservedRequests`` from a sane ``X-Request-Id`` (else new);
+    the same id goes to the node, so one id follows the request."""
+    return current_request_id() or new_request_id()
 
 
 class _Relay(StreamingResponse):
@@ -707,7 +706,8 @@ def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Respon
 
 
 def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()) -> Starlette:
-    """The apiserver's ASGI app: every route of the node API, over ``gw``'s nodes."""
+    """The apiserver's ASGI app: every route of the node API, over ``gw``'s nodes, and
+    ``GET /metrics`` (for any valid key) when ``gw.metrics`` is an ``ApiserverMetrics``."""
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -725,4 +725,19 @@ def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()
         exception_handlers={HTTPException: on_http_error},
     )
     app.router.redirect_slashes = False
+    metrics = gw.metrics if isinstance(gw.metrics, ApiserverMetrics) else None
+
+    def may_scrape(scope: Any) -> bool:
+        try:
+            gw.principal(Request(scope))
+        except DsecError:
+            return False
+        return True
+
+    app.middleware_stack = ObservedRequests(
+        app.build_middleware_stack(),
+        logger="dsec.apiserver.access",
+        metrics=metrics,
+        metrics_allowed=may_scrape,
+    )
     return app

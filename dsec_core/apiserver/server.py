@@ -25,6 +25,7 @@ from ..cluster import discover as ray_discover  # Ray itself is imported when fi
 from ..e2b import e2b_routes
 from ..errors import InvalidSpec
 from ..iam import Iam
+from ..observe import ApiserverMetrics, JsonLogFormatter, RequestIdFilter
 from ..sdk import AsyncClient
 from .app import Gateway, Metrics, make_app
 from .nodes import NodeAddress, NodeSet, WatchSettings
@@ -87,9 +88,12 @@ def build(
     config: ApiserverConfig, iam: Any = None, metrics: Metrics | None = None
 ) -> tuple[Gateway, Any]:
     """The gateway and its ASGI app (whose lifespan starts and stops the watcher). ``iam``:
-    an ``Authority``; by default the store ``config.iam`` names."""
+    an ``Authority``; by default the store ``config.iam`` names. ``metrics``: by default an
+    ``ApiserverMetrics`` of its own, served at ``GET /metrics``."""
     if iam is None:
         iam = Iam.open(config.iam)
+    if metrics is None:
+        metrics = ApiserverMetrics()
     discover = _ray_discovery(config.ray_address) if config.ray_address else None
     if not config.nodes and discover is None:
         raise InvalidSpec("an apiserver needs nodes: --node NAME=URL or --ray ADDRESS")
@@ -131,9 +135,24 @@ def _e2b_routes(config: ApiserverConfig) -> list[Any]:
     return list(e2b_routes(connect))
 
 
+def log_json() -> None:
+    """This process's log as JSON lines on stderr, each with the id of the request it was
+    made for (the node logs the same id: ``X-Request-Id`` travels with the request)."""
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("DSEC_LOG_LEVEL", "INFO"))
+    if os.environ.get("DSEC_ACCESS_LOG", "").lower() in ("0", "off", "false", "no"):
+        logging.getLogger("dsec.apiserver.access").setLevel(logging.WARNING)
+
+
 def serve(config: ApiserverConfig, iam: Any = None) -> None:
-    """Run the apiserver in this process until SIGTERM/SIGINT."""
+    """Run the apiserver in this process until SIGTERM/SIGINT, logging JSON lines to
+    stderr."""
     address = config.address()
+    log_json()
     _, app = build(config, iam)
     tls: dict[str, Any] = {}
     if address.scheme == "https":
@@ -148,6 +167,7 @@ def serve(config: ApiserverConfig, iam: Any = None) -> None:
             port=address.port,
             lifespan="on",
             log_level="warning",
+            log_config=None,  # uvicorn's records go to our JSON handler
             access_log=False,
             timeout_keep_alive=300,
             backlog=4096,
