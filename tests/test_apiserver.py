@@ -27,6 +27,7 @@ from dsec_core.errors import (
     NodeLost,
     NotFound,
     QuotaExceeded,
+    UnknownLease,
     UnknownSandbox,
 )
 from dsec_core.iam import Iam, Quota
@@ -459,3 +460,24 @@ def _get_with_id(t: HTTPTransport, target: str, rid: str):
     with r:
         r.read()
     return r
+
+
+def test_leases_and_fncall_through_the_apiserver(cluster):
+    for n in cluster.nodes:
+        n.node.environment("kitenv")  # on every node: placement may pick any
+    with cluster.client(cluster.key("acme/lease")) as c, c.create(cluster.spec()) as sb:
+        lease = c.lease([sb.id], ttl=30, renew=False)
+        lease_id = lease.info.id
+        assert lease_id.rsplit("-", 1)[1] == sb.id.rsplit("-", 1)[1]  # routes by its node
+        assert c.lease_get(lease_id).sandboxes == (sb.id,)
+        c.lease_renew(lease_id)
+        c.lease_release(lease_id)
+        with pytest.raises(UnknownLease):
+            c.lease_get(lease_id)
+        with pytest.raises(UnknownLease):  # a lease id naming no registered node
+            c.lease_get("0123456789abcdef-nosuchnode")
+        with cluster.client(cluster.key("acme/other")) as other:
+            with pytest.raises(UnknownSandbox):  # a lease on another project's sandbox
+                other.lease([sb.id], ttl=30)
+        r = c.fncall("kitenv", "echo $((2+3))")
+        assert (r.exit_code, r.stdout) == (0, b"5\n")

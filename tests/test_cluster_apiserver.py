@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
+from dsec_core.apiserver import OVERFLOW_LABEL
 from dsec_core.errors import NodeLost
 from dsec_core.iam import Iam
 from dsec_core.testing.apiserver import ApiserverProcess, start_apiserver
@@ -95,3 +96,25 @@ def test_killing_a_node_daemon_mid_run(api, dsec_cluster: KitCluster):
                 sb.kill()
         dsec_cluster.up()  # its daemon back: it re-adopts the victims, and the module's
         # teardown kills them
+
+
+def test_the_ray_overflow_group_takes_what_may_overflow_past_the_threshold(
+    api, dsec_cluster: KitCluster, dsec_ray_cluster
+):
+    _, key = api
+    iam_url = api[0].proc.args[api[0].proc.args.index("--iam") + 1]
+    burst = start_apiserver(
+        [], iam_url, ray=dsec_ray_cluster.address, args=[*PROBE, "--overflow-at", "0"]
+    )
+    try:
+        with dsec.Client(burst.url, api_key=key) as c:
+            _wait_nodes(c, 3)
+            base = {"layers": (dsec_cluster.layer.ref,), "memory": "64M", "cpu": 0.5}
+            may = dsec.SandboxSpec(**base, labels={OVERFLOW_LABEL: "true"})
+            with c.create(may) as sb:
+                assert sb.id.endswith("-n3")  # the Ray node with the dsec_overflow resource
+            with c.create(dsec.SandboxSpec(**base)) as sb:
+                assert not sb.id.endswith("-n3")
+    finally:
+        burst.stop()
+        burst.log.unlink(missing_ok=True)

@@ -150,3 +150,32 @@ def test_a_plugin_without_an_opinion_falls_through_and_a_wrong_answer_is_an_erro
         assert "not an eligible node" in str(e.value)
     finally:
         plugins.reset()
+
+
+def test_loads_within_the_grain_are_equal_and_the_fewest_sandboxes_win():
+    # b is a hair more loaded (a probe's memory reading), a holds more sandboxes: b wins
+    a = node("a", cpu=10.0, sandboxes=5)
+    b = node("b", cpu=10.0 + 100 * placement.LOAD_GRAIN / 2, sandboxes=1)
+    assert placement.best_of_k([a, b], 3).node == "b"
+    # past the grain, load decides
+    c = node("c", cpu=10.0 + 100 * placement.LOAD_GRAIN * 2, sandboxes=0)
+    assert placement.best_of_k([a, c], 3).node == "a"
+
+
+def test_a_node_holding_the_layers_counts_warm_sandboxes_fewer():
+    spec = SandboxSpec(environment="python", layers=("extra@1",))
+    warm = replace(
+        node("warm", sandboxes=3), environments=("python",), layers=("base@1", "extra@1")
+    )
+    cold = node("cold", sandboxes=0)
+    half = replace(node("half", sandboxes=0), environments=("python",))  # lacks extra@1
+    assert placement.holds(warm, spec) and not placement.holds(half, spec)
+    assert placement.dsec_place(spec, [cold, warm, half]).node == "warm"
+    # once it holds WARM_SANDBOXES more than the others, the batch spreads
+    busy = replace(warm, sandboxes=placement.WARM_SANDBOXES + 1)
+    assert placement.dsec_place(spec, [cold, busy]).node == "cold"
+    # and past WARM_LOAD, being warm is worth nothing
+    hot = replace(warm, cpu_committed=95.0)
+    assert placement.dsec_place(spec, [replace(cold, cpu_committed=95.0), hot]).node == "cold"
+    # a node holding none of them is warm for nothing
+    assert not placement.holds(cold, spec)
