@@ -1,6 +1,6 @@
 """The one API definition: the route table covers what the daemon serves and what the SDK
 calls, the OpenAPI document is valid and complete, messages keep their JSON shapes, bad input
-is a typed 400, and the transport's response parser reads what servers send."""
+is a typed 422, and the transport's response parser reads what servers send."""
 
 from __future__ import annotations
 
@@ -234,84 +234,84 @@ def test_bad_messages_are_invalid_spec(data, message):
         ExecRequest.from_dict(data)
 
 
-# --- bad input to a real daemon: a typed 400, never a 500 ------------------------------------
+# --- bad input to a real daemon: a typed 422, never a 500 ------------------------------------
 
 BAD_REQUESTS = [
-    ("POST", "/v1/sandboxes", b"not json", 400, "InvalidSpec"),
-    ("POST", "/v1/sandboxes", b"[]", 400, "InvalidSpec"),
+    ("POST", "/v1/sandboxes", b"not json", 422, "InvalidSpec"),
+    ("POST", "/v1/sandboxes", b"[]", 422, "InvalidSpec"),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"], "cpu": "lots"}}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"], "disk": "lots"}}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"], "disk": "1M"}}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"]}, "count": 0}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"], "ttl": 1e400}}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"]}, "count": 100000}',  # over DSEC_MAX_BATCH
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes",
         b'{"spec": {"layers": ["kit-base@1"], "workdir": "/a\\u0000b"}}',
-        400,
+        422,
         "InvalidSpec",
     ),
     (
         "POST",
         "/v1/sandboxes/x/exec",
         b'{"cmd": "true", "max_output": 16777217}',
-        400,
+        422,
         "InvalidSpec",
     ),
-    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 1e12}', 400, "InvalidSpec"),
-    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 0}', 400, "InvalidSpec"),
-    ("GET", "/v1/sandboxes/x/file?path=/a&length=268435457", None, 400, "InvalidSpec"),
-    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=999", None, 400, "InvalidSpec"),
-    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=1644", None, 400, "InvalidSpec"),  # sticky
-    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": 5}', 400, "InvalidSpec"),
-    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "stdin": "%%%"}', 400, "InvalidSpec"),
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 1e12}', 422, "InvalidSpec"),
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "timeout": 0}', 422, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/file?path=/a&length=268435457", None, 422, "InvalidSpec"),
+    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=999", None, 422, "InvalidSpec"),
+    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=1644", None, 422, "InvalidSpec"),  # sticky
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": 5}', 422, "InvalidSpec"),
+    ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true", "stdin": "%%%"}', 422, "InvalidSpec"),
     ("POST", "/v1/sandboxes/x/exec", b'{"cmd": "true"}', 404, "UnknownSandbox"),
-    ("POST", "/v1/sandboxes/x/sessions/y/exec", b'{"cmd": ""}', 400, "InvalidSpec"),
-    ("GET", "/v1/sandboxes/x/file?path=/a&offset=abc", None, 400, "InvalidSpec"),
-    ("GET", "/v1/sandboxes/x/file?path=/a&offset=-1", None, 400, "InvalidSpec"),
-    ("GET", "/v1/sandboxes/x/file", None, 400, "InvalidSpec"),
-    ("GET", "/v1/sandboxes/x/ls?path=/&colour=1", None, 400, "InvalidSpec"),
-    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=999", b"", 400, "InvalidSpec"),
-    ("DELETE", "/v1/sandboxes/x/file?path=/a&recursive=maybe", None, 400, "InvalidSpec"),
-    ("GET", "/v1/node?x=1", None, 400, "InvalidSpec"),
-    ("POST", "/v1/layers/prefetch", b'{"refs": []}', 400, "InvalidSpec"),
+    ("POST", "/v1/sandboxes/x/sessions/y/exec", b'{"cmd": ""}', 422, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/file?path=/a&offset=abc", None, 422, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/file?path=/a&offset=-1", None, 422, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/file", None, 422, "InvalidSpec"),
+    ("GET", "/v1/sandboxes/x/ls?path=/&colour=1", None, 422, "InvalidSpec"),
+    ("PUT", "/v1/sandboxes/x/file?path=/a&mode=999", b"", 422, "InvalidSpec"),
+    ("DELETE", "/v1/sandboxes/x/file?path=/a&recursive=maybe", None, 422, "InvalidSpec"),
+    ("GET", "/v1/node?x=1", None, 422, "InvalidSpec"),
+    ("POST", "/v1/layers/prefetch", b'{"refs": []}', 422, "InvalidSpec"),
     ("GET", "/v1/nothing", None, 404, "NotFound"),
     ("PATCH", "/v1/sandboxes", None, 405, "DsecError"),
     ("GET", "/v1/sandboxes/", None, 404, "NotFound"),

@@ -300,7 +300,7 @@ def test_a_lost_node_is_noticed_and_creates_go_elsewhere(cluster):
     key = cluster.key("acme/lost")
     n2 = next(n for n in cluster.nodes if n.name == "n2")
     with cluster.client(key) as c:
-        sbs = c.create_many(cluster.spec(), n=4)
+        sbs = c.create_many(cluster.spec(), n=10)  # past what warm layers draw to one node
         on_n2 = [sb for sb in sbs if sb.id.endswith("-n2")]
         on_n1 = [sb for sb in sbs if sb.id.endswith("-n1")]
         assert on_n1 and on_n2
@@ -481,3 +481,35 @@ def test_leases_and_fncall_through_the_apiserver(cluster):
                 other.lease([sb.id], ttl=30)
         r = c.fncall("kitenv", "echo $((2+3))")
         assert (r.exit_code, r.stdout) == (0, b"5\n")
+
+
+def test_snapshots_and_trajectories_are_the_projects_own(cluster):
+    a = cluster.client(cluster.key("snap/a"))
+    b = cluster.client(cluster.key("snap/b"))
+    try:
+        with a.create(cluster.spec()) as sb:
+            sb.write_file("/root/state", b"a's work")
+            snap = sb.pack_diff(name="mine")
+            assert snap.name.endswith("-mine") and snap.name != "mine"
+            r = sb.exec("echo secret-output", trajectory="t1")
+            assert not r.replayed
+            assert [e.result.stdout for e in a.trajectory("t1")] == [b"secret-output\n"]
+        (copy,) = a.restore(snap.ref, 1)
+        try:
+            assert copy.read_file("/root/state") == b"a's work"
+            assert copy.info.labels[PROJECT_LABEL] == "snap/a"
+        finally:
+            copy.kill()
+        with pytest.raises(NotFound):
+            b.restore(snap.ref, 1)
+        with b.create(cluster.spec()) as other:
+            # the same trajectory name is b's own log: nothing of a's is replayed
+            r = other.exec("echo b-output", trajectory="t1", step=0)
+            assert not r.replayed and r.stdout == b"b-output\n"
+            assert [e.result.stdout for e in b.trajectory("t1")] == [b"b-output\n"]
+        b.remove_trajectory("t1")
+        assert [e.result.stdout for e in a.trajectory("t1")] == [b"secret-output\n"]
+        a.remove_trajectory("t1")
+    finally:
+        a.close()
+        b.close()

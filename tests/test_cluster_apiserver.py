@@ -53,7 +53,7 @@ def test_the_apiserver_finds_the_nodes_through_ray_and_places_on_the_home_pool(
     with dsec.Client(server.url, api_key=key) as c:
         _wait_nodes(c, 3)
         spec = dsec.SandboxSpec(layers=(dsec_cluster.layer.ref,), memory="64M", cpu=0.5)
-        sbs = c.create_many(spec, n=4)
+        sbs = c.create_many(spec, n=10)  # past what warm layers draw to one node
         try:
             assert {sb.id.rsplit("-", 1)[1] for sb in sbs} == {"n1", "n2"}
             for sb in sbs:
@@ -68,7 +68,7 @@ def test_killing_a_node_daemon_mid_run(api, dsec_cluster: KitCluster):
     with dsec.Client(server.url, api_key=key) as c:
         _wait_nodes(c, 3)
         spec = dsec.SandboxSpec(layers=(dsec_cluster.layer.ref,), memory="64M", cpu=0.5)
-        sbs = c.create_many(spec, n=4)
+        sbs = c.create_many(spec, n=10)
         victims = [sb for sb in sbs if sb.id.endswith("-n2")]
         survivors = [sb for sb in sbs if sb.id.endswith("-n1")]
         assert victims and survivors

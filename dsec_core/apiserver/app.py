@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -93,6 +94,8 @@ class Authority(Protocol):
     def can_reach(self, principal: Principal, project: str) -> bool: ...
 
     def check_quota(self, project: str, usage: Mapping[str, Usage], add: Usage) -> None: ...
+
+    def projects(self, under: str | None = None) -> list[Any]: ...
 
 
 class Metrics(Protocol):
@@ -383,22 +386,27 @@ async def _forward(
     request: Request,
     route: Route,
     request_id: str,
+    body: bytes | None = None,
+    path: str | None = None,
 ) -> Response:
-    """Pass ``request`` to ``entry`` as it is (body streamed) and its answer back."""
+    """Pass ``request`` to ``entry`` (its body streamed, or ``body`` instead; at ``path``
+    instead of its own) and its answer back."""
     raw = request.scope.get("raw_path")
-    target = raw.decode("latin-1") if raw else quote(request.url.path)
+    target = path or (raw.decode("latin-1") if raw else quote(request.url.path))
     if request.url.query:
         target += "?" + request.url.query
     length_text = request.headers.get("content-length")
     has_body = request.method in ("POST", "PUT")
     length = int(length_text) if length_text and length_text.isdigit() else None
+    if body is not None:
+        length = len(body)
     timeout = None if route.exec_timeout or route.timeout is None else route.timeout + 30
     t0 = time.perf_counter()
     try:
         upstream = await entry.transport.stream(
             request.method,
             target,
-            body=request.stream() if has_body else None,
+            body=(body if body is not None else request.stream()) if has_body else None,
             length=length if has_body else None,
             content_type=request.headers.get("content-type"),
             headers={REQUEST_ID: request_id},
@@ -424,12 +432,65 @@ def _sandbox_handler(route: Route) -> Handler:
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
         sid = request.path_params["sid"]
         entry = await gw.sandbox_node(principal, sid)
-        response = await _forward(gw, entry, request, route, rid)
+        body = None
+        if route.name in _SCOPED_BODIES:
+            body = await _scope_body(gw, route, request, principal, sid)
+        response = await _forward(gw, entry, request, route, rid, body)
         if route.name == "kill" and response.status_code < 300:
             gw.forget(sid)
         return response
 
     return handle
+
+
+# --- what a project names on a node: snapshots and trajectories ------------------------------
+#
+# Layers, memory snapshots and trajectory logs are named by their makers, and nodes have no
+# projects: through an apiserver, a project's names get its tag in front (``scope_tag``), so
+# another project can neither restore its snapshots nor read or replay its trajectories,
+# guessed names included. The tag is a digest, not the path: names stay short.
+
+#: Routes whose JSON body names something of the caller's project.
+_SCOPED_BODIES = ("exec", "pack_diff", "snapshot_memory")
+
+
+def scope_tag(project: str) -> str:
+    """The short tag of ``project`` that prefixes what it names on nodes."""
+    return "p" + hashlib.sha256(project.encode()).hexdigest()[:10]
+
+
+def _scoped(project: str, name: str) -> str:
+    return f"{scope_tag(project)}-{name}"
+
+
+async def _scope_body(
+    gw: Gateway, route: Route, request: Request, principal: Any, sid: str
+) -> bytes:
+    """The request's JSON body with the names it gives scoped to the caller's project (the
+    body is small: it is read whole, up to ``MAX_BODY``)."""
+    raw = await _json_body(request)
+    if route.name == "exec" and b'"trajectory"' not in raw:
+        return raw  # the hot path: nothing named
+    body = route.decode_body(raw)
+    project = principal.project
+    if route.name == "exec" and body.trajectory is not None:
+        body = replace(body, trajectory=_scoped(project, body.trajectory))
+    elif route.name == "pack_diff":
+        body = replace(body, name=_scoped(project, body.name or f"snapshot-{sid[:12]}"))
+    elif route.name == "snapshot_memory":
+        body = replace(body, name=_scoped(project, body.name or f"{sid[:12]}-{int(time.time())}"))
+    encoded = route.encode_body(body)
+    assert encoded is not None
+    return encoded
+
+
+def _owner_reachable(gw: Gateway, principal: Any, name: str) -> bool:
+    """Whether ``name`` (a snapshot's, as scoped) was made by a project the caller reaches."""
+    tag = name.partition("-")[0]
+    if principal.role == "agent":
+        return tag == scope_tag(principal.project)
+    projects = [p.path for p in gw.iam.projects(under=principal.project)]
+    return tag in {scope_tag(p) for p in (*projects, principal.project)}
 
 
 async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
@@ -575,20 +636,31 @@ def _lease_handler(route: Route) -> Handler:
 
 
 def _anywhere_handler(route: Route) -> Handler:
-    """Routes whose answer is on whichever node has the thing (a trajectory, a memory
-    snapshot): asked of each healthy node in turn until one knows it."""
+    """Routes of something a node holds under the caller's scoped name (a trajectory log, a
+    memory snapshot): asked of each healthy node in turn until one knows it."""
 
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-        if principal.role == "agent" and route.method != "GET":
-            raise PermissionDenied(f"an agent key cannot {route.summary.lower()}")
-        last: DsecError = NotFound(f"not found on any node: {request.url.path}")
+        (param,) = route.params
+        name = request.path_params[param]
+        if route.name == "remove_memory_snapshot":
+            if not _owner_reachable(gw, principal, name):
+                raise UnknownSnapshot(f"no memory snapshot {name!r}", name=name)
+            scoped = name
+        else:  # a trajectory: the caller's own name, scoped
+            scoped = _scoped(principal.project, name)
+        path = route.target({param: scoped})
+        last: DsecError = NotFound(f"not found on any node: {name}")
         for entry in gw.nodes.healthy():
             try:
-                answer = await gw._request(entry, request.method, request.url.path, request_id=rid)
+                answer = await gw._request(entry, request.method, path, request_id=rid)
             except NotFound as e:
                 last = e
                 continue
+            if route.name == "trajectory":  # under the name the caller gave it
+                answer = dump_json({**json.loads(answer), "name": name})
             return Response(answer, route.status, media_type=JSON)
+        if isinstance(last, NotFound) and not isinstance(last, UnknownSnapshot):
+            last = NotFound(last.message.replace(scoped, name), name=name)
         raise last
 
     return handle
@@ -614,12 +686,25 @@ def _placed_handler(route: Route) -> Handler:
 
 
 async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    """A restore goes to the node that holds the snapshot (the first that does not say it
-    has no such snapshot), with the caller's project on what it makes."""
+    """A restore of a snapshot the caller's project (or one it reaches) made, on the node that
+    holds it (the first that does not say it has no such snapshot), the sandboxes it makes
+    labelled with the caller's project."""
     route = ROUTES["restore"]
-    raw = await _json_body(request)
-    route.decode_body(raw)  # 422 before any node is asked
-    last: DsecError = UnknownSnapshot("no node holds that snapshot")
+    body = route.decode_body(await _json_body(request))
+    if not _owner_reachable(gw, principal, body.snapshot):
+        raise UnknownSnapshot(f"no snapshot {body.snapshot!r}", name=body.snapshot)
+    # a memory snapshot (a name without @version) takes only ttl and labels from the spec
+    spec = body.spec or SandboxSpec(layers=(body.snapshot if "@" in body.snapshot else "x@0",))
+    labels = {k: v for k, v in spec.labels.items() if k not in _RESERVED}
+    spec = replace(spec, labels={**labels, PROJECT_LABEL: principal.project})
+    lim = spec.limits
+    gw.iam.check_quota(
+        principal.project,
+        gw.usage_by_project(),
+        Usage(body.count, body.count * lim.cpu, body.count * lim.memory),
+    )
+    raw = route.encode_body(replace(body, spec=spec))
+    last: DsecError = UnknownSnapshot(f"no node holds snapshot {body.snapshot!r}")
     for entry in gw.nodes.healthy():
         try:
             answer = await gw._request(entry, "POST", route.path, raw, route.timeout, rid)
@@ -628,7 +713,7 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
             continue
         made = route.decode_response(answer)
         for info in made.sandboxes:
-            gw._remember(info.id, info.labels.get(PROJECT_LABEL))
+            gw._remember(info.id, principal.project)
         return Response(answer, route.status, media_type=JSON)
     raise last
 

@@ -203,9 +203,11 @@ class NodeSet:
     async def _probe(self, entry: NodeEntry) -> None:
         t0 = time.perf_counter()
         try:
-            r = await entry.transport.request(
-                "GET", _PROBE.path, timeout=self.settings.timeout, idempotent=True
-            )
+            # bounded here too: whatever the transport does, one node never holds up a round
+            async with asyncio.timeout(self.settings.timeout + 0.5):
+                r = await entry.transport.request(
+                    "GET", _PROBE.path, timeout=self.settings.timeout, idempotent=False
+                )
             if r.status_code != 200:
                 raise DsecError(f"probe answered {r.status_code}: {r.text[:200]}")
             probe = _PROBE.decode_response(r.content)
@@ -214,7 +216,8 @@ class NodeSet:
                     f"the node at {entry.address.url} calls itself {probe.name!r}, not "
                     f"{entry.name!r}: not used"
                 )
-        except (TransportError, DsecError, OSError) as e:
+        except (TransportError, DsecError, OSError, TimeoutError) as e:
+            await entry.transport.aclose()  # a connection that failed once is not reused
             entry.misses += 1
             entry.error = str(e) or type(e).__name__
             if entry.healthy and entry.misses >= self.settings.misses:
