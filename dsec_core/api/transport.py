@@ -19,6 +19,7 @@ never sent twice otherwise: the node may have acted on it (a create, an exec).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -27,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -269,6 +270,31 @@ def stream_request_head(
 def chunk(piece: bytes) -> bytes:
     """One piece of a chunked request body (an empty piece ends the body)."""
     return b"%x\r\n%s\r\n" % (len(piece), piece)
+
+
+@contextlib.contextmanager
+def _closed_on_failure(
+    close: Callable[[], object], where: Address, parser: ResponseParser, timeout: float | None
+) -> Iterator[None]:
+    """Around a streamed request's send and the wait for its head: on any failure the
+    connection is closed (it is mid-exchange), and what went wrong becomes the transport's
+    error (a timeout, or a connection the node dropped before or during its answer)."""
+    try:
+        yield
+    except TimeoutError as e:
+        close()
+        raise TransportTimeout(f"{where}: no answer within {timeout}s") from e
+    except TransportError:
+        close()
+        raise
+    except OSError as e:
+        close()
+        if not parser.received:
+            raise _Stale(f"{where}: {e}") from e
+        raise _Broken(f"{where}: {e}") from e
+    except BaseException:
+        close()
+        raise
 
 
 class ResponseParser:
@@ -550,27 +576,13 @@ class HTTPTransport:
         sock = self._take() or self._connect(timeout)
         parser = ResponseParser()
         done = None
-        try:
+        with _closed_on_failure(sock.close, self.address, parser, timeout):
             sock.settimeout(timeout)
             sock.sendall(data + (body or b""))
             while not parser.head_done and done is None:
                 data = sock.recv(_READ)
                 done = parser.feed(data) if data else parser.eof()
             sock.settimeout(None)
-        except TimeoutError as e:
-            sock.close()
-            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
-        except TransportError:
-            sock.close()
-            raise
-        except OSError as e:
-            sock.close()
-            if not parser.received:
-                raise _Stale(f"{self.address}: {e}") from e
-            raise _Broken(f"{self.address}: {e}") from e
-        except BaseException:
-            sock.close()
-            raise
         return StreamedResponse(self, sock, parser, done)
 
     def _give_back(self, sock: socket.socket) -> None:
@@ -771,9 +783,17 @@ class AsyncHTTPTransport:
         elif body is None:
             length = 0
         head = stream_request_head(method, target, self._head, content_type, length, headers)
-        reader, writer = conn = self._take() or await self._connect()
+        conn = self._take()
+        if conn is None:
+            try:
+                async with asyncio.timeout(timeout):
+                    conn = await self._connect()
+            except TimeoutError as e:
+                raise TransportTimeout(f"{self.address}: no connection within {timeout}s") from e
+        reader, writer = conn
         parser = ResponseParser()
-        try:
+        done = None
+        with _closed_on_failure(writer.close, self.address, parser, timeout):
             async with asyncio.timeout(timeout):
                 writer.write(head)
                 if isinstance(body, (bytes, bytearray, memoryview)):
@@ -786,24 +806,9 @@ class AsyncHTTPTransport:
                     if length is None:
                         writer.write(chunk(b""))
                 await writer.drain()
-                done = None
                 while not parser.head_done and done is None:
                     data = await reader.read(_READ)
                     done = parser.feed(data) if data else parser.eof()
-        except TimeoutError as e:
-            writer.close()
-            raise TransportTimeout(f"{self.address}: no answer within {timeout}s") from e
-        except TransportError:
-            writer.close()
-            raise
-        except OSError as e:
-            writer.close()
-            if not parser.received:
-                raise _Stale(f"{self.address}: {e}") from e
-            raise _Broken(f"{self.address}: {e}") from e
-        except BaseException:
-            writer.close()
-            raise
         return AsyncStreamedResponse(self, conn, parser, done)
 
     def _give_back(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
