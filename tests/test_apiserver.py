@@ -11,6 +11,8 @@ import json
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -513,3 +515,24 @@ def test_snapshots_and_trajectories_are_the_projects_own(cluster):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ([], "needs nodes"),
+        (["--node", "n1"], "NAME=URL"),
+        (["--node", "n1=http://127.0.0.1:1", "--listen", "https://127.0.0.1:1"], "--tls-cert"),
+        (["--node", "n1=http://127.0.0.1:1", "--listen", "unix:///tmp/x"], "TCP"),
+    ],
+)
+def test_the_apiserver_refuses_a_bad_command_line(args, says, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "apiserver", "--iam", f"sqlite://{tmp_path}/i.db"]
+        + (["--listen", f"http://127.0.0.1:{free_port()}"] if "--listen" not in args else [])
+        + args,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and says in r.stderr, r.stderr
