@@ -183,26 +183,10 @@ class AgentClient:
     async def _roundtrip(
         self, fields: Sequence[tuple[str, Any]], body: bytes, limits: tuple[int, int]
     ) -> tuple[_Fields, bytes]:
-        if len(body) > MAX_FRAME:
-            raise InvalidSpec(
-                f"request body of {len(body)} bytes is over the agent's {MAX_FRAME} byte limit"
-            )
-        fields = list(fields)
-        if body:
-            fields.append(("body_len", len(body)))
-        header = _encode(fields)
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
+        sock, fields = await self._send(loop, fields, body)
         try:
             try:
-                await loop.sock_connect(sock, self.socket_path)
-            except OSError as e:
-                raise self._gone(e.strerror or e) from e
-            try:
-                await loop.sock_sendall(sock, header)
-                if body:
-                    await loop.sock_sendall(sock, body)
                 reply, rbody = await self._read_reply(loop, sock, fields, limits)
             except (OSError, EOFError) as e:
                 raise self._gone(getattr(e, "strerror", None) or e) from e
@@ -211,6 +195,33 @@ class AgentClient:
         if "error" in reply:
             raise self._error(reply)
         return reply, rbody
+
+    async def _send(
+        self, loop: asyncio.AbstractEventLoop, fields: Sequence[tuple[str, Any]], body: bytes
+    ) -> tuple[socket.socket, list[tuple[str, Any]]]:
+        """Connect and send one request (its header, then ``body``); the connected socket,
+        for the caller to read the reply from and close, and the fields as sent."""
+        if len(body) > MAX_FRAME:
+            raise InvalidSpec(
+                f"request body of {len(body)} bytes is over the agent's {MAX_FRAME} byte limit"
+            )
+        fields = list(fields)
+        if body:
+            fields.append(("body_len", len(body)))
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, self.socket_path)
+            await loop.sock_sendall(sock, _encode(fields))
+            if body:
+                await loop.sock_sendall(sock, body)
+        except OSError as e:
+            sock.close()
+            raise self._gone(e.strerror or e) from e
+        except BaseException:
+            sock.close()
+            raise
+        return sock, fields
 
     async def _read_reply(
         self,
@@ -418,26 +429,11 @@ class AgentClient:
             cmd, timeout, cwd, env, stdin, max_output, background, exclusive
         )
         fields.append(("stream", 1))
-        body = bytes(stdin or b"")
-        if len(body) > MAX_FRAME:
-            raise InvalidSpec(
-                f"request body of {len(body)} bytes is over the agent's {MAX_FRAME} byte limit"
-            )
-        if body:
-            fields.append(("body_len", len(body)))
         cap = self._output_cap(max_output)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout + _TIMEOUT_SLACK
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.setblocking(False)
+        sock, fields = await self._send(loop, fields, bytes(stdin or b""))
         try:
-            try:
-                await loop.sock_connect(sock, self.socket_path)
-                await loop.sock_sendall(sock, _encode(fields))
-                if body:
-                    await loop.sock_sendall(sock, body)
-            except OSError as e:
-                raise self._gone(e.strerror or e) from e
             sent = {b"out": 0, b"err": 0}
             while True:
                 read = self._read_reply(loop, sock, fields, (REPLY_HEADER, 2 * cap))

@@ -50,7 +50,8 @@ from ..api.messages import (
     SandboxList,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, MAX_BODY, ROUTES, Route, dump_json
+from ..api.routes import JSON, ROUTES, Route, dump_json
+from ..api.serving import error_response, on_http_error, read_json_body
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
     AdmissionRejected,
@@ -60,7 +61,6 @@ from ..errors import (
     NodeUnavailable,
     NotFound,
     PermissionDenied,
-    RequestTooLarge,
     UnknownLease,
     UnknownSandbox,
     UnknownSnapshot,
@@ -321,25 +321,6 @@ def _node_error(entry: NodeEntry, status: int, content: bytes) -> DsecError:
 # --- the HTTP side ---------------------------------------------------------------------------
 
 
-def _error(err: DsecError, request_id: str | None = None) -> Response:
-    headers = {REQUEST_ID: request_id} if request_id else None
-    return Response(
-        dump_json({"error": err.to_wire()}), err.http_status, headers=headers, media_type=JSON
-    )
-
-
-async def _json_body(request: Request) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise RequestTooLarge(f"the request body has {declared} bytes", field="body")
-    body = bytearray()
-    async for data in request.stream():
-        body += data
-        if len(body) > MAX_BODY:
-            raise RequestTooLarge(f"the request body is over {MAX_BODY} bytes", field="body")
-    return bytes(body)
-
-
 def _request_id(request: Request) -> str:
     """The request's id: set by ``ObservedRequests`` from a sane ``X-Request-Id`` (else new);
     the same id goes to the node, so one id follows the request."""
@@ -468,7 +449,7 @@ async def _scope_body(
 ) -> bytes:
     """The request's JSON body with the names it gives scoped to the caller's project (the
     body is small: it is read whole, up to ``MAX_BODY``)."""
-    raw = await _json_body(request)
+    raw = await read_json_body(request)
     if route.name == "exec" and b'"trajectory"' not in raw:
         return raw  # the hot path: nothing named
     body = route.decode_body(raw)
@@ -498,7 +479,7 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     route = ROUTES["create"]
     if principal.role not in ("admin", "member", "agent"):
         raise PermissionDenied(f"role {principal.role!r} cannot create sandboxes")
-    raw_body = await _json_body(request)
+    raw_body = await read_json_body(request)
     body: CreateRequest = route.decode_body(raw_body)  # 422 with the field's path
     labels = {k: v for k, v in body.spec.labels.items() if k not in _RESERVED}
     labels[PROJECT_LABEL] = principal.project
@@ -639,7 +620,7 @@ def _lease_handler(route: Route) -> Handler:
             entry = gw.node_of(request.path_params["lease"], "lease")
             return await _forward(gw, entry, request, route, rid)
         # a new lease: its sandboxes must all be the caller's, on one node
-        raw = await _json_body(request)
+        raw = await read_json_body(request)
         body = route.decode_body(raw)
         nodes = {(await gw.sandbox_node(principal, sid)).name for sid in body.sandboxes}
         if len(nodes) != 1:
@@ -687,7 +668,7 @@ def _anywhere_handler(route: Route) -> Handler:
 
 async def _placed_call(gw: Gateway, request: Request, route: Route, rid: str) -> Response:
     """fncall, judge: to a node placement picks for the environment."""
-    raw = await _json_body(request)
+    raw = await read_json_body(request)
     body = route.decode_body(raw)
     spec = SandboxSpec(environment=body.environment)
     shares, _ = gw.place(spec, 1)
@@ -709,7 +690,7 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
     holds it (the first that does not say it has no such snapshot), the sandboxes it makes
     labelled with the caller's project."""
     route = ROUTES["restore"]
-    body = route.decode_body(await _json_body(request))
+    body = route.decode_body(await read_json_body(request))
     if not _owner_reachable(gw, principal, body.snapshot):
         raise UnknownSnapshot(f"no snapshot {body.snapshot!r}", name=body.snapshot)
     # a memory snapshot (a name without @version) takes only ttl and labels from the spec
@@ -751,7 +732,7 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
     route = ROUTES["prefetch"]
     if principal.role == "agent":
         raise PermissionDenied("an agent key cannot prefetch layers")
-    raw = await _json_body(request)
+    raw = await read_json_body(request)
     route.decode_body(raw)
     entries = gw.nodes.healthy()
     if not entries:
@@ -802,7 +783,7 @@ def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Respon
                 route.decode_query(request.query_params)  # 422 here, not from a node
             response = await handler(gw, request, principal, rid)
         except DsecError as e:
-            return _error(e, rid)
+            return error_response(e, {REQUEST_ID: rid})
         response.headers.setdefault(REQUEST_ID, rid)
         return response
 
@@ -812,15 +793,6 @@ def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Respon
 def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()) -> Starlette:
     """The apiserver's ASGI app: every route of the node API, over ``gw``'s nodes, and
     ``GET /metrics`` (for any valid key) when ``gw.metrics`` is an ``ApiserverMetrics``."""
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        err = (
-            NotFound(f"no route {request.method} {request.url.path}")
-            if exc.status_code == 404
-            else DsecError(f"{request.method} {request.url.path}: {exc.detail}")
-        )
-        return Response(dump_json({"error": err.to_wire()}), exc.status_code, media_type=JSON)
 
     routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
     app = Starlette(

@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from ..api.serving import server_options
 from ..api.transport import Address
 from ..cluster import discover as ray_discover  # Ray itself is imported when first called
 from ..e2b import e2b_routes
@@ -166,23 +167,10 @@ def serve(config: ApiserverConfig, iam: Any = None) -> None:
             host=address.host,
             port=address.port,
             lifespan="on",
-            log_level="warning",
-            log_config=None,  # uvicorn's records go to our JSON handler
-            access_log=False,  # ObservedRequests writes one line per request
             proxy_headers=False,  # no proxy in front is trusted to say who the client is
-            timeout_keep_alive=300,
             backlog=4096,
-            loop="uvloop" if _has("uvloop") else "asyncio",
-            http="httptools" if _has("httptools") else "h11",
+            **server_options(),  # uvicorn's records go to our JSON handler
             **tls,
         )
     )
     server.run()
-
-
-def _has(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except ImportError:
-        return False

@@ -26,6 +26,7 @@ from typing import Any
 
 import uvicorn
 
+from ..api.serving import server_options
 from ..api.transport import Address
 from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
@@ -210,17 +211,7 @@ def _serve_locked(
             node.release_runtime(lazy=True)
 
     app = make_app(node, lifespan=lifespan)
-    loop = os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio")
-    http = "httptools" if _has("httptools") else "h11"
-    # log_config=None: uvicorn's records go to our (rotated) handlers, not to its own stderr
-    options: dict[str, Any] = dict(
-        loop=loop,
-        http=http,
-        log_level="warning",
-        log_config=None,
-        access_log=False,
-        timeout_keep_alive=300,
-    )
+    options = server_options()  # uvicorn's records go to our (rotated) handlers
     try:
         listeners.extend(
             (_listener(app, a, config, options), s)
@@ -234,14 +225,6 @@ def _serve_locked(
             s.close()
     if not server.started:
         sys.exit(1)
-
-
-def _has(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":

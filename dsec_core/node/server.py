@@ -61,14 +61,14 @@ from ..api.messages import (
     Written,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, MAX_BODY, RAW, ROUTES, Route, dump_json
+from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
+from ..api.serving import error_response, on_http_error, read_json_body
 from ..errors import (
     AdmissionRejected,
     AuthenticationFailed,
     DsecError,
     InvalidSpec,
     NotFound,
-    RequestTooLarge,
 )
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
@@ -549,12 +549,6 @@ async def _prefetch(node: Node, c: Call) -> PrefetchResult:
 # --- the generic endpoint ----------------------------------------------------------------------
 
 
-def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> Response:
-    return Response(
-        dump_json({"error": err.to_wire()}), err.http_status, headers=headers, media_type=JSON
-    )
-
-
 class _Streamed(StreamingResponse):
     """A streamed answer that, when a later piece cannot be had (the sandbox died mid-read),
     ends without the final chunk: the client sees the answer cut off, never a short one that
@@ -573,27 +567,6 @@ class _Streamed(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _json_body(request: Request) -> bytes:
-    """The body of a JSON request, refused as soon as it is known to be over ``MAX_BODY``."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise _too_large(int(declared))
-    body = bytearray()
-    async for data in request.stream():
-        body += data
-        if len(body) > MAX_BODY:
-            raise _too_large(len(body))
-    return bytes(body)
-
-
-def _too_large(size: int) -> RequestTooLarge:
-    return RequestTooLarge(
-        f"the request body has {size} bytes or more; the limit is {MAX_BODY}",
-        field="body",
-        limit=MAX_BODY,
-    )
-
-
 def _endpoint(
     route: Route, handler: Handler, node: Node
 ) -> Callable[[Request], Awaitable[Response]]:
@@ -607,7 +580,7 @@ def _endpoint(
             elif route.body is RAW:
                 body = request.stream()  # the handler takes it piece by piece
             else:
-                body = route.decode_body(await _json_body(request))
+                body = route.decode_body(await read_json_body(request))
             answer = await handler(node, Call(request.path_params, query, body))
         except DsecError as e:
             return error_response(e)
@@ -624,21 +597,6 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         raise RuntimeError(
             f"routes without a handler: {sorted(set(ROUTES) - set(HANDLERS))}; "
             f"handlers without a route: {sorted(set(HANDLERS) - set(ROUTES))}"
-        )
-
-    async def on_http_error(request: Request, exc: Exception) -> Response:
-        # Starlette's own answers (no such path, wrong method) in the API's error shape.
-        assert isinstance(exc, HTTPException)
-        err = (
-            NotFound(f"no route {request.method} {request.url.path}")
-            if exc.status_code == 404
-            else DsecError(f"{request.method} {request.url.path}: {exc.detail}")
-        )
-        return Response(
-            dump_json({"error": err.to_wire()}),
-            exc.status_code,
-            media_type=JSON,
-            headers=exc.headers,
         )
 
     async def on_other_error(request: Request, exc: Exception) -> Response:
