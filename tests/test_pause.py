@@ -25,7 +25,11 @@ from dsec_core.testing import leftovers, node_home
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 SPEC = SandboxSpec(layers=("kit-base@1",), memory="64M", cpu=1.0)
-COUNT = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done) >/dev/null 2>&1 &"
+#: Each count replaces the file whole, so a reader never sees it truncated and empty.
+COUNT = (
+    "(i=0; while :; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; "
+    "sleep 0.02; done) >/dev/null 2>&1 &"
+)
 
 
 def counter(node: Node, sid: str) -> int:

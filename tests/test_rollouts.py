@@ -40,7 +40,7 @@ w=$1; steps=$2; i=0
 while [ $i -lt $steps ]; do
   printf '{"op":"exec","sandbox":"%s","cmd":"echo step%d >> /ran; sleep 0.2","step":%d}\n' \
     "$w" $i $i | /.dsec/agent drive > /out.$i || exit 1
-  i=$((i+1)); echo $i > /progress
+  i=$((i+1)); echo $i > /progress.new; mv /progress.new /progress
 done
 echo done > /finished
 """

@@ -541,7 +541,11 @@ class BackendConformance:
         count after the resume; a paused sandbox answers nothing (``SandboxPaused``)."""
         self.need(Feature.PAUSE)
         sb = dsec_sandboxes.create()
-        loop = "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n; sleep 0.02; done) >/dev/null 2>&1 &"
+        # each count replaces the file whole (a reader never sees it truncated and empty)
+        loop = (
+            "(i=0; while :; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; "
+            "sleep 0.02; done) >/dev/null 2>&1 &"
+        )
         sb.exec(loop, background=True).check()
         time.sleep(0.3)
         first = int(sb.exec("cat /tmp/n").stdout)

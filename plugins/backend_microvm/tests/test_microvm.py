@@ -229,7 +229,9 @@ def test_restore_n_from_a_memory_snapshot_goes_on_from_its_instant(vm, dsec_clie
     s = vm.session()
     s.exec("N=7")
     vm.exec(
-        "(i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.1; done) "
+        # each count replaces the file whole (a reader never sees it truncated and empty)
+        "(i=0; while true; do i=$((i+1)); echo $i > /root/count.new; "
+        "mv /root/count.new /root/count; sleep 0.1; done) "
         "> /dev/null 2>&1 &",
         background=True,
     ).check()
