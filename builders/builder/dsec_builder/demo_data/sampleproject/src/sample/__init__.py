@@ -1,0 +1,3 @@
+def main():
+    """Entry point for the application script"""
+    print("Call your main application code here")
