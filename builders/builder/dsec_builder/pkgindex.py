@@ -321,7 +321,7 @@ class EgressIndex:
     def _pick_subnet(self) -> ipaddress.IPv4Network:
         """A /24 of ``INDEX_NETWORK`` no address in the egress namespace is in yet (another
         index, a test's server namespace), apart from the sandboxes' subnet."""
-        nets = list(ipaddress.ip_network(INDEX_NETWORK).subnets(new_prefix=24))[1:]
+        nets = list(ipaddress.IPv4Network(INDEX_NETWORK).subnets(new_prefix=24))[1:]
         if self._subnet is not None:
             return nets[self._subnet % len(nets)]
         out = run_tool(

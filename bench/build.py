@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""Building environments through the builder vs as Dockerfiles with docker, in one run.
+
+Ten variants of one environment that share a base (the default catalog's ``python``
+environment: the Debian base and the toolkit): each copies its own variant of a small public
+repository (pypa/sampleproject, from the demo's test data) into /workspace/sample and installs
+its dependency (peppercorn) with pip from a local PEP 503 index (``dsec_builder.pkgindex``).
+
+- builder: each variant is a build session driven by the builder's scripted driver
+  (``dsec_builder``: start from ``python`` with a policy granting the index, the same plan of
+  writes and one exec, then ``finish``: scrub, pack_diff, QA, publish). Bytes stored: the layer
+  store's blobs the ten environments use, each blob counted once (the base and toolkit once).
+- docker: each variant is a Dockerfile ``FROM`` the same base (dsec's base and toolkit layers
+  exported into the daemon first, not timed), ``COPY`` of the variant and a ``RUN`` of the same
+  install command, built one after the other by a dockerd this script starts on a private
+  socket and data root (``--bridge=none --iptables=false``; builds run with ``--network host``
+  to reach the index on loopback) and stops by pid at the end. Bytes stored: the sizes of the
+  unique layers of the ten images (``docker history``: each layer counted once, the base
+  once), and, as a cross-check, what its data root holds on disk.
+
+    python bench/build.py [--quick] [--variants N]
+
+--quick: 3 variants instead of 10 (under a minute once the catalog is built). The last line
+printed is one JSON object; ``builder_vs_docker_time_ratio`` and
+``builder_vs_docker_bytes_ratio`` are builder / docker (below 1: the builder is faster, stores
+less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec_builder.pkgindex import EgressIndex, LoopbackIndex
+
+from dsec_core.catalog.model import default_catalog_file
+from dsec_core.config import NodeConfig
+from dsec_core.demo import ensure_catalog
+from dsec_core.layers.store import LayerStore
+from dsec_core.records import LayerInfo
+
+HERE = Path(__file__).resolve().parent
+ENV = "python"
+TARGET_BYTES_RATIO = 0.2  # the layers should store at most 1/5 of docker's bytes
+
+
+# --- the variants ---------------------------------------------------------------------------
+def variant_tree(root: Path, k: int) -> Path:
+    """Variant ``k`` of the sample repository: the repository plus a module of its own."""
+    from dsec_builder.demo import SAMPLE_PROJECT
+
+    dest = root / f"variant-{k}" / "sample"
+    shutil.copytree(SAMPLE_PROJECT, dest)
+    (dest / "src" / "sample" / "variant.py").write_text(
+        f'"""Variant {k} of the benchmark\'s environment."""\n\nVARIANT = {k}\n'
+    )
+    return dest
+
+
+def files_of(tree: Path) -> dict[str, str]:
+    """A tree's files as {path relative to it: text} (the sample repository is all text)."""
+    return {
+        os.fspath(p.relative_to(tree)): p.read_text()
+        for p in sorted(tree.rglob("*"))
+        if p.is_file()
+    }
+
+
+# --- docker ---------------------------------------------------------------------------------
+@dataclass
+class Dockerd:
+    """A dockerd this script started: its CLI prefix and data root."""
+
+    cli: list[str]
+    root: Path
+    proc: subprocess.Popen[bytes]
+
+    def run(self, *args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+        r = subprocess.run(
+            [*self.cli, *args], capture_output=True, text=True, timeout=timeout, **kw
+        )
+        if r.returncode != 0:
+            raise SystemExit(f"docker {' '.join(args[:3])} failed: {r.stderr[-2000:]}")
+        return r
+
+
+@contextlib.contextmanager
+def private_dockerd() -> Iterator[Dockerd]:
+    """A dockerd on a socket and data root of its own (no bridge, no iptables), stopped by pid
+    and its directory removed at the end."""
+    docker, daemon = shutil.which("docker"), shutil.which("dockerd")
+    if not docker or not daemon:
+        raise SystemExit("bench: docker.io is not installed (no docker or dockerd)")
+    root = Path(tempfile.mkdtemp(prefix="dsec-bench-dockerd-", dir="/var/tmp"))
+    sock = root / "docker.sock"
+    log = open(root / "dockerd.log", "wb")
+    proc = subprocess.Popen(
+        [
+            daemon,
+            "--host", f"unix://{sock}",
+            "--bridge=none", "--iptables=false", "--ip-masq=false",
+            "--pidfile", os.fspath(root / "docker.pid"),
+            "--data-root", os.fspath(root / "data"),
+            "--exec-root", os.fspath(root / "exec"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        start_new_session=True,
+    )  # fmt: skip
+    cli = [docker, "-H", f"unix://{sock}"]
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run([*cli, "version"], capture_output=True).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (root / "dockerd.log").read_text(errors="replace")[-800:]
+                raise SystemExit(f"bench: dockerd did not start: {tail}")
+            time.sleep(0.3)
+        yield Dockerd(cli, root, proc)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+        subprocess.run(["umount", "-R", "-l", os.fspath(root)], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def mounted_layer(store: LayerStore, info: LayerInfo) -> Iterator[Path]:
+    """A layer's EROFS image mounted read-only (a loop device) at a temporary directory."""
+    where = Path(tempfile.mkdtemp(prefix="dsec-bench-layer-", dir="/var/tmp"))
+    subprocess.run(
+        ["mount", "-t", "erofs", "-o", "ro,loop", os.fspath(store.image_path(info)), where],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", os.fspath(where)], check=True, capture_output=True)
+        where.rmdir()
+
+
+def docker_base(dockerd: Dockerd, store: LayerStore, refs_top_first: list[str], tag: str) -> None:
+    """Make ``tag`` in the daemon from dsec's layers: ``export_image`` (an OCI archive,
+    ``docker load``) where this dsec has it, else each layer's tree as one ``docker import`` /
+    ``COPY`` layer over the one below (plain trees: the default catalog's base and toolkit
+    have no whiteouts)."""
+    try:
+        from dsec_core.layers.image import export_image  # type: ignore[import-not-found]
+    except ImportError:
+        export_image = None
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        if export_image is not None:
+            archive = Path(tmp) / "base.tar"
+            export_image(store, refs_top_first, archive, tag=tag)
+            dockerd.run("load", "-i", os.fspath(archive))
+            return
+        infos = [store.resolve(r) for r in reversed(refs_top_first)]
+        below = None
+        for n, info in enumerate(infos):
+            name = tag if n == len(infos) - 1 else f"{tag}-{n}"
+            with mounted_layer(store, info) as tree:
+                if below is None:
+                    archive = Path(tmp) / "base.tar"
+                    with tarfile.open(archive, "w") as tar:
+                        tar.add(tree, arcname=".")
+                    dockerd.run("import", os.fspath(archive), name)
+                else:
+                    ctx = Path(tmp) / f"ctx-{n}"
+                    shutil.copytree(tree, ctx / "tree", symlinks=True)
+                    (ctx / "Dockerfile").write_text(f"FROM {below}\nCOPY tree/ /\n")
+                    dockerd.run("build", "-q", "-t", name, os.fspath(ctx))
+            below = name
+
+
+def docker_variants(
+    dockerd: Dockerd, base: str, trees: list[Path], install: str
+) -> tuple[float, list[str]]:
+    """Build one image per variant tree (``FROM base``, ``COPY``, ``RUN install``), in turn:
+    wall seconds and the image tags."""
+    tags = []
+    started = time.perf_counter()
+    for k, tree in enumerate(trees):
+        ctx = tree.parent
+        (ctx / "Dockerfile").write_text(
+            f"FROM {base}\nCOPY sample /workspace/sample\nRUN {json.dumps(['sh', '-c', install])}\n"
+        )
+        tag = f"dsec-bench-variant:{k}"
+        dockerd.run(
+            "build", "-q", "--network", "host", "-t", tag, os.fspath(ctx),
+            env={**os.environ, "DOCKER_BUILDKIT": "0"},  # no buildx here: the classic builder
+        )  # fmt: skip
+        tags.append(tag)
+    return time.perf_counter() - started, tags
+
+
+def docker_bytes(dockerd: Dockerd, tags: list[str]) -> int:
+    """The sizes of the unique layers of ``tags`` (``docker history``: a layer shared by
+    several images, the base's, is counted once)."""
+    seen: dict[str, int] = {}
+    for tag in tags:
+        out = dockerd.run(
+            "history", "--no-trunc", "--human=false", "--format", "{{.ID}}\t{{.Size}}", tag
+        ).stdout
+        for i, line in enumerate(out.splitlines()):
+            ident, size = line.split("\t")
+            key = ident if ident != "<missing>" else f"{tag}#{i}"
+            seen[key] = int(size)
+    return sum(seen.values())
+
+
+def image_size(dockerd: Dockerd, tag: str) -> int:
+    """An image's whole size, its base's layers included."""
+    return int(dockerd.run("image", "inspect", "--format", "{{.Size}}", tag).stdout)
+
+
+def du_bytes(path: Path) -> int:
+    r = subprocess.run(["du", "-sb", os.fspath(path)], capture_output=True, text=True)
+    return int(r.stdout.split()[0]) if r.returncode == 0 else 0
+
+
+# --- dsec -----------------------------------------------------------------------------------
+def dsec_bytes(store: LayerStore, refs: set[str]) -> int:
+    """The bytes of the store's blobs behind ``refs``, each blob counted once."""
+    blobs = {info.digest: info.size for info in (store.resolve(r) for r in refs)}
+    return sum(blobs.values())
+
+
+def builder_variants(
+    config: NodeConfig, index: EgressIndex, trees: list[Path]
+) -> tuple[float, list[str]]:
+    """Each variant built in a sandbox of ``ENV`` granted the index: its files written, the
+    install run, its writable layer packed (pack_diff, scrubbed): wall seconds and the refs."""
+    from dsec_builder.demo import install_command
+
+    from dsec_core.records import SandboxSpec
+    from dsec_core.sdk import Client
+
+    refs = []
+    started = time.perf_counter()
+    with Client() as client:
+        for k, tree in enumerate(trees):
+            sb = client.create(
+                SandboxSpec(
+                    environment=ENV,
+                    network="allowlist",
+                    policies={"egress": {"allow": [index.allow_rule]}},
+                    ttl=600,
+                )
+            )
+            try:
+                for path, text in files_of(tree).items():
+                    sb.write_file(f"/workspace/sample/{path}", text)
+                r = sb.exec(install_command(index.url), timeout=300)
+                if r.exit_code != 0:
+                    raise SystemExit(f"bench: variant {k}: install failed: {r.stderr[-2000:]!r}")
+                info = sb.pack_diff(name=f"bench-build-variant-{k}")
+            finally:
+                sb.kill()
+            refs.append(info.ref)
+    return time.perf_counter() - started, refs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 variants (under a minute)")
+    ap.add_argument("--variants", type=int, default=None, help="how many variants (default 10)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench: needs root")
+    n = args.variants or (3 if args.quick else 10)
+
+    from dsec_builder.demo import index_wheels, install_command
+
+    config = NodeConfig.from_env()
+    config.ensure_dirs()
+    catalog = ensure_catalog(default_catalog_file(), config)
+    env = catalog.environment(ENV)
+    store = LayerStore(config.layer_dir)
+    env_refs = [*env.toolkits, *env.workspaces, env.base]  # top first
+    fig: dict = {"quick": args.quick, "variants": n, "environment": ENV}
+
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-build-", dir="/var/tmp") as tmp_:
+        tmp = Path(tmp_)
+        wheels = index_wheels(tmp / "wheels")
+        trees = [variant_tree(tmp / "variants", k) for k in range(n)]
+
+        # builder
+        with EgressIndex(config.home, wheels, tmp / "egress-index.jsonl") as index:
+            t_builder, refs = builder_variants(config, index, trees)
+        fig["builder_seconds"] = round(t_builder, 2)
+        fig["builder_bytes"] = dsec_bytes(store, {*env_refs, *refs})
+        fig["builder_variant_bytes_mean"] = round(dsec_bytes(store, set(refs)) / n)
+        for ref in refs:  # the bench's own layers go; the catalog's stay
+            store.remove(ref)
+
+        # docker
+        with private_dockerd() as dockerd, LoopbackIndex(wheels) as index:
+            started = time.perf_counter()
+            docker_base(dockerd, store, env_refs, "dsec-bench-base:1")
+            fig["docker_base_seconds"] = round(time.perf_counter() - started, 2)
+            t_docker, tags = docker_variants(
+                dockerd, "dsec-bench-base:1", trees, install_command(index.url)
+            )
+            fig["docker_seconds"] = round(t_docker, 2)
+            fig["docker_bytes"] = docker_bytes(dockerd, ["dsec-bench-base:1", *tags])
+            base_bytes = docker_bytes(dockerd, ["dsec-bench-base:1"])
+            fig["docker_variant_bytes_mean"] = round((fig["docker_bytes"] - base_bytes) / n)
+            # what the ten images weigh one by one (``docker save`` of each, a registry
+            # without cross-repository layer sharing): the base in each of them
+            fig["docker_images_total_bytes"] = sum(image_size(dockerd, t) for t in tags)
+            fig["docker_data_root_bytes"] = du_bytes(dockerd.root / "data")
+
+    fig["builder_vs_docker_time_ratio"] = round(fig["builder_seconds"] / fig["docker_seconds"], 3)
+    fig["builder_vs_docker_bytes_ratio"] = round(fig["builder_bytes"] / fig["docker_bytes"], 3)
+
+    def mb(b: int) -> str:
+        return f"{b / 1e6:.1f} MB"
+
+    rows = [
+        ("builder: wall time", f"{fig['builder_seconds']} s"),
+        ("docker: wall time (base import not counted)", f"{fig['docker_seconds']} s"),
+        ("builder: layer blobs stored", mb(fig["builder_bytes"])),
+        ("docker: unique image layers", mb(fig["docker_bytes"])),
+        ("docker: its data root on disk", mb(fig["docker_data_root_bytes"])),
+        (
+            "per variant, builder / docker",
+            f"{fig['builder_variant_bytes_mean'] / 1e3:.1f} kB / "
+            f"{fig['docker_variant_bytes_mean'] / 1e3:.1f} kB",
+        ),
+        ("docker: the images' sizes summed", mb(fig["docker_images_total_bytes"])),
+        ("builder / docker, time", fig["builder_vs_docker_time_ratio"]),
+        ("builder / docker, bytes", fig["builder_vs_docker_bytes_ratio"]),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{n} variants of {ENV!r} sharing its base ({'quick' if args.quick else 'full'})")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    ok = fig["builder_vs_docker_bytes_ratio"] <= TARGET_BYTES_RATIO
+    print(
+        f"  {'met' if ok else 'MISSED'}: builder_vs_docker_bytes_ratio = "
+        f"{fig['builder_vs_docker_bytes_ratio']} (<= {TARGET_BYTES_RATIO}, a 5x win)"
+    )
+    print(json.dumps(fig))
+
+
+if __name__ == "__main__":
+    main()
