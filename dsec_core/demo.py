@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .catalog.build import build_catalog
-from .catalog.model import default_catalog_file, load_catalog
+from .catalog.model import Task, default_catalog_file, load_catalog
 from .catalog.rewards import compute_reward
 from .catalog.store import CatalogStore
 from .config import NodeConfig
@@ -146,17 +147,31 @@ def _unavailable(backend: str) -> str | None:
     return None
 
 
-def run_demo(catalog_file: str | None = None, console: Console | None = None) -> list[dict]:
+def run_demo(
+    catalog_file: str | None = None,
+    console: Console | None = None,
+    tasks: Sequence[str | Task] = (),
+) -> list[dict]:
+    """One rollout per task of the catalog file (default: the shipped catalog, built if
+    missing) or, with ``tasks``, of those tasks of the node's registered catalogs (names as
+    ``CatalogStore.task`` takes them, or ``Task`` records: what ``dsec build`` published, say).
+    Prints a table and returns one row per rollout."""
     console = console or Console()
     config = NodeConfig.from_env()
-    path = Path(catalog_file) if catalog_file else default_catalog_file()
-    catalog = ensure_catalog(path, config, console)
+    if tasks:
+        store = CatalogStore(config.catalog_dir)
+        chosen = [t if isinstance(t, Task) else store.task(t) for t in tasks]
+        env_of = store.environment
+    else:
+        path = Path(catalog_file) if catalog_file else default_catalog_file()
+        catalog = ensure_catalog(path, config, console)
+        chosen, env_of = list(catalog.tasks), catalog.environment
     Client().close()  # start the embedded node if none runs
-    backends = {t.name: catalog.environment(t.environment).backend for t in catalog.tasks}
+    backends = {t.name: env_of(t.environment).backend for t in chosen}
     # the container tasks in parallel first; then each task on another backend (a microVM),
     # alone, as its guest boots on the same cores
-    first = [t for t in catalog.tasks if backends[t.name] in (None, DEFAULT_BACKEND)]
-    later = [t for t in catalog.tasks if t not in first]
+    first = [t for t in chosen if backends[t.name] in (None, DEFAULT_BACKEND)]
+    later = [t for t in chosen if t not in first]
     skipped: list[str] = []
 
     async def on_own_backend(client: AsyncClient, task) -> dict[str, Any] | None:

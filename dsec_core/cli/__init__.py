@@ -739,10 +739,19 @@ def node_openapi() -> None:
     type=click.Path(exists=True, dir_okay=False),
     help="Catalog file (default: the shipped catalog/default.yaml).",
 )
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    help="Run only this task of the node's registered catalogs (one `dsec build` published, "
+    "say) instead of a catalog file's; repeat for more.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Also print the results as JSON.")
-def demo_cmd(catalog_file, as_json) -> None:
+def demo_cmd(catalog_file, tasks, as_json) -> None:
     """Build the default catalog if missing, run one rollout per task in parallel, score them."""
-    results = run_demo(catalog_file, console=console)
+    if catalog_file and tasks:
+        raise click.UsageError("--catalog and --task do not go together")
+    results = run_demo(catalog_file, console=console, tasks=tasks)
     if as_json:
         _dump(results)
     if any(not r["ok"] for r in results):
