@@ -22,6 +22,9 @@ its dependency (peppercorn) with pip from a local PEP 503 index (``dsec_builder.
   summed (each with its base: what ten ``docker save`` archives, or a registry that shares no
   layers between repositories, would hold).
 
+The variants are built one each way in turn, the order alternating, so a shared machine's
+drift hits both sides alike; each side's time is the sum of its builds.
+
     python bench/build.py [--quick] [--variants N]
 
 --quick: 3 variants instead of 10 (under a minute once the catalog is built). The last line
@@ -55,6 +58,7 @@ from dsec_core.catalog.model import default_catalog_file
 from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.mounts import mounted_under, unmount
 from dsec_core.records import LayerInfo
 from dsec_core.sdk import Client
 
@@ -136,8 +140,11 @@ def private_dockerd() -> Iterator[Dockerd]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
-        subprocess.run(["umount", "-R", "-l", os.fspath(root)], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        # what dockerd mounted there and left (its default netns file, a bind of nsfs; the
+        # data root itself is no mount, so `umount -R root` would miss them)
+        for mp in mounted_under(root):
+            unmount(mp)
+        shutil.rmtree(root)
 
 
 @contextlib.contextmanager
@@ -189,25 +196,18 @@ def docker_base(dockerd: Dockerd, store: LayerStore, refs_top_first: list[str], 
             below = name
 
 
-def docker_variants(
-    dockerd: Dockerd, base: str, trees: list[Path], install: str
-) -> tuple[float, list[str]]:
-    """Build one image per variant tree (``FROM base``, ``COPY``, ``RUN install``), in turn:
-    wall seconds and the image tags."""
-    tags = []
-    started = time.perf_counter()
-    for k, tree in enumerate(trees):
-        ctx = tree.parent
-        (ctx / "Dockerfile").write_text(
-            f"FROM {base}\nCOPY sample /workspace/sample\nRUN {json.dumps(['sh', '-c', install])}\n"
-        )
-        tag = f"dsec-bench-variant:{k}"
-        dockerd.run(
-            "build", "-q", "--network", "host", "-t", tag, os.fspath(ctx),
-            env={**os.environ, "DOCKER_BUILDKIT": "0"},  # no buildx here: the classic builder
-        )  # fmt: skip
-        tags.append(tag)
-    return time.perf_counter() - started, tags
+def docker_variant(dockerd: Dockerd, base: str, tree: Path, k: int, install: str) -> str:
+    """Build variant ``k``'s image (``FROM base``, ``COPY`` the tree, ``RUN install``); its tag."""
+    ctx = tree.parent
+    (ctx / "Dockerfile").write_text(
+        f"FROM {base}\nCOPY sample /workspace/sample\nRUN {json.dumps(['sh', '-c', install])}\n"
+    )
+    tag = f"dsec-bench-variant:{k}"
+    dockerd.run(
+        "build", "-q", "--network", "host", "-t", tag, os.fspath(ctx),
+        env={**os.environ, "DOCKER_BUILDKIT": "0"},  # no buildx here: the classic builder
+    )  # fmt: skip
+    return tag
 
 
 def docker_bytes(dockerd: Dockerd, tags: list[str]) -> int:
@@ -242,77 +242,71 @@ def dsec_bytes(store: LayerStore, refs: set[str]) -> int:
     return sum(blobs.values())
 
 
-def builder_variants(
-    index: EgressIndex, trees: list[Path]
-) -> tuple[float, dict[str, float], list[str], list[str]]:
-    """Each variant built through the builder: a session from ``ENV`` whose policy grants the
-    index, and a plan replayed by the scripted driver (the variant's files written, the
-    install run, ``finish`` with one declared check: scrub, pack_diff, QA, publish). Wall
-    seconds, the seconds of each phase summed over the variants (session start, file writes,
-    the install, finish, and of finish QA), the published layers' refs and the builds'
-    names."""
-    from dsec_builder import BuildContext, BuildPolicy, BuildSession, BuildTools, PackageIndex
-    from dsec_builder.demo import files_of, install_command
-    from dsec_builder.plan import run_plan
+class Builder:
+    """Variants built through the builder (``dsec_builder``): each a session from ``ENV``
+    whose policy grants only the index, and a plan replayed by the scripted driver (the
+    variant's files written, the install run, ``finish`` with one declared check: scrub,
+    pack_diff, QA, publish). Keeps the seconds of each phase summed over the variants
+    (session start, file writes, the install, finish, and of finish QA), the published
+    layers' refs and the builds' names."""
 
-    policy = BuildPolicy((PackageIndex("pip", index.url),))
-    refs: list[str] = []
-    names: list[str] = []
-    phases = dict.fromkeys(("start", "writes", "install", "finish", "qa"), 0.0)
-    ctx = BuildContext.from_env()
-    try:
-        started = time.perf_counter()
-        for k, tree in enumerate(trees):
-            name = f"bench-build-variant-{k}"
-            forget(ctx, name)
-            files = files_of(tree)
-            dirs = sorted({posixpath.dirname(f"/workspace/sample/{p}") for p in files})
-            plan: list[dict] = [{"tool": "exec", "args": {"command": "mkdir -p " + " ".join(dirs)}}]
-            plan += [
-                {"tool": "write", "args": {"path": f"/workspace/sample/{p}", "content": text}}
-                for p, text in files.items()
-            ]
-            plan += [
-                {"tool": "exec", "args": {"command": install_command(index.url)}, "expect_exit": 0},
-                {
-                    "tool": "finish",
-                    "args": {
-                        "checks": [
-                            {
-                                "name": "imports",
-                                "command": "cd /workspace/sample && PYTHONPATH=src python3 -c "
-                                "'import sample.variant, peppercorn'",
-                            }
-                        ]
-                    },
-                },
-            ]
-            t = time.perf_counter()
-            # as many CPUs as docker's build containers get (no limit): the session's default
-            # is one, which throttles pip
-            session = BuildSession.start(
-                ctx, from_env=ENV, name=name, version="1", policy=policy, cpu=CPUS
-            )
-            names.append(name)
-            phases["start"] += time.perf_counter() - t
-            try:
-                tools = BuildTools(session)
+    def __init__(self, index: EgressIndex) -> None:
+        from dsec_builder import BuildContext, BuildPolicy, PackageIndex
+
+        self.index = index
+        self.policy = BuildPolicy((PackageIndex("pip", index.url),))
+        self.ctx = BuildContext.from_env()
+        self.phases = dict.fromkeys(("start", "writes", "install", "finish", "qa"), 0.0)
+        self.refs: list[str] = []
+        self.names: list[str] = []
+
+    def build(self, k: int, tree: Path) -> None:
+        from dsec_builder import BuildSession, BuildTools
+        from dsec_builder.demo import files_of, install_command
+        from dsec_builder.plan import run_plan
+
+        name = f"bench-build-variant-{k}"
+        forget(self.ctx, name)
+        files = files_of(tree)
+        dirs = sorted({posixpath.dirname(f"/workspace/sample/{p}") for p in files})
+        writes: list[dict] = [{"tool": "exec", "args": {"command": "mkdir -p " + " ".join(dirs)}}]
+        writes += [
+            {"tool": "write", "args": {"path": f"/workspace/sample/{p}", "content": text}}
+            for p, text in files.items()
+        ]
+        install = [
+            {"tool": "exec", "args": {"command": install_command(self.index.url)}, "expect_exit": 0}
+        ]
+        check = (
+            "cd /workspace/sample && PYTHONPATH=src python3 -c 'import sample.variant, peppercorn'"
+        )
+        finish = [{"tool": "finish", "args": {"checks": [{"name": "imports", "command": check}]}}]
+        t = time.perf_counter()
+        # as many CPUs as docker's build containers get (no limit): the session's default is
+        # one, which throttles pip
+        session = BuildSession.start(
+            self.ctx, from_env=ENV, name=name, version="1", policy=self.policy, cpu=CPUS
+        )
+        self.names.append(name)
+        self.phases["start"] += time.perf_counter() - t
+        try:
+            tools = BuildTools(session)
+            for phase, plan in (("writes", writes), ("install", install), ("finish", finish)):
                 t = time.perf_counter()
-                run_plan(plan[:-2], tools)
-                phases["writes"] += time.perf_counter() - t
-                t = time.perf_counter()
-                run_plan(plan[-2:-1], tools)
-                phases["install"] += time.perf_counter() - t
-                t = time.perf_counter()
-                done = run_plan(plan[-1:], tools)[-1]
-                phases["finish"] += time.perf_counter() - t
-            finally:
-                session.kill()
-            refs.append(f"{done['layer']['name']}@{done['layer']['version']}")
-            phases["qa"] += done["report"]["seconds"]
-        return time.perf_counter() - started, phases, refs, names
-    finally:
-        ctx.close()
+                done = run_plan(plan, tools)[-1]
+                self.phases[phase] += time.perf_counter() - t
+        finally:
+            session.kill()
+        self.refs.append(f"{done['layer']['name']}@{done['layer']['version']}")
+        self.phases["qa"] += done["report"]["seconds"]
+
+    def close(self) -> None:
+        """Remove the bench's builds and what they published; the default catalog stays."""
+        try:
+            for name in self.names:
+                forget(self.ctx, name)
+        finally:
+            self.ctx.close()
 
 
 def forget(ctx, name: str) -> None:
@@ -358,33 +352,35 @@ def main() -> None:
         wheels = index_wheels(tmp / "wheels")
         trees = [variant_tree(tmp / "variants", k) for k in range(n)]
 
-        # builder
         Client().close()  # start the embedded node if none runs
-        with EgressIndex(config.home, wheels, tmp / "egress-index.jsonl") as index:
-            t_builder, phases, refs, names = builder_variants(index, trees)
-        fig["builder_seconds"] = round(t_builder, 2)
-        fig["builder_qa_seconds"] = round(phases["qa"], 2)
-        fig["builder_phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
-        fig["builder_bytes"] = dsec_bytes(store, {*env_refs, *refs})
-        fig["builder_variant_bytes_mean"] = round(dsec_bytes(store, set(refs)) / n)
-        from dsec_builder import BuildContext
-
-        ctx = BuildContext.from_env()
-        try:
-            for name in names:  # the bench's own builds go; the default catalog stays
-                forget(ctx, name)
-        finally:
-            ctx.close()
-
-        # docker
-        with private_dockerd() as dockerd, LoopbackIndex(wheels) as index:
+        with contextlib.ExitStack() as stack:
+            eindex = stack.enter_context(EgressIndex(config.home, wheels, tmp / "egress.jsonl"))
+            dockerd = stack.enter_context(private_dockerd())
+            lindex = stack.enter_context(LoopbackIndex(wheels))
+            builder = Builder(eindex)
+            stack.callback(builder.close)
             started = time.perf_counter()
             docker_base(dockerd, store, env_refs, "dsec-bench-base:1")
             fig["docker_base_seconds"] = round(time.perf_counter() - started, 2)
-            t_docker, tags = docker_variants(
-                dockerd, "dsec-bench-base:1", trees, install_command(index.url)
-            )
-            fig["docker_seconds"] = round(t_docker, 2)
+            install = install_command(lindex.url)
+            tags: list[str] = []
+            spent = {"builder": 0.0, "docker": 0.0}
+            for k, tree in enumerate(trees):
+                # one variant each way in turn, the order alternating: a shared machine's
+                # drift hits both sides alike
+                for way in ("builder", "docker") if k % 2 == 0 else ("docker", "builder"):
+                    t = time.perf_counter()
+                    if way == "builder":
+                        builder.build(k, tree)
+                    else:
+                        tags.append(docker_variant(dockerd, "dsec-bench-base:1", tree, k, install))
+                    spent[way] += time.perf_counter() - t
+            fig["builder_seconds"] = round(spent["builder"], 2)
+            fig["builder_qa_seconds"] = round(builder.phases["qa"], 2)
+            fig["builder_phase_seconds"] = {k: round(v, 2) for k, v in builder.phases.items()}
+            fig["builder_bytes"] = dsec_bytes(store, {*env_refs, *builder.refs})
+            fig["builder_variant_bytes_mean"] = round(dsec_bytes(store, set(builder.refs)) / n)
+            fig["docker_seconds"] = round(spent["docker"], 2)
             fig["docker_bytes"] = docker_bytes(dockerd, ["dsec-bench-base:1", *tags])
             base_bytes = docker_bytes(dockerd, ["dsec-bench-base:1"])
             fig["docker_variant_bytes_mean"] = round((fig["docker_bytes"] - base_bytes) / n)

@@ -17,17 +17,22 @@ from dsec_core.linux.netns import NETNS_DIR
 from dsec_core.records import BUILD_LABEL, STAGED_PREFIX, SandboxSpec
 
 
-def build_demo(python_node, *args: str) -> subprocess.CompletedProcess:
+def dsec(python_node, *args: str) -> subprocess.CompletedProcess:
+    """``dsec ARGS`` against the test's node."""
     env = dict(os.environ, DSEC_HOME=os.fspath(python_node.home))
     for var in ("DSEC_ADDRESS", "DSEC_API_KEY", "DSEC_RUNTIME_ADDRESS", "DSEC_RUNTIME_API_KEY"):
         env.pop(var, None)
     return subprocess.run(
-        [sys.executable, "-m", "dsec_core.cli", "build", "demo", *args],
+        [sys.executable, "-m", "dsec_core.cli", *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def build_demo(python_node, *args: str) -> subprocess.CompletedProcess:
+    return dsec(python_node, "build", "demo", *args)
 
 
 def outcome(out: subprocess.CompletedProcess) -> dict:
@@ -85,6 +90,14 @@ def test_build_demo_builds_publishes_and_runs_the_task(python_node):
     layers = LayerStore(python_node.config.layer_dir)
     assert not [i for i in layers.list() if i.name.startswith(STAGED_PREFIX)]
     assert index_namespaces() == before
+
+    # `dsec demo --task` runs it by name too, from the node's registered catalogs
+    out = dsec(python_node, "demo", "--task", DEMO_TASK, "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads(out.stdout[out.stdout.index("[\n") :])
+    assert (row["task"], row["reward"], row["ok"]) == (DEMO_TASK, 0.5, True)
+    out = dsec(python_node, "demo", "--task", "no-such-task")
+    assert out.returncode == 1 and "Error: unknown task 'no-such-task'" in out.stderr
 
     # again: a new version of the same build (layers are immutable), the same outcome
     again = outcome(build_demo(python_node, "--json"))
