@@ -159,6 +159,10 @@ def test_the_dependency_from_the_index_is_installed():
     assert peppercorn.parse(fields) == {"name": "dsec", "tags": ["a"]}
 '''
 
+#: The builder's notes, kept under BUILD_NOTES_DIR (scrubbed before packing) and declared
+#: secret, so the leak scan fails the build if they reach the packed layer.
+NOTES = "builder's notes: add_one stubbed for the task; peppercorn came from the local index\n"
+
 #: How the task is run and scored: the JUnit pass rate of the hidden tests.
 TASK_COMMAND = (
     f"cd {REPO_DIR} && PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider "
@@ -169,8 +173,8 @@ TASK_COMMAND = (
 def demo_plan(index_url: str) -> list[dict[str, Any]]:
     """The demo's build plan (the steps the scripted driver replays, tool by tool): copy the
     repository in, stub ``add_one`` and describe the task, install the dependency from the
-    index at ``index_url``, keep notes (scrubbed), and finish with the task, its hidden tests
-    and reference solution (both secret) and a declared check."""
+    index at ``index_url``, keep notes (scrubbed), and finish with the task, its hidden tests,
+    reference solution and the notes (all three secret) and two declared checks."""
     files = files_of(SAMPLE_PROJECT)
     dirs = sorted({posixpath.dirname(f"{REPO_DIR}/{p}") for p in files})
     steps: list[dict[str, Any]] = [
@@ -195,7 +199,7 @@ def demo_plan(index_url: str) -> list[dict[str, Any]]:
             "tool": "write",
             "args": {
                 "path": f"{BUILD_NOTES_DIR}/NOTES.md",
-                "content": "builder's notes: stubbed add_one, peppercorn from the local index\n",
+                "content": NOTES,
             },
         },
         {"tool": "list", "args": {"path": REPO_DIR}},
@@ -219,6 +223,8 @@ def demo_plan(index_url: str) -> list[dict[str, Any]]:
                     "timeout": 120,
                     "tests": {f"{REPO_DIR}/tests/test_hidden.py": HIDDEN_TEST},
                     "reference": {f"{REPO_DIR}/src/sample/simple.py": REFERENCE},
+                    # the notes are the builder's only: a hit would fail the build
+                    "secrets": [NOTES],
                 },
             },
         },
@@ -282,7 +288,8 @@ def _forget_unfinished(ctx: BuildContext, name: str) -> None:
 def run_build_demo(
     *, name: str = DEMO_BUILD, from_env: str = "python", console: Console | None = None
 ) -> DemoResult:
-    """Build the demo's task environment through the builder and run its task.
+    """Build the demo's task environment through the builder and run its task, on the local
+    node (``DSEC_HOME``; ``DSEC_ADDRESS`` is refused).
 
     Builds the default catalog if ``from_env`` is not registered and starts the embedded node
     if none runs (as ``dsec demo`` does); serves ``index_wheels`` as a package index attached
@@ -292,6 +299,12 @@ def run_build_demo(
     published task as ``dsec demo`` runs its tasks. A failure at any step raises its typed
     error; the index and the build session are gone either way."""
     console = console or Console()
+    if os.environ.get("DSEC_ADDRESS"):
+        raise InvalidSpec(
+            "dsec build demo runs on the local node (DSEC_HOME): its package index is attached "
+            "to that node's egress namespace; unset DSEC_ADDRESS",
+            field="DSEC_ADDRESS",
+        )
     config = NodeConfig.from_env()
     config.ensure_dirs()
     seconds: dict[str, float] = {}
