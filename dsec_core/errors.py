@@ -28,6 +28,7 @@ __all__ = [
     "LayerCorrupt",
     "LayerExists",
     "LayerInUse",
+    "LeakFound",
     "LeaseHeld",
     "MissingParentLayers",
     "MountError",
@@ -194,6 +195,14 @@ class LayerInUse(DsecError):
     it would leave them unrestorable. Remove them first, or force it."""
 
     http_status = 409
+
+
+class LeakFound(DsecError):
+    """``pack_diff``'s leak scan found a declared secret (a hidden test, a reference solution)
+    in the packed layer, which was removed. ``hits`` lists ``{"path": ..., "label": ...}``:
+    the file inside the sandbox and the secret's label. Never carries the secret's text."""
+
+    http_status = 422
 
 
 class LeaseHeld(DsecError):

@@ -18,6 +18,8 @@ from typing import Any
 from .errors import AdmissionRejected, CommandFailed, ExecTimeout, InvalidSpec
 
 __all__ = [
+    "BUILD_LABEL",
+    "BUILD_NOTES_DIR",
     "COMPARE_MODES",
     "DEFAULT_BACKEND",
     "DEFAULT_DISK",
@@ -28,6 +30,7 @@ __all__ = [
     "PROJECT_LABEL",
     "QOS_CLASSES",
     "SANDBOX_START_MEMORY",
+    "STAGED_PREFIX",
     "VERDICTS",
     "CaseResult",
     "DeviceRequest",
@@ -676,6 +679,14 @@ class PolicyState(_Record):
 PROJECT_LABEL = "dsec.project"
 #: The label of a node's pool (``NodeLoad.labels``): ``overflow`` for the burst pool.
 POOL_LABEL = "dsec.pool"
+#: The label of a build session's sandbox (its value: the build's name). Only admin and
+#: builder keys may create one, and the apiserver hides such sandboxes from every other key.
+BUILD_LABEL = "dsec.build"
+#: Layers whose name starts with this are a build's staged output, not yet through QA: only
+#: admin and builder keys may pack to, create from or restore such a layer.
+STAGED_PREFIX = "staged-"
+#: Where a builder keeps its notes inside a build sandbox; ``pack_diff``'s scrub leaves it out.
+BUILD_NOTES_DIR = "/.dsec-build"
 
 
 @dataclass(frozen=True)

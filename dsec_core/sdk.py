@@ -552,12 +552,16 @@ class Client:
         exclude: Sequence[str] = (),
         scrub: bool = True,
         source: str | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> LayerInfo:
         """Pack the running sandbox's writable layer into a snapshot layer over its layers
         (``Node.pack_diff``): the sandbox is frozen meanwhile. ``exclude`` leaves paths out;
-        ``scrub`` also leaves out /tmp, caches and shell histories; ``source`` (a URL of one
-        of the node's layer sources) also pushes it there, with the parents it lacks."""
-        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
+        ``scrub`` also leaves out /tmp, caches, shell histories and credentials; ``source``
+        (a URL of one of the node's layer sources) also pushes it there, with the parents it
+        lacks. ``secrets`` (label -> text, e.g. ``{"hidden-test": ...}``): the packed layer
+        is scanned for each; a hit removes it and raises ``LeakFound`` naming paths and
+        labels."""
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source, dict(secrets or {}))
         return self._call("pack_diff", body, sid=sandbox_id)
 
     def snapshot_memory(self, sandbox_id: str, name: str | None = None) -> MemorySnapshot:
@@ -945,9 +949,10 @@ class AsyncClient:
         exclude: Sequence[str] = (),
         scrub: bool = True,
         source: str | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> LayerInfo:
         """``Client.pack_diff``, awaited."""
-        body = PackDiffRequest(name, version, tuple(exclude), scrub, source)
+        body = PackDiffRequest(name, version, tuple(exclude), scrub, source, dict(secrets or {}))
         return await self._call("pack_diff", body, sid=sandbox_id)
 
     async def snapshot_memory(self, sandbox_id: str, name: str | None = None) -> MemorySnapshot:

@@ -635,7 +635,9 @@ class PackDiffRequest(Message):
 
     ``name`` defaults to ``snapshot-<id>``, ``version`` to the first 12 hex digits of its
     digest; ``exclude`` lists paths inside the sandbox left out (with all below them), and
-    ``scrub`` also leaves out the usual scratch (/tmp, caches, shell histories)."""
+    ``scrub`` also leaves out the usual scratch (/tmp, caches, shell histories, credentials).
+    ``secrets`` maps a label ("hidden-test") to a text that must not be in the layer: the node
+    scans the packed layer for it and fails with ``LeakFound`` (removing the layer) on a hit."""
 
     name: str | None = None
     version: str | None = None
@@ -644,6 +646,7 @@ class PackDiffRequest(Message):
     #: The URL of one of the node's layer sources to push the snapshot (and the parents it
     #: lacks) to, so other nodes can restore it; None: the node's own store only.
     source: str | None = None
+    secrets: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.exclude, str):
@@ -653,6 +656,14 @@ class PackDiffRequest(Message):
             )
         if isinstance(self.exclude, AbcSequence) and not isinstance(self.exclude, tuple):
             object.__setattr__(self, "exclude", tuple(self.exclude))
+        if not isinstance(self.secrets, Mapping):
+            raise InvalidSpec("secrets must map a label to its text", field="secrets")
+        for label, text in self.secrets.items():
+            if not isinstance(label, str) or not label.strip():
+                raise InvalidSpec(f"secrets: bad label {label!r}", field="secrets")
+            if not isinstance(text, str) or not text.strip():
+                # Never echo a secret's text, even a malformed one.
+                raise InvalidSpec(f"secrets: {label!r} has no text to scan for", field="secrets")
 
 
 @dataclass(frozen=True)

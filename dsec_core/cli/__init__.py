@@ -464,9 +464,28 @@ def sandbox_policy(sandbox_id, policy, settings) -> None:
     "--no-scrub", is_flag=True, help="Keep /tmp, caches and shell histories in the snapshot."
 )
 @click.option("--source", help="Also push it (and the parents it lacks) to this layer source.")
+@click.option(
+    "--secret",
+    "secret_files",
+    multiple=True,
+    metavar="LABEL=FILE",
+    help="Fail (and keep no layer) if FILE's text, or any of its lines of 24+ characters, is "
+    "in the snapshot; LABEL names it in the error. Repeat.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def sandbox_pack_diff(sandbox_id, name, version, exclude, no_scrub, source, as_json) -> None:
+def sandbox_pack_diff(
+    sandbox_id, name, version, exclude, no_scrub, source, secret_files, as_json
+) -> None:
     """Pack a running sandbox's writable layer into a snapshot layer; print its ref."""
+    secrets: dict[str, str] = {}
+    for item in secret_files:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise click.BadParameter(f"expected LABEL=FILE, got {item!r}", param_hint="--secret")
+        try:
+            secrets[label] = Path(path).read_text(errors="replace")
+        except OSError as e:
+            raise click.BadParameter(f"cannot read {path}: {e}", param_hint="--secret") from None
     with Client() as client:
         info = client.pack_diff(
             sandbox_id,
@@ -475,6 +494,7 @@ def sandbox_pack_diff(sandbox_id, name, version, exclude, no_scrub, source, as_j
             exclude=exclude,
             scrub=not no_scrub,
             source=source,
+            secrets=secrets,
         )
     if as_json:
         _dump(info.to_dict())

@@ -1043,6 +1043,7 @@ class Node:
         exclude: Sequence[str] = (),
         scrub: bool = True,
         source: str | None = None,
+        secrets: Mapping[str, str] | None = None,
     ) -> LayerInfo:
         """Pack the running sandbox's writable layer into a ``snapshot`` layer of the node's
         store over the sandbox's layers (``node.snapshots``): ``name`` (default
@@ -1066,6 +1067,10 @@ class Node:
             )
         if sb.packing is not None:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
+        if secrets:
+            raise FeatureUnavailable(
+                "pack_diff's leak scan (secrets=) is not in this node yet", feature="secrets"
+            )
         paths = exclude_paths(exclude, scrub)
         target = None if source is None else self._source(source)
         parents = list(sb.layers)

@@ -261,7 +261,13 @@ async def _create(node: Node, c: Call) -> CreateResult:
 async def _pack_diff(node: Node, c: Call) -> Any:
     b = c.body
     return await node.pack_diff(
-        c.sid, name=b.name, version=b.version, exclude=b.exclude, scrub=b.scrub, source=b.source
+        c.sid,
+        name=b.name,
+        version=b.version,
+        exclude=b.exclude,
+        scrub=b.scrub,
+        source=b.source,
+        secrets=b.secrets,
     )
 
 
