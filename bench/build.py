@@ -17,10 +17,10 @@ its dependency (peppercorn) with pip from a local PEP 503 index (``dsec_builder.
   install command, built one after the other by a dockerd this script starts on a private
   socket and data root (``--bridge=none --iptables=false``; builds run with ``--network host``
   to reach the index on loopback) and stops by pid at the end. Bytes stored: the sizes of the
-  unique layers of the ten images (``docker history``: each layer counted once, the base
-  once), and, as cross-checks, what its data root holds on disk and the ten images' sizes
-  summed (each with its base: what ten ``docker save`` archives, or a registry that shares no
-  layers between repositories, would hold).
+  unique layers of the ten images (each layer counted once, the base once: chain IDs and the
+  daemon's layer database), and, as cross-checks, what its data root holds on disk and the
+  ten images' sizes summed (each with its base: what ten ``docker save`` archives, or a
+  registry that shares no layers between repositories, would hold).
 
 The variants are built one each way in turn, the order alternating, so a shared machine's
 drift hits both sides alike; each side's time is the sum of its builds.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import posixpath
@@ -211,18 +212,27 @@ def docker_variant(dockerd: Dockerd, base: str, tree: Path, k: int, install: str
 
 
 def docker_bytes(dockerd: Dockerd, tags: list[str]) -> int:
-    """The sizes of the unique layers of ``tags`` (``docker history``: a layer shared by
-    several images, the base's, is counted once)."""
-    seen: dict[str, int] = {}
+    """The sizes of the unique layers of ``tags`` as the daemon stores them, each counted once
+    (the base's, shared by every variant, once): the layers' chain IDs from each image's
+    ``RootFS.Layers`` and each layer's size from the daemon's layer database (``docker
+    history`` cannot tell a loaded image's layers apart: their IDs are all "<missing>")."""
+    sizes: dict[str, int] = {}
+    layerdb = dockerd.root / "data" / "image" / "overlay2" / "layerdb" / "sha256"
     for tag in tags:
-        out = dockerd.run(
-            "history", "--no-trunc", "--human=false", "--format", "{{.ID}}\t{{.Size}}", tag
-        ).stdout
-        for i, line in enumerate(out.splitlines()):
-            ident, size = line.split("\t")
-            key = ident if ident != "<missing>" else f"{tag}#{i}"
-            seen[key] = int(size)
-    return sum(seen.values())
+        diff_ids = json.loads(
+            dockerd.run("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
+        )
+        chain = ""
+        for diff_id in diff_ids:
+            # the image spec's ChainID: the first layer's DiffID, then
+            # sha256(parent ChainID + " " + DiffID)
+            chain = diff_id if not chain else "sha256:" + _sha256(f"{chain} {diff_id}")
+            sizes[chain] = int((layerdb / chain.split(":", 1)[1] / "size").read_text())
+    return sum(sizes.values())
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def image_size(dockerd: Dockerd, tag: str) -> int:

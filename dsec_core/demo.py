@@ -12,8 +12,9 @@ container ones, or are skipped with one line saying why where that backend canno
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,9 @@ def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = Non
     return catalog
 
 
-async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
+async def _rollout(
+    client: AsyncClient, task, files: Mapping[str, str | bytes] | None = None
+) -> dict[str, Any]:
     if task.judge is not None:
         return await _judged(client, task)
     started = time.monotonic()
@@ -74,6 +77,10 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         SandboxSpec(environment=task.environment, ttl=600, cpu=1.0, memory="512M")
     )
     try:
+        # a grader's files (hidden tests): written into this sandbox only, never the layers
+        for path, data in (files or {}).items():
+            await sb.exec(["mkdir", "-p", posixpath.dirname(path)], timeout=30)
+            await sb.write_file(path, data)
         # the reward comes from this result: run it as a verifier should, alone in the sandbox
         result = await sb.exec(task.command, timeout=task.timeout, exclusive=True)
 
@@ -151,12 +158,16 @@ def run_demo(
     catalog_file: str | None = None,
     console: Console | None = None,
     tasks: Sequence[str | Task] = (),
+    files: Mapping[str, Mapping[str, str | bytes]] | None = None,
 ) -> list[dict]:
     """One rollout per task of the catalog file (default: the shipped catalog, built if
-    missing) or, with ``tasks``, of those tasks of the node's registered catalogs (names as
-    ``CatalogStore.task`` takes them, or ``Task`` records: what ``dsec build`` published, say).
-    Prints a table and returns one row per rollout."""
+    missing) or, with ``tasks``, of those tasks (names of the node's registered catalogs' tasks,
+    as ``CatalogStore.task`` takes them, or ``Task`` records: one ``dsec build`` checked, say).
+    ``files`` (task name -> {absolute path: content}) are written into that task's sandbox
+    before its command, as a grader adds hidden tests the environment does not hold. Prints a
+    table and returns one row per rollout."""
     console = console or Console()
+    files = files or {}
     config = NodeConfig.from_env()
     if tasks:
         store = CatalogStore(config.catalog_dir)
@@ -179,7 +190,7 @@ def run_demo(
         why = _unavailable(backend)
         if why is None:
             try:
-                return await _rollout(client, task)
+                return await _rollout(client, task, files.get(task.name))
             except (UnknownBackend, BackendUnavailable) as e:  # the node's own check said no
                 why = str(e)
         skipped.append(f"skipped task {task.name} on backend {backend}: {why}")
@@ -187,7 +198,9 @@ def run_demo(
 
     async def all_rollouts() -> list[dict]:
         async with AsyncClient() as client:
-            done = list(await asyncio.gather(*(_rollout(client, t) for t in first)))
+            done = list(
+                await asyncio.gather(*(_rollout(client, t, files.get(t.name)) for t in first))
+            )
             for task in later:
                 row = await on_own_backend(client, task)
                 if row is not None:

@@ -15,7 +15,8 @@ import posixpath
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,6 +39,7 @@ from .errors import UnknownBuild
 from .pkgindex import EgressIndex
 from .plan import run_plan
 from .policy import BuildPolicy, PackageIndex
+from .qa import TaskSpec
 from .record import LIVE_STATES
 from .session import BuildContext, BuildSession
 from .tools import BuildTools
@@ -52,6 +54,7 @@ __all__ = [
     "demo_cmd",
     "demo_plan",
     "files_of",
+    "graded_task",
     "host_pip_wheel",
     "index_wheels",
     "install_command",
@@ -364,7 +367,8 @@ def run_build_demo(
         )
         print_summary(result, console)
         t = time.monotonic()
-        result.rollouts = run_demo(tasks=[_task(config, name)], console=console)
+        task, hidden = graded_task(ctx, name, result.finish)
+        result.rollouts = run_demo(tasks=[task], files={task.name: hidden}, console=console)
         seconds["rollout"] = round(time.monotonic() - t, 2)
     finally:
         ctx.close()
@@ -378,13 +382,22 @@ def run_build_demo(
     return result
 
 
-def _task(config: NodeConfig, catalog: str) -> Task:
-    """The task the build published, from the node's registered catalog of that name."""
-    for c in CatalogStore(config.catalog_dir).catalogs():
-        if c.name == catalog:
-            for task in c.tasks:
-                return task
-    raise UnknownEnvironment(f"catalog {catalog!r} has no task", name=catalog)
+def graded_task(
+    ctx: BuildContext, name: str, finish: Mapping[str, Any]
+) -> tuple[Task, dict[str, str]]:
+    """The task build ``name`` checked, as a grader runs it: the ``Task`` in the published
+    environment, expecting the reward QA measured for the unmodified workspace, and its hidden
+    tests ({absolute path: text}), which the environment does not hold (the build keeps them
+    for graders, in its ``task.json``)."""
+    doc = ctx.store.task(name)
+    if doc is None:
+        raise UnknownBuild(f"build {name} kept no task", name=name)
+    environment = finish["environment"]
+    spec = TaskSpec.from_dict(doc, environment)
+    (unmodified,) = [c for c in finish["report"]["checks"] if c["name"] == "unmodified-fails"]
+    workdir = CatalogStore(ctx.config.catalog_dir).environment(environment).workdir
+    hidden = {posixpath.join(workdir, p): text for p, text in spec.tests.items()}
+    return replace(spec.task, expect=unmodified["reward"]), hidden
 
 
 def _summary(step: dict[str, Any], result: Any) -> str:
@@ -435,8 +448,8 @@ def print_summary(result: DemoResult, console: Console) -> None:
         f"({layer.get('size')} bytes) and catalog {result.build}: environment "
         f"{result.finish['environment']}; QA report {result.finish['report_path']}",
         f"plan replayed by the scripted driver: {result.plan_file}",
-        f"now the task, as `dsec demo` runs it (the shipped workspace: add_one is a stub, so "
-        f"{layer.get('name')}'s expected reward is the unmodified one)",
+        "now the task, as `dsec demo` runs one, with the hidden tests a grader adds (the "
+        "workspace as shipped: add_one is a stub, so the reward expected is QA's unmodified one)",
     ]
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
