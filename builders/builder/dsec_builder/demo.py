@@ -166,6 +166,10 @@ def test_the_dependency_from_the_index_is_installed():
 #: secret, so the leak scan fails the build if they reach the packed layer.
 NOTES = "builder's notes: add_one stubbed for the task; peppercorn came from the local index\n"
 
+#: Where the builder keeps them in the session (its notes dir: pack_diff leaves it out).
+HIDDEN_TEST_FILE = f"{BUILD_NOTES_DIR}/test_hidden.py"
+REFERENCE_FILE = f"{BUILD_NOTES_DIR}/simple.py"
+
 #: How the task is run and scored: the JUnit pass rate of the hidden tests.
 TASK_COMMAND = (
     f"cd {REPO_DIR} && PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider "
@@ -198,13 +202,11 @@ def demo_plan(index_url: str) -> list[dict[str, Any]]:
             "args": {"command": "python3 -c 'import peppercorn'", "cwd": REPO_DIR},
             "expect_exit": 0,
         },
-        {
-            "tool": "write",
-            "args": {
-                "path": f"{BUILD_NOTES_DIR}/NOTES.md",
-                "content": NOTES,
-            },
-        },
+        # the builder's own files: notes, the hidden tests and the reference solution, kept
+        # in the notes dir (never packed) and handed to finish by path
+        {"tool": "write", "args": {"path": f"{BUILD_NOTES_DIR}/NOTES.md", "content": NOTES}},
+        {"tool": "write", "args": {"path": HIDDEN_TEST_FILE, "content": HIDDEN_TEST}},
+        {"tool": "write", "args": {"path": REFERENCE_FILE, "content": REFERENCE}},
         {"tool": "list", "args": {"path": REPO_DIR}},
         {
             "tool": "finish",
@@ -224,8 +226,8 @@ def demo_plan(index_url: str) -> list[dict[str, Any]]:
                     "reward": "pass_rate",
                     "report": JUNIT,
                     "timeout": 120,
-                    "tests": {f"{REPO_DIR}/tests/test_hidden.py": HIDDEN_TEST},
-                    "reference": {f"{REPO_DIR}/src/sample/simple.py": REFERENCE},
+                    "tests": {f"{REPO_DIR}/tests/test_hidden.py": {"file": HIDDEN_TEST_FILE}},
+                    "reference": {f"{REPO_DIR}/src/sample/simple.py": {"file": REFERENCE_FILE}},
                     # the notes are the builder's only: a hit would fail the build
                     "secrets": [NOTES],
                 },
