@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec_core.errors import PermissionDenied, UnknownSandbox
+from dsec_core.errors import LeakFound, PermissionDenied, UnknownSandbox
 from dsec_core.iam import ROLES, Iam
 from dsec_core.records import BUILD_LABEL, STAGED_PREFIX
 from dsec_core.testing.apiserver import named_nodes, running_apiserver
@@ -23,6 +23,7 @@ from dsec_core.testing.apiserver import named_nodes, running_apiserver
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 PROJECT = "envs/team"
+HIDDEN = "def test_the_hidden_edge_case():\n    assert solve([]) == 0\n"
 
 
 class Cluster:
@@ -73,7 +74,16 @@ def test_a_builder_builds_and_runtime_keys_see_nothing_of_it(cluster):
         assert build.exec("cat /workspace/app.py").stdout == b"print('hi')\n"
         assert [e.name for e in build.list_dir("/workspace")] == ["app.py"]
         assert build.id in {i.id for i in builder.list()}
-        staged = build.pack_diff(name=STAGED_PREFIX + "py-env", version="1")
+        # the leak scan answers through the apiserver as from the node
+        build.write_file("/workspace/tests/test_hidden.py", HIDDEN.encode())
+        with pytest.raises(LeakFound) as e:
+            build.pack_diff(name=STAGED_PREFIX + "py-env", secrets={"hidden-test": HIDDEN})
+        assert e.value.hits == [{"path": "/workspace/tests/test_hidden.py", "label": "hidden-test"}]
+        assert HIDDEN.strip() not in str(e.value)
+        build.exec("rm -r /workspace/tests")
+        staged = build.pack_diff(
+            name=STAGED_PREFIX + "py-env", version="1", secrets={"hidden-test": HIDDEN}
+        )
         assert staged.name.endswith("-" + STAGED_PREFIX + "py-env")
         assert staged.ref in {i.ref for i in builder.layers()}
         (copy,) = builder.restore(staged.ref, 1, memory="64M")
