@@ -205,8 +205,9 @@ def exclude_paths(exclude: Iterable[str], scrub: bool) -> tuple[str, ...]:
 
 def expand_globs(paths: Iterable[str], root: Path) -> tuple[str, ...]:
     """``paths`` (relative, from ``exclude_paths``) with each one whose components hold glob
-    characters (``*?[``) replaced by the paths under ``root`` it matches (through real
-    directories only, never a symlink; dotfiles too); one that matches nothing is dropped."""
+    characters (``*?[``) replaced by the paths under ``root`` it matches that exist (through
+    real directories only, never a symlink; dotfiles too), so the list stays as short as what
+    is there; one that matches nothing is dropped."""
     out: list[str] = []
     for path in paths:
         parts = path.split("/")
@@ -230,7 +231,7 @@ def expand_globs(paths: Iterable[str], root: Path) -> tuple[str, ...]:
                     if last or _is_dir(here / name):
                         step.append(posixpath.join(prefix, name))
             found = step
-        out.extend(p for p in found if p not in out)
+        out.extend(p for p in found if p not in out and os.path.lexists(root / p))
     return tuple(out)
 
 
@@ -258,7 +259,10 @@ def secret_needles(secrets: Mapping[str, str]) -> dict[str, tuple[bytes, ...]]:
         if not isinstance(text, str) or not text.strip():
             raise InvalidSpec(f"secrets: {label!r} has no text to scan for", field="secrets")
         lines = {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= MIN_SECRET_LINE}
-        needles = {ln.encode() for ln in lines} or {text.strip().encode()}
+        # surrogatepass: a text decoded from JSON may hold lone surrogates; it still encodes
+        needles = {ln.encode(errors="surrogatepass") for ln in lines} or {
+            text.strip().encode(errors="surrogatepass")
+        }
         # one that holds another adds nothing: the shorter is found wherever it is
         kept = [n for n in needles if not any(m != n and m in n for m in needles)]
         out[label] = tuple(sorted(kept))
@@ -352,7 +356,7 @@ def scan_image(
     for entry in env:
         name, _, value = entry.partition("=")
         for label, ns in needles.items():
-            if any(n in value.encode(errors="surrogateescape") for n in ns):
+            if any(n in value.encode(errors="surrogatepass") for n in ns):
                 hits.append({"path": f"env:{name}", "label": label})
     if hits:
         hits = hits[:MAX_LEAK_HITS]
