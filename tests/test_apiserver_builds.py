@@ -6,6 +6,7 @@ are neither listed nor usable."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -141,3 +142,26 @@ def test_an_admin_may_build_too(cluster):
             snap = sb.pack_diff(name=STAGED_PREFIX + "adm")
             assert sb.id in {i.id for i in admin.list()}
         assert snap.ref in {i.ref for i in admin.layers()}
+
+
+def test_the_async_sdk_packs_with_secrets(cluster):
+    key = cluster.iam.create_key(PROJECT, "builder")[1]
+
+    async def main() -> None:
+        async with dsec.AsyncClient(cluster.url, api_key=key) as c:
+            sb = await c.create(cluster.spec(labels={BUILD_LABEL: "async"}))
+            try:
+                await sb.write_file("/answer.txt", HIDDEN.encode())
+                with pytest.raises(LeakFound) as e:
+                    await sb.pack_diff(name=STAGED_PREFIX + "async", secrets={"hidden": HIDDEN})
+                assert e.value.hits == [{"path": "/answer.txt", "label": "hidden"}]
+                snap = await sb.pack_diff(
+                    name=STAGED_PREFIX + "async",
+                    exclude=["/answer.txt"],  # left out: nothing to find
+                    secrets={"hidden": HIDDEN},
+                )
+                assert snap.kind == "snapshot"
+            finally:
+                await sb.kill()
+
+    asyncio.run(main())
