@@ -33,7 +33,7 @@ DENIED = [
 #: What must still work under it.
 ALLOWED = ["fork", "socket_tcp", "unshare_fs", "ptrace_child", "i386_getpid"]
 
-DEBIAN_BASE = "debian-python@12"
+DEBIAN_BASE = "debian-python@12-2"
 
 
 def _seccomp_mode(sb) -> str:
