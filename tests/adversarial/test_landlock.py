@@ -117,7 +117,7 @@ def debian_base(dsec_node) -> str:
         with store.scratch("landlock-test-") as tmp:
             copy = tmp / "image.erofs"
             shutil.copyfile(LayerStore(built.layer_dir).image_path(info), copy)
-            store.add(copy, name="debian-python", version="12", kind="base")
+            store.add(copy, name="debian-python", version="12-2", kind="base")
     return DEBIAN_BASE
 
 
