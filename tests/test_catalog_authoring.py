@@ -296,13 +296,15 @@ def test_a_changed_recipe_without_a_version_bump_is_stale(tmp_path, stores):
     with pytest.raises(LayerStale, match=r"base-cat-base@1.*bump its version") as e:
         build_catalog(load_catalog(file), layers, catalogs)
     assert e.value.context["ref"] == "base-cat-base@1"
-    # a changed mode and a new file count too; __pycache__ does not
+    # the executable bit counts; __pycache__ and the rest of the mode do not
     (tmp_path / "base/rootfs/bin/marker").write_text("base-cat\n")
     assert recipe_fingerprint(load_catalog(file).layers[0]) == info.recipe_digest
     (tmp_path / "base/rootfs/bin/__pycache__").mkdir()
     (tmp_path / "base/rootfs/bin/__pycache__/x.pyc").write_bytes(b"junk")
     assert recipe_fingerprint(load_catalog(file).layers[0]) == info.recipe_digest
-    (tmp_path / "base/rootfs/bin/marker").chmod(0o755)
+    (tmp_path / "base/rootfs/bin/marker").chmod(0o600)  # another umask: the same recipe
+    assert recipe_fingerprint(load_catalog(file).layers[0]) == info.recipe_digest
+    (tmp_path / "base/rootfs/bin/marker").chmod(0o755)  # executable now: changed
     assert recipe_fingerprint(load_catalog(file).layers[0]) != info.recipe_digest
     # the bump: a new layer, the old one kept
     doc = yaml.safe_load(file.read_text())

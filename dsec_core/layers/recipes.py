@@ -550,17 +550,17 @@ def _hash_file(h: Any, path: Path) -> None:
 
 
 def _hash_tree(h: Any, root: Path) -> None:
-    """Paths, types, permission bits, contents and link targets under ``root``, in a fixed
-    order (``__pycache__`` left out, as the copy leaves it out)."""
+    """Paths, types, executable bits, contents and link targets under ``root``, in a fixed
+    order (``__pycache__`` left out, as the copy leaves it out). Only the executable bit of a
+    mode counts, as git keeps it: a checkout under another umask is the same recipe."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
         for name in sorted([*dirnames, *filenames]):
             path = Path(dirpath, name)
             st = path.lstat()
             rel = path.relative_to(root).as_posix()
-            h.update(
-                f"\0{rel}\0{stat.S_IFMT(st.st_mode):o}\0{stat.S_IMODE(st.st_mode):o}\0".encode()
-            )
+            x = "x" if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111 else "-"
+            h.update(f"\0{rel}\0{stat.S_IFMT(st.st_mode):o}{x}\0".encode())
             if stat.S_ISLNK(st.st_mode):
                 h.update(os.readlink(path).encode())
             elif stat.S_ISREG(st.st_mode):
