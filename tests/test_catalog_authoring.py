@@ -387,6 +387,19 @@ def test_catalog_rm(tmp_path, home):
 
 
 @needs_root
+def test_catalog_build_notes_names_another_catalog_defines_too(tmp_path, home):
+    runner = CliRunner()
+    one = base_catalog(tmp_path / "one", name="one", env="shell")
+    two = base_catalog(tmp_path / "two", name="two", env="shell")
+    assert "note:" not in runner.invoke(catalog_cli, ["build", str(one)]).output
+    result = runner.invoke(catalog_cli, ["build", str(two)])
+    assert result.exit_code == 0, result.output
+    assert "note: other catalogs define these names too: one/shell" in result.output
+    listing = runner.invoke(catalog_cli, ["ls"]).output
+    assert "one/shell" in listing and "two/shell" in listing
+
+
+@needs_root
 def test_layer_build_to_places_a_directory_inside_the_layer(tmp_path, home):
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)
