@@ -134,7 +134,10 @@ def layer_build(
     _, store, _ = _stores()
     all_root = None if keep_owners is None else not keep_owners
     with _progress_bars() as progress:
-        report = lambda stage, f: progress(f"{name}: {stage}", f)  # noqa: E731
+
+        def report(stage: str, fraction: float | None) -> None:
+            progress(f"{name}: {stage}", fraction)
+
         if to is not None and to != "/":
             if not Path(source).is_dir():
                 raise InvalidSpec(f"--to places a directory; {source} is not one", field="to")
