@@ -180,6 +180,20 @@ class CatalogInvalid(InvalidSpec):
     """A catalog document fails its schema; ``path`` is the JSON path of the fault."""
 
 
+class AmbiguousName(DsecError):
+    """A bare environment or task name that more than one catalog defines: ``choices`` lists
+    the qualified names (``<catalog>/<name>``) to pick from. Nothing silently shadows."""
+
+    http_status = 409
+
+
+class LayerStale(DsecError):
+    """A layer recipe changed (its recipe fingerprint differs from the built layer's) but its
+    version did not: ``ref`` names the layer. Versions are immutable: bump its version."""
+
+    http_status = 409
+
+
 class LayerBuildError(DsecError):
     """Building an EROFS layer failed (bad source, mkfs.erofs error, docker export error)."""
 

@@ -1,4 +1,5 @@
-"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build and check catalogs.
+"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build, check and remove
+catalogs.
 
 Stores live under ``$DSEC_HOME`` (``NodeConfig.from_env()``). A ``DsecError`` propagates to the
 main CLI, which prints ``Error: ...`` and exits 1.
@@ -21,8 +22,9 @@ from ..catalog.distribution import publish_catalog, pull_catalog
 from ..catalog.model import Catalog, default_catalog_file, load_catalog
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import LayerCorrupt, UnknownEnvironment
+from ..errors import InvalidSpec, LayerCorrupt
 from ..layers.build import build_layer
+from ..layers.recipes import build_dir_at
 from ..layers.store import LayerStore
 from ..plugins import registry
 from ..profiling import profile_catalog
@@ -113,22 +115,52 @@ def layer() -> None:
     help="Keep file owners, or make root own everything (default: all-root for "
     "directories, keep for tar and docker sources).",
 )
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    help="Where a directory SOURCE goes inside the layer, such as /workspace/x "
+    "(default: the layer's root).",
+)
 def layer_build(
-    source: str, name: str, version: str | None, kind: str, keep_owners: bool | None
+    source: str,
+    name: str,
+    version: str | None,
+    kind: str,
+    keep_owners: bool | None,
+    to: str | None,
 ) -> None:
     """Build a layer from SOURCE: a directory, a .tar/.tar.gz/.tgz file or docker:IMAGE."""
     _, store, _ = _stores()
     all_root = None if keep_owners is None else not keep_owners
     with _progress_bars() as progress:
-        info = build_layer(
-            source,
-            name=name,
-            version=version,
-            kind=kind,
-            store=store,
-            progress=lambda stage, f: progress(f"{name}: {stage}", f),
-            all_root=all_root,
-        )
+
+        def report(stage: str, fraction: float | None) -> None:
+            progress(f"{name}: {stage}", fraction)
+
+        if to is not None and to != "/":
+            if not Path(source).is_dir():
+                raise InvalidSpec(f"--to places a directory; {source} is not one", field="to")
+            info = build_dir_at(
+                source,
+                to,
+                name=name,
+                version=version,
+                kind=kind,
+                store=store,
+                progress=report,
+                all_root=all_root is not False,
+            )
+        else:
+            info = build_layer(
+                source,
+                name=name,
+                version=version,
+                kind=kind,
+                store=store,
+                progress=report,
+                all_root=all_root,
+            )
     click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
 
 
@@ -199,11 +231,15 @@ def catalog_build(file: str | None) -> None:
     """Build the missing layers of catalog FILE (default: the shipped catalog) and register it."""
     _, layers, catalogs = _stores()
     path = Path(file) if file else default_catalog_file()
-    cat = load_catalog(path, store=layers)
+    cat = _load(path)
     had = {i.ref for i in layers.list()}
     started = time.monotonic()
+
+    def pull(url: str, name: str) -> None:
+        pull_catalog(name, _source(url), layers, catalogs, report=click.echo)
+
     with _progress_bars() as progress:
-        infos = build_catalog(cat, layers, catalogs, progress)
+        infos = build_catalog(cat, layers, catalogs, progress, pull)
     for info in infos:
         state = "present" if info.ref in had else "built"
         click.echo(
@@ -212,6 +248,38 @@ def catalog_build(file: str | None) -> None:
     click.echo(
         f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
         f"({time.monotonic() - started:.1f}s)"
+    )
+    shadowed = catalogs.shadowed(cat)
+    if shadowed:
+        click.echo(
+            f"note: other catalogs define these names too: {', '.join(shadowed)}; a bare "
+            f"name is now ambiguous, name it as {cat.name}/NAME or CATALOG/NAME"
+        )
+
+
+def _load(path: Path | str) -> Catalog:
+    """Load a catalog file with its imports: registered catalogs from this node, published
+    ones fetched from their layer source."""
+    _, layers, catalogs = _stores()
+    return load_catalog(
+        path,
+        store=layers,
+        registered=catalogs.catalog,
+        fetch=lambda url, name: _source(url).get_catalog(name),
+    )
+
+
+@catalog.command("rm")
+@click.argument("name")
+def catalog_rm(name: str) -> None:
+    """Unregister catalog NAME: its environments and tasks are gone from this node; its
+    layers stay in the store (remove them with `dsec layer rm`)."""
+    _, _, catalogs = _stores()
+    cat = catalogs.catalog(name)
+    catalogs.remove(name)
+    click.echo(
+        f"removed catalog {name} ({len(cat.environments)} environments, {len(cat.tasks)} "
+        f"tasks); its layers stay: {', '.join(r.ref for r in cat.layers) or 'none'}"
     )
 
 
@@ -226,31 +294,43 @@ def catalog_ls(as_json: bool) -> None:
             json.dumps(
                 {
                     "environments": [
-                        {**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
+                        {
+                            **e.to_document(),
+                            "catalog": e.catalog,
+                            "qualified": e.qualified,
+                            "layers": e.layer_refs(),
+                        }
                         for e in envs
                     ],
-                    "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
+                    "tasks": [
+                        {**t.to_document(), "catalog": t.catalog, "qualified": t.qualified}
+                        for t in tasks
+                    ],
                 },
                 indent=2,
             )
         )
         return
-    click.echo(f"{'ENVIRONMENT':<24} {'CATALOG':<12} {'WORKDIR':<28} LAYERS (top first)")
+    click.echo(f"{'ENVIRONMENT':<32} {'WORKDIR':<28} LAYERS (top first)")
     for e in envs:
-        click.echo(f"{e.name:<24} {e.catalog:<12} {e.workdir:<28} {', '.join(e.layer_refs())}")
+        click.echo(f"{e.qualified:<32} {e.workdir:<28} {', '.join(e.layer_refs())}")
     click.echo()
-    click.echo(f"{'TASK':<24} {'ENVIRONMENT':<24} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
+    click.echo(f"{'TASK':<32} {'ENVIRONMENT':<32} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
     for t in tasks:
         expect = "-" if t.expect is None else f"{t.expect:g}"
-        click.echo(f"{t.name:<24} {t.environment:<24} {t.reward:<10} {expect:>6}  {t.command}")
+        click.echo(
+            f"{t.qualified:<32} {t.qualified_environment:<32} {t.reward:<10} {expect:>6}  "
+            f"{t.command}"
+        )
 
 
 @catalog.command("validate")
 @click.argument("file", type=click.Path(dir_okay=False))
 def catalog_validate(file: str) -> None:
-    """Check catalog FILE against the schema and for missing layers, without building."""
-    _, layers, _ = _stores()
-    cat = load_catalog(file, store=layers)
+    """Check catalog FILE against the schema and for missing layers, without building.
+
+    A layer already built may have lost its source directory: it is not needed any more."""
+    cat = _load(file)
     click.echo(
         f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
         f"{len(cat.environments)} environments, {len(cat.tasks)} tasks"
@@ -314,15 +394,8 @@ def _catalog_arg(catalog_ref: str) -> Catalog:
     _, store, catalogs = _stores()
     path = Path(catalog_ref)
     if path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        return load_catalog(path, store=store)
-    matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
-    if not matches:
-        raise UnknownEnvironment(
-            f"no built catalog {catalog_ref!r}",
-            name=catalog_ref,
-            known=[c.name for c in catalogs.catalogs()],
-        )
-    return matches[0]
+        return _load(path)
+    return catalogs.catalog(catalog_ref)
 
 
 @catalog.command("profile")

@@ -162,14 +162,22 @@ def build_tree(
     timestamp: int | None = None,
     source: str = "",
     progress: Progress | None = None,
+    recipe_digest: str = "",
 ) -> LayerInfo:
-    """Make an image of a prepared directory tree and add it to ``store``."""
+    """Make an image of a prepared directory tree and add it to ``store`` (``recipe_digest``:
+    the fingerprint of the catalog recipe it comes from, kept in its ``LayerInfo``)."""
     with store.scratch("image-") as scratch:
         image = make_image(
             tree, scratch / "layer.erofs", all_root=all_root, timestamp=timestamp, progress=progress
         )
         return store.add(
-            image, name=name, version=version, kind=kind, source=source, progress=progress
+            image,
+            name=name,
+            version=version,
+            kind=kind,
+            source=source,
+            progress=progress,
+            recipe_digest=recipe_digest,
         )
 
 

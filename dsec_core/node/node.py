@@ -475,7 +475,8 @@ class Node:
             for env in self.catalogs.environments():
                 refs = env.layer_refs()
                 if refs and all(r in layers for r in refs):
-                    environments.append(env.name)
+                    # a create may name it either way (placement compares the text)
+                    environments += [env.name, env.qualified]
         return sorted(layers), sorted(environments)
 
     def project_usage(self) -> dict[str, tuple[int, float, int]]:
