@@ -249,8 +249,16 @@ def test_export_bad_input_is_typed_and_leaves_nothing(tmp_path):
             export_image(store, ["kit-base@1"], out, tag="Not A Tag")
         with pytest.raises(InvalidSpec):
             export_image(store, [], out, tag="x:1")
-        with pytest.raises(FileNotFoundError):  # a directory that does not exist
+        with pytest.raises(InvalidSpec):  # a directory that does not exist
             export_image(store, ["kit-base@1"], tmp_path / "no" / "x.tar", tag="x:1")
+
+        def interrupted(stage: str, fraction: float | None) -> None:
+            if stage.startswith("layer 2/2") and fraction:
+                raise KeyboardInterrupt  # half-way through the second layer
+
+        base = store.resolve("kit-base@1")
+        with pytest.raises(KeyboardInterrupt):
+            export_image(store, [base.ref, base.ref], out, tag="x:1", progress=interrupted)
         assert list(tmp_path.iterdir()) == []
         _no_scratch(store)
 
@@ -313,6 +321,8 @@ def test_import_bad_input_is_typed_and_leaves_nothing(loaded, tmp_path):
         junk.write_bytes(b"not a tar at all" * 100)
         with pytest.raises(LayerBuildError):
             import_image(store, junk, name="x", version="1")
+        with pytest.raises(LayerBuildError, match="does not exist"):
+            import_image(store, str(tmp_path / "missing.tar"), name="x", version="1")
 
         with pytest.raises(LayerBuildError):
             import_dockerfile(store, tmp_path / "nowhere", name="x", version="1")

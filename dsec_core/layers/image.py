@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import stat
 import tarfile
 import time
@@ -56,6 +57,8 @@ _OVERLAY_XATTRS = ("trusted.overlay.", "user.overlay.")
 _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
 _CHUNK = 1 << 20
+#: What ``import_image`` takes for an archive's file name rather than an image name
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 def _noop(stage: str, fraction: float | None) -> None:
@@ -111,17 +114,26 @@ def _is_opaque(xattrs: Mapping[str, bytes]) -> bool:
     )
 
 
-def _walk(root: str, rel: str = "") -> Iterator[tuple[str, str, os.stat_result]]:
+def _walk(root: str) -> Iterator[tuple[str, str, os.stat_result]]:
     """Every entry below ``root`` as (relative path, full path, lstat), parents before
-    children, names sorted, so the same tree always gives the same tar."""
-    base = os.path.join(root, rel) if rel else root
-    for name in sorted(os.listdir(base)):
-        arc = f"{rel}/{name}" if rel else name
+    children, names sorted, so the same tree always gives the same tar. (A stack rather than
+    recursion: a layer's depth is not bounded by Python's recursion limit.)"""
+
+    def listing(rel: str) -> Iterator[str]:
+        base = os.path.join(root, rel) if rel else root
+        return iter([f"{rel}/{name}" if rel else name for name in sorted(os.listdir(base))])
+
+    stack = [listing("")]
+    while stack:
+        arc = next(stack[-1], None)
+        if arc is None:
+            stack.pop()
+            continue
         full = os.path.join(root, arc)
         st = os.lstat(full)
         yield arc, full, st
         if stat.S_ISDIR(st.st_mode):
-            yield from _walk(root, arc)
+            stack.append(listing(arc))
 
 
 def _marker(name: str, mtime: float) -> tarfile.TarInfo:
@@ -269,6 +281,10 @@ def export_image(
     if not workdir.startswith("/"):
         raise InvalidSpec(f"workdir {workdir!r} must be absolute", field="workdir")
     output = Path(output)
+    if not output.parent.is_dir():
+        raise InvalidSpec(
+            f"cannot write {output}: {output.parent} is not a directory", field="output"
+        )
     created = max(i.created for i in infos)
     partial = output.with_name(f".{output.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
@@ -429,9 +445,9 @@ def _loaded_archive(docker: Any, archive: Path) -> Iterator[str]:
     from python_on_whales.exceptions import DockerException
 
     tags, image_id = _archive_images(archive)
-    had_image = docker.image.exists(image_id)
-    had_tags = {t for t in tags if docker.image.exists(t)}
     try:
+        had_image = docker.image.exists(image_id)
+        had_tags = {t for t in tags if docker.image.exists(t)}
         docker.image.load(archive, quiet=True)
     except DockerException as e:
         raise _docker_error(f"docker load of {archive} failed", e) from e
@@ -476,6 +492,11 @@ def _build_from_image(
 def _client() -> Any:
     from python_on_whales import DockerClient
 
+    if shutil.which("docker") is None:
+        raise ToolError(
+            "docker is not installed: importing images needs the docker CLI and a daemon",
+            command=["docker"],
+        )
     return DockerClient()
 
 
@@ -490,7 +511,9 @@ def import_image(
 ) -> LayerInfo:
     """Make a layer ``name@version`` of the filesystem of a docker image: an image already in
     the local docker (a name, ``name:tag`` or id; nothing is pulled), or a ``docker save``
-    archive file (a ``Path``, or a string naming an existing file), loaded and removed again.
+    archive file, loaded and removed again. A ``Path`` is an archive, and so is a string that
+    names an existing file, starts with ``/``, ``./`` or ``../`` or ends in ``.tar``,
+    ``.tar.gz`` or ``.tgz``.
 
     Owners and modes are kept. The image's env and workdir are not: a layer carries only
     files. ``UnknownImage`` if docker has no such image, ``LayerBuildError`` for an archive
@@ -500,13 +523,18 @@ def import_image(
 
     check_kind(kind)
     LayerRef.parse(f"{name}@{version}" if version else name)
-    docker = _client()
-    is_archive = isinstance(image_or_archive, Path) or Path(image_or_archive).is_file()
+    text = str(image_or_archive)
+    is_archive = (
+        isinstance(image_or_archive, Path)
+        or Path(text).is_file()
+        or text.startswith(("/", "./", "../"))
+        or text.endswith(_ARCHIVE_SUFFIXES)
+    )
     if is_archive:
         archive = Path(image_or_archive).resolve()
         if not archive.is_file():
             raise LayerBuildError(f"image archive {archive} does not exist", path=str(archive))
-        with _loaded_archive(docker, archive) as image_id:
+        with _loaded_archive(_client(), archive) as image_id:
             return _build_from_image(
                 store,
                 image_id,
@@ -516,11 +544,11 @@ def import_image(
                 source=f"docker-archive:{archive}",
                 progress=progress,
             )
-    image = str(image_or_archive)
+    image = text
     try:
-        present = docker.image.exists(image)
+        present = _client().image.exists(image)
     except DockerException as e:
-        raise _docker_error("cannot ask docker for images (is its daemon running?)", e) from e
+        raise _docker_error(f"docker could not look up image {image!r}", e) from e
     if not present:
         raise UnknownImage(
             f"docker has no image {image!r} locally (import never pulls: "
