@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from test_layers import docker_host  # noqa: F401 - the module's docker daemon
 
+from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.config import NodeConfig
 from dsec_core.errors import (
@@ -281,6 +282,8 @@ async def test_export_import_round_trip_and_dockerfile(loaded, tmp_path):
         store = LayerStore(config.layer_dir)
         tag = _tag("busybox")
         archive = export_image(store, ["kit-base@1"], tmp_path / "busybox.tar", tag=tag)
+        again = export_image(store, ["kit-base@1"], tmp_path / "again.tar", tag=tag)
+        assert again.read_bytes() == archive.read_bytes()  # same layers, same bytes, same id
 
         # a `docker save` archive: loaded, flattened, and removed from docker again
         before = _images()
@@ -376,6 +379,24 @@ def test_cli_export_and_import(loaded, tmp_path):
         assert str(archive) in out.stdout and tag in out.stdout
         _load(archive, loaded, tag)
         assert _run(tag, "echo hi").strip() == "hi"
+
+        # an environment: its layers, env and workdir
+        CatalogStore(config.catalog_dir).save(
+            Catalog(
+                name="kit",
+                environments=(
+                    Environment(name="kitenv", base="kit-base@1", env={"X": "1"}, workdir="/root"),
+                ),
+            )
+        )
+        env_tag = _tag("cli-env")
+        _dsec(config.home, "layer", "export", "kitenv", "-o", str(archive), "--tag", env_tag)
+        _load(archive, loaded, env_tag)
+        assert _run(env_tag, "echo $X; pwd").split() == ["1", "/root"]
+        missing = _dsec(
+            config.home, "layer", "export", "nothing", "-o", str(archive), "--tag", "x", check=False
+        )
+        assert missing.returncode == 1 and "unknown environment 'nothing'" in missing.stderr
 
         out = _dsec(config.home, "layer", "import", "--archive", str(archive), "--name", "cli")
         assert out.stdout.startswith("cli@") and " base " in out.stdout

@@ -21,7 +21,7 @@ from ..catalog.distribution import publish_catalog, pull_catalog
 from ..catalog.model import Catalog, default_catalog_file, load_catalog
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import LayerCorrupt, UnknownEnvironment
+from ..errors import DsecError, LayerCorrupt, UnknownEnvironment
 from ..layers.build import build_layer
 from ..layers.image import export_image, import_dockerfile, import_image
 from ..layers.store import LayerStore
@@ -388,9 +388,11 @@ def _export_stack(
     if len(args) == 1 and "@" not in args[0]:
         try:
             env = catalogs.environment(args[0])
-        except UnknownEnvironment:
-            if not store.exists(args[0]):
-                raise
+        except UnknownEnvironment as unknown:
+            try:
+                store.resolve(args[0])  # a layer name, newest version
+            except DsecError:
+                raise unknown from None
         else:
             return env.layer_refs(), dict(env.env), env.workdir
     if len(args) == 1:
