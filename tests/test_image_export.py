@@ -180,8 +180,8 @@ def test_the_python_environment_runs_in_docker(built_catalog_config: NodeConfig,
         workdir="/srv/work",
         progress=lambda stage, fraction: stages.append(stage),
     )
-    assert [s for s in dict.fromkeys(stages) if s.startswith("layer")] == [
-        f"layer {n}/{len(refs)} {ref}" for n, ref in enumerate(reversed(refs), 1)
+    assert [s for s in dict.fromkeys(stages) if ": layer " in s] == [
+        f"{ref}: layer {n}/{len(refs)}" for n, ref in enumerate(reversed(refs), 1)
     ]
     with tarfile.open(archive) as tar:  # docker's and OCI's layouts over the same blobs
         names = tar.getnames()
@@ -254,7 +254,7 @@ def test_export_bad_input_is_typed_and_leaves_nothing(tmp_path):
             export_image(store, ["kit-base@1"], tmp_path / "no" / "x.tar", tag="x:1")
 
         def interrupted(stage: str, fraction: float | None) -> None:
-            if stage.startswith("layer 2/2") and fraction:
+            if stage.endswith("layer 2/2") and fraction:
                 raise KeyboardInterrupt  # half-way through the second layer
 
         base = store.resolve("kit-base@1")
@@ -347,6 +347,7 @@ def test_import_bad_input_is_typed_and_leaves_nothing(loaded, tmp_path):
         with pytest.raises(ToolError) as err:
             import_dockerfile(store, failing, name="x", version="1")
         assert err.value.exit_code not in (None, 0) and "returned a non-zero code" in str(err.value)
+        assert "Step 3/3 : RUN echo two" in str(err.value)  # what failed, from the build output
 
         with pytest.raises(InvalidSpec):
             import_image(store, tag, name="x", version="1", kind="nonsense")

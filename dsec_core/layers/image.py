@@ -298,7 +298,7 @@ def export_image(
             written: set[str] = set()
             layer_descriptors = []
             for n, info in enumerate(bottom_first, 1):
-                stage = f"layer {n}/{len(infos)} {info.ref}"
+                stage = f"{info.ref}: layer {n}/{len(infos)}"  # one progress bar per layer
 
                 def report(_stage: str, fraction: float | None, stage: str = stage) -> None:
                     progress(stage, fraction)
@@ -625,7 +625,12 @@ def import_dockerfile(
             built = True
         except DockerException as e:
             output = (e.stdout or "") + (e.stderr or "")
-            raise _docker_error(f"docker build of {file} failed", e) from e
+            # the failed step's own output is on stdout; stderr has only docker's verdict
+            steps = (e.stdout or "").strip().splitlines()[-15:]
+            what = f"docker build of {file} failed"
+            if steps:
+                what += "\n  last output:\n    " + "\n    ".join(steps)
+            raise _docker_error(what, e) from e
         progress("docker build", 1.0)
         return _build_from_image(
             store,
