@@ -32,6 +32,7 @@ from dsec_core.errors import (
     InvalidSpec,
     LayerBuildError,
     ToolError,
+    UnknownEnvironment,
     UnknownImage,
     UnknownLayer,
 )
@@ -167,7 +168,7 @@ def test_the_python_environment_runs_in_docker(built_catalog_config: NodeConfig,
         refs = env.layer_refs()
         for ref in refs:
             store.image_path(store.resolve(ref))
-    except (UnknownLayer, LookupError) as e:
+    except (UnknownLayer, UnknownEnvironment) as e:
         pytest.skip(f"the default catalog is not built in {built_catalog_config.home}: {e}")
     tag = _tag("python")
     stages: list[str] = []
