@@ -38,7 +38,7 @@ from dsec_core.errors import (
 )
 from dsec_core.layers.image import export_image, import_dockerfile, import_image, layer_tar
 from dsec_core.layers.store import LayerStore
-from dsec_core.linux.mounts import mounted_under
+from dsec_core.linux.mounts import MS_RDONLY, mount, mounted_under, unmount
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
 from dsec_core.testing import node_home
@@ -101,6 +101,50 @@ def _load(archive: Path, tags: list[str], tag: str) -> None:
 
 def _run(tag: str, script: str) -> str:
     return _docker("run", "--rm", "--network", "none", tag, "sh", "-c", script)
+
+
+@contextlib.contextmanager
+def _mounted(image: Path, target: Path) -> Iterator[Path]:
+    target.mkdir()
+    mount(os.fspath(image), target, "erofs", MS_RDONLY)
+    try:
+        yield target
+    finally:
+        unmount(target, lazy_fallback=False)
+
+
+def _oci_layout(path: Path, entry: str | None) -> Path:
+    """An OCI layout directory holding one image of one layer with a file named ``entry``
+    (``None``: an index that names no image)."""
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    (path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+
+    def blob(data: bytes) -> dict[str, object]:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return {"digest": f"sha256:{digest}", "size": len(data)}
+
+    manifests = []
+    if entry is not None:
+        layer = io.BytesIO()
+        with tarfile.open(fileobj=layer, mode="w") as tar:
+            for name in ("./", "d"):  # some tools write the root as "./": it is skipped
+                member = tarfile.TarInfo(name)
+                member.type = tarfile.DIRTYPE
+                tar.addfile(member)
+            member = tarfile.TarInfo(entry)
+            tar.addfile(member, io.BytesIO(b""))
+        manifest = {
+            "schemaVersion": 2,
+            "config": blob(b"{}"),
+            "layers": [
+                {"mediaType": "application/vnd.oci.image.layer.v1.tar", **blob(layer.getvalue())}
+            ],
+        }
+        manifests.append(blob(json.dumps(manifest).encode()))
+    (path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": manifests}))
+    return path
 
 
 def _no_scratch(store: LayerStore) -> None:
@@ -231,6 +275,27 @@ async def test_a_snapshot_exports_with_its_deletions(loaded, tmp_path):
         tag = _tag("snapshot")
         archive = export_image(store, [snap.ref, *snap.parents], tmp_path / "s.tar", tag=tag)
         _no_scratch(store)
+
+        # the same image as an OCI layout alone (no docker manifest.json), as a tar and as a
+        # directory: import flattens it itself, whiteouts and hard links included
+        layout = tmp_path / "layout"
+        with tarfile.open(archive) as tar:
+            tar.extractall(layout, filter="tar")
+        (layout / "manifest.json").unlink()
+        oci_tar = tmp_path / "oci.tar"
+        with tarfile.open(oci_tar, "w") as tar:
+            for name in sorted(os.listdir(layout)):
+                tar.add(layout / name, arcname=name)
+        for n, source in enumerate((oci_tar, layout)):
+            info = import_image(store, source, name="from-oci", version=str(n))
+            assert info.source == f"oci-layout:{source}"
+            with _mounted(store.image_path(info), tmp_path / f"mnt{n}") as root:
+                assert not (root / "etc/group").exists() and (root / "etc/passwd").is_file()
+                assert os.listdir(root / "var") == ["only"]
+                assert (root / "data/kept").read_text() == "kept\n"
+                assert (root / "data/hl").stat().st_nlink == 2
+                assert (root / "bin/busybox").stat().st_mode & 0o111
+        _no_scratch(store)
     _load(archive, loaded, tag)
     out = _run(
         tag,
@@ -327,6 +392,14 @@ def test_import_bad_input_is_typed_and_leaves_nothing(loaded, tmp_path):
             import_image(store, junk, name="x", version="1")
         with pytest.raises(LayerBuildError, match="does not exist"):
             import_image(store, str(tmp_path / "missing.tar"), name="x", version="1")
+        # OCI layouts: an index naming nothing, and layers whose entries would leave the root
+        with pytest.raises(LayerBuildError, match="not a readable OCI image layout"):
+            import_image(store, _oci_layout(tmp_path / "empty-index", None), name="x", version="1")
+        for bad in ("../escaped", "d/../../escaped", "/abs", ".wh...", "d/.wh..."):
+            layout = _oci_layout(tmp_path / f"bad{secrets.token_hex(4)}", bad)
+            with pytest.raises(LayerBuildError, match="leaves the image root"):
+                import_image(store, layout, name="x", version="1")
+        assert not (tmp_path / "escaped").exists() and (tmp_path / "junk.tar").exists()
 
         with pytest.raises(LayerBuildError):
             import_dockerfile(store, tmp_path / "nowhere", name="x", version="1")

@@ -37,12 +37,13 @@ from typing import IO, Any
 from ..errors import InvalidSpec, LayerBuildError, ToolError, UnknownImage
 from ..linux.mounts import MS_RDONLY, mount, unmount
 from ..records import LayerInfo, LayerRef
-from .build import build_tree, export_docker_image, extract_tar
+from .build import build_tree, export_docker_image, extract_tar, extraction_filter
 from .store import LayerStore, Progress, check_kind
 
 __all__ = [
     "DEFAULT_PATH",
     "export_image",
+    "flatten_oci_layout",
     "import_dockerfile",
     "import_image",
     "layer_tar",
@@ -489,6 +490,168 @@ def _build_from_image(
         )
 
 
+# --- OCI image layouts (no docker needed) ------------------------------------------------------
+
+_INDEX_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
+
+
+class _Layout:
+    """Blobs of an OCI image layout: a directory, or a tar archive of one."""
+
+    def __init__(self, path: Path, tar: tarfile.TarFile | None) -> None:
+        self.path, self.tar = path, tar
+
+    def open(self, name: str) -> IO[bytes]:
+        if self.tar is None:
+            return open(self.path / name, "rb")
+        member = self.tar.extractfile(name)
+        if member is None:
+            raise KeyError(name)
+        return member
+
+    def json(self, name: str) -> Any:
+        with self.open(name) as f:
+            return json.loads(f.read())
+
+    def blob(self, digest: str) -> str:
+        algo, _, hexd = str(digest).partition(":")
+        if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexd):
+            raise ValueError(f"unsupported blob digest {digest!r}")
+        return f"blobs/sha256/{hexd}"
+
+
+def _pick_manifest(layout: _Layout) -> dict[str, Any]:
+    """The image manifest the layout's index names: its only one, else the one for this
+    machine's linux platform."""
+    desc = layout.json("index.json")
+    while True:
+        manifests = desc.get("manifests") or []
+        if not manifests:
+            raise ValueError("the index lists no manifests")
+        if len(manifests) > 1:
+            here = [
+                m
+                for m in manifests
+                if (m.get("platform") or {}).get("architecture") == _architecture()
+                and (m.get("platform") or {}).get("os", "linux") == "linux"
+            ]
+            if len(here) != 1:
+                raise ValueError(
+                    f"the index lists {len(manifests)} images and not exactly one for "
+                    f"linux/{_architecture()}"
+                )
+            manifests = here
+        chosen = manifests[0]
+        desc = layout.json(layout.blob(chosen["digest"]))
+        if chosen.get("mediaType") not in _INDEX_TYPES and "layers" in desc:
+            return dict(desc)
+
+
+def _safe_target(root: str, name: str) -> str:
+    """Where tar entry ``name`` lands under ``root``; ``LayerBuildError`` if it would leave it
+    (through ``..``, an absolute path or a symlinked parent)."""
+    rel = os.path.normpath(name)
+    if name.startswith("/") or rel in (".", "..") or rel.startswith("../"):
+        raise LayerBuildError(f"layer entry {name!r} leaves the image root", member=name)
+    parent = os.path.realpath(os.path.join(root, os.path.dirname(rel)))
+    if parent != root and not parent.startswith(root + "/"):
+        raise LayerBuildError(f"layer entry {name!r} leaves the image root", member=name)
+    return os.path.join(parent, os.path.basename(rel))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _apply_layer(tar: tarfile.TarFile, root: str) -> None:
+    """Apply one OCI layer tar (a stream) to the tree at ``root``: ``.wh.NAME`` deletes NAME,
+    ``.wh..wh..opq`` empties its directory of what lower layers put there, anything else
+    replaces what was at its path."""
+    check = extraction_filter(root)
+    ours: set[str] = set()  # what this layer wrote: an opaque marker keeps it
+    for member in tar:
+        if os.path.normpath(member.name) == ".":  # the root itself ("./"): keep ours
+            continue
+        target = _safe_target(root, member.name)
+        parent, base = os.path.split(target)
+        if base == _OPAQUE:
+            for name in os.listdir(parent):
+                if os.path.join(parent, name) not in ours:
+                    _remove(os.path.join(parent, name))
+            continue
+        if base.startswith(_WHITEOUT):
+            gone = base[len(_WHITEOUT) :]
+            if gone in ("", ".", ".."):  # ".wh..." would delete the directory above
+                raise LayerBuildError(
+                    f"layer entry {member.name!r} leaves the image root", member=member.name
+                )
+            _remove(os.path.join(parent, gone))
+            continue
+        if not (member.isdir() and os.path.isdir(target) and not os.path.islink(target)):
+            _remove(target)  # a file over a directory, a directory over a symlink...
+        member.name = os.path.relpath(target, root)
+        if member.islnk():
+            member.linkname = os.path.relpath(_safe_target(root, member.linkname), root)
+        tar.extract(member, root, numeric_owner=True, filter=check)
+        ours.add(target)
+
+
+def flatten_oci_layout(layout_path: Path, dest: Path, progress: Progress | None = None) -> Path:
+    """Unpack the image of an OCI image layout (a directory, or a tar of one, as ``docker
+    save`` since docker 25 and skopeo write) into ``dest``, its layers applied bottom up with
+    their whiteouts. Owners and modes are kept; uncompressed and gzip layers are read.
+    ``LayerBuildError`` if it is not a layout, names several images, or a layer is bad."""
+    progress = progress or _noop
+    dest.mkdir(parents=True, exist_ok=True)
+    dest.chmod(0o755)
+    root = os.path.realpath(dest)
+    try:
+        with contextlib.ExitStack() as stack:
+            if layout_path.is_dir():
+                layout = _Layout(layout_path, None)
+            else:
+                layout = _Layout(layout_path, stack.enter_context(tarfile.open(layout_path)))
+            layers = _pick_manifest(layout)["layers"]
+            for n, desc in enumerate(layers, 1):
+                progress(f"layer {n}/{len(layers)}", None)
+                media = str(desc.get("mediaType", ""))
+                if "zstd" in media:
+                    raise LayerBuildError(
+                        f"layer {desc.get('digest')} is zstd-compressed, which import does not "
+                        "read (uncompressed and gzip layers only)",
+                        path=os.fspath(layout_path),
+                    )
+                with (
+                    layout.open(layout.blob(desc["digest"])) as blob,
+                    tarfile.open(fileobj=blob, mode="r|*") as tar,
+                ):
+                    _apply_layer(tar, root)
+                progress(f"layer {n}/{len(layers)}", 1.0)
+    except (tarfile.TarError, OSError, KeyError, ValueError, TypeError, EOFError) as e:
+        raise LayerBuildError(
+            f"{layout_path} is not a readable OCI image layout: {e}", path=os.fspath(layout_path)
+        ) from e
+    return dest
+
+
+def _is_oci_layout(path: Path) -> bool:
+    """A layout directory, or a tar with ``index.json`` but no docker ``manifest.json``."""
+    if path.is_dir():
+        return (path / "oci-layout").is_file()
+    try:
+        with tarfile.open(path) as tar:
+            names = set(tar.getnames())
+    except (tarfile.TarError, OSError, EOFError):
+        return False
+    return "index.json" in names and "manifest.json" not in names
+
+
 def _client() -> Any:
     from python_on_whales import DockerClient
 
@@ -510,10 +673,12 @@ def import_image(
     progress: Progress | None = None,
 ) -> LayerInfo:
     """Make a layer ``name@version`` of the filesystem of a docker image: an image already in
-    the local docker (a name, ``name:tag`` or id; nothing is pulled), or a ``docker save``
-    archive file, loaded and removed again. A ``Path`` is an archive, and so is a string that
-    names an existing file, starts with ``/``, ``./`` or ``../`` or ends in ``.tar``,
-    ``.tar.gz`` or ``.tgz``.
+    the local docker (a name, ``name:tag`` or id; nothing is pulled), a ``docker save``
+    archive file (loaded, flattened by docker, and removed again), or an OCI image layout, as
+    a directory or a tar without docker's ``manifest.json`` (flattened here by
+    ``flatten_oci_layout``, no docker needed). A ``Path`` is an archive or layout, and so is a
+    string that names an existing file, starts with ``/``, ``./`` or ``../`` or ends in
+    ``.tar``, ``.tar.gz`` or ``.tgz``.
 
     Owners and modes are kept. The image's env and workdir are not: a layer carries only
     files. ``UnknownImage`` if docker has no such image, ``LayerBuildError`` for an archive
@@ -527,13 +692,32 @@ def import_image(
     is_archive = (
         isinstance(image_or_archive, Path)
         or Path(text).is_file()
+        or (Path(text) / "oci-layout").is_file()
         or text.startswith(("/", "./", "../"))
         or text.endswith(_ARCHIVE_SUFFIXES)
     )
     if is_archive:
         archive = Path(image_or_archive).resolve()
-        if not archive.is_file():
+        if not archive.exists():
             raise LayerBuildError(f"image archive {archive} does not exist", path=str(archive))
+        if _is_oci_layout(archive):  # docker 20.10 cannot load these: unpack them ourselves
+            with store.scratch("import-") as scratch:
+                tree = flatten_oci_layout(archive, scratch / "rootfs", progress)
+                return build_tree(
+                    tree,
+                    name=name,
+                    version=version,
+                    kind=kind,
+                    store=store,
+                    all_root=False,
+                    source=f"oci-layout:{archive}",
+                    progress=progress,
+                )
+        if not archive.is_file():
+            raise LayerBuildError(
+                f"{archive} is neither an image archive nor an OCI image layout",
+                path=str(archive),
+            )
         with _loaded_archive(_client(), archive) as image_id:
             return _build_from_image(
                 store,
