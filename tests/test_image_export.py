@@ -318,6 +318,8 @@ def test_export_bad_input_is_typed_and_leaves_nothing(tmp_path):
             export_image(store, [], out, tag="x:1")
         with pytest.raises(InvalidSpec):  # a directory that does not exist
             export_image(store, ["kit-base@1"], tmp_path / "no" / "x.tar", tag="x:1")
+        with pytest.raises(InvalidSpec, match="it is a directory"):
+            export_image(store, ["kit-base@1"], tmp_path, tag="x:1")
 
         def interrupted(stage: str, fraction: float | None) -> None:
             if stage.endswith("layer 2/2") and fraction:

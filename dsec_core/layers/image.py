@@ -13,7 +13,9 @@ are kept. The archive has both layouts ``docker save`` writes since docker 25: `
 
 Import goes through the docker daemon (python-on-whales): the image's filesystem is flattened by
 ``build.export_docker_image`` and made into a base layer with ``build.build_tree``. Every image,
-container and scratch file an import makes is removed on every path out.
+container and scratch file an import makes is removed on every path out. An OCI image layout
+without docker's ``manifest.json`` (docker 20.10 cannot load one) is unpacked here instead,
+layer by layer (``flatten_oci_layout``).
 """
 
 from __future__ import annotations
@@ -282,9 +284,12 @@ def export_image(
     if not workdir.startswith("/"):
         raise InvalidSpec(f"workdir {workdir!r} must be absolute", field="workdir")
     output = Path(output)
-    if not output.parent.is_dir():
+    if not output.parent.is_dir() or output.is_dir():
         raise InvalidSpec(
-            f"cannot write {output}: {output.parent} is not a directory", field="output"
+            f"cannot write {output}: {output.parent} is not a directory"
+            if not output.parent.is_dir()
+            else f"cannot write {output}: it is a directory",
+            field="output",
         )
     created = max(i.created for i in infos)
     partial = output.with_name(f".{output.name}.{uuid.uuid4().hex[:8]}.partial")
