@@ -55,6 +55,7 @@ __all__ = [
     "TrajectoryDiverged",
     "UnknownBackend",
     "UnknownEnvironment",
+    "UnknownImage",
     "UnknownKey",
     "UnknownLayer",
     "UnknownLease",
@@ -145,6 +146,10 @@ class UnknownBackend(NotFound):
 
 class UnknownEnvironment(NotFound):
     """No catalog environment (or task) with that name."""
+
+
+class UnknownImage(NotFound):
+    """No docker image of that name or id in the local docker (importing one never pulls)."""
 
 
 class UnknownSession(NotFound):

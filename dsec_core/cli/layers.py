@@ -22,8 +22,9 @@ from ..catalog.distribution import publish_catalog, pull_catalog
 from ..catalog.model import Catalog, default_catalog_file, load_catalog
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import InvalidSpec, LayerCorrupt
+from ..errors import DsecError, InvalidSpec, LayerCorrupt, UnknownEnvironment
 from ..layers.build import build_layer
+from ..layers.image import export_image, import_dockerfile, import_image
 from ..layers.recipes import build_dir_at
 from ..layers.store import LayerStore
 from ..plugins import registry
@@ -446,3 +447,117 @@ def layer_prefetch(refs: tuple[str, ...]) -> None:
                 else ""
             )
             click.echo(f"{row['layer']}: {row['mode']} from {row['source']}{extra}")
+
+
+# --- dsec layer export / import (docker and OCI images) -------------------------------------
+
+
+def _export_stack(
+    args: tuple[str, ...], store: LayerStore, catalogs: CatalogStore
+) -> tuple[list[str], dict[str, str], str]:
+    """What ``dsec layer export`` writes: layer refs (top first), env and workdir, from either
+    one environment name, one snapshot layer (with the layers it was taken over) or layer
+    refs given top first."""
+    if len(args) == 1 and "@" not in args[0]:
+        try:
+            env = catalogs.environment(args[0])
+        except UnknownEnvironment as unknown:
+            try:
+                store.resolve(args[0])  # a layer name, newest version
+            except DsecError:
+                raise unknown from None
+        else:
+            return env.layer_refs(), dict(env.env), env.workdir
+    if len(args) == 1:
+        info = store.resolve(args[0])
+        if info.kind == "snapshot":
+            pairs = (item.split("=", 1) for item in info.env if "=" in item)
+            return [info.ref, *info.parents], dict(pairs), info.workdir or "/"
+    return [store.resolve(ref).ref for ref in args], {}, "/"
+
+
+@layer.command("export")
+@click.argument("what", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="FILE.tar")
+@click.option("--tag", required=True, help="Image name in the archive (NAME[:TAG]).")
+@click.option("--env", "env", multiple=True, help="KEY=VALUE for the image (repeatable).")
+@click.option("--workdir", default=None, help="Working directory (default: the environment's).")
+@click.option("--cmd", default=None, help="Default command, run by /bin/sh -c.")
+def layer_export(
+    what: tuple[str, ...],
+    output: str,
+    tag: str,
+    env: tuple[str, ...],
+    workdir: str | None,
+    cmd: str | None,
+) -> None:
+    """Export an image archive (`docker load -i FILE`) of WHAT: an environment, a snapshot
+    layer (stacked on the layers it was taken over), or layer refs given top first."""
+    _, store, catalogs = _stores()
+    refs, stack_env, stack_workdir = _export_stack(what, store, catalogs)
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
+        stack_env[key] = value
+    with _progress_bars() as progress:
+        path = export_image(
+            store,
+            refs,
+            Path(output),
+            tag=tag,
+            env=stack_env,
+            workdir=workdir or stack_workdir,
+            cmd=["/bin/sh", "-c", cmd] if cmd else None,
+            progress=progress,
+        )
+    click.echo(f"{path} {tag} {_size(path.stat().st_size)} ({len(refs)} layers: {', '.join(refs)})")
+
+
+@layer.command("import")
+@click.argument("image", required=False)
+@click.option(
+    "--archive", type=click.Path(dir_okay=False, exists=True), help="A `docker save` archive."
+)
+@click.option(
+    "--dockerfile",
+    "context",
+    type=click.Path(file_okay=False, exists=True),
+    help="A Dockerfile's build context directory, built with docker.",
+)
+@click.option("--file", "file", default=None, help="The Dockerfile (default: CONTEXT/Dockerfile).")
+@click.option("--name", required=True, help="Layer name.")
+@click.option(
+    "--version", default=None, help="Layer version (default: 12 hex digits of the digest)."
+)
+def layer_import(
+    image: str | None,
+    archive: str | None,
+    context: str | None,
+    file: str | None,
+    name: str,
+    version: str | None,
+) -> None:
+    """Make a base layer of a docker image's filesystem: IMAGE (already in the local docker;
+    nothing is pulled), --archive FILE or --dockerfile DIR."""
+    given = [x for x in (image, archive, context) if x]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of IMAGE, --archive FILE or --dockerfile DIR")
+    if file and not context:
+        raise click.UsageError("--file names the Dockerfile of a --dockerfile build")
+    _, store, _ = _stores()
+    with _progress_bars() as progress:
+        report = lambda stage, f: progress(f"{name}: {stage}", f)  # noqa: E731
+        if context:
+            info = import_dockerfile(
+                store, context, name=name, version=version, dockerfile=file, progress=report
+            )
+        else:
+            info = import_image(
+                store,
+                Path(archive) if archive else str(image),
+                name=name,
+                version=version,
+                progress=report,
+            )
+    click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
