@@ -93,7 +93,7 @@ from .leases import Leases
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
-from .snapshots import exclude_paths, pack_upper, recover_packs
+from .snapshots import exclude_paths, pack_upper, recover_packs, scrub_env, secret_needles
 from .trajectory import TrajectoryLogs
 
 __all__ = ["Node"]
@@ -475,7 +475,8 @@ class Node:
             for env in self.catalogs.environments():
                 refs = env.layer_refs()
                 if refs and all(r in layers for r in refs):
-                    environments.append(env.name)
+                    # a create may name it either way (placement compares the text)
+                    environments += [env.name, env.qualified]
         return sorted(layers), sorted(environments)
 
     def project_usage(self) -> dict[str, tuple[int, float, int]]:
@@ -1049,10 +1050,14 @@ class Node:
         store over the sandbox's layers (``node.snapshots``): ``name`` (default
         ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
         ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
-        histories), are left out: a restored sandbox sees the layers below for them. The
-        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running.
-        ``source``: the URL of one of the node's layer sources to push the snapshot to, after
-        those of its parents it lacks, so other nodes of that source can restore it."""
+        histories, credentials), are left out: a restored sandbox sees the layers below for
+        them, and the environment it records leaves out mirrors, proxies and credentials
+        (``SCRUBBED_ENV``). The sandbox is frozen while the layer is read. ``secrets``
+        (label -> text): the packed layer and the environment it records are scanned for each
+        (``snapshots.scan_image``); a hit keeps no layer and raises ``LeakFound`` naming the
+        paths and labels. ``SandboxNotRunning`` if it is not running. ``source``: the URL of
+        one of the node's layer sources to push the snapshot to, after those of its parents
+        it lacks, so other nodes of that source can restore it."""
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(
@@ -1067,11 +1072,9 @@ class Node:
             )
         if sb.packing is not None:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
-        if secrets:
-            raise FeatureUnavailable(
-                "pack_diff's leak scan (secrets=) is not in this node yet", feature="secrets"
-            )
+        needles = secret_needles(secrets or {})
         paths = exclude_paths(exclude, scrub)
+        env = scrub_env(sb.rt.spec.env) if scrub else dict(sb.rt.spec.env)
         target = None if source is None else self._source(source)
         parents = list(sb.layers)
         t0 = time.perf_counter()
@@ -1087,10 +1090,11 @@ class Node:
                 parents=parents,
                 exclude=paths,
                 source=f"pack_diff of sandbox {sid}",
-                env=[f"{k}={v}" for k, v in sorted(sb.rt.spec.env.items())],
+                env=[f"{k}={v}" for k, v in sorted(env.items())],
                 workdir=sb.rt.spec.workdir,
                 marker=sb.rt.dir / PACK_MARKER,
                 paused=sb.paused,
+                needles=needles,
             )
         )
         sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
