@@ -46,7 +46,6 @@ import posixpath
 import shutil
 import signal
 import subprocess
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -58,9 +57,9 @@ from dsec_builder.pkgindex import EgressIndex, LoopbackIndex
 from dsec_core.catalog.model import default_catalog_file
 from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
+from dsec_core.layers.image import export_image
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.mounts import mounted_under, unmount
-from dsec_core.records import LayerInfo
 from dsec_core.sdk import Client
 
 HERE = Path(__file__).resolve().parent
@@ -148,53 +147,13 @@ def private_dockerd() -> Iterator[Dockerd]:
         shutil.rmtree(root)
 
 
-@contextlib.contextmanager
-def mounted_layer(store: LayerStore, info: LayerInfo) -> Iterator[Path]:
-    """A layer's EROFS image mounted read-only (a loop device) at a temporary directory."""
-    where = Path(tempfile.mkdtemp(prefix="dsec-bench-layer-", dir="/var/tmp"))
-    subprocess.run(
-        ["mount", "-t", "erofs", "-o", "ro,loop", os.fspath(store.image_path(info)), where],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", os.fspath(where)], check=True, capture_output=True)
-        where.rmdir()
-
-
 def docker_base(dockerd: Dockerd, store: LayerStore, refs_top_first: list[str], tag: str) -> None:
-    """Make ``tag`` in the daemon from dsec's layers: ``export_image`` (an OCI archive,
-    ``docker load``) where this dsec has it, else each layer's tree as one ``docker import`` /
-    ``COPY`` layer over the one below (plain trees: the default catalog's base and toolkit
-    have no whiteouts)."""
-    try:
-        from dsec_core.layers.image import export_image  # type: ignore[import-not-found]
-    except ImportError:
-        export_image = None
+    """Make ``tag`` in the daemon from dsec's layers: ``export_image`` (a docker archive, one
+    layer per dsec layer), then ``docker load``."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
-        if export_image is not None:
-            archive = Path(tmp) / "base.tar"
-            export_image(store, refs_top_first, archive, tag=tag)
-            dockerd.run("load", "-i", os.fspath(archive))
-            return
-        infos = [store.resolve(r) for r in reversed(refs_top_first)]
-        below = None
-        for n, info in enumerate(infos):
-            name = tag if n == len(infos) - 1 else f"{tag}-{n}"
-            with mounted_layer(store, info) as tree:
-                if below is None:
-                    archive = Path(tmp) / "base.tar"
-                    with tarfile.open(archive, "w") as tar:
-                        tar.add(tree, arcname=".")
-                    dockerd.run("import", os.fspath(archive), name)
-                else:
-                    ctx = Path(tmp) / f"ctx-{n}"
-                    shutil.copytree(tree, ctx / "tree", symlinks=True)
-                    (ctx / "Dockerfile").write_text(f"FROM {below}\nCOPY tree/ /\n")
-                    dockerd.run("build", "-q", "-t", name, os.fspath(ctx))
-            below = name
+        archive = Path(tmp) / "base.tar"
+        export_image(store, refs_top_first, archive, tag=tag)
+        dockerd.run("load", "-i", os.fspath(archive))
 
 
 def docker_variant(dockerd: Dockerd, base: str, tree: Path, k: int, install: str) -> str:

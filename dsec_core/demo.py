@@ -172,13 +172,13 @@ def run_demo(
     if tasks:
         store = CatalogStore(config.catalog_dir)
         chosen = [t if isinstance(t, Task) else store.task(t) for t in tasks]
-        env_of = store.environment
+        backends = {t.name: store.environment(t.qualified_environment).backend for t in chosen}
     else:
         path = Path(catalog_file) if catalog_file else default_catalog_file()
         catalog = ensure_catalog(path, config, console)
-        chosen, env_of = list(catalog.tasks), catalog.environment
+        chosen = list(catalog.tasks)
+        backends = {t.name: catalog.environment(t.environment).backend for t in chosen}
     Client().close()  # start the embedded node if none runs
-    backends = {t.name: env_of(t.environment).backend for t in chosen}
     # the container tasks in parallel first; then each task on another backend (a microVM),
     # alone, as its guest boots on the same cores
     first = [t for t in chosen if backends[t.name] in (None, DEFAULT_BACKEND)]
