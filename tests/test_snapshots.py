@@ -17,7 +17,9 @@ import dsec
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import (
+    InvalidSpec,
     LayerInUse,
+    LeakFound,
     MissingParentLayers,
     SandboxNotRunning,
     ToolError,
@@ -440,3 +442,176 @@ def test_pack_and_restore_through_the_cli(dsec_client, dsec_node):
             dsec_client.kill(sid)
     bad = subprocess.run([*cli, "restore", "nope@1"], env=env, capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("Error: ")
+
+
+# --- builds: scrub and leak scan (issue 13) -------------------------------------------------
+
+# Every kind of leftover a build leaves, for root and for a user, beside a file that must stay.
+LEFTOVERS = """
+set -e
+for h in /root /home/user; do
+    mkdir -p $h/.ssh $h/.aws $h/.cache/pip/http $h/.config/git $h/.config/gcloud $h/.docker
+    echo ls > $h/.bash_history; echo ls > $h/.ash_history; echo 1+1 > $h/.python_history
+    echo KEY > $h/.ssh/id_ed25519; echo 'machine m login l password p' > $h/.netrc
+    echo '[default]' > $h/.aws/credentials; echo https://u:t@h > $h/.git-credentials
+    echo https://u:t@h > $h/.config/git/credentials; echo tok > $h/.config/gcloud/creds
+    echo '{}' > $h/.docker/config.json; echo wheel > $h/.cache/pip/http/w
+    echo //r/:_authToken=t > $h/.npmrc; echo '[pypi]' > $h/.pypirc
+done
+mkdir -p /var/lib/apt/lists /var/cache/apt/archives /.dsec-build /home/user/work
+echo list > /var/lib/apt/lists/deb.debian.org_dists; echo deb > /var/cache/apt/archives/a.deb
+echo notes > /.dsec-build/notes.md; echo t > /tmp/t; echo vt > /var/tmp/vt
+echo keep > /home/user/work/kept.txt; echo keep > /root/kept.txt
+"""
+
+
+async def test_scrub_leaves_out_histories_caches_credentials_and_notes(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            await sh(node, a, LEFTOVERS)
+            snap = await node.pack_diff(a)
+            b = (await node.restore(snap.ref, spec=BASE))[0].id
+            assert (await sh(node, b, "cat /home/user/work/kept.txt /root/kept.txt")).split() == [
+                "keep",
+                "keep",
+            ]
+            # nothing else of the leftovers: every file left is one of the two kept
+            out = await sh(
+                node,
+                b,
+                "find /root /home /tmp /var/tmp /var/lib/apt /var/cache /.dsec-build -type f"
+                " 2>/dev/null; true",
+            )
+            assert sorted(out.split()) == ["/home/user/work/kept.txt", "/root/kept.txt"]
+            # unscrubbed, they are all there
+            raw = await node.pack_diff(a, scrub=False)
+            c = (await node.restore(raw.ref, spec=BASE))[0].id
+            out = await sh(node, c, "ls -A /home/user /home/user/.ssh /.dsec-build")
+            assert {".netrc", ".git-credentials", "id_ed25519", "notes.md"} <= set(out.split())
+        finally:
+            await node.close(kill_all=True)
+
+
+def test_exclude_globs_expand_against_the_layer(tmp_path):
+    for p in ("home/a/.ssh", "home/.b/.ssh", "home/c/x", "root/.ssh"):
+        (tmp_path / p).mkdir(parents=True)
+    (tmp_path / "home" / "f").write_text("a file, not a home")
+    os.symlink("/etc", tmp_path / "home" / "l")
+    out = snapshots.expand_globs(["tmp", "home/*/.ssh", "home/*", "nothere/*/x"], tmp_path)
+    assert out[:3] == ("tmp", "home/.b/.ssh", "home/a/.ssh")  # a literal home/*/.ssh for c
+    assert set(out[3:]) == {"home/c/.ssh", "home/.b", "home/a", "home/c", "home/f", "home/l"}
+    scrub = exclude_paths([], scrub=True)
+    assert {"home/*/.ssh", "root/.netrc", "home/*/.aws", ".dsec-build"} <= set(scrub)
+
+
+def test_secret_needles_are_long_lines_or_the_whole_text():
+    hidden = "import pytest\n\ndef test_hidden_answer_is_forty_two():\n    assert f() == 42\n"
+    needles = snapshots.secret_needles({"hidden-test": hidden, "answer": "  42\n"})
+    assert needles["hidden-test"] == (b"def test_hidden_answer_is_forty_two():",)
+    assert needles["answer"] == (b"42",)
+    for bad in ({"": "x"}, {"l": ""}, {"l": "   \n"}):
+        with pytest.raises(InvalidSpec) as e:
+            snapshots.secret_needles(bad)
+        assert "x" not in str(e.value).replace("text", "")  # never echoes a text
+
+
+def test_scan_tree_finds_secrets_across_chunks_and_in_symlinks(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshots, "SCAN_CHUNK", 64)
+    secret = "the reference solution is sort(xs)[::-1] exactly"  # one line, >= 24
+    needles = snapshots.secret_needles({"ref": secret, "other": "never written anywhere, ok"})
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "big").write_bytes(b"x" * 50 + secret.encode() + b"y" * 500)  # spans
+    (tmp_path / "clean").write_bytes(b"z" * 1000)
+    os.symlink("/" + secret, tmp_path / "link")
+    os.symlink("/" + secret, tmp_path / "dirlink")  # dangling: a file name in the walk
+    os.symlink("d", tmp_path / "d2")  # to a directory: not followed
+    hits = snapshots.scan_tree(tmp_path, needles)
+    assert sorted(h["path"] for h in hits) == ["/d/big", "/dirlink", "/link"]
+    assert {h["label"] for h in hits} == {"ref"}
+    assert len(snapshots.scan_tree(tmp_path, needles, limit=2)) == 2
+
+
+HIDDEN = """import pytest
+
+
+def test_hidden_edge_case_with_the_empty_list():
+    assert solve([]) == 0
+"""
+
+
+async def test_a_leak_keeps_no_layer_and_names_paths_and_labels_not_the_secret(tmp_path):
+    with node_home("dsec-snap-") as config:
+        store = LayerStore(config.layer_dir)
+        node = await _node(config)
+        try:
+            a = (await node.create(BASE)).id
+            line = HIDDEN.splitlines()[3]
+            await sh(
+                node,
+                a,
+                f"mkdir -p /workspace/x/tests /workspace/y; printf '%s' '{HIDDEN}' > "
+                "/workspace/x/tests/test_hidden.py; cp /workspace/x/tests/test_hidden.py "
+                f"/workspace/y/notes.txt; echo '    {line.strip()}' > /workspace/partial.py;"
+                "echo fine > /workspace/ok.py",
+            )
+            secrets = {"hidden-test": HIDDEN, "reference-solution": "return sum(xs) if xs else 0"}
+            before = {i.ref for i in store.list()}
+            with pytest.raises(LeakFound) as e:
+                await node.pack_diff(a, name="staged-task", version="1", secrets=secrets)
+            assert sorted((h["path"], h["label"]) for h in e.value.hits) == [
+                ("/workspace/partial.py", "hidden-test"),
+                ("/workspace/x/tests/test_hidden.py", "hidden-test"),
+                ("/workspace/y/notes.txt", "hidden-test"),
+            ]
+            msg = str(e.value)
+            assert "/workspace/y/notes.txt (hidden-test)" in msg
+            for text in (HIDDEN, *HIDDEN.splitlines(), secrets["reference-solution"]):
+                if text.strip() and text.strip() not in ("import pytest",):
+                    assert text.strip() not in msg
+                    assert text.strip() not in json.dumps(e.value.to_wire())
+            # no layer, nothing mounted, no scratch, the sandbox thawed and running
+            assert {i.ref for i in store.list()} == before
+            assert not mounted_under(config.layer_dir)
+            tmp = config.layer_dir / "tmp"
+            assert not tmp.exists() or not any(tmp.iterdir())
+            assert not frozen(f"dsec/{a}") and node.sandboxes[a].packing is None
+            # cleaned up, the same pack goes through and the layer is there
+            await sh(node, a, "rm -r /workspace/x/tests /workspace/y /workspace/partial.py")
+            snap = await node.pack_diff(a, name="staged-task", version="1", secrets=secrets)
+            assert store.resolve("staged-task@1").digest == snap.digest
+            assert not mounted_under(config.layer_dir)
+        finally:
+            await node.close(kill_all=True)
+
+
+def test_a_leak_through_the_sdk_and_the_cli(dsec_client, dsec_node, tmp_path):
+    secret = "SELECT answer FROM hidden_table WHERE id = 42"
+    (tmp_path / "s.sql").write_text(secret + "\n")
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    cli = [sys.executable, "-m", "dsec_core.cli", "sandbox"]
+    with dsec_client.create(layers=(dsec_node.layer.ref,), memory="128M", disk="64M") as sb:
+        sb.write_file("/srv/q.sql", secret.encode())
+        with pytest.raises(dsec.LeakFound) as e:
+            sb.pack_diff(name="leaky", secrets={"answer": secret})
+        assert e.value.hits == [{"path": "/srv/q.sql", "label": "answer"}]
+        assert secret not in str(e.value)
+        out = subprocess.run(
+            [*cli, "pack-diff", sb.id, "--name", "leaky", "--secret", f"answer={tmp_path}/s.sql"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 1 and "/srv/q.sql (answer)" in out.stderr
+        assert secret not in out.stderr + out.stdout
+        bad = subprocess.run(
+            [*cli, "pack-diff", sb.id, "--secret", "no-equals-sign"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert bad.returncode == 2 and "LABEL=FILE" in bad.stderr
+        assert not [i for i in dsec_client.layers() if i.name == "leaky"]
+        with pytest.raises(dsec.InvalidSpec):
+            sb.pack_diff(secrets={"empty": ""})

@@ -13,6 +13,10 @@ IAM. Then, by route:
   nodes (the home pool, or the overflow pool for a spec that allows it once the home pool is
   over ``overflow_at``) and sends each node its share at once;
 - ``list`` asks every healthy node and keeps the caller's sandboxes;
+- builds: only admin and builder keys may create (or restore) a sandbox labelled
+  ``dsec.build`` (``BUILD_LABEL``), name a build's staged layer (``staged-*``,
+  ``STAGED_PREFIX``) in a create or restore, or pack_diff to a staged name; to every other key
+  a build's sandbox is as another project's (404, not listed) and staged layers are not listed;
 - leases route by their id's suffix as sandboxes do; fncall, judge and prefetch go where
   placement says; trajectories, memory snapshots and restores go to the node that has them.
 
@@ -28,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -68,10 +73,27 @@ from ..errors import (
 )
 from ..iam import Principal, Usage
 from ..observe import ApiserverMetrics, ObservedRequests, current_request_id, new_request_id
-from ..records import PROJECT_LABEL, SANDBOX_START_MEMORY, NodeLoad, SandboxInfo, SandboxSpec
+from ..records import (
+    BUILD_LABEL,
+    PROJECT_LABEL,
+    SANDBOX_START_MEMORY,
+    STAGED_PREFIX,
+    NodeLoad,
+    SandboxInfo,
+    SandboxSpec,
+)
 from .nodes import NodeEntry, NodeSet
 
-__all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "make_app"]
+__all__ = [
+    "BUILD_ROLES",
+    "OVERFLOW_LABEL",
+    "Authority",
+    "Gateway",
+    "Metrics",
+    "is_staged",
+    "make_app",
+    "may_build",
+]
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -80,6 +102,11 @@ log = logging.getLogger("dsec.apiserver")
 OVERFLOW_LABEL = "dsec.overflow"
 #: Labels a client may not set: the apiserver sets them.
 _RESERVED = (PROJECT_LABEL,)
+#: Roles whose keys may make builds: create build sandboxes (``BUILD_LABEL``), see them, and
+#: pack to, create from and restore staged layers (``STAGED_PREFIX``).
+BUILD_ROLES = ("admin", "builder")
+#: A project's scope tag on a name (``scope_tag``), as pack_diff through an apiserver adds it.
+_TAG_RE = re.compile(r"^p[0-9a-f]{10}-")
 #: How many sandbox -> project answers are remembered (a sandbox's project never changes).
 _PROJECT_CACHE = 200_000
 #: The request id header, set on every request forwarded to a node.
@@ -119,7 +146,10 @@ class Gateway:
     metrics: Metrics | None = None
 
     def __post_init__(self) -> None:
-        self._projects: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        # sandbox id -> (its project, whether it is a build's)
+        self._projects: collections.OrderedDict[str, tuple[str | None, bool]] = (
+            collections.OrderedDict()
+        )
         self._usage: dict[str, tuple[int, float, int]] = {}
         self._usage_version: tuple[int, tuple[str, ...]] | None = None
 
@@ -151,18 +181,20 @@ class Gateway:
             )
         return entry
 
-    async def project_of(self, entry: NodeEntry, sid: str) -> str | None:
+    async def owner_of(self, entry: NodeEntry, sid: str) -> tuple[str | None, bool]:
+        """The sandbox's project label, and whether it is a build's (``BUILD_LABEL``)."""
         if sid in self._projects:
             self._projects.move_to_end(sid)
             return self._projects[sid]
         r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
         info = ROUTES["get"].decode_response(r)
         project = info.labels.get(PROJECT_LABEL)
-        self._remember(sid, project)
-        return project
+        build = BUILD_LABEL in info.labels
+        self._remember(sid, project, build)
+        return project, build
 
-    def _remember(self, sid: str, project: str | None) -> None:
-        self._projects[sid] = project
+    def _remember(self, sid: str, project: str | None, build: bool = False) -> None:
+        self._projects[sid] = (project, build)
         if len(self._projects) > _PROJECT_CACHE:
             self._projects.popitem(last=False)
 
@@ -172,10 +204,15 @@ class Gateway:
     def reaches(self, principal: Any, project: str | None) -> bool:
         return project is not None and self.iam.can_reach(principal, project)
 
+    def sees(self, principal: Any, project: str | None, build: bool) -> bool:
+        """Whether the caller may see a sandbox of ``project``: one it reaches, and if the
+        sandbox is a build's, only with a key of a ``BUILD_ROLES`` role."""
+        return self.reaches(principal, project) and (not build or may_build(principal))
+
     async def sandbox_node(self, principal: Any, sid: str) -> NodeEntry:
         """The node of a sandbox the caller may touch; ``UnknownSandbox`` otherwise."""
         entry = self.node_of(sid)
-        if not self.reaches(principal, await self.project_of(entry, sid)):
+        if not self.sees(principal, *await self.owner_of(entry, sid)):
             raise UnknownSandbox(f"no sandbox {sid!r}", name=sid)
         return entry
 
@@ -457,6 +494,8 @@ async def _scope_body(
     if route.name == "exec" and body.trajectory is not None:
         body = replace(body, trajectory=_scoped(project, body.trajectory))
     elif route.name == "pack_diff":
+        if body.name is not None and is_staged(body.name):
+            _check_builder(principal, f"pack to a staged layer name ({body.name!r})")
         body = replace(body, name=_scoped(project, body.name or f"snapshot-{sid[:12]}"))
     elif route.name == "snapshot_memory":
         body = replace(body, name=_scoped(project, body.name or f"{sid[:12]}-{int(time.time())}"))
@@ -474,13 +513,47 @@ def _owner_reachable(gw: Gateway, principal: Any, name: str) -> bool:
     return tag in {scope_tag(p) for p in (*projects, principal.project)}
 
 
+def may_build(principal: Any) -> bool:
+    """Whether ``principal``'s key may make builds (``BUILD_ROLES``)."""
+    return principal.role in BUILD_ROLES
+
+
+def is_staged(name: str) -> bool:
+    """Whether layer ``name`` (or ``name@version``) is a build's staged output: its name, as
+    given or as an apiserver scoped it (``scope_tag``), starts with ``STAGED_PREFIX``."""
+    bare = _TAG_RE.sub("", name.partition("@")[0], count=1)
+    return bare.startswith(STAGED_PREFIX)
+
+
+def _check_builder(principal: Any, what: str) -> None:
+    if not may_build(principal):
+        raise PermissionDenied(
+            f"a {principal.role} key cannot {what}: only {' and '.join(BUILD_ROLES)} keys make "
+            f"builds (a build's sandboxes are labelled {BUILD_LABEL}, its layers are staged as "
+            f"{STAGED_PREFIX}* until they pass QA)",
+            role=principal.role,
+        )
+
+
+def _check_build_spec(principal: Any, spec: SandboxSpec) -> None:
+    """``PermissionDenied`` unless the caller may make builds, for a spec labelled
+    ``BUILD_LABEL`` or naming a staged layer."""
+    if BUILD_LABEL in spec.labels:
+        _check_builder(principal, f"create a build sandbox (labelled {BUILD_LABEL})")
+    for ref in spec.layers:
+        if is_staged(ref):
+            _check_builder(principal, f"use the staged layer {ref!r}")
+
+
 async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
     t0 = time.perf_counter()
     route = ROUTES["create"]
-    if principal.role not in ("admin", "member", "agent"):
+    if principal.role not in ("admin", "member", "agent", "builder"):
         raise PermissionDenied(f"role {principal.role!r} cannot create sandboxes")
     raw_body = await read_json_body(request)
     body: CreateRequest = route.decode_body(raw_body)  # 422 with the field's path
+    _check_build_spec(principal, body.spec)
+    build = BUILD_LABEL in body.spec.labels
     labels = {k: v for k, v in body.spec.labels.items() if k not in _RESERVED}
     labels[PROJECT_LABEL] = principal.project
     spec = replace(body.spec, labels=labels)
@@ -517,7 +590,7 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
         # one node made them: its answer goes back as it is, read only for the ids
         raw = json.loads(results[0])
         for info in raw.get("sandboxes", ()):
-            gw._remember(info["id"], principal.project)
+            gw._remember(info["id"], principal.project, build)
         if gw.metrics:
             gw.metrics.create_done(time.perf_counter() - t0, not raw.get("errors"))
         return Response(
@@ -536,7 +609,7 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
             made += answer.sandboxes
             errors += answer.errors
     for info in made:
-        gw._remember(info.id, principal.project)
+        gw._remember(info.id, principal.project, build)
     if gw.metrics:
         gw.metrics.create_done(time.perf_counter() - t0, not errors)
     if body.count == 1 and not made:
@@ -577,8 +650,9 @@ async def _list(gw: Gateway, request: Request, principal: Any, rid: str) -> Resp
             continue  # a node that stopped answering since its last probe: the watcher tells
         for info in answer.sandboxes:
             project = info.labels.get(PROJECT_LABEL)
-            gw._remember(info.id, project)
-            if gw.reaches(principal, project):
+            build = BUILD_LABEL in info.labels
+            gw._remember(info.id, project, build)
+            if gw.sees(principal, project, build):
                 mine.append(info)
     mine.sort(key=lambda i: (i.created, i.id))
     return Response(route.encode_response(SandboxList(tuple(mine))), media_type=JSON)
@@ -693,6 +767,11 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
     body = route.decode_body(await read_json_body(request))
     if not _owner_reachable(gw, principal, body.snapshot):
         raise UnknownSnapshot(f"no snapshot {body.snapshot!r}", name=body.snapshot)
+    if is_staged(body.snapshot):
+        _check_builder(principal, f"restore the staged layer {body.snapshot!r}")
+    if body.spec is not None:
+        _check_build_spec(principal, body.spec)
+    build = body.spec is not None and BUILD_LABEL in body.spec.labels
     # a memory snapshot (a name without @version) takes only ttl and labels from the spec
     spec = body.spec or SandboxSpec(layers=(body.snapshot if "@" in body.snapshot else "x@0",))
     labels = {k: v for k, v in spec.labels.items() if k not in _RESERVED}
@@ -713,17 +792,21 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
             continue
         made = route.decode_response(answer)
         for info in made.sandboxes:
-            gw._remember(info.id, principal.project)
+            gw._remember(info.id, principal.project, build)
         return Response(answer, route.status, media_type=JSON)
     raise last
 
 
 async def _layers(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """A node's layers; without a ``BUILD_ROLES`` key, staged layers left out."""
     route = ROUTES["layers"]
     for entry in gw.nodes.healthy():
-        return Response(
-            await gw._request(entry, "GET", route.path, request_id=rid), media_type=JSON
-        )
+        answer = await gw._request(entry, "GET", route.path, request_id=rid)
+        if may_build(principal):
+            return Response(answer, media_type=JSON)
+        listing = route.decode_response(answer)
+        kept = tuple(i for i in listing.layers if not is_staged(i.name))
+        return Response(route.encode_response(replace(listing, layers=kept)), media_type=JSON)
     raise NodeUnavailable("no healthy node to ask")
 
 

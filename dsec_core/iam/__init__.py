@@ -1,5 +1,5 @@
 """IAM for the control plane: nested projects with quotas, API keys with roles (admin, member,
-agent) stored hashed, and the checks every apiserver request goes through.
+agent, builder) stored hashed, and the checks every apiserver request goes through.
 
 ``Iam.open(url)`` picks the store: SQLite by default (``$DSEC_HOME/iam.db``), etcd when several
 apiservers share state. ``dsec iam ...`` manages it from the machine's shell.

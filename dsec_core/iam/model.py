@@ -40,8 +40,10 @@ __all__ = [
 ROOT = "/"
 #: What a key may do: "admin" manages projects and keys in its project's subtree and reaches
 #: its sandboxes; "member" reaches the subtree's sandboxes and manages nothing; "agent" reaches
-#: only its own project's sandboxes (none of its subprojects') and manages nothing.
-ROLES = ("admin", "member", "agent")
+#: only its own project's sandboxes (none of its subprojects') and manages nothing; "builder"
+#: reaches what a member does and also makes environment builds (build sandboxes and staged
+#: layers, which the apiserver keeps from every role but admin and builder).
+ROLES = ("admin", "member", "agent", "builder")
 #: What a quota bounds, each counted over a project's whole subtree.
 RESOURCES = ("sandboxes", "cpu", "memory")
 

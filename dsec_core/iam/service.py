@@ -74,11 +74,14 @@ def default_iam_url() -> str:
 
 
 def can_reach(principal: Principal, project: str) -> bool:
-    """May ``principal`` touch sandboxes labelled with ``project``? Admins and members: those
-    of their project and its subprojects; agents: only those of exactly their own project."""
+    """May ``principal`` touch sandboxes labelled with ``project``? Admins, members and
+    builders: those of their project and its subprojects; agents: only those of exactly their
+    own project. (Which of them are builds' is the apiserver's check.)"""
     if principal.role == "agent":
         return project == principal.project
-    return principal.role in ("admin", "member") and in_subtree(project, principal.project)
+    return principal.role in ("admin", "member", "builder") and in_subtree(
+        project, principal.project
+    )
 
 
 def can_manage(principal: Principal, project: str) -> bool:

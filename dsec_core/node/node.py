@@ -93,7 +93,7 @@ from .leases import Leases
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
-from .snapshots import exclude_paths, pack_upper, recover_packs
+from .snapshots import exclude_paths, pack_upper, recover_packs, secret_needles
 from .trajectory import TrajectoryLogs
 
 __all__ = ["Node"]
@@ -1049,10 +1049,13 @@ class Node:
         store over the sandbox's layers (``node.snapshots``): ``name`` (default
         ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
         ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
-        histories), are left out: a restored sandbox sees the layers below for them. The
-        sandbox is frozen while the layer is read. ``SandboxNotRunning`` if it is not running.
-        ``source``: the URL of one of the node's layer sources to push the snapshot to, after
-        those of its parents it lacks, so other nodes of that source can restore it."""
+        histories, credentials), are left out: a restored sandbox sees the layers below for
+        them. The sandbox is frozen while the layer is read. ``secrets`` (label -> text):
+        the packed layer is scanned for each (``snapshots.scan_image``); a hit keeps no layer
+        and raises ``LeakFound`` naming the paths and labels. ``SandboxNotRunning`` if it is
+        not running. ``source``: the URL of one of the node's layer sources to push the
+        snapshot to, after those of its parents it lacks, so other nodes of that source can
+        restore it."""
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(
@@ -1067,10 +1070,7 @@ class Node:
             )
         if sb.packing is not None:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
-        if secrets:
-            raise FeatureUnavailable(
-                "pack_diff's leak scan (secrets=) is not in this node yet", feature="secrets"
-            )
+        needles = secret_needles(secrets or {})
         paths = exclude_paths(exclude, scrub)
         target = None if source is None else self._source(source)
         parents = list(sb.layers)
@@ -1091,6 +1091,7 @@ class Node:
                 workdir=sb.rt.spec.workdir,
                 marker=sb.rt.dir / PACK_MARKER,
                 paused=sb.paused,
+                needles=needles,
             )
         )
         sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))

@@ -10,18 +10,25 @@ copied. (``tests/test_snapshots.py`` prints the time and size of a small pack wi
 
 The sandbox is frozen (cgroup freezer) while mkfs.erofs reads, so a snapshot taken while it
 writes is one consistent state, and thawed on every path out.
+
+A build's pack declares secrets (hidden tests, reference solutions): the packed image is
+mounted read-only in the pack's scratch dir and every regular file and symlink target in it is
+scanned for them (``scan_image``) before the layer enters the store. A hit keeps no layer and
+raises ``LeakFound``, naming paths and labels, never the text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import posixpath
+import stat
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from ..errors import InvalidSpec, NodeUnavailable
+from ..errors import InvalidSpec, LeakFound, NodeUnavailable
 from ..layers.store import LayerStore
 from ..linux.cgroups import freeze, thaw
 from ..linux.erofs import mkfs_erofs
@@ -30,19 +37,28 @@ from ..linux.mounts import (
     UserNamespaceHandle,
     attach,
     clone_idmapped,
+    mount_erofs_file,
     mounted_under,
     unmount,
 )
-from ..records import IdMap, LayerInfo
+from ..records import BUILD_NOTES_DIR, IdMap, LayerInfo
 
 __all__ = [
+    "MAX_LEAK_HITS",
+    "MIN_SECRET_LINE",
     "PACK_TIMEOUT",
     "RUNTIME_PATHS",
+    "SCAN_CHUNK",
     "SCRUBBED",
+    "SCRUBBED_IN_HOMES",
     "SNAPSHOT_COMPRESSION",
     "exclude_paths",
+    "expand_globs",
     "pack_upper",
     "recover_packs",
+    "scan_image",
+    "scan_tree",
+    "secret_needles",
 ]
 
 #: How snapshot images are compressed: not at all, since the sandbox stays frozen while
@@ -54,16 +70,64 @@ SNAPSHOT_COMPRESSION: str | None = None
 #: a sandbox can stay frozen. Uncompressed, it packs hundreds of MB a second here.
 PACK_TIMEOUT = 600.0
 
+#: What ``scrub=True`` leaves out of every home (``root`` and each ``home/*``), relative to it:
+#: shell and REPL histories, package-manager caches, and credentials (ssh keys, netrc, cloud,
+#: container, git, npm, PyPI, cargo, kubernetes and GitHub CLI tokens), which an environment
+#: built in a sandbox must not ship and a restored sandbox should not inherit.
+SCRUBBED_IN_HOMES = (
+    # histories
+    ".ash_history",
+    ".bash_history",
+    ".sh_history",
+    ".zsh_history",
+    ".local/share/fish/fish_history",
+    ".python_history",
+    ".node_repl_history",
+    ".psql_history",
+    ".mysql_history",
+    ".sqlite_history",
+    ".lesshst",
+    ".viminfo",
+    ".wget-hsts",
+    ".ipython/profile_default/history.sqlite",
+    # caches (pip, npm, cargo, ...)
+    ".cache",
+    ".npm",
+    ".cargo/registry",
+    ".cargo/git",
+    # credentials
+    ".netrc",
+    ".ssh",
+    ".gnupg",
+    ".aws",
+    ".azure",
+    ".config/gcloud",
+    ".config/gh",
+    ".docker/config.json",
+    ".git-credentials",
+    ".config/git/credentials",
+    ".npmrc",
+    ".pypirc",
+    ".pgpass",
+    ".cargo/credentials",
+    ".cargo/credentials.toml",
+    ".kube",
+)
+
 #: What ``scrub=True`` leaves out of every snapshot (relative to the sandbox's root): scratch
-#: space, caches and shell histories, which a restored sandbox should not inherit.
+#: space, system package caches and logs, the builder's notes (``BUILD_NOTES_DIR``), and
+#: ``SCRUBBED_IN_HOMES`` under ``root`` and every ``home/*`` (a ``*`` path component is
+#: expanded against the writable layer when it is packed). Left out means not in the diff: a
+#: restored sandbox sees what the layers below have there.
 SCRUBBED = (
     "tmp",
     "var/tmp",
     "var/cache",
-    "root/.cache",
-    "root/.ash_history",
-    "root/.bash_history",
-    "root/.python_history",
+    "var/lib/apt/lists",
+    "var/log/apt",
+    BUILD_NOTES_DIR.strip("/"),
+    *(f"root/{path}" for path in SCRUBBED_IN_HOMES),
+    *(f"home/*/{path}" for path in SCRUBBED_IN_HOMES),
 )
 
 
@@ -72,10 +136,24 @@ SCRUBBED = (
 RUNTIME_PATHS = (".dsec",)
 
 
+#: Lines of a declared secret at least this long (characters, stripped) are scanned for on
+#: their own, so a partial copy (one long line of a hidden test) is found too. Shorter lines
+#: are too likely to occur innocently (``import pytest``).
+MIN_SECRET_LINE = 24
+
+#: Bytes the leak scan reads from a file at a time; consecutive reads overlap by the longest
+#: needle, so a secret that spans two reads is found, and a file of any size is scanned whole.
+SCAN_CHUNK = 1 << 20
+
+#: The leak scan stops after this many hits: enough to show what leaked, bounded to answer.
+MAX_LEAK_HITS = 100
+
+
 def exclude_paths(exclude: Iterable[str], scrub: bool) -> tuple[str, ...]:
     """``exclude`` (absolute or relative paths inside the sandbox) as mkfs.erofs wants them,
     relative and normalized, after ``RUNTIME_PATHS`` and, if ``scrub``, ``SCRUBBED``;
-    ``InvalidSpec`` for a path that leaves the root or names it."""
+    ``InvalidSpec`` for a path that leaves the root or names it. A path component may be a
+    glob (``home/*/.ssh``): ``expand_globs`` resolves it against the writable layer."""
     out: list[str] = [*RUNTIME_PATHS, *(SCRUBBED if scrub else ())]
     for path in exclude:
         if not isinstance(path, str):
@@ -86,6 +164,160 @@ def exclude_paths(exclude: Iterable[str], scrub: bool) -> tuple[str, ...]:
         if norm not in out:
             out.append(norm)
     return tuple(out)
+
+
+def expand_globs(paths: Iterable[str], root: Path) -> tuple[str, ...]:
+    """``paths`` (relative, from ``exclude_paths``) with each one whose components hold glob
+    characters (``*?[``) replaced by the paths under ``root`` it matches (through real
+    directories only, never a symlink; dotfiles too); one that matches nothing is dropped."""
+    out: list[str] = []
+    for path in paths:
+        parts = path.split("/")
+        if not any(_is_glob(part) for part in parts):
+            out.append(path)
+            continue
+        found = [""]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            step: list[str] = []
+            for prefix in found:
+                here = root / prefix if prefix else root
+                if not _is_glob(part):
+                    step.append(posixpath.join(prefix, part))
+                    continue
+                try:
+                    names = sorted(os.listdir(here))
+                except OSError:  # not there, or not a directory
+                    continue
+                for name in fnmatch.filter(names, part):
+                    if last or _is_dir(here / name):
+                        step.append(posixpath.join(prefix, name))
+            found = step
+        out.extend(p for p in found if p not in out)
+    return tuple(out)
+
+
+def _is_glob(part: str) -> bool:
+    return any(c in part for c in "*?[")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def secret_needles(secrets: Mapping[str, str]) -> dict[str, tuple[bytes, ...]]:
+    """What the leak scan looks for, per label of ``secrets`` (label -> text): each line of
+    the text of at least ``MIN_SECRET_LINE`` characters, stripped; a text with no such line
+    is looked for whole (stripped). (A file holding the whole text holds each of its lines, so
+    the whole text adds nothing once it has one.) UTF-8. ``InvalidSpec`` for an empty label
+    or text; its message never holds the text."""
+    out: dict[str, tuple[bytes, ...]] = {}
+    for label, text in secrets.items():
+        if not isinstance(label, str) or not label.strip():
+            raise InvalidSpec(f"secrets: bad label {label!r}", field="secrets")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidSpec(f"secrets: {label!r} has no text to scan for", field="secrets")
+        lines = {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= MIN_SECRET_LINE}
+        needles = {ln.encode() for ln in lines} or {text.strip().encode()}
+        # one that holds another adds nothing: the shorter is found wherever it is
+        kept = [n for n in needles if not any(m != n and m in n for m in needles)]
+        out[label] = tuple(sorted(kept))
+    return out
+
+
+def scan_tree(
+    root: Path, needles: Mapping[str, Sequence[bytes]], *, limit: int = MAX_LEAK_HITS
+) -> list[dict[str, str]]:
+    """Every ``{"path": "/in/the/tree", "label": ...}`` where a needle of ``label`` (from
+    ``secret_needles``) occurs in a regular file's contents or a symlink's target under
+    ``root``, in walk order, at most ``limit``. Never follows a symlink. Files are read in
+    ``SCAN_CHUNK`` pieces overlapping by the longest needle, whatever their size."""
+    longest = max((len(n) for ns in needles.values() for n in ns), default=0)
+    if not longest:
+        return []
+    hits: list[dict[str, str]] = []
+    base = os.fsencode(root)
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(path)
+                found = [label for label, ns in needles.items() if any(n in target for n in ns)]
+            elif stat.S_ISREG(st.st_mode):
+                found = _scan_file(path, needles, longest)
+            else:
+                continue  # devices (whiteouts), fifos, sockets hold no text
+            inside = "/" + os.path.relpath(path, base).decode(errors="backslashreplace")
+            for label in found:
+                hits.append({"path": inside, "label": label})
+                if len(hits) >= limit:
+                    return hits
+        # symlinks to directories are listed in dirnames: scan their targets too
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                target = os.readlink(path)
+                inside = "/" + os.path.relpath(path, base).decode(errors="backslashreplace")
+                for label, ns in needles.items():
+                    if any(n in target for n in ns):
+                        hits.append({"path": inside, "label": label})
+                        if len(hits) >= limit:
+                            return hits
+    return hits
+
+
+def _scan_file(path: bytes, needles: Mapping[str, Sequence[bytes]], longest: int) -> list[str]:
+    """The labels with a needle in file ``path``, read in overlapping chunks."""
+    found: list[str] = []
+    left = dict(needles)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return found
+    try:
+        tail = b""
+        while left:
+            chunk = os.read(fd, SCAN_CHUNK)
+            if not chunk:
+                break
+            buf = tail + chunk
+            for label, ns in list(left.items()):
+                if any(n in buf for n in ns):
+                    found.append(label)
+                    del left[label]
+            tail = buf[len(buf) - (longest - 1) :] if longest > 1 else b""
+    finally:
+        os.close(fd)
+    return found
+
+
+def scan_image(image: Path, mountpoint: Path, needles: Mapping[str, Sequence[bytes]]) -> None:
+    """Mount EROFS ``image`` read-only at ``mountpoint`` (an empty private directory), scan it
+    (``scan_tree``), unmount; ``LeakFound`` naming each path and label if anything of
+    ``needles`` is in it. Nothing stays mounted on any path out."""
+    mountpoint.mkdir(exist_ok=True)
+    mount_erofs_file(image, mountpoint, None)
+    try:
+        hits = scan_tree(mountpoint, needles)
+    finally:
+        unmount(mountpoint)
+    if hits:
+        shown = ", ".join(f"{h['path']} ({h['label']})" for h in hits[:20])
+        more = f" and {len(hits) - 20} more" if len(hits) > 20 else ""
+        raise LeakFound(
+            f"leak scan: the packed layer holds declared secrets, so it was not kept: "
+            f"{shown}{more}. Remove them from the sandbox (or exclude their paths) and pack "
+            "again",
+            hits=hits,
+        )
 
 
 def pack_upper(
@@ -103,14 +335,17 @@ def pack_upper(
     workdir: str = "",
     marker: Path | None = None,
     paused: bool = False,
+    needles: Mapping[str, Sequence[bytes]] | None = None,
 ) -> tuple[LayerInfo, float]:
     """Freeze ``cgroup``, pack ``upper`` (a writable layer of ``idmap``'s sandbox) into a
     ``snapshot`` layer of ``store`` over ``parents`` (recording the sandbox's ``env`` and
     ``workdir``), thaw; returns the layer and how long the
     sandbox stayed frozen (seconds). Blocking: call it in a thread. Nothing is left mounted.
-    ``marker`` exists while the sandbox may be frozen, so a daemon that died meanwhile is
-    followed by one that thaws it (``recover_packs``). A ``paused`` sandbox is frozen already
-    and stays so."""
+    ``exclude`` may hold globs (``expand_globs``, resolved while frozen). ``marker`` exists
+    while the sandbox may be frozen, so a daemon that died meanwhile is followed by one that
+    thaws it (``recover_packs``). A ``paused`` sandbox is frozen already and stays so.
+    ``needles`` (``secret_needles``): the image is scanned for them once the sandbox is
+    thawed, and a hit raises ``LeakFound`` with no layer added to ``store``."""
     with store.scratch("pack-") as tmp:
         view = tmp / "upper"
         view.mkdir()
@@ -134,7 +369,7 @@ def pack_upper(
                     view,
                     image,
                     all_root=False,
-                    exclude=exclude,
+                    exclude=expand_globs(exclude, view),
                     compression=SNAPSHOT_COMPRESSION,
                     timeout=PACK_TIMEOUT,
                 )
@@ -147,6 +382,8 @@ def pack_upper(
         finally:
             with contextlib.suppress(Exception):  # remove_tree detaches what is left anyway
                 unmount(view)
+        if needles:
+            scan_image(image, tmp / "scan", needles)
         info = store.add(
             image,
             name=name,

@@ -1,0 +1,133 @@
+"""Builds through ``dsec apiserver`` (issue 13, deliverable 2), over a real node daemon with
+IAM keys: only admin and builder keys may create a build's sandbox (``BUILD_LABEL``), use or
+make a staged layer (``STAGED_PREFIX``); to agent and member keys of the same project a
+build's sandbox is as another project's (404 on every route, not listed) and staged layers
+are neither listed nor usable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import dsec
+from dsec_core.errors import PermissionDenied, UnknownSandbox
+from dsec_core.iam import ROLES, Iam
+from dsec_core.records import BUILD_LABEL, STAGED_PREFIX
+from dsec_core.testing.apiserver import named_nodes, running_apiserver
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+PROJECT = "envs/team"
+
+
+class Cluster:
+    def __init__(self, iam: Iam, iam_url: str, url: str, layer: str) -> None:
+        self.iam, self.iam_url, self.url, self.layer = iam, iam_url, url, layer
+
+    def client(self, role: str) -> dsec.Client:
+        return dsec.Client(self.url, api_key=self.iam.create_key(PROJECT, role)[1])
+
+    def spec(self, **kw) -> dsec.SandboxSpec:
+        return dsec.SandboxSpec(**{"layers": (self.layer,), "memory": "64M", "cpu": 0.5, **kw})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    iam = Iam.open(iam_url)
+    iam.create_project("envs")
+    iam.create_project(PROJECT)
+    with named_nodes({"n1": {}}) as nodes, running_apiserver(nodes, iam_url) as api:
+        yield Cluster(iam, iam_url, api.url, nodes[0].node.layer.ref)
+    iam.close()
+
+
+def test_builder_is_a_role_and_the_cli_makes_its_keys(cluster):
+    assert "builder" in ROLES
+    cli = [sys.executable, "-m", "dsec_core.cli", "iam", "--iam", cluster.iam_url, "key"]
+    out = subprocess.run(
+        [*cli, "create", "--project", PROJECT, "--role", "builder", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    made = json.loads(out.stdout)
+    assert made["key"]["role"] == "builder" and made["key"]["project"] == PROJECT
+    with dsec.Client(cluster.url, api_key=made["secret"]) as c:
+        assert isinstance(c.list(), list)  # the key authenticates
+
+
+def test_a_builder_builds_and_runtime_keys_see_nothing_of_it(cluster):
+    builder, agent, member = (cluster.client(r) for r in ("builder", "agent", "member"))
+    made: list[dsec.Sandbox] = []
+    try:
+        build = builder.create(cluster.spec(labels={BUILD_LABEL: "py-env"}))
+        made.append(build)
+        assert build.info.labels[BUILD_LABEL] == "py-env"
+        build.write_file("/workspace/app.py", b"print('hi')\n")
+        assert build.exec("cat /workspace/app.py").stdout == b"print('hi')\n"
+        assert [e.name for e in build.list_dir("/workspace")] == ["app.py"]
+        assert build.id in {i.id for i in builder.list()}
+        staged = build.pack_diff(name=STAGED_PREFIX + "py-env", version="1")
+        assert staged.name.endswith("-" + STAGED_PREFIX + "py-env")
+        assert staged.ref in {i.ref for i in builder.layers()}
+        (copy,) = builder.restore(staged.ref, 1, memory="64M")
+        made.append(copy)
+        assert copy.read_file("/workspace/app.py") == b"print('hi')\n"
+
+        # a runtime sandbox of the same project, for the pack_diff check below
+        own = agent.create(cluster.spec())
+        made.append(own)
+        for c in (agent, member):
+            # the build's sandbox: 404 on every route, and not listed
+            assert build.id not in {i.id for i in c.list()}
+            calls: list[tuple[str, tuple, dict]] = [
+                ("get", (), {}),
+                ("exec", (["true"],), {}),
+                ("read_file", ("/workspace/app.py",), {}),
+                ("write_file", ("/workspace/x", b"x"), {}),
+                ("list_dir", ("/",), {}),
+                ("pack_diff", (), {"name": "mine"}),
+                ("kill", (), {}),
+            ]
+            for method, args, kw in calls:
+                with pytest.raises(UnknownSandbox):
+                    getattr(c, method)(build.id, *args, **kw)
+            # no build sandboxes, no staged layers
+            with pytest.raises(PermissionDenied, match="builder"):
+                c.create(cluster.spec(labels={BUILD_LABEL: "mine"}))
+            for ref in (staged.ref, STAGED_PREFIX + "py-env@1"):
+                with pytest.raises(PermissionDenied, match="staged"):
+                    c.create(cluster.spec(layers=(ref, cluster.layer)))
+            with pytest.raises(PermissionDenied, match="staged"):
+                c.restore(staged.ref, 1, memory="64M")
+            with pytest.raises(PermissionDenied, match=BUILD_LABEL):
+                c.restore(own.pack_diff(name="plain").ref, 1, labels={BUILD_LABEL: "x"})
+            with pytest.raises(PermissionDenied, match="staged"):
+                c.pack_diff(own.id, name=STAGED_PREFIX + "sneaky")
+            assert not [i for i in c.layers() if STAGED_PREFIX in i.name]
+            assert cluster.layer in {i.ref for i in c.layers()}
+        # what runtime keys were refused left nothing behind
+        assert not [i for i in builder.layers() if "sneaky" in i.name]
+        assert {i.id for i in builder.list()} == {s.id for s in made}
+        # the build sandbox is still the builder's, untouched
+        assert build.read_file("/workspace/app.py") == b"print('hi')\n"
+        assert not build.exec("test -e /workspace/x").exit_code == 0
+    finally:
+        for sb in made:
+            builder.kill(sb.id)
+        for c in (builder, agent, member):
+            c.close()
+
+
+def test_an_admin_may_build_too(cluster):
+    with cluster.client("admin") as admin:
+        with admin.create(cluster.spec(labels={BUILD_LABEL: "adm"})) as sb:
+            snap = sb.pack_diff(name=STAGED_PREFIX + "adm")
+            assert sb.id in {i.id for i in admin.list()}
+        assert snap.ref in {i.ref for i in admin.layers()}
