@@ -59,7 +59,8 @@ class Check:
 class TaskSpec:
     """A task to check the environment against: the catalog ``task`` (its command and reward
     function), the hidden ``tests`` and the ``reference`` solution (``{path: text}``, paths
-    relative to the working directory), and other ``secrets`` (answer files' texts).
+    absolute or relative to the working directory; ``finish`` also takes ``{path: {file:
+    PATH}}``, read from the session), and other ``secrets`` (answer files' texts).
 
     Tests, reference and secrets are secret: the leak scan refuses a packed layer that holds
     any of them, and only QA sandboxes get them."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shlex
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,6 @@ from dsec_core.layers.store import LayerStore
 from dsec_core.plugins import open_source
 from dsec_core.records import (
     BUILD_LABEL,
-    BUILD_NOTES_DIR,
     STAGED_PREFIX,
     ExecResult,
     FileEntry,
@@ -279,8 +279,10 @@ class BuildSession:
         record = self.record
         from_env = CatalogStore(self.ctx.config.catalog_dir).environment(record.from_env)
         all_checks = [*(Check.from_dict(c) for c in record.checks), *checks]
-        spec = TaskSpec.from_dict(task, self.name) if task is not None else None
         sid = self._live()
+        if task is not None:
+            task = self._resolve_files(task)
+        spec = TaskSpec.from_dict(task, self.name) if task is not None else None
         self.scrub()
         self._drop_staged(record)
         secrets = spec.secret_texts() if spec else {}
@@ -326,12 +328,35 @@ class BuildSession:
             self.kill()
         return FinishResult(layer, environment, report.to_dict(), os.fspath(report_path))
 
+    def _resolve_files(self, task: Mapping[str, Any]) -> dict[str, Any]:
+        """``task`` with each tests/reference entry given as ``{file: PATH}`` replaced by
+        that file's text in the session (read before the scrub: the builder keeps hidden
+        tests and the reference under BUILD_NOTES_DIR, which pack_diff leaves out)."""
+        out = dict(task)
+        for key in ("tests", "reference"):
+            files = out.get(key)
+            if not isinstance(files, Mapping):
+                continue
+            resolved = {}
+            for path, value in files.items():
+                if isinstance(value, Mapping) and set(value) == {"file"}:
+                    try:
+                        value = self.read(str(value["file"])).decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise InvalidSpec(
+                            f"task.{key}.{path}: {value['file']} is not UTF-8 text",
+                            field=f"task.{key}",
+                        ) from e
+                resolved[path] = value
+            out[key] = resolved
+        return out
+
     def scrub(self) -> None:
-        """Remove in the session what pack_diff's own scrub cannot know of: the builder's
-        notes dir and the apt mirror the policy granted (pip's is only in the session's env,
-        which the published environment does not carry)."""
-        paths = [BUILD_NOTES_DIR, APT_MIRROR_FILE]
-        self.ctx.client.exec(self._live(), "rm -rf -- " + shlex.join(paths), timeout=60)
+        """Remove in the session what pack_diff's own scrub cannot know of: the apt mirror the
+        policy granted (pip's is only in the session's env, which the published environment
+        does not carry). The builder's notes (BUILD_NOTES_DIR) stay in the session, for a
+        finish again after a failed QA: pack_diff's scrub leaves them out of the layer."""
+        self.ctx.client.exec(self._live(), "rm -f -- " + shlex.quote(APT_MIRROR_FILE), timeout=60)
 
     def _drop_staged(self, record: BuildRecord) -> None:
         """A previous finish's staged layer (QA failed, then fixed): removed before packing
@@ -431,7 +456,7 @@ def _tests_layer(
     with tempfile.TemporaryDirectory(prefix="dsec-build-tests-") as tmp:
         root = Path(tmp)
         for rel, text in spec.tests.items():
-            target = root / env.workdir.lstrip("/") / rel
+            target = root / posixpath.normpath(posixpath.join(env.workdir, rel)).lstrip("/")
             if root.resolve() not in target.resolve().parents:
                 raise InvalidSpec(f"task.tests: path {rel!r} leaves the tree", field="task.tests")
             target.parent.mkdir(parents=True, exist_ok=True)
