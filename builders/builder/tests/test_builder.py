@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -23,7 +24,7 @@ from dsec_builder.tools import check_args
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import InvalidSpec, LeakFound, UnknownEnvironment
 from dsec_core.layers.store import LayerStore
-from dsec_core.records import BUILD_LABEL, BUILD_NOTES_DIR, STAGED_PREFIX
+from dsec_core.records import BUILD_LABEL, BUILD_NOTES_DIR, STAGED_PREFIX, LayerRef
 from dsec_core.sdk import Client
 
 WORKSPACE = "/workspace/adder"
@@ -300,3 +301,74 @@ async def test_mcp_server_over_stdio(ctx, python_node):
         assert not r.is_error, r
         assert r.structured_content["layer"]["name"] == "mcp-built"
     assert ctx.store.get("mcp-built").state == "published"
+
+
+def _dsec(python_node, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DSEC_HOME=os.fspath(python_node.home))
+    for var in ("DSEC_ADDRESS", "DSEC_API_KEY", "DSEC_RUNTIME_ADDRESS", "DSEC_RUNTIME_API_KEY"):
+        env.pop(var, None)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "build", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_cli_start_exec_ls_finish_and_publish_to_a_source(ctx, python_node, tmp_path):
+    started = json.loads(
+        _dsec(
+            python_node,
+            "start",
+            "--from",
+            "python",
+            "--name",
+            "clibuilt",
+            "--version",
+            "2",
+            "--json",
+        ).stdout
+    )
+    assert started["state"] == "open" and started["sandbox_id"]
+    again = _dsec(python_node, "start", "--from", "python", "--name", "clibuilt", check=False)
+    assert again.returncode == 1 and again.stderr.startswith("Error: build clibuilt is open")
+    out = _dsec(python_node, "exec", "clibuilt", "echo", "built >", "/root/made-by-cli")
+    assert out.returncode == 0
+    failed = _dsec(python_node, "exec", "clibuilt", "exit 3", check=False)
+    assert failed.returncode == 3
+    bad = _dsec(python_node, "call", "clibuilt", "format_disk", check=False)
+    assert bad.returncode == 1 and "unknown tool 'format_disk'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    listed = json.loads(_dsec(python_node, "ls", "--json").stdout)
+    assert {"name": "clibuilt", "state": "open"}.items() <= next(
+        r for r in listed if r["name"] == "clibuilt"
+    ).items()
+    spec = tmp_path / "finish.yaml"
+    spec.write_text("checks:\n  - {name: made, command: 'grep -q built /root/made-by-cli'}\n")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    done = json.loads(
+        _dsec(
+            python_node,
+            "finish",
+            "clibuilt",
+            "--spec",
+            os.fspath(spec),
+            "--publish",
+            f"posix:{shared}",
+            "--json",
+        ).stdout
+    )
+    assert done["layer"]["name"] == "clibuilt" and done["layer"]["version"] == "2"
+    # the catalog and its layers went to the source: another node could pull it
+    from dsec_layer_posix import PosixLayerSource
+
+    source = PosixLayerSource(os.fspath(shared))
+    assert source.get_catalog("clibuilt")["environments"][0]["name"] == "clibuilt"
+    assert source.resolve(LayerRef.parse("clibuilt@2")) is not None
+    _dsec(python_node, "rm", "clibuilt")
+    assert "clibuilt" not in {r.name for r in ctx.store.list()}
