@@ -372,3 +372,28 @@ def test_cli_start_exec_ls_finish_and_publish_to_a_source(ctx, python_node, tmp_
     assert source.resolve(LayerRef.parse("clibuilt@2")) is not None
     _dsec(python_node, "rm", "clibuilt")
     assert "clibuilt" not in {r.name for r in ctx.store.list()}
+
+
+def test_policy_indexes_are_all_the_session_reaches(ctx, python_node, tmp_path):
+    from dsec_security_ebpf.testing import ServerNamespace
+
+    with ServerNamespace(python_node.home, tmp_path, 7) as ns:
+        ns.serve(tcp=[8081, 8082])
+        policy = BuildPolicy.from_dict({"indexes": [{"pip": f"http://{ns.address}:8081/simple"}]})
+        session = BuildSession.start(
+            ctx, from_env="python", name="egress", version="1", policy=policy
+        )
+        tools = BuildTools(session)
+        send = (
+            "python3 -c \"import os, socket, sys; s = socket.create_connection(('{a}', {p}), 3);"
+            " s.sendall(b'from-build-' + os.environ.get('PIP_INDEX_URL', '-').encode())\""
+        )
+        ok = tools.call("exec", {"command": send.format(a=ns.address, p=8081)})
+        assert ok["exit_code"] == 0, ok
+        refused = tools.call("exec", {"command": send.format(a=ns.address, p=8082)})
+        assert refused["exit_code"] != 0
+        got = [r for r in ns.received() if r.kind == "tcp"]
+        assert [(r.port, r.data) for r in got] == [
+            (8081, f"from-build-http://{ns.address}:8081/simple")
+        ]
+        session.kill()
