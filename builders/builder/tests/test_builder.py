@@ -397,3 +397,43 @@ def test_policy_indexes_are_all_the_session_reaches(ctx, python_node, tmp_path):
             (8081, f"from-build-http://{ns.address}:8081/simple")
         ]
         session.kill()
+
+
+async def test_mcp_server_over_streamable_http_on_loopback(ctx, python_node):
+    import anyio
+    from mcp.client.session import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    session = BuildSession.start(ctx, from_env="python", name="mcp-http", version="1")
+    env = dict(os.environ, DSEC_HOME=os.fspath(python_node.home))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsec_core.cli", "build", "mcp", "--name", "mcp-http", "--http"],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        url = line[line.index("http://") :].strip()
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/mcp"), line
+        host, port = url[len("http://") :].split("/")[0].split(":")
+        for _ in range(100):  # until uvicorn listens
+            try:
+                await (await anyio.connect_tcp(host, int(port))).aclose()
+                break
+            except OSError:
+                await anyio.sleep(0.1)
+        async with streamable_http_client(url) as (read, write), ClientSession(read, write) as mcp:
+            await mcp.initialize()
+            assert len((await mcp.list_tools()).tools) == 6
+            r = await mcp.call_tool("session_exec", {"command": "echo over http"})
+            assert not r.is_error and r.structured_content["stdout"] == "over http\n"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stderr:
+            proc.stderr.close()
+    assert proc.returncode is not None
+    session.kill()
