@@ -27,11 +27,12 @@ from .errors import BuildExists, UnknownBuild
 __all__ = ["BUILD_STATES", "LIVE_STATES", "BuildRecord", "BuildStore"]
 
 #: ``open``: the session runs; ``staged``: packed, QA under way; ``qa-failed``: staged with a
-#: failing report (the session still runs, to fix and finish again); ``published``; ``leaked``:
-#: the leak scan refused the pack; ``lost``: the session's sandbox was gone at finish.
-BUILD_STATES = ("open", "staged", "qa-failed", "published", "leaked", "lost")
+#: failing report; ``leaked``: the leak scan refused the pack (nothing staged); in both the
+#: session still runs, to fix and finish again. ``published``; ``lost``: the session's sandbox
+#: was gone.
+BUILD_STATES = ("open", "staged", "qa-failed", "leaked", "published", "lost")
 #: States whose build still holds a session: a new ``start`` of that name is refused.
-LIVE_STATES = ("open", "staged", "qa-failed")
+LIVE_STATES = ("open", "staged", "qa-failed", "leaked")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: A logged argument or result longer than this is cut (file contents, command output).
 LOG_TEXT_MAX = 4096

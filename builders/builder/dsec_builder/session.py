@@ -273,9 +273,9 @@ class BuildSession:
         and, with ``publish`` (a layer source URL), the catalog and its layers there too.
 
         ``BuildSessionLost`` if the session's sandbox is gone (nothing packed); ``LeakFound``
-        if a secret is in the packed diff (nothing staged); ``QAFailed`` if a check failed
-        (the layer stays staged with its report, the session stays open, nothing is
-        published)."""
+        if a secret is in the packed diff (nothing staged, the session stays open to remove
+        it); ``QAFailed`` if a check failed (the layer stays staged with its report, the
+        session stays open, nothing is published)."""
         record = self.record
         from_env = CatalogStore(self.ctx.config.catalog_dir).environment(record.from_env)
         all_checks = [*(Check.from_dict(c) for c in record.checks), *checks]
@@ -293,8 +293,6 @@ class BuildSession:
         except LeakFound as e:
             self.ctx.store.update(self.name, state="leaked", error=str(e))
             self.log("finish", {}, error=f"LeakFound: {e}")
-            with contextlib.suppress(DsecError):
-                self.kill()
             raise
         except (UnknownSandbox, SandboxNotRunning) as e:
             raise self._lost(str(e)) from e

@@ -206,9 +206,15 @@ def test_a_leaked_hidden_test_fails_with_its_path_and_label(ctx):
     assert "add(-7, 4)" not in text  # never the secret itself
     assert not any(r.startswith(f"{STAGED_PREFIX}adder-leak") for r in _layers(ctx))
     assert ctx.store.get("adder-leak").state == "leaked"
+    # the session survives: remove the copy and finish again
+    tools.call("exec", {"command": f"rm {WORKSPACE}/t.py"})
+    assert tools.call("finish", {"task": _task()})["layer"]["name"] == "adder-leak"
 
 
 def test_finish_on_a_killed_session_is_typed_and_leaves_nothing_staged(ctx):
+    with pytest.raises(UnknownEnvironment):
+        BuildSession.start(ctx, from_env="no-such-env", name="nowhere")
+    assert "nowhere" not in {r.name for r in ctx.store.list()}  # no record of a failed start
     session = BuildSession.start(ctx, from_env="python", name="dead", version="1")
     tools = BuildTools(session)
     tools.call("write", {"path": "/root/x", "content": "x"})
