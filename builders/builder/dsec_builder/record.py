@@ -64,6 +64,9 @@ class BuildRecord:
     session: str | None = None
     #: Declared checks, ``[{name, command}]``: each must exit 0 in a fresh sandbox at QA.
     checks: tuple[Mapping[str, str], ...] = ()
+    #: What the policy's mirror files replaced in the session (path -> the old text, None
+    #: where there was no file): the scrub puts it back before packing.
+    restore: Mapping[str, str | None] = field(default_factory=dict)
     staged: str = ""  # the staged layer's ref once packed
     published: str = ""  # the published layer's ref
     error: str = ""  # why it failed (leaked, lost, QA)
@@ -76,6 +79,7 @@ class BuildRecord:
         d = asdict(self)
         d["checks"] = [dict(c) for c in self.checks]
         d["policy"] = dict(self.policy)
+        d["restore"] = dict(self.restore)
         return d
 
     @classmethod

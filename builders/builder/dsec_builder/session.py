@@ -27,6 +27,7 @@ from dsec_core.errors import (
     InvalidSpec,
     LeakFound,
     SandboxNotRunning,
+    SandboxPathError,
     UnknownSandbox,
 )
 from dsec_core.layers.build import build_layer
@@ -41,17 +42,15 @@ from dsec_core.records import (
     LayerRef,
     SandboxSpec,
 )
-from dsec_core.sdk import Client
+from dsec_core.sdk import Client, Sandbox
 
 from .errors import BuildSessionLost, QAFailed
 from .policy import BuildPolicy
 from .qa import DEFAULT_MAX_BYTES, Check, QAReport, TaskSpec, run_qa
 from .record import LIVE_STATES, BuildRecord, BuildStore, check_build_name
 
-__all__ = ["APT_MIRROR_FILE", "BuildContext", "BuildSession", "FinishResult"]
+__all__ = ["BuildContext", "BuildSession", "FinishResult"]
 
-#: Where a session whose policy grants an apt mirror finds it; the scrub removes it again.
-APT_MIRROR_FILE = "/etc/apt/sources.list.d/dsec-build-mirror.list"
 #: What the session's sandbox may use unless ``start`` is told otherwise.
 SESSION_SANDBOX = {"cpu": 1.0, "memory": "2G", "pids": 1024, "disk": "10G", "ttl": 4 * 3600.0}
 
@@ -166,10 +165,9 @@ class BuildSession:
             store.remove(name)
             raise
         try:
-            apt = policy.first("apt")
-            if apt is not None:
-                sb.write_file(APT_MIRROR_FILE, f"deb [trusted=yes] {apt.url} bookworm main\n")
             store.update(name, sandbox_id=sb.id)
+            restore = _grant_files(sb, policy.mirror_files())
+            store.update(name, restore=restore)
         except BaseException:
             with contextlib.suppress(DsecError):
                 sb.kill()
@@ -350,11 +348,17 @@ class BuildSession:
         return out
 
     def scrub(self) -> None:
-        """Remove in the session what pack_diff's own scrub cannot know of: the apt mirror the
-        policy granted (pip's is only in the session's env, which the published environment
-        does not carry). The builder's notes (BUILD_NOTES_DIR) stay in the session, for a
-        finish again after a failed QA: pack_diff's scrub leaves them out of the layer."""
-        self.ctx.client.exec(self._live(), "rm -f -- " + shlex.quote(APT_MIRROR_FILE), timeout=60)
+        """Undo in the session what pack_diff's own scrub cannot know of: the mirror files the
+        policy granted get their old text back (pip's mirror is only in the session's env,
+        which the published environment does not carry). The builder's notes
+        (BUILD_NOTES_DIR) stay in the session, for a finish again after a failed QA:
+        pack_diff's scrub leaves them out of the layer."""
+        sid = self._live()
+        for path, old in self.record.restore.items():
+            if old is None:
+                self.ctx.client.exec(sid, "rm -f -- " + shlex.quote(path), timeout=60)
+            else:
+                self.ctx.client.write_file(sid, path, old)
 
     def _drop_staged(self, record: BuildRecord) -> None:
         """A previous finish's staged layer (QA failed, then fixed): removed before packing
@@ -431,6 +435,19 @@ class BuildSession:
             layers.remove(staged.ref)
         self.ctx.store.update(self.name, staged="")
         return layer, env.name
+
+
+def _grant_files(sb: Sandbox, files: Mapping[str, str]) -> dict[str, str | None]:
+    """Write ``files`` in ``sb``; what each replaced (None: nothing was there)."""
+    old: dict[str, str | None] = {}
+    for path, text in files.items():
+        try:
+            old[path] = sb.read_file(path).decode("utf-8")
+        except SandboxPathError:
+            old[path] = None
+        sb.exec(["mkdir", "-p", posixpath.dirname(path)], timeout=30)
+        sb.write_file(path, text)
+    return old
 
 
 def _layer_version(name: str, version: str) -> None:

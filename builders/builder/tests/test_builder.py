@@ -385,11 +385,21 @@ def test_policy_indexes_are_all_the_session_reaches(ctx, python_node, tmp_path):
 
     with ServerNamespace(python_node.home, tmp_path, 7) as ns:
         ns.serve(tcp=[8081, 8082])
-        policy = BuildPolicy.from_dict({"indexes": [{"pip": f"http://{ns.address}:8081/simple"}]})
+        apt = f"http://{ns.address}:8081/debian"
+        policy = BuildPolicy.from_dict(
+            {"indexes": [{"pip": f"http://{ns.address}:8081/simple"}, {"apt": apt}]}
+        )
+        with (
+            Client(os.fspath(python_node.config.socket_path)) as c,
+            c.create(environment="python", ttl=60) as plain,
+        ):
+            original = plain.read_file("/etc/apt/sources.list")
         session = BuildSession.start(
             ctx, from_env="python", name="egress", version="1", policy=policy
         )
         tools = BuildTools(session)
+        granted = tools.call("read", {"path": "/etc/apt/sources.list"})["content"]
+        assert apt in granted and granted.encode() != original
         send = (
             "python3 -c \"import os, socket, sys; s = socket.create_connection(('{a}', {p}), 3);"
             " s.sendall(b'from-build-' + os.environ.get('PIP_INDEX_URL', '-').encode())\""
@@ -402,7 +412,13 @@ def test_policy_indexes_are_all_the_session_reaches(ctx, python_node, tmp_path):
         assert [(r.port, r.data) for r in got] == [
             (8081, f"from-build-http://{ns.address}:8081/simple")
         ]
-        session.kill()
+        # the granted mirror is put back before packing: the published apt is the base's
+        tools.call("finish", {"checks": [{"name": "true", "command": "true"}]})
+        with (
+            Client(os.fspath(python_node.config.socket_path)) as c,
+            c.create(environment="egress", ttl=60) as built,
+        ):
+            assert built.read_file("/etc/apt/sources.list") == original
 
 
 async def test_mcp_server_over_streamable_http_on_loopback(ctx, python_node):
