@@ -196,10 +196,12 @@ def run_qa(
     checks: Sequence[Check] = (),
     task: TaskSpec | None = None,
     max_bytes: int | str = DEFAULT_MAX_BYTES,
+    backend: str | None = None,
 ) -> QAReport:
     """Check ``staged`` (a packed layer over its parents) with ``client`` (a runtime identity)
-    in fresh sandboxes with no network; the report says what passed. Never raises for a
-    failing check: a check that cannot even run (its sandbox refused) fails with the reason."""
+    in fresh sandboxes with no network (on ``backend``, the environment's); the report says
+    what passed. Never raises for a failing check: a check that cannot even run (its sandbox
+    refused) fails with the reason."""
     budget = parse_size(max_bytes, "max_bytes") or 0
     report = QAReport(staged.ref, staged.digest, staged.size, budget, started=time.time())
     t0 = time.monotonic()
@@ -208,6 +210,7 @@ def run_qa(
         env=dict(env),
         workdir=workdir,
         network="none",
+        backend=backend,
         **QA_SANDBOX,  # type: ignore[arg-type]
     )
     fresh = _Fresh(client, spec)

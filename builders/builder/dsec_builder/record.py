@@ -2,8 +2,9 @@
 
 ``build.json`` holds the record (sandbox id, the environment it started from, the policy,
 version, state); ``log.jsonl`` one line per tool call; ``report.json`` the QA report once
-``finish`` ran. These are the builder's own files, on the builder's machine: runtime keys have
-no route to them (the node's API serves sandboxes and layers, never this directory).
+``finish`` ran; ``task.json`` the task it checked, hidden tests included. These are the
+builder's own files, on the builder's machine: runtime keys have no route to them (the node's
+API serves sandboxes and layers, never this directory).
 """
 
 from __future__ import annotations
@@ -172,6 +173,13 @@ class BuildStore:
     def save_report(self, name: str, report: Mapping[str, Any]) -> Path:
         path = self.report_path(name)
         write_atomic(path, json.dumps(report, indent=2).encode() + b"\n", mode=0o600)
+        return path
+
+    def save_task(self, name: str, task: Mapping[str, Any]) -> Path:
+        """The task ``finish`` checked, hidden tests and reference included (``task.json``):
+        what a grader needs, kept where only the builder reads."""
+        path = self._dir(name) / "task.json"
+        write_atomic(path, json.dumps(task, indent=2).encode() + b"\n", mode=0o600)
         return path
 
     def report(self, name: str) -> dict[str, Any] | None:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import posixpath
 import shlex
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,6 @@ from dsec_core.errors import (
     SandboxPathError,
     UnknownSandbox,
 )
-from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.plugins import open_source
 from dsec_core.records import (
@@ -281,6 +279,8 @@ class BuildSession:
         if task is not None:
             task = self._resolve_files(task)
         spec = TaskSpec.from_dict(task, self.name) if task is not None else None
+        if task is not None:  # for graders: the builder's own file, tests and reference too
+            self.ctx.store.save_task(self.name, task)
         self.scrub()
         self._drop_staged(record)
         secrets = spec.secret_texts() if spec else {}
@@ -303,6 +303,7 @@ class BuildSession:
             checks=all_checks,
             task=spec,
             max_bytes=max_bytes,
+            backend=from_env.backend,
         )
         report_path = self.ctx.store.save_report(self.name, report.to_dict())
         if not report.passed:
@@ -379,8 +380,8 @@ class BuildSession:
     ) -> tuple[LayerInfo, str]:
         """The staged layer retagged as ``name@version`` (a toolkit layer over the source
         environment's layers: catalogs stack base, workspaces, toolkits), and a catalog
-        ``name`` holding environment ``name``; for a task, its hidden tests as a workspace
-        layer ``name-tests@version`` and environment ``name-graded`` the task runs in."""
+        ``name`` holding environment ``name`` and, for a task without hidden tests, the task
+        (``expect``: the unmodified workspace's reward)."""
         config = self.ctx.config
         layers = LayerStore(config.layer_dir)
         record = self.record
@@ -395,36 +396,16 @@ class BuildSession:
             description=f"built by dsec build from {from_env.name}",
             backend=from_env.backend,
         )
-        environments = [env]
         tasks: list[Task] = []
-        if spec is not None:
-            task_env = self.name
-            if spec.tests:
-                tests = _tests_layer(layers, f"{self.name}-tests", record.version, env, spec)
-                task_env = f"{self.name}-graded"
-                environments.append(
-                    Environment(
-                        **{
-                            **env.__dict__,
-                            "name": task_env,
-                            "workspaces": (tests.ref, *env.workspaces),
-                            "description": f"{self.name} with its task's hidden tests",
-                        }
-                    )
-                )
+        if spec is not None and not spec.tests:
+            # a task whose tests ship in the workspace runs as is: register it (a hidden
+            # test is given to QA sandboxes only; its task stays in the build's task.json)
             unmodified = next(c for c in report.checks if c["name"] == "unmodified-fails")
-            tasks.append(
-                Task(
-                    **{
-                        **spec.task.__dict__,
-                        "environment": task_env,
-                        "expect": unmodified["reward"],
-                    }
-                )
-            )
+            fields = {**spec.task.__dict__, "environment": env.name}
+            tasks.append(Task(**{**fields, "expect": unmodified["reward"]}))
         catalog = Catalog(
             name=self.name,
-            environments=tuple(environments),
+            environments=(env,),
             tasks=tuple(tasks),
             description=f"dsec build {self.name} from {from_env.name}",
         )
@@ -461,19 +442,3 @@ def _retag(store: LayerStore, staged: LayerInfo, name: str, version: str, source
         image = Path(tmp) / "image.erofs"
         os.link(store.image_path(staged), image)
         return store.add(image, name=name, version=version, kind="toolkit", source=source)
-
-
-def _tests_layer(
-    store: LayerStore, name: str, version: str, env: Environment, spec: TaskSpec
-) -> LayerInfo:
-    """A workspace layer holding the task's hidden tests at their paths (under the
-    environment's working directory)."""
-    with tempfile.TemporaryDirectory(prefix="dsec-build-tests-") as tmp:
-        root = Path(tmp)
-        for rel, text in spec.tests.items():
-            target = root / posixpath.normpath(posixpath.join(env.workdir, rel)).lstrip("/")
-            if root.resolve() not in target.resolve().parents:
-                raise InvalidSpec(f"task.tests: path {rel!r} leaves the tree", field="task.tests")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-        return build_layer(root, name=name, version=version, kind="workspace", store=store)

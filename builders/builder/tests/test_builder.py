@@ -150,14 +150,17 @@ def test_whole_build_publishes_a_task_environment(ctx, python_node):
     record = ctx.store.get("adder")
     assert (record.state, record.published, record.staged) == ("published", "adder@1", "")
     assert sid not in {s.id for s in ctx.client.list()}
+    # a task with a hidden test is not registered: its test stays with the builder
     catalogs = CatalogStore(python_node.config.catalog_dir)
-    (task,) = [t for t in catalogs.tasks() if t.name == "adder"]
-    assert task.environment == "adder-graded" and task.expect == 0.0
+    assert catalogs.environment("adder").toolkits[0] == "adder@1"
+    assert "adder" not in {t.name for t in catalogs.tasks()}
+    saved = json.loads((ctx.store.report_path("adder").parent / "task.json").read_text())
+    assert saved["tests"] == {f"{WORKSPACE}/test_hidden.py": HIDDEN_TEST}
     tools_log = [e["tool"] for e in ctx.store.read_log("adder")]
     assert tools_log[:2] == ["start", "exec"] and tools_log[-1] == "finish"
 
     # a fresh client creates the new environment: the workspace is there, hidden test and
-    # builder's notes are not; the graded environment has the hidden test
+    # builder's notes are not
     with Client(os.fspath(python_node.config.socket_path)) as fresh:
         with fresh.create(environment="adder", ttl=120) as sb:
             r = sb.exec(
@@ -165,9 +168,6 @@ def test_whole_build_publishes_a_task_environment(ctx, python_node):
             )
             assert r.exit_code == 0, r
             assert r.text == STUB + "adder.py\nclean\n"
-        with fresh.create(environment="adder-graded", ttl=120) as sb:
-            r = sb.exec(_task()["command"])
-            assert r.exit_code != 0 and "NotImplementedError" in r.text
 
 
 def test_qa_failure_keeps_the_layer_staged_and_publishes_nothing(ctx, python_node):
@@ -188,10 +188,15 @@ def test_qa_failure_keeps_the_layer_staged_and_publishes_nothing(ctx, python_nod
     assert record.staged in layers and "adder-bad@1" not in layers
     with pytest.raises(UnknownEnvironment):
         CatalogStore(python_node.config.catalog_dir).environment("adder-bad")
-    # the session survives: fix the reference, finish again (the old staged layer replaced)
-    assert tools.call("exec", {"command": "true"})["exit_code"] == 0
-    done = tools.call("finish", {"task": _task()})
+    # the session survives: fix the reference, finish again (the old staged layer replaced),
+    # now with the test in the workspace for all to see: the task is registered
+    copy = f"cp {BUILD_NOTES_DIR}/test_hidden.py {WORKSPACE}/test_visible.py"
+    assert tools.call("exec", {"command": copy})["exit_code"] == 0
+    done = tools.call("finish", {"task": _task(tests={})})
     assert done["layer"]["name"] == "adder-bad" and record.staged not in _layers(ctx)
+    catalogs = CatalogStore(python_node.config.catalog_dir)
+    (task,) = [t for t in catalogs.tasks() if t.name == "adder"]
+    assert (task.environment, task.expect) == ("adder-bad", 0.0)
 
 
 def test_a_leaked_hidden_test_fails_with_its_path_and_label(ctx):
