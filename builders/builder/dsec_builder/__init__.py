@@ -14,7 +14,7 @@ from dsec_core.hookspecs import hookimpl
 from .errors import BuildExists, BuildSessionLost, BuildToolError, QAFailed, UnknownBuild
 from .plan import load_plan, run_plan
 from .policy import BuildPolicy, PackageIndex
-from .qa import DEFAULT_MAX_BYTES, Check, QAReport, TaskSpec, run_qa
+from .qa import DEFAULT_MAX_BYTES, Check, QAReport, TaskSpec, run_qa, run_task
 from .record import BuildRecord, BuildStore
 from .session import BuildContext, BuildSession, FinishResult
 from .tools import TOOL_NAMES, BuildTools
@@ -41,6 +41,7 @@ __all__ = [
     "load_plan",
     "run_plan",
     "run_qa",
+    "run_task",
 ]
 
 

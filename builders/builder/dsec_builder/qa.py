@@ -19,10 +19,10 @@ from typing import Any
 from dsec_core.catalog.model import Task
 from dsec_core.catalog.rewards import compute_reward
 from dsec_core.errors import DsecError, InvalidSpec
-from dsec_core.records import LayerInfo, SandboxSpec, parse_size
+from dsec_core.records import ExecResult, LayerInfo, SandboxSpec, parse_size
 from dsec_core.sdk import Client
 
-__all__ = ["DEFAULT_MAX_BYTES", "Check", "QAReport", "TaskSpec", "run_qa"]
+__all__ = ["DEFAULT_MAX_BYTES", "Check", "QAReport", "TaskSpec", "run_qa", "run_task"]
 
 #: The packed diff's size budget unless the build says otherwise.
 DEFAULT_MAX_BYTES = 512 << 20
@@ -279,3 +279,23 @@ def _task_checks(fresh: _Fresh, spec: TaskSpec) -> list[dict[str, Any]]:
         if key in errors:
             row["error"] = errors[key]
     return rows
+
+
+def run_task(
+    client: Client,
+    environment: str,
+    spec: TaskSpec,
+    *,
+    files: Mapping[str, str] | None = None,
+    backend: str | None = None,
+) -> tuple[ExecResult, float]:
+    """One graded run of ``spec`` in a fresh sandbox of ``environment`` (no network): the
+    hidden tests written in, then ``files`` (an agent's answer, or ``spec.reference``), then
+    the task's command, scored by its reward function. How a grader runs a published task
+    whose tests are hidden (``BuildStore.task`` has them): the environment never holds them."""
+    sandbox = SandboxSpec(environment=environment, network="none", backend=backend, **QA_SANDBOX)  # type: ignore[arg-type]
+    result, reward = _Fresh(client, sandbox).run(
+        spec.task.command, spec.task.timeout, {**spec.tests, **(files or {})}, spec.task
+    )
+    assert reward is not None  # a task was given
+    return result, reward

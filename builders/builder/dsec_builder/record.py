@@ -182,6 +182,11 @@ class BuildStore:
         write_atomic(path, json.dumps(task, indent=2).encode() + b"\n", mode=0o600)
         return path
 
+    def task(self, name: str) -> dict[str, Any] | None:
+        """The task build ``name``'s finish checked (``task.json``), or None."""
+        path = self._dir(name) / "task.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
     def report(self, name: str) -> dict[str, Any] | None:
         path = self.report_path(name)
         return json.loads(path.read_text()) if path.exists() else None

@@ -16,7 +16,9 @@ from dsec_builder import (
     BuildToolError,
     BuildTools,
     QAFailed,
+    TaskSpec,
     run_plan,
+    run_task,
 )
 from dsec_builder.record import BuildStore
 from dsec_builder.tools import check_args
@@ -154,8 +156,8 @@ def test_whole_build_publishes_a_task_environment(ctx, python_node):
     catalogs = CatalogStore(python_node.config.catalog_dir)
     assert catalogs.environment("adder").toolkits[0] == "adder@1"
     assert "adder" not in {t.name for t in catalogs.tasks()}
-    saved = json.loads((ctx.store.report_path("adder").parent / "task.json").read_text())
-    assert saved["tests"] == {f"{WORKSPACE}/test_hidden.py": HIDDEN_TEST}
+    saved = ctx.store.task("adder")
+    assert saved is not None and saved["tests"] == {f"{WORKSPACE}/test_hidden.py": HIDDEN_TEST}
     tools_log = [e["tool"] for e in ctx.store.read_log("adder")]
     assert tools_log[:2] == ["start", "exec"] and tools_log[-1] == "finish"
 
@@ -168,6 +170,11 @@ def test_whole_build_publishes_a_task_environment(ctx, python_node):
             )
             assert r.exit_code == 0, r
             assert r.text == STUB + "adder.py\nclean\n"
+        # a grader runs the published task with its hidden test (from the build's task.json)
+        spec = TaskSpec.from_dict(ctx.store.task("adder"), "adder")
+        result, reward = run_task(fresh, "adder", spec)
+        assert reward == 0.0 and "NotImplementedError" in result.text
+        assert run_task(fresh, "adder", spec, files=spec.reference)[1] == 1.0
 
 
 def test_qa_failure_keeps_the_layer_staged_and_publishes_nothing(ctx, python_node):
