@@ -293,7 +293,12 @@ def run_task(
     hidden tests written in, then ``files`` (an agent's answer, or ``spec.reference``), then
     the task's command, scored by its reward function. How a grader runs a published task
     whose tests are hidden (``BuildStore.task`` has them): the environment never holds them."""
-    sandbox = SandboxSpec(environment=environment, network="none", backend=backend, **QA_SANDBOX)  # type: ignore[arg-type]
+    sandbox = SandboxSpec(
+        environment=environment,
+        network="none",
+        backend=backend,
+        **QA_SANDBOX,  # type: ignore[arg-type]
+    )
     result, reward = _Fresh(client, sandbox).run(
         spec.task.command, spec.task.timeout, {**spec.tests, **(files or {})}, spec.task
     )
