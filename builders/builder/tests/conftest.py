@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,9 +35,9 @@ def _copy_layer(src: LayerStore, dst: LayerStore, ref: str) -> None:
         dst.add(image, name=info.name, version=info.version, kind=info.kind, source=info.source)
 
 
-@pytest.fixture(scope="session")
-def python_node() -> Iterator[KitNode]:
-    """A kit node with the default catalog's ``python`` environment (base + toolkit)."""
+def _install_python_env(node: KitNode) -> None:
+    """Give ``node`` the default catalog's ``python`` environment (base + toolkit), from the
+    machine's built default catalog; skips the test where that is not built."""
     if os.geteuid() != 0:
         pytest.skip("a dsec node needs root")
     built = NodeConfig(home=BUILT_HOME)
@@ -45,12 +45,27 @@ def python_node() -> Iterator[KitNode]:
         env = CatalogStore(built.catalog_dir).environment("python")
     except (DsecError, OSError):
         pytest.skip(f"the default catalog is not built in {BUILT_HOME} (dsec catalog build)")
+    src, dst = LayerStore(built.layer_dir), LayerStore(node.config.layer_dir)
+    for ref in env.layer_refs():
+        _copy_layer(src, dst, ref)
+    CatalogStore(node.config.catalog_dir).save(Catalog(name="default", environments=(env,)))
+
+
+@pytest.fixture(scope="session")
+def python_node() -> Iterator[KitNode]:
+    """A kit node with the default catalog's ``python`` environment."""
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
     with running_kit_node("dsec-builder-") as node:
-        src, dst = LayerStore(built.layer_dir), LayerStore(node.config.layer_dir)
-        for ref in env.layer_refs():
-            _copy_layer(src, dst, ref)
-        CatalogStore(node.config.catalog_dir).save(Catalog(name="default", environments=(env,)))
+        _install_python_env(node)
         yield node
+
+
+@pytest.fixture
+def install_python_env() -> Callable[[KitNode], None]:
+    """``install_python_env(node)``: the default catalog's ``python`` environment on a node
+    a test started itself."""
+    return _install_python_env
 
 
 @pytest.fixture
