@@ -39,6 +39,7 @@ from dsec_core.records import (
     LayerInfo,
     LayerRef,
     SandboxSpec,
+    parse_size,
 )
 from dsec_core.sdk import Client, Sandbox
 
@@ -137,7 +138,6 @@ class BuildSession:
         (none without). ``sandbox`` overrides ``SESSION_SANDBOX`` (cpu, memory, disk, ttl)."""
         check_build_name(name)
         policy = policy or BuildPolicy()
-        Environment(name=name, base="x@1")
         _layer_version(name, version)
         store = ctx.store
         record = BuildRecord(
@@ -274,6 +274,7 @@ class BuildSession:
         session stays open, nothing is published)."""
         record = self.record
         from_env = CatalogStore(self.ctx.config.catalog_dir).environment(record.from_env)
+        parse_size(max_bytes, "max_bytes")  # a bad budget is refused before anything is packed
         all_checks = [*(Check.from_dict(c) for c in record.checks), *checks]
         sid = self._live()
         if task is not None:

@@ -230,6 +230,9 @@ def test_finish_on_a_killed_session_is_typed_and_leaves_nothing_staged(ctx):
     session = BuildSession.start(ctx, from_env="python", name="dead", version="1")
     tools = BuildTools(session)
     tools.call("write", {"path": "/root/x", "content": "x"})
+    with pytest.raises(InvalidSpec, match="max_bytes"):
+        tools.call("finish", {"max_bytes": "lots"})
+    assert ctx.store.get("dead").state == "open" and ctx.store.get("dead").staged == ""
     ctx.client.kill(session.sandbox_id)
     with pytest.raises(BuildSessionLost):
         tools.call("finish", {})
