@@ -386,7 +386,10 @@ class BuildSession:
         config = self.ctx.config
         layers = LayerStore(config.layer_dir)
         record = self.record
-        layer = _retag(layers, staged, self.name, record.version, f"dsec build {self.name}")
+        # the layer's own record says how it was made and checked: it travels with the layer
+        checked = ", ".join(c["name"] for c in report.checks)
+        origin = f"dsec build {self.name} from {from_env.name}; QA passed: {checked}"
+        layer = _retag(layers, staged, self.name, record.version, origin)
         env = Environment(
             name=self.name,
             base=from_env.base,

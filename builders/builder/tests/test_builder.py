@@ -151,6 +151,8 @@ def test_whole_build_publishes_a_task_environment(ctx, python_node):
     assert "adder@1" in layers and not any(r.startswith(STAGED_PREFIX) for r in layers)
     record = ctx.store.get("adder")
     assert (record.state, record.published, record.staged) == ("published", "adder@1", "")
+    published = LayerStore(ctx.config.layer_dir).resolve("adder@1")
+    assert published.source.startswith("dsec build adder from python; QA passed: size, imports")
     assert sid not in {s.id for s in ctx.client.list()}
     # a task with a hidden test is not registered: its test stays with the builder
     catalogs = CatalogStore(python_node.config.catalog_dir)
