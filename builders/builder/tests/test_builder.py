@@ -395,6 +395,17 @@ def test_cli_start_exec_ls_finish_and_publish_to_a_source(ctx, python_node, tmp_
     assert source.resolve(LayerRef.parse("clibuilt@2")) is not None
     _dsec(python_node, "rm", "clibuilt")
     assert "clibuilt" not in {r.name for r in ctx.store.list()}
+    # a scripted build from the command line: start, replay, and a bad step as one line
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("- {tool: exec, args: {command: 'echo planned'}}\n- {tool: nope}\n")
+    ran = _dsec(
+        python_node, "run", os.fspath(plan), "--from", "python", "--name", "cliplan", check=False
+    )
+    assert ran.returncode == 1 and ran.stderr.startswith("Error: step 1 (nope): unknown tool")
+    plan.write_text("- {tool: exec, args: {command: 'echo planned'}}\n")
+    steps = json.loads(_dsec(python_node, "run", os.fspath(plan), "--name", "cliplan").stdout)
+    assert steps[0]["stdout"] == "planned\n"
+    _dsec(python_node, "rm", "cliplan")
 
 
 def test_policy_indexes_are_all_the_session_reaches(ctx, python_node, tmp_path):
