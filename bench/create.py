@@ -6,7 +6,7 @@ docker: `docker run --rm --network none IMAGE true`, the image imported from the
 base layer into a dockerd this script starts if none runs. Both at concurrency 1 and 8.
 Then exec of `true` in a running sandbox against `docker exec`.
 
-    python bench/create.py [--quick] [--image debian-python@12]
+    python bench/create.py [--quick] [--image debian-python@12-2]
 
 --quick uses a busybox base layer (built on the fly) and fewer rounds; it takes under a minute.
 The last line printed is one JSON object of the figures.
@@ -205,7 +205,7 @@ def main() -> None:
         "--image",
         default=None,
         help="base layer name@version "
-        "(default: debian-python@12 from the default catalog; busybox with --quick)",
+        "(default: debian-python@12-2 from the default catalog; busybox with --quick)",
     )
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
@@ -217,14 +217,14 @@ def main() -> None:
     config = NodeConfig.from_env()
     config.ensure_dirs()
     store = LayerStore(config.layer_dir)
-    ref = args.image or ("bench-busybox@1" if args.quick else "debian-python@12")
+    ref = args.image or ("bench-busybox@1" if args.quick else "debian-python@12-2")
     if ref == "bench-busybox@1":
         try:
             info = store.resolve(ref)
         except dsec.UnknownLayer:
             info = build_busybox_layer(store, name="bench-busybox")
     else:
-        if ref == "debian-python@12":
+        if ref == "debian-python@12-2":
             ensure_catalog(default_catalog_file(), config)
         info = store.resolve(ref)
     started = daemon_pid(config) is None  # a node this run starts, it stops

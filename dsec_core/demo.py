@@ -36,13 +36,13 @@ __all__ = ["ensure_catalog", "run_demo"]
 
 def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = None):
     """Build the catalog's missing layers (with a progress bar) and register it."""
-    catalog = load_catalog(path)
-    layer_store = LayerStore(config.layer_dir)
     catalog_store = CatalogStore(config.catalog_dir)
+    catalog = load_catalog(path, registered=catalog_store.catalog)
+    layer_store = LayerStore(config.layer_dir)
     have = {i.ref for i in layer_store.list()}
     missing = [r for r in catalog.layers if f"{r.name}@{r.version}" not in have]
-    known_envs = {e.name for e in catalog_store.environments()}
-    if not missing and all(e.name in known_envs for e in catalog.environments):
+    known_envs = {e.qualified for e in catalog_store.environments()}
+    if not missing and all(e.qualified in known_envs for e in catalog.environments):
         return catalog
     with Progress(
         TextColumn("{task.description}"),
@@ -70,7 +70,7 @@ async def _rollout(client: AsyncClient, task) -> dict[str, Any]:
         return await _judged(client, task)
     started = time.monotonic()
     sb = await client.create(
-        SandboxSpec(environment=task.environment, ttl=600, cpu=1.0, memory="512M")
+        SandboxSpec(environment=task.qualified_environment, ttl=600, cpu=1.0, memory="512M")
     )
     try:
         # the reward comes from this result: run it as a verifier should, alone in the sandbox

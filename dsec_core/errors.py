@@ -55,6 +55,7 @@ __all__ = [
     "TrajectoryDiverged",
     "UnknownBackend",
     "UnknownEnvironment",
+    "UnknownImage",
     "UnknownKey",
     "UnknownLayer",
     "UnknownLease",
@@ -147,6 +148,10 @@ class UnknownEnvironment(NotFound):
     """No catalog environment (or task) with that name."""
 
 
+class UnknownImage(NotFound):
+    """No docker image of that name or id in the local docker (importing one never pulls)."""
+
+
 class UnknownSession(NotFound):
     """No shell session with that id in the sandbox."""
 
@@ -178,6 +183,20 @@ class RequestTooLarge(InvalidSpec):
 
 class CatalogInvalid(InvalidSpec):
     """A catalog document fails its schema; ``path`` is the JSON path of the fault."""
+
+
+class AmbiguousName(DsecError):
+    """A bare environment or task name that more than one catalog defines: ``choices`` lists
+    the qualified names (``<catalog>/<name>``) to pick from. Nothing silently shadows."""
+
+    http_status = 409
+
+
+class LayerStale(DsecError):
+    """A layer recipe changed (its recipe fingerprint differs from the built layer's) but its
+    version did not: ``ref`` names the layer. Versions are immutable: bump its version."""
+
+    http_status = 409
 
 
 class LayerBuildError(DsecError):

@@ -123,7 +123,7 @@ async def _run_tasks(
                 if report:
                     report(f"judged {name} ({judged.verdict} {judged.passed}/{judged.total})")
                 continue
-            info = await node.create(SandboxSpec(environment=task.environment, ttl=600))
+            info = await node.create(SandboxSpec(environment=task.qualified_environment, ttl=600))
             try:
                 result = await node.exec(info.id, task.command, timeout=task.timeout)
             finally:

@@ -206,6 +206,11 @@ class LayerInfo(_Record):
     #: restored sandbox starts with (its own spec's env on top); empty for other kinds.
     env: tuple[str, ...] = ()
     workdir: str = ""
+    #: The fingerprint (sha256) of the catalog recipe inputs the layer was built from (its
+    #: source fields, directory contents, pip packages): building the same ``name@version``
+    #: from a changed recipe is ``LayerStale``. Empty: not built from a recipe, or built
+    #: before fingerprints were recorded (such a layer is never called stale).
+    recipe_digest: str = ""
 
     def __post_init__(self) -> None:
         # JSON gives lists; keep the record hashable and equal to one built in Python
@@ -224,13 +229,15 @@ class LayerInfo(_Record):
         return f"{self.name}@{self.version}"
 
     def lineage(self) -> dict[str, Any]:
-        """What a snapshot knows beyond its image (parents, env, workdir), as keyword
-        arguments of ``LayerStore.add``: a copy of it in another store keeps them."""
+        """What a layer knows beyond its image (a snapshot's parents, env, workdir; a recipe
+        layer's fingerprint), as keyword arguments of ``LayerStore.add``: a copy of it in
+        another store keeps them."""
         return {
             "parents": self.parents,
             "parent_digests": self.parent_digests,
             "env": self.env,
             "workdir": self.workdir,
+            "recipe_digest": self.recipe_digest,
         }
 
 

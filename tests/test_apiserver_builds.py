@@ -6,6 +6,7 @@ are neither listed nor usable."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec_core.errors import PermissionDenied, UnknownSandbox
+from dsec_core.errors import LeakFound, PermissionDenied, UnknownSandbox
 from dsec_core.iam import ROLES, Iam
 from dsec_core.records import BUILD_LABEL, STAGED_PREFIX
 from dsec_core.testing.apiserver import named_nodes, running_apiserver
@@ -23,6 +24,7 @@ from dsec_core.testing.apiserver import named_nodes, running_apiserver
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 PROJECT = "envs/team"
+HIDDEN = "def test_the_hidden_edge_case():\n    assert solve([]) == 0\n"
 
 
 class Cluster:
@@ -73,7 +75,16 @@ def test_a_builder_builds_and_runtime_keys_see_nothing_of_it(cluster):
         assert build.exec("cat /workspace/app.py").stdout == b"print('hi')\n"
         assert [e.name for e in build.list_dir("/workspace")] == ["app.py"]
         assert build.id in {i.id for i in builder.list()}
-        staged = build.pack_diff(name=STAGED_PREFIX + "py-env", version="1")
+        # the leak scan answers through the apiserver as from the node
+        build.write_file("/workspace/tests/test_hidden.py", HIDDEN.encode())
+        with pytest.raises(LeakFound) as e:
+            build.pack_diff(name=STAGED_PREFIX + "py-env", secrets={"hidden-test": HIDDEN})
+        assert e.value.hits == [{"path": "/workspace/tests/test_hidden.py", "label": "hidden-test"}]
+        assert HIDDEN.strip() not in str(e.value)
+        build.exec("rm -r /workspace/tests")
+        staged = build.pack_diff(
+            name=STAGED_PREFIX + "py-env", version="1", secrets={"hidden-test": HIDDEN}
+        )
         assert staged.name.endswith("-" + STAGED_PREFIX + "py-env")
         assert staged.ref in {i.ref for i in builder.layers()}
         (copy,) = builder.restore(staged.ref, 1, memory="64M")
@@ -131,3 +142,26 @@ def test_an_admin_may_build_too(cluster):
             snap = sb.pack_diff(name=STAGED_PREFIX + "adm")
             assert sb.id in {i.id for i in admin.list()}
         assert snap.ref in {i.ref for i in admin.layers()}
+
+
+def test_the_async_sdk_packs_with_secrets(cluster):
+    key = cluster.iam.create_key(PROJECT, "builder")[1]
+
+    async def main() -> None:
+        async with dsec.AsyncClient(cluster.url, api_key=key) as c:
+            sb = await c.create(cluster.spec(labels={BUILD_LABEL: "async"}))
+            try:
+                await sb.write_file("/answer.txt", HIDDEN.encode())
+                with pytest.raises(LeakFound) as e:
+                    await sb.pack_diff(name=STAGED_PREFIX + "async", secrets={"hidden": HIDDEN})
+                assert e.value.hits == [{"path": "/answer.txt", "label": "hidden"}]
+                snap = await sb.pack_diff(
+                    name=STAGED_PREFIX + "async",
+                    exclude=["/answer.txt"],  # left out: nothing to find
+                    secrets={"hidden": HIDDEN},
+                )
+                assert snap.kind == "snapshot"
+            finally:
+                await sb.kill()
+
+    asyncio.run(main())

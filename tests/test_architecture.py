@@ -19,6 +19,7 @@ PACKAGES = [REPO / "dsec", REPO / "dsec_core", *sorted(REPO.glob("plugins/*/dsec
 LAZY_IMPORTS = {
     "python_on_whales": "a third of a second to import; only docker layer sources need it",
     "python_on_whales.exceptions": "as python_on_whales",
+    "python_on_whales.utils": "as python_on_whales (layers.image runs `docker build --force-rm`)",
     "boto3": "0.4 s to import; every command loads the S3 plugin, few use S3",
     "boto3.exceptions": "as boto3",
     "boto3.s3.transfer": "as boto3",

@@ -160,7 +160,7 @@ def test_load_small_catalog(catalog_dir):
         report="/tmp/r.xml",
         catalog="small",
     )
-    with pytest.raises(UnknownEnvironment, match="plain, hello"):
+    with pytest.raises(UnknownEnvironment, match="known: hello, plain"):
         cat.environment("nope")
 
 
@@ -175,11 +175,21 @@ def test_json_catalogs_load_too(catalog_dir):
 def test_default_catalog():
     cat = load_catalog(default_catalog_file())
     assert cat.name == "default"
-    assert [r.ref for r in cat.layers][:2] == ["debian-python@12", "dsec-toolkit@1"]
+    assert [r.ref for r in cat.layers][:3] == [
+        "debian-python@12-2",
+        "debian-dev@12",
+        "dsec-toolkit@2",
+    ]
     base = cat.layers[0]
     assert base.kind == "base" and base.debootstrap.suite == "bookworm"
     assert base.debootstrap.variant == "minbase" and "python3" in base.debootstrap.include
-    toolkit = cat.layers[1]
+    dev = cat.layers[1]
+    assert dev.kind == "base" and dev.debootstrap.variant == "minbase"
+    assert {"git", "build-essential", "python3-pip", "python3-venv", "procps"} <= set(
+        dev.debootstrap.include
+    )
+    assert cat.environment("dev").layer_refs() == ["dsec-toolkit@2", "debian-dev@12"]
+    toolkit = cat.layers[2]
     assert toolkit.dir == "toolkit" and toolkit.pip.packages[0].startswith("pytest")
     assert (toolkit.dir_path / "usr/local/bin/dsec-judge").stat().st_mode & 0o111
     expected = {
@@ -193,8 +203,9 @@ def test_default_catalog():
     assert {t.name: t.expect for t in cat.tasks} == expected
     for task in cat.tasks:
         env = cat.environment(task.environment)
+        assert task.qualified_environment == f"default/{task.environment}"
         workspace = task.name.removesuffix("-vm")
-        assert env.layer_refs() == ["dsec-toolkit@1", f"task-{workspace}@1", "debian-python@12"]
+        assert env.layer_refs() == ["dsec-toolkit@2", f"task-{workspace}@1", "debian-python@12-2"]
         assert env.workdir == f"/workspace/{workspace}"
     # one task on a microVM with a pinned kernel; the others on the node's default backend
     vm = cat.environment("fizzbuzz-vm")
@@ -406,7 +417,8 @@ MEANING_FAULTS = [
         "missing layer",
         lambda d: d["environments"][1].update(workspaces=["task-bye@1"]),
         "$.environments[1].workspaces[0]",
-        "layer task-bye@1 is neither a layer of this catalog nor in the store (known: mini-base@1,"
+        "layer task-bye@1 is neither a layer of this catalog (or one it imports) nor in the store"
+        " (known: mini-base@1,"
         " task-hello@1, tools@2)",
     ),
     (
@@ -544,7 +556,7 @@ def test_saved_catalogs_survive_their_sources(catalog_dir, stores):
 def test_empty_catalog_store(tmp_path):
     catalogs = CatalogStore(tmp_path / "none")
     assert catalogs.catalogs() == [] and catalogs.environments() == []
-    with pytest.raises(UnknownEnvironment, match="none known"):
+    with pytest.raises(UnknownEnvironment, match="known: none"):
         catalogs.environment("x")
 
 
@@ -580,7 +592,16 @@ def test_pip_recipe_writes_scripts_for_the_image_python(tmp_path, stores):
         assert os.access(mnt / "usr/local/bin/pyflakes", os.X_OK)
         site = mnt / "usr/local/lib/python3.11/dist-packages"
         assert (site / "pyflakes/__init__.py").exists()
-        assert not (site / "bin").exists() and not list(site.rglob("*.pyc"))
+        assert not (site / "bin").exists()
+        # compiled for the image's python, hash-based and unchecked (reproducible; a
+        # sandbox never recompiles into its writable layer)
+        sources = sorted(site.rglob("*.py"))
+        assert sources
+        for source in sources:
+            pyc = source.parent / "__pycache__" / f"{source.stem}.cpython-311.pyc"
+            header = pyc.read_bytes()[:16]
+            assert int.from_bytes(header[4:8], "little") == 0b01, pyc  # hash, unchecked
+        assert info.recipe_digest.startswith("sha256:")
         assert (mnt / "usr/local/bin").stat().st_uid == 0
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
@@ -635,7 +656,12 @@ def test_judge_tasks_load_and_are_rewarded_by_the_judges_verdict(catalog_dir):
     task = load_catalog(write_catalog(catalog_dir, doc)).task("hello-judged")
     assert task.command == "" and task.judge is not None
     spec = task.judge_spec(files={"hello.sh": b"echo hi"})
-    assert (spec.environment, spec.run, spec.compile) == ("hello", "sh hello.sh", "sh -n hello.sh")
+    # the task's own catalog qualifies it: no other catalog's "hello" can shadow it
+    assert (spec.environment, spec.run, spec.compile) == (
+        "small/hello",
+        "sh hello.sh",
+        "sh -n hello.sh",
+    )
     assert spec.cases_dir == "cases" and spec.memory_bytes == 64 << 20
     assert spec.files == {"hello.sh": b"echo hi"}
     assert task.to_document()["judge"]["run"] == "sh hello.sh"
@@ -830,7 +856,7 @@ def test_default_catalog_builds_and_every_task_earns_its_expected_reward(
         for info in infos:
             lowers[info.ref] = tmp_path / "layers" / info.ref
             mount_at(str(layers.image_path(info)), lowers[info.ref], "erofs", 1)
-        base = lowers["debian-python@12"]
+        base = lowers["debian-python@12-2"]
         assert os.access(base / "usr/bin/python3", os.X_OK) and os.access(
             base / "bin/bash", os.X_OK
         )

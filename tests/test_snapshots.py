@@ -5,6 +5,7 @@ shared layer mounts, chains, excluded paths, and the typed errors of bad input."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -469,9 +470,14 @@ async def test_scrub_leaves_out_histories_caches_credentials_and_notes(tmp_path)
     with node_home("dsec-snap-") as config:
         node = await _node(config)
         try:
-            a = (await node.create(BASE)).id
+            env = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple/", "PIP_TRUSTED_HOST": "127.0.0.1"}
+            env |= {"GH_TOKEN": "t", "AWS_SECRET_ACCESS_KEY": "k", "https_proxy": "http://p"}
+            env |= {"KEEP": "1", "TOKENIZERS_PARALLELISM": "false"}
+            a = (await node.create(dataclasses.replace(BASE, env=env))).id
             await sh(node, a, LEFTOVERS)
             snap = await node.pack_diff(a)
+            # what the snapshot records of the environment: no mirrors, proxies or tokens
+            assert snap.env == ("KEEP=1", "TOKENIZERS_PARALLELISM=false")
             b = (await node.restore(snap.ref, spec=BASE))[0].id
             assert (await sh(node, b, "cat /home/user/work/kept.txt /root/kept.txt")).split() == [
                 "keep",
@@ -487,6 +493,7 @@ async def test_scrub_leaves_out_histories_caches_credentials_and_notes(tmp_path)
             assert sorted(out.split()) == ["/home/user/work/kept.txt", "/root/kept.txt"]
             # unscrubbed, they are all there
             raw = await node.pack_diff(a, scrub=False)
+            assert {e.partition("=")[0] for e in raw.env} == set(env)
             c = (await node.restore(raw.ref, spec=BASE))[0].id
             out = await sh(node, c, "ls -A /home/user /home/user/.ssh /.dsec-build")
             assert {".netrc", ".git-credentials", "id_ed25519", "notes.md"} <= set(out.split())
@@ -500,8 +507,8 @@ def test_exclude_globs_expand_against_the_layer(tmp_path):
     (tmp_path / "home" / "f").write_text("a file, not a home")
     os.symlink("/etc", tmp_path / "home" / "l")
     out = snapshots.expand_globs(["tmp", "home/*/.ssh", "home/*", "nothere/*/x"], tmp_path)
-    assert out[:3] == ("tmp", "home/.b/.ssh", "home/a/.ssh")  # a literal home/*/.ssh for c
-    assert set(out[3:]) == {"home/c/.ssh", "home/.b", "home/a", "home/c", "home/f", "home/l"}
+    assert out[:3] == ("tmp", "home/.b/.ssh", "home/a/.ssh")  # c has none: not listed
+    assert set(out[3:]) == {"home/.b", "home/a", "home/c", "home/f", "home/l"}
     scrub = exclude_paths([], scrub=True)
     assert {"home/*/.ssh", "root/.netrc", "home/*/.aws", ".dsec-build"} <= set(scrub)
 
@@ -511,6 +518,10 @@ def test_secret_needles_are_long_lines_or_the_whole_text():
     needles = snapshots.secret_needles({"hidden-test": hidden, "answer": "  42\n"})
     assert needles["hidden-test"] == (b"def test_hidden_answer_is_forty_two():",)
     assert needles["answer"] == (b"42",)
+    lone = snapshots.secret_needles({"odd": "a lone surrogate \ud800 in a long line"})
+    assert lone["odd"] == (
+        "a lone surrogate \ud800 in a long line".encode("utf-8", "surrogatepass"),
+    )
     for bad in ({"": "x"}, {"l": ""}, {"l": "   \n"}):
         with pytest.raises(InvalidSpec) as e:
             snapshots.secret_needles(bad)
@@ -582,6 +593,22 @@ async def test_a_leak_keeps_no_layer_and_names_paths_and_labels_not_the_secret(t
             snap = await node.pack_diff(a, name="staged-task", version="1", secrets=secrets)
             assert store.resolve("staged-task@1").digest == snap.digest
             assert not mounted_under(config.layer_dir)
+        finally:
+            await node.close(kill_all=True)
+
+
+async def test_a_secret_in_the_recorded_environment_is_a_leak_too(tmp_path):
+    with node_home("dsec-snap-") as config:
+        node = await _node(config)
+        try:
+            line = HIDDEN.splitlines()[3]
+            spec = dataclasses.replace(BASE, env={"HINT": line, "OK": "1"})
+            a = (await node.create(spec)).id
+            with pytest.raises(LeakFound) as e:
+                await node.pack_diff(a, secrets={"hidden-test": HIDDEN})
+            assert e.value.hits == [{"path": "env:HINT", "label": "hidden-test"}]
+            assert line.strip() not in str(e.value)
+            assert not [i for i in LayerStore(config.layer_dir).list() if i.kind == "snapshot"]
         finally:
             await node.close(kill_all=True)
 

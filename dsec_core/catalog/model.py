@@ -11,16 +11,23 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jsonschema
 import yaml
 
 from ..backend import split_kernel
-from ..errors import CatalogInvalid, DsecError, InvalidSpec, UnknownEnvironment, UnknownLayer
+from ..errors import (
+    AmbiguousName,
+    CatalogInvalid,
+    DsecError,
+    InvalidSpec,
+    UnknownEnvironment,
+    UnknownLayer,
+)
 from ..layers.recipes import LayerRecipe
 from ..layers.store import LayerStore
 from ..records import DEFAULT_BACKEND, JudgeSpec, LayerRef
@@ -28,6 +35,7 @@ from ..records import DEFAULT_BACKEND, JudgeSpec, LayerRef
 __all__ = [
     "REWARDS",
     "Catalog",
+    "CatalogImport",
     "Environment",
     "Task",
     "TaskJudge",
@@ -37,6 +45,7 @@ __all__ = [
     "kernel_text",
     "load_catalog",
     "parse_catalog",
+    "pick_named",
 ]
 
 REWARDS = ("exit_code", "pass_rate", "judge")
@@ -118,6 +127,11 @@ class Environment:
                 field="kernel",
             )
 
+    @property
+    def qualified(self) -> str:
+        """``<catalog>/<name>``: the name no other catalog's environment can shadow."""
+        return f"{self.catalog}/{self.name}" if self.catalog else self.name
+
     def layer_refs(self) -> list[str]:
         """``name@version`` of every layer, top first: toolkits, workspaces, then the base.
 
@@ -191,6 +205,19 @@ class Task:
     catalog: str = ""
     judge: TaskJudge | None = None
 
+    @property
+    def qualified(self) -> str:
+        """``<catalog>/<name>``."""
+        return f"{self.catalog}/{self.name}" if self.catalog else self.name
+
+    @property
+    def qualified_environment(self) -> str:
+        """The task's environment as ``<catalog>/<name>`` (a bare name is of the task's own
+        catalog): what a create names so no other catalog's environment can shadow it."""
+        if "/" in self.environment or not self.catalog:
+            return self.environment
+        return f"{self.catalog}/{self.environment}"
+
     def judge_spec(self, **overrides: Any) -> JudgeSpec:
         """The ``JudgeSpec`` of a ``judge`` task, for ``Client.judge``; ``overrides`` set
         other fields (``files``: a submission to judge instead of the workspace's)."""
@@ -198,7 +225,7 @@ class Task:
             raise InvalidSpec(f"task {self.name} is not a judge task", task=self.name)
         j = self.judge
         fields: dict[str, Any] = dict(
-            environment=self.environment,
+            environment=self.qualified_environment,
             run=j.run,
             compile=j.compile,
             cases_dir=j.cases,
@@ -223,8 +250,68 @@ class Task:
 
 
 @dataclass(frozen=True)
+class CatalogImport:
+    """Another catalog a catalog uses: one registered on the node (``catalog``), a catalog
+    file (``path``, relative to the importing file) or one published to a layer source
+    (``source`` URL and ``catalog`` name). Its layers are then named by ``name@version`` and
+    its environments by ``<catalog>/<name>``."""
+
+    catalog: str | None = None
+    path: str | None = None
+    source: str | None = None
+
+    def to_document(self) -> dict[str, str]:
+        return {
+            k: v
+            for k, v in (("catalog", self.catalog), ("path", self.path), ("source", self.source))
+            if v is not None
+        }
+
+    def describe(self) -> str:
+        if self.path is not None:
+            return f"file {self.path}"
+        if self.source is not None:
+            return f"catalog {self.catalog} from {self.source}"
+        return f"catalog {self.catalog}"
+
+
+_Named = TypeVar("_Named", "Environment", "Task")
+
+
+def pick_named(items: Sequence[_Named], name: str, what: str, where: str = "") -> _Named:
+    """The one of ``items`` (environments or tasks, each with ``name`` and ``catalog``) that
+    ``name`` means: ``<catalog>/<name>``, or a bare name exactly one of them has. Several:
+    ``AmbiguousName`` with the qualified ``choices``; none: ``UnknownEnvironment`` naming
+    the known ones (``where``: in what, for the message)."""
+    catalog, slash, bare = name.rpartition("/")
+    if slash:
+        found = [i for i in items if i.name == bare and i.catalog == catalog]
+    else:
+        found = [i for i in items if i.name == name]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        choices = sorted(f"{i.catalog}/{i.name}" for i in found)
+        raise AmbiguousName(
+            f"{what} {name!r} is defined by {len(found)} catalogs: name one of "
+            f"{', '.join(choices)}",
+            name=name,
+            choices=choices,
+        )
+    known = sorted({i.name for i in items})
+    hint = "" if items else "; run `dsec catalog build` first"
+    raise UnknownEnvironment(
+        f"unknown {what} {name!r}{where} (known: {', '.join(known) or 'none'}){hint}",
+        name=name,
+        known=known,
+    )
+
+
+@dataclass(frozen=True)
 class Catalog:
-    """A loaded catalog. ``path`` is the file it came from; ``root`` its directory."""
+    """A loaded catalog. ``path`` is the file it came from; ``root`` its directory.
+    ``imports`` are the catalogs it names; ``imported`` those catalogs as loaded (only when
+    loaded from a file with its imports resolved: a saved catalog keeps the names alone)."""
 
     name: str
     layers: tuple[LayerRecipe, ...] = ()
@@ -233,24 +320,40 @@ class Catalog:
     description: str = ""
     path: str = ""
     root: str = "."
+    imports: tuple[CatalogImport, ...] = ()
+    imported: tuple[Catalog, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "environments", "tasks"):
+        for name in ("layers", "environments", "tasks", "imports", "imported"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
+    def visible_environments(self) -> list[Environment]:
+        """Its own environments, then those of the catalogs it imports (transitively)."""
+        out = list(self.environments)
+        for other in self.imported:
+            out += [e for e in other.visible_environments() if e not in out]
+        return out
+
+    def visible_layers(self) -> list[LayerRecipe]:
+        """Its own layer recipes, then those of the catalogs it imports (transitively)."""
+        out = list(self.layers)
+        for other in self.imported:
+            out += [r for r in other.visible_layers() if r.ref not in {o.ref for o in out}]
+        return out
+
     def environment(self, name: str) -> Environment:
-        for env in self.environments:
-            if env.name == name:
-                return env
-        raise UnknownEnvironment(
-            f"no environment {name!r} in catalog {self.name}",
-            name=name,
-            known=[e.name for e in self.environments],
+        """An environment by bare name (its own first: a catalog's document means its own)
+        or ``<catalog>/<name>`` (its own or an imported catalog's)."""
+        own = [e for e in self.environments if e.name == name]
+        if own:
+            return own[0]
+        return pick_named(
+            self.visible_environments(), name, "environment", f" in catalog {self.name}"
         )
 
     def task(self, name: str) -> Task:
         for task in self.tasks:
-            if task.name == name:
+            if task.name == name or task.qualified == name:
                 return task
         raise UnknownEnvironment(
             f"no task {name!r} in catalog {self.name}",
@@ -263,6 +366,8 @@ class Catalog:
         doc: dict[str, Any] = {"name": self.name}
         if self.description:
             doc["description"] = self.description
+        if self.imports:
+            doc["imports"] = [i.to_document() for i in self.imports]
         doc["layers"] = [_recipe_document(r) for r in self.layers]
         doc["environments"] = [e.to_document() for e in self.environments]
         doc["tasks"] = [t.to_document() for t in self.tasks]
@@ -363,7 +468,11 @@ def _validate_schema(doc: Any, where: str) -> None:
 
 
 def _recipes(
-    doc: Mapping[str, Any], root: Path, where: str, check_sources: bool
+    doc: Mapping[str, Any],
+    root: Path,
+    where: str,
+    check_sources: bool,
+    store: LayerStore | None = None,
 ) -> list[LayerRecipe]:
     recipes: list[LayerRecipe] = []
     seen: dict[str, int] = {}
@@ -388,10 +497,13 @@ def _recipes(
         seen[recipe.ref] = i
         for key, path in (("dir", recipe.dir_path), ("tar", recipe.tar_path)):
             if check_sources and path is not None and not path.exists():
+                if store is not None and store.exists(recipe.ref):
+                    continue  # built already: its source is no longer needed
                 raise _invalid(
                     where,
                     ["layers", i, "source", key],
-                    f"{path} does not exist (relative paths start at {root})",
+                    f"{path} does not exist (relative paths start at {root}) and "
+                    f"{recipe.ref} is not built",
                 )
         recipes.append(recipe)
     return recipes
@@ -433,8 +545,10 @@ def check_environment_layers(
                 raise _invalid(
                     where,
                     path,
-                    f"layer {ref} is neither a layer of this catalog nor in the store"
-                    f" (known: {', '.join(known) or 'none'})",
+                    f"layer {ref} is neither a layer of this catalog (or one it imports) nor "
+                    f"in the store (known: {', '.join(known) or 'none'}); add its recipe or "
+                    "import its catalog, or build it first (`dsec catalog build` for a "
+                    "catalog's layers, `dsec layer build` for a directory or image)",
                 )
             if kind != want:
                 raise _invalid(where, path, f"layer {ref} is a {kind} layer, not a {want} layer")
@@ -473,8 +587,13 @@ def parse_catalog(
     store: LayerStore | None = None,
     check_sources: bool = True,
     check_layers: bool = True,
+    imported: Sequence[Catalog] = (),
 ) -> Catalog:
     """Check a catalog document (schema, then meaning) and make the records.
+
+    ``imported``: the catalogs its ``imports`` name, loaded (``load_catalog`` resolves them):
+    environments may use their layers, tasks their environments as ``<catalog>/<name>``.
+    Without them (a saved catalog) a task's qualified environment is left to the node.
 
     Relative recipe paths start at ``root``; ``check_sources`` checks that they exist.
     Environments may name layers of this catalog or, if ``store`` is given, layers already in
@@ -485,13 +604,15 @@ def parse_catalog(
     _validate_schema(doc, where)
     root = Path(root)
     name = doc["name"]
-    recipes = _recipes(doc, root, where, check_sources)
+    recipes = _recipes(doc, root, where, check_sources, store)
+    imports = [CatalogImport(**item) for item in doc.get("imports", [])]
+    shell = Catalog(name=name, layers=tuple(recipes), imported=tuple(imported))
     environments = [
         _environment(doc, i, name, where) for i in range(len(doc.get("environments", [])))
     ]
     _unique(environments, "environments", where)
     if check_layers:
-        check_environment_layers(environments, recipes, store, where)
+        check_environment_layers(environments, shell.visible_layers(), store, where)
     tasks = [
         Task(
             name=t["name"],
@@ -509,14 +630,10 @@ def parse_catalog(
     ]
     _unique(tasks, "tasks", where)
     env_names = [e.name for e in environments]
+    others = Catalog(name=name, imported=tuple(imported)).visible_environments()
     for i, task in enumerate(tasks):
-        if task.environment not in env_names:
-            raise _invalid(
-                where,
-                ["tasks", i, "environment"],
-                f"unknown environment {task.environment!r} (known: "
-                f"{', '.join(env_names) or 'none'})",
-            )
+        unresolved = bool(imports) and not imported
+        _check_task_environment(task, i, name, env_names, others, unresolved, where)
         if task.reward in ("exit_code", "judge") and task.expect not in (None, 0, 1):
             raise _invalid(
                 where,
@@ -530,28 +647,157 @@ def parse_catalog(
         tasks=tuple(tasks),
         description=doc.get("description", ""),
         root=str(root),
+        imports=tuple(imports),
+        imported=tuple(imported),
     )
 
 
-def load_catalog(path: Path | str, *, store: LayerStore | None = None) -> Catalog:
-    """Read and check a catalog file (YAML or JSON); see ``parse_catalog``."""
-    path = Path(path)
+def _check_task_environment(
+    task: Task,
+    i: int,
+    catalog: str,
+    own: Sequence[str],
+    imported: Sequence[Environment],
+    unresolved: bool,
+    where: str,
+) -> None:
+    """A task names its own catalog's environment bare, or any as ``<catalog>/<name>``: of
+    its own catalog or of an imported one (``unresolved``: the imports are not loaded, as in
+    a saved catalog; the node checks those at create time)."""
+    prefix, slash, bare = task.environment.rpartition("/")
+    if prefix in ("", catalog) and bare in own:
+        return
+    if slash and prefix != catalog:
+        if unresolved or any(e.name == bare and e.catalog == prefix for e in imported):
+            return
+    choices = sorted(e.qualified for e in imported if e.name == bare)
+    hint = f"; name an imported one as {' or '.join(choices)}" if choices and not slash else ""
+    known = [*own, *(e.qualified for e in imported)]
+    raise _invalid(
+        where,
+        ["tasks", i, "environment"],
+        f"unknown environment {task.environment!r} (known: {', '.join(known) or 'none'}){hint}",
+    )
+
+
+#: Looks a catalog registered on the node up by name (``CatalogStore.catalog``).
+Registered = Callable[[str], Catalog]
+#: Fetches the document of catalog ``name`` published to the layer source at ``url``.
+FetchCatalog = Callable[[str, str], Mapping[str, Any]]
+
+
+def load_catalog(
+    path: Path | str,
+    *,
+    store: LayerStore | None = None,
+    registered: Registered | None = None,
+    fetch: FetchCatalog | None = None,
+) -> Catalog:
+    """Read and check a catalog file (YAML or JSON) with the catalogs it imports; see
+    ``parse_catalog``. ``{path}`` imports load here (a cycle is an error); ``{catalog}``
+    imports need ``registered``, ``{source, catalog}`` imports ``fetch``."""
+    return _load(Path(path), store, registered, fetch, ())
+
+
+def _read_document(path: Path) -> Any:
     where = str(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise CatalogInvalid(f"{where}: cannot read: {e.strerror}", path="$", file=where) from e
     try:
-        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         raise CatalogInvalid(
             f"{where}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}",
             path="$",
             file=where,
         ) from e
+
+
+def _load(
+    path: Path,
+    store: LayerStore | None,
+    registered: Registered | None,
+    fetch: FetchCatalog | None,
+    chain: tuple[Path, ...],
+) -> Catalog:
+    where = str(path)
+    doc = _read_document(path)
     root = path.resolve().parent
-    catalog = parse_catalog(doc, where=where, root=root, store=store)
+    imported: list[Catalog] = []
+    if isinstance(doc, dict) and doc.get("imports"):
+        _validate_schema(doc, where)  # the imports must make sense before they are followed
+        for i, item in enumerate(doc["imports"]):
+            other = _import(
+                CatalogImport(**item),
+                i,
+                root,
+                where,
+                store,
+                registered,
+                fetch,
+                (*chain, path.resolve()),
+            )
+            names = [doc["name"], *(c.name for c in imported)]
+            if other.name in names:
+                raise _invalid(
+                    where,
+                    ["imports", i],
+                    f"imports catalog {other.name!r} twice (or its own name): catalog names "
+                    "qualify environments, so they must differ",
+                )
+            imported.append(other)
+    catalog = parse_catalog(doc, where=where, root=root, store=store, imported=imported)
     return Catalog(**{**catalog_fields(catalog), "path": str(path.resolve())})
+
+
+def _import(
+    spec: CatalogImport,
+    i: int,
+    root: Path,
+    where: str,
+    store: LayerStore | None,
+    registered: Registered | None,
+    fetch: FetchCatalog | None,
+    chain: tuple[Path, ...],
+) -> Catalog:
+    """Load one import of the catalog at ``where`` (``chain``: the files importing it)."""
+    at = ["imports", i]
+    if spec.path is not None:
+        file = (root / spec.path).resolve()
+        if file in chain:
+            cycle = " -> ".join(str(p) for p in (*chain[chain.index(file) :], file))
+            raise _invalid(where, at, f"import cycle: {cycle}")
+        if not file.is_file():
+            raise _invalid(where, at, f"imported catalog file {file} does not exist")
+        return _load(file, store, registered, fetch, chain)
+    name = str(spec.catalog)
+    if spec.source is not None:
+        if fetch is None:
+            raise _invalid(where, at, f"cannot import from {spec.source} here (no layer sources)")
+        try:
+            doc = fetch(spec.source, name)
+            return parse_catalog(
+                doc,
+                where=f"{spec.source} catalog {name}",
+                check_sources=False,
+                check_layers=False,
+            )
+        except DsecError as e:
+            raise _invalid(where, at, f"importing catalog {name} from {spec.source}: {e}") from e
+    try:
+        if registered is None:
+            raise UnknownEnvironment(f"no registered catalogs to look {name!r} up in", name=name)
+        return registered(name)
+    except UnknownEnvironment as e:
+        raise _invalid(
+            where,
+            at,
+            f"imports catalog {name!r}, which is not registered on this node; register it "
+            "first (`dsec catalog build FILE`, or `dsec catalog pull NAME --from SOURCE`), or "
+            "import it by path or source",
+        ) from e
 
 
 def catalog_fields(catalog: Catalog) -> dict[str, Any]:

@@ -8,15 +8,16 @@ from pathlib import Path
 
 from ..errors import CatalogInvalid, UnknownEnvironment
 from ..linux.files import write_atomic
-from .model import Catalog, Environment, Task, catalog_fields, parse_catalog
+from .model import Catalog, Environment, Task, catalog_fields, parse_catalog, pick_named
 
 __all__ = ["CatalogStore"]
 
 
 class CatalogStore:
     """Built catalogs, one ``<name>.json`` each under ``root``; the node looks environments up
-    here. Where two catalogs define the same environment or task name, the catalog whose name
-    sorts first wins."""
+    here. Every environment and task is known as ``<catalog>/<name>``; a bare name is
+    accepted when exactly one catalog defines it, and is ``AmbiguousName`` (listing the
+    qualified choices) when several do: nothing silently shadows."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -38,7 +39,20 @@ class CatalogStore:
         write_atomic(target, json.dumps(record, indent=2).encode() + b"\n")
         return target
 
+    def catalog(self, name: str) -> Catalog:
+        """The registered catalog ``name``; ``UnknownEnvironment`` naming the known ones."""
+        for catalog in self.catalogs():
+            if catalog.name == name:
+                return catalog
+        known = [c.name for c in self.catalogs()]
+        raise UnknownEnvironment(
+            f"no catalog {name!r} is registered (known: {', '.join(known) or 'none'})",
+            name=name,
+            known=known,
+        )
+
     def remove(self, name: str) -> None:
+        """Unregister catalog ``name`` (its layers stay in the layer store)."""
         target = self.root / f"{name}.json"
         if not target.exists():
             raise UnknownEnvironment(
@@ -77,33 +91,27 @@ class CatalogStore:
         return out
 
     def environments(self) -> list[Environment]:
-        out: dict[str, Environment] = {}
-        for catalog in self.catalogs():
-            for env in catalog.environments:
-                out.setdefault(env.name, env)
-        return list(out.values())
+        """Every registered environment, by catalog name, then in its catalog's order."""
+        return [env for catalog in self.catalogs() for env in catalog.environments]
 
     def environment(self, name: str) -> Environment:
-        envs = self.environments()
-        for env in envs:
-            if env.name == name:
-                return env
-        raise UnknownEnvironment(
-            f"unknown environment {name!r}", name=name, known=sorted(e.name for e in envs)
-        )
+        """The environment ``name`` means: ``<catalog>/<name>``, or a bare name one catalog
+        alone defines (several: ``AmbiguousName``; none: ``UnknownEnvironment``)."""
+        return pick_named(self.environments(), name, "environment")
 
     def tasks(self) -> list[Task]:
-        out: dict[str, Task] = {}
-        for catalog in self.catalogs():
-            for task in catalog.tasks:
-                out.setdefault(task.name, task)
-        return list(out.values())
+        """Every registered task, by catalog name, then in its catalog's order."""
+        return [task for catalog in self.catalogs() for task in catalog.tasks]
 
     def task(self, name: str) -> Task:
-        tasks = self.tasks()
-        for task in tasks:
-            if task.name == name:
-                return task
-        raise UnknownEnvironment(
-            f"unknown task {name!r}", name=name, known=sorted(t.name for t in tasks)
-        )
+        """The task ``name`` means, as ``environment`` finds an environment."""
+        return pick_named(self.tasks(), name, "task")
+
+    def shadowed(self, catalog: Catalog) -> list[str]:
+        """The qualified names of other registered catalogs' environments and tasks that
+        ``catalog`` defines too: their bare names are ambiguous from now on."""
+        envs = {e.name for e in catalog.environments}
+        tasks = {t.name for t in catalog.tasks}
+        out = [e.qualified for e in self.environments() if e.name in envs]
+        out += [t.qualified for t in self.tasks() if t.name in tasks]
+        return sorted(q for q in out if not q.startswith(f"{catalog.name}/"))

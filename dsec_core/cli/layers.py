@@ -1,4 +1,5 @@
-"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build and check catalogs.
+"""``dsec layer`` and ``dsec catalog``: build, list and remove layers; build, check and remove
+catalogs.
 
 Stores live under ``$DSEC_HOME`` (``NodeConfig.from_env()``). A ``DsecError`` propagates to the
 main CLI, which prints ``Error: ...`` and exits 1.
@@ -21,8 +22,10 @@ from ..catalog.distribution import publish_catalog, pull_catalog
 from ..catalog.model import Catalog, default_catalog_file, load_catalog
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import LayerCorrupt, UnknownEnvironment
+from ..errors import DsecError, InvalidSpec, LayerCorrupt, UnknownEnvironment
 from ..layers.build import build_layer
+from ..layers.image import export_image, import_dockerfile, import_image
+from ..layers.recipes import build_dir_at
 from ..layers.store import LayerStore
 from ..plugins import registry
 from ..profiling import profile_catalog
@@ -113,22 +116,52 @@ def layer() -> None:
     help="Keep file owners, or make root own everything (default: all-root for "
     "directories, keep for tar and docker sources).",
 )
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    help="Where a directory SOURCE goes inside the layer, such as /workspace/x "
+    "(default: the layer's root).",
+)
 def layer_build(
-    source: str, name: str, version: str | None, kind: str, keep_owners: bool | None
+    source: str,
+    name: str,
+    version: str | None,
+    kind: str,
+    keep_owners: bool | None,
+    to: str | None,
 ) -> None:
     """Build a layer from SOURCE: a directory, a .tar/.tar.gz/.tgz file or docker:IMAGE."""
     _, store, _ = _stores()
     all_root = None if keep_owners is None else not keep_owners
     with _progress_bars() as progress:
-        info = build_layer(
-            source,
-            name=name,
-            version=version,
-            kind=kind,
-            store=store,
-            progress=lambda stage, f: progress(f"{name}: {stage}", f),
-            all_root=all_root,
-        )
+
+        def report(stage: str, fraction: float | None) -> None:
+            progress(f"{name}: {stage}", fraction)
+
+        if to is not None and to != "/":
+            if not Path(source).is_dir():
+                raise InvalidSpec(f"--to places a directory; {source} is not one", field="to")
+            info = build_dir_at(
+                source,
+                to,
+                name=name,
+                version=version,
+                kind=kind,
+                store=store,
+                progress=report,
+                all_root=all_root is not False,
+            )
+        else:
+            info = build_layer(
+                source,
+                name=name,
+                version=version,
+                kind=kind,
+                store=store,
+                progress=report,
+                all_root=all_root,
+            )
     click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")
 
 
@@ -199,11 +232,15 @@ def catalog_build(file: str | None) -> None:
     """Build the missing layers of catalog FILE (default: the shipped catalog) and register it."""
     _, layers, catalogs = _stores()
     path = Path(file) if file else default_catalog_file()
-    cat = load_catalog(path, store=layers)
+    cat = _load(path)
     had = {i.ref for i in layers.list()}
     started = time.monotonic()
+
+    def pull(url: str, name: str) -> None:
+        pull_catalog(name, _source(url), layers, catalogs, report=click.echo)
+
     with _progress_bars() as progress:
-        infos = build_catalog(cat, layers, catalogs, progress)
+        infos = build_catalog(cat, layers, catalogs, progress, pull)
     for info in infos:
         state = "present" if info.ref in had else "built"
         click.echo(
@@ -212,6 +249,38 @@ def catalog_build(file: str | None) -> None:
     click.echo(
         f"catalog {cat.name}: {len(cat.environments)} environments, {len(cat.tasks)} tasks "
         f"({time.monotonic() - started:.1f}s)"
+    )
+    shadowed = catalogs.shadowed(cat)
+    if shadowed:
+        click.echo(
+            f"note: other catalogs define these names too: {', '.join(shadowed)}; a bare "
+            f"name is now ambiguous, name it as {cat.name}/NAME or CATALOG/NAME"
+        )
+
+
+def _load(path: Path | str) -> Catalog:
+    """Load a catalog file with its imports: registered catalogs from this node, published
+    ones fetched from their layer source."""
+    _, layers, catalogs = _stores()
+    return load_catalog(
+        path,
+        store=layers,
+        registered=catalogs.catalog,
+        fetch=lambda url, name: _source(url).get_catalog(name),
+    )
+
+
+@catalog.command("rm")
+@click.argument("name")
+def catalog_rm(name: str) -> None:
+    """Unregister catalog NAME: its environments and tasks are gone from this node; its
+    layers stay in the store (remove them with `dsec layer rm`)."""
+    _, _, catalogs = _stores()
+    cat = catalogs.catalog(name)
+    catalogs.remove(name)
+    click.echo(
+        f"removed catalog {name} ({len(cat.environments)} environments, {len(cat.tasks)} "
+        f"tasks); its layers stay: {', '.join(r.ref for r in cat.layers) or 'none'}"
     )
 
 
@@ -226,31 +295,43 @@ def catalog_ls(as_json: bool) -> None:
             json.dumps(
                 {
                     "environments": [
-                        {**e.to_document(), "catalog": e.catalog, "layers": e.layer_refs()}
+                        {
+                            **e.to_document(),
+                            "catalog": e.catalog,
+                            "qualified": e.qualified,
+                            "layers": e.layer_refs(),
+                        }
                         for e in envs
                     ],
-                    "tasks": [{**t.to_document(), "catalog": t.catalog} for t in tasks],
+                    "tasks": [
+                        {**t.to_document(), "catalog": t.catalog, "qualified": t.qualified}
+                        for t in tasks
+                    ],
                 },
                 indent=2,
             )
         )
         return
-    click.echo(f"{'ENVIRONMENT':<24} {'CATALOG':<12} {'WORKDIR':<28} LAYERS (top first)")
+    click.echo(f"{'ENVIRONMENT':<32} {'WORKDIR':<28} LAYERS (top first)")
     for e in envs:
-        click.echo(f"{e.name:<24} {e.catalog:<12} {e.workdir:<28} {', '.join(e.layer_refs())}")
+        click.echo(f"{e.qualified:<32} {e.workdir:<28} {', '.join(e.layer_refs())}")
     click.echo()
-    click.echo(f"{'TASK':<24} {'ENVIRONMENT':<24} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
+    click.echo(f"{'TASK':<32} {'ENVIRONMENT':<32} {'REWARD':<10} {'EXPECT':>6}  COMMAND")
     for t in tasks:
         expect = "-" if t.expect is None else f"{t.expect:g}"
-        click.echo(f"{t.name:<24} {t.environment:<24} {t.reward:<10} {expect:>6}  {t.command}")
+        click.echo(
+            f"{t.qualified:<32} {t.qualified_environment:<32} {t.reward:<10} {expect:>6}  "
+            f"{t.command}"
+        )
 
 
 @catalog.command("validate")
 @click.argument("file", type=click.Path(dir_okay=False))
 def catalog_validate(file: str) -> None:
-    """Check catalog FILE against the schema and for missing layers, without building."""
-    _, layers, _ = _stores()
-    cat = load_catalog(file, store=layers)
+    """Check catalog FILE against the schema and for missing layers, without building.
+
+    A layer already built may have lost its source directory: it is not needed any more."""
+    cat = _load(file)
     click.echo(
         f"{file}: ok: catalog {cat.name} with {len(cat.layers)} layers, "
         f"{len(cat.environments)} environments, {len(cat.tasks)} tasks"
@@ -314,15 +395,8 @@ def _catalog_arg(catalog_ref: str) -> Catalog:
     _, store, catalogs = _stores()
     path = Path(catalog_ref)
     if path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        return load_catalog(path, store=store)
-    matches = [c for c in catalogs.catalogs() if c.name == catalog_ref]
-    if not matches:
-        raise UnknownEnvironment(
-            f"no built catalog {catalog_ref!r}",
-            name=catalog_ref,
-            known=[c.name for c in catalogs.catalogs()],
-        )
-    return matches[0]
+        return _load(path)
+    return catalogs.catalog(catalog_ref)
 
 
 @catalog.command("profile")
@@ -373,3 +447,117 @@ def layer_prefetch(refs: tuple[str, ...]) -> None:
                 else ""
             )
             click.echo(f"{row['layer']}: {row['mode']} from {row['source']}{extra}")
+
+
+# --- dsec layer export / import (docker and OCI images) -------------------------------------
+
+
+def _export_stack(
+    args: tuple[str, ...], store: LayerStore, catalogs: CatalogStore
+) -> tuple[list[str], dict[str, str], str]:
+    """What ``dsec layer export`` writes: layer refs (top first), env and workdir, from either
+    one environment name, one snapshot layer (with the layers it was taken over) or layer
+    refs given top first."""
+    if len(args) == 1 and "@" not in args[0]:
+        try:
+            env = catalogs.environment(args[0])
+        except UnknownEnvironment as unknown:
+            try:
+                store.resolve(args[0])  # a layer name, newest version
+            except DsecError:
+                raise unknown from None
+        else:
+            return env.layer_refs(), dict(env.env), env.workdir
+    if len(args) == 1:
+        info = store.resolve(args[0])
+        if info.kind == "snapshot":
+            pairs = (item.split("=", 1) for item in info.env if "=" in item)
+            return [info.ref, *info.parents], dict(pairs), info.workdir or "/"
+    return [store.resolve(ref).ref for ref in args], {}, "/"
+
+
+@layer.command("export")
+@click.argument("what", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="FILE.tar")
+@click.option("--tag", required=True, help="Image name in the archive (NAME[:TAG]).")
+@click.option("--env", "env", multiple=True, help="KEY=VALUE for the image (repeatable).")
+@click.option("--workdir", default=None, help="Working directory (default: the environment's).")
+@click.option("--cmd", default=None, help="Default command, run by /bin/sh -c.")
+def layer_export(
+    what: tuple[str, ...],
+    output: str,
+    tag: str,
+    env: tuple[str, ...],
+    workdir: str | None,
+    cmd: str | None,
+) -> None:
+    """Export an image archive (`docker load -i FILE`) of WHAT: an environment, a snapshot
+    layer (stacked on the layers it was taken over), or layer refs given top first."""
+    _, store, catalogs = _stores()
+    refs, stack_env, stack_workdir = _export_stack(what, store, catalogs)
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--env")
+        stack_env[key] = value
+    with _progress_bars() as progress:
+        path = export_image(
+            store,
+            refs,
+            Path(output),
+            tag=tag,
+            env=stack_env,
+            workdir=workdir or stack_workdir,
+            cmd=["/bin/sh", "-c", cmd] if cmd else None,
+            progress=progress,
+        )
+    click.echo(f"{path} {tag} {_size(path.stat().st_size)} ({len(refs)} layers: {', '.join(refs)})")
+
+
+@layer.command("import")
+@click.argument("image", required=False)
+@click.option(
+    "--archive", type=click.Path(dir_okay=False, exists=True), help="A `docker save` archive."
+)
+@click.option(
+    "--dockerfile",
+    "context",
+    type=click.Path(file_okay=False, exists=True),
+    help="A Dockerfile's build context directory, built with docker.",
+)
+@click.option("--file", "file", default=None, help="The Dockerfile (default: CONTEXT/Dockerfile).")
+@click.option("--name", required=True, help="Layer name.")
+@click.option(
+    "--version", default=None, help="Layer version (default: 12 hex digits of the digest)."
+)
+def layer_import(
+    image: str | None,
+    archive: str | None,
+    context: str | None,
+    file: str | None,
+    name: str,
+    version: str | None,
+) -> None:
+    """Make a base layer of a docker image's filesystem: IMAGE (already in the local docker;
+    nothing is pulled), --archive FILE or --dockerfile DIR."""
+    given = [x for x in (image, archive, context) if x]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of IMAGE, --archive FILE or --dockerfile DIR")
+    if file and not context:
+        raise click.UsageError("--file names the Dockerfile of a --dockerfile build")
+    _, store, _ = _stores()
+    with _progress_bars() as progress:
+        report = lambda stage, f: progress(f"{name}: {stage}", f)  # noqa: E731
+        if context:
+            info = import_dockerfile(
+                store, context, name=name, version=version, dockerfile=file, progress=report
+            )
+        else:
+            info = import_image(
+                store,
+                Path(archive) if archive else str(image),
+                name=name,
+                version=version,
+                progress=report,
+            )
+    click.echo(f"{info.ref} {info.kind} {_size(info.size)} {info.digest}")

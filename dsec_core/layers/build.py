@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import LayerBuildError, ToolError
@@ -17,7 +18,14 @@ from ..linux.erofs import mkfs_erofs
 from ..records import LayerInfo, LayerRef
 from .store import LayerStore, Progress, check_kind
 
-__all__ = ["build_layer", "build_tree", "export_docker_image", "extract_tar", "make_image"]
+__all__ = [
+    "build_layer",
+    "build_tree",
+    "export_docker_image",
+    "extract_tar",
+    "extraction_filter",
+    "make_image",
+]
 
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -50,7 +58,7 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _member_check(root: str):
+def extraction_filter(root: str) -> Callable[[tarfile.TarInfo, str], tarfile.TarInfo]:
     """A tarfile extraction filter: keep owners and modes, refuse anything that leaves ``root``.
 
     It runs just before each member is written, so symlinks made by earlier members count:
@@ -98,7 +106,7 @@ def extract_tar(archive: Path, dest: Path, progress: Progress | None = None) -> 
     dest.mkdir(parents=True, exist_ok=True)
     dest.chmod(0o755)  # the image's root directory, unless the archive has a "." entry
     root = os.path.realpath(dest)
-    check = _member_check(root)
+    check = extraction_filter(root)
     size = max(archive.stat().st_size, 1)
     try:
         with open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r:*") as tar:
@@ -162,14 +170,22 @@ def build_tree(
     timestamp: int | None = None,
     source: str = "",
     progress: Progress | None = None,
+    recipe_digest: str = "",
 ) -> LayerInfo:
-    """Make an image of a prepared directory tree and add it to ``store``."""
+    """Make an image of a prepared directory tree and add it to ``store`` (``recipe_digest``:
+    the fingerprint of the catalog recipe it comes from, kept in its ``LayerInfo``)."""
     with store.scratch("image-") as scratch:
         image = make_image(
             tree, scratch / "layer.erofs", all_root=all_root, timestamp=timestamp, progress=progress
         )
         return store.add(
-            image, name=name, version=version, kind=kind, source=source, progress=progress
+            image,
+            name=name,
+            version=version,
+            kind=kind,
+            source=source,
+            progress=progress,
+            recipe_digest=recipe_digest,
         )
 
 

@@ -147,7 +147,12 @@ class LayerStore:
             if info is not None:
                 return info
         known = [i.ref for i in versions] or [i.ref for i in self.list()]
-        raise UnknownLayer(f"unknown layer {str(ref)!r} in {self.root}", name=str(ref), known=known)
+        raise UnknownLayer(
+            f"unknown layer {str(ref)!r} in {self.root}: build it first (`dsec catalog build` "
+            "for a catalog's layers, `dsec layer build` for a directory or image)",
+            name=str(ref),
+            known=known,
+        )
 
     def exists(self, ref: LayerRef | str) -> bool:
         try:
@@ -189,6 +194,7 @@ class LayerStore:
         parent_digests: Sequence[str] = (),
         env: Sequence[str] = (),
         workdir: str = "",
+        recipe_digest: str = "",
     ) -> LayerInfo:
         """Take ``image`` (it is moved, not copied) into the store as ``name@version``.
 
@@ -197,6 +203,7 @@ class LayerStore:
         under an existing ref raises ``LayerExists``: versions are immutable. ``parents`` and
         ``parent_digests``: refs and digests of the layers (top first) a ``snapshot`` layer
         was taken over; ``env`` (``KEY=VALUE``) and ``workdir``: its sandbox's.
+        ``recipe_digest``: the fingerprint of the catalog recipe it was built from.
         """
         image = Path(image)
         check_kind(kind)
@@ -232,6 +239,7 @@ class LayerStore:
                 parent_digests=tuple(parent_digests),
                 env=tuple(env),
                 workdir=workdir,
+                recipe_digest=recipe_digest,
             )
             write_atomic(
                 self._ref_file(name, version), json.dumps(info.to_dict(), indent=2).encode() + b"\n"

@@ -93,7 +93,7 @@ from .leases import Leases
 from .mounts import MountCache, OverlayStack
 from .ondemand import OnDemandLayers
 from .pools import POOL_LABEL, Pools
-from .snapshots import exclude_paths, pack_upper, recover_packs, secret_needles
+from .snapshots import exclude_paths, pack_upper, recover_packs, scrub_env, secret_needles
 from .trajectory import TrajectoryLogs
 
 __all__ = ["Node"]
@@ -475,7 +475,8 @@ class Node:
             for env in self.catalogs.environments():
                 refs = env.layer_refs()
                 if refs and all(r in layers for r in refs):
-                    environments.append(env.name)
+                    # a create may name it either way (placement compares the text)
+                    environments += [env.name, env.qualified]
         return sorted(layers), sorted(environments)
 
     def project_usage(self) -> dict[str, tuple[int, float, int]]:
@@ -1050,12 +1051,13 @@ class Node:
         ``snapshot-<id>``), ``version`` (default: its digest's first 12 hex digits). Paths in
         ``exclude``, and with ``scrub`` the usual scratch (``SCRUBBED``: /tmp, caches, shell
         histories, credentials), are left out: a restored sandbox sees the layers below for
-        them. The sandbox is frozen while the layer is read. ``secrets`` (label -> text):
-        the packed layer is scanned for each (``snapshots.scan_image``); a hit keeps no layer
-        and raises ``LeakFound`` naming the paths and labels. ``SandboxNotRunning`` if it is
-        not running. ``source``: the URL of one of the node's layer sources to push the
-        snapshot to, after those of its parents it lacks, so other nodes of that source can
-        restore it."""
+        them, and the environment it records leaves out mirrors, proxies and credentials
+        (``SCRUBBED_ENV``). The sandbox is frozen while the layer is read. ``secrets``
+        (label -> text): the packed layer and the environment it records are scanned for each
+        (``snapshots.scan_image``); a hit keeps no layer and raises ``LeakFound`` naming the
+        paths and labels. ``SandboxNotRunning`` if it is not running. ``source``: the URL of
+        one of the node's layer sources to push the snapshot to, after those of its parents
+        it lacks, so other nodes of that source can restore it."""
         sb = self._get(sid)
         if sb.status != "running":
             raise SandboxNotRunning(
@@ -1072,6 +1074,7 @@ class Node:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
         needles = secret_needles(secrets or {})
         paths = exclude_paths(exclude, scrub)
+        env = scrub_env(sb.rt.spec.env) if scrub else dict(sb.rt.spec.env)
         target = None if source is None else self._source(source)
         parents = list(sb.layers)
         t0 = time.perf_counter()
@@ -1087,7 +1090,7 @@ class Node:
                 parents=parents,
                 exclude=paths,
                 source=f"pack_diff of sandbox {sid}",
-                env=[f"{k}={v}" for k, v in sorted(sb.rt.spec.env.items())],
+                env=[f"{k}={v}" for k, v in sorted(env.items())],
                 workdir=sb.rt.spec.workdir,
                 marker=sb.rt.dir / PACK_MARKER,
                 paused=sb.paused,

@@ -66,7 +66,10 @@ class PoolSettings:
     sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def size_of(self, environment: str) -> tuple[int, int]:
-        return self.sizes.get(environment, (self.min, self.max))
+        """(min, max) for ``environment``, named as a call names it (``default/fizzbuzz`` or
+        ``fizzbuzz``: a size set for the bare name covers the qualified one)."""
+        bare = environment.rpartition("/")[2]
+        return self.sizes.get(environment, self.sizes.get(bare, (self.min, self.max)))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:

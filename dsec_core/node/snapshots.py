@@ -50,6 +50,7 @@ __all__ = [
     "RUNTIME_PATHS",
     "SCAN_CHUNK",
     "SCRUBBED",
+    "SCRUBBED_ENV",
     "SCRUBBED_IN_HOMES",
     "SNAPSHOT_COMPRESSION",
     "exclude_paths",
@@ -58,6 +59,7 @@ __all__ = [
     "recover_packs",
     "scan_image",
     "scan_tree",
+    "scrub_env",
     "secret_needles",
 ]
 
@@ -131,6 +133,41 @@ SCRUBBED = (
 )
 
 
+#: Environment variables ``scrub=True`` leaves out of what a snapshot records of its sandbox's
+#: environment (globs): package-index mirrors a build policy granted (``PIP_*``,
+#: ``DSEC_APT_MIRROR``, ...), proxies, and anything named like a credential.
+SCRUBBED_ENV = (
+    "PIP_*",
+    "UV_INDEX*",
+    "UV_EXTRA_INDEX_URL",
+    "NPM_CONFIG_*",
+    "npm_config_*",
+    "CARGO_REGISTRIES_*",
+    "TWINE_*",
+    "DSEC_APT_MIRROR",
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "all_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "AWS_*",
+    "AZURE_*",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    # named like a credential (suffixes: TOKENIZERS_PARALLELISM stays)
+    "*_TOKEN",
+    "*_SECRET",
+    "*_SECRET_*",
+    "*_PASSWORD",
+    "*_PASSWD",
+    "*_API_KEY",
+    "*_ACCESS_KEY*",
+    "*_CREDENTIALS",
+)
+
+
 #: Never packed: where the runtime mounts the agent (runc creates the mount point in every
 #: sandbox's writable layer; each restored sandbox gets its own again).
 RUNTIME_PATHS = (".dsec",)
@@ -168,8 +205,9 @@ def exclude_paths(exclude: Iterable[str], scrub: bool) -> tuple[str, ...]:
 
 def expand_globs(paths: Iterable[str], root: Path) -> tuple[str, ...]:
     """``paths`` (relative, from ``exclude_paths``) with each one whose components hold glob
-    characters (``*?[``) replaced by the paths under ``root`` it matches (through real
-    directories only, never a symlink; dotfiles too); one that matches nothing is dropped."""
+    characters (``*?[``) replaced by the paths under ``root`` it matches that exist (through
+    real directories only, never a symlink; dotfiles too), so the list stays as short as what
+    is there; one that matches nothing is dropped."""
     out: list[str] = []
     for path in paths:
         parts = path.split("/")
@@ -193,7 +231,7 @@ def expand_globs(paths: Iterable[str], root: Path) -> tuple[str, ...]:
                     if last or _is_dir(here / name):
                         step.append(posixpath.join(prefix, name))
             found = step
-        out.extend(p for p in found if p not in out)
+        out.extend(p for p in found if p not in out and os.path.lexists(root / p))
     return tuple(out)
 
 
@@ -221,7 +259,10 @@ def secret_needles(secrets: Mapping[str, str]) -> dict[str, tuple[bytes, ...]]:
         if not isinstance(text, str) or not text.strip():
             raise InvalidSpec(f"secrets: {label!r} has no text to scan for", field="secrets")
         lines = {ln.strip() for ln in text.splitlines() if len(ln.strip()) >= MIN_SECRET_LINE}
-        needles = {ln.encode() for ln in lines} or {text.strip().encode()}
+        # surrogatepass: a text decoded from JSON may hold lone surrogates; it still encodes
+        needles = {ln.encode(errors="surrogatepass") for ln in lines} or {
+            text.strip().encode(errors="surrogatepass")
+        }
         # one that holds another adds nothing: the shorter is found wherever it is
         kept = [n for n in needles if not any(m != n and m in n for m in needles)]
         out[label] = tuple(sorted(kept))
@@ -299,17 +340,26 @@ def _scan_file(path: bytes, needles: Mapping[str, Sequence[bytes]], longest: int
     return found
 
 
-def scan_image(image: Path, mountpoint: Path, needles: Mapping[str, Sequence[bytes]]) -> None:
+def scan_image(
+    image: Path, mountpoint: Path, needles: Mapping[str, Sequence[bytes]], env: Sequence[str] = ()
+) -> None:
     """Mount EROFS ``image`` read-only at ``mountpoint`` (an empty private directory), scan it
-    (``scan_tree``), unmount; ``LeakFound`` naming each path and label if anything of
-    ``needles`` is in it. Nothing stays mounted on any path out."""
+    (``scan_tree``), unmount; then ``env`` (``NAME=value`` entries the layer records: a hit
+    is named ``env:NAME``). ``LeakFound`` naming each path and label if anything of
+    ``needles`` is in them. Nothing stays mounted on any path out."""
     mountpoint.mkdir(exist_ok=True)
     mount_erofs_file(image, mountpoint, None)
     try:
         hits = scan_tree(mountpoint, needles)
     finally:
         unmount(mountpoint)
+    for entry in env:
+        name, _, value = entry.partition("=")
+        for label, ns in needles.items():
+            if any(n in value.encode(errors="surrogatepass") for n in ns):
+                hits.append({"path": f"env:{name}", "label": label})
     if hits:
+        hits = hits[:MAX_LEAK_HITS]
         shown = ", ".join(f"{h['path']} ({h['label']})" for h in hits[:20])
         more = f" and {len(hits) - 20} more" if len(hits) > 20 else ""
         raise LeakFound(
@@ -318,6 +368,14 @@ def scan_image(image: Path, mountpoint: Path, needles: Mapping[str, Sequence[byt
             "again",
             hits=hits,
         )
+
+
+def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the variables ``SCRUBBED_ENV`` matches (case-sensitive globs), as a
+    scrubbed snapshot records it."""
+    return {
+        k: v for k, v in env.items() if not any(fnmatch.fnmatchcase(k, p) for p in SCRUBBED_ENV)
+    }
 
 
 def pack_upper(
@@ -383,7 +441,7 @@ def pack_upper(
             with contextlib.suppress(Exception):  # remove_tree detaches what is left anyway
                 unmount(view)
         if needles:
-            scan_image(image, tmp / "scan", needles)
+            scan_image(image, tmp / "scan", needles, env)
         info = store.add(
             image,
             name=name,

@@ -33,7 +33,7 @@ TASK_FILES, TASK_POLICY = testing.TASK_FILES, testing.TASK_POLICY
 
 PROBE_SOURCE = Path(__file__).with_name("landlock_probe.c")
 PROBE = "/tmp/landlock-probe"  # /tmp: a new top-level entry would get no rights at all
-DEBIAN_BASE = "debian-python@12"
+DEBIAN_BASE = "debian-python@12-2"
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def debian_base(dsec_node) -> str:
         with store.scratch("landlock-test-") as tmp:
             copy = tmp / "image.erofs"
             shutil.copyfile(LayerStore(built.layer_dir).image_path(info), copy)
-            store.add(copy, name="debian-python", version="12", kind="base")
+            store.add(copy, name="debian-python", version="12-2", kind="base")
     return DEBIAN_BASE
 
 

@@ -33,7 +33,7 @@ DENIED = [
 #: What must still work under it.
 ALLOWED = ["fork", "socket_tcp", "unshare_fs", "ptrace_child", "i386_getpid"]
 
-DEBIAN_BASE = "debian-python@12"
+DEBIAN_BASE = "debian-python@12-2"
 
 
 def _seccomp_mode(sb) -> str:
@@ -156,7 +156,7 @@ def python_base(dsec_node) -> str:
         with store.scratch("seccomp-test-") as tmp:
             copy = tmp / "image.erofs"
             shutil.copyfile(LayerStore(built.layer_dir).image_path(info), copy)
-            store.add(copy, name="debian-python", version="12", kind="base")
+            store.add(copy, name="debian-python", version="12-2", kind="base")
     return DEBIAN_BASE
 
 
