@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from dsec_core.errors import InvalidSpec
+from dsec_core.layers.recipes import mirror_env, mirror_files
 
 __all__ = ["INDEX_KINDS", "BuildPolicy", "PackageIndex"]
 
@@ -130,28 +131,14 @@ class BuildPolicy:
         return next((i for i in self.indexes if i.kind == kind), None)
 
     def mirror_env(self) -> dict[str, str]:
-        """Environment variables that point the session's pip (and apt) at the indexes."""
+        """Environment variables that point the session's pip at the pip index (and name the
+        apt mirror): ``dsec_core.layers.recipes.mirror_env``."""
         pip, apt = self.first("pip"), self.first("apt")
-        return grant_mirror_env(pip.url if pip else None, apt.url if apt else None)
+        return mirror_env(pip_index=pip.url if pip else None, apt_mirror=apt.url if apt else None)
 
     def mirror_files(self) -> dict[str, str]:
-        """Files (path in the sandbox -> text) that point the session's apt at the apt index;
-        the session puts back what they replaced before packing."""
+        """Files (path in the sandbox -> text) that point the session's apt at the apt index
+        (``dsec_core.layers.recipes.mirror_files``); the session puts back what they replaced
+        before packing."""
         apt = self.first("apt")
-        return grant_mirror_files(apt.url) if apt else {}
-
-
-def grant_mirror_env(pip_index: str | None, apt_mirror: str | None) -> dict[str, str]:
-    """The env that grants a sandbox's pip the index ``pip_index`` (apt reads no env: see
-    ``grant_mirror_files``)."""
-    env: dict[str, str] = {}
-    if pip_index:
-        env["PIP_INDEX_URL"] = pip_index
-        env["PIP_TRUSTED_HOST"] = urlsplit(pip_index).hostname or ""
-    del apt_mirror
-    return env
-
-
-def grant_mirror_files(apt_mirror: str) -> dict[str, str]:
-    """The apt sources that grant a sandbox the mirror ``apt_mirror``."""
-    return {"/etc/apt/sources.list": f"deb [trusted=yes] {apt_mirror} bookworm main\n"}
+        return mirror_files(apt.url) if apt else {}
