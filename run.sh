@@ -83,12 +83,13 @@ setup_python() {
     mkdir -p "$stamp_dir"
     # Reinstall only when a project file changed.
     local sum
-    sum=$(cat pyproject.toml plugins/*/pyproject.toml | sha256sum | cut -c1-16)
+    sum=$(cat pyproject.toml plugins/*/pyproject.toml builders/*/pyproject.toml | sha256sum | cut -c1-16)
     if [ ! -f "$stamp_dir/pip-$sum" ]; then
         log "installing dsec and its plugins into .venv"
         "$venv/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
         local plugins=()
-        for d in plugins/*/; do
+        # builders/ holds plugins too (the environment builder), installed the same way
+        for d in plugins/*/ builders/*/; do
             d="${d%/}"
             # a plugin's own test needs (a local S3 server, ...) come with its [test] extra
             if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
@@ -102,11 +103,12 @@ setup_python() {
         # A plugin whose folder is gone (moved into core, say) must not stay installed.
         local dist
         for dist in $("$venv/bin/pip" list --format=freeze 2>/dev/null | sed -n 's/^\(dsec-[a-z0-9-]*\)==.*/\1/p'); do
-            local dir="plugins/${dist#dsec-}"
-            [ -d "${dir//-/_}" ] || "$venv/bin/pip" uninstall -y -q "$dist" >/dev/null 2>&1 || true
+            local dir="plugins/${dist#dsec-}" bdir="builders/${dist#dsec-}"
+            [ -d "${dir//-/_}" ] || [ -d "${bdir//-/_}" ] || "$venv/bin/pip" uninstall -y -q "$dist" >/dev/null 2>&1 || true
         done
         local modules="dsec"
         for d in plugins/*/; do d="${d%/}"; modules+=",dsec_${d#plugins/}"; done
+        for d in builders/*/; do d="${d%/}"; modules+=",dsec_${d#builders/}"; done
         "$venv/bin/python" -c "import $modules" \
             || { echo "run.sh: the Python install failed" >&2; exit 1; }
         rm -f "$stamp_dir"/pip-*

@@ -11,7 +11,7 @@ SOURCES = [
     REPO / "run.sh",
     *[
         p
-        for d in ("dsec", "dsec_core", "plugins")
+        for d in ("dsec", "dsec_core", "plugins", "builders")
         for p in (REPO / d).rglob("*.py")
         if "tests" not in p.parts and "templates" not in p.parts
     ],
