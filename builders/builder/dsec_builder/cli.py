@@ -20,6 +20,7 @@ import yaml
 
 from dsec_core.errors import DsecError, InvalidSpec
 
+from .demo import demo_cmd
 from .policy import BuildPolicy
 from .qa import DEFAULT_MAX_BYTES, Check
 from .session import BuildContext, BuildSession, LayerStore
@@ -235,3 +236,7 @@ def run_cmd(plan, name, from_env, version, policy) -> None:
         else:
             session = BuildSession.attach(ctx, name)
         _dump(run_plan(Path(plan), BuildTools(session)))
+
+
+# `dsec build demo`: the whole path on a public repository, offline (dsec_builder.demo)
+build.add_command(demo_cmd)

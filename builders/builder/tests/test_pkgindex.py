@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,10 +22,11 @@ from dsec_builder.pkgindex import (
 )
 from dsec_security_ebpf.network import EgressNetwork
 
+from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import InvalidSpec, ToolError
 from dsec_core.linux.netns import links
 from dsec_core.records import SandboxSpec
-from dsec_core.testing import KitNode, running_kit_node
+from dsec_core.testing import KitNode
 
 DATA = Path(__file__).resolve().parents[1] / "dsec_builder" / "demo_data"
 WHEELS = DATA / "wheels"
@@ -34,8 +34,6 @@ PEPPERCORN = "peppercorn-0.6-py3-none-any.whl"
 # Debian's own pip wheel (python3-pip-whl, which python3-venv brings): the default base has
 # python3 but no pip, so the sandbox runs pip straight from its wheel
 HOST_PIP = sorted(Path("/usr/share/python-wheels").glob("pip-*.whl"))
-BUILT_HOME = Path(os.environ.get("DSEC_TEST_HOME", "/var/lib/dsec-test"))
-BASE = "debian-python@12"
 
 
 def test_names_are_normalized_as_pep_503_says():
@@ -80,39 +78,18 @@ def test_pip_downloads_from_the_loopback_index(tmp_path):
     assert any(f"/files/{PEPPERCORN}" in p for p in paths)
 
 
-def seed_layer(node: KitNode, ref: str) -> None:
-    """Put ``ref`` from the persistent test home (built by ``run.sh test``) into the node's
-    store: a hard link of its image where the filesystem allows, else a copy."""
-    from dsec_core.layers.store import LayerStore
-
-    src = LayerStore(BUILT_HOME / "layers")
-    info = src.resolve(ref)
-    store = LayerStore(node.config.layer_dir)
-    tmp = node.home / f"seed-{info.digest[-12:]}.erofs"
-    try:
-        os.link(src.image_path(info), tmp)
-    except OSError:
-        shutil.copyfile(src.image_path(info), tmp)
-    store.add(tmp, name=info.name, version=info.version, kind=info.kind, source=info.source)
-
-
 @pytest.fixture(scope="module")
-def python_node() -> Iterator[KitNode]:
-    if os.geteuid() != 0:
-        pytest.skip("a dsec node needs root")
-    if not (BUILT_HOME / "layers" / "refs" / BASE.split("@")[0]).is_dir():
-        pytest.skip(f"no {BASE} in {BUILT_HOME}: run `run.sh test` (it builds the catalog)")
+def base(python_node: KitNode) -> str:
+    """The base layer of the test node's ``python`` environment (the conftest's node)."""
     if not HOST_PIP:
         pytest.skip("no pip wheel in /usr/share/python-wheels (apt install python3-pip-whl)")
-    with running_kit_node("dsec-pkgindex-") as node:
-        seed_layer(node, BASE)
-        yield node
+    return CatalogStore(python_node.config.catalog_dir).environment("python").base
 
 
 @contextlib.contextmanager
-def sandbox(node: KitNode, **spec) -> Iterator:
+def sandbox(node: KitNode, base: str, **spec) -> Iterator:
     with node.client() as client:
-        sb = client.create(SandboxSpec(layers=(BASE,), ttl=300, **spec))
+        sb = client.create(SandboxSpec(layers=(base,), ttl=300, **spec))
         try:
             sb.write_file("/tmp/pip.whl", HOST_PIP[-1].read_bytes())
             yield sb
@@ -130,13 +107,15 @@ def pip_install(sb, index: EgressIndex):
     )
 
 
-def test_a_granted_sandbox_installs_from_the_index_and_others_fail_fast(python_node, tmp_path):
+def test_a_granted_sandbox_installs_from_the_index_and_others_fail_fast(
+    python_node, base, tmp_path
+):
     egress = EgressNetwork(python_node.home)
     with EgressIndex(python_node.home, WHEELS, tmp_path / "requests.jsonl") as index:
         assert index.address.startswith("10.78.") and index.url.endswith("/simple/")
         assert index.veth in links(egress.name)
         allowed = {"egress": {"allow": [index.allow_rule]}}
-        with sandbox(python_node, network="allowlist", policies=allowed) as sb:
+        with sandbox(python_node, base, network="allowlist", policies=allowed) as sb:
             r = pip_install(sb, index)
             assert r.exit_code == 0, r.stderr.decode()[-2000:]
             r = sb.exec("python3 -c 'import peppercorn; print(peppercorn.__file__)'")
@@ -148,7 +127,7 @@ def test_a_granted_sandbox_installs_from_the_index_and_others_fail_fast(python_n
         other = {"egress": {"allow": [f"{index.address}:{index.port + 1}/tcp"]}}
         for spec in (dict(network="allowlist", policies=other), dict(network="none")):
             before = len(index.requests())
-            with sandbox(python_node, **spec) as sb:
+            with sandbox(python_node, base, **spec) as sb:
                 started = time.monotonic()
                 r = pip_install(sb, index)
                 assert r.exit_code != 0 and time.monotonic() - started < 30, (spec, r)
