@@ -173,7 +173,10 @@ class Lxcfs:
 
     # --- the daemon -----------------------------------------------------------------------
     def running(self) -> bool:
-        return self._pidfd >= 0 and not _exited(self._pidfd)
+        """Whether lxcfs serves its mount: started or adopted, mounted, and alive. A start in
+        progress does not count (its process runs before its mount is up), so a create that
+        comes meanwhile waits for it in ``ensure`` instead of binding files not there yet."""
+        return self._pidfd >= 0 and self.device is not None and not _exited(self._pidfd)
 
     def _ours(self, pid: int) -> bool:
         """Whether ``pid`` is an lxcfs serving our mount point (and not a reused pid)."""
