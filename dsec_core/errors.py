@@ -102,16 +102,18 @@ def _jsonable(value: Any) -> bool:
 
 
 class NotFound(DsecError):
-    """Something named does not exist; the message lists what does."""
+    """Something named does not exist; the message lists what does (``known``: an empty list
+    says "none known", None lists nothing)."""
 
     http_status = 404
 
     def __init__(self, message: str, *, name: str = "", known: list[str] | None = None, **ctx: Any):
+        listed = known is not None
         known = list(known or [])
         if known and "known:" not in message:
             shown = ", ".join(known[:20]) + (" ..." if len(known) > 20 else "")
             message = f"{message} (known: {shown})"
-        elif not known and "known:" not in message and name:
+        elif listed and not known and "known:" not in message and name:
             message = f"{message} (none known)"
         super().__init__(message, name=name, known=known, **ctx)
 

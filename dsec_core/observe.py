@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from .errors import AuthenticationFailed
+from .errors import AuthenticationFailed, DsecError
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -452,7 +452,8 @@ class ObservedRequests:
     path parameter ``sandbox_param``). ``GET metrics_path`` answers ``metrics``' registry in
     the Prometheus text format (pass ``metrics_path=None`` to serve none), to whoever
     ``metrics_allowed(scope)`` lets through (default: everyone who reached the middleware; the
-    node's TCP listeners check their token before it), else 401 ``AuthenticationFailed``.
+    node's TCP listeners check their token before it), else 401 ``AuthenticationFailed`` (or
+    the ``DsecError`` the check raised, with its status).
 
     A plain ASGI callable, not Starlette's BaseHTTPMiddleware, so it adds a few microseconds to
     a request rather than a task and a queue. Requests that match no route are counted as
@@ -550,10 +551,18 @@ class ObservedRequests:
 
     async def _serve_metrics(self, scope: Any, send: Any) -> None:
         assert self.metrics is not None
-        if self.metrics_allowed is not None and not self.metrics_allowed(scope):
-            err = AuthenticationFailed(f"{self.metrics_path} needs a credential this server takes")
+        err: DsecError | None = None
+        if self.metrics_allowed is not None:
+            try:
+                if not self.metrics_allowed(scope):
+                    err = AuthenticationFailed(
+                        f"{self.metrics_path} needs a credential this server takes"
+                    )
+            except DsecError as e:  # the check's own answer: 403 for a key that may not
+                err = e
+        if err is not None:
             body = json.dumps({"error": err.to_wire()}).encode()
-            content_type, status = "application/json", 401
+            content_type, status = "application/json", err.http_status
         else:
             body, content_type = render_metrics(self.metrics.registry)
             status = 200

@@ -34,7 +34,12 @@ from typing import Any, ClassVar
 from .backend import Backend, SandboxRuntime
 from .errors import InvalidSpec
 
-__all__ = ["FileRules", "SecurityPolicy"]
+__all__ = ["NODE_SETTINGS", "FileRules", "SecurityPolicy", "loosenings"]
+
+#: Settings keys that belong to the node, not the policy (it never sees them): ``enabled``
+#: (false turns the policy off for the sandbox) and ``best_effort`` (true lets the sandbox
+#: start without a policy the host or backend cannot enforce).
+NODE_SETTINGS = ("enabled", "best_effort")
 
 #: What ``FileRules.scope`` may name: ``signal`` (no signals to processes outside the sandbox's
 #: file-policy domain, the agent included) and ``abstract_unix`` (no connecting to abstract unix
@@ -142,6 +147,19 @@ class SecurityPolicy:
     def validate(self, settings: Mapping[str, Any]) -> None:
         """Raise ``InvalidSpec`` if ``settings`` are not valid for this policy."""
 
+    @classmethod
+    def loosens(cls, settings: Mapping[str, Any]) -> str | None:
+        """Why ``settings`` (the node's keys left out) would let a sandbox do what it may not
+        without them, or None if they only take away. Keys of roles that may not loosen
+        policies (IAM's ``can_loosen``: member and agent keys) get ``PermissionDenied`` for
+        settings this gives a reason for. The default: settings of a ``default`` policy
+        change what every sandbox gets, so any are a loosening; settings of an opt-in policy
+        only add restrictions. Override to be exact (seccomp: only ``allow`` and ``userns``
+        loosen)."""
+        if cls.default and settings:
+            return f"settings {sorted(settings)} change the default {cls.name} policy"
+        return None
+
     def apply(
         self, target: str, rt: SandboxRuntime, settings: Mapping[str, Any], subject: Any
     ) -> None:
@@ -175,3 +193,39 @@ class SecurityPolicy:
         """The node is closing: stop the policy's threads and drop what it made for the node
         as a whole (on first use, say) that no sandbox still running needs; sandboxes may
         outlive the daemon, and a restarted one adopts them."""
+
+
+def loosenings(
+    policies: Mapping[str, Mapping[str, Any]],
+    network: str,
+    known: Mapping[str, type[SecurityPolicy]],
+    *,
+    live: bool = False,
+) -> list[str]:
+    """What a sandbox's ``policies`` and ``network`` mode (or, ``live``, a change of one
+    running sandbox's policy settings) would loosen against the node's default, one reason
+    each; empty if they only tighten. ``known`` are the policy classes by name (the plugin
+    registry's): a policy not among them cannot be shown to only tighten, so it counts.
+
+    Loosening: a network mode other than ``"none"`` (loopback only is the default); turning a
+    ``default`` policy off or letting it be skipped (``enabled: false``, ``best_effort``);
+    settings a policy's ``loosens`` gives a reason for; live, any change of a policy that
+    decides the network (``network_modes``: an allowlist may widen)."""
+    out = []
+    if network != "none":
+        out.append(f"network {network!r} opens the sandbox's network (the default is 'none')")
+    for name, raw in policies.items():
+        cls = known.get(name)
+        if cls is None:
+            out.append(f"policy {name!r} is not one this apiserver knows, so it may loosen")
+            continue
+        if raw.get("enabled", True) is False and (cls.default or live):
+            out.append(f"enabled: false turns the {name} policy off")
+        if raw.get("best_effort", False) is True and cls.default:
+            out.append(f"best_effort lets the default {name} policy be skipped")
+        if live and cls.network_modes:
+            out.append(f"changing the {name} policy live may widen the sandbox's network")
+        why = cls.loosens({k: v for k, v in raw.items() if k not in NODE_SETTINGS})
+        if why:
+            out.append(why)
+    return out

@@ -217,6 +217,9 @@ class NodeProbe(Message):
     layers: tuple[str, ...] = ()
     environments: tuple[str, ...] = ()
     projects: Mapping[str, ProjectUsage] = field(default_factory=dict)
+    #: The node's clock (Unix time) when it made the probe: every sandbox whose ``created`` is
+    #: earlier is counted in ``projects`` (0: a node that does not say).
+    at: float = 0.0
 
 
 @dataclass(frozen=True)

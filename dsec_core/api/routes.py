@@ -111,6 +111,8 @@ class Route:
     exec_timeout: bool = False
     #: The content type of a ``RAW`` answer.
     raw_type: str = OCTETS
+    #: The largest body a server reads for it (``RequestTooLarge`` beyond).
+    max_body: int = MAX_BODY
     params: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -25,25 +25,25 @@ def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> 
     )
 
 
-async def read_json_body(request: Request) -> bytes:
+async def read_json_body(request: Request, limit: int = MAX_BODY) -> bytes:
     """The body of a JSON request, refused (``RequestTooLarge``) as soon as it is known to be
-    over ``MAX_BODY``."""
+    over ``limit``."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise _too_large(int(declared))
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
     body = bytearray()
     async for data in request.stream():
         body += data
-        if len(body) > MAX_BODY:
-            raise _too_large(len(body))
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
     return bytes(body)
 
 
-def _too_large(size: int) -> RequestTooLarge:
+def _too_large(size: int, limit: int) -> RequestTooLarge:
     return RequestTooLarge(
-        f"the request body has {size} bytes or more; the limit is {MAX_BODY}",
+        f"the request body has {size} bytes or more; the limit is {limit}",
         field="body",
-        limit=MAX_BODY,
+        limit=limit,
     )
 
 

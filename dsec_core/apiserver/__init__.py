@@ -1,8 +1,10 @@
 """``dsec apiserver``: the one entry of a dsec cluster (see ``app`` for what each route does,
-``nodes`` for the watcher, ``server`` for running it)."""
+``auth`` for the key check before it, ``reach`` for what a key may reach, ``nodes`` for the
+watcher and the ledger of what is placed, ``server`` for running it)."""
 
-from .app import BUILD_ROLES, OVERFLOW_LABEL, Gateway, is_staged, make_app, may_build
+from .app import OVERFLOW_LABEL, Gateway, make_app
 from .nodes import NodeAddress, NodeEntry, NodeSet, WatchSettings
+from .reach import BUILD_ROLES, Reach, is_staged, may_build, scope_tag
 from .server import ApiserverConfig, build, serve
 
 __all__ = [
@@ -13,10 +15,12 @@ __all__ = [
     "NodeAddress",
     "NodeEntry",
     "NodeSet",
+    "Reach",
     "WatchSettings",
     "build",
     "is_staged",
     "make_app",
     "may_build",
+    "scope_tag",
     "serve",
 ]

@@ -1,24 +1,31 @@
-"""The apiserver's HTTP app: the node API's route table, served over many nodes.
+"""The apiserver's HTTP app: the node API's route table, served over many nodes to many tenants.
 
 Every request carries an API key (``Authorization: Bearer <key>`` or ``X-API-Key``), checked by
-IAM. Then, by route:
+IAM before any route runs (``auth.Authenticated``: nothing of a refused request's body is
+read). Then every object the request names, in its path or inside its decoded body, is checked
+against the caller's reach (``reach``: one rule for sandboxes, layers, memory snapshots,
+trajectories, leases, drives, pools and builds); one out of reach answers exactly as one that
+does not exist. By route:
 
 - routes of one sandbox (``/v1/sandboxes/{sid}/...``) go to the node named by the id's suffix,
-  once the sandbox is known to be the caller's project's (its ``dsec.project`` label, looked up
-  once and remembered); another project's sandbox, a made-up id, or a node nobody registered
-  are all ``UnknownSandbox`` (404), so ids do not leak. The request and the answer stream
-  through without being read whole (exec output, file bodies);
-- ``create`` sets the caller's project label, checks the project's quotas (and its ancestors')
-  against the nodes' probes, places each sandbox with the ``dsec_place`` hook over the healthy
-  nodes (the home pool, or the overflow pool for a spec that allows it once the home pool is
-  over ``overflow_at``) and sends each node its share at once;
-- ``list`` asks every healthy node and keeps the caller's sandboxes;
-- builds: only admin and builder keys may create (or restore) a sandbox labelled
-  ``dsec.build`` (``BUILD_LABEL``), name a build's staged layer (``staged-*``,
-  ``STAGED_PREFIX``) in a create or restore, or pack_diff to a staged name; to every other key
-  a build's sandbox is as another project's (404, not listed) and staged layers are not listed;
-- leases route by their id's suffix as sandboxes do; fncall, judge and prefetch go where
-  placement says; trajectories, memory snapshots and restores go to the node that has them.
+  once the sandbox is known to be one the caller reaches (its ``dsec.project`` label, looked
+  up once and remembered). JSON bodies are read within the route's bound and decoded here,
+  names in them (a trajectory, a snapshot's name) put in the caller's namespace, and only a
+  well-formed body goes on to the node; file bodies and exec output stream through without
+  being read whole;
+- ``create`` and ``restore`` check the spec (``drives``, ``layers``, the policies a key's role
+  may ask for, reserved labels), set the caller's project label, hold room in the project's
+  quotas (and its ancestors') and on the nodes before asking them (``nodes.Ledger``), place
+  each sandbox with the ``dsec_place`` hook over the healthy nodes (the home pool, or the
+  overflow pool for a spec that allows it once the home pool is over ``overflow_at``), and
+  give back the room a node refused;
+- ``list`` asks every healthy node and keeps what the caller reaches;
+- leases route by their id's suffix as sandboxes do, and are the project's whose tag their
+  holder carries; fncall and judge go where placement says, in pools of the caller's project;
+  trajectories and memory snapshots go to the nodes that have them.
+
+Errors that reach a tenant name only what the tenant sent: no list of other objects, no node
+address (those go to the log, with the request id).
 
 The apiserver holds no sandbox state: killed and restarted, it learns everything again from
 the nodes, and several run side by side against the same nodes.
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -47,31 +53,39 @@ from starlette.routing import Route as StarletteRoute
 
 from .. import __version__, plugins
 from ..api.messages import (
-    CreateRequest,
     CreateResult,
     ErrorBody,
+    ExecRequest,
+    LayerList,
+    LeaseInfo,
+    MemorySnapshotRequest,
     NodeCapacity,
     NodeStatus,
+    PackDiffRequest,
     SandboxList,
+    Trajectory,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, ROUTES, Route, dump_json
+from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import error_response, on_http_error, read_json_body
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
     AdmissionRejected,
     DsecError,
     InvalidSpec,
+    MissingParentLayers,
     NodeLost,
     NodeUnavailable,
     NotFound,
     PermissionDenied,
-    UnknownLease,
+    QuotaExceeded,
+    RequestTooLarge,
+    UnknownLayer,
     UnknownSandbox,
-    UnknownSnapshot,
+    UnknownSource,
     error_from_wire,
 )
-from ..iam import Principal, Usage
+from ..iam import ROOT, Principal, Usage
 from ..observe import ApiserverMetrics, ObservedRequests, current_request_id, new_request_id
 from ..records import (
     BUILD_LABEL,
@@ -81,36 +95,40 @@ from ..records import (
     NodeLoad,
     SandboxInfo,
     SandboxSpec,
+    parse_size,
 )
+from ..security import loosenings
+from .auth import PRINCIPAL, Authenticated, Refusal, request_key
 from .nodes import NodeEntry, NodeSet
+from .reach import (
+    BUILD_ROLES,
+    MEMBER_LABEL,
+    Owner,
+    Reach,
+    is_staged,
+    may_build,
+    missing,
+    scoped,
+    strip_tag,
+)
 
-__all__ = [
-    "BUILD_ROLES",
-    "OVERFLOW_LABEL",
-    "Authority",
-    "Gateway",
-    "Metrics",
-    "is_staged",
-    "make_app",
-    "may_build",
-]
+__all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "make_app"]
 
 log = logging.getLogger("dsec.apiserver")
 
 #: A spec carrying this label with the value ``true`` may run in the overflow pool (DSec's
 #: cloud burst) when the home pool is over ``overflow_at`` of its capacity.
 OVERFLOW_LABEL = "dsec.overflow"
-#: Labels a client may not set: the apiserver sets them.
-_RESERVED = (PROJECT_LABEL,)
-#: Roles whose keys may make builds: create build sandboxes (``BUILD_LABEL``), see them, and
-#: pack to, create from and restore staged layers (``STAGED_PREFIX``).
-BUILD_ROLES = ("admin", "builder")
-#: A project's scope tag on a name (``scope_tag``), as pack_diff through an apiserver adds it.
-_TAG_RE = re.compile(r"^p[0-9a-f]{10}-")
-#: How many sandbox -> project answers are remembered (a sandbox's project never changes).
-_PROJECT_CACHE = 200_000
+#: Labels the apiserver sets (a client's value is replaced).
+_REPLACED = (PROJECT_LABEL,)
+#: Labels only nodes set (a spec carrying one is refused): a pool member's.
+_REFUSED = (MEMBER_LABEL,)
+#: How many sandbox and lease owners are remembered (an object's owner never changes).
+_OWNER_CACHE = 200_000
 #: The request id header, set on every request forwarded to a node.
 REQUEST_ID = "x-request-id"
+#: What a tenant's error message may not show: a node's URL.
+_URL_RE = re.compile(r"\b(?:https?|unix)://\S+")
 
 
 class Authority(Protocol):
@@ -119,6 +137,8 @@ class Authority(Protocol):
     def authenticate(self, secret: str | None) -> Principal: ...
 
     def can_reach(self, principal: Principal, project: str) -> bool: ...
+
+    def can_loosen(self, principal: Principal) -> bool: ...
 
     def check_quota(self, project: str, usage: Mapping[str, Usage], add: Usage) -> None: ...
 
@@ -146,75 +166,159 @@ class Gateway:
     metrics: Metrics | None = None
 
     def __post_init__(self) -> None:
-        # sandbox id -> (its project, whether it is a build's)
-        self._projects: collections.OrderedDict[str, tuple[str | None, bool]] = (
-            collections.OrderedDict()
-        )
+        self.reach = Reach(self.iam.can_reach, lambda: self.iam.projects())
+        self._owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
         self._usage: dict[str, tuple[int, float, int]] = {}
         self._usage_version: tuple[int, tuple[str, ...]] | None = None
+        self._policy_classes: Mapping[str, Any] | None = None
 
-    # --- who asks, and what they may reach ------------------------------------------------
-    def principal(self, request: Request) -> Any:
-        header = request.headers.get("authorization")
-        secret = None
-        if header is not None:
-            scheme, _, value = header.partition(" ")
-            secret = value.strip() if scheme.lower() == "bearer" else None
-        secret = secret or request.headers.get("x-api-key")
-        return self.iam.authenticate(secret)
-
-    def node_of(self, resource_id: str, what: str = "sandbox") -> NodeEntry:
-        """The registered node a sandbox (or lease) id names, or the not-found error a
-        made-up id gets; ``NodeLost`` if that node is not answering."""
+    # --- what a key reaches ---------------------------------------------------------------
+    def node_of(self, resource_id: str, kind: str = "sandbox") -> NodeEntry:
+        """The registered node a sandbox (or lease) id names, or the answer a made-up id gets;
+        ``NodeLost`` if that node is not answering (for a made-up id on it too: the id's
+        suffix is all that tells them apart, and it names only the node)."""
         _, sep, name = resource_id.rpartition("-")
         entry = self.nodes.get(name) if sep else None
         if entry is None:
-            if what == "lease":
-                raise UnknownLease(f"no lease {resource_id!r}", name=resource_id)
-            raise UnknownSandbox(f"no sandbox {resource_id!r}", name=resource_id)
+            raise missing(kind, resource_id)
         if not entry.healthy:
             raise NodeLost(
-                f"node {entry.name}, which holds {what} {resource_id}, is not answering "
-                f"({entry.error}); its state is unknown until it is back",
+                f"node {entry.name}, which holds {kind} {resource_id}, is not answering; its "
+                "state is unknown until it is back",
                 node=entry.name,
                 sandbox=resource_id,
             )
         return entry
 
-    async def owner_of(self, entry: NodeEntry, sid: str) -> tuple[str | None, bool]:
-        """The sandbox's project label, and whether it is a build's (``BUILD_LABEL``)."""
-        if sid in self._projects:
-            self._projects.move_to_end(sid)
-            return self._projects[sid]
-        r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
-        info = ROUTES["get"].decode_response(r)
-        project = info.labels.get(PROJECT_LABEL)
-        build = BUILD_LABEL in info.labels
-        self._remember(sid, project, build)
-        return project, build
+    async def owner_of(self, entry: NodeEntry, sid: str) -> Owner | None:
+        """Whose sandbox ``sid`` is (its labels), or None if its node does not know it."""
+        owner = self._owners.get(sid)
+        if owner is not None:
+            self._owners.move_to_end(sid)
+            return owner
+        try:
+            r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
+        except NotFound:
+            return None
+        owner = Owner.of_labels(ROUTES["get"].decode_response(r).labels)
+        self._remember(sid, owner)
+        return owner
 
-    def _remember(self, sid: str, project: str | None, build: bool = False) -> None:
-        self._projects[sid] = (project, build)
-        if len(self._projects) > _PROJECT_CACHE:
-            self._projects.popitem(last=False)
+    def _remember(self, key: str, owner: Owner) -> None:
+        self._owners[key] = owner
+        if len(self._owners) > _OWNER_CACHE:
+            self._owners.popitem(last=False)
 
-    def forget(self, sid: str) -> None:
-        self._projects.pop(sid, None)
-
-    def reaches(self, principal: Any, project: str | None) -> bool:
-        return project is not None and self.iam.can_reach(principal, project)
-
-    def sees(self, principal: Any, project: str | None, build: bool) -> bool:
-        """Whether the caller may see a sandbox of ``project``: one it reaches, and if the
-        sandbox is a build's, only with a key of a ``BUILD_ROLES`` role."""
-        return self.reaches(principal, project) and (not build or may_build(principal))
+    def forget(self, key: str) -> None:
+        self._owners.pop(key, None)
 
     async def sandbox_node(self, principal: Any, sid: str) -> NodeEntry:
-        """The node of a sandbox the caller may touch; ``UnknownSandbox`` otherwise."""
+        """The node of a sandbox the caller reaches; ``UnknownSandbox`` otherwise, the same
+        for one that does not exist."""
         entry = self.node_of(sid)
-        if not self.sees(principal, *await self.owner_of(entry, sid)):
-            raise UnknownSandbox(f"no sandbox {sid!r}", name=sid)
+        owner = await self.owner_of(entry, sid)
+        if owner is None or not self.reach.allows(principal, owner):
+            raise missing("sandbox", sid)
         return entry
+
+    async def lease_owner(self, entry: NodeEntry, lease_id: str, caller: Any) -> Owner | None:
+        """Whose lease ``lease_id`` is: the project whose tag its holder carries (a lease
+        taken on the node directly, untagged, is nobody's here)."""
+        key = "lease:" + lease_id
+        owner = self._owners.get(key)
+        if owner is None:
+            try:
+                r = await self._request(
+                    entry, "GET", ROUTES["lease_get"].target({"lease": lease_id})
+                )
+            except NotFound:
+                return None
+            holder = ROUTES["lease_get"].decode_response(r).holder
+            owner = self.reach.owner_of_name(holder, caller)
+            if owner.project is None:
+                return Owner(None, known=False)
+            self._remember(key, owner)
+        return owner
+
+    def check_layer(self, principal: Any, ref: str, kind: str = "layer") -> None:
+        """A layer a request names: a build's staged layer only with a ``BUILD_ROLES`` key
+        (``PermissionDenied``, whatever exists), another project's as one that does not
+        exist."""
+        if is_staged(ref):
+            _check_builder(principal, f"use the staged layer {ref!r}")
+        self.reach.require(principal, kind, ref, self.reach.owner_of_layer(ref, principal))
+
+    def policy_classes(self) -> Mapping[str, Any]:
+        if self._policy_classes is None:
+            self._policy_classes = dict(plugins.registry().security_policies)
+        return self._policy_classes
+
+    def check_policies(
+        self, principal: Any, policies: Mapping[str, Any], network: str, live: bool = False
+    ) -> None:
+        """``PermissionDenied`` if the key may not loosen policies (``Iam.can_loosen``) and
+        these would (``dsec_core.security.loosenings``)."""
+        if self.iam.can_loosen(principal):
+            return
+        why = loosenings(policies, network, self.policy_classes(), live=live)
+        if why:
+            raise PermissionDenied(
+                f"a {principal.role} key may only tighten the node's default security "
+                f"policies, and this would loosen them: {'; '.join(why)}",
+                role=principal.role,
+                reasons=why,
+            )
+
+    async def admit(self, principal: Any, spec: SandboxSpec) -> tuple[SandboxSpec, str | None]:
+        """``spec`` as the nodes get it from this caller: every object it names checked
+        (``drives`` are sandboxes the caller reaches, all on one node, which is returned;
+        ``layers`` are ones it reaches), its policies within the key's role, its trajectory
+        in the caller's namespace, its project label the caller's."""
+        if BUILD_LABEL in spec.labels:
+            _check_builder(principal, f"create a build sandbox (labelled {BUILD_LABEL})")
+        for label in _REFUSED:
+            if label in spec.labels:
+                raise InvalidSpec(f"label {label} is the node's to set", field="labels")
+        for ref in spec.layers:
+            self.check_layer(principal, ref)
+        self.check_policies(principal, spec.policies, spec.network)
+        nodes = {(await self.sandbox_node(principal, sid)).name for sid in spec.drives}
+        if len(nodes) > 1:
+            raise InvalidSpec(
+                f"a sandbox drives sandboxes of one node; these are on {sorted(nodes)}",
+                field="drives",
+            )
+        labels = {k: v for k, v in spec.labels.items() if k not in _REPLACED}
+        labels[PROJECT_LABEL] = principal.project
+        trajectory = spec.trajectory and scoped(principal.project, spec.trajectory)
+        return replace(spec, labels=labels, trajectory=trajectory), next(iter(nodes), None)
+
+    # --- errors a tenant sees -------------------------------------------------------------
+    def scrub(self, principal: Any, err: DsecError) -> DsecError:
+        """``err`` as a tenant may see it: what it lists (``known``) cut to what the caller
+        reaches (no sandbox ids, no layer sources, only layers it reaches), no URL."""
+        known = err.context.get("known")
+        if isinstance(err, NotFound) and known:
+            if isinstance(err, (UnknownSandbox, UnknownSource)):
+                keep: list[str] = []
+            elif isinstance(err, UnknownLayer) and not isinstance(err, MissingParentLayers):
+                keep = [k for k in known if isinstance(k, str) and self._shows(principal, k)]
+            else:
+                keep = list(known)
+            if keep != known:
+                base = re.sub(r" \((known: .*|none known)\)$", "", err.message, flags=re.S)
+                context = {k: v for k, v in err.context.items() if k not in ("known", "name")}
+                err = type(err)(base, name=err.context.get("name", ""), known=keep, **context)
+        if "address" in err.context or _URL_RE.search(err.message):
+            context = {k: v for k, v in err.context.items() if k != "address"}
+            err = _retyped(err, _URL_RE.sub("<node>", err.message), context)
+        return err
+
+    def _shows(self, principal: Any, ref: str) -> bool:
+        if is_staged(ref) and not may_build(principal):
+            return False
+        owner = self.reach.owner_of_layer(ref.split(" ")[0], principal)
+        return self.reach.allows(principal, owner)
 
     # --- talking to nodes -----------------------------------------------------------------
     async def _request(
@@ -244,14 +348,13 @@ class Gateway:
         return content
 
     def _unreachable(self, entry: NodeEntry, e: Exception) -> DsecError:
-        return NodeUnavailable(
-            f"node {entry.name} did not answer: {e}", node=entry.name, address=entry.address.url
-        )
+        log.warning("node %s (%s) did not answer: %s", entry.name, entry.address.url, e)
+        return NodeUnavailable(f"node {entry.name} did not answer", node=entry.name)
 
-    # --- placement ------------------------------------------------------------------------
+    # --- quotas and placement -------------------------------------------------------------
     def usage_by_project(self) -> dict[str, Usage]:
-        """Every project's live sandboxes over the healthy nodes (last probe plus what was
-        placed since), for quotas. The probes' sums are made once per watcher round, not per
+        """Every project's live sandboxes over the healthy nodes (last probe plus what the
+        ledger holds), for quotas. The probes' sums are made once per watcher round, not per
         request: at 160 nodes and many projects that is the costly part."""
         healthy = self.nodes.healthy()
         version = (self.nodes.round, tuple(e.name for e in healthy))
@@ -264,32 +367,46 @@ class Gateway:
                     totals[p] = (n + u.sandboxes, c + u.cpu, m + u.memory)
             self._usage, self._usage_version = totals, version
         totals = dict(self._usage)
-        for entry in healthy:
-            for p, (dn, dc, dm) in entry.pending.items():
-                n, c, m = totals.get(p, (0, 0.0, 0))
-                totals[p] = (n + dn, c + dc, m + dm)
+        for p, (dn, dc, dm) in self.nodes.ledger.by_project().items():
+            n, c, m = totals.get(p, (0, 0.0, 0))
+            totals[p] = (n + dn, c + dc, m + dm)
         return {p: Usage(n, c, m) for p, (n, c, m) in totals.items()}
 
-    def place(self, spec: SandboxSpec, count: int) -> tuple[dict[str, int], bool]:
+    def check_quota(self, project: str, count: int, cpu: float, memory: int) -> None:
+        """``QuotaExceeded`` unless ``count`` more sandboxes of these limits fit ``project``'s
+        quotas and its ancestors', counting what is held for requests in flight. Hold the
+        room (``Ledger.hold``) before the next ``await``: the check and the hold are then one
+        step, whatever else runs."""
+        self.iam.check_quota(
+            project, self.usage_by_project(), Usage(count, count * cpu, count * memory)
+        )
+
+    def place(
+        self, spec: SandboxSpec, count: int, only: str | None = None
+    ) -> tuple[dict[str, int], bool]:
         """How many of ``count`` sandboxes go to each node (by name), and whether they
-        overflowed; ``AdmissionRejected`` with each node's reason if some cannot be placed."""
-        healthy = self.nodes.healthy()
+        overflowed; ``AdmissionRejected`` with each node's reason if some cannot be placed.
+        ``only``: the one node they may go to (the node of the sandboxes they drive)."""
+        healthy = [e for e in self.nodes.healthy() if only is None or e.name == only]
         home = [e for e in healthy if e.pool != "overflow"]
         burst = [e for e in healthy if e.pool == "overflow"]
         overflow = (
             spec.labels.get(OVERFLOW_LABEL, "").lower() == "true"
             and bool(burst)
-            and _utilisation(home) > self.overflow_at
+            and (only is not None or _utilisation(home) > self.overflow_at)
         )
         pools = [burst, home] if overflow else [home]
+        held = self.nodes.ledger.by_node()
         loads: dict[str, NodeLoad] = {}
         for entry in healthy:
-            load = entry.load()
+            load = entry.load(held.get(entry.name, (0, 0.0, 0)))
             if load is not None:
                 loads[entry.name] = load
         out: dict[str, int] = {}
         reasons: dict[str, str] = {
-            e.name: f"unhealthy: {e.error}" for e in self.nodes.nodes.values() if not e.healthy
+            e.name: "unhealthy: " + _URL_RE.sub("<node>", e.error)
+            for e in self.nodes.nodes.values()
+            if not e.healthy
         }
         if not overflow:
             reasons.update({e.name: "overflow pool (the spec does not allow it)" for e in burst})
@@ -348,11 +465,26 @@ def _node_error(entry: NodeEntry, status: int, content: bytes) -> DsecError:
     try:
         payload = json.loads(content)["error"]
         payload["type"]
-    except (ValueError, KeyError, TypeError):
-        return NodeUnavailable(
-            f"node {entry.name} answered {status}: {content[:300]!r}", node=entry.name
-        )
+    except (ValueError, KeyError, TypeError, RecursionError):
+        log.warning("node %s answered %d: %r", entry.name, status, content[:300])
+        return NodeUnavailable(f"node {entry.name} answered {status}", node=entry.name)
     return error_from_wire(payload)
+
+
+def _retyped(err: DsecError, message: str, context: Mapping[str, Any]) -> DsecError:
+    out = type(err).__new__(type(err))
+    DsecError.__init__(out, message, **context)
+    return out
+
+
+def _check_builder(principal: Any, what: str) -> None:
+    if not may_build(principal):
+        raise PermissionDenied(
+            f"a {principal.role} key cannot {what}: only {' and '.join(BUILD_ROLES)} keys make "
+            f"builds (a build's sandboxes are labelled {BUILD_LABEL}, its layers are staged as "
+            f"{STAGED_PREFIX}* until they pass QA)",
+            role=principal.role,
+        )
 
 
 # --- the HTTP side ---------------------------------------------------------------------------
@@ -362,6 +494,13 @@ def _request_id(request: Request) -> str:
     """The request's id: set by ``ObservedRequests`` from a sane ``X-Request-Id`` (else new);
     the same id goes to the node, so one id follows the request."""
     return current_request_id() or new_request_id()
+
+
+async def _body(request: Request, route: Route) -> tuple[bytes, Any]:
+    """A JSON request body, read within the route's bound and decoded (``InvalidSpec`` naming
+    the field, never a 500): nothing malformed goes on to a node."""
+    raw = await read_json_body(request, route.max_body)
+    return raw, route.decode_body(raw)
 
 
 class _Relay(StreamingResponse):
@@ -403,21 +542,22 @@ async def _forward(
     entry: NodeEntry,
     request: Request,
     route: Route,
+    principal: Any,
     request_id: str,
     body: bytes | None = None,
-    path: str | None = None,
 ) -> Response:
-    """Pass ``request`` to ``entry`` (its body streamed, or ``body`` instead; at ``path``
-    instead of its own) and its answer back."""
+    """Pass ``request`` to ``entry`` (its body streamed, or ``body`` instead) and its answer
+    back (an error answer as the caller may see it)."""
     raw = request.scope.get("raw_path")
-    target = path or (raw.decode("latin-1") if raw else quote(request.url.path))
+    target = raw.decode("latin-1") if raw else quote(request.url.path)
     if request.url.query:
         target += "?" + request.url.query
-    length_text = request.headers.get("content-length")
     has_body = request.method in ("POST", "PUT")
-    length = int(length_text) if length_text and length_text.isdigit() else None
-    if body is not None:
-        length = len(body)
+    length = None
+    if has_body:
+        if body is None and route.body is not RAW:
+            body = b""
+        length = len(body) if body is not None else _upload_length(request, route)
     timeout = None if route.exec_timeout or route.timeout is None else route.timeout + 30
     t0 = time.perf_counter()
     try:
@@ -437,6 +577,8 @@ async def _forward(
     if upstream.complete:  # a small answer, all in already: pass it on whole (no chunking)
         async with upstream:
             content = await upstream.read()
+        if upstream.status_code >= 400:
+            raise gw.scrub(principal, _node_error(entry, upstream.status_code, content))
         return Response(
             content,
             upstream.status_code,
@@ -446,14 +588,35 @@ async def _forward(
     return _Relay(upstream, {REQUEST_ID: request_id})
 
 
+def _upload_length(request: Request, route: Route) -> int:
+    """A raw body's length, which must be declared and within the route's bound: the body
+    streams to the node as it comes, so a bound found out half-way would cut the node's
+    connection, not just refuse the caller."""
+    text = request.headers.get("content-length", "")
+    if not text.isdigit():
+        raise InvalidSpec(
+            "a file body through the apiserver needs a Content-Length", field="content-length"
+        )
+    length = int(text)
+    if length > route.max_body:
+        raise RequestTooLarge(
+            f"the request body has {length} bytes; the limit is {route.max_body}",
+            field="body",
+            limit=route.max_body,
+        )
+    return length
+
+
 def _sandbox_handler(route: Route) -> Handler:
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
         sid = request.path_params["sid"]
         entry = await gw.sandbox_node(principal, sid)
         body = None
-        if route.name in _SCOPED_BODIES:
-            body = await _scope_body(gw, route, request, principal, sid)
-        response = await _forward(gw, entry, request, route, rid, body)
+        if route.body is not None and route.body is not RAW:
+            raw, message = await _body(request, route)
+            changed = _in_callers_terms(gw, principal, sid, message)
+            body = raw if changed is message else route.encode_body(changed)
+        response = await _forward(gw, entry, request, route, principal, rid, body)
         if route.name == "kill" and response.status_code < 300:
             gw.forget(sid)
         return response
@@ -461,88 +624,28 @@ def _sandbox_handler(route: Route) -> Handler:
     return handle
 
 
-# --- what a project names on a node: snapshots and trajectories ------------------------------
-#
-# Layers, memory snapshots and trajectory logs are named by their makers, and nodes have no
-# projects: through an apiserver, a project's names get its tag in front (``scope_tag``), so
-# another project can neither restore its snapshots nor read or replay its trajectories,
-# guessed names included. The tag is a digest, not the path: names stay short.
-
-#: Routes whose JSON body names something of the caller's project.
-_SCOPED_BODIES = ("exec", "pack_diff", "snapshot_memory")
-
-
-def scope_tag(project: str) -> str:
-    """The short tag of ``project`` that prefixes what it names on nodes."""
-    return "p" + hashlib.sha256(project.encode()).hexdigest()[:10]
-
-
-def _scoped(project: str, name: str) -> str:
-    return f"{scope_tag(project)}-{name}"
-
-
-async def _scope_body(
-    gw: Gateway, route: Route, request: Request, principal: Any, sid: str
-) -> bytes:
-    """The request's JSON body with the names it gives scoped to the caller's project (the
-    body is small: it is read whole, up to ``MAX_BODY``)."""
-    raw = await read_json_body(request)
-    if route.name == "exec" and b'"trajectory"' not in raw:
-        return raw  # the hot path: nothing named
-    body = route.decode_body(raw)
+def _in_callers_terms(gw: Gateway, principal: Any, sid: str, body: Any) -> Any:
+    """A sandbox route's decoded body with the names it gives put in the caller's namespace,
+    and what it asks checked against the caller's role; the same object if nothing changed."""
     project = principal.project
-    if route.name == "exec" and body.trajectory is not None:
-        body = replace(body, trajectory=_scoped(project, body.trajectory))
-    elif route.name == "pack_diff":
+    if isinstance(body, ExecRequest) and body.trajectory is not None:
+        return replace(body, trajectory=scoped(project, body.trajectory))
+    if isinstance(body, PackDiffRequest):
         if body.name is not None and is_staged(body.name):
             _check_builder(principal, f"pack to a staged layer name ({body.name!r})")
-        body = replace(body, name=_scoped(project, body.name or f"snapshot-{sid[:12]}"))
-    elif route.name == "snapshot_memory":
-        body = replace(body, name=_scoped(project, body.name or f"{sid[:12]}-{int(time.time())}"))
-    encoded = route.encode_body(body)
-    assert encoded is not None
-    return encoded
+        return replace(body, name=scoped(project, body.name or f"snapshot-{sid[:12]}"))
+    if isinstance(body, MemorySnapshotRequest):
+        return replace(body, name=scoped(project, body.name or f"{sid[:12]}-{int(time.time())}"))
+    return body
 
 
-def _owner_reachable(gw: Gateway, principal: Any, name: str) -> bool:
-    """Whether ``name`` (a snapshot's, as scoped) was made by a project the caller reaches."""
-    tag = name.partition("-")[0]
-    if principal.role == "agent":
-        return tag == scope_tag(principal.project)
-    projects = [p.path for p in gw.iam.projects(under=principal.project)]
-    return tag in {scope_tag(p) for p in (*projects, principal.project)}
-
-
-def may_build(principal: Any) -> bool:
-    """Whether ``principal``'s key may make builds (``BUILD_ROLES``)."""
-    return principal.role in BUILD_ROLES
-
-
-def is_staged(name: str) -> bool:
-    """Whether layer ``name`` (or ``name@version``) is a build's staged output: its name, as
-    given or as an apiserver scoped it (``scope_tag``), starts with ``STAGED_PREFIX``."""
-    bare = _TAG_RE.sub("", name.partition("@")[0], count=1)
-    return bare.startswith(STAGED_PREFIX)
-
-
-def _check_builder(principal: Any, what: str) -> None:
-    if not may_build(principal):
-        raise PermissionDenied(
-            f"a {principal.role} key cannot {what}: only {' and '.join(BUILD_ROLES)} keys make "
-            f"builds (a build's sandboxes are labelled {BUILD_LABEL}, its layers are staged as "
-            f"{STAGED_PREFIX}* until they pass QA)",
-            role=principal.role,
-        )
-
-
-def _check_build_spec(principal: Any, spec: SandboxSpec) -> None:
-    """``PermissionDenied`` unless the caller may make builds, for a spec labelled
-    ``BUILD_LABEL`` or naming a staged layer."""
-    if BUILD_LABEL in spec.labels:
-        _check_builder(principal, f"create a build sandbox (labelled {BUILD_LABEL})")
-    for ref in spec.layers:
-        if is_staged(ref):
-            _check_builder(principal, f"use the staged layer {ref!r}")
+async def _set_policy(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    route = ROUTES["set_policy"]
+    sid, name = request.path_params["sid"], request.path_params["policy"]
+    entry = await gw.sandbox_node(principal, sid)
+    raw, body = await _body(request, route)
+    gw.check_policies(principal, {name: body.settings}, "none", live=True)
+    return await _forward(gw, entry, request, route, principal, rid, raw)
 
 
 async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
@@ -550,32 +653,25 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     route = ROUTES["create"]
     if principal.role not in ("admin", "member", "agent", "builder"):
         raise PermissionDenied(f"role {principal.role!r} cannot create sandboxes")
-    raw_body = await read_json_body(request)
-    body: CreateRequest = route.decode_body(raw_body)  # 422 with the field's path
-    _check_build_spec(principal, body.spec)
-    build = BUILD_LABEL in body.spec.labels
-    labels = {k: v for k, v in body.spec.labels.items() if k not in _RESERVED}
-    labels[PROJECT_LABEL] = principal.project
-    spec = replace(body.spec, labels=labels)
-    # what goes to the nodes: the body as sent, its labels replaced (checked above already)
-    doc = json.loads(raw_body)
-    doc["spec"]["labels"] = labels
+    _, body = await _body(request, route)
+    spec, near = await gw.admit(principal, body.spec)
+    build = BUILD_LABEL in spec.labels
     lim = spec.limits
-    gw.iam.check_quota(
-        principal.project,
-        gw.usage_by_project(),
-        Usage(body.count, body.count * lim.cpu, body.count * lim.memory),
-    )
-    shares, overflow = gw.place(spec, body.count)
-    for name, k in shares.items():
-        entry = gw.nodes.nodes[name]
-        entry.placed(principal.project, k, lim.cpu, lim.memory)
+    # no await from the quota check to the holds: they are one step
+    gw.check_quota(principal.project, body.count, lim.cpu, lim.memory)
+    shares, overflow = gw.place(spec, body.count, only=near)
+    ledger = gw.nodes.ledger
+    holds = {
+        name: ledger.hold(principal.project, name, k, lim.cpu, lim.memory)
+        for name, k in shares.items()
+    }
+    for name in shares:
         if gw.metrics:
-            gw.metrics.placed(name, entry.pool, overflow)
+            gw.metrics.placed(name, gw.nodes.nodes[name].pool, overflow)
 
     async def send(name: str, k: int) -> bytes | DsecError:
         entry = gw.nodes.nodes[name]
-        content = dump_json({**doc, "count": k})
+        content = route.encode_body(replace(body, spec=spec, count=k))
         try:
             return await gw._request(
                 entry, "POST", route.path, content, route.timeout, request_id=rid
@@ -584,39 +680,51 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
             return e
 
     t_sent = time.perf_counter()
-    results = await asyncio.gather(*(send(n, k) for n, k in shares.items()))
+    try:
+        results = await asyncio.gather(*(send(n, k) for n, k in shares.items()))
+    except BaseException:
+        for hold in holds.values():
+            ledger.settle(hold, 0)
+        raise
     t_back = time.perf_counter()
-    if len(results) == 1 and isinstance(results[0], bytes):
-        # one node made them: its answer goes back as it is, read only for the ids
-        raw = json.loads(results[0])
-        for info in raw.get("sandboxes", ()):
-            gw._remember(info["id"], principal.project, build)
-        if gw.metrics:
-            gw.metrics.create_done(time.perf_counter() - t0, not raw.get("errors"))
+    made: list[SandboxInfo] = []
+    errors: list[ErrorBody] = []
+    for (name, k), result in zip(shares.items(), results, strict=True):
+        if isinstance(result, DsecError):
+            ledger.settle(holds[name], 0)
+            errors += [ErrorBody(**gw.scrub(principal, result).to_wire())] * k
+            continue
+        answer = route.decode_response(result)
+        ledger.settle(holds[name], len(answer.sandboxes), created=_newest(answer.sandboxes))
+        made += answer.sandboxes
+        errors += [_scrubbed_body(gw, principal, e) for e in answer.errors]
+    for info in made:
+        gw._remember(info.id, Owner(principal.project, build=build))
+    if gw.metrics:
+        gw.metrics.create_done(time.perf_counter() - t0, not errors)
+    if body.count == 1 and not made:
+        first = results[0]
+        err = first if isinstance(first, DsecError) else error_from_wire(errors[0].to_dict())
+        raise gw.scrub(principal, err)
+    if len(results) == 1 and isinstance(results[0], bytes) and not errors:
+        # one node made them all: its answer goes back as it is
         return Response(
             results[0],
             route.status,
             headers={"server-timing": _server_timing(t0, t_sent, t_back)},
             media_type=JSON,
         )
-    made: list[SandboxInfo] = []
-    errors: list[ErrorBody] = []
-    for (_name, k), result in zip(shares.items(), results, strict=True):
-        if isinstance(result, DsecError):
-            errors += [ErrorBody(**result.to_wire())] * k
-        else:
-            answer = route.decode_response(result)
-            made += answer.sandboxes
-            errors += answer.errors
-    for info in made:
-        gw._remember(info.id, principal.project, build)
-    if gw.metrics:
-        gw.metrics.create_done(time.perf_counter() - t0, not errors)
-    if body.count == 1 and not made:
-        first = results[0]
-        raise first if isinstance(first, DsecError) else error_from_wire(errors[0].to_dict())
     merged = CreateResult(sandboxes=tuple(made), errors=tuple(errors))
     return Response(route.encode_response(merged), route.status, media_type=JSON)
+
+
+def _newest(made: Sequence[SandboxInfo]) -> float | None:
+    """When the newest of ``made`` was created, by its node's clock."""
+    return max((i.created for i in made), default=None)
+
+
+def _scrubbed_body(gw: Gateway, principal: Any, e: ErrorBody) -> ErrorBody:
+    return ErrorBody(**gw.scrub(principal, error_from_wire(e.to_dict())).to_wire())
 
 
 def _server_timing(t0: float, t_sent: float, t_back: float) -> str:
@@ -627,14 +735,14 @@ def _server_timing(t0: float, t_sent: float, t_back: float) -> str:
 
 
 async def _fan_out(
-    gw: Gateway, route: Route, target: str, rid: str
+    gw: Gateway, route: Route, target: str, rid: str, method: str | None = None
 ) -> list[tuple[NodeEntry, Any | DsecError]]:
     entries = gw.nodes.healthy()
 
     async def ask(entry: NodeEntry) -> Any:
         try:
             return route.decode_response(
-                await gw._request(entry, route.method, target, request_id=rid)
+                await gw._request(entry, method or route.method, target, request_id=rid)
             )
         except DsecError as e:
             return e
@@ -649,24 +757,25 @@ async def _list(gw: Gateway, request: Request, principal: Any, rid: str) -> Resp
         if isinstance(answer, DsecError):
             continue  # a node that stopped answering since its last probe: the watcher tells
         for info in answer.sandboxes:
-            project = info.labels.get(PROJECT_LABEL)
-            build = BUILD_LABEL in info.labels
-            gw._remember(info.id, project, build)
-            if gw.sees(principal, project, build):
+            owner = Owner.of_labels(info.labels)
+            gw._remember(info.id, owner)
+            if gw.reach.allows(principal, owner):
                 mine.append(info)
     mine.sort(key=lambda i: (i.created, i.id))
     return Response(route.encode_response(SandboxList(tuple(mine))), media_type=JSON)
 
 
 async def _node_info(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    """The apiserver as a node: the sums of its healthy nodes."""
+    """The apiserver as a node: the sums of its healthy nodes; of sandboxes, those of the
+    projects the caller reaches."""
     healthy = [e for e in gw.nodes.healthy() if e.probe is not None]
     loads = [e.probe.load for e in healthy if e.probe is not None]
+    usage = gw.usage_by_project()
     status = NodeStatus(
         version=__version__,
         pid=os.getpid(),
         home=f"apiserver:{len(healthy)}/{len(gw.nodes.nodes)} nodes",
-        sandboxes=sum(load.sandboxes for load in loads),
+        sandboxes=sum(u.sandboxes for p, u in usage.items() if gw.iam.can_reach(principal, p)),
         capacity=NodeCapacity(
             cpu=sum(load.cpu_capacity for load in loads),
             memory=sum(load.memory_capacity for load in loads),
@@ -688,135 +797,253 @@ async def _probe(gw: Gateway, request: Request, principal: Any, rid: str) -> Res
     )
 
 
+# --- leases ----------------------------------------------------------------------------------
+
+
+def _lease_answer(gw: Gateway, content: bytes) -> Response:
+    """A node's ``LeaseInfo`` with the holder as its taker named it (its tag off)."""
+    route = ROUTES["lease_get"]
+    info: LeaseInfo = route.decode_response(content)
+    return Response(
+        route.encode_response(replace(info, holder=strip_tag(info.holder))), media_type=JSON
+    )
+
+
+async def _lease(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """A new lease: its sandboxes must all be ones the caller reaches, on one node; its
+    holder is put in the caller's namespace, which makes the lease the caller's project's."""
+    route = ROUTES["lease"]
+    _, body = await _body(request, route)
+    nodes = {(await gw.sandbox_node(principal, sid)).name for sid in body.sandboxes}
+    if len(nodes) != 1:
+        raise InvalidSpec(
+            f"a lease's sandboxes must be on one node; these are on {sorted(nodes)}",
+            field="sandboxes",
+        )
+    entry = gw.nodes.nodes[nodes.pop()]
+    content = route.encode_body(replace(body, holder=scoped(principal.project, body.holder)))
+    answer = await gw._request(entry, "POST", route.path, content, request_id=rid)
+    response = _lease_answer(gw, answer)
+    response.status_code = route.status
+    return response
+
+
 def _lease_handler(route: Route) -> Handler:
+    """get, renew, release: of a lease the caller's project (or one it reaches) took."""
+
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-        if "lease" in request.path_params:
-            entry = gw.node_of(request.path_params["lease"], "lease")
-            return await _forward(gw, entry, request, route, rid)
-        # a new lease: its sandboxes must all be the caller's, on one node
-        raw = await read_json_body(request)
-        body = route.decode_body(raw)
-        nodes = {(await gw.sandbox_node(principal, sid)).name for sid in body.sandboxes}
-        if len(nodes) != 1:
-            raise InvalidSpec(
-                f"a lease's sandboxes must be on one node; these are on {sorted(nodes)}",
-                field="sandboxes",
-            )
-        entry = gw.nodes.nodes[nodes.pop()]
-        answer = await gw._request(entry, "POST", route.path, raw, request_id=rid)
-        return Response(answer, route.status, media_type=JSON)
+        lease_id = request.path_params["lease"]
+        entry = gw.node_of(lease_id, "lease")
+        owner = await gw.lease_owner(entry, lease_id, principal)
+        if owner is None or not gw.reach.allows(principal, owner):
+            raise missing("lease", lease_id)
+        query = route.decode_query(request.query_params) if route.query else None
+        target = route.target({"lease": lease_id}, query)
+        content = await gw._request(entry, route.method, target, request_id=rid)
+        if route.name == "lease_release":
+            gw.forget("lease:" + lease_id)
+            if query is not None and query.kill:
+                for sid in ROUTES["lease_get"].decode_response(content).sandboxes:
+                    gw.forget(sid)
+        return _lease_answer(gw, content)
 
     return handle
 
 
-def _anywhere_handler(route: Route) -> Handler:
-    """Routes of something a node holds under the caller's scoped name (a trajectory log, a
-    memory snapshot): asked of each healthy node in turn until one knows it."""
+# --- trajectories and memory snapshots: names a project chose ---------------------------------
 
-    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-        (param,) = route.params
-        name = request.path_params[param]
-        if route.name == "remove_memory_snapshot":
-            if not _owner_reachable(gw, principal, name):
-                raise UnknownSnapshot(f"no memory snapshot {name!r}", name=name)
-            scoped = name
-        else:  # a trajectory: the caller's own name, scoped
-            scoped = _scoped(principal.project, name)
-        path = route.target({param: scoped})
-        last: DsecError = NotFound(f"not found on any node: {name}")
-        for entry in gw.nodes.healthy():
-            try:
-                answer = await gw._request(entry, request.method, path, request_id=rid)
-            except NotFound as e:
-                last = e
+
+async def _trajectory_sources(
+    gw: Gateway, principal: Any, name: str
+) -> list[tuple[NodeEntry | None, str]]:
+    """Where trajectory ``name`` of the caller may be: its own namespace on every node, and,
+    when ``name`` is the id of a driving sandbox the caller reaches, that sandbox's own log
+    on its node (the node names a driver's log by its id when the spec names none)."""
+    out: list[tuple[NodeEntry | None, str]] = [(None, scoped(principal.project, name))]
+    _, sep, node = name.rpartition("-")
+    if sep and node in gw.nodes.nodes:
+        try:
+            out.append((await gw.sandbox_node(principal, name), name))
+        except DsecError:
+            pass
+    return out
+
+
+async def _trajectory(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """A trajectory log, from the node that has it (the longest one, if several do)."""
+    route = ROUTES["trajectory"]
+    name = request.path_params["trajectory"]
+    best: tuple[Any, ...] = ()
+    for only, node_name in await _trajectory_sources(gw, principal, name):
+        target = route.target({"trajectory": node_name})
+        for entry, answer in await _fan_out(gw, route, target, rid):
+            if only is not None and entry is not only:
                 continue
-            if route.name == "trajectory":  # under the name the caller gave it
-                answer = dump_json({**json.loads(answer), "name": name})
-            return Response(answer, route.status, media_type=JSON)
-        if isinstance(last, NotFound) and not isinstance(last, UnknownSnapshot):
-            last = NotFound(last.message.replace(scoped, name), name=name)
-        raise last
-
-    return handle
+            if isinstance(answer, DsecError) and not isinstance(answer, NotFound):
+                raise gw.scrub(principal, answer)
+            if isinstance(answer, Trajectory) and len(answer.entries) > len(best):
+                best = answer.entries
+    return Response(route.encode_response(Trajectory(name=name, entries=best)), media_type=JSON)
 
 
-async def _placed_call(gw: Gateway, request: Request, route: Route, rid: str) -> Response:
-    """fncall, judge: to a node placement picks for the environment."""
-    raw = await read_json_body(request)
-    body = route.decode_body(raw)
-    spec = SandboxSpec(environment=body.environment)
-    shares, _ = gw.place(spec, 1)
-    entry = gw.nodes.nodes[next(iter(shares))]
-    timeout = None if route.timeout is None or route.exec_timeout else route.timeout + 30
-    answer = await gw._request(entry, "POST", route.path, raw, timeout, request_id=rid)
-    return Response(answer, route.status, media_type=JSON)
+async def _remove_trajectory(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """Remove the caller's trajectory log from every node that has it."""
+    route = ROUTES["remove_trajectory"]
+    name = request.path_params["trajectory"]
+    removed = False
+    for only, node_name in await _trajectory_sources(gw, principal, name):
+        target = route.target({"trajectory": node_name})
+        for entry, answer in await _fan_out(gw, route, target, rid):
+            if only is not None and entry is not only:
+                continue
+            if isinstance(answer, DsecError) and not isinstance(answer, NotFound):
+                raise gw.scrub(principal, answer)
+            removed = removed or not isinstance(answer, DsecError)
+    if not removed:
+        raise missing("trajectory", name)
+    return Response(dump_json({"removed": name}), media_type=JSON)
 
 
-def _placed_handler(route: Route) -> Handler:
-    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-        return await _placed_call(gw, request, route, rid)
+async def _remove_memory_snapshot(
+    gw: Gateway, request: Request, principal: Any, rid: str
+) -> Response:
+    """Remove a memory snapshot of a project the caller reaches (named as made: tag and
+    all), from the node that holds it."""
+    route = ROUTES["remove_memory_snapshot"]
+    name = request.path_params["snapshot"]
+    gw.reach.require(principal, "snapshot", name, gw.reach.owner_of_name(name, principal))
+    for entry in gw.nodes.healthy():
+        try:
+            answer = await gw._request(
+                entry, "DELETE", route.target({"snapshot": name}), None, 60, rid
+            )
+        except NotFound:
+            continue
+        return Response(answer, route.status, media_type=JSON)
+    raise missing("snapshot", name)
 
-    return handle
+
+# --- what makes sandboxes besides create: restore, fncall, judge ------------------------------
 
 
 async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    """A restore of a snapshot the caller's project (or one it reaches) made, on the node that
-    holds it (the first that does not say it has no such snapshot), the sandboxes it makes
-    labelled with the caller's project."""
+    """A restore of a snapshot of a project the caller reaches, on the node that holds it
+    (the first that does not say it has no such snapshot), the sandboxes it makes counted
+    against the caller's quotas and labelled with its project."""
     route = ROUTES["restore"]
-    body = route.decode_body(await read_json_body(request))
-    if not _owner_reachable(gw, principal, body.snapshot):
-        raise UnknownSnapshot(f"no snapshot {body.snapshot!r}", name=body.snapshot)
+    _, body = await _body(request, route)
     if is_staged(body.snapshot):
         _check_builder(principal, f"restore the staged layer {body.snapshot!r}")
-    if body.spec is not None:
-        _check_build_spec(principal, body.spec)
-    build = body.spec is not None and BUILD_LABEL in body.spec.labels
+    gw.check_layer(principal, body.snapshot, "snapshot")
     # a memory snapshot (a name without @version) takes only ttl and labels from the spec
-    spec = body.spec or SandboxSpec(layers=(body.snapshot if "@" in body.snapshot else "x@0",))
-    labels = {k: v for k, v in spec.labels.items() if k not in _RESERVED}
-    spec = replace(spec, labels={**labels, PROJECT_LABEL: principal.project})
+    given = body.spec or SandboxSpec(layers=(body.snapshot if "@" in body.snapshot else "x@0",))
+    spec, _near = await gw.admit(principal, given)
+    build = BUILD_LABEL in spec.labels
     lim = spec.limits
-    gw.iam.check_quota(
-        principal.project,
-        gw.usage_by_project(),
-        Usage(body.count, body.count * lim.cpu, body.count * lim.memory),
-    )
+    gw.check_quota(principal.project, body.count, lim.cpu, lim.memory)
+    hold = gw.nodes.ledger.hold(principal.project, None, body.count, lim.cpu, lim.memory)
     raw = route.encode_body(replace(body, spec=spec))
-    last: DsecError = UnknownSnapshot(f"no node holds snapshot {body.snapshot!r}")
-    for entry in gw.nodes.healthy():
+    other: NotFound | None = None  # a node that has the snapshot but lacks something else
+    try:
+        for entry in gw.nodes.healthy():
+            try:
+                answer = await gw._request(entry, "POST", route.path, raw, route.timeout, rid)
+            except NotFound as e:
+                if e.context.get("name") not in (body.snapshot, body.snapshot.partition("@")[0]):
+                    other = other or e
+                continue
+            made = route.decode_response(answer).sandboxes
+            gw.nodes.ledger.settle(
+                hold,
+                len(made),
+                node=entry.name,
+                created=_newest(made),
+                cpu=sum(float(i.limits.get("cpu") or 0) for i in made),
+                memory=sum(int(i.limits.get("memory") or 0) for i in made),
+            )
+            for info in made:
+                gw._remember(info.id, Owner(principal.project, build=build))
+            return Response(answer, route.status, media_type=JSON)
+    except BaseException:
+        gw.nodes.ledger.settle(hold, 0)
+        raise
+    gw.nodes.ledger.settle(hold, 0)
+    raise other or missing("snapshot", body.snapshot)
+
+
+def _placed_handler(route: Route) -> Handler:
+    """fncall, judge: to a node placement picks for the environment, in a pool of the
+    caller's project. A pool member counts as one sandbox of the project (its cpu and memory)
+    for as long as it lives; when the project's quotas have no room for one more, the call
+    may only use a member its pool has (``start`` false), and a pool with none free is the
+    project's ``QuotaExceeded``."""
+
+    async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+        _, body = await _body(request, route)
+        project = principal.project
+        cpu, memory = float(body.cpu), parse_size(body.memory, "memory") or 0
+        full: QuotaExceeded | None = None
         try:
-            answer = await gw._request(entry, "POST", route.path, raw, route.timeout, rid)
-        except (UnknownSnapshot, NotFound) as e:
-            last = e
-            continue
-        made = route.decode_response(answer)
-        for info in made.sandboxes:
-            gw._remember(info.id, principal.project, build)
+            gw.check_quota(project, 1, cpu, memory)
+        except QuotaExceeded as e:
+            full = e
+        content = route.encode_body(replace(body, project=project, start=full is None))
+        shares, _ = gw.place(SandboxSpec(environment=body.environment), 1)
+        name = next(iter(shares))
+        hold = None if full else gw.nodes.ledger.hold(project, name, 1, cpu, memory)
+        timeout = None if route.timeout is None or route.exec_timeout else route.timeout + 30
+        try:
+            answer = await gw._request(
+                gw.nodes.nodes[name], "POST", route.path, content, timeout, request_id=rid
+            )
+        except AdmissionRejected as e:
+            if hold is not None:
+                gw.nodes.ledger.settle(hold, 0)
+            if full is not None and e.context.get("reason") == "pool-start":
+                raise full from None
+            raise
+        except BaseException:
+            if hold is not None:
+                gw.nodes.ledger.settle(hold, 0)
+            raise
+        if hold is not None:  # it may have started a member: counted until the next probe
+            gw.nodes.ledger.settle(hold, 1)
         return Response(answer, route.status, media_type=JSON)
-    raise last
+
+    return handle
+
+
+# --- layers ----------------------------------------------------------------------------------
 
 
 async def _layers(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    """A node's layers; without a ``BUILD_ROLES`` key, staged layers left out."""
+    """Every healthy node's layers, each once, without those the caller does not reach
+    (another project's snapshots; staged layers but to ``BUILD_ROLES`` keys)."""
     route = ROUTES["layers"]
-    for entry in gw.nodes.healthy():
-        answer = await gw._request(entry, "GET", route.path, request_id=rid)
-        if may_build(principal):
-            return Response(answer, media_type=JSON)
-        listing = route.decode_response(answer)
-        kept = tuple(i for i in listing.layers if not is_staged(i.name))
-        return Response(route.encode_response(replace(listing, layers=kept)), media_type=JSON)
-    raise NodeUnavailable("no healthy node to ask")
+    seen: dict[tuple[str, str, str], Any] = {}
+    answered = False
+    for _entry, answer in await _fan_out(gw, route, route.path, rid):
+        if isinstance(answer, DsecError):
+            continue
+        answered = True
+        for info in answer.layers:
+            if gw._shows(principal, info.ref):
+                seen.setdefault((info.name, info.version, info.digest), info)
+    if not answered:
+        raise NodeUnavailable("no healthy node to ask")
+    kept = tuple(sorted(seen.values(), key=lambda i: (i.name, i.version)))
+    return Response(route.encode_response(LayerList(layers=kept)), media_type=JSON)
 
 
 async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    """Warm the layers on every healthy node; the first node's answer is returned."""
+    """Warm layers the caller reaches on every healthy node; the first node's answer is
+    returned."""
     route = ROUTES["prefetch"]
     if principal.role == "agent":
         raise PermissionDenied("an agent key cannot prefetch layers")
-    raw = await read_json_body(request)
-    route.decode_body(raw)
+    raw, body = await _body(request, route)
+    for ref in body.refs:
+        gw.check_layer(principal, ref)
     entries = gw.nodes.healthy()
     if not entries:
         raise NodeUnavailable("no healthy node to warm")
@@ -828,7 +1055,11 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
         if isinstance(answer, bytes):
             return Response(answer, route.status, media_type=JSON)
     first = answers[0]
-    raise first if isinstance(first, DsecError) else NodeUnavailable(str(first))
+    raise (
+        gw.scrub(principal, first)
+        if isinstance(first, DsecError)
+        else NodeUnavailable("no node could warm the layers")
+    )
 
 
 _SPECIAL: dict[str, Handler] = {
@@ -840,6 +1071,11 @@ _SPECIAL: dict[str, Handler] = {
     "restore": _restore,
     "layers": _layers,
     "prefetch": _prefetch,
+    "lease": _lease,
+    "set_policy": _set_policy,
+    "trajectory": _trajectory,
+    "remove_trajectory": _remove_trajectory,
+    "remove_memory_snapshot": _remove_memory_snapshot,
 }
 
 
@@ -848,11 +1084,11 @@ def _handler(route: Route) -> Handler:
         return _SPECIAL[route.name]
     if "sid" in route.params:
         return _sandbox_handler(route)
-    if route.name.startswith("lease"):
+    if route.name.startswith("lease_"):
         return _lease_handler(route)
     if route.name in ("fncall", "judge"):
         return _placed_handler(route)
-    return _anywhere_handler(route)  # trajectories, memory snapshots
+    raise AssertionError(f"route {route.name} has no apiserver handler")
 
 
 def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Response]]:
@@ -860,22 +1096,28 @@ def _endpoint(gw: Gateway, route: Route) -> Callable[[Request], Awaitable[Respon
 
     async def endpoint(request: Request) -> Response:
         rid = _request_id(request)
+        principal = request.scope[PRINCIPAL]
         try:
-            principal = gw.principal(request)
-            if route.query is not None:
-                route.decode_query(request.query_params)  # 422 here, not from a node
+            route.decode_query(request.query_params)  # 422 here, not from a node
             response = await handler(gw, request, principal, rid)
         except DsecError as e:
-            return error_response(e, {REQUEST_ID: rid})
+            return error_response(gw.scrub(principal, e), {REQUEST_ID: rid})
         response.headers.setdefault(REQUEST_ID, rid)
         return response
 
     return endpoint
 
 
-def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()) -> Starlette:
+def make_app(
+    gw: Gateway,
+    lifespan: Any = None,
+    extra_routes: Sequence[Any] = (),
+    refusal: Refusal | None = None,
+) -> Starlette:
     """The apiserver's ASGI app: every route of the node API, over ``gw``'s nodes, and
-    ``GET /metrics`` (for any valid key) when ``gw.metrics`` is an ``ApiserverMetrics``."""
+    ``GET /metrics`` (for keys of the root project: the operator's) when ``gw.metrics`` is an
+    ``ApiserverMetrics``. Every request's key is checked first (``Authenticated``);
+    ``refusal`` answers refused requests of ``extra_routes`` in their own shape."""
 
     routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
     app = Starlette(
@@ -887,14 +1129,18 @@ def make_app(gw: Gateway, lifespan: Any = None, extra_routes: Sequence[Any] = ()
     metrics = gw.metrics if isinstance(gw.metrics, ApiserverMetrics) else None
 
     def may_scrape(scope: Any) -> bool:
-        try:
-            gw.principal(Request(scope))
-        except DsecError:
-            return False
+        # the metrics show every tenant's traffic: the operator's (the root project's) only
+        principal = gw.iam.authenticate(request_key(scope["headers"]))
+        if principal.project != ROOT:
+            raise PermissionDenied(
+                "the apiserver's metrics are the operator's: they need a key of the root "
+                "project (/)",
+                role=principal.role,
+            )
         return True
 
     app.middleware_stack = ObservedRequests(
-        app.build_middleware_stack(),
+        Authenticated(app.build_middleware_stack(), gw.iam.authenticate, refusal),
         logger="dsec.apiserver.access",
         metrics=metrics,
         metrics_allowed=may_scrape,

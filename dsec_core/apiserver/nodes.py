@@ -6,6 +6,10 @@ every ``interval`` seconds. A node that misses ``misses`` probes in a row is unh
 skips it and requests for its sandboxes get ``NodeLost``; one good probe brings it back.
 Detection takes at most ``misses * interval + probe_timeout`` seconds.
 
+What the apiserver placed that the nodes' probes may not show yet is in the ``Ledger``: quotas
+and placement count it on top of the probes, so requests in flight between two probes are
+never counted zero times.
+
 Each node is addressed by its name (``DSEC_NODE_NAME``), which ends every sandbox id it makes,
 so an id routes to its node without asking anyone. A node whose probe answers with another name
 than the one it was registered under is never used: traffic only goes to registered nodes
@@ -28,7 +32,7 @@ from ..api.transport import AsyncHTTPTransport, TransportError
 from ..errors import DsecError, InvalidSpec
 from ..records import POOL_LABEL, NodeLoad
 
-__all__ = ["NodeAddress", "NodeEntry", "NodeSet", "WatchSettings"]
+__all__ = ["Hold", "Ledger", "NodeAddress", "NodeEntry", "NodeSet", "WatchSettings"]
 
 log = logging.getLogger("dsec.apiserver.nodes")
 
@@ -61,6 +65,109 @@ class WatchSettings:
             raise InvalidSpec("probe interval and timeout must be positive, misses at least 1")
 
 
+@dataclass(eq=False)
+class Hold:
+    """Sandboxes an apiserver request holds room for: ``count`` of them, with their CPU and
+    memory limits summed, for ``project``, on ``node`` (None: not known yet, a restore looking
+    for its snapshot). In flight until the node answers; then it stands for what the node
+    made until a probe of that node counts them instead: one made after ``created`` (the
+    node's clock: the newest sandbox's creation), or, when the node did not say, one sent
+    after ``done_at`` (this apiserver's monotonic clock)."""
+
+    project: str
+    node: str | None
+    count: int
+    cpu: float
+    memory: int
+    done_at: float | None = None
+    created: float | None = None
+
+
+_Sums = tuple[int, float, int]
+
+
+class Ledger:
+    """What this apiserver has placed that the nodes' probes may not show yet.
+
+    ``hold`` reserves room before a node is asked; ``settle`` records what the node made
+    (nothing, for a refusal: the room is free again at once). A probe counts a node's
+    sandboxes by their creation time (``NodeProbe.at``), so ``probed`` drops exactly the held
+    sandboxes it counted; a hold settled after a probe that already counted its sandboxes goes
+    at once. Holds in flight are kept whatever the probes say (the node may be counting the
+    sandboxes it is creating too): while a request is in flight its sandboxes may count
+    twice, never zero times. Single-threaded (the apiserver's event loop): a check and the
+    hold that follows it are one step.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._holds: set[Hold] = set()
+        self._probed: dict[str, float] = {}  # node -> its last probe's NodeProbe.at
+
+    def hold(self, project: str, node: str | None, count: int, cpu: float, memory: int) -> Hold:
+        """Hold room for ``count`` sandboxes of ``cpu`` cores and ``memory`` bytes each."""
+        h = Hold(project, node, count, count * cpu, count * memory)
+        self._holds.add(h)
+        return h
+
+    def settle(
+        self,
+        hold: Hold,
+        made: int,
+        *,
+        node: str | None = None,
+        created: float | None = None,
+        cpu: float | None = None,
+        memory: int | None = None,
+    ) -> None:
+        """The node answered: it made ``made`` of the held sandboxes (on ``node``, the newest
+        at ``created`` by the node's clock, with these summed limits when they differ from what
+        was held). Nothing made: the hold goes."""
+        node = node or hold.node
+        if made <= 0 or (created is not None and created < self._probed.get(node or "", 0.0)):
+            self._holds.discard(hold)
+            return
+        if hold.count:
+            share = made / hold.count
+            hold.cpu = cpu if cpu is not None else hold.cpu * share
+            hold.memory = memory if memory is not None else int(hold.memory * share)
+        hold.count, hold.node, hold.created = made, node, created
+        hold.done_at = self._clock()
+
+    def probed(self, node: str, sent_at: float, at: float = 0.0) -> None:
+        """A probe of ``node`` sent at ``sent_at`` (this clock) and made at ``at`` (the node's
+        clock; 0: not said) answered: it counts what the node had made by then."""
+        if at:
+            self._probed[node] = at
+
+        def counted(h: Hold) -> bool:
+            if h.node != node or h.done_at is None:
+                return False
+            if h.created is not None and at:
+                return h.created < at
+            return h.done_at < sent_at
+
+        self._holds = {h for h in self._holds if not counted(h)}
+
+    def now(self) -> float:
+        return self._clock()
+
+    def by_project(self) -> dict[str, _Sums]:
+        out: dict[str, _Sums] = {}
+        for h in self._holds:
+            n, c, m = out.get(h.project, (0, 0.0, 0))
+            out[h.project] = (n + h.count, c + h.cpu, m + h.memory)
+        return out
+
+    def by_node(self) -> dict[str, _Sums]:
+        out: dict[str, _Sums] = {}
+        for h in self._holds:
+            if h.node is not None:
+                n, c, m = out.get(h.node, (0, 0.0, 0))
+                out[h.node] = (n + h.count, c + h.cpu, m + h.memory)
+        return out
+
+
 class NodeEntry:
     """One registered node: its address, a pooled connection to it, and what the last probe
     said."""
@@ -74,8 +181,6 @@ class NodeEntry:
         self.last_ok = 0.0
         self.lost_at: float | None = None  # when it turned unhealthy (None: it is not)
         self.error = "not probed yet"
-        #: sandboxes placed here since the last probe: (count, cpu, memory) by project
-        self.pending: dict[str, tuple[int, float, int]] = {}
 
     @property
     def name(self) -> str:
@@ -86,15 +191,13 @@ class NodeEntry:
         labels = self.probe.load.labels if self.probe else self.address.labels
         return labels.get(POOL_LABEL, "home")
 
-    def load(self) -> NodeLoad | None:
-        """The node as placement sees it: the probe's load with what was placed since, and
-        the layers it holds."""
+    def load(self, held: _Sums = (0, 0.0, 0)) -> NodeLoad | None:
+        """The node as placement sees it: the probe's load with what is ``held`` for it since
+        (the ledger's), and the layers it holds."""
         if self.probe is None:
             return None
         load = self.probe.load
-        n = sum(c for c, _, _ in self.pending.values())
-        cpu = sum(c for _, c, _ in self.pending.values())
-        memory = sum(m for _, _, m in self.pending.values())
+        n, cpu, memory = held
         return replace(
             load,
             node=self.name,
@@ -104,10 +207,6 @@ class NodeEntry:
             layers=self.probe.layers,
             environments=self.probe.environments,
         )
-
-    def placed(self, project: str, count: int, cpu: float, memory: int) -> None:
-        n, c, m = self.pending.get(project, (0, 0.0, 0))
-        self.pending[project] = (n + count, c + count * cpu, m + count * memory)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -140,6 +239,7 @@ class NodeSet:
         self._discover = discover
         self._on_probe = on_probe
         self.nodes: dict[str, NodeEntry] = {}
+        self.ledger = Ledger()
         self._task: asyncio.Task[None] | None = None
         self._last_discovery = 0.0
         self.round = 0  # good probes so far: what is derived from them is as old as this
@@ -202,6 +302,7 @@ class NodeSet:
 
     async def _probe(self, entry: NodeEntry) -> None:
         t0 = time.perf_counter()
+        sent_at = self.ledger.now()
         try:
             # bounded here too: whatever the transport does, one node never holds up a round
             async with asyncio.timeout(self.settings.timeout + 0.5):
@@ -228,7 +329,7 @@ class NodeSet:
                 self._on_probe(entry, time.perf_counter() - t0, False)
             return
         entry.probe, entry.misses, entry.last_ok = probe, 0, time.time()
-        entry.pending.clear()  # the probe counts what was placed before it
+        self.ledger.probed(entry.name, sent_at, probe.at)  # it counts what was made before it
         self.round += 1
         if not entry.healthy:
             log.info("node %s healthy (%s)", entry.name, entry.address.url)

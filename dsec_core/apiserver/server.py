@@ -23,7 +23,7 @@ import uvicorn
 from ..api.serving import server_options
 from ..api.transport import Address
 from ..cluster import discover as ray_discover  # Ray itself is imported when first called
-from ..e2b import e2b_routes
+from ..e2b import e2b_refusal, e2b_routes
 from ..errors import InvalidSpec
 from ..iam import Iam
 from ..observe import ApiserverMetrics, JsonLogFormatter, RequestIdFilter
@@ -116,10 +116,11 @@ def build(
         finally:
             await nodes.stop()
 
-    extra: list[Any] = []
-    if config.e2b:
-        extra += _e2b_routes(config)
-    return gw, make_app(gw, lifespan=lifespan, extra_routes=extra)
+    if not config.e2b:
+        return gw, make_app(gw, lifespan=lifespan)
+    return gw, make_app(
+        gw, lifespan=lifespan, extra_routes=_e2b_routes(config), refusal=e2b_refusal
+    )
 
 
 def _e2b_routes(config: ApiserverConfig) -> list[Any]:

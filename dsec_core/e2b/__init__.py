@@ -40,11 +40,19 @@ started in the background (``cmd &``) does run on. Output past 16 MiB per stream
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from ..errors import DsecError
 from .callers import ENVD_PORT, Connect
-from .envd import envd_routes
-from .lifecycle import DEFAULT_TEMPLATES, ENVD_VERSION, Templates, lifecycle_routes
+from .envd import envd_refusal, envd_routes
+from .lifecycle import (
+    DEFAULT_TEMPLATES,
+    ENVD_VERSION,
+    Templates,
+    lifecycle_refusal,
+    lifecycle_routes,
+)
 
 __all__ = [
     "DEFAULT_TEMPLATES",
@@ -52,6 +60,7 @@ __all__ = [
     "ENVD_VERSION",
     "Connect",
     "Templates",
+    "e2b_refusal",
     "e2b_routes",
     "make_app",
 ]
@@ -64,6 +73,13 @@ def e2b_routes(connect: Connect, templates: Templates | None = None) -> list[Bas
     template names to environments."""
     templates = templates if templates is not None else Templates.from_env()
     return [*lifecycle_routes(connect, templates), *envd_routes(connect)]
+
+
+def e2b_refusal(path: str, e: DsecError) -> Response | None:
+    """The E2B API's answer to a request refused before any route ran (no key, or one IAM
+    does not know: the apiserver checks keys before reading anything), in the shape the SDK
+    expects on ``path``; None for a path that is not the E2B API's."""
+    return lifecycle_refusal(path, e) or envd_refusal(path, e)
 
 
 def make_app(connect: Connect, templates: Templates | None = None) -> Starlette:

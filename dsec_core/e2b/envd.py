@@ -25,7 +25,7 @@ from .connect import (
 from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
 from .process import keepalive_interval, list_processes, send_signal, start_events
 
-__all__ = ["envd_routes"]
+__all__ = ["envd_refusal", "envd_routes"]
 
 _PROCESS_UNARY = {"SendSignal": send_signal, "List": list_processes}
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
@@ -129,3 +129,16 @@ def envd_routes(connect: Connect) -> list[Route]:
 
 def _stream_error(err: RpcError) -> Response:
     return Response(end_stream(err), media_type=STREAM_CONTENT_TYPE)
+
+
+def envd_refusal(path: str, e: DsecError) -> Response | None:
+    """envd's answer to a request refused before its route ran (a missing or wrong key: the
+    apiserver checks keys first), as the SDK expects it on ``path``; None if ``path`` is not
+    envd's."""
+    if path in ("/health", "/files"):
+        return _http_error(e)
+    service, _, method = path.strip("/").partition("/")
+    if service not in _SERVICES or not method:
+        return None
+    err = rpc_error(e)
+    return _stream_error(err) if (service, method) in _STREAMS else unary_error(err)

@@ -34,6 +34,7 @@ __all__ = [
     "LABEL_TEMPLATE",
     "META_PREFIX",
     "Templates",
+    "lifecycle_refusal",
     "lifecycle_routes",
 ]
 
@@ -391,3 +392,11 @@ def lifecycle_routes(connect: Connect, templates: Templates) -> list[Route]:
         Route("/sandboxes/{sid}/connect", handler(connect_sandbox), methods=["POST"]),
         Route("/sandboxes/{sid}/resume", handler(connect_sandbox), methods=["POST"]),
     ]
+
+
+def lifecycle_refusal(path: str, e: DsecError) -> Response | None:
+    """The control plane's answer to a request refused before its route ran (a missing or
+    wrong key: the apiserver checks keys first); None if ``path`` is not the control plane's."""
+    if path == "/sandboxes" or path.startswith(("/sandboxes/", "/v2/sandboxes")):
+        return api_error(e)
+    return None

@@ -8,6 +8,7 @@ apiservers share state. ``dsec iam ...`` manages it from the machine's shell.
 from __future__ import annotations
 
 from .model import (
+    LOOSEN_ROLES,
     RESOURCES,
     ROLES,
     ROOT,
@@ -23,11 +24,12 @@ from .model import (
     in_subtree,
     parent_of,
 )
-from .service import KEY_PREFIX, Iam, can_manage, can_reach, default_iam_url
+from .service import KEY_PREFIX, Iam, can_loosen, can_manage, can_reach, default_iam_url
 from .store import EtcdStore, IamStore, SqliteStore
 
 __all__ = [
     "KEY_PREFIX",
+    "LOOSEN_ROLES",
     "RESOURCES",
     "ROLES",
     "ROOT",
@@ -42,6 +44,7 @@ __all__ = [
     "SqliteStore",
     "Usage",
     "ancestors",
+    "can_loosen",
     "can_manage",
     "can_reach",
     "check_key_name",

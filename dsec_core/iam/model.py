@@ -18,6 +18,7 @@ from ..errors import InvalidSpec
 from ..records import parse_size
 
 __all__ = [
+    "LOOSEN_ROLES",
     "RESOURCES",
     "ROLES",
     "ROOT",
@@ -44,6 +45,12 @@ ROOT = "/"
 #: reaches what a member does and also makes environment builds (build sandboxes and staged
 #: layers, which the apiserver keeps from every role but admin and builder).
 ROLES = ("admin", "member", "agent", "builder")
+#: Roles whose keys may loosen a sandbox's security policies against the node's default: turn
+#: a default policy off, let it be skipped, widen it (seccomp's ``allow``), open the network,
+#: change a network policy live (``dsec_core.security.loosenings`` says what counts). Member
+#: and agent keys may only tighten: the sandboxes they make run at least as confined as the
+#: node's default.
+LOOSEN_ROLES = ("admin", "builder")
 #: What a quota bounds, each counted over a project's whole subtree.
 RESOURCES = ("sandboxes", "cpu", "memory")
 

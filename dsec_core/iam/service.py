@@ -41,6 +41,7 @@ from ..errors import (
     UnknownProject,
 )
 from .model import (
+    LOOSEN_ROLES,
     RESOURCES,
     ROLES,
     ROOT,
@@ -58,7 +59,7 @@ from .model import (
 )
 from .store import EtcdStore, IamStore, SqliteStore
 
-__all__ = ["KEY_PREFIX", "Iam", "can_manage", "can_reach", "default_iam_url"]
+__all__ = ["KEY_PREFIX", "Iam", "can_loosen", "can_manage", "can_reach", "default_iam_url"]
 
 #: Every API key starts with this, so a leaked one is recognisable (secret scanners).
 KEY_PREFIX = "dsk_"
@@ -82,6 +83,12 @@ def can_reach(principal: Principal, project: str) -> bool:
     return principal.role in ("admin", "member", "builder") and in_subtree(
         project, principal.project
     )
+
+
+def can_loosen(principal: Principal) -> bool:
+    """May ``principal`` loosen a sandbox's security policies against the node's default
+    (``LOOSEN_ROLES``: admin and builder keys)? Others may only tighten them."""
+    return principal.role in LOOSEN_ROLES
 
 
 def can_manage(principal: Principal, project: str) -> bool:
@@ -372,6 +379,11 @@ class Iam:
     def can_reach(principal: Principal, project: str) -> bool:
         """See ``dsec_core.iam.can_reach``."""
         return can_reach(principal, project)
+
+    @staticmethod
+    def can_loosen(principal: Principal) -> bool:
+        """See ``dsec_core.iam.can_loosen``."""
+        return can_loosen(principal)
 
     @staticmethod
     def can_manage(principal: Principal, project: str) -> bool:

@@ -81,7 +81,7 @@ from ..records import (
     SandboxSpec,
     SandboxUsage,
 )
-from ..security import SecurityPolicy
+from ..security import NODE_SETTINGS, SecurityPolicy
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .devices import DevicePool
@@ -105,8 +105,6 @@ STATE_FILE = "state.json"
 PACK_MARKER = "packing"
 
 
-#: Settings keys the node reads itself; a policy never sees them.
-NODE_SETTINGS = ("enabled", "best_effort")
 #: Seconds a policy's ``check_available`` answer is kept: it runs before every create that
 #: names the policy, and what it checks (tools, kernel features) rarely changes.
 AVAILABILITY_TTL = 5.0
@@ -918,9 +916,8 @@ class Node:
                 cause=cause,
             )
         if sb is None:
-            raise UnknownSandbox(
-                f"no sandbox {sid!r} on this node", name=sid, known=sorted(self.sandboxes)
-            )
+            # the others are not listed: an id is all it takes to drive a sandbox
+            raise UnknownSandbox(f"no sandbox {sid!r} on this node", name=sid)
         return sb
 
     def get(self, sid: str) -> SandboxInfo:

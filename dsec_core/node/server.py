@@ -158,8 +158,10 @@ def _qos_support() -> QosSupport:
 
 @_handles("probe")
 async def _probe(node: Node, c: Call) -> NodeProbe:
+    at = time.time()  # before the counts: a sandbox created earlier is in them
     layers, environments = node.warm()
     return NodeProbe(
+        at=at,
         name=node.config.node_name or os.fspath(node.config.home),
         version=__version__,
         load=node.load(),

@@ -107,14 +107,17 @@ def start_apiserver(
     argv += ["--probe-interval", "0.5", "--probe-timeout", "0.5"]
     for n in nodes:
         argv += ["--node", n.arg()]
-    if nodes:
-        argv += ["--node-token", nodes[0].token]
+    env = dict(os.environ)
+    if nodes:  # from the environment: never on a command line (/proc/PID/cmdline)
+        env["DSEC_NODE_TOKEN"] = nodes[0].token
     if ray:
         argv += ["--ray", ray]
     argv += list(args)
     fd, log = tempfile.mkstemp(prefix="dsec-apiserver-", suffix=".log")
     try:
-        proc = subprocess.Popen(argv, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=fd, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     finally:
         os.close(fd)
     api = ApiserverProcess(url, proc, Path(log))

@@ -30,8 +30,7 @@ from typing import Any, ClassVar
 from dsec_core.backend import AGENT_PATH, SandboxRuntime
 from dsec_core.config import NodeConfig
 from dsec_core.errors import DsecError, InvalidSpec, PolicyUnavailable, ToolError
-from dsec_core.node.node import NODE_SETTINGS
-from dsec_core.security import FileRules, SecurityPolicy
+from dsec_core.security import NODE_SETTINGS, FileRules, SecurityPolicy
 
 from .kernel import Kernel
 from .parser import find_parser, load_profile

@@ -102,6 +102,18 @@ class SeccompPolicy(SecurityPolicy):
             )
         libseccomp.version()  # PolicyUnavailable if the library is not there
 
+    @classmethod
+    def loosens(cls, settings: Mapping[str, Any]) -> str | None:
+        """``allow`` (calls the profile denies) and ``userns`` (namespaces) both let the
+        sandbox do more than the default profile does; an empty ``allow`` or ``userns``
+        false change nothing."""
+        why = []
+        if settings.get("userns") is True:
+            why.append("userns lets the sandbox make namespaces")
+        if settings.get("allow"):
+            why.append("allow lets the sandbox make calls the profile denies")
+        return "; ".join(why) or None
+
     def validate(self, settings: Mapping[str, Any]) -> None:
         for key in settings:
             if key not in SETTINGS:
