@@ -547,11 +547,10 @@ async def _forward(
     body: bytes | None = None,
 ) -> Response:
     """Pass ``request`` to ``entry`` (its body streamed, or ``body`` instead) and its answer
-    back (an error answer as the caller may see it)."""
-    raw = request.scope.get("raw_path")
-    target = raw.decode("latin-1") if raw else quote(request.url.path)
-    if request.url.query:
-        target += "?" + request.url.query
+    back (an error answer as the caller may see it). The target is made anew from the route
+    and the decoded path and query, never passed on as sent: the node reads exactly what
+    was checked here."""
+    target = route.target(request.path_params, route.decode_query(request.query_params))
     has_body = request.method in ("POST", "PUT")
     length = None
     if has_body:
@@ -566,7 +565,7 @@ async def _forward(
             target,
             body=(body if body is not None else request.stream()) if has_body else None,
             length=length if has_body else None,
-            content_type=request.headers.get("content-type"),
+            content_type=route.body_type,
             headers={REQUEST_ID: request_id},
             timeout=timeout,
         )
