@@ -721,8 +721,11 @@ def node_status(as_json) -> None:
                 state = "available" if feature["available"] else "unavailable"
                 click.echo(f"{what}: {state}: {feature['detail']}")
         for pool in info.get("pools") or ():
+            owner = pool.get("project")
             click.echo(
-                f"fncall pool {pool['name']}: {pool['size']} members ({pool['free']} free, "
+                f"fncall pool {pool['name']} "
+                f"({f'project {owner}' if owner else 'shared: no project'}): "
+                f"{pool['size']} members ({pool['free']} free, "
                 f"min {pool['min']}, max {pool['max']}), {pool['waiting']} calls waiting, "
                 f"{pool['replaced']} replaced"
             )
