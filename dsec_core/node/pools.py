@@ -244,7 +244,8 @@ class Pool:
                 if ok:
                     return sid
                 self._discard(sid, "found dead at lease")
-                self._release_held()
+                if not start:  # a starting caller may yet start one the held ones can wait for
+                    self._release_held()
             if not start and self.size == 0:
                 raise _cannot_start(self.name, self.key.project, "the pool has no member")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
@@ -268,7 +269,8 @@ class Pool:
             if await self.healthy(sid):
                 return sid
             self._discard(sid, "found dead at lease")
-            self._release_held()
+            if not start:
+                self._release_held()
 
     async def _wait(self, deadline: float, start: bool, refused: AdmissionRejected | None) -> str:
         """The next member given back, or the refusal once ``deadline`` passed."""
