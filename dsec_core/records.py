@@ -1001,6 +1001,12 @@ class JudgeSpec(_Record):
     working directory, hidden from the submission while it runs. ``stop_on_failure`` skips
     the cases after the first that fails (SKIPPED). ``memory`` is the member's own limit,
     which the compiler runs under and which must exceed ``memory_limit``.
+
+    ``project`` and ``start`` are an FnCall's (``FnCallRequest``): the pool is ``project``'s
+    (set by the apiserver to the caller's; None from a direct caller of a node: its shared
+    pools), and ``start`` False means the submission may not start a member, only take a free
+    one or wait for one (``AdmissionRejected`` with ``reason="pool-start"`` if the pool has
+    none, or none frees up within the pool's lease timeout).
     """
 
     environment: str
@@ -1020,6 +1026,10 @@ class JudgeSpec(_Record):
     memory: int | str = "1G"
     #: Devices the member holds (``SandboxSpec.devices``): a kernel judged on an accelerator.
     devices: tuple[DeviceRequest, ...] = ()
+    #: The project whose pool serves the submission (None: the node's shared pools)
+    project: str | None = None
+    #: False: take a free member or wait for one, never start one
+    start: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", device_requests(self.devices))
@@ -1048,6 +1058,8 @@ class JudgeSpec(_Record):
         _check_type("compile_timeout", self.compile_timeout, (int, float), "seconds")
         _check_finite("compile_timeout", self.compile_timeout)
         _check_type("cpu", self.cpu, (int, float), "a number of cores")
+        _check_type("project", self.project, (str, type(None)), "a project path or null")
+        _check_type("start", self.start, bool, "true or false")
         if not self.environment:
             raise InvalidSpec("judge needs an environment", field="environment")
         if not self.run or not all(isinstance(a, str) for a in _as_argv(self.run)):

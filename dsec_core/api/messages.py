@@ -190,7 +190,7 @@ class NodeStatus(Message):
     backends: tuple[str, ...]
     layer_sources: tuple[str, ...]
     qos: QosSupport | None = None  # None from a node older than the CPU classes
-    pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (environment, size)
+    pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (project, environment, size)
     devices: tuple[DeviceStatus, ...] = ()  # the inventory (DSEC_DEVICES) and its holders
 
 
@@ -234,7 +234,9 @@ class TtlRequest(Message):
 @dataclass(frozen=True)
 class PoolStatus(Message):
     """One FnCall pool: its members (``size``, ``free`` of them clean and idle), its bounds,
-    the calls waiting for a member, and how many members broke and were replaced."""
+    the calls waiting for a member, how many members broke and were replaced, and the project
+    whose calls it serves and whose quota its members count against (None: the node's shared
+    pool of direct callers)."""
 
     name: str
     size: int
@@ -243,6 +245,7 @@ class PoolStatus(Message):
     max: int
     waiting: int
     replaced: int
+    project: str | None = None
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,14 @@ class FnCallRequest(Message):
     it; contents base64) are written before it runs. The pool is the node's for
     (environment, backend, cpu, memory); ``timeout`` kills the call's whole process tree and
     sets ``timed_out``. The member is reset before anyone else's call, whatever happened.
+
+    ``project`` picks the pool's owner: the apiserver sets it to the caller's project, whose
+    pools are its own (their members carry its ``dsec.project`` label and count against its
+    quota); a direct caller of a node may leave it None and use the node's shared pools.
+    ``start`` False (the apiserver's choice when the project's quota has no room for one more
+    sandbox) lets the call take a free member or wait for one (the pool's lease timeout) but
+    never start one: with no member at all, or none free in time, it fails with
+    ``AdmissionRejected`` (``reason="pool-start"``).
     """
 
     environment: str = field(metadata=_limits(minLength=1))
@@ -397,6 +408,8 @@ class FnCallRequest(Message):
     cpu: float = field(default=1.0, metadata=_limits(exclusiveMinimum=0))
     memory: int | str = "512M"
     devices: tuple[DeviceRequest, ...] = ()
+    project: str | None = None
+    start: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", device_requests(self.devices))

@@ -721,8 +721,10 @@ def node_status(as_json) -> None:
                 state = "available" if feature["available"] else "unavailable"
                 click.echo(f"{what}: {state}: {feature['detail']}")
         for pool in info.get("pools") or ():
+            # a shared pool (no project: the node's direct callers) keeps the line it had
+            owner = f" (project {pool['project']})" if pool.get("project") else ""
             click.echo(
-                f"fncall pool {pool['name']}: {pool['size']} members ({pool['free']} free, "
+                f"fncall pool {pool['name']}{owner}: {pool['size']} members ({pool['free']} free, "
                 f"min {pool['min']}, max {pool['max']}), {pool['waiting']} calls waiting, "
                 f"{pool['replaced']} replaced"
             )

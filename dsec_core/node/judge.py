@@ -1,7 +1,8 @@
 """Judge mode: compile a submission once in a warm FnCall member, then run it on each test case
 with the case's own time and memory limits, and give each case a verdict (``VERDICTS``).
 
-One submission holds one leased member (``Pools.lease``) from its first file to its last case;
+One submission holds one leased member of its project's pool (``Pools.lease``: ``spec.project``
+and ``spec.start`` as for an FnCall) from its first file to its last case;
 many submissions are judged at once, one member each, as far as the pool's max allows (the rest
 wait for a member as FnCalls do). The member is reset after the submission, whatever it did.
 
@@ -128,7 +129,13 @@ async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
     """Judge one submission in a leased member of the environment's pool."""
     t0 = time.monotonic()
     async with pools.lease(
-        spec.environment, spec.backend, spec.cpu, spec.memory, spec.devices
+        spec.environment,
+        spec.backend,
+        spec.cpu,
+        spec.memory,
+        spec.devices,
+        project=spec.project,
+        start=spec.start,
     ) as m:
         cases = list(spec.cases) or await _take_cases(node, m, spec.cases_dir or "")
         cases = [c if c.name else _named(c, i) for i, c in enumerate(cases, 1)]

@@ -1336,11 +1336,14 @@ class Node:
         await sb.backend.reset(sb.rt, sb.backend_state)
 
     async def fncall(self, environment: str, cmd: Any = None, **kw: Any) -> FnCallResult:
-        """Run one call in a warm member of the environment's pool (``Pools.call``)."""
+        """Run one call in a warm member of the environment's pool (``Pools.call``): the pool
+        of ``project`` (a keyword; None: the node's shared pools), and with ``start=False``
+        one that may not start a member for the call."""
         return await self.pools.call(environment, cmd, **kw)
 
     async def judge(self, spec: JudgeSpec) -> JudgeResult:
-        """Judge one submission in a warm member of the environment's pool (``judge.judge``)."""
+        """Judge one submission in a warm member of the environment's pool of ``spec.project``
+        (``judge.judge``)."""
         return await judge(self, self.pools, spec)
 
     async def _drop_pool_members(self) -> None:

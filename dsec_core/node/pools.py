@@ -1,8 +1,9 @@
 """Warm pools for FnCall: short stateless calls run in resident sandboxes that are reset between
 calls instead of created for each.
 
-One ``Pool`` per (environment, backend, cpu, memory). A call leases a clean member (or starts
-one while the pool is under its max, or waits for one to come back), runs, and gives it back;
+One ``Pool`` per (project, environment, backend, cpu, memory, devices). A call leases a clean
+member (or starts one while the pool is under its max, or waits for one to come back), runs,
+and gives it back;
 the member is then reset (``Backend.reset``: every process killed, work areas emptied) before
 anyone else leases it, whatever the call did. A member that fails its reset, or whose sandbox
 died (its agent or init killed), is killed and replaced; one found dead at lease time is
@@ -13,6 +14,19 @@ Only backends that claim ``Feature.RESET`` serve pools. Members are ordinary san
 node (listed, admitted and counted like any other), labelled ``dsec.fncall-pool``; a restarted
 daemon kills the ones a previous daemon left, and a closing node kills its own: they hold
 nothing anyone needs.
+
+**Pools belong to a project.** A call names its project (``project``: the apiserver sets it to
+the caller's; a direct caller of the node may leave it None and use the node's shared pools),
+and a project's calls lease only members of its own pools, so calls through the apiserver
+never share a member across projects. What members count for: each member of a project's
+pool is labelled ``dsec.project=<project>`` and counts as one sandbox, with its CPU and memory
+limits, against that project's quota (``Node.project_usage``, the apiserver's probe), idle or
+busy, from its start until the pool lets it go (after ``idle`` seconds unused beyond the
+pool's ``min``; sizes apply to each project's pool on its own). A call with ``start=False``
+(the apiserver's choice when the project's quota has no room for one more sandbox) never
+starts a member: it takes a free one or waits, up to the lease timeout, for one to be given
+back, and fails with ``AdmissionRejected`` (``reason="pool-start"``) at once if the pool has
+no member at all, or when none came free in time.
 """
 
 from __future__ import annotations
@@ -35,7 +49,15 @@ from ..errors import (
     InvalidSpec,
     SandboxError,
 )
-from ..records import DeviceRequest, FnCallResult, SandboxSpec, device_requests, parse_size
+from ..iam import check_project_path
+from ..records import (
+    PROJECT_LABEL,
+    DeviceRequest,
+    FnCallResult,
+    SandboxSpec,
+    device_requests,
+    parse_size,
+)
 
 if TYPE_CHECKING:
     from .node import Node
@@ -56,7 +78,8 @@ MEMBER_DISK = "16M"
 class PoolSettings:
     """How big pools are and how long idle members stay (``DSEC_FNCALL_POOL_MIN``,
     ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_LEASE_TIMEOUT``), and the
-    sizes of the environments that differ (``DSEC_FNCALL_POOLS="fizzbuzz=2:8,other=0:4"``)."""
+    sizes of the environments that differ (``DSEC_FNCALL_POOLS="fizzbuzz=2:8,other=0:4"``).
+    Sizes are per pool: each project's pool of an environment has its own min and max."""
 
     min: int = 0
     max: int = 16
@@ -137,11 +160,28 @@ class PoolKey:
     memory: int
     #: Members hold these devices as any sandbox does, so a pool is also bounded by them
     devices: tuple[DeviceRequest, ...] = ()
+    #: The project whose calls the members serve and whose quota they count against; None:
+    #: the node's direct callers (no project), whose pools are shared among them
+    project: str | None = None
 
     @property
     def name(self) -> str:
+        """``fizzbuzz/fncall/1cpu/512M[/gpu...]``, then ``@project`` for a project's pool (the
+        environment first, so a name still starts with what the call named)."""
         name = f"{self.environment}/{self.backend}/{self.cpu:g}cpu/{self.memory >> 20}M"
-        return "/".join([name, *map(str, self.devices)])
+        name = "/".join([name, *map(str, self.devices)])
+        return name if self.project is None else f"{name}@{self.project}"
+
+
+def _cannot_start(pool: str, project: str | None, why: str) -> AdmissionRejected:
+    """The refusal of a ``start=False`` call that found no member to take."""
+    return AdmissionRejected(
+        f"fncall pool {pool}: could not start a member for the call (start=False: it may not "
+        f"start one) and {why}",
+        reason="pool-start",
+        pool=pool,
+        project=project,
+    )
 
 
 class Pool:
@@ -162,7 +202,10 @@ class Pool:
             disk=MEMBER_DISK,
             ttl=None,
             workdir=workdir,
-            labels={POOL_LABEL: key.name},
+            # the project label makes members count against the project's quota like any
+            # sandbox of it (Node.project_usage, the apiserver's probe)
+            labels={POOL_LABEL: key.name}
+            | ({} if key.project is None else {PROJECT_LABEL: key.project}),
             devices=key.devices,
         )
         self.members: set[str] = set()
@@ -171,6 +214,8 @@ class Pool:
         self.starting = 0
         self.resetting = 0
         self.waiters: collections.deque[asyncio.Future[str]] = collections.deque()
+        #: the waiters of ``start=False`` calls: no member is started for them
+        self.held: set[asyncio.Future[str]] = set()
         self.replaced = 0  # members killed because they broke (or failed a reset)
 
     @property
@@ -178,10 +223,14 @@ class Pool:
         return len(self.members) + self.starting
 
     # --- lease and give back --------------------------------------------------------------
-    async def lease(self) -> str:
+    async def lease(self, start: bool = True) -> str:
         """A clean, live member: a free one, a new one while under ``max`` and the node has
         room for it, or the next one given back; ``AdmissionRejected`` naming the pool after
-        ``lease_timeout`` (the node's own refusal if it refused a new member meanwhile)."""
+        ``lease_timeout`` (the node's own refusal if it refused a new member meanwhile).
+
+        ``start=False`` never starts a member: a free one or the next given back, and
+        ``AdmissionRejected`` with ``reason="pool-start"`` at once when the pool has no
+        member (none would ever come back), else after ``lease_timeout``."""
         deadline = time.monotonic() + self.settings.lease_timeout
         refused: AdmissionRejected | None = None  # the node's answer to a new member
         while True:
@@ -195,8 +244,17 @@ class Pool:
                 if ok:
                     return sid
                 self._discard(sid, "found dead at lease")
+                if not start:  # a starting caller may yet start one the held ones can wait for
+                    self._release_held()
+            if not start and self.size == 0:
+                raise _cannot_start(self.name, self.key.project, "the pool has no member")
             # a member being reset is back in a millisecond or two; a new one takes ~50 ms
-            if refused is None and self.size < self.max and self.resetting <= len(self.waiters):
+            if (
+                start
+                and refused is None
+                and self.size < self.max
+                and self.resetting <= len(self.waiters)
+            ):
                 self.starting += 1
                 try:
                     return await self._start()
@@ -207,36 +265,64 @@ class Pool:
                     # short): wait for one of ours instead, as for a full pool
                     refused = e
                     continue
-            fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            self.waiters.append(fut)
-            left = deadline - time.monotonic()
-            try:
-                done, _ = await asyncio.wait({fut}, timeout=max(0.0, left))
-            except BaseException:  # the caller went away: a member handed over meanwhile
-                if fut.done() and not fut.cancelled():  # goes to the next caller, not lost
-                    self._put(fut.result())
-                else:
-                    fut.cancel()
-                    with contextlib.suppress(ValueError):
-                        self.waiters.remove(fut)
-                raise
-            if not done:
-                fut.cancel()
-                with contextlib.suppress(ValueError):
-                    self.waiters.remove(fut)
-                if refused is not None:
-                    raise refused
-                raise AdmissionRejected(
-                    f"fncall pool {self.name}: all {self.max} members busy for "
-                    f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
-                    "DSEC_FNCALL_LEASE_TIMEOUT)",
-                    reason="fncall-pool",
-                    pool=self.name,
-                )
-            sid = fut.result()
+            sid = await self._wait(deadline, start, refused)
             if await self.healthy(sid):
                 return sid
             self._discard(sid, "found dead at lease")
+            if not start:
+                self._release_held()
+
+    async def _wait(self, deadline: float, start: bool, refused: AdmissionRejected | None) -> str:
+        """The next member given back, or the refusal once ``deadline`` passed."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        if not start:
+            self.held.add(fut)
+        left = deadline - time.monotonic()
+        try:
+            done, _ = await asyncio.wait({fut}, timeout=max(0.0, left))
+        except BaseException:  # the caller went away: a member handed over meanwhile
+            if fut.done() and not fut.cancelled():  # goes to the next caller, not lost
+                if fut.exception() is None:
+                    self._put(fut.result())
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(fut)
+            raise
+        finally:
+            self.held.discard(fut)
+        if done:
+            return fut.result()  # a member, or the refusal ``_release_held`` set
+        fut.cancel()
+        with contextlib.suppress(ValueError):
+            self.waiters.remove(fut)
+        if not start:
+            raise _cannot_start(
+                self.name,
+                self.key.project,
+                f"none of its {self.size} members came free in "
+                f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_LEASE_TIMEOUT)",
+            )
+        if refused is not None:
+            raise refused
+        raise AdmissionRejected(
+            f"fncall pool {self.name}: all {self.max} members busy for "
+            f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
+            "DSEC_FNCALL_LEASE_TIMEOUT)",
+            reason="fncall-pool",
+            pool=self.name,
+        )
+
+    def _release_held(self) -> None:
+        """Refuse the waiting ``start=False`` calls at once when the pool has lost its last
+        member and is starting none: no member will ever come back to them."""
+        if self.size:
+            return
+        for fut in [f for f in self.waiters if f in self.held]:
+            self.waiters.remove(fut)
+            if not fut.done():
+                fut.set_exception(_cannot_start(self.name, self.key.project, "it has no member"))
 
     def give_back(self, sid: str, broken: bool) -> None:
         """Reset the member (or replace it if ``broken``) and hand it to the next call."""
@@ -255,6 +341,7 @@ class Pool:
         if broken:
             self._discard(sid, "broken")
             self._refill()
+            self._release_held()
         else:
             self._put(sid)
 
@@ -280,14 +367,17 @@ class Pool:
         no other lease sees room that is taken)."""
         try:
             info = await self.node.create(self.spec)
-        except AdmissionRejected as e:
-            raise AdmissionRejected(
-                f"fncall pool {self.name}: cannot start a member: {e}",
-                reason=e.context.get("reason", "node"),
-                pool=self.name,
-            ) from e
-        finally:
+        except BaseException as e:
             self.starting -= 1
+            self._release_held()  # a start=False call waited for this member
+            if isinstance(e, AdmissionRejected):
+                raise AdmissionRejected(
+                    f"fncall pool {self.name}: cannot start a member: {e}",
+                    reason=e.context.get("reason", "node"),
+                    pool=self.name,
+                ) from e
+            raise
+        self.starting -= 1
         self.members.add(info.id)
         return info.id
 
@@ -310,7 +400,9 @@ class Pool:
     def _refill(self) -> None:
         """Start members for waiting calls and up to ``min``, in the background."""
         want = max(self.min - self.size, 0)
-        want = max(want, min(len(self.waiters), self.max - self.size))
+        # a start=False call's waiting starts nothing: its project has no room for a member
+        may_start = len(self.waiters) - len(self.held)
+        want = max(want, min(may_start, self.max - self.size))
         for _ in range(want):
             self.starting += 1
             self.node._spawn(self._start_free())
@@ -334,6 +426,7 @@ class Pool:
     def status(self) -> dict[str, object]:
         return {
             "name": self.name,
+            "project": self.key.project,
             "size": self.size,
             "free": len(self.free),
             "min": self.min,
@@ -361,11 +454,18 @@ class Pools:
         cpu: float,
         memory: int | str,
         devices: Sequence[DeviceRequest | str] = (),
+        project: str | None = None,
+        start: bool = True,
     ) -> Pool:
+        """The pool of ``project`` for (environment, backend, cpu, memory, devices), made on
+        first use (its ``min`` members started) unless ``start`` is False: a call that may
+        not start a member has nothing to take from a pool that does not exist yet."""
         mem = parse_size(memory, "memory")
         if mem is None:
             raise InvalidSpec("fncall: memory must be a size such as '512M'", field="memory")
-        key = PoolKey(environment, backend, float(cpu), mem, device_requests(devices))
+        if project is not None:
+            check_project_path(project)
+        key = PoolKey(environment, backend, float(cpu), mem, device_requests(devices), project)
         found = self.pools.get(key)
         if found is not None:
             return found
@@ -378,6 +478,8 @@ class Pools:
             )
         env = self.node.catalogs.environment(environment)  # UnknownEnvironment
         workdir = env.workdir if env.workdir not in ("", "/") else DEFAULT_WORKDIR
+        if not start:
+            raise _cannot_start(key.name, project, "the pool has no member")
         p = self.pools[key] = Pool(self.node, key, self.settings, workdir)
         p._refill()
         if self._reaper is None:
@@ -399,11 +501,16 @@ class Pools:
         cpu: float = 1.0,
         memory: int | str = "512M",
         devices: Sequence[DeviceRequest | str] = (),
+        project: str | None = None,
+        start: bool = True,
     ) -> FnCallResult:
+        """Run one call in a member of ``project``'s pool (see ``lease``)."""
         if (cmd is None) == (script is None):
             raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
         t0 = time.monotonic()
-        async with self.lease(environment, backend, cpu, memory, devices) as m:
+        async with self.lease(
+            environment, backend, cpu, memory, devices, project=project, start=start
+        ) as m:
             if files:
                 await self.write_files(m.sid, m.workdir, files)
             argv = cmd if script is None else ["/bin/sh", "-c", script]
@@ -444,15 +551,19 @@ class Pools:
         cpu: float = 1.0,
         memory: int | str = "512M",
         devices: Sequence[DeviceRequest | str] = (),
+        *,
+        project: str | None = None,
+        start: bool = True,
     ) -> AsyncIterator[Lease]:
-        """A clean member of the pool for (environment, backend, cpu, memory, devices) for the
-        body of the ``async with``; given back (and reset, or replaced if ``Lease.check`` found
-        it broken) at its end, whatever happened."""
+        """A clean member of ``project``'s pool for (environment, backend, cpu, memory,
+        devices) for the body of the ``async with``; given back (and reset, or replaced if
+        ``Lease.check`` found it broken) at its end, whatever happened. ``start=False``: take
+        a free member or wait for one, never start one (``Pool.lease``)."""
         if self._closed:
             raise BackendUnavailable("the node is closing: no more FnCalls")
         t0 = time.monotonic()
-        pool = self.pool(environment, backend, cpu, memory, devices)
-        sid = await pool.lease()
+        pool = self.pool(environment, backend, cpu, memory, devices, project, start)
+        sid = await pool.lease(start)
         m = Lease(pool, sid, pool.spec.workdir, time.monotonic() - t0)
         try:
             yield m

@@ -432,6 +432,8 @@ async def _fncall(node: Node, c: Call) -> Any:
         cpu=b.cpu,
         memory=b.memory,
         devices=b.devices,
+        project=b.project,
+        start=b.start,
     )
     return await _counted(node, "fncall", run)
 

@@ -25,10 +25,16 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dsec_core.api.transport import HTTPTransport
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.config import NodeConfig
-from dsec_core.errors import AdmissionRejected, BackendUnavailable, UnknownEnvironment
+from dsec_core.errors import (
+    AdmissionRejected,
+    BackendUnavailable,
+    UnknownEnvironment,
+    error_from_wire,
+)
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
@@ -475,6 +481,195 @@ async def test_a_restarted_node_kills_the_members_a_previous_one_left(fn_home):
         await again.close(kill_all=True)
 
 
+# --- pools by project (issue 20) ---------------------------------------------------------------
+
+
+async def test_projects_never_share_a_member_and_their_members_count_for_them(fn_home):
+    node = await _opened(fn_home, max=2)
+    try:
+        rs = {
+            p: await asyncio.gather(
+                *(call(node, "sleep 0.2; echo $$", project=p) for _ in range(4))
+            )
+            for p in ("org/a", "org/b")
+        }
+        # one more round at once, both projects on the node together
+        both = await asyncio.gather(
+            *(call(node, "echo hi", project=p) for p in ("org/a", "org/b") for _ in range(3))
+        )
+        rs["org/a"] += both[:3]
+        rs["org/b"] += both[3:]
+        shared = await call(node, "true")  # a direct caller: the node's shared pool
+        members = {p: {r.member for r in got} for p, got in rs.items()}
+        assert all(r.ok for got in rs.values() for r in got)
+        assert members["org/a"].isdisjoint(members["org/b"])
+        assert shared.member not in members["org/a"] | members["org/b"]
+        assert {r.pool for r in rs["org/a"]} == {f"{ENV}/fncall/1cpu/64M@org/a"}
+        await settle(node)
+        for p, sids in members.items():
+            for sid in sids:
+                assert node.sandboxes[sid].rt.spec.labels["dsec.project"] == p
+                assert node.sandboxes[sid].rt.spec.labels["dsec.fncall-pool"].endswith("@" + p)
+        assert "dsec.project" not in node.sandboxes[shared.member].rt.spec.labels
+        # idle members count for their project: one sandbox, its CPU and memory, each
+        usage = node.project_usage()
+        assert set(usage) == {"org/a", "org/b"}
+        for p, sids in members.items():
+            assert usage[p] == (len(sids), float(len(sids)), len(sids) * (64 << 20)), usage
+        status = {s["project"]: s for s in node.pools.status()}
+        assert set(status) == {"org/a", "org/b", None}
+        assert sorted(status["org/a"]["members"]) == sorted(members["org/a"])
+        assert status["org/b"]["max"] == 2  # the pool's sizes apply to each project's pool
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_a_project_pool_shrinks_away_and_its_use_goes_with_it(fn_home):
+    node = await _opened(fn_home, max=2, idle=0.3)
+    try:
+        assert (await call(node, "true", project="org/a")).ok
+        await settle(node)
+        assert node.project_usage()["org/a"][0] == 1
+        for _ in range(60):
+            await asyncio.sleep(0.1)
+            if "org/a" not in node.project_usage():
+                break
+        assert "org/a" not in node.project_usage()
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_start_false_on_an_empty_pool_fails_at_once(fn_home):
+    node = await _opened(fn_home, max=2, lease_timeout=5.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AdmissionRejected) as e:
+            await call(node, "true", project="org/a", start=False)
+        assert time.monotonic() - t0 < 1.0  # no lease timeout waited: nothing would come
+        assert e.value.reason == "pool-start" and e.value.pool == f"{ENV}/fncall/1cpu/64M@org/a"
+        assert "could not start a member" in str(e.value)
+        assert not node.sandboxes and not node.pools.pools  # nothing was started or made
+        # another project's member is no member of this project's pool
+        assert (await call(node, "true", project="org/b")).ok
+        with pytest.raises(AdmissionRejected, match="could not start a member"):
+            await call(node, "true", project="org/a", start=False)
+        # the judge takes the same path
+        spec = dsec.JudgeSpec(
+            environment=ENV,
+            run="cat",
+            cases=(dsec.JudgeCase("1\n", "1\n"),),
+            memory="64M",
+            memory_limit="32M",
+            project="org/a",
+            start=False,
+        )
+        with pytest.raises(AdmissionRejected) as e:
+            await node.judge(spec)
+        assert e.value.reason == "pool-start"
+        await settle(node)
+        assert "org/a" not in node.project_usage()
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_start_false_takes_an_idle_member(fn_home):
+    node = await _opened(fn_home, max=2, lease_timeout=5.0)
+    try:
+        first = await call(node, "true", project="org/a")
+        await settle(node)
+        r = await call(node, "echo again", project="org/a", start=False)
+        assert r.ok and r.stdout == b"again\n" and r.member == first.member
+        spec = dsec.JudgeSpec(
+            environment=ENV,
+            run="cat",
+            cases=(dsec.JudgeCase("1\n", "1\n"),),
+            memory="64M",
+            memory_limit="32M",
+            project="org/a",
+            start=False,
+        )
+        await settle(node)
+        j = await node.judge(spec)
+        assert j.verdict == "AC" and j.member == first.member
+        await settle(node)
+        assert len(node.sandboxes) == 1
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_start_false_waits_for_a_busy_member(fn_home):
+    node = await _opened(fn_home, max=4, lease_timeout=10.0)
+    try:
+        busy = asyncio.ensure_future(call(node, "sleep 0.6; echo busy", project="org/a"))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        r = await call(node, "echo waited", project="org/a", start=False)
+        assert r.ok and r.stdout == b"waited\n"
+        first = await busy
+        assert r.member == first.member and r.wait > 0.1  # the busy one, once given back
+        assert time.monotonic() - t0 < 5.0
+        await settle(node)
+        assert len(node.sandboxes) == 1  # though the pool could have grown to 4
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_start_false_fails_after_the_lease_timeout_if_no_member_frees(fn_home):
+    node = await _opened(fn_home, max=4, lease_timeout=0.4)
+    try:
+        busy = asyncio.ensure_future(call(node, "sleep 2; echo busy", project="org/a"))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(AdmissionRejected) as e:
+            await call(node, "true", project="org/a", start=False)
+        assert 0.35 <= time.monotonic() - t0 < 1.5
+        assert e.value.reason == "pool-start" and "came free" in str(e.value)
+        assert (await busy).ok
+        await settle(node)
+        assert len(node.sandboxes) == 1
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_start_false_waiting_on_a_member_that_dies_fails_at_once(fn_home):
+    node = await _opened(fn_home, max=1, lease_timeout=10.0)
+    try:
+        first = await call(node, "true", project="org/a")
+        await settle(node)
+        pid = node.sandboxes[first.member].backend_state["pid"]
+        busy = asyncio.ensure_future(call(node, "sleep 30", timeout=20, project="org/a"))
+        await asyncio.sleep(0.3)
+        waiting = asyncio.ensure_future(call(node, "true", project="org/a", start=False))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)  # the only member: the waiter has nothing to wait for
+        assert (await busy).error == "runtime-error"
+        with pytest.raises(AdmissionRejected) as e:
+            await waiting
+        assert e.value.reason == "pool-start" and time.monotonic() - t0 < 5.0
+        await settle(node)
+        assert not node.sandboxes  # and no member was started for it
+    finally:
+        await node.close(kill_all=True)
+
+
+async def test_a_restarted_node_kills_a_projects_leftover_members(fn_home):
+    node = await _opened(fn_home, max=2)
+    r = await call(node, "true", project="org/a")
+    await settle(node)
+
+    async def crash() -> None:  # as a crashed daemon would: members stay behind
+        pass
+
+    node.pools.close = crash  # type: ignore[method-assign]
+    await node.close(kill_all=False, release_runtime=False)
+    again = await _opened(fn_home)
+    try:
+        assert r.member not in again.sandboxes and not again.project_usage()
+    finally:
+        await again.close(kill_all=True)
+
+
 # --- over the API: the SDK and the kit's daemon -----------------------------------------------
 
 
@@ -501,6 +696,56 @@ async def test_fncall_through_the_async_sdk(dsec_node, kit_env):
             *(client.fncall(kit_env, script="echo $((6*7))", memory=MEM) for _ in range(6))
         )
     assert all(r.stdout == b"42\n" for r in rs)
+
+
+def test_a_calls_project_and_start_reach_the_node_over_the_api(dsec_node, dsec_client, kit_env):
+    """The apiserver's way in: ``project`` and ``start`` in the bodies of fncall and judge."""
+    project = "kit-fncall/api"  # no other test's project: the session's node keeps members
+
+    def post(body: dict) -> tuple[int, dict]:
+        t = HTTPTransport(os.fspath(dsec_node.config.socket_path))
+        try:
+            r = t.request(
+                "POST",
+                "/v1/fncall",
+                body=json.dumps(body).encode(),
+                content_type="application/json",
+                timeout=60,
+            )
+        finally:
+            t.close()
+        return r.status_code, r.json()
+
+    base = {"environment": kit_env, "cmd": "echo hi", "memory": MEM, "project": project}
+    status, answer = post({**base, "start": False})
+    assert status == 429, answer
+    err = error_from_wire(answer["error"])
+    assert isinstance(err, AdmissionRejected) and err.reason == "pool-start"
+    status, answer = post(base)
+    assert status == 200 and answer["pool"].endswith("@" + project), answer
+    status, again = post({**base, "start": False})
+    assert status == 200 and again["member"] == answer["member"], again
+    j = dsec_client.judge(
+        kit_env,
+        "cat",
+        cases=[dsec.JudgeCase("1\n", "1\n")],
+        memory=MEM,
+        memory_limit="32M",
+        project=project,
+        start=False,
+    )
+    assert j.verdict == "AC" and j.member == answer["member"]
+    (pool,) = [p for p in dsec_client.node_info()["pools"] if p["project"] == project]
+    assert pool["name"] == answer["pool"] and pool["size"] == 1
+    env = dict(os.environ, DSEC_HOME=os.fspath(dsec_node.home))
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec_core.cli", "node", "status"],
+        env=env,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    assert f"fncall pool {answer['pool']} (project {project}): 1 members" in out.stdout, out
 
 
 def test_fncall_through_the_cli(dsec_node, kit_env, tmp_path):
