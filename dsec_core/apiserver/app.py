@@ -171,6 +171,9 @@ class Gateway:
         self._usage: dict[str, tuple[int, float, int]] = {}
         self._usage_version: tuple[int, tuple[str, ...]] | None = None
         self._policy_classes: Mapping[str, Any] | None = None
+        #: (project, environment) -> the node that ran the project's last fncall or judge
+        #: call of it: its pool is warm there
+        self.pool_homes: dict[tuple[str, str], str] = {}
 
     # --- what a key reaches ---------------------------------------------------------------
     def node_of(self, resource_id: str, kind: str = "sandbox") -> NodeEntry:
@@ -410,6 +413,14 @@ class Gateway:
         }
         if not overflow:
             reasons.update({e.name: "overflow pool (the spec does not allow it)" for e in burst})
+        pooled = {e.name for pool in pools for e in pool}
+        room = sum(max(0, v.max_sandboxes - v.sandboxes) for k, v in loads.items() if k in pooled)
+        if count > room:  # refused at once: placing one by one would cost count steps
+            raise AdmissionRejected(
+                f"count {count} is over the room the nodes have for {room} more sandboxes",
+                reason="count",
+                nodes=dict(sorted(reasons.items())),
+            )
         used_overflow = False
         for _ in range(count):
             chosen = None
@@ -970,12 +981,18 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
     raise other or missing("snapshot", body.snapshot)
 
 
+#: How many (project, environment) -> node pool homes are remembered.
+_POOL_HOMES = 100_000
+
+
 def _placed_handler(route: Route) -> Handler:
-    """fncall, judge: to a node placement picks for the environment, in a pool of the
-    caller's project. A pool member counts as one sandbox of the project (its cpu and memory)
-    for as long as it lives; when the project's quotas have no room for one more, the call
-    may only use a member its pool has (``start`` false), and a pool with none free is the
-    project's ``QuotaExceeded``."""
+    """fncall, judge: in a pool of the caller's project, on the node that ran the project's
+    last call of the environment while placement lets it take one more member (its pool is
+    warm there), else where placement says. A pool member counts as one sandbox of the project
+    (its cpu and memory) for as long as it lives; when the project's quotas have no room for
+    one more, the call may only use a member one of its pools has (``start`` false): it is
+    tried on the node of the pool's last call first, then on each other, and a pool with no
+    member free anywhere is the project's ``QuotaExceeded``."""
 
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
         _, body = await _body(request, route)
@@ -987,27 +1004,43 @@ def _placed_handler(route: Route) -> Handler:
         except QuotaExceeded as e:
             full = e
         content = route.encode_body(replace(body, project=project, start=full is None))
-        shares, _ = gw.place(SandboxSpec(environment=body.environment), 1)
-        name = next(iter(shares))
-        hold = None if full else gw.nodes.ledger.hold(project, name, 1, cpu, memory)
+        home_key = (project, body.environment)
+        home = gw.pool_homes.get(home_key)
+        spec = SandboxSpec(environment=body.environment)
+        if full is None:
+            try:
+                shares, _ = gw.place(spec, 1, only=home)
+            except AdmissionRejected:
+                shares, _ = gw.place(spec, 1)
+            names = list(shares)
+        else:  # no member may start: wherever the project's pool may have one
+            names = [e.name for e in gw.nodes.healthy()]
+            names.sort(key=lambda n: n != home)
         timeout = None if route.timeout is None or route.exec_timeout else route.timeout + 30
-        try:
-            answer = await gw._request(
-                gw.nodes.nodes[name], "POST", route.path, content, timeout, request_id=rid
-            )
-        except AdmissionRejected as e:
-            if hold is not None:
-                gw.nodes.ledger.settle(hold, 0)
-            if full is not None and e.context.get("reason") == "pool-start":
-                raise full from None
-            raise
-        except BaseException:
-            if hold is not None:
-                gw.nodes.ledger.settle(hold, 0)
-            raise
-        if hold is not None:  # it may have started a member: counted until the next probe
-            gw.nodes.ledger.settle(hold, 1)
-        return Response(answer, route.status, media_type=JSON)
+        for name in names:
+            hold = None if full else gw.nodes.ledger.hold(project, name, 1, cpu, memory)
+            try:
+                answer = await gw._request(
+                    gw.nodes.nodes[name], "POST", route.path, content, timeout, request_id=rid
+                )
+            except AdmissionRejected as e:
+                if hold is not None:
+                    gw.nodes.ledger.settle(hold, 0)
+                if full is not None and e.context.get("reason") == "pool-start":
+                    continue  # no member of the project's pool there: the next node
+                raise
+            except BaseException:
+                if hold is not None:
+                    gw.nodes.ledger.settle(hold, 0)
+                raise
+            if hold is not None:  # it may have started a member: counted until the next probe
+                gw.nodes.ledger.settle(hold, 1)
+            gw.pool_homes[home_key] = name
+            if len(gw.pool_homes) > _POOL_HOMES:
+                del gw.pool_homes[next(iter(gw.pool_homes))]
+            return Response(answer, route.status, media_type=JSON)
+        assert full is not None
+        raise full
 
     return handle
 

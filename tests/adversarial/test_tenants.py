@@ -246,8 +246,12 @@ def test_lists_show_only_the_callers_own(tenants, who):
         assert tenants.layer in refs  # everyone's layers stay listed
         assert tenants.victim["snapshot"] not in refs and tenants.victim["staged"] not in refs
         assert not any(scope_tag(VICTIM) in r for r in refs)
-        # the apiserver's node info counts the caller's sandboxes, not the cluster's
-        assert c.node_info()["sandboxes"] == len(c.list())
+    # the apiserver's node info counts the caller's sandboxes, not the cluster's
+    fresh = f"evil/fresh-{who}"
+    tenants.iam.create_project(fresh)
+    key = tenants.iam.create_key(fresh, "member")[1]
+    with dsec.Client(tenants.api.url, api_key=key) as c:
+        assert c.node_info()["sandboxes"] == 0
     with tenants.client("victim") as c:  # the victim's own member: not the build's
         assert tenants.victim["build"] not in {i.id for i in c.list()}
         assert tenants.victim["staged"] not in {i.ref for i in c.layers()}
@@ -461,19 +465,35 @@ def test_envd_process_start_answers_another_projects_sandbox_as_made_up(tenants)
 
 @pytest.mark.attack("fncall pools shared across projects")
 def test_fncall_pools_are_not_shared_across_projects(tenants):
-    marker = "/tmp/.seen-by"
+    marker = ".seen-by"  # in the call's working directory, which a reset empties
     ids: dict[str, set[str]] = {}
     for who in ("victim", "member"):
         with tenants.client(who) as c:
             seen = set()
             for _ in range(3):
-                r = c.fncall("kitenv", f"cat /etc/hostname; echo {who} >> {marker}; cat {marker}")
+                r = c.fncall("kitenv", f"hostname; echo {who} >> {marker}; cat {marker}")
                 assert r.exit_code == 0, r
                 host, *lines = r.stdout.decode().split()
                 seen.add(host)
                 assert lines == [who], lines  # reset between calls, and only ours
             ids[who] = seen
     assert not ids["victim"] & ids["member"]
+
+
+@pytest.mark.attack("fncall pools started past the project's quota")
+def test_fncall_pool_members_count_against_the_quota(tenants):
+    tenants.iam.create_project("fquota", Quota(sandboxes=1))
+    key = tenants.iam.create_key("fquota", "member")[1]
+    with dsec.Client(tenants.api.url, api_key=key) as c:
+        with c.create(tenants.spec(ttl=120)):
+            with pytest.raises(QuotaExceeded):  # no room to start a member, none to reuse
+                c.fncall("kitenv", "true")
+        time.sleep(1.2)  # the kill counted by a probe
+        assert c.fncall("kitenv", "echo hi").stdout == b"hi\n"
+        with pytest.raises(QuotaExceeded):  # the idle member holds the project's one slot
+            c.create(tenants.spec(ttl=60))
+        assert c.fncall("kitenv", "echo again").stdout == b"again\n"  # and serves it
+        assert not c.list()  # members are nobody's to list or touch
 
 
 # --- quotas and admission ---------------------------------------------------------------------
@@ -812,3 +832,51 @@ def test_oversized_bodies_are_413_before_they_are_read(tenants):
             r = c.post(path, content=b" " * (8 << 20), headers={"content-type": "application/json"})
             assert r.status_code == 413, (path, r.text)
     assert w.rise < 32 << 20
+
+
+@pytest.mark.attack("a batch of a billion sandboxes to keep the apiserver busy")
+def test_a_huge_count_is_refused_at_once(tenants):
+    with tenants.http("member") as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/sandboxes", json={"spec": tenants.spec().to_dict(), "count": 10**9})
+        took = time.monotonic() - t0
+    assert r.status_code == 429 and r.json()["error"]["context"]["reason"] == "count", r.text
+    assert took < 1.0, took
+    _other_tenant_still_served(tenants)
+
+
+@pytest.mark.attack("a file upload cut off half-way, to break the node connection")
+def test_an_upload_cut_off_leaves_other_tenants_served(tenants):
+    with tenants.client("member") as c:
+        own = c.create(tenants.spec(ttl=120))
+    host, port = tenants.api.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(
+                f"PUT /v1/sandboxes/{own.id}/file?path=/root/x HTTP/1.1\r\nHost: x\r\n".encode()
+                + f"Authorization: Bearer {tenants.keys['member']}\r\n".encode()
+                + b"Content-Type: application/octet-stream\r\nContent-Length: 10485760\r\n\r\n"
+                + b"x" * (1 << 20)
+            )
+        _other_tenant_still_served(tenants)  # right after: the node connection is whole
+    with tenants.client("member") as c:
+        c.kill(own.id)
+
+
+@pytest.mark.attack("an upload declared larger than the bound")
+def test_an_upload_over_the_bound_is_413_before_it_is_read(tenants):
+    with tenants.client("member") as c:
+        own = c.create(tenants.spec(ttl=120))
+    host, port = tenants.api.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            f"PUT /v1/sandboxes/{own.id}/file?path=/root/x HTTP/1.1\r\nHost: x\r\n".encode()
+            + f"Authorization: Bearer {tenants.keys['member']}\r\n".encode()
+            + b"Content-Type: application/octet-stream\r\n"
+            + f"Content-Length: {1 << 45}\r\n\r\n".encode()
+        )
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    with tenants.client("member") as c:
+        assert c.exec(own.id, "test -e /root/x").exit_code != 0  # nothing written
+        c.kill(own.id)
