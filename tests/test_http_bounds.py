@@ -394,6 +394,14 @@ def test_a_body_that_stalls_is_408(servers):
     headers = {**servers.node_auth(), "content-length": "100"}
     a = _exchange(servers.node.url, [_head("PUT", target, headers), b"half"])
     assert a.status == 408 and a.closed
+    # a body the apiserver passes on as it comes (it bounds no wait of its own there): the
+    # protocol abandons it at twice DSEC_BODY_TIMEOUT, and the apiserver serves on
+    target = ROUTES["set_ttl"].target({"sid": servers.sid})
+    headers = {**servers.api_auth(), "content-type": JSON, "content-length": "100"}
+    a = _exchange(servers.api_url, [_head("PUT", target, headers), b'{"ttl": '])
+    assert a.status == 408 and a.error()["type"] == "RequestTimeout", a
+    assert 1.9 < a.elapsed < 3.5 and a.closed
+    assert _exchange(servers.api_url, [_head("GET", "/v1/node", servers.api_auth())]).status == 200
 
 
 # --- the E2B API ---------------------------------------------------------------------------
