@@ -44,6 +44,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self._in_head = True  # the next bytes are (part of) a request's line and headers
+        self._head_begun = False  # the parser has seen a request begin and not its headers end
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
@@ -72,7 +73,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return  # lingering after a refusal: read and dropped
         self._feed(data)
-        if not self._in_head and self._idle_timer is None and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        # Timers only for what is left incomplete: a request that came whole costs none.
+        if self._in_head:
+            if self._head_begun or self._head_bytes:
+                self._arm_head_timer()
+        elif self._idle_timer is None:
             self._idle_timer = self.loop.call_later(self._idle_check, self._check_body)
 
     def _feed(self, data: bytes) -> None:
@@ -85,7 +92,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             if room <= 0:
                 self._refuse(self._too_large())
                 return
-            self._arm_head_timer()
             piece, data = (data, b"") if len(data) <= room else (data[:room], data[room:])
             self._head_bytes += len(piece)
             super().data_received(piece)  # may end this head, a body, and begin the next head
@@ -95,11 +101,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     # --- the parser's callbacks -----------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
-        self._arm_head_timer()
+        self._in_head = self._head_begun = True
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head = self._head_begun = False
         self._body_seen = self.loop.time()
         if self._head_timer is not None:
             self._head_timer.cancel()
