@@ -25,7 +25,6 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ..errors import DsecError, HeadersTooLarge, RequestTimeout
 from .routes import JSON, dump_json
-from .serving import HttpLimits
 
 __all__ = ["LINGER", "BoundedHttpProtocol", "bounded_protocol"]
 
@@ -36,10 +35,15 @@ LINGER = 2.0
 
 
 class BoundedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with request heads bounded by ``limits`` (set on the
-    subclass ``bounded_protocol`` makes)."""
+    """uvicorn's httptools protocol with request heads and bodies bounded as its class
+    attributes say (``bounded_protocol`` makes a subclass with the server's own)."""
 
-    limits = HttpLimits()
+    #: The most bytes of a request's line and headers (``DSEC_MAX_HEADER_BYTES``).
+    max_header_bytes = 64 << 10
+    #: Seconds from a head's first byte (or the connection's opening) to its end.
+    header_timeout = 10.0
+    #: Seconds a body may stall (``DSEC_BODY_TIMEOUT``); see ``_check_body``.
+    body_timeout = 30.0
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -52,7 +56,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         # a body's last byte, and the timer that abandons a body stalled while it is read
         self._body_seen = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._idle_check = self.limits.body_timeout / 4
+        self._idle_check = self.body_timeout / 4
         self._refusal: bytes | None = None  # due once the answers before it are out
         self._linger: asyncio.TimerHandle | None = None
 
@@ -88,7 +92,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 self._body_seen = self.loop.time()
                 super().data_received(data)
                 return
-            room = self.limits.max_header_bytes - self._head_bytes
+            room = self.max_header_bytes - self._head_bytes
             if room <= 0:
                 self._refuse(self._too_large())
                 return
@@ -129,14 +133,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         elif not self._in_head and self._body_timer is None:
             # answered before its body was all read: the body gets body_timeout to finish
             # (uvicorn drops it as it comes), else the connection closes
-            self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_timed_out)
+            self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
 
     # --- refusing -------------------------------------------------------------------------
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
-            self._head_timer = self.loop.call_later(
-                self.limits.header_timeout, self._head_timed_out
-            )
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -146,7 +148,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             # a pipelined head waits behind an answer still going out: its time runs from then
             self._arm_head_timer()
             return
-        limit = self.limits.header_timeout
+        limit = self.header_timeout
         self._refuse(
             RequestTimeout(
                 f"the request's line and headers did not arrive within {limit:g} s "
@@ -167,14 +169,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         now = self.loop.time()
         if self.flow.read_paused:
             self._body_seen = now
-        if now - self._body_seen < 2 * self.limits.body_timeout:
+        if now - self._body_seen < 2 * self.body_timeout:
             self._idle_timer = self.loop.call_later(self._idle_check, self._check_body)
             return
         cycle = self.cycle
         if cycle is None or cycle.response_started:
             self.transport.close()
             return
-        limit = 2 * self.limits.body_timeout
+        limit = 2 * self.body_timeout
         log.warning("abandoned a request body that stalled for %g s", limit)
         cycle.disconnected = True  # what the app sends from now on goes nowhere
         cycle.message_event.set()
@@ -194,7 +196,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _too_large(self) -> HeadersTooLarge:
-        limit = self.limits.max_header_bytes
+        limit = self.max_header_bytes
         return HeadersTooLarge(
             f"the request's line and headers are over {limit} bytes (DSEC_MAX_HEADER_BYTES)",
             field="headers",
@@ -243,6 +245,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._linger = self.loop.call_later(LINGER, transport.close)
 
 
-def bounded_protocol(limits: HttpLimits) -> type[BoundedHttpProtocol]:
-    """The protocol class for uvicorn's ``http=`` option, bounded by ``limits``."""
-    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), {"limits": limits})
+def bounded_protocol(
+    max_header_bytes: int, header_timeout: float, body_timeout: float
+) -> type[BoundedHttpProtocol]:
+    """The protocol class for uvicorn's ``http=`` option, with these bounds."""
+    bounds = {
+        "max_header_bytes": max_header_bytes,
+        "header_timeout": header_timeout,
+        "body_timeout": body_timeout,
+    }
+    return type("BoundedHttpProtocol", (BoundedHttpProtocol,), bounds)

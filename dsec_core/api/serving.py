@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ from starlette.responses import Response
 from ..errors import DsecError, InvalidSpec, NotFound, RequestTimeout, RequestTooLarge
 from ..records import parse_size
 from .routes import JSON, MAX_BODY, ROUTES, dump_json
+
+#: httptools is a dependency; a server without it still runs, on h11 (``server_options``).
+_HTTPTOOLS = importlib.util.find_spec("httptools") is not None
+if _HTTPTOOLS:
+    from .protocol import bounded_protocol
 
 __all__ = [
     "HttpLimits",
@@ -195,10 +201,9 @@ def server_options() -> dict[str, Any]:
     limits = http_limits()
     http: Any = "h11"
     extra: dict[str, Any] = {"h11_max_incomplete_event_size": limits.max_header_bytes}
-    if _has("httptools"):
-        from .protocol import bounded_protocol
-
-        http, extra = bounded_protocol(limits), {}
+    if _HTTPTOOLS:
+        bounds = (limits.max_header_bytes, limits.header_timeout, limits.body_timeout)
+        http, extra = bounded_protocol(*bounds), {}
     return dict(
         loop=os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio"),
         http=http,
