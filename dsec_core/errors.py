@@ -21,6 +21,7 @@ __all__ = [
     "FeatureUnavailable",
     "GuestImageError",
     "GuestPanic",
+    "HeadersTooLarge",
     "IamUnavailable",
     "InvalidSpec",
     "KeyExists",
@@ -42,6 +43,7 @@ __all__ = [
     "ProjectExists",
     "ProjectInUse",
     "QuotaExceeded",
+    "RequestTimeout",
     "RequestTooLarge",
     "SandboxDied",
     "SandboxError",
@@ -181,6 +183,21 @@ class RequestTooLarge(InvalidSpec):
     """A request body is over the API's limit; ``limit`` says how many bytes it may have."""
 
     http_status = 413
+
+
+class HeadersTooLarge(InvalidSpec):
+    """A request's line and headers are over the server's limit (``DSEC_MAX_HEADER_BYTES``);
+    ``limit`` says how many bytes they may have. The server closes the connection."""
+
+    http_status = 431
+
+
+class RequestTimeout(DsecError):
+    """A request did not arrive in time: its headers not complete within
+    ``DSEC_HEADER_TIMEOUT``, or no byte of its body for ``DSEC_BODY_TIMEOUT`` (``timeout``, in
+    seconds). The server closes the connection."""
+
+    http_status = 408
 
 
 class CatalogInvalid(InvalidSpec):

@@ -580,12 +580,13 @@ def test_json_bodies_over_the_limit_are_refused_unread(dsec_node):
     )
     assert head.startswith(b"HTTP/1.1 413")
     assert json.loads(body)["error"]["type"] == "RequestTooLarge"
-    # chunked, with no length said: refused once past the limit
+    # chunked, with no length said: refused once past the limit (exec's, the largest)
+    assert ROUTES["exec"].max_body == MAX_BODY
     piece = b" " * (1 << 20)
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range((MAX_BODY >> 20) + 2))
     head, body = _raw(
         sock,
-        b"POST /v1/layers/prefetch HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST /v1/sandboxes/nosuch/exec HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"connection: close\r\ntransfer-encoding: chunked",
         chunks + b"0\r\n\r\n",
     )

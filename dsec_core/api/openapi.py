@@ -10,7 +10,7 @@ from typing import Any
 
 from .. import __version__
 from .messages import ErrorResponse
-from .routes import RAW, ROUTES, Route
+from .routes import MAX_DEPTH, RAW, ROUTES, Route
 from .shapes import json_schema
 
 __all__ = ["openapi_document"]
@@ -19,7 +19,12 @@ _DESCRIPTION = (
     "The API of one dsec node daemon. Locally it is served on a root-only unix socket and "
     "needs no token; on TCP (DSEC_LISTEN) every request carries `Authorization: Bearer "
     '<DSEC_API_TOKEN>`. Every error answer is `{"error": {"type", "message", '
-    '"context"}}`, where `type` names the DsecError subclass the SDK raises.'
+    '"context"}}`, where `type` names the DsecError subclass the SDK raises. A request line '
+    "and headers over DSEC_MAX_HEADER_BYTES (64 KiB) are 431 HeadersTooLarge, and ones not "
+    "complete within DSEC_HEADER_TIMEOUT (10 s) 408 RequestTimeout, both closing the "
+    "connection; a body over its operation's `x-max-body` bytes is 413 RequestTooLarge, one "
+    "that stalls for DSEC_BODY_TIMEOUT (30 s) 408 RequestTimeout, and a JSON body nesting "
+    f"arrays and objects more than {MAX_DEPTH} deep 422 InvalidSpec."
 )
 
 
@@ -59,8 +64,11 @@ def _operation(route: Route, schemas: dict[str, Any]) -> dict[str, Any]:
         params += _query_parameters(route.query)
     if params:
         op["parameters"] = params
+    if route.body is not None:
+        op["x-max-body"] = route.max_body
     if route.body is RAW:
         op["requestBody"] = {
+            "description": f"At most {route.max_body} bytes (DSEC_MAX_UPLOAD)",
             "required": True,
             "content": {
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
@@ -72,6 +80,7 @@ def _operation(route: Route, schemas: dict[str, Any]) -> dict[str, Any]:
             for f in dataclasses.fields(route.body)
         )
         op["requestBody"] = {
+            "description": f"At most {route.max_body} bytes, nested at most {MAX_DEPTH} deep",
             "required": required,
             "content": {"application/json": {"schema": json_schema(route.body, schemas)}},
         }

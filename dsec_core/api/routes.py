@@ -5,12 +5,18 @@ Each ``Route`` names the ``Node``/SDK method it maps to, its HTTP method and pat
 the types of its query parameters, body and answer: a message or record (JSON), ``RAW`` bytes
 (``application/octet-stream``), or ``dict`` (any JSON object). The per-route encoders and
 decoders are built from those types on first use and kept, so a request costs no reflection.
+
+Each route with a body says how large it may be (``max_body``: ``MAX_SPEC_BODY`` for a spec or a
+list of names, ``MAX_BODY`` for what carries stdin or files, ``MAX_UPLOAD`` for a raw upload),
+and every JSON body or answer is read with ``load_json``, which refuses nesting deeper than
+``MAX_DEPTH``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +24,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from ..errors import InvalidSpec
+from ..records import parse_size
 from .messages import (
     Closed,
     CreateRequest,
@@ -69,7 +76,21 @@ from .messages import (
 )
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
-__all__ = ["JSON", "MAX_BODY", "NDJSON", "OCTETS", "PNG", "RAW", "ROUTES", "Route", "dump_json"]
+__all__ = [
+    "JSON",
+    "MAX_BODY",
+    "MAX_DEPTH",
+    "MAX_SPEC_BODY",
+    "MAX_UPLOAD",
+    "NDJSON",
+    "OCTETS",
+    "PNG",
+    "RAW",
+    "ROUTES",
+    "Route",
+    "dump_json",
+    "load_json",
+]
 
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
@@ -79,10 +100,21 @@ OCTETS = "application/octet-stream"
 PNG = "image/png"
 #: A ``RAW`` answer of JSON objects, one per line, as they come (``exec_stream``).
 NDJSON = "application/x-ndjson"
-#: The largest JSON body a node reads (``RequestTooLarge`` beyond it): room for an exec's 16 MiB
-#: of stdin in base64 and a command and environment as large as the agent takes. Raw bodies
-#: (file writes) are streamed and have no such limit.
+#: The largest JSON body a node reads (``RequestTooLarge`` beyond it), on the routes that carry
+#: stdin or files (exec, sessions' exec, fncall, judge): room for an exec's 16 MiB of stdin in
+#: base64 and a command and environment as large as the agent takes.
 MAX_BODY = 64 << 20
+#: The largest body of the other JSON routes: a spec, a list of ids or layer names, a policy's
+#: settings. Each is read whole and decoded, so what one request can make a server hold stays
+#: small.
+MAX_SPEC_BODY = 1 << 20
+#: The largest raw upload (``write_file``; the E2B API's ``POST /files``), ``DSEC_MAX_UPLOAD``
+#: (a size: 512M, 4G, or bytes). Raw bodies stream through in pieces, so this bounds disk and
+#: time, not memory.
+MAX_UPLOAD: int = parse_size(os.environ.get("DSEC_MAX_UPLOAD") or 4 << 30, "DSEC_MAX_UPLOAD") or 0
+#: The deepest nesting of arrays and objects in a JSON body or answer (``load_json``): more
+#: than any message has, and far less than what makes a recursive decoder or encoder fail.
+MAX_DEPTH = 64
 
 
 def dump_json(value: Any) -> bytes:
@@ -111,14 +143,16 @@ class Route:
     exec_timeout: bool = False
     #: The content type of a ``RAW`` answer.
     raw_type: str = OCTETS
-    #: The largest body a server reads for it (``RequestTooLarge`` beyond).
-    max_body: int = MAX_BODY
+    #: The largest body the route takes, in bytes (``RequestTooLarge`` beyond it; 0: none).
+    max_body: int = 0
     params: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(re.findall(r"{(\w+)}", self.path)))
         if self.idempotent is None:
             object.__setattr__(self, "idempotent", self.method == "GET")
+        if (self.body is None) != (self.max_body == 0):
+            raise ValueError(f"route {self.name}: max_body is for a route with a body, and only")
 
     @property
     def body_type(self) -> str | None:
@@ -208,7 +242,7 @@ class Route:
             return bytes
         decode = decoder(self.body, strict=True)
         where = self.body.__name__
-        return lambda content: decode(_load_json(content or b"{}", where), where)
+        return lambda content: decode(load_json(content or b"{}", where), where)
 
     @functools.cached_property
     def _encode_response(self) -> Callable[[Any], bytes]:
@@ -223,7 +257,7 @@ class Route:
             return bytes
         decode = decoder(self.response, strict=False)
         where = getattr(self.response, "__name__", "answer")
-        return lambda content: decode(_load_json(content, where), where)
+        return lambda content: decode(load_json(content, where), where)
 
 
 def _same(value: Any) -> Any:
@@ -264,11 +298,53 @@ def _checked(cls: type) -> Callable[[Any], Any]:
     return check
 
 
-def _load_json(content: bytes, where: str) -> Any:
+def load_json(content: bytes | str, where: str, max_depth: int = MAX_DEPTH) -> Any:
+    """``content`` as JSON, its arrays and objects nested at most ``max_depth`` deep; else
+    ``InvalidSpec`` naming ``where`` (the body it is), never a ``RecursionError``.
+
+    ``json.loads`` itself stops a deep document at the interpreter's recursion limit (some
+    hundreds of levels, at once: a 64 MiB body of ``[`` costs microseconds); what it did
+    load is then measured one level at a time, without recursing, so nothing that decodes,
+    re-encodes or copies the value later can recurse deeper than ``max_depth``.
+    """
     try:
-        return json.loads(content)
+        value = json.loads(content)
+    except RecursionError:
+        raise _too_deep(where, max_depth) from None
     except ValueError as e:  # UnicodeDecodeError is one too
-        raise InvalidSpec(f"{where}: the body is not JSON: {e}") from None
+        raise InvalidSpec(f"{where}: the body is not JSON: {e}", field="body") from None
+    if _deeper_than(value, max_depth):
+        raise _too_deep(where, max_depth)
+    return value
+
+
+_NESTED = frozenset({dict, list})
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` (as ``json.loads`` made it) nests more than ``limit`` levels. A level
+    whose items are all scalars costs one pass in C (``isdisjoint`` over their types)."""
+    level = [value] if type(value) in _NESTED else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[Any] = []
+        for v in level:
+            items = v.values() if type(v) is dict else v
+            if not _NESTED.isdisjoint(map(type, items)):
+                below.extend(x for x in items if type(x) in _NESTED)
+        level = below
+    return False
+
+
+def _too_deep(where: str, limit: int) -> InvalidSpec:
+    return InvalidSpec(
+        f"{where}: the body nests arrays and objects more than {limit} levels deep",
+        field="body",
+        limit=limit,
+    )
 
 
 def _no_query(route: Route) -> InvalidSpec:
@@ -300,6 +376,7 @@ ROUTES: dict[str, Route] = {
             body=CreateRequest,
             status=201,
             timeout=300.0,
+            max_body=MAX_SPEC_BODY,
         ),
         Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
         Route("get", "GET", _SB, "One sandbox", SandboxInfo),
@@ -344,6 +421,7 @@ ROUTES: dict[str, Route] = {
             LeaseInfo,
             body=LeaseRequest,
             status=201,
+            max_body=MAX_SPEC_BODY,
         ),
         Route("lease_get", "GET", "/v1/leases/{lease}", "One lease", LeaseInfo),
         Route(
@@ -391,6 +469,7 @@ ROUTES: dict[str, Route] = {
             "Change a live security policy of a running sandbox",
             PolicyState,
             body=PolicySettings,
+            max_body=MAX_SPEC_BODY,
         ),
         Route(
             "exec",
@@ -400,6 +479,7 @@ ROUTES: dict[str, Route] = {
             ExecResult,
             body=ExecRequest,
             exec_timeout=True,
+            max_body=MAX_BODY,
         ),
         Route(
             "exec_stream",
@@ -412,6 +492,7 @@ ROUTES: dict[str, Route] = {
             body=ExecRequest,
             raw_type=NDJSON,
             exec_timeout=True,
+            max_body=MAX_BODY,
         ),
         Route(
             "set_ttl",
@@ -421,6 +502,7 @@ ROUTES: dict[str, Route] = {
             SandboxInfo,
             body=TtlRequest,
             idempotent=True,
+            max_body=MAX_SPEC_BODY,
         ),
         Route(
             "session_open",
@@ -430,6 +512,7 @@ ROUTES: dict[str, Route] = {
             SessionOpened,
             body=SessionOpenRequest,
             status=201,
+            max_body=MAX_SPEC_BODY,
         ),
         Route("sessions", "GET", _SB + "/sessions", "The sandbox's live sessions", SessionList),
         Route(
@@ -440,6 +523,7 @@ ROUTES: dict[str, Route] = {
             ExecResult,
             body=SessionExecRequest,
             exec_timeout=True,
+            max_body=MAX_BODY,
         ),
         Route(
             "session_close",
@@ -458,6 +542,7 @@ ROUTES: dict[str, Route] = {
             Written,
             body=RAW,
             query=WriteQuery,
+            max_body=MAX_UPLOAD,
         ),
         Route(
             "remove",
@@ -483,6 +568,7 @@ ROUTES: dict[str, Route] = {
             "Send key presses, pointer moves and clicks to the sandbox's display, in order",
             InputSent,
             body=InputRequest,
+            max_body=MAX_SPEC_BODY,
         ),
         Route("list_dir", "GET", _SB + "/ls", "List a directory", DirListing, query=FileQuery),
         Route("stat", "GET", _SB + "/stat", "lstat a path", FileEntry, query=FileQuery),
@@ -494,6 +580,7 @@ ROUTES: dict[str, Route] = {
             FnCallResult,
             body=FnCallRequest,
             exec_timeout=True,
+            max_body=MAX_BODY,
         ),
         Route(
             "judge",
@@ -504,6 +591,7 @@ ROUTES: dict[str, Route] = {
             JudgeResult,
             body=JudgeSpec,
             timeout=None,
+            max_body=MAX_BODY,
         ),
         Route(
             "pack_diff",
@@ -515,6 +603,7 @@ ROUTES: dict[str, Route] = {
             body=PackDiffRequest,
             status=201,
             timeout=600.0,
+            max_body=MAX_SPEC_BODY,
         ),
         Route(
             "snapshot_memory",
@@ -526,6 +615,7 @@ ROUTES: dict[str, Route] = {
             body=MemorySnapshotRequest,
             status=201,
             timeout=600.0,
+            max_body=MAX_SPEC_BODY,
         ),
         Route(
             "remove_memory_snapshot",
@@ -544,6 +634,7 @@ ROUTES: dict[str, Route] = {
             body=RestoreRequest,
             status=201,
             timeout=300.0,
+            max_body=MAX_SPEC_BODY,
         ),
         Route("layers", "GET", "/v1/layers", "Every layer of the node's layer sources", LayerList),
         Route(
@@ -554,6 +645,7 @@ ROUTES: dict[str, Route] = {
             PrefetchResult,
             body=PrefetchRequest,
             timeout=None,
+            max_body=MAX_SPEC_BODY,
         ),
     )
 }

@@ -1,47 +1,176 @@
 """The server side of the route table's HTTP, shared by the node daemon and the apiserver:
-typed errors as answers, JSON bodies read within ``MAX_BODY``, Starlette's own refusals in
-the API's error shape, and the uvicorn options both run with."""
+typed errors as answers, request bodies read within their route's ``max_body`` and refused when
+they stall (``HttpLimits``), Starlette's own refusals in the API's error shape, and the uvicorn
+options both run with (``server_options``: the bounded HTTP protocol of ``.protocol``)."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import DsecError, NotFound, RequestTooLarge
-from .routes import JSON, MAX_BODY, dump_json
+from ..errors import DsecError, InvalidSpec, NotFound, RequestTimeout, RequestTooLarge
+from ..records import parse_size
+from .routes import JSON, MAX_BODY, ROUTES, dump_json
 
-__all__ = ["error_response", "on_http_error", "read_json_body", "server_options"]
+#: httptools is a dependency; a server without it still runs, on h11 (``server_options``).
+_HTTPTOOLS = importlib.util.find_spec("httptools") is not None
+if _HTTPTOOLS:
+    from .protocol import bounded_protocol
+
+__all__ = [
+    "HttpLimits",
+    "body_pieces",
+    "check_declared",
+    "error_response",
+    "http_limits",
+    "on_http_error",
+    "read_body",
+    "read_json_body",
+    "server_options",
+]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How large a request's head may be and how slowly a request may arrive, as
+    ``DSEC_MAX_HEADER_BYTES`` (a size: 64K, or bytes), ``DSEC_HEADER_TIMEOUT`` and
+    ``DSEC_BODY_TIMEOUT`` (seconds) say."""
+
+    #: The request line and headers together; more is 431 ``HeadersTooLarge``.
+    max_header_bytes: int = 64 << 10
+    #: From a request's first byte (or the connection's opening) to the end of its headers;
+    #: longer is 408 ``RequestTimeout``.
+    header_timeout: float = 10.0
+    #: The longest wait for the next byte of a body being read; longer is 408
+    #: ``RequestTimeout``. A body nobody reads (its answer went out first) gets this long to
+    #: finish before the connection closes.
+    body_timeout: float = 30.0
+
+    @classmethod
+    def from_env(cls) -> HttpLimits:
+        env = os.environ
+        kw: dict[str, Any] = {}
+        if env.get("DSEC_MAX_HEADER_BYTES", "").strip():
+            size = parse_size(env["DSEC_MAX_HEADER_BYTES"].strip(), "DSEC_MAX_HEADER_BYTES")
+            if not size or size < 1024:
+                raise InvalidSpec(
+                    f"DSEC_MAX_HEADER_BYTES must be at least 1K, got {size}",
+                    field="DSEC_MAX_HEADER_BYTES",
+                )
+            kw["max_header_bytes"] = size
+        for name, key in (
+            ("DSEC_HEADER_TIMEOUT", "header_timeout"),
+            ("DSEC_BODY_TIMEOUT", "body_timeout"),
+        ):
+            if env.get(name, "").strip():
+                kw[key] = _seconds(name, env[name])
+        return cls(**kw)
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise InvalidSpec(f"{name} must be a positive number of seconds, got {text!r}", field=name)
+    return value
+
+
+@functools.cache
+def http_limits() -> HttpLimits:
+    """This process's ``HttpLimits``, read from the environment once."""
+    return HttpLimits.from_env()
 
 
 def error_response(err: DsecError, headers: Mapping[str, str] | None = None) -> Response:
-    """A typed error as the API answers it: ``{"error": ...}`` with the error's status."""
+    """A typed error as the API answers it: ``{"error": ...}`` with the error's status. A body
+    that stalled closes the connection. (One too large does not: a sender that sends it all
+    anyway, as the apiserver forwarding it does, then reads the answer rather than a reset;
+    what is left of it is dropped as it comes, for ``body_timeout`` at most.)"""
+    if isinstance(err, RequestTimeout):
+        headers = {**(headers or {}), "connection": "close"}
     return Response(
         dump_json({"error": err.to_wire()}), err.http_status, headers=headers, media_type=JSON
     )
 
 
-async def read_json_body(request: Request, limit: int = MAX_BODY) -> bytes:
-    """The body of a JSON request, refused (``RequestTooLarge``) as soon as it is known to be
-    over ``limit``."""
+def check_declared(request: Request, limit: int) -> None:
+    """``RequestTooLarge`` if the request's ``Content-Length`` says it is over ``limit``: a
+    refusal before a byte of the body is read (or spooled)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise _too_large(request, int(declared), limit, "")
+
+
+async def body_pieces(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request's body as it arrives, refused with ``RequestTooLarge`` once it is known to
+    be over ``limit`` (from ``Content-Length`` before reading, else as soon as the count passes
+    it) and with ``RequestTimeout`` when no byte comes for ``body_timeout`` seconds."""
+    check_declared(request, limit)
+    idle = http_limits().body_timeout
+    stream = request.stream()
+    size = 0
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    data = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"{request.method} {request.url.path}: no byte of the request body came "
+                    f"for {idle:g} s (after {size} bytes; DSEC_BODY_TIMEOUT)",
+                    timeout=idle,
+                    received=size,
+                ) from None
+            size += len(data)
+            if size > limit:
+                raise _too_large(request, size, limit, " or more")
+            yield data
+    finally:
+        await stream.aclose()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, read within ``limit`` bytes and in time (``body_pieces``)."""
     body = bytearray()
-    async for data in request.stream():
+    async for data in body_pieces(request, limit):
         body += data
-        if len(body) > limit:
-            raise _too_large(len(body), limit)
     return bytes(body)
 
 
-def _too_large(size: int, limit: int) -> RequestTooLarge:
+async def read_json_body(request: Request, limit: int | None = None) -> bytes:
+    """The body of a JSON request, within ``limit`` bytes; by default, the ``max_body`` of the
+    route of the table the request matched (``MAX_BODY`` for one not in it)."""
+    return await read_body(request, _route_limit(request) if limit is None else limit)
+
+
+@functools.cache
+def _table_limits() -> dict[tuple[str, str], int]:
+    return {(r.method, r.path): r.max_body for r in ROUTES.values() if r.body is not None}
+
+
+def _route_limit(request: Request) -> int:
+    # Starlette's router puts the route it matched in the scope; its path is the template.
+    path = getattr(request.scope.get("route"), "path", None)
+    return _table_limits().get((request.method, path or ""), MAX_BODY)
+
+
+def _too_large(request: Request, size: int, limit: int, more: str) -> RequestTooLarge:
     return RequestTooLarge(
-        f"the request body has {size} bytes or more; the limit is {limit}",
+        f"{request.method} {request.url.path}: the request body has {size} bytes{more}; the "
+        f"limit is {limit}",
         field="body",
         limit=limit,
     )
@@ -64,16 +193,25 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
 
 
 def server_options() -> dict[str, Any]:
-    """The uvicorn options every dsec server runs with: uvloop and httptools where installed
-    (``DSEC_LOOP`` picks the loop), our log handlers (not uvicorn's), no access log of
-    uvicorn's own (``ObservedRequests`` writes one), connections kept 300 s."""
+    """The uvicorn options every dsec server runs with: uvloop where installed (``DSEC_LOOP``
+    picks the loop), httptools' parser under ``BoundedHttpProtocol`` (request heads bounded
+    in size and time by ``http_limits()``; h11, bounded in size only, where httptools is
+    missing), our log handlers (not uvicorn's), no access log of uvicorn's own
+    (``ObservedRequests`` writes one), connections kept 300 s."""
+    limits = http_limits()
+    http: Any = "h11"
+    extra: dict[str, Any] = {"h11_max_incomplete_event_size": limits.max_header_bytes}
+    if _HTTPTOOLS:
+        bounds = (limits.max_header_bytes, limits.header_timeout, limits.body_timeout)
+        http, extra = bounded_protocol(*bounds), {}
     return dict(
         loop=os.environ.get("DSEC_LOOP") or ("uvloop" if _has("uvloop") else "asyncio"),
-        http="httptools" if _has("httptools") else "h11",
+        http=http,
         log_level="warning",
         log_config=None,
         access_log=False,
         timeout_keep_alive=300,
+        **extra,
     )
 
 

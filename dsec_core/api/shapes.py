@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -123,8 +124,15 @@ class _Mismatch(Exception):
         return InvalidSpec(f"{field}: {self.message}", field=field, **self.context)
 
 
+#: How a refused value is shown: a few items of it, never the whole (a 64 MiB array would cost
+#: seconds and its size again in memory to ``repr``, only to be cut to 80 characters).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 3, 8, 8, 8
+_SHOWN.maxstring = _SHOWN.maxlong = _SHOWN.maxother = 80
+
+
 def _expected(what: str, value: Any) -> _Mismatch:
-    shown = repr(value)
+    shown = _SHOWN.repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return _Mismatch(f"expected {what}, got {shown}")

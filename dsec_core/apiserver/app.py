@@ -67,7 +67,7 @@ from ..api.messages import (
 )
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
-from ..api.serving import error_response, on_http_error, read_json_body
+from ..api.serving import body_pieces, error_response, on_http_error, read_json_body
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
     AdmissionRejected,
@@ -574,7 +574,9 @@ async def _forward(
         upstream = await entry.transport.stream(
             request.method,
             target,
-            body=(body if body is not None else request.stream()) if has_body else None,
+            body=(body if body is not None else body_pieces(request, route.max_body))
+            if has_body
+            else None,
             length=length if has_body else None,
             content_type=route.body_type,
             headers={REQUEST_ID: request_id},

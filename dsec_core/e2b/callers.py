@@ -24,6 +24,8 @@ from ..errors import (
     NotFound,
     PermissionDenied,
     QuotaExceeded,
+    RequestTimeout,
+    RequestTooLarge,
     SandboxNotRunning,
     SandboxPaused,
 )
@@ -59,6 +61,8 @@ def api_status(e: DsecError) -> int:
         return 404
     if isinstance(e, (AdmissionRejected, QuotaExceeded)):
         return 429
+    if isinstance(e, (RequestTooLarge, RequestTimeout)):
+        return e.http_status  # 413, 408
     if isinstance(e, InvalidSpec):
         return 400
     if isinstance(e, (SandboxPaused, SandboxNotRunning, FeatureUnavailable)):
@@ -74,11 +78,14 @@ def error_body(status: int, message: str) -> JSONResponse:
 
 def api_error(e: DsecError) -> JSONResponse:
     """E2B's error answer for a dsec error. Over quota is final (``Should-Retry: false``, so the
-    SDK does not retry it); a full node may free up, so its 429 is left to the SDK's retries."""
+    SDK does not retry it); a full node may free up, so its 429 is left to the SDK's retries.
+    A body that stalled closes the connection."""
     status = api_status(e)
     r = error_body(status, f"{type(e).__name__}: {e.message}")
     if isinstance(e, QuotaExceeded):
         r.headers["Should-Retry"] = "false"
+    if isinstance(e, RequestTimeout):
+        r.headers["Connection"] = "close"
     return r
 
 

@@ -16,6 +16,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..api.routes import load_json
+from ..api.serving import read_body
 from ..errors import (
     AdmissionRejected,
     AuthenticationFailed,
@@ -25,6 +27,8 @@ from ..errors import (
     NodeUnavailable,
     NotFound,
     PermissionDenied,
+    RequestTimeout,
+    RequestTooLarge,
     SandboxNotRunning,
     SandboxPathError,
     SandboxPaused,
@@ -105,6 +109,10 @@ def rpc_error(e: DsecError, sandbox_id: str = "") -> RpcError:
         return RpcError("invalid_argument", e.message)
     if isinstance(e, NotFound):
         return RpcError("not_found", e.message)
+    if isinstance(e, RequestTooLarge):
+        return RpcError("resource_exhausted", e.message)
+    if isinstance(e, RequestTimeout):
+        return RpcError("deadline_exceeded", e.message)
     if isinstance(e, InvalidSpec):
         return RpcError("invalid_argument", e.message)
     if isinstance(e, AdmissionRejected):
@@ -149,13 +157,10 @@ def timeout_seconds(request: Request) -> float | None:
 
 async def read_message(request: Request, *, stream: bool) -> dict[str, Any]:
     """The request's one message: the body as JSON (unary), or the one enveloped JSON message
-    of a streaming call (``application/connect+json``)."""
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > MAX_REQUEST + 5:
-            raise RpcError("resource_exhausted", f"request larger than {MAX_REQUEST} bytes")
-    data = bytes(body)
+    of a streaming call (``application/connect+json``). Read within ``MAX_REQUEST`` and in
+    time, and nested no deeper than ``MAX_DEPTH``: ``RequestTooLarge``, ``RequestTimeout`` or
+    ``InvalidSpec`` otherwise (``rpc_error`` makes them Connect's codes)."""
+    data = await read_body(request, MAX_REQUEST + 5)
     if stream:
         if len(data) < 5:
             raise RpcError("invalid_argument", "a streaming request needs one enveloped message")
@@ -163,10 +168,7 @@ async def read_message(request: Request, *, stream: bool) -> dict[str, Any]:
         if flags & 0x01:
             raise RpcError("unimplemented", "compressed messages are not supported")
         data = data[5 : 5 + length]
-    try:
-        message = json.loads(data or b"{}")
-    except ValueError as e:
-        raise RpcError("invalid_argument", f"the request is not JSON: {e}") from None
+    message = load_json(data or b"{}", "request")
     if not isinstance(message, dict):
         raise RpcError("invalid_argument", "the request must be a JSON object")
     return message

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import DsecError, UnknownSandbox
+from ..errors import DsecError, RequestTimeout, RequestTooLarge, UnknownSandbox
 from .callers import Connect, caller_client, envd_key, sandbox_of
 from .connect import (
     CODE_STATUS,
@@ -48,7 +48,13 @@ _STREAMS |= {("filesystem.Filesystem", "WatchDir")}
 
 def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
     """envd's HTTP error: a gone sandbox is the 502 E2B's proxy answers (the SDK raises
-    ``SandboxNotRunningException``), the rest by their Connect code's status."""
+    ``SandboxNotRunningException``), an upload over ``MAX_UPLOAD`` is 413, one that stalls
+    408 (closing the connection), the rest by their Connect code's status."""
+    if isinstance(e, (RequestTooLarge, RequestTimeout)):
+        close = {"connection": "close"} if isinstance(e, RequestTimeout) else None
+        return JSONResponse(
+            {"code": e.http_status, "message": e.message}, status_code=e.http_status, headers=close
+        )
     err = e if isinstance(e, RpcError) else rpc_error(e, sid)
     status = 502 if err.code == "unavailable" else CODE_STATUS[err.code]
     return JSONResponse({"code": status, "message": err.message}, status_code=status)

@@ -24,12 +24,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..api.routes import load_json
+from ..api.serving import read_body
 from ..errors import DsecError, FeatureUnavailable, InvalidSpec, UnknownSandbox
 from ..records import SandboxInfo
 from .callers import Connect, api_error, caller_client, error_body
 
 __all__ = [
     "DEFAULT_TEMPLATES",
+    "E2B_MAX_BODY",
     "ENVD_VERSION",
     "LABEL_TEMPLATE",
     "META_PREFIX",
@@ -48,6 +51,9 @@ LABEL_TEMPLATE = "e2b.template"
 DEFAULT_TEMPLATES: Mapping[str, str] = {"base": "python"}
 DEFAULT_TIMEOUT = 300  # seconds, E2B's default sandbox timeout
 LIST_LIMIT, LIST_MAX = 100, 1000
+#: The largest control-plane body read (a create's template, metadata and envs); more is 413,
+#: refused from its Content-Length before a byte of it is read.
+E2B_MAX_BODY = 1 << 20
 NO_END = datetime(9999, 12, 31, tzinfo=UTC)  # endAt of a sandbox without a ttl
 
 
@@ -135,11 +141,9 @@ def _api_key(request: Request) -> str | None:
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError as e:
-        raise InvalidSpec(f"the body is not JSON: {e}", field="body") from None
+    """The request's JSON object, read within ``E2B_MAX_BODY`` and in time (413 and 408
+    otherwise) and nested no deeper than ``MAX_DEPTH``."""
+    body = load_json(await read_body(request, E2B_MAX_BODY) or b"{}", "body")
     if not isinstance(body, dict):
         raise InvalidSpec("the body must be a JSON object", field="body")
     return body
@@ -214,9 +218,10 @@ def _page_token(info: SandboxInfo) -> str:
 
 def _after(token: str) -> tuple[float, str]:
     try:
-        created, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        created, sid = load_json(raw, "nextToken")  # a made-up one may nest [[[...]]]
         return float(created), str(sid)
-    except (ValueError, TypeError) as e:
+    except (InvalidSpec, ValueError, TypeError) as e:
         raise InvalidSpec(f"nextToken {token!r} is not one this API gave", field="nextToken") from e
 
 

@@ -1,8 +1,9 @@
 """The node daemon's HTTP API: the route table (``dsec_core.api.routes``) served over ``Node``.
 
 One generic endpoint per route decodes the path parameters, the typed query and the body (bad
-input is ``InvalidSpec``, 400; a JSON body over ``MAX_BODY`` is ``RequestTooLarge``, 413), calls
-the route's handler below, and encodes the answer. File contents stream both ways in pieces of
+input is ``InvalidSpec``, 422; a body over its route's ``max_body`` is ``RequestTooLarge``, 413;
+one that stalls, ``RequestTimeout``, 408), calls the route's handler below, and encodes the
+answer. File contents stream both ways in pieces of
 ``PIECE`` bytes between the client and the sandbox's agent, so what a read or write holds in the
 daemon does not grow with the file.
 Errors travel as ``{"error": {"type", "message", "context"}}`` with the error's HTTP status, so
@@ -62,7 +63,13 @@ from ..api.messages import (
 )
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
-from ..api.serving import error_response, on_http_error, read_json_body
+from ..api.serving import (
+    body_pieces,
+    check_declared,
+    error_response,
+    on_http_error,
+    read_json_body,
+)
 from ..errors import (
     AdmissionRejected,
     AuthenticationFailed,
@@ -588,9 +595,11 @@ def _endpoint(
             if route.body is None:
                 body = None
             elif route.body is RAW:
-                body = request.stream()  # the handler takes it piece by piece
+                # the handler takes it piece by piece, within the route's limit and in time
+                check_declared(request, route.max_body)  # refused before the handler starts
+                body = body_pieces(request, route.max_body)
             else:
-                body = route.decode_body(await read_json_body(request))
+                body = route.decode_body(await read_json_body(request, route.max_body))
             answer = await handler(node, Call(request.path_params, query, body))
         except DsecError as e:
             return error_response(e)
