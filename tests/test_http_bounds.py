@@ -364,10 +364,8 @@ def test_a_raw_upload_over_max_upload_is_413(servers):
         node = url == servers.node.url
         headers = {**auth, "content-type": "application/octet-stream"}
         declared = {**headers, "content-length": str(MAX_UPLOAD + 1)}
-        # the node refuses on the head; the apiserver passes the body on to it as it comes
-        # (the node drops it) and the node's answer back once it is all sent
-        body = [] if node else [b"z" * (MAX_UPLOAD + 1)]
-        a = _exchange(url, [_head("PUT", target, declared), *body])
+        # both refuse on the head, before a byte of the body is read
+        a = _exchange(url, [_head("PUT", target, declared)])
         assert a.status == 413 and a.error()["context"]["limit"] == MAX_UPLOAD
         chunked = {**headers, "transfer-encoding": "chunked"}
         total = 64 << 20 if node else 8 << 20
@@ -375,6 +373,9 @@ def test_a_raw_upload_over_max_upload_is_413(servers):
         assert a.status == 413 and a.error()["context"]["limit"] == MAX_UPLOAD, a
         if node:  # refused as the count passed the limit, not at the end
             assert a.sent < 32 << 20
+        # the apiserver streams it on and cuts it off as the count passes the limit: the
+        # node's connection goes, and the apiserver serves on
+        assert _exchange(url, [_head("GET", "/v1/node", auth)]).status == 200
         fits = {**headers, "content-length": str(MAX_UPLOAD)}
         a = _exchange(url, [_head("PUT", target, fits), b"z" * MAX_UPLOAD])
         assert a.status == 200 and json.loads(a.body) == {"written": MAX_UPLOAD}
@@ -394,13 +395,19 @@ def test_a_body_that_stalls_is_408(servers):
     headers = {**servers.node_auth(), "content-length": "100"}
     a = _exchange(servers.node.url, [_head("PUT", target, headers), b"half"])
     assert a.status == 408 and a.closed
-    # a body the apiserver passes on as it comes (it bounds no wait of its own there): the
-    # protocol abandons it at twice DSEC_BODY_TIMEOUT, and the apiserver serves on
+    # a sandbox route's body: the apiserver reads and decodes it before the node sees it,
+    # so it is refused at DSEC_BODY_TIMEOUT, and the apiserver serves on
     target = ROUTES["set_ttl"].target({"sid": servers.sid})
     headers = {**servers.api_auth(), "content-type": JSON, "content-length": "100"}
     a = _exchange(servers.api_url, [_head("PUT", target, headers), b'{"ttl": '])
     assert a.status == 408 and a.error()["type"] == "RequestTimeout", a
-    assert 1.9 < a.elapsed < 3.5 and a.closed
+    assert a.elapsed < 3.5 and a.closed
+    # a file body the apiserver streams on to the node: the same bound, as it streams
+    target = ROUTES["write_file"].target({"sid": servers.sid}, WriteQuery("/tmp/h"))
+    headers = {**servers.api_auth(), "content-length": "100"}
+    a = _exchange(servers.api_url, [_head("PUT", target, headers), b"half"])
+    assert a.status == 408 and a.error()["type"] == "RequestTimeout", a
+    assert a.elapsed < 3.5 and a.closed
     assert _exchange(servers.api_url, [_head("GET", "/v1/node", servers.api_auth())]).status == 200
 
 

@@ -67,7 +67,13 @@ from ..api.messages import (
 )
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
-from ..api.serving import body_pieces, error_response, on_http_error, read_json_body
+from ..api.serving import (
+    body_pieces,
+    check_declared,
+    error_response,
+    on_http_error,
+    read_json_body,
+)
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
     AdmissionRejected,
@@ -79,7 +85,6 @@ from ..errors import (
     NotFound,
     PermissionDenied,
     QuotaExceeded,
-    RequestTooLarge,
     UnknownLayer,
     UnknownSandbox,
     UnknownSource,
@@ -600,23 +605,15 @@ async def _forward(
     return _Relay(upstream, {REQUEST_ID: request_id})
 
 
-def _upload_length(request: Request, route: Route) -> int:
-    """A raw body's length, which must be declared and within the route's bound: the body
-    streams to the node as it comes, so a bound found out half-way would cut the node's
-    connection, not just refuse the caller."""
+def _upload_length(request: Request, route: Route) -> int | None:
+    """A file body's declared length, refused at once when over the route's bound (None:
+    chunked, bounded as it streams by ``body_pieces``; a bound found out half-way cuts the
+    node's connection, which is then never reused)."""
     text = request.headers.get("content-length", "")
     if not text.isdigit():
-        raise InvalidSpec(
-            "a file body through the apiserver needs a Content-Length", field="content-length"
-        )
-    length = int(text)
-    if length > route.max_body:
-        raise RequestTooLarge(
-            f"the request body has {length} bytes; the limit is {route.max_body}",
-            field="body",
-            limit=route.max_body,
-        )
-    return length
+        return None
+    check_declared(request, route.max_body)
+    return int(text)
 
 
 def _sandbox_handler(route: Route) -> Handler:
