@@ -130,6 +130,8 @@ _REPLACED = (PROJECT_LABEL,)
 _REFUSED = (MEMBER_LABEL,)
 #: How many sandbox and lease owners are remembered (an object's owner never changes).
 _OWNER_CACHE = 200_000
+#: A remembered answer "no such sandbox (or lease)".
+_NOBODY = Owner(None, known=False)
 #: The request id header, set on every request forwarded to a node.
 REQUEST_ID = "x-request-id"
 #: What a tenant's error message may not show: a node's URL.
@@ -199,14 +201,17 @@ class Gateway:
         return entry
 
     async def owner_of(self, entry: NodeEntry, sid: str) -> Owner | None:
-        """Whose sandbox ``sid`` is (its labels), or None if its node does not know it."""
+        """Whose sandbox ``sid`` is (its labels), or None if its node does not know it. Both
+        answers are remembered (ids are random and never reused), so a made-up id costs what
+        a real one does: a node's round trip the first time, none after."""
         owner = self._owners.get(sid)
         if owner is not None:
             self._owners.move_to_end(sid)
-            return owner
+            return None if owner is _NOBODY else owner
         try:
             r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
         except NotFound:
+            self._remember(sid, _NOBODY)
             return None
         owner = Owner.of_labels(ROUTES["get"].decode_response(r).labels)
         self._remember(sid, owner)
@@ -240,13 +245,14 @@ class Gateway:
                     entry, "GET", ROUTES["lease_get"].target({"lease": lease_id})
                 )
             except NotFound:
+                self._remember(key, _NOBODY)
                 return None
             holder = ROUTES["lease_get"].decode_response(r).holder
             owner = self.reach.owner_of_name(holder, caller)
             if owner.project is None:
-                return Owner(None, known=False)
+                return _NOBODY
             self._remember(key, owner)
-        return owner
+        return None if owner is _NOBODY else owner
 
     def check_layer(self, principal: Any, ref: str, kind: str = "layer") -> None:
         """A layer a request names: a build's staged layer only with a ``BUILD_ROLES`` key

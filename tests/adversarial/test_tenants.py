@@ -463,6 +463,23 @@ def test_envd_process_start_answers_another_projects_sandbox_as_made_up(tenants)
     _victim_intact(tenants)
 
 
+@pytest.mark.attack("a group of the same name in another project")
+def test_groups_are_each_projects_own(tenants):
+    with tenants.client("victim") as v:
+        (mine,) = v.group("rollout-7").create(tenants.spec(ttl=120))
+    try:
+        with tenants.client("member") as c:
+            theirs = c.group("rollout-7")
+            assert theirs.members() == []
+            assert theirs.pause() == [] and theirs.kill() == 0
+        with tenants.client("victim") as v:
+            assert [i.id for i in v.group("rollout-7").members()] == [mine.id]
+            assert v.get(mine.id).info.state == "running"
+    finally:
+        with tenants.client("victim") as v:
+            v.kill(mine.id)
+
+
 @pytest.mark.attack("fncall pools shared across projects")
 def test_fncall_pools_are_not_shared_across_projects(tenants):
     marker = ".seen-by"  # in the call's working directory, which a reset empties
@@ -645,10 +662,18 @@ def _raw(url: str, data: bytes, read: bool = True, timeout: float = 10.0) -> byt
         return out
 
 
+#: The apiserver's RSS when the first bad-input case began (the last case compares).
+_BEFORE_BAD_INPUT: list[int] = []
+
+
 class _RssWatch:
+    """The apiserver's RSS sampled every 20 ms while a bad-input case runs."""
+
     def __init__(self, tenants: Tenants) -> None:
         self.t = tenants
         self.samples = [tenants.rss()]
+        if not _BEFORE_BAD_INPUT:
+            _BEFORE_BAD_INPUT.append(self.samples[0])
         self._stop = False
 
     def __enter__(self) -> _RssWatch:
@@ -880,3 +905,16 @@ def test_an_upload_over_the_bound_is_413_before_it_is_read(tenants):
     with tenants.client("member") as c:
         assert c.exec(own.id, "test -e /root/x").exit_code != 0  # nothing written
         c.kill(own.id)
+
+
+def test_the_apiserver_keeps_no_memory_of_the_bad_input(tenants):
+    """Last: the apiserver's RSS after every bad-input case above, against before them."""
+    if not _BEFORE_BAD_INPUT:
+        pytest.skip("no bad-input case ran")
+    time.sleep(1)
+    after = tenants.rss()
+    print(
+        f"apiserver RSS before the bad-input cases {_BEFORE_BAD_INPUT[0] / 2**20:.1f} MiB, "
+        f"after {after / 2**20:.1f} MiB"
+    )
+    assert after - _BEFORE_BAD_INPUT[0] < 32 << 20
