@@ -100,15 +100,18 @@ def start_apiserver(
     args: Sequence[str] = (),
     ray: str | None = None,
     scheme: str = "http",
+    token_env: bool = True,
 ) -> ApiserverProcess:
-    """A ``dsec apiserver`` process over ``nodes`` (or Ray's), once it answers."""
+    """A ``dsec apiserver`` process over ``nodes`` (or Ray's), once it answers. The nodes'
+    token goes in its environment (``DSEC_NODE_TOKEN``) unless ``token_env`` is false (the
+    caller passes ``--node-token-file`` in ``args``)."""
     url = f"{scheme}://127.0.0.1:{port or free_port()}"
     argv = [sys.executable, "-m", "dsec_core.cli", "apiserver", "--listen", url, "--iam", iam]
     argv += ["--probe-interval", "0.5", "--probe-timeout", "0.5"]
     for n in nodes:
         argv += ["--node", n.arg()]
-    env = dict(os.environ)
-    if nodes:  # from the environment: never on a command line (/proc/PID/cmdline)
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_NODE_TOKEN", "DSEC_TOKEN")}
+    if nodes and token_env:  # from the environment: never on a command line (/proc/PID/cmdline)
         env["DSEC_NODE_TOKEN"] = nodes[0].token
     if ray:
         argv += ["--ray", ray]
