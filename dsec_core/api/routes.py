@@ -80,6 +80,7 @@ __all__ = [
     "JSON",
     "MAX_BODY",
     "MAX_DEPTH",
+    "MAX_ITEMS",
     "MAX_SPEC_BODY",
     "MAX_UPLOAD",
     "NDJSON",
@@ -115,6 +116,10 @@ MAX_UPLOAD: int = parse_size(os.environ.get("DSEC_MAX_UPLOAD") or 4 << 30, "DSEC
 #: The deepest nesting of arrays and objects in a JSON body or answer (``load_json``): more
 #: than any message has, and far less than what makes a recursive decoder or encoder fail.
 MAX_DEPTH = 64
+#: The most values a request's JSON body may hold (counted by its separators): what a body
+#: that is mostly separators makes in memory is many times its size, and no request needs
+#: this many (a command's argv is bounded by ARG_MAX, stdin and files travel as base64).
+MAX_ITEMS = 1 << 20
 
 
 def dump_json(value: Any) -> bytes:
@@ -242,7 +247,9 @@ class Route:
             return bytes
         decode = decoder(self.body, strict=True)
         where = self.body.__name__
-        return lambda content: decode(load_json(content or b"{}", where), where)
+        return lambda content: decode(
+            load_json(content or b"{}", where, max_items=MAX_ITEMS), where
+        )
 
     @functools.cached_property
     def _encode_response(self) -> Callable[[Any], bytes]:
@@ -298,15 +305,28 @@ def _checked(cls: type) -> Callable[[Any], Any]:
     return check
 
 
-def load_json(content: bytes | str, where: str, max_depth: int = MAX_DEPTH) -> Any:
-    """``content`` as JSON, its arrays and objects nested at most ``max_depth`` deep; else
-    ``InvalidSpec`` naming ``where`` (the body it is), never a ``RecursionError``.
+def load_json(
+    content: bytes | str, where: str, max_depth: int = MAX_DEPTH, max_items: int | None = None
+) -> Any:
+    """``content`` as JSON, its arrays and objects nested at most ``max_depth`` deep (and, for
+    a request's body, with fewer than ``max_items`` values); else ``InvalidSpec`` naming
+    ``where`` (the body it is), never a ``RecursionError``.
 
     ``json.loads`` itself stops a deep document at the interpreter's recursion limit (some
     hundreds of levels, at once: a 64 MiB body of ``[`` costs microseconds); what it did
     load is then measured one level at a time, without recursing, so nothing that decodes,
     re-encodes or copies the value later can recurse deeper than ``max_depth``.
     """
+    # What json.loads makes of a body is many times its size when the body is mostly
+    # separators (a 64 MiB array of 0s is 32 million list slots): bound the values first,
+    # counting separators, which only overcounts (a comma inside a string counts too).
+    separators = content.count(b",") if isinstance(content, bytes) else content.count(",")
+    if max_items is not None and separators >= max_items:
+        raise InvalidSpec(
+            f"{where}: the body has {separators + 1} or more values; the limit is {max_items}",
+            field="body",
+            limit=max_items,
+        )
     try:
         value = json.loads(content)
     except RecursionError:

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..api.routes import load_json
+from ..api.routes import MAX_ITEMS, load_json
 from ..api.serving import read_body
 from ..errors import (
     AdmissionRejected,
@@ -168,7 +168,7 @@ async def read_message(request: Request, *, stream: bool) -> dict[str, Any]:
         if flags & 0x01:
             raise RpcError("unimplemented", "compressed messages are not supported")
         data = data[5 : 5 + length]
-    message = load_json(data or b"{}", "request")
+    message = load_json(data or b"{}", "request", max_items=MAX_ITEMS)
     if not isinstance(message, dict):
         raise RpcError("invalid_argument", "the request must be a JSON object")
     return message

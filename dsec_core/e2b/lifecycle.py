@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..api.routes import load_json
+from ..api.routes import MAX_ITEMS, load_json
 from ..api.serving import read_body
 from ..errors import DsecError, FeatureUnavailable, InvalidSpec, UnknownSandbox
 from ..records import SandboxInfo
@@ -143,7 +143,7 @@ def _api_key(request: Request) -> str | None:
 async def _json(request: Request) -> dict[str, Any]:
     """The request's JSON object, read within ``E2B_MAX_BODY`` and in time (413 and 408
     otherwise) and nested no deeper than ``MAX_DEPTH``."""
-    body = load_json(await read_body(request, E2B_MAX_BODY) or b"{}", "body")
+    body = load_json(await read_body(request, E2B_MAX_BODY) or b"{}", "body", max_items=MAX_ITEMS)
     if not isinstance(body, dict):
         raise InvalidSpec("the body must be a JSON object", field="body")
     return body

@@ -844,6 +844,18 @@ def test_deeply_nested_bodies_are_422_and_leave_the_node_connection_alone(tenant
     assert w.rise < 32 << 20
 
 
+@pytest.mark.attack("a 60 MiB body of separators, to make the apiserver build a huge list")
+def test_a_body_of_separators_is_refused_before_it_is_built(tenants):
+    body = b'{"cmd": [' + b"0," * (30 << 20) + b"0]}"
+    headers = {"content-type": "application/json"}
+    with _RssWatch(tenants) as w, tenants.http("victim") as c:
+        r = c.post(f"/v1/sandboxes/{tenants.victim['sandbox']}/exec", content=body, headers=headers)
+    print(f"apiserver RSS {w.samples[0] >> 20} MiB, peak +{w.rise >> 20} MiB")
+    assert r.status_code == 422 and r.json()["error"]["context"]["limit"] == 1 << 20, r.text
+    assert w.rise < 160 << 20  # the body as read (within exec's bound), not 7 times it
+    _other_tenant_still_served(tenants)
+
+
 @pytest.mark.attack("bodies over each route's bound")
 def test_oversized_bodies_are_413_before_they_are_read(tenants):
     key = tenants.keys["victim"]
