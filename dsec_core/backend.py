@@ -421,6 +421,10 @@ class Backend(abc.ABC):
     #: runtimes: runc, runsc); the node refuses any other (``InvalidSpec``). A backend puts the
     #: one a sandbox runs under in its state as ``"runtime"`` (``SandboxInfo.runtime``).
     runtimes: ClassVar[frozenset[str]] = frozenset()
+    #: Bytes of host memory a sandbox of this backend may take beyond its ``memory`` limit
+    #: (a VM's emulator): the node counts them as committed, and against the sandbox's
+    #: project's quota, with the limit.
+    memory_overhead: ClassVar[int] = 0
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config

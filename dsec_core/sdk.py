@@ -569,6 +569,11 @@ class Client:
         ``restore(snapshot.name, n)`` starts n sandboxes that go on from there."""
         return self._call("snapshot_memory", MemorySnapshotRequest(name), sid=sandbox_id)
 
+    def memory_snapshot(self, name: str) -> MemorySnapshot:
+        """Memory snapshot ``name`` as ``snapshot_memory`` made it (``UnknownSnapshot`` if
+        there is none): its size on disk and the spec its restores take."""
+        return self._call("memory_snapshot", snapshot=name)
+
     def remove_memory_snapshot(self, name: str) -> None:
         self._call("remove_memory_snapshot", snapshot=name)
 
@@ -958,6 +963,10 @@ class AsyncClient:
     async def snapshot_memory(self, sandbox_id: str, name: str | None = None) -> MemorySnapshot:
         """``Client.snapshot_memory``, awaited."""
         return await self._call("snapshot_memory", MemorySnapshotRequest(name), sid=sandbox_id)
+
+    async def memory_snapshot(self, name: str) -> MemorySnapshot:
+        """``Client.memory_snapshot``, awaited."""
+        return await self._call("memory_snapshot", snapshot=name)
 
     async def remove_memory_snapshot(self, name: str) -> None:
         await self._call("remove_memory_snapshot", snapshot=name)

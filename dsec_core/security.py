@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from .backend import Backend, SandboxRuntime
 from .errors import InvalidSpec
 
-__all__ = ["NODE_SETTINGS", "FileRules", "SecurityPolicy", "loosenings"]
+__all__ = ["CONFINING_RUNTIMES", "NODE_SETTINGS", "FileRules", "SecurityPolicy", "loosenings"]
 
 #: Settings keys that belong to the node, not the policy (it never sees them): ``enabled``
 #: (false turns the policy off for the sandbox) and ``best_effort`` (true lets the sandbox
@@ -195,23 +195,36 @@ class SecurityPolicy:
         outlive the daemon, and a restarted one adopts them."""
 
 
+#: OCI runtimes any sandbox may ask for: they add a kernel of the sandbox's own (gVisor), so
+#: they are never weaker than a node's default; naming another may be (a node whose default
+#: is runsc, asked for runc).
+CONFINING_RUNTIMES = frozenset({"runsc"})
+
+
 def loosenings(
     policies: Mapping[str, Mapping[str, Any]],
     network: str,
     known: Mapping[str, type[SecurityPolicy]],
     *,
+    runtime: str | None = None,
     live: bool = False,
 ) -> list[str]:
-    """What a sandbox's ``policies`` and ``network`` mode (or, ``live``, a change of one
-    running sandbox's policy settings) would loosen against the node's default, one reason
-    each; empty if they only tighten. ``known`` are the policy classes by name (the plugin
-    registry's): a policy not among them cannot be shown to only tighten, so it counts.
+    """What a sandbox's ``policies``, ``network`` mode and OCI ``runtime`` (or, ``live``, a
+    change of one running sandbox's policy settings) would loosen against the node's default,
+    one reason each; empty if they only tighten. ``known`` are the policy classes by name
+    (the plugin registry's): a policy not among them cannot be shown to only tighten, so it
+    counts.
 
     Loosening: a network mode other than ``"none"`` (loopback only is the default); turning a
     ``default`` policy off or letting it be skipped (``enabled: false``, ``best_effort``);
     settings a policy's ``loosens`` gives a reason for; live, any change of a policy that
     decides the network (``network_modes``: an allowlist may widen)."""
     out = []
+    if runtime is not None and runtime not in CONFINING_RUNTIMES:
+        out.append(
+            f"runtime {runtime!r} may be weaker than the node's default (a key that may only "
+            f"tighten may name {', '.join(sorted(CONFINING_RUNTIMES))})"
+        )
     if network != "none":
         out.append(f"network {network!r} opens the sandbox's network (the default is 'none')")
     for name, raw in policies.items():

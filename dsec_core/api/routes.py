@@ -638,6 +638,14 @@ ROUTES: dict[str, Route] = {
             max_body=MAX_SPEC_BODY,
         ),
         Route(
+            "memory_snapshot",
+            "GET",
+            "/v1/memory-snapshots/{snapshot}",
+            "A memory snapshot: when and from which sandbox it was made, what it holds on "
+            "disk, and the spec its restores take",
+            MemorySnapshot,
+        ),
+        Route(
             "remove_memory_snapshot",
             "DELETE",
             "/v1/memory-snapshots/{snapshot}",

@@ -35,6 +35,7 @@ __all__ = [
     "on_http_error",
     "read_body",
     "read_json_body",
+    "request_key",
     "server_options",
 ]
 
@@ -221,3 +222,21 @@ def _has(module: str) -> bool:
         return True
     except ImportError:
         return False
+
+
+def request_key(headers: Any) -> str | None:
+    """The API key a request head carries (ASGI ``(name, value)`` byte pairs): the
+    ``Authorization: Bearer`` value, else ``X-API-Key``, else ``X-Access-Token`` (E2B's envd
+    paths); None if none does. The one rule: the key the apiserver checks is the key every
+    route then acts as."""
+    bearer = api_key = access = None
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, rest = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and rest.strip():
+                bearer = rest.strip()
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1")
+        elif name == b"x-access-token":
+            access = value.decode("latin-1")
+    return bearer or api_key or access or None

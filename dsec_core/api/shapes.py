@@ -331,9 +331,10 @@ def _mapping_decoder(value: Decode, anything: bool) -> Decode:
         out = {}
         for k, x in v.items():
             try:
+                _decode_str(k)  # a key is text too: no lone surrogates (env names, labels)
                 out[k] = value(x)
             except _Mismatch as e:
-                e.path.append(f".{k}")
+                e.path.append(f".{k!r}" if not k.isascii() else f".{k}")
                 raise
         return out
 

@@ -58,6 +58,7 @@ from ..api.messages import (
     ExecRequest,
     LayerList,
     LeaseInfo,
+    MemorySnapshot,
     MemorySnapshotRequest,
     NodeCapacity,
     NodeStatus,
@@ -130,12 +131,21 @@ _REPLACED = (PROJECT_LABEL,)
 _REFUSED = (MEMBER_LABEL,)
 #: How many sandbox and lease owners are remembered (an object's owner never changes).
 _OWNER_CACHE = 200_000
-#: A remembered answer "no such sandbox (or lease)".
-_NOBODY = Owner(None, known=False)
 #: The request id header, set on every request forwarded to a node.
 REQUEST_ID = "x-request-id"
-#: What a tenant's error message may not show: a node's URL.
-_URL_RE = re.compile(r"\b(?:https?|unix)://\S+")
+#: What a tenant's error message may not show: a node's URL, a layer source's location
+#: (``local:/var/lib/...``, ``s3://bucket``): any ``scheme:/...`` or ``scheme://...``.
+_URL_RE = re.compile(r"\b[a-z][a-z0-9+.-]*:/{1,2}[^\s'\")]+")
+#: What a node's admission refusal tells a tenant, by its reason: not the numbers (they are
+#: the node's load, which other tenants make).
+_REFUSALS = {
+    "count": "full",
+    "cpu": "not enough CPU",
+    "memory": "not enough memory",
+    "memory-pressure": "under memory pressure",
+    "memory-available": "not enough memory available",
+    "devices": "not enough devices free",
+}
 
 
 class Authority(Protocol):
@@ -201,17 +211,12 @@ class Gateway:
         return entry
 
     async def owner_of(self, entry: NodeEntry, sid: str) -> Owner | None:
-        """Whose sandbox ``sid`` is (its labels), or None if its node does not know it. Both
-        answers are remembered (ids are random and never reused), so a made-up id costs what
-        a real one does: a node's round trip the first time, none after."""
-        owner = self._owners.get(sid)
-        if owner is not None:
-            self._owners.move_to_end(sid)
-            return None if owner is _NOBODY else owner
+        """Whose sandbox ``sid`` is (its labels, as its node says now), or None if its node
+        does not know it."""
         try:
             r = await self._request(entry, "GET", "/v1/sandboxes/" + quote(sid, safe=""))
         except NotFound:
-            self._remember(sid, _NOBODY)
+            self.forget(sid)
             return None
         owner = Owner.of_labels(ROUTES["get"].decode_response(r).labels)
         self._remember(sid, owner)
@@ -225,34 +230,45 @@ class Gateway:
     def forget(self, key: str) -> None:
         self._owners.pop(key, None)
 
+    def _cached(self, key: str, principal: Any) -> bool:
+        """Whether ``key``'s remembered owner is one ``principal`` reaches. Only that answer
+        comes from memory: a refusal always asks the node, so a real id out of reach costs
+        what a made-up one does (no timing tells them apart)."""
+        owner = self._owners.get(key)
+        if owner is None or not self.reach.allows(principal, owner):
+            return False
+        self._owners.move_to_end(key)
+        return True
+
     async def sandbox_node(self, principal: Any, sid: str) -> NodeEntry:
         """The node of a sandbox the caller reaches; ``UnknownSandbox`` otherwise, the same
         for one that does not exist."""
         entry = self.node_of(sid)
+        if self._cached(sid, principal):
+            return entry
         owner = await self.owner_of(entry, sid)
         if owner is None or not self.reach.allows(principal, owner):
             raise missing("sandbox", sid)
         return entry
 
-    async def lease_owner(self, entry: NodeEntry, lease_id: str, caller: Any) -> Owner | None:
-        """Whose lease ``lease_id`` is: the project whose tag its holder carries (a lease
-        taken on the node directly, untagged, is nobody's here)."""
+    async def lease_node(self, principal: Any, lease_id: str) -> NodeEntry:
+        """The node of a lease the caller reaches (its holder carries the tag of a project the
+        caller reaches; one taken on a node directly, untagged, is nobody's here);
+        ``UnknownLease`` otherwise, the same for one that does not exist."""
+        entry = self.node_of(lease_id, "lease")
         key = "lease:" + lease_id
-        owner = self._owners.get(key)
-        if owner is None:
-            try:
-                r = await self._request(
-                    entry, "GET", ROUTES["lease_get"].target({"lease": lease_id})
-                )
-            except NotFound:
-                self._remember(key, _NOBODY)
-                return None
-            holder = ROUTES["lease_get"].decode_response(r).holder
-            owner = self.reach.owner_of_name(holder, caller)
-            if owner.project is None:
-                return _NOBODY
+        if self._cached(key, principal):
+            return entry
+        try:
+            r = await self._request(entry, "GET", ROUTES["lease_get"].target({"lease": lease_id}))
+        except NotFound:
+            raise missing("lease", lease_id) from None
+        owner = self.reach.owner_of_name(ROUTES["lease_get"].decode_response(r).holder, principal)
+        if owner.project is not None:
             self._remember(key, owner)
-        return None if owner is _NOBODY else owner
+        if owner.project is None or not self.reach.allows(principal, owner):
+            raise missing("lease", lease_id)
+        return entry
 
     def check_layer(self, principal: Any, ref: str, kind: str = "layer") -> None:
         """A layer a request names: a build's staged layer only with a ``BUILD_ROLES`` key
@@ -262,19 +278,47 @@ class Gateway:
             _check_builder(principal, f"use the staged layer {ref!r}")
         self.reach.require(principal, kind, ref, self.reach.owner_of_layer(ref, principal))
 
+    async def memory_snapshot(
+        self, principal: Any, name: str, rid: str
+    ) -> tuple[NodeEntry, MemorySnapshot]:
+        """The node holding memory snapshot ``name`` of a project the caller reaches, and the
+        snapshot; ``UnknownSnapshot`` otherwise, the same for one that does not exist."""
+        self.reach.require(principal, "snapshot", name, self.reach.owner_of_name(name, principal))
+        route = ROUTES["memory_snapshot"]
+        for entry in self.nodes.healthy():
+            try:
+                answer = await self._request(
+                    entry, "GET", route.target({"snapshot": name}), request_id=rid
+                )
+            except NotFound:
+                continue
+            return entry, route.decode_response(answer)
+        raise missing("snapshot", name)
+
+    def memory_overhead(self, backend: str | None) -> int:
+        """What a sandbox of ``backend`` takes beyond its memory limit (a VM's emulator), as
+        its node counts it against the project's quota; 0 for a backend unknown here."""
+        cls = plugins.registry().backends.get(backend or "")
+        return int(getattr(cls, "memory_overhead", 0))
+
     def policy_classes(self) -> Mapping[str, Any]:
         if self._policy_classes is None:
             self._policy_classes = dict(plugins.registry().security_policies)
         return self._policy_classes
 
     def check_policies(
-        self, principal: Any, policies: Mapping[str, Any], network: str, live: bool = False
+        self,
+        principal: Any,
+        policies: Mapping[str, Any],
+        network: str,
+        runtime: str | None = None,
+        live: bool = False,
     ) -> None:
         """``PermissionDenied`` if the key may not loosen policies (``Iam.can_loosen``) and
         these would (``dsec_core.security.loosenings``)."""
         if self.iam.can_loosen(principal):
             return
-        why = loosenings(policies, network, self.policy_classes(), live=live)
+        why = loosenings(policies, network, self.policy_classes(), runtime=runtime, live=live)
         if why:
             raise PermissionDenied(
                 f"a {principal.role} key may only tighten the node's default security "
@@ -295,7 +339,7 @@ class Gateway:
                 raise InvalidSpec(f"label {label} is the node's to set", field="labels")
         for ref in spec.layers:
             self.check_layer(principal, ref)
-        self.check_policies(principal, spec.policies, spec.network)
+        self.check_policies(principal, spec.policies, spec.network, spec.runtime)
         nodes = {(await self.sandbox_node(principal, sid)).name for sid in spec.drives}
         if len(nodes) > 1:
             raise InvalidSpec(
@@ -442,7 +486,8 @@ class Gateway:
                     if entry.name not in loads:
                         reasons[entry.name] = "no probe yet"
                     elif refusal is not None:
-                        reasons[entry.name] = str(refusal)
+                        why = str(refusal.context.get("reason"))
+                        reasons[entry.name] = _REFUSALS.get(why, str(refusal))
                     else:
                         eligible.append(loads[entry.name])
                 chosen = plugins.place(spec, eligible) if eligible else None
@@ -672,13 +717,13 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     spec, near = await gw.admit(principal, body.spec)
     build = BUILD_LABEL in spec.labels
     lim = spec.limits
+    memory = lim.memory + gw.memory_overhead(spec.backend)
     # no await from the quota check to the holds: they are one step
-    gw.check_quota(principal.project, body.count, lim.cpu, lim.memory)
+    gw.check_quota(principal.project, body.count, lim.cpu, memory)
     shares, overflow = gw.place(spec, body.count, only=near)
     ledger = gw.nodes.ledger
     holds = {
-        name: ledger.hold(principal.project, name, k, lim.cpu, lim.memory)
-        for name, k in shares.items()
+        name: ledger.hold(principal.project, name, k, lim.cpu, memory) for name, k in shares.items()
     }
     for name in shares:
         if gw.metrics:
@@ -848,10 +893,7 @@ def _lease_handler(route: Route) -> Handler:
 
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
         lease_id = request.path_params["lease"]
-        entry = gw.node_of(lease_id, "lease")
-        owner = await gw.lease_owner(entry, lease_id, principal)
-        if owner is None or not gw.reach.allows(principal, owner):
-            raise missing("lease", lease_id)
+        entry = await gw.lease_node(principal, lease_id)
         query = route.decode_query(request.query_params) if route.query else None
         target = route.target({"lease": lease_id}, query)
         content = await gw._request(entry, route.method, target, request_id=rid)
@@ -926,7 +968,14 @@ async def _remove_memory_snapshot(
     all), from the node that holds it."""
     route = ROUTES["remove_memory_snapshot"]
     name = request.path_params["snapshot"]
-    gw.reach.require(principal, "snapshot", name, gw.reach.owner_of_name(name, principal))
+    owner = gw.reach.owner_of_name(name, principal)
+    gw.reach.require(principal, "snapshot", name, owner)
+    if not gw.reach.may_change(principal, owner):
+        raise PermissionDenied(
+            f"memory snapshot {name!r} is shared by every project: only the operator's keys "
+            "(an admin key of the root project) remove it",
+            role=principal.role,
+        )
     for entry in gw.nodes.healthy():
         try:
             answer = await gw._request(
@@ -944,23 +993,33 @@ async def _remove_memory_snapshot(
 async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
     """A restore of a snapshot of a project the caller reaches, on the node that holds it
     (the first that does not say it has no such snapshot), the sandboxes it makes counted
-    against the caller's quotas and labelled with its project."""
+    against the caller's quotas (a memory snapshot's at its saved sandbox's limits, which its
+    restores take whatever the request says) and labelled with its project."""
     route = ROUTES["restore"]
     _, body = await _body(request, route)
     if is_staged(body.snapshot):
         _check_builder(principal, f"restore the staged layer {body.snapshot!r}")
     gw.check_layer(principal, body.snapshot, "snapshot")
-    # a memory snapshot (a name without @version) takes only ttl and labels from the spec
-    given = body.spec or SandboxSpec(layers=(body.snapshot if "@" in body.snapshot else "x@0",))
+    in_memory = "@" not in body.snapshot  # a memory snapshot's name has no @version
+    given = body.spec or SandboxSpec(layers=(body.snapshot if not in_memory else "x@0",))
     spec, _near = await gw.admit(principal, given)
     build = BUILD_LABEL in spec.labels
+    entries = gw.nodes.healthy()
     lim = spec.limits
-    gw.check_quota(principal.project, body.count, lim.cpu, lim.memory)
-    hold = gw.nodes.ledger.hold(principal.project, None, body.count, lim.cpu, lim.memory)
+    cpu, memory, backend = lim.cpu, lim.memory, spec.backend
+    if in_memory:
+        entry, snap = await gw.memory_snapshot(principal, body.snapshot, rid)
+        saved = SandboxSpec.from_dict(snap.spec)
+        cpu, memory, backend = saved.limits.cpu, saved.limits.memory, snap.backend
+        entries = [entry]
+    memory += gw.memory_overhead(backend)
+    gw.check_quota(principal.project, body.count, cpu, memory)
+    node = entries[0].name if in_memory else None
+    hold = gw.nodes.ledger.hold(principal.project, node, body.count, cpu, memory)
     raw = route.encode_body(replace(body, spec=spec))
     other: NotFound | None = None  # a node that has the snapshot but lacks something else
     try:
-        for entry in gw.nodes.healthy():
+        for entry in entries:
             try:
                 answer = await gw._request(entry, "POST", route.path, raw, route.timeout, rid)
             except NotFound as e:
@@ -974,7 +1033,9 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
                 node=entry.name,
                 created=_newest(made),
                 cpu=sum(float(i.limits.get("cpu") or 0) for i in made),
-                memory=sum(int(i.limits.get("memory") or 0) for i in made),
+                memory=sum(
+                    int(i.limits.get("memory") or 0) + gw.memory_overhead(i.backend) for i in made
+                ),
             )
             for info in made:
                 gw._remember(info.id, Owner(principal.project, build=build))
@@ -983,7 +1044,13 @@ async def _restore(gw: Gateway, request: Request, principal: Any, rid: str) -> R
         gw.nodes.ledger.settle(hold, 0)
         raise
     gw.nodes.ledger.settle(hold, 0)
-    raise other or missing("snapshot", body.snapshot)
+    raise gw.scrub(principal, other) if other else missing("snapshot", body.snapshot)
+
+
+async def _memory_snapshot(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """A memory snapshot of a project the caller reaches, from the node that holds it."""
+    _, snap = await gw.memory_snapshot(principal, request.path_params["snapshot"], rid)
+    return Response(ROUTES["memory_snapshot"].encode_response(snap), media_type=JSON)
 
 
 #: How many (project, environment) -> node pool homes are remembered.
@@ -1090,7 +1157,11 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
     )
     for answer in answers:
         if isinstance(answer, bytes):
-            return Response(answer, route.status, media_type=JSON)
+            # which kind of source warmed each layer, not where the node keeps it
+            result = route.decode_response(answer)
+            rows = tuple(replace(r, source=r.source.partition(":")[0]) for r in result.layers)
+            content = route.encode_response(replace(result, layers=rows))
+            return Response(content, route.status, media_type=JSON)
     first = answers[0]
     raise (
         gw.scrub(principal, first)
@@ -1112,6 +1183,7 @@ _SPECIAL: dict[str, Handler] = {
     "set_policy": _set_policy,
     "trajectory": _trajectory,
     "remove_trajectory": _remove_trajectory,
+    "memory_snapshot": _memory_snapshot,
     "remove_memory_snapshot": _remove_memory_snapshot,
 }
 

@@ -1,8 +1,9 @@
 """Authenticate first: an ASGI middleware that checks every HTTP request's API key before any
 route runs, so nothing of a request whose key IAM does not know is read, parsed or spooled.
 
-The key is the ``Authorization: Bearer`` value, else ``X-API-Key``, else ``X-Access-Token``
-(E2B's envd paths), from the request head only. A refused request is answered at once, in the
+The key is ``dsec_core.api.serving.request_key``'s (``Authorization: Bearer``, else
+``X-API-Key``, else ``X-Access-Token``), from the request head only, and the routes act as
+that same key. A refused request is answered at once, in the
 shape its route family's clients expect (``refusal``; the node API's ``{"error": ...}`` by
 default), with ``Connection: close``: the body it may be sending is never read, and the
 connection is not kept for another request behind an unread body. The principal a key
@@ -18,7 +19,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..api.serving import error_response
+from ..api.serving import error_response, request_key
 from ..errors import DsecError
 
 __all__ = ["PRINCIPAL", "Authenticated", "request_key"]
@@ -27,22 +28,6 @@ __all__ = ["PRINCIPAL", "Authenticated", "request_key"]
 PRINCIPAL = "dsec.principal"
 
 Refusal = Callable[[str, DsecError], Response | None]
-
-
-def request_key(headers: list[tuple[bytes, bytes]] | Any) -> str | None:
-    """The API key a request head carries: ``Authorization: Bearer <key>``, else
-    ``X-API-Key``, else ``X-Access-Token``; None if none does."""
-    bearer = api_key = access = None
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, rest = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and rest.strip():
-                bearer = rest.strip()
-        elif name == b"x-api-key":
-            api_key = value.decode("latin-1")
-        elif name == b"x-access-token":
-            access = value.decode("latin-1")
-    return bearer or api_key or access or None
 
 
 class Authenticated:

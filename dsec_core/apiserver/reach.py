@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NotFound, UnknownLayer, UnknownLease, UnknownSandbox, UnknownSnapshot
+from ..iam import ROOT
 from ..records import BUILD_LABEL, PROJECT_LABEL, STAGED_PREFIX
 
 __all__ = [
@@ -192,6 +193,14 @@ class Reach:
         if owner.build and not may_build(principal):
             return False
         return owner.project is None or self._can_reach(principal, owner.project)
+
+    def may_change(self, principal: Any, owner: Owner) -> bool:
+        """Whether ``principal`` may change or remove ``owner``'s object: one of a project it
+        reaches, as ``allows``; everyone's (untagged: shared by every tenant) only with an
+        admin key of the root project, the operator's."""
+        if owner.known and owner.project is None:
+            return bool(principal.role == "admin" and principal.project == ROOT)
+        return self.allows(principal, owner)
 
     def require(self, principal: Any, kind: str, name: str, owner: Owner) -> None:
         """``missing(kind, name)`` unless ``principal`` reaches ``owner``."""

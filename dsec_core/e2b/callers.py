@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ..api.serving import request_key
 from ..errors import (
     AdmissionRejected,
     AuthenticationFailed,
@@ -91,8 +92,9 @@ def api_error(e: DsecError) -> JSONResponse:
 
 def envd_key(request: Request) -> str:
     """The caller's key on envd's paths: the ``envdAccessToken`` a create or connect answered
-    with (the SDK sends it as ``X-Access-Token``), else an ``X-API-KEY``."""
-    key = request.headers.get("x-access-token") or request.headers.get("x-api-key")
+    with (the SDK sends it as ``X-Access-Token``), else an ``X-API-KEY``; a Bearer key first,
+    as the apiserver checked it (``request_key``: one rule for which key a request is)."""
+    key = request_key(request.scope["headers"])
     if not key:
         raise AuthenticationFailed("no X-Access-Token: connect to the sandbox through the SDK")
     return key

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..api.routes import MAX_ITEMS, load_json
-from ..api.serving import read_body
+from ..api.serving import read_body, request_key
 from ..errors import DsecError, FeatureUnavailable, InvalidSpec, UnknownSandbox
 from ..records import SandboxInfo
 from .callers import Connect, api_error, caller_client, error_body
@@ -137,7 +137,8 @@ def created_sandbox(info: SandboxInfo, key: str) -> dict[str, Any]:
 
 
 def _api_key(request: Request) -> str | None:
-    return request.headers.get("x-api-key") or None
+    """The caller's key: ``X-API-KEY`` (a Bearer key first, as the apiserver checked it)."""
+    return request_key(request.scope["headers"])
 
 
 async def _json(request: Request) -> dict[str, Any]:

@@ -445,7 +445,7 @@ class Node:
                 s.rt.limits.cpu for s in live if s.rt.spec.qos != "be" and not s.paused
             ),
             memory_capacity=cfg.memory_capacity,
-            memory_committed=sum(s.rt.limits.memory for s in live),
+            memory_committed=sum(s.rt.limits.memory + s.backend.memory_overhead for s in live),
             sandboxes=len(live),
             max_sandboxes=cfg.max_sandboxes,
             memory_total=mem.get("MemTotal", 0),
@@ -479,14 +479,15 @@ class Node:
 
     def project_usage(self) -> dict[str, tuple[int, float, int]]:
         """Live sandboxes by project (``PROJECT_LABEL``): how many, and their CPU and memory
-        limits summed."""
+        limits summed (with what their backend takes beyond the limit: a VM's emulator)."""
         out: dict[str, tuple[int, float, int]] = {}
         for sb in self.sandboxes.values():
             project = sb.rt.spec.labels.get(PROJECT_LABEL)
             if project is None or sb.status not in ("creating", "running"):
                 continue
             n, cpu, memory = out.get(project, (0, 0.0, 0))
-            out[project] = (n + 1, cpu + sb.rt.limits.cpu, memory + sb.rt.limits.memory)
+            charged = sb.rt.limits.memory + sb.backend.memory_overhead
+            out[project] = (n + 1, cpu + sb.rt.limits.cpu, memory + charged)
         return out
 
     async def set_ttl(self, sid: str, ttl: float | None) -> SandboxInfo:

@@ -285,6 +285,11 @@ async def _memory_snapshot(node: Node, c: Call) -> Any:
     return await node.snapshot_memory(c.sid, c.body.name)
 
 
+@_handles("memory_snapshot")
+async def _memory_snapshot_info(node: Node, c: Call) -> Any:
+    return node.memory_snapshot(c.path["snapshot"])
+
+
 @_handles("remove_memory_snapshot")
 async def _remove_memory_snapshot(node: Node, c: Call) -> Removed:
     name = c.path["snapshot"]

@@ -147,6 +147,7 @@ class QemuBackend(Backend):
     )
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
+    memory_overhead: ClassVar[int] = QEMU_OVERHEAD  # QEMU's cgroup holds RAM plus this
     #: The Debian kernel package guests boot unless DSEC_VM_KERNEL names another.
     kernel_package: ClassVar[str] = DEFAULT_KERNEL_PACKAGE
     #: Modules guests load beyond ``GUEST_MODULES`` (a display's drivers, say).

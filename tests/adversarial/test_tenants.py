@@ -13,10 +13,12 @@ of ``corp/other`` (the victim's own org)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -50,6 +52,7 @@ class Tenants:
     layer: str
     keys: dict[str, str]
     nodes: list[str]
+    node_clients: list[dsec.Client] = field(default_factory=list)
     victim: dict[str, str] = field(default_factory=dict)
 
     def http(self, who: str) -> httpx.Client:
@@ -97,9 +100,12 @@ def tenants(tmp_path_factory) -> Iterator[Tenants]:
             api = api_cm.__enter__()
         try:
             t = Tenants(api, iam, nodes[0].node.layer.ref, keys, [n.name for n in nodes])
+            t.node_clients = [n.node.client() for n in nodes]  # the operator's, on the node
             _make_victims_objects(t)
             yield t
         finally:
+            for client in t.node_clients:
+                client.close()
             api_cm.__exit__(None, None, None)
     iam.close()
 
@@ -409,6 +415,73 @@ def test_another_projects_memory_snapshot_is_a_made_up_one(tenants):
             c.post("/v1/restore", json={"snapshot": fake}),
             fake,
         )
+
+
+@pytest.mark.attack("memory snapshots: another project's, a shared one, and the quota")
+def test_memory_snapshots_of_vms_are_scoped_and_counted_at_their_own_size(tenants):
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("QEMU is not installed")
+    vm_spec = tenants.spec(backend="microvm", memory="128M", ttl=300)
+    with tenants.client("victim") as v:
+        vm = v.create(vm_spec)
+        snap = v.snapshot_memory(vm.id, name="vsave")
+        v.kill(vm.id)
+    real, fake = snap.name, _fake_name(snap.name)
+    with tenants.http("member") as c:
+        for method, path, body in (
+            ("GET", "/v1/memory-snapshots/{}", None),
+            ("DELETE", "/v1/memory-snapshots/{}", None),
+            ("POST", "/v1/restore", lambda n: {"snapshot": n, "count": 1}),
+        ):
+            same_as_made_up(
+                c.request(method, path.format(real), json=body(real) if body else None),
+                real,
+                c.request(method, path.format(fake), json=body(fake) if body else None),
+                fake,
+            )
+    # a restore takes the saved VM's size, whatever the request says: the quota counts that
+    tenants.iam.create_project("mq", Quota(memory="1000M"))
+    key = tenants.iam.create_key("mq", "member")[1]
+    with dsec.Client(tenants.api.url, api_key=key) as c:
+        own = c.create(vm_spec)
+        saved = c.snapshot_memory(own.id, name="mine")
+        assert c.memory_snapshot(saved.name).spec["memory"] in ("128M", 128 << 20)
+        c.kill(own.id)
+        time.sleep(1.2)  # the kill counted by a probe
+        with pytest.raises(QuotaExceeded):  # 3 x (128M + QEMU's 256M) > 1000M
+            c.restore(saved.name, 3, memory="16M", cpu=0.01)
+        (copy,) = c.restore(saved.name, 1, memory="16M")
+        try:
+            assert copy.info.limits["memory"] == 128 << 20
+        finally:
+            copy.kill()
+            c.remove_memory_snapshot(saved.name)
+    with tenants.client("victim") as v:
+        v.remove_memory_snapshot(snap.name)
+
+
+@pytest.mark.attack("remove a memory snapshot every project shares")
+def test_a_shared_memory_snapshot_is_the_operators_to_remove(tenants):
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("QEMU is not installed")
+    node = tenants.node_clients[0]
+    vm = node.create(tenants.spec(backend="microvm", memory="128M", ttl=300))
+    shared = node.snapshot_memory(vm.id, name="golden").name  # untagged: everyone's
+    node.kill(vm.id)
+    try:
+        with tenants.http("member") as c:
+            r = c.delete(f"/v1/memory-snapshots/{shared}")
+            assert r.status_code == 403 and "operator" in r.text, r.text
+            assert c.get(f"/v1/memory-snapshots/{shared}").status_code == 200  # still there
+        root = tenants.iam.create_key("/", "admin")[1]
+        with httpx.Client(base_url=tenants.api.url) as c:
+            r = c.delete(
+                f"/v1/memory-snapshots/{shared}", headers={"Authorization": f"Bearer {root}"}
+            )
+            assert r.status_code == 200, r.text
+    finally:
+        with contextlib.suppress(dsec.DsecError):
+            node.remove_memory_snapshot(shared)
 
 
 @pytest.mark.attack("the E2B API and envd on another project's sandbox")
