@@ -26,6 +26,8 @@ __all__ = [
     "DEVICE_MODES",
     "INFRA_KINDS",
     "LAYER_KINDS",
+    "MAX_LABELS",
+    "MAX_LABEL_BYTES",
     "POOL_LABEL",
     "PROJECT_LABEL",
     "QOS_CLASSES",
@@ -133,6 +135,31 @@ def _check_strings(name: str, value: Any) -> None:
     for key, item in value.items():
         _check_type(name, key, str, "an object with string keys")
         _check_type(f"{name}.{key}", item, str, "a string")
+
+
+#: The most labels a sandbox carries, and their most bytes (names and values, UTF-8): a
+#: sandbox's labels travel with it in every listing, so one tenant's could otherwise make
+#: every list slow.
+MAX_LABELS = 128
+MAX_LABEL_BYTES = 16 << 10
+
+
+def _check_labels(labels: Mapping[str, str]) -> None:
+    if len(labels) > MAX_LABELS:
+        raise InvalidSpec(
+            f"labels: {len(labels)} of them; a sandbox carries at most {MAX_LABELS}",
+            field="labels",
+            limit=MAX_LABELS,
+        )
+    size = sum(
+        len(k.encode(errors="replace")) + len(v.encode(errors="replace")) for k, v in labels.items()
+    )
+    if size > MAX_LABEL_BYTES:
+        raise InvalidSpec(
+            f"labels: {size} bytes of names and values; the most is {MAX_LABEL_BYTES}",
+            field="labels",
+            limit=MAX_LABEL_BYTES,
+        )
 
 
 def _plain(value: Any) -> Any:
@@ -509,6 +536,7 @@ class SandboxSpec(_Record):
         _check_strings("env", self.env)
         _check_type("workdir", self.workdir, str, "an absolute path")
         _check_strings("labels", self.labels)
+        _check_labels(self.labels)
         _check_type("qos", self.qos, str, "a CPU class: ls or be")
         _check_type("start_timeout", self.start_timeout, (int, float, type(None)), "seconds")
         _check_type("runtime", self.runtime, (str, type(None)), "a runtime name such as runsc")

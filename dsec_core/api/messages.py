@@ -69,6 +69,7 @@ __all__ = [
     "LayerList",
     "LeaseInfo",
     "LeaseRequest",
+    "ListQuery",
     "MemorySnapshot",
     "MemorySnapshotRequest",
     "Message",
@@ -561,6 +562,17 @@ class LeaseRequest(Message):
     ttl: float = field(default=10.0, metadata=_limits(minimum=0.2, maximum=86400))
     holder: str = ""
     reclaim: bool = False
+
+
+@dataclass(frozen=True)
+class ListQuery(Message):
+    """``project``: only the sandboxes labelled with that project (``PROJECT_LABEL``), and
+    with ``subtree`` those of the projects below it too; none: every sandbox. The apiserver
+    asks each node for the caller's own, so a list costs what the caller has, not what every
+    tenant has."""
+
+    project: str | None = None
+    subtree: bool = False
 
 
 @dataclass(frozen=True)

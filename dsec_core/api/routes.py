@@ -46,6 +46,7 @@ from .messages import (
     LayerList,
     LeaseInfo,
     LeaseRequest,
+    ListQuery,
     MemorySnapshot,
     MemorySnapshotRequest,
     NodeProbe,
@@ -398,7 +399,14 @@ ROUTES: dict[str, Route] = {
             timeout=300.0,
             max_body=MAX_SPEC_BODY,
         ),
-        Route("list", "GET", "/v1/sandboxes", "Every sandbox on the node", SandboxList),
+        Route(
+            "list",
+            "GET",
+            "/v1/sandboxes",
+            "Every sandbox on the node (or a project's)",
+            SandboxList,
+            query=ListQuery,
+        ),
         Route("get", "GET", _SB, "One sandbox", SandboxInfo),
         Route(
             "kill",

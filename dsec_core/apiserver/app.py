@@ -58,6 +58,7 @@ from ..api.messages import (
     ExecRequest,
     LayerList,
     LeaseInfo,
+    ListQuery,
     MemorySnapshot,
     MemorySnapshotRequest,
     NodeCapacity,
@@ -811,9 +812,12 @@ async def _fan_out(
 
 
 async def _list(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """The sandboxes the caller reaches on every healthy node: each node is asked for the
+    caller's project's (with the projects below it, but for an agent key) only."""
     route = ROUTES["list"]
     mine: list[SandboxInfo] = []
-    for _entry, answer in await _fan_out(gw, route, route.path, rid):
+    query = ListQuery(project=principal.project, subtree=principal.role != "agent")
+    for _entry, answer in await _fan_out(gw, route, route.target({}, query), rid):
         if isinstance(answer, DsecError):
             continue  # a node that stopped answering since its last probe: the watcher tells
         for info in answer.sandboxes:

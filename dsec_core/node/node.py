@@ -211,6 +211,16 @@ MAX_DEATHS = 1024
 MAX_EVENTS = 100
 
 
+def _in_project(label: str | None, project: str, subtree: bool) -> bool:
+    """Whether a sandbox labelled with project ``label`` is ``project``'s (or, ``subtree``,
+    of a project below it; every project is below the root, ``/``)."""
+    if label is None:
+        return False
+    if label == project or (subtree and project == "/"):
+        return True
+    return subtree and label.startswith(project + "/")
+
+
 class Node:
     """Everything one node does; the HTTP API and the tests drive this class."""
 
@@ -924,8 +934,19 @@ class Node:
     def get(self, sid: str) -> SandboxInfo:
         return self._get(sid).info()
 
-    def list_sandboxes(self) -> list[SandboxInfo]:
-        return [sb.info() for sb in sorted(self.sandboxes.values(), key=lambda s: s.created)]
+    def list_sandboxes(
+        self, project: str | None = None, subtree: bool = False
+    ) -> list[SandboxInfo]:
+        """Every sandbox, oldest first; or those labelled with ``project`` (and, ``subtree``,
+        with a project below it)."""
+        sandboxes = sorted(self.sandboxes.values(), key=lambda s: s.created)
+        if project is not None:
+            sandboxes = [
+                s
+                for s in sandboxes
+                if _in_project(s.rt.spec.labels.get(PROJECT_LABEL), project, subtree)
+            ]
+        return [sb.info() for sb in sandboxes]
 
     def usage(self, sid: str) -> SandboxUsage:
         sb = self._get(sid)

@@ -313,7 +313,7 @@ async def _restore(node: Node, c: Call) -> SandboxList:
 
 @_handles("list")
 async def _list(node: Node, c: Call) -> SandboxList:
-    return SandboxList(sandboxes=tuple(node.list_sandboxes()))
+    return SandboxList(sandboxes=tuple(node.list_sandboxes(c.query.project, c.query.subtree)))
 
 
 @_handles("get")

@@ -646,8 +646,9 @@ def test_a_refused_batch_holds_no_room(tenants):
         {"policies": {"seccomp": {"allow": ["unshare"]}}},
         {"policies": {"seccomp": {"userns": True}}},
         {"network": "allowlist", "policies": {"egress": {"allow": ["192.0.2.10/32:443/tcp"]}}},
+        {"runtime": "runc"},
     ],
-    ids=["seccomp-off", "best-effort", "seccomp-allow", "userns", "network"],
+    ids=["seccomp-off", "best-effort", "seccomp-allow", "userns", "network", "runtime"],
 )
 def test_only_admin_and_builder_keys_loosen_policies(tenants, who, loosen):
     with tenants.client(who) as c:
@@ -696,6 +697,43 @@ def test_metrics_are_the_operators(tenants):
     root = tenants.iam.create_key("/", "admin")[1]
     with httpx.Client(base_url=tenants.api.url) as c:
         assert c.get("/metrics", headers={"Authorization": f"Bearer {root}"}).status_code == 200
+
+
+@pytest.mark.attack("learn other tenants' load from placement refusals")
+def test_placement_refusals_name_no_numbers(tenants):
+    with tenants.http("member") as c:
+        r = c.post("/v1/sandboxes", json={"spec": tenants.spec(cpu=1000.0).to_dict()})
+    assert r.status_code == 429, r.text
+    nodes = r.json()["error"]["context"]["nodes"]
+    assert set(nodes) == set(tenants.nodes)
+    assert all(why == "not enough CPU" for why in nodes.values()), nodes
+    assert not re.search(r"\d+\.\d|of \d", r.json()["error"]["message"]), r.text
+
+
+@pytest.mark.attack("one key checked, another acted as (Bearer and X-API-KEY differ)")
+def test_the_key_checked_is_the_key_acted_as(tenants):
+    real = tenants.victim["sandbox"]
+    headers = {
+        "Authorization": f"Bearer {tenants.keys['member']}",
+        "X-API-KEY": tenants.keys["victim"],
+        "X-Access-Token": tenants.keys["victim"],
+        "E2b-Sandbox-Id": real,
+    }
+    with httpx.Client(base_url=tenants.api.url, headers=headers) as c:
+        assert c.get(f"/sandboxes/{real}").status_code == 404
+        assert c.get("/files", params={"path": "/root/secret"}).status_code >= 400
+        assert real not in c.get("/sandboxes").text
+
+
+@pytest.mark.attack("labels big enough to slow every tenant's list")
+def test_labels_are_bounded(tenants):
+    with tenants.http("member") as c:
+        many = {f"l{i}": "v" for i in range(129)}
+        big = {"x": "v" * (17 << 10)}
+        for labels in (many, big):
+            spec = {**tenants.spec().to_dict(), "labels": labels}
+            r = c.post("/v1/sandboxes", json={"spec": spec})
+            assert r.status_code == 422 and "labels" in r.text, r.text
 
 
 @pytest.mark.attack("learn node addresses and other layers from error bodies")
@@ -926,6 +964,21 @@ def test_a_body_of_separators_is_refused_before_it_is_built(tenants):
     print(f"apiserver RSS {w.samples[0] >> 20} MiB, peak +{w.rise >> 20} MiB")
     assert r.status_code == 422 and r.json()["error"]["context"]["limit"] == 1 << 20, r.text
     assert w.rise < 160 << 20  # the body as read (within exec's bound), not 7 times it
+    _other_tenant_still_served(tenants)
+
+
+@pytest.mark.attack("names that are no text (lone surrogates) in mapping keys")
+def test_mapping_keys_that_are_no_text_are_422(tenants):
+    sid = tenants.victim["sandbox"]
+    with tenants.http("victim") as c:
+        for path, body in (
+            (f"/v1/sandboxes/{sid}/exec", '{"cmd": "true", "env": {"\\ud800": "x"}}'),
+            (f"/v1/sandboxes/{sid}/sessions", '{"env": {"\\ud800": "x"}}'),
+            ("/v1/fncall", '{"environment": "kitenv", "cmd": "true", "env": {"\\ud800": "x"}}'),
+            ("/v1/sandboxes", '{"spec": {"layers": ["kit-base@1"], "env": {"\\ud800": "x"}}}'),
+        ):
+            r = c.post(path, content=body.encode(), headers={"content-type": "application/json"})
+            assert r.status_code == 422, (path, r.text)
     _other_tenant_still_served(tenants)
 
 
