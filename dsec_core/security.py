@@ -217,8 +217,8 @@ def loosenings(
 
     Loosening: a network mode other than ``"none"`` (loopback only is the default); turning a
     ``default`` policy off or letting it be skipped (``enabled: false``, ``best_effort``);
-    settings a policy's ``loosens`` gives a reason for; live, any change of a policy that
-    decides the network (``network_modes``: an allowlist may widen)."""
+    settings a policy's ``loosens`` gives a reason for; live, any change of a policy's settings
+    (they replace the old ones: an allowlist may widen, a file rule go)."""
     out = []
     if runtime is not None and runtime not in CONFINING_RUNTIMES:
         out.append(
@@ -236,8 +236,8 @@ def loosenings(
             out.append(f"enabled: false turns the {name} policy off")
         if raw.get("best_effort", False) is True and cls.default:
             out.append(f"best_effort lets the default {name} policy be skipped")
-        if live and cls.network_modes:
-            out.append(f"changing the {name} policy live may widen the sandbox's network")
+        if live:  # new settings replace the old: fewer rules may allow more
+            out.append(f"changing the {name} policy live may widen what it allows")
         why = cls.loosens({k: v for k, v in raw.items() if k not in NODE_SETTINGS})
         if why:
             out.append(why)
