@@ -17,6 +17,7 @@ stamp_dir="$venv/.dsec-stamps"
 APT_PACKAGES=(runc runsc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
               util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
               clang libbpf-dev nftables  # the egress policy's BPF programs and netns
+              bpftool  # its tests read the programs attached to a cgroup as the kernel sees them
               apparmor  # apparmor_parser, for the apparmor policy's profiles
               lxcfs  # sandboxes' own CPUs and memory in /proc: the container backend runs it
               procps  # free and uptime, which the limits tests copy into a sandbox
