@@ -75,6 +75,7 @@ from ..api.serving import (
     error_response,
     on_http_error,
     read_json_body,
+    request_key,
 )
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
@@ -105,7 +106,7 @@ from ..records import (
     parse_size,
 )
 from ..security import loosenings
-from .auth import PRINCIPAL, Authenticated, Refusal, request_key
+from .auth import PRINCIPAL, Authenticated, Refusal
 from .nodes import NodeEntry, NodeSet
 from .reach import (
     BUILD_ROLES,
@@ -732,7 +733,8 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
 
     async def send(name: str, k: int) -> bytes | DsecError:
         entry = gw.nodes.nodes[name]
-        content = route.encode_body(replace(body, spec=spec, count=k))
+        # decoded and checked above: encoded without the route's check (a decode over again)
+        content = dump_json(replace(body, spec=spec, count=k).to_dict())
         try:
             return await gw._request(
                 entry, "POST", route.path, content, route.timeout, request_id=rid
@@ -748,6 +750,23 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
             ledger.settle(hold, 0)
         raise
     t_back = time.perf_counter()
+    if len(results) == 1 and isinstance(results[0], bytes):
+        # one node made them all: its answer goes back as it is, read only for the ids
+        doc = json.loads(results[0])
+        if not doc.get("errors"):
+            made_ids = [(i["id"], i["created"]) for i in doc.get("sandboxes", ())]
+            (hold,) = holds.values()
+            ledger.settle(hold, len(made_ids), created=max((c for _, c in made_ids), default=None))
+            for sid, _ in made_ids:
+                gw._remember(sid, Owner(principal.project, build=build))
+            if gw.metrics:
+                gw.metrics.create_done(time.perf_counter() - t0, True)
+            return Response(
+                results[0],
+                route.status,
+                headers={"server-timing": _server_timing(t0, t_sent, t_back)},
+                media_type=JSON,
+            )
     made: list[SandboxInfo] = []
     errors: list[ErrorBody] = []
     for (name, k), result in zip(shares.items(), results, strict=True):
@@ -767,14 +786,6 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
         first = results[0]
         err = first if isinstance(first, DsecError) else error_from_wire(errors[0].to_dict())
         raise gw.scrub(principal, err)
-    if len(results) == 1 and isinstance(results[0], bytes) and not errors:
-        # one node made them all: its answer goes back as it is
-        return Response(
-            results[0],
-            route.status,
-            headers={"server-timing": _server_timing(t0, t_sent, t_back)},
-            media_type=JSON,
-        )
     merged = CreateResult(sandboxes=tuple(made), errors=tuple(errors))
     return Response(route.encode_response(merged), route.status, media_type=JSON)
 

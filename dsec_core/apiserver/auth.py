@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..api.serving import error_response, request_key
 from ..errors import DsecError
 
-__all__ = ["PRINCIPAL", "Authenticated", "request_key"]
+__all__ = ["PRINCIPAL", "Authenticated"]
 
 #: The ASGI scope key the authenticated principal is kept under.
 PRINCIPAL = "dsec.principal"
