@@ -567,11 +567,11 @@ class LeaseRequest(Message):
 @dataclass(frozen=True)
 class ListQuery(Message):
     """``project``: only the sandboxes labelled with that project (``PROJECT_LABEL``), and
-    with ``subtree`` those of the projects below it too; none: every sandbox. The apiserver
+    with ``subtree`` those of the projects below it too; empty: every sandbox. The apiserver
     asks each node for the caller's own, so a list costs what the caller has, not what every
     tenant has."""
 
-    project: str | None = None
+    project: str = ""
     subtree: bool = False
 
 

@@ -313,7 +313,8 @@ async def _restore(node: Node, c: Call) -> SandboxList:
 
 @_handles("list")
 async def _list(node: Node, c: Call) -> SandboxList:
-    return SandboxList(sandboxes=tuple(node.list_sandboxes(c.query.project, c.query.subtree)))
+    project = c.query.project or None
+    return SandboxList(sandboxes=tuple(node.list_sandboxes(project, c.query.subtree)))
 
 
 @_handles("get")
