@@ -7,6 +7,8 @@ or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then
 - ``BackendConformance``: every backend plugin's checks (set ``backend_name``).
 - ``LayerSourceConformance``: every layer-source plugin's checks (provide ``dsec_source``,
   ``corrupt`` and ``unreachable``).
+- ``SecurityPolicyConformance``: every security policy plugin's checks (set ``policy_name``
+  and the ``backend_name`` its sandboxes run on).
 - ``local_ray_cluster``, ``cluster_daemons`` and fixtures ``dsec_ray_cluster``,
   ``dsec_cluster``: a 3-node Ray cluster on loopback and dsec node daemons on it (needs Ray:
   ``pip install 'dsec[cluster]'``; the fixtures skip without it).
@@ -38,6 +40,7 @@ from .fixtures import (
     node_home,
     running_kit_node,
 )
+from .policies import SecurityPolicyConformance
 from .procs import free_port, stop_process
 from .ray import (
     KitCluster,
@@ -60,6 +63,7 @@ __all__ = [
     "LocalRayCluster",
     "RayNodeProcess",
     "SandboxRecorder",
+    "SecurityPolicyConformance",
     "build_busybox_layer",
     "cgroup_hierarchies",
     "cluster_daemons",

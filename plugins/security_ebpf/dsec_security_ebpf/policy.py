@@ -23,7 +23,7 @@ from typing import Any
 
 from dsec_core.backend import Backend, SandboxRuntime, StartedSandbox
 from dsec_core.config import NodeConfig
-from dsec_core.errors import DsecError, PolicyUnavailable, UnknownSandbox
+from dsec_core.errors import DsecError, InvalidSpec, PolicyUnavailable, UnknownSandbox
 from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.security import SecurityPolicy
 
@@ -119,7 +119,12 @@ class EgressPolicy(SecurityPolicy):
         return cls.targets <= backend.policy_targets
 
     def validate(self, settings: Mapping[str, Any]) -> None:
-        parse_settings(settings)
+        try:
+            parse_settings(settings)
+        except InvalidSpec as e:
+            # the field as the node names every policy's: policies.egress.allow[2]
+            field = f"policies.{self.name}.{e.context.get('field', 'settings')}"
+            raise InvalidSpec(e.message, **{**e.context, "field": field}) from None
 
     # --- lazily made node-wide parts -------------------------------------------------------
     @property
