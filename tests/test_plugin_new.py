@@ -90,6 +90,13 @@ def test_names_of_a_generated_plugin():
         "layer_vault",
         "VaultLayerSource",
     )
+    s = plugin_skeleton("policy", "read-only-paths")
+    assert (s.dist, s.module, s.entry_point, s.class_name) == (
+        "dsec-security-read-only-paths",
+        "dsec_security_read_only_paths",
+        "security_read_only_paths",
+        "ReadOnlyPathsPolicy",
+    )
 
 
 @pytest.mark.parametrize(
@@ -108,8 +115,12 @@ def test_names_already_loaded_and_unknown_kinds_are_refused(tmp_path):
     assert "already loaded" in str(e.value)
     with pytest.raises(InvalidSpec):
         write_plugin("source", "local", tmp_path)
-    with pytest.raises(InvalidSpec):
-        write_plugin("policy", "strict", tmp_path)
+    with pytest.raises(InvalidSpec) as e:
+        write_plugin("policy", "seccomp", tmp_path)
+    assert "already loaded" in str(e.value)
+    with pytest.raises(InvalidSpec) as e:
+        write_plugin("placement", "strict", tmp_path)
+    assert e.value.field == "kind"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -141,6 +152,14 @@ def test_the_cli_writes_a_whole_package(tmp_path):
     assert 'addopts = "-p dsec_core.testing"' in pyproject
     assert "pytest dsec-backend-mybox/tests" in (pkg / "README.md").read_text()
     assert not [p for p in (tmp_path / "plugins").iterdir() if p.name.startswith(".")]
+    out = dsec("plugin", "new", "policy", "masks", cwd=tmp_path)
+    assert out.returncode == 0 and "as root" in out.stdout, out.stderr
+    pkg = tmp_path / "dsec-security-masks"
+    assert 'security_masks = "dsec_security_masks"' in (pkg / "pyproject.toml").read_text()
+    assert (
+        "class TestMasksPolicy(SecurityPolicyConformance)"
+        in (pkg / "tests" / "test_masks.py").read_text()
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mkfs.erofs layers need root")
@@ -151,6 +170,20 @@ def test_a_generated_source_installs_and_passes_its_kit(tmp_path):
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     counts = summary(out)
     assert counts.get("passed", 0) >= 10 and not counts.get("failed"), out.stdout[-3000:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the policy kit runs a real node")
+def test_a_generated_policy_installs_and_passes_its_kit(tmp_path):
+    pkg = write_plugin("policy", "masks", tmp_path / "src")
+    install(pkg, tmp_path / "site")
+    out = run_kit(pkg, tmp_path / "site")
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    counts = summary(out)
+    assert counts.get("passed", 0) >= 12 and not counts.get("failed"), out.stdout[-3000:]
+    # what it did is what the kit saw: enforced on real sandboxes, not skipped as unavailable
+    skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skips) == 1 and "this host can run security policy 'masks'" in skips[0], skips
+    assert f"rootdir: {pkg}" in out.stdout and "configfile: pyproject.toml" in out.stdout
 
 
 @pytest.mark.slow

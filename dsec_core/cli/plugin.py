@@ -1,4 +1,5 @@
-"""``dsec plugin new backend|source NAME``: write a plugin package a third party starts from.
+"""``dsec plugin new backend|source|policy NAME``: write a plugin package a third party starts
+from.
 
 The package (pyproject with the ``dsec`` entry point and the kit opted in, the module, a test
 that subclasses the conformance kit, a README) is rendered from the templates in
@@ -12,6 +13,7 @@ import re
 import shutil
 import string
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +25,16 @@ from ..plugins import registry
 __all__ = ["KINDS", "PluginSkeleton", "plugin", "plugin_skeleton", "write_plugin"]
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
-#: A backend name or source scheme: lowercase, digits, inner hyphens (a URL scheme and, with
-#: hyphens as underscores, a Python module name).
+#: A backend name, source scheme or policy name: lowercase, digits, inner hyphens (a URL scheme
+#: and, with hyphens as underscores, a Python module name).
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 NAME_MAX = 40
-#: kind -> (distribution prefix, what the class is called after its name)
-KINDS = {"backend": ("dsec-backend-", "Backend"), "source": ("dsec-layer-", "LayerSource")}
+#: kind -> (distribution prefix, entry-point prefix, what the class is called after its name)
+KINDS = {
+    "backend": ("dsec-backend-", "backend_", "Backend"),
+    "source": ("dsec-layer-", "layer_", "LayerSource"),
+    "policy": ("dsec-security-", "security_", "Policy"),
+}
 #: template file -> where it goes in the package ("{module}" and "{stem}" filled in)
 LAYOUT = {
     "pyproject.toml.tmpl": "pyproject.toml",
@@ -42,12 +48,12 @@ LAYOUT = {
 class PluginSkeleton:
     """The names a generated plugin package uses."""
 
-    kind: str  # "backend" | "source"
-    name: str  # the backend's name or the source's URL scheme
-    dist: str  # distribution and directory: dsec-backend-NAME, dsec-layer-NAME
-    module: str  # dsec_backend_NAME, dsec_layer_NAME
-    entry_point: str  # backend_NAME, layer_NAME
-    class_name: str  # NameBackend, NameLayerSource
+    kind: str  # "backend" | "source" | "policy"
+    name: str  # the backend's name, the source's URL scheme or the policy's name
+    dist: str  # distribution and directory: dsec-backend-NAME, dsec-layer-NAME, dsec-security-NAME
+    module: str  # dsec_backend_NAME, dsec_layer_NAME, dsec_security_NAME
+    entry_point: str  # backend_NAME, layer_NAME, security_NAME
+    class_name: str  # NameBackend, NameLayerSource, NamePolicy
 
     def values(self) -> dict[str, str]:
         return {
@@ -73,12 +79,17 @@ def plugin_skeleton(kind: str, name: str) -> PluginSkeleton:
         raise InvalidSpec(
             f"plugin name {name!r} must be lowercase letters and digits, starting "
             f"with a letter, words joined by single hyphens, at most {NAME_MAX} "
-            "characters (it becomes the backend name or URL scheme and, with "
-            "underscores, a Python module name)",
+            "characters (it becomes the backend name, URL scheme or policy name and, "
+            "with underscores, a Python module name)",
             field="name",
         )
     reg = registry()
-    taken = reg.backends if kind == "backend" else reg.layer_sources
+    offered: dict[str, Mapping[str, type]] = {
+        "backend": reg.backends,
+        "source": reg.layer_sources,
+        "policy": reg.security_policies,
+    }
+    taken = offered[kind]
     if name in taken:
         owner = taken[name]
         raise InvalidSpec(
@@ -86,7 +97,7 @@ def plugin_skeleton(kind: str, name: str) -> PluginSkeleton:
             field="name",
             module=owner.__module__,
         )
-    prefix, suffix = KINDS[kind]
+    prefix, entry_prefix, suffix = KINDS[kind]
     dist = prefix + name
     stem = name.replace("-", "_")
     return PluginSkeleton(
@@ -94,7 +105,7 @@ def plugin_skeleton(kind: str, name: str) -> PluginSkeleton:
         name=name,
         dist=dist,
         module=dist.replace("-", "_"),
-        entry_point=f"{'backend' if kind == 'backend' else 'layer'}_{stem}",
+        entry_point=entry_prefix + stem,
         class_name="".join(w.capitalize() for w in name.split("-")) + suffix,
     )
 
@@ -148,12 +159,13 @@ def plugin() -> None:
     help="Where to write the package directory.",
 )
 def plugin_new(kind: str, name: str, dest: Path) -> None:
-    """Write dsec-backend-NAME/ or dsec-layer-NAME/: a plugin package with its entry point, a
-    working minimal module and the conformance kit's tests, ready to install and run."""
+    """Write dsec-backend-NAME/, dsec-layer-NAME/ or dsec-security-NAME/: a plugin package with
+    its entry point, a working minimal module and the conformance kit's tests, ready to install
+    and run."""
     target = write_plugin(kind, name, dest)
     click.echo(
         f"wrote {target}\n"
         f"  pip install -e {target}\n"
         f"  pytest {target / 'tests'}    # dsec's conformance kit"
-        f"{' (as root: it runs a real node)' if kind == 'backend' else ''}"
+        f"{' (as root: it runs a real node)' if kind in ('backend', 'policy') else ''}"
     )
