@@ -38,6 +38,7 @@ __all__ = [
     "NodeUnavailable",
     "NotFound",
     "PermissionDenied",
+    "PluginApiMismatch",
     "PluginInvalid",
     "PolicyUnavailable",
     "ProjectExists",
@@ -327,6 +328,11 @@ class PolicyUnavailable(DsecError):
 class PluginInvalid(DsecError):
     """A plugin registered something that breaks the plugin contract (wrong base class, no
     name, an undeclared feature); the message says what and how to fix it."""
+
+
+class PluginApiMismatch(PluginInvalid):
+    """A plugin was written for another plugin API than this dsec's (``declared`` and
+    ``supported``); the message points at what to do: migrate it, or upgrade dsec."""
 
 
 class AdmissionRejected(DsecError):

@@ -6,12 +6,24 @@ local layer store as the ``local`` source, and best-of-k placement) always load,
 points, and their placement answers last, so a plugin can override it. ``registry()`` collects
 what the registration hooks offer and opens layer sources by URL; ``place()`` asks the
 placement hooks to pick a node.
+
+A plugin that fails, fails alone: one that does not import, declares another plugin API than
+``PLUGIN_API`` (``DSEC_PLUGIN_API = N`` in its module; none is the first contract's, 1),
+implements hooks dsec does not have, or raises or offers something that breaks the contract
+while registering, is skipped with a ``PluginFailure`` saying why (``dsec plugins`` shows it,
+the log says it once), and everything else goes on. Two plugins that offer one name both lose
+it (neither is used). What is missing only matters where it is named: a create that names a
+backend no working plugin offers is ``UnknownBackend`` saying which plugins failed, and a node
+whose configuration names one (a layer source's scheme, ``DSEC_RUNTIME``) refuses to start
+(``Registry.check_node_config``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -24,7 +36,14 @@ import pluggy
 from . import __version__, hookspecs, placement
 from .backend import Backend
 from .config import NodeConfig
-from .errors import DsecError, PluginInvalid, UnknownBackend, UnknownPolicy, UnknownSource
+from .errors import (
+    DsecError,
+    PluginApiMismatch,
+    PluginInvalid,
+    UnknownBackend,
+    UnknownPolicy,
+    UnknownSource,
+)
 from .records import NodeLoad, SandboxSpec
 from .security import SecurityPolicy
 from .sources import local as local_source
@@ -32,17 +51,35 @@ from .sources.base import LayerSource
 from .sources.chain import split_url
 
 __all__ = [
+    "API_ATTRIBUTE",
     "CORE_PLUGINS",
+    "MIGRATION",
+    "PLUGIN_API",
+    "DsecPluginManager",
+    "PluginFailure",
     "Registry",
+    "failures",
     "get_plugin_manager",
     "open_source",
     "place",
     "plugin_descriptions",
+    "register_commands",
     "registry",
     "reset",
 ]
 
+log = logging.getLogger("dsec.plugins")
+
 ENTRY_POINT_GROUP = "dsec"
+#: The plugin API this dsec speaks. 1 was the first contract (before backends declared what
+#: they need and give, and before the declaration itself); 2 is the one README.md describes.
+PLUGIN_API = 2
+#: What a plugin module sets to the plugin API it was written for: ``DSEC_PLUGIN_API = 2``.
+API_ATTRIBUTE = "DSEC_PLUGIN_API"
+#: The API of a plugin that declares none: it predates the declaration.
+UNDECLARED_API = 1
+#: Where a plugin author reads what changed.
+MIGRATION = "README.md, section 'Migrating a plugin written before this change'"
 #: Plugins of dsec_core itself, registered on every plugin manager whatever DSEC_PLUGINS says.
 CORE_PLUGINS: tuple[tuple[str, ModuleType], ...] = (
     ("core_local_source", local_source),
@@ -50,18 +87,181 @@ CORE_PLUGINS: tuple[tuple[str, ModuleType], ...] = (
 )
 
 
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that was skipped, or a name it lost, and why; the other plugins work without it.
+
+    ``stage``: ``import`` (loading its entry point raised), ``api`` (it was written for another
+    plugin API: ``PluginApiMismatch``), ``hooks`` (it implements hooks dsec does not have, or
+    with arguments they do not take), ``register`` (a registration hook raised, or offered
+    something that breaks the contract), ``commands`` (``dsec_register_commands`` raised), or
+    ``conflict`` (another plugin offers a name it offers too: neither keeps that name, and the
+    plugin is not skipped otherwise). ``distribution`` and ``version`` are its package's.
+    """
+
+    plugin: str
+    stage: str
+    error: BaseException
+    distribution: str | None = None
+    version: str | None = None
+    api: Any = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the whole plugin is out (everything but a conflict)."""
+        return self.stage != "conflict"
+
+    def describe(self) -> str:
+        """The error's message: it names the plugin (and its package) and what to do."""
+        return str(self.error)
+
+
+class DsecPluginManager(pluggy.PluginManager):
+    """pluggy's manager, plus what loading the entry points found: each entry-point plugin's
+    distribution and declared API, and the ``failures`` of those that were skipped."""
+
+    def __init__(self) -> None:
+        super().__init__("dsec")
+        self.failures: list[PluginFailure] = []
+        self.distributions: dict[str, importlib.metadata.Distribution] = {}
+        self.apis: dict[str, Any] = {}
+
+    def fail(self, name: str, stage: str, error: BaseException, plugin: object = None) -> None:
+        """Record ``name``'s failure, log it once, and unregister ``plugin`` (if it is
+        registered as ``name``) unless it only lost a name (a conflict)."""
+        dist = self.distributions.get(name)
+        if any(
+            (f.plugin, f.stage, str(f.error)) == (name, stage, str(error)) for f in self.failures
+        ):
+            return  # a registry built again finds the same conflict again
+        failure = PluginFailure(
+            plugin=name,
+            stage=stage,
+            error=error,
+            distribution=dist.metadata["Name"] if dist else None,
+            version=dist.version if dist else None,
+            api=self.apis.get(name),
+        )
+        self.failures.append(failure)
+        if failure.skipped:
+            if plugin is not None and self.get_plugin(name) is plugin:
+                self.unregister(plugin)
+            log.warning("%s; it is skipped (`dsec plugins` lists it)", failure.describe())
+        else:
+            log.warning("%s", failure.describe())
+
+
+def declared_api(plugin: object) -> Any:
+    """The plugin API a plugin object (its entry point's target) declares: ``API_ATTRIBUTE`` on
+    it or on its module; ``UNDECLARED_API`` if neither says."""
+    for holder in (plugin, inspect.getmodule(plugin)):
+        value = getattr(holder, API_ATTRIBUTE, None)
+        if value is not None:
+            return value
+    return UNDECLARED_API
+
+
+def _api_mismatch(name: str, dist: str, api: Any) -> PluginApiMismatch | None:
+    """The error of an entry-point plugin written for another API than ``PLUGIN_API``."""
+    if type(api) is int and api == PLUGIN_API:
+        return None
+    fields = {"plugin": name, "declared": api, "supported": PLUGIN_API, "see": MIGRATION}
+    if type(api) is not int:
+        return PluginApiMismatch(
+            f"plugin {name!r} ({dist}) declares {API_ATTRIBUTE} = {api!r}, which is no API "
+            f"version; this dsec speaks plugin API {PLUGIN_API}: declare "
+            f"{API_ATTRIBUTE} = {PLUGIN_API} in its module once it is written for it",
+            **fields,
+        )
+    if api > PLUGIN_API:
+        return PluginApiMismatch(
+            f"plugin {name!r} ({dist}) was written for dsec plugin API {api}, newer than this "
+            f"dsec's {PLUGIN_API}: upgrade dsec, or install a version of the plugin written "
+            f"for API {PLUGIN_API}",
+            **fields,
+        )
+    why = "it declares no " + API_ATTRIBUTE if api == UNDECLARED_API else f"it declares {api}"
+    return PluginApiMismatch(
+        f"plugin {name!r} ({dist}) was written for dsec plugin API {api} ({why}); this dsec "
+        f"speaks API {PLUGIN_API}. Migrate it as {MIGRATION} says, then declare "
+        f"{API_ATTRIBUTE} = {PLUGIN_API} in its module",
+        **fields,
+    )
+
+
+def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> list[str]:
+    """Hooks ``plugin`` implements that no hookspec defines (what ``check_pending`` refuses)."""
+    return sorted(
+        caller.name
+        for caller in pm.get_hookcallers(plugin) or []
+        if caller.spec is None
+        and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls())
+    )
+
+
+def _load_entry_points(pm: DsecPluginManager, wanted: set[str] | None) -> None:
+    """Load and register the ``dsec`` entry points (those in ``wanted``, if given), each on its
+    own: one that fails is recorded in ``pm.failures`` and the rest go on."""
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if wanted is not None and ep.name not in wanted:
+            continue
+        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+            continue
+        dist = getattr(ep, "dist", None)
+        if dist is not None:
+            pm.distributions[ep.name] = dist
+        label = f"{dist.metadata['Name']} {dist.version}" if dist else ep.value
+        try:
+            plugin = ep.load()
+        except (Exception, SystemExit) as e:  # a plugin's import must not end the host
+            pm.fail(ep.name, "import", _wrapped(f"plugin {ep.name!r} ({label}) does not import", e))
+            continue
+        api = pm.apis[ep.name] = declared_api(plugin)
+        mismatch = _api_mismatch(ep.name, label, api)
+        if mismatch is not None:
+            pm.fail(ep.name, "api", mismatch)
+            continue
+        try:
+            pm.register(plugin, name=ep.name)
+        except (pluggy.PluginValidationError, ValueError) as e:
+            error = _wrapped(f"plugin {ep.name!r} ({label}) is refused", e)
+            pm.fail(ep.name, "hooks", error, plugin)  # pluggy keeps what it registered so far
+            continue
+        unknown = _unknown_hooks(pm, plugin)
+        if unknown:
+            error = PluginInvalid(
+                f"plugin {ep.name!r} ({label}) implements hooks dsec does not have: "
+                f"{', '.join(unknown)} (dsec's hooks are in dsec_core/hookspecs.py; a plugin "
+                f"of plugin API {PLUGIN_API} uses no others)",
+                plugin=ep.name,
+                hooks=unknown,
+            )
+            pm.fail(ep.name, "hooks", error, plugin)
+
+
+def _wrapped(what: str, e: BaseException) -> PluginInvalid:
+    """``e`` as the ``PluginInvalid`` of a plugin that failed, with ``e``'s type and message
+    (and its context, for a ``DsecError``: ``PluginInvalid`` names what broke the contract)."""
+    context = dict(getattr(e, "context", {}))
+    shown = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
+    error = PluginInvalid(f"{what}: {shown}", **{**context, "cause": type(e).__name__})
+    error.__cause__ = e
+    return error
+
+
+def _label(pm: DsecPluginManager, name: str) -> str:
+    """``'name' (distribution version)``, or ``'name'`` for a plugin registered by hand."""
+    dist = pm.distributions.get(name)
+    return f"{name!r} ({dist.metadata['Name']} {dist.version})" if dist else repr(name)
+
+
 @functools.lru_cache(maxsize=1)
-def get_plugin_manager() -> pluggy.PluginManager:
-    pm = pluggy.PluginManager("dsec")
+def get_plugin_manager() -> DsecPluginManager:
+    pm = DsecPluginManager()
     pm.add_hookspecs(hookspecs)
     allowed = os.environ.get("DSEC_PLUGINS")
-    if allowed is None:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-    else:
-        wanted = {n.strip() for n in allowed.split(",") if n.strip()}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in wanted and pm.get_plugin(ep.name) is None:
-                pm.register(ep.load(), name=ep.name)
+    wanted = None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    _load_entry_points(pm, wanted)
     for name, module in CORE_PLUGINS:
         if pm.get_plugin(name) is None:
             pm.register(module, name=name)
@@ -80,18 +280,22 @@ def reset() -> None:
 
 @dataclass(frozen=True)
 class Registry:
-    """What the loaded plugins offer, by name."""
+    """What the loaded plugins offer, by name, and the plugins that failed (``failures``)."""
 
     backends: dict[str, type[Backend]]
     layer_sources: dict[str, type[LayerSource]]
     security_policies: dict[str, type[SecurityPolicy]]
+    failures: tuple[PluginFailure, ...] = ()
 
     def backend(self, name: str) -> type[Backend]:
         try:
             return self.backends[name]
         except KeyError:
             raise UnknownBackend(
-                f"unknown backend {name!r}", name=name, known=sorted(self.backends)
+                f"unknown backend {name!r}{self._why_missing('backend', name)}",
+                name=name,
+                known=sorted(self.backends),
+                **self._failed(),
             ) from None
 
     def layer_source(self, scheme: str) -> type[LayerSource]:
@@ -99,9 +303,11 @@ class Registry:
             return self.layer_sources[scheme]
         except KeyError:
             raise UnknownSource(
-                f"unknown layer source scheme {scheme!r}",
+                f"unknown layer source scheme {scheme!r}"
+                f"{self._why_missing('layer source', scheme)}",
                 name=scheme,
                 known=sorted(self.layer_sources),
+                **self._failed(),
             ) from None
 
     def security_policy(self, name: str) -> type[SecurityPolicy]:
@@ -109,8 +315,30 @@ class Registry:
             return self.security_policies[name]
         except KeyError:
             raise UnknownPolicy(
-                f"unknown security policy {name!r}", name=name, known=sorted(self.security_policies)
+                f"unknown security policy {name!r}{self._why_missing('security policy', name)}",
+                name=name,
+                known=sorted(self.security_policies),
+                **self._failed(),
             ) from None
+
+    def _why_missing(self, what: str, name: str) -> str:
+        """What the failures say about a name no plugin offers: the conflict over it, else
+        the plugins that were skipped (any of them may have been the one)."""
+        for f in self.failures:
+            context = getattr(f.error, "context", {})
+            if f.stage == "conflict" and (context.get("what"), context.get("name")) == (what, name):
+                return f": {f.error}"
+        return self._skipped_note()
+
+    def _skipped_note(self) -> str:
+        skipped = [f for f in self.failures if f.skipped]
+        if not skipped:
+            return ""
+        return "; plugins that failed to load: " + "; ".join(f.describe() for f in skipped)
+
+    def _failed(self) -> dict[str, Any]:
+        skipped = sorted({f.plugin for f in self.failures if f.skipped})
+        return {"failed": skipped} if skipped else {}
 
     def open_source(self, url: str, config: NodeConfig | None = None) -> LayerSource:
         """The layer source a URL names (``local``, ``posix:/mnt/x``, ``s3://b/p``, ...), with
@@ -122,56 +350,159 @@ class Registry:
             location = str(config.layer_dir)
         return cls(location, cache_dir=config.cache_dir)
 
+    def check_node_config(self, config: NodeConfig) -> None:
+        """Refuse a node configuration that names what no working plugin offers: a layer
+        source's scheme (``UnknownSource``), an OCI runtime no backend runs (``DSEC_RUNTIME``:
+        ``UnknownBackend``); each says which plugins failed. What the configuration does not
+        name may be missing: the node starts without it."""
+        for url in config.layer_sources:
+            self.layer_source(split_url(url)[0])
+        runtime = config.runtime
+        if runtime and not any(runtime in b.runtimes for b in self.backends.values()):
+            able = sorted(n for n, b in self.backends.items() if b.runtimes)
+            raise UnknownBackend(
+                f"DSEC_RUNTIME={runtime!r}: no loaded backend runs OCI runtime {runtime!r} "
+                f"(backends with runtimes: {', '.join(able) or 'none'})"
+                f"{self._skipped_note()}",
+                runtime=runtime,
+                known=able,
+                **self._failed(),
+            )
+
     def node_sources(self, config: NodeConfig) -> list[LayerSource]:
-        """A node's layer sources in the order they are asked (``config.layer_sources``)."""
+        """A node's layer sources in the order they are asked (``config.layer_sources``),
+        once ``check_node_config`` accepted the configuration (the node asks this as it
+        opens, so a node whose configuration names a plugin that failed does not start)."""
+        self.check_node_config(config)
         return [self.open_source(url, config) for url in config.layer_sources]
 
 
-def _collect(hook: Any, what: str, base: type, attr: str) -> dict[str, Any]:
-    found: dict[str, Any] = {}
+#: (hook, what it registers, base class, the attribute that names it, Registry field)
+REGISTRATIONS: tuple[tuple[str, str, type, str, str], ...] = (
+    ("dsec_register_backends", "backend", Backend, "name", "backends"),
+    ("dsec_register_layer_sources", "layer source", LayerSource, "scheme", "layer_sources"),
+    ("dsec_register_security_policies", "security policy", SecurityPolicy, "name",
+     "security_policies"),
+)  # fmt: skip
 
-    def register(cls: type) -> None:
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise PluginInvalid(
-                f"a plugin registered {cls!r} as a {what}, but it is not a "
-                f"subclass of {base.__module__}.{base.__qualname__}",
-                what=what,
-                offered=repr(cls),
-            )
-        name = getattr(cls, attr, None)
-        if not isinstance(name, str) or not name:
-            raise PluginInvalid(
-                f"{what} {cls.__qualname__} has no {attr!r} (a non-empty string)",
-                what=what,
-                offered=repr(cls),
-            )
-        if issubclass(cls, Backend):
-            cls.check_contract()
-        if name in found and found[name] is not cls:
-            raise PluginInvalid(
-                f"two plugins register a {what} named {name!r}: {found[name].__module__}."
-                f"{found[name].__qualname__} and {cls.__module__}.{cls.__qualname__}",
-                what=what,
-                offered=repr(cls),
-            )
-        found[name] = cls
 
-    hook(register=register)
-    return found
+def _checked(what: str, base: type, attr: str, cls: Any) -> str:
+    """The name ``cls`` registers as; ``PluginInvalid`` if it breaks the contract."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise PluginInvalid(
+            f"a plugin registered {cls!r} as a {what}, but it is not a "
+            f"subclass of {base.__module__}.{base.__qualname__}",
+            what=what,
+            offered=repr(cls),
+        )
+    name = getattr(cls, attr, None)
+    if not isinstance(name, str) or not name:
+        raise PluginInvalid(
+            f"{what} {cls.__qualname__} has no {attr!r} (a non-empty string)",
+            what=what,
+            offered=repr(cls),
+        )
+    if issubclass(cls, Backend):
+        cls.check_contract()
+    return name
+
+
+def _offers(pm: pluggy.PluginManager, plugin: object) -> dict[str, dict[str, type]]:
+    """What one plugin's registration hooks offer, by Registry field and name; raises what a
+    hook raised, or ``PluginInvalid`` for something that breaks the contract."""
+    others = [p for p in pm.get_plugins() if p is not plugin]
+    mine = {caller.name for caller in pm.get_hookcallers(plugin) or []}
+    out: dict[str, dict[str, type]] = {}
+    for hook, what, base, attr, kind in REGISTRATIONS:
+        found = out[kind] = {}
+        if hook not in mine:
+            continue
+
+        def register(cls: Any, what: str = what, base: type = base, attr: str = attr,
+                     found: dict[str, type] = found) -> None:  # fmt: skip
+            name = _checked(what, base, attr, cls)
+            if name in found and found[name] is not cls:
+                raise PluginInvalid(
+                    f"the plugin registers two {what}s named {name!r}: "
+                    f"{_qualname(found[name])} and {_qualname(cls)}",
+                    what=what,
+                    name=name,
+                )
+            found[name] = cls
+
+        pm.subset_hook_caller(hook, remove_plugins=others)(register=register)
+    return out
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 @functools.lru_cache(maxsize=1)
 def registry() -> Registry:
-    hook = get_plugin_manager().hook
-    return Registry(
-        backends=_collect(hook.dsec_register_backends, "backend", Backend, "name"),
-        layer_sources=_collect(
-            hook.dsec_register_layer_sources, "layer source", LayerSource, "scheme"
-        ),
-        security_policies=_collect(
-            hook.dsec_register_security_policies, "security policy", SecurityPolicy, "name"
-        ),
-    )
+    """Ask each plugin's registration hooks on their own: a plugin whose hook raises or offers
+    something that breaks the contract is skipped (``PluginFailure``, stage ``register``), and
+    a name two plugins offer goes to neither (stage ``conflict``)."""
+    pm = get_plugin_manager()
+    claims: dict[str, dict[str, list[tuple[str, type]]]] = {r[4]: {} for r in REGISTRATIONS}
+    for name, plugin in list(pm.list_name_plugin()):
+        if plugin is None:
+            continue
+        try:
+            offered = _offers(pm, plugin)
+        except Exception as e:  # its bug, not the host's: the others go on
+            error = _wrapped(f"plugin {_label(pm, name)} failed to register", e)
+            pm.fail(name, "register", error, plugin)
+            continue
+        for kind, named in offered.items():
+            for offer, cls in named.items():
+                claims[kind].setdefault(offer, []).append((name, cls))
+    fields: dict[str, dict[str, Any]] = {}
+    for _hook, what, _base, _attr, kind in REGISTRATIONS:
+        fields[kind] = {}
+        for offer, claimants in claims[kind].items():
+            if len({cls for _, cls in claimants}) == 1:
+                fields[kind][offer] = claimants[0][1]
+                continue
+            shown = " and ".join(f"{p} ({_qualname(c)})" for p, c in claimants)
+            for plugin_name, _ in claimants:
+                error = PluginInvalid(
+                    f"two plugins register a {what} named {offer!r}: {shown}; neither is used "
+                    "(uninstall one, or limit DSEC_PLUGINS)",
+                    what=what,
+                    name=offer,
+                    plugins=[p for p, _ in claimants],
+                )
+                pm.fail(plugin_name, "conflict", error)
+    return Registry(**fields, failures=tuple(pm.failures))
+
+
+def failures() -> tuple[PluginFailure, ...]:
+    """Every plugin failure so far: loading, registering (``registry()`` is built first), and
+    adding commands (``register_commands``)."""
+    registry()
+    return tuple(get_plugin_manager().failures)
+
+
+def register_commands(cli: Any) -> None:
+    """Let each plugin add its commands to ``cli`` (a click group), on its own: one whose
+    ``dsec_register_commands`` raises is skipped and leaves no command behind."""
+    pm = get_plugin_manager()
+    registry()  # plugins that fail to register are out before they add commands
+    for name, plugin in list(pm.list_name_plugin()):
+        mine = {caller.name for caller in pm.get_hookcallers(plugin) or []}
+        if plugin is None or "dsec_register_commands" not in mine:
+            continue
+        before = dict(cli.commands)
+        others = [p for p in pm.get_plugins() if p is not plugin]
+        try:
+            pm.subset_hook_caller("dsec_register_commands", remove_plugins=others)(cli=cli)
+        except Exception as e:
+            cli.commands.clear()
+            cli.commands.update(before)
+            pm.fail(
+                name, "commands", _wrapped(f"plugin {name!r} failed to add commands", e), plugin
+            )
 
 
 def open_source(url: str, config: NodeConfig | None = None) -> LayerSource:
@@ -191,26 +522,37 @@ def place(request: SandboxSpec, nodes: Sequence[NodeLoad]) -> NodeLoad | None:
 
 
 def plugin_descriptions() -> list[dict[str, Any]]:
-    """Name, version, module and implemented hooks of each loaded plugin (for ``dsec plugins``)."""
+    """Name, version, distribution, module, declared plugin API and implemented hooks of each
+    plugin, and ``error``: None for a working one, else why it was skipped or what name it
+    lost (for ``dsec plugins``). Skipped plugins are listed too, with no hooks."""
     pm = get_plugin_manager()
-    dists = {id(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    errors: dict[str, list[str]] = {}
+    for f in failures():
+        errors.setdefault(f.plugin, []).append(f"{f.stage}: {f.error}")
     core = {name for name, _ in CORE_PLUGINS}
     out = []
-    for name, plugin in sorted(pm.list_name_plugin(), key=lambda p: p[0]):
-        if plugin is None:
-            continue
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
-        dist = dists.get(id(plugin))
+    registered = {name: plugin for name, plugin in pm.list_name_plugin() if plugin is not None}
+    for name in sorted({*registered, *errors}):
+        plugin = registered.get(name)
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or []) if plugin else []
+        dist = pm.distributions.get(name)
         version, distribution = (dist.version, dist.metadata["Name"]) if dist else (None, None)
+        api = pm.apis.get(name)
         if name in core:
-            version, distribution = __version__, "dsec"
+            version, distribution, api = __version__, "dsec", PLUGIN_API
+        module = getattr(plugin, "__name__", repr(plugin)) if plugin is not None else None
+        if module is None and dist is not None:
+            eps = [e for e in dist.entry_points if e.group == ENTRY_POINT_GROUP and e.name == name]
+            module = eps[0].value if eps else None
         out.append(
             {
                 "name": name,
                 "version": version,
                 "distribution": distribution,
-                "module": getattr(plugin, "__name__", repr(plugin)),
+                "module": module,
+                "api": api,
                 "hooks": hooks,
+                "error": "; ".join(errors[name]) if name in errors else None,
             }
         )
     return out

@@ -160,7 +160,7 @@ def _load(name: str, fraction: float) -> NodeLoad:
     )
 
 
-def test_registering_a_class_that_breaks_the_contract_is_typed():
+def test_registering_a_class_that_breaks_the_contract_is_typed_and_fails_alone():
     class NotABackend:
         name = "nope"
 
@@ -178,14 +178,20 @@ def test_registering_a_class_that_breaks_the_contract_is_typed():
         plugins.reset()
         plugins.get_plugin_manager().register(Plugin(), name="breaks_contract")
         try:
-            with pytest.raises(PluginInvalid) as e:
-                plugins.registry()
-            assert words in str(e.value)
+            reg = plugins.registry()  # the others load
+            (failure,) = [f for f in reg.failures if f.plugin == "breaks_contract"]
+            assert failure.stage == "register" and isinstance(failure.error, PluginInvalid)
+            assert words in str(failure.error) and "'breaks_contract'" in str(failure.error)
+            assert plugins.get_plugin_manager().get_plugin("breaks_contract") is None
+            assert "container" in reg.backends and offered.name not in reg.backends
+            with pytest.raises(UnknownBackend) as e:
+                reg.backend(offered.name)
+            assert words in str(e.value) and e.value.failed == ["breaks_contract"]
         finally:
             plugins.reset()
 
 
-def test_two_plugins_claiming_one_name_is_typed():
+def test_two_plugins_claiming_one_name_both_lose_it():
     class Twin(_ThirdPartyBackend):
         name = "container"  # the shipped runc backend's name
 
@@ -193,13 +199,26 @@ def test_two_plugins_claiming_one_name_is_typed():
         @plugins.hookspecs.hookimpl
         def dsec_register_backends(self, register):
             register(Twin)
+            register(_ThirdPartyBackend)
 
     plugins.reset()
     plugins.get_plugin_manager().register(Plugin(), name="twin")
     try:
-        with pytest.raises(PluginInvalid) as e:
-            plugins.registry()
+        reg = plugins.registry()
+        assert "container" not in reg.backends  # neither: which one a node meant is unknown
+        assert reg.backends["third-party"] is _ThirdPartyBackend  # the rest of it stands
+        assert "fncall" in reg.backends
+        lost = {f.plugin: f for f in reg.failures if f.stage == "conflict"}
+        assert set(lost) == {"twin", "backend_container"}
+        assert not any(f.skipped for f in lost.values())
+        with pytest.raises(UnknownBackend) as e:
+            reg.backend("container")
         assert "'container'" in str(e.value) and "Twin" in str(e.value)
+        assert "neither is used" in str(e.value)
+        descs = {d["name"]: d for d in plugins.plugin_descriptions()}
+        assert descs["twin"]["hooks"] == ["dsec_register_backends"]
+        said = descs["twin"]["error"]
+        assert "conflict: two plugins register a backend named 'container'" in said
     finally:
         plugins.reset()
 

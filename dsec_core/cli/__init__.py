@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
@@ -24,7 +25,7 @@ from ..config import NodeConfig
 from ..demo import run_demo
 from ..errors import DsecError
 from ..localnode import ensure_daemon, ping, stop_daemon
-from ..plugins import get_plugin_manager, plugin_descriptions, registry
+from ..plugins import plugin_descriptions, register_commands, registry
 from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
 from .apiserver import apiserver
@@ -76,7 +77,8 @@ def cli() -> None:
 @cli.command("plugins")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def plugins_cmd(as_json: bool) -> None:
-    """List loaded plugins with their versions and hooks."""
+    """List plugins with their versions, plugin API and hooks, and those that failed, with why
+    (they are skipped; everything else works without them)."""
     descs = plugin_descriptions()
     reg = registry()
     provided = {
@@ -87,12 +89,20 @@ def plugins_cmd(as_json: bool) -> None:
     if as_json:
         _dump({"plugins": descs, **provided})
         return
-    table = Table("plugin", "version", "distribution", Column("hooks", overflow="fold"))
+    table = Table(
+        "plugin", "version", "distribution", "api", Column("hooks or error", overflow="fold")
+    )
     for d in descs:
-        table.add_row(d["name"], str(d["version"]), str(d["distribution"]), ", ".join(d["hooks"]))
+        shown = ", ".join(d["hooks"]) if d["error"] is None else f"[red]{escape(d['error'])}[/]"
+        if d["error"] is not None and d["hooks"]:  # it lost a name but works otherwise
+            shown = f"{', '.join(d['hooks'])}\n{shown}"
+        table.add_row(d["name"], str(d["version"]), str(d["distribution"]), str(d["api"]), shown)
     console.print(table)
     for key, names in provided.items():
         console.print(f"{key.replace('_', ' ')}: {', '.join(names) or '-'}")
+    failed = [d["name"] for d in descs if d["error"] is not None]
+    if failed:
+        console.print(f"[red]failed[/]: {', '.join(failed)} (skipped, or a name they lost)")
 
 
 # --- sandboxes -----------------------------------------------------------------------------
@@ -787,7 +797,7 @@ def _add_plugin_commands() -> None:
     cli.add_command(apiserver)
     cli.add_command(iam)
     cli.add_command(cluster)
-    get_plugin_manager().hook.dsec_register_commands(cli=cli)
+    register_commands(cli)  # each plugin's on its own: one that fails adds nothing
 
 
 def main(argv: list[str] | None = None) -> None:

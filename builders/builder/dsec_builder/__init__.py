@@ -19,6 +19,9 @@ from .record import BuildRecord, BuildStore
 from .session import BuildContext, BuildSession, FinishResult
 from .tools import TOOL_NAMES, BuildTools
 
+#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+DSEC_PLUGIN_API = 2
+
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "TOOL_NAMES",

@@ -63,6 +63,9 @@ from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
 from dsec_core.sources.base import LayerSource, fetch_verified, split_for_publishing
 
+#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+DSEC_PLUGIN_API = 2
+
 __all__ = [
     "ANNOTATION_PREFIX",
     "BLOB_MEDIA_TYPE",
