@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -189,6 +192,42 @@ def _api_mismatch(name: str, dist: str, api: Any) -> PluginApiMismatch | None:
     )
 
 
+#: ``DSEC_PLUGIN_API = N`` at the start of a line of a plugin's source
+_API_LINE = re.compile(
+    rb"^" + API_ATTRIBUTE.encode() + rb"\s*(?::[^=]*)?=\s*(\d+)\s*(?:#.*)?$", re.M
+)
+
+
+def _declared_in_source(module: str) -> Any:
+    """The API a plugin module that does not import declares in its source (read, not run),
+    else ``UNDECLARED_API``."""
+    try:
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None else None
+        text = Path(origin).read_bytes() if origin else b""
+    except Exception:  # finding a submodule imports its parents, which may fail any way
+        return UNDECLARED_API
+    found = _API_LINE.search(text)
+    return int(found.group(1)) if found else UNDECLARED_API
+
+
+def _from_dsec(e: ImportError) -> bool:
+    """Whether ``e`` is about a module or name of dsec's (one that moved or went)."""
+    return (e.name or "").split(".")[0] in ("dsec_core", "dsec")
+
+
+def _moved(mismatch: PluginApiMismatch, e: ImportError) -> PluginApiMismatch:
+    """``mismatch``, saying which of dsec's names the plugin could not import."""
+    error = PluginApiMismatch(
+        f"{mismatch.message} (it imports what this dsec does not have: {type(e).__name__}: "
+        f"{e}; the section lists where names moved)",
+        **mismatch.context,
+        missing=e.name,
+    )
+    error.__cause__ = e
+    return error
+
+
 def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> list[str]:
     """Hooks ``plugin`` implements that no hookspec defines (what ``check_pending`` refuses)."""
     return sorted(
@@ -214,7 +253,14 @@ def _load_entry_points(pm: DsecPluginManager, wanted: set[str] | None) -> None:
         try:
             plugin = ep.load()
         except (Exception, SystemExit) as e:  # a plugin's import must not end the host
-            pm.fail(ep.name, "import", _wrapped(f"plugin {ep.name!r} ({label}) does not import", e))
+            api = pm.apis[ep.name] = _declared_in_source(ep.module)
+            mismatch = _api_mismatch(ep.name, label, api)
+            if isinstance(e, ImportError) and _from_dsec(e) and mismatch is not None:
+                # a name it imports from dsec moved or went: the contract it was written for
+                pm.fail(ep.name, "api", _moved(mismatch, e))
+            else:
+                error = _wrapped(f"plugin {ep.name!r} ({label}) does not import", e)
+                pm.fail(ep.name, "import", error)
             continue
         api = pm.apis[ep.name] = declared_api(plugin)
         mismatch = _api_mismatch(ep.name, label, api)

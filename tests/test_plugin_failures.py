@@ -45,6 +45,12 @@ BROKEN = {
         "@hookimpl\ndef dsec_register_layer_sources(register):\n"
         "    raise RuntimeError('the vault service is not configured')\n"
     ),
+    # the first contract's home of the layer-source base classes
+    "broken_moved": "from dsec_core.layers.source import BlobStoreSource  # noqa\n",
+    # written for this API, and still importing what dsec does not have: its own bug
+    "broken_current_import": (
+        "DSEC_PLUGIN_API = 2\nfrom dsec_core.backend import NoSuchName  # noqa\n"
+    ),
 }
 #: what each one's error says
 SAYS = {
@@ -53,6 +59,8 @@ SAYS = {
     "broken_future_api": "written for dsec plugin API 3, newer than this dsec's 2",
     "broken_unknown_hook": "implements hooks dsec does not have: dsec_register_sandboxes",
     "broken_register": "RuntimeError: the vault service is not configured",
+    "broken_moved": "written for dsec plugin API 1 (it declares no DSEC_PLUGIN_API)",
+    "broken_current_import": "does not import: ImportError: cannot import name 'NoSuchName'",
 }
 MIGRATION = "Migrating a plugin written before this change"
 
@@ -95,6 +103,8 @@ def test_the_cli_lists_broken_plugins_and_goes_on(tmp_path):
         assert shown[name]["hooks"] == [] and shown[name]["distribution"] == "dsec-test-broken"
         assert name in out.stderr  # said once, on stderr, by every command
     assert MIGRATION in shown["broken_first_contract"]["error"]
+    assert MIGRATION in shown["broken_moved"]["error"]
+    assert MIGRATION not in shown["broken_current_import"]["error"]
     assert shown["broken_first_contract"]["api"] == 1
     # everything else is there
     assert shown["backend_container"]["error"] is None and shown["backend_container"]["api"] == 2
@@ -123,6 +133,10 @@ def test_an_api_mismatch_is_typed_and_points_at_the_migration_section(tmp_path, 
         assert failures["broken_first_contract"].error.declared == 1
         assert failures["broken_future_api"].error.declared == 3
         assert failures["broken_import"].stage == "import"
+        moved = failures["broken_moved"]
+        assert moved.stage == "api" and moved.error.missing == "dsec_core.layers.source"
+        assert "No module named 'dsec_core.layers.source'" in str(moved.error)
+        assert failures["broken_current_import"].stage == "import"
         assert failures["broken_unknown_hook"].stage == "hooks"
         assert failures["broken_register"].stage == "register"
         pm = plugins.get_plugin_manager()
