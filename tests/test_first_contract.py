@@ -83,7 +83,8 @@ ALSO_COVERED = [
     '`rt.enforce("oci", config)`',
     "`SecurityPolicy.apply_oci(rt, settings, config)`",
     "Several plugin folders run together",
-    "`pytest -p\n  dsec_core.testing plugins/a/tests plugins/b/tests`",
+    "Load the kit once",
+    "`pytest -p dsec_core.testing plugins/a/tests plugins/b/tests`",
     "non-top-level conftest",
     "`local = True`",
     "four primitives",
@@ -213,12 +214,14 @@ def test_the_migrated_plugins_pass_their_kits_run_together(tmp_path):
         install(pkg, "v2", tmp_path)
     site, parent = tmp_path / "site-v2", tmp_path / "src-v2"
     tests = [f"{pkg}/tests" for pkg in PACKAGES]
-    # run from their common parent, pytest reads no plugin's pyproject: without the kit loaded
-    # for the run, its fixtures are not there
+    # a monorepo's root with a pytest configuration of its own: pytest reads that one, not the
+    # plugins', so the kit is not loaded unless the run loads it
+    (parent / "pyproject.toml").write_text("[tool.pytest.ini_options]\nmarkers = []\n")
     bare = pytest_run(site, parent, *tests, "-k", "hostname")
     assert bare.returncode != 0 and "fixture 'dsec_sandboxes' not found" in bare.stdout
     run = pytest_run(site, parent, "-p", "dsec_core.testing", *tests)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
+    assert f"rootdir: {parent}" in run.stdout and "configfile: pyproject.toml" in run.stdout
     got = counts(run)
     assert got.get("passed", 0) >= 35 and not got.get("failed"), run.stdout[-3000:]
     skips = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
