@@ -16,7 +16,12 @@ import pytest
 
 from dsec_core.backend import Feature
 from dsec_core.errors import PluginInvalid
-from dsec_core.testing import BackendConformance, kit_home_parent, running_kit_node
+from dsec_core.testing import (
+    BackendConformance,
+    SecurityPolicyConformance,
+    kit_home_parent,
+    running_kit_node,
+)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -62,6 +67,23 @@ def test_an_abstract_base_leaves_the_name_to_its_subclasses():
 
         class TestNamesNothing(MyChecks):
             pass
+
+
+def test_a_policy_kit_names_its_policy_or_is_abstract():
+    with pytest.raises(PluginInvalid) as e:
+
+        class TestForgotThePolicy(SecurityPolicyConformance):
+            backend_name = "container"
+
+    assert "policy_name" in str(e.value) and "TestForgotThePolicy" in str(e.value)
+
+    class MyPolicyChecks(SecurityPolicyConformance, abstract=True):
+        backend_name = "container"
+
+    class TestSeccompToo(MyPolicyChecks):
+        policy_name = "seccomp"
+
+    assert TestSeccompToo().policy_class().name == "seccomp"
 
 
 def test_kit_home_follows_configuration(monkeypatch, tmp_path):
