@@ -25,6 +25,7 @@ from ..backend import Backend, DeviceNode, Feature
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import AdmissionRejected, BackendUnavailable, DsecError, InvalidSpec, UnknownSandbox
+from ..linux import sysctl
 from ..linux.hostmem import meminfo, pressure
 from ..plugins import Registry
 from ..records import (
@@ -45,6 +46,7 @@ __all__ = [
     "Admission",
     "Admitted",
     "admit",
+    "backend_label",
     "check_backend",
     "check_drives",
     "node_load",
@@ -64,6 +66,7 @@ class Admitted:
 
     sid: str
     spec: SandboxSpec
+    layers: tuple[str, ...]  # name@version, top first: the spec's, then its environment's
     kernel: str | None
     backend: Backend
     plan: PolicyPlan
@@ -86,8 +89,14 @@ class Admission:
         self._warming: asyncio.Future | None = None
 
     def open(self) -> None:
-        """Probe the device inventory: a missing or non-device path stops the node."""
+        """Probe the device inventory (a missing or non-device path stops the node), and
+        raise the kernel's limits a node of many sandboxes needs."""
         self.devices = DevicePool.probe(self.host.config)
+        for name, (old, new) in sysctl.raise_to(sysctl.NODE_MINIMUMS).items():
+            log.info("raised %s from %d to %d for a node of many sandboxes", name, old, new)
+        raised = sysctl.raise_nofile(sysctl.NOFILE_MINIMUM)
+        if raised:
+            log.info("raised the daemon's open-file limit from %d to %d", *raised)
 
     def load(self) -> NodeLoad:
         """This node as placement sees it: capacity and what live sandboxes reserve."""
@@ -110,6 +119,9 @@ class Admission:
         ``BackendUnavailable``, ``AdmissionRejected``...) with nothing taken."""
         spec, kernel = resolve_spec(spec, self.host.catalogs)
         assert spec.backend is not None  # resolve_spec names one
+        layers = tuple(spec.layers)  # explicit layers go on top of the environment's
+        if spec.environment:
+            layers += tuple(self.host.catalogs.environment(spec.environment).layer_refs())
         backend = self.host.backend(spec.backend)
         if backend.shares_host_kernel():
             # a create that named a container backend over a VM environment: the environment's
@@ -128,7 +140,7 @@ class Admission:
             self.uids.release(idmap)
             raise
         self._warm_uids()
-        return Admitted(sid, spec, kernel, backend, plan, idmap, devices)
+        return Admitted(sid, spec, layers, kernel, backend, plan, idmap, devices)
 
     def _warm_uids(self) -> None:
         """Make the next uid range's user namespace in the background (2 ms of a create
@@ -291,3 +303,12 @@ def resolve_spec(spec: SandboxSpec, catalogs: CatalogStore) -> tuple[SandboxSpec
         workdir=spec.workdir if spec.workdir != "/" else (environment.workdir or "/"),
         backend=spec.backend or environment.backend or DEFAULT_BACKEND,
     ), environment.kernel
+
+
+def backend_label(spec: SandboxSpec, catalogs: CatalogStore) -> str:
+    """The backend a create of ``spec`` would use, for a failed create's metric ("unknown" if
+    even that fails)."""
+    try:
+        return resolve_spec(spec, catalogs)[0].backend or "unknown"
+    except DsecError:
+        return "unknown"

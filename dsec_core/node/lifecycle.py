@@ -1,7 +1,7 @@
-"""The ends a sandbox meets without a request: its time runs out (TTL) or its processes die on
-their own. ``Lifecycle`` arms the timers, watches each sandbox's exit descriptor (and polls
-those without one), remembers what the dead died of, and runs the node's background tasks;
-each end is a kill it asks of its host.
+"""The ends a sandbox meets without a request: its start takes too long, its time runs out
+(TTL), or its processes die on their own. ``Lifecycle`` arms the timers, watches each
+sandbox's exit descriptor (and polls those without one), remembers what the dead died of, and
+runs the node's background tasks; each end is a kill it asks of its host.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-from ..errors import InvalidSpec, SandboxDied, SandboxNotRunning, UnknownSandbox
+from ..errors import (
+    InvalidSpec,
+    SandboxDied,
+    SandboxNotRunning,
+    StartTimeout,
+    UnknownSandbox,
+)
 from ..records import InfraEvent
 from .host import LifecycleHost
 from .sandbox import Sandbox
@@ -54,8 +60,7 @@ class Lifecycle:
         """Drop every timer and exit watch (the sandboxes run on), then wait for the
         background tasks (the kills they run)."""
         for sb in self.host.sandboxes.values():
-            self.unwatch_exit(sb)
-            self.disarm(sb)
+            self.unwatch(sb)
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
@@ -63,6 +68,16 @@ class Lifecycle:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def watch(self, sb: Sandbox) -> None:
+        """Follow a running sandbox: its TTL armed, its exit watched."""
+        self.arm(sb)
+        self.watch_exit(sb)
+
+    def unwatch(self, sb: Sandbox) -> None:
+        """Stop following ``sb`` (it is being killed, or the node closes)."""
+        self.unwatch_exit(sb)
+        self.disarm(sb)
 
     # --- time to live ---------------------------------------------------------------------
     def arm(self, sb: Sandbox) -> None:
@@ -90,6 +105,21 @@ class Lifecycle:
         self.disarm(sb)
         sb.expires = None if ttl is None else time.time() + ttl
         self.arm(sb)
+
+    async def check_start(self, sb: Sandbox, seconds: float) -> None:
+        """``StartTimeout`` if ``sb`` took ``seconds`` to start, over its ``start_timeout``:
+        its backend is stopped (what else it holds is the create's to undo)."""
+        limit = sb.rt.spec.start_timeout
+        if limit is None or seconds <= limit:
+            return
+        await sb.backend.stop(sb.rt, sb.backend_state)
+        raise StartTimeout(
+            f"sandbox {sb.rt.id} took {seconds:.2f}s to start, over its start_timeout "
+            f"of {limit:g}s: killed",
+            sandbox_id=sb.rt.id,
+            seconds=round(seconds, 3),
+            start_timeout=limit,
+        )
 
     # --- deaths ---------------------------------------------------------------------------
     def watch_exit(self, sb: Sandbox) -> None:

@@ -7,13 +7,9 @@ and asks the backend to start it; each step is undone if a later one fails. Ever
 state is written to ``$DSEC_HOME/run/sandboxes/<id>/state.json`` (a tmpfs) so a restarted
 daemon re-adopts what is still running and cleans up what is not.
 
-``Node`` is the face: it keeps the sandboxes and the order of each step, and hands every
-concern to a service that sees it only through a protocol of ``host`` (``SandboxHost`` and
-its kin): policy planning (``policies``), admission (``admission``), root filesystems
-(``rootfs``), TTLs and exit watches (``lifecycle``), state files and adoption
-(``persistence``), layer and memory snapshots (``layer_snapshots``, ``memory``), the agents
-and screens of sandboxes (``agents``, ``screen``), FnCall pools and judging (``pools``,
-``judge``), trainer leases (``leases``) and the drive socket (``drive``).
+``Node`` is the face: it keeps the sandboxes and the order of the steps, and hands each
+concern to a service of its own module that sees the node only through a protocol of
+``host`` (``SandboxHost`` and its kin), never through the face's private names.
 """
 
 from __future__ import annotations
@@ -33,15 +29,9 @@ from ..agent import ensure_agent
 from ..backend import Backend, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import (
-    DsecError,
-    InvalidSpec,
-    SandboxNotRunning,
-    StartTimeout,
-)
+from ..errors import DsecError, InvalidSpec, SandboxNotRunning
 from ..inputs import InputEvent
-from ..linux import sysctl
-from ..linux.mounts import ensure_tmpfs, unmount
+from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
     ExecResult,
@@ -78,7 +68,7 @@ from .persistence import StateFiles, write_state
 from .policies import PolicyPlan, PolicyPlanner, enforcer
 from .pools import Pools
 from .rootfs import RootFilesystems
-from .sandbox import Sandbox
+from .sandbox import Sandbox, state_counts
 from .screen import Screens
 from .trajectory import TrajectoryLogs
 
@@ -115,7 +105,10 @@ class Node:
         self.leases = Leases(self)
         self.trajectories = TrajectoryLogs(cfg.home / "trajectories")
         self.drive = DriveServer(self, cfg.run_dir / "drive")
-        self.metrics = NodeMetrics(sandbox_states=self.state_counts, layer_cache=self.rootfs.counts)
+        self.metrics = NodeMetrics(
+            sandbox_states=lambda: state_counts(self.sandboxes.values()),
+            layer_cache=self.rootfs.counts,
+        )
 
     @property
     def devices(self) -> DevicePool:
@@ -133,25 +126,13 @@ class Node:
     async def open(self) -> None:
         cfg = self.config
         # first: a bad inventory (a missing or non-device path) stops the node before it
-        # mounts or starts anything
+        # mounts or starts anything; then the kernel's limits for many sandboxes
         self.admission.open()
         cfg.ensure_dirs()
-        ensure_tmpfs(cfg.run_dir, mode=0o710, gid=cfg.sandbox_gid)
-        cfg.on_sandbox_path(cfg.run_dir)  # a tmpfs a daemon before this change mounted 0711
-        cfg.runtime_dir.mkdir(exist_ok=True)
-        cfg.on_sandbox_path(cfg.runtime_dir)
+        self.states.open()
         self.agent_binary = ensure_agent(cfg.bin_dir)
-        for name, (old, new) in sysctl.raise_to(sysctl.NODE_MINIMUMS).items():
-            log.info("raised %s from %d to %d for a node of many sandboxes", name, old, new)
-        raised = sysctl.raise_nofile(sysctl.NOFILE_MINIMUM)
-        if raised:
-            log.info("raised the daemon's open-file limit from %d to %d", *raised)
-        mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
-        ondemand = OnDemandLayers(cfg, self.registry)
-        if ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
-            await asyncio.to_thread(ondemand.ensure_open)
         self.layer_sources = self.registry.node_sources(cfg)
-        self.rootfs.open(mounts, ondemand, self.layer_sources)
+        await self.rootfs.open(self.registry, self.layer_sources)
         await self._adopt()
         await self.pools.drop_left()
         await self.drive.start()
@@ -164,8 +145,7 @@ class Node:
         self.rootfs.adopt(adopted)
         self.admission.adopt(adopted)
         for sb in adopted:
-            self.lifecycle.arm(sb)
-            self.lifecycle.watch_exit(sb)
+            self.lifecycle.watch(sb)
 
     async def close(self, kill_all: bool = False, release_runtime: bool = True) -> None:
         """Stop serving. Sandboxes keep running unless ``kill_all``; with none left and
@@ -221,20 +201,12 @@ class Node:
         return self.admission.load()
 
     def warm(self) -> tuple[list[str], list[str]]:
-        """The layers a create here would find mounted, and the environments all of whose
-        layers are among them (``admission.warm``)."""
+        """The layers and environments a create here finds mounted (``admission.warm``)."""
         return admission.warm(self.sandboxes.values(), self.rootfs.lingering(), self.catalogs)
 
     def project_usage(self) -> dict[str, tuple[int, float, int]]:
         """Live sandboxes by project: how many, CPU and memory (``admission.project_usage``)."""
         return admission.project_usage(self.sandboxes.values())
-
-    def state_counts(self) -> dict[str, int]:
-        """How many sandboxes are in each state (``Sandbox.state``), for ``dsec_sandboxes``."""
-        counts: dict[str, int] = {}
-        for sb in self.sandboxes.values():
-            counts[sb.state] = counts.get(sb.state, 0) + 1
-        return counts
 
     # --- create ---------------------------------------------------------------------------
     async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo:
@@ -244,10 +216,7 @@ class Node:
         try:
             info = await self._admit_and_create(spec, saved)
         except BaseException:
-            try:  # the backend a failed create would have used ("unknown" if even that failed)
-                label = admission.resolve_spec(spec, self.catalogs)[0].backend or "unknown"
-            except DsecError:
-                label = "unknown"
+            label = admission.backend_label(spec, self.catalogs)
             self.metrics.observe_create(label, False, time.perf_counter() - t0)
             raise
         self.metrics.observe_create(info.backend, True, time.perf_counter() - t0)
@@ -278,10 +247,7 @@ class Node:
 
     async def _create(self, a: Admitted, t0: float, saved: Path | None) -> SandboxInfo:
         sid, spec, backend = a.sid, a.spec, a.backend
-        refs = list(spec.layers)  # explicit layers go on top of the environment's
-        if spec.environment:
-            refs += self.catalogs.environment(spec.environment).layer_refs()
-        sources = self.rootfs.resolve(refs)
+        sources = self.rootfs.resolve(a.layers)
         rt = replace(self.runtime(sid, spec, backend, a.idmap), devices=a.devices, kernel=a.kernel)
         rt.dir.mkdir(mode=0o700)
         self.config.on_sandbox_path(rt.dir)  # runc's init passes it to reach rootfs/
@@ -305,15 +271,7 @@ class Node:
                 backend.start(rt) if saved is None else backend.start_from(rt, saved)
             )
             t_start = time.perf_counter()
-            if spec.start_timeout is not None and t_start - t0 > spec.start_timeout:
-                await backend.stop(rt, sb.backend_state)  # the undo below takes the rest
-                raise StartTimeout(
-                    f"sandbox {sid} took {t_start - t0:.2f}s to start, over its start_timeout "
-                    f"of {spec.start_timeout:g}s: killed",
-                    sandbox_id=sid,
-                    seconds=round(t_start - t0, 3),
-                    start_timeout=spec.start_timeout,
-                )
+            await self.lifecycle.check_start(sb, t_start - t0)  # the undo below takes the rest
             sb.status = "running"
             if spec.ttl:  # a sandbox's life counts from when it runs (a VM boots for seconds)
                 sb.expires = time.time() + spec.ttl
@@ -330,8 +288,7 @@ class Node:
             self.sandboxes.pop(sid, None)
             await asyncio.shield(self._undo_create(taken, rt, a.plan))
             raise
-        self.lifecycle.arm(sb)
-        self.lifecycle.watch_exit(sb)
+        self.lifecycle.watch(sb)
         return sb.info()
 
     async def _undo_create(self, taken: list[str], rt: SandboxRuntime, plan: PolicyPlan) -> None:
@@ -431,8 +388,7 @@ class Node:
             self.trajectories.remove(sid)
         if sb.packing is not None:  # its thread thaws the sandbox; kill after that
             await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
-        self.lifecycle.unwatch_exit(sb)
-        self.lifecycle.disarm(sb)
+        self.lifecycle.unwatch(sb)
         if reason == "died":  # what it died of, while what the backend left still tells
             self.record_event(self.lifecycle.death_of(sb))
         log.info("killing sandbox %s (%s)", sid, reason)
@@ -476,12 +432,9 @@ class Node:
     async def restore(
         self, snapshot: str, n: int = 1, spec: SandboxSpec | None = None
     ) -> list[SandboxInfo]:
-        """``n`` new sandboxes that each start from ``snapshot``'s state: a memory snapshot of
-        that name, else a snapshot layer (each sandbox with its own writable layer over the
-        same shared layer mounts). ``spec`` gives the rest (limits, labels; a layer snapshot
-        replaces its layers and environment and applies the snapshot's env and workdir under
-        the spec's own). All or nothing: if one create fails, those made are killed and its
-        error raised."""
+        """``n`` new sandboxes that each start from ``snapshot``'s state, all or nothing: a
+        memory snapshot of that name (``MemorySnapshots.restore``), else a snapshot layer
+        (``LayerSnapshots.restore``); ``spec`` gives the rest (limits, labels)."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
         if self.memory.exists(snapshot):

@@ -24,7 +24,7 @@ from typing import Any
 from ..backend import DeviceNode, Feature, LayerImage, RootfsForm
 from ..errors import DsecError
 from ..layers.store import LayerStore
-from ..linux.mounts import mounted_under, unmount
+from ..linux.mounts import ensure_tmpfs, mounted_under, unmount
 from ..records import IdMap, InfraEvent, LayerInfo, SandboxSpec
 from .host import StateHost
 from .policies import PolicyPlanner
@@ -95,6 +95,15 @@ class StateFiles:
     def __init__(self, host: StateHost, planner: PolicyPlanner) -> None:
         self.host = host
         self.planner = planner
+
+    def open(self) -> None:
+        """Mount the runtime tmpfs the states live in (if no daemon before did) and make the
+        sandboxes' directory in it; runc's init passes both on its way to a root filesystem."""
+        cfg = self.host.config
+        ensure_tmpfs(cfg.run_dir, mode=0o710, gid=cfg.sandbox_gid)
+        cfg.on_sandbox_path(cfg.run_dir)  # a tmpfs a daemon before this change mounted 0711
+        cfg.runtime_dir.mkdir(exist_ok=True)
+        cfg.on_sandbox_path(cfg.runtime_dir)
 
     async def recover(self) -> list[Sandbox]:
         """The sandboxes a previous daemon left running (unexpired), their policies told they

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from ..backend import Backend, LayerImage, RootfsForm, SandboxRuntime
 from ..config import NodeConfig
+from ..plugins import Registry
 from ..records import LayerInfo
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
@@ -50,10 +51,15 @@ class RootFilesystems:
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._mounted_refs: dict[str, str] = {}  # layer digest -> name@version, once mounted
 
-    def open(
-        self, mounts: MountCache, ondemand: OnDemandLayers, sources: Sequence[LayerSource]
-    ) -> None:
-        self.mounts, self.ondemand, self.sources = mounts, ondemand, sources
+    async def open(self, registry: Registry, sources: Sequence[LayerSource]) -> None:
+        """Make the layer mounts and the on-demand layers (taking over those a previous
+        daemon served); layers come from ``sources``."""
+        cfg = self.config
+        self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
+        self.ondemand = OnDemandLayers(cfg, registry)
+        if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
+            await asyncio.to_thread(self.ondemand.ensure_open)
+        self.sources = sources
 
     def resolve(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
         """(source, layer) for each ``name@version``, from the first source that has it."""

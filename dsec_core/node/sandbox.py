@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,15 @@ from ..backend import Backend, SandboxRuntime
 from ..records import PROJECT_LABEL, InfraEvent, LayerInfo, SandboxInfo
 from ..security import SecurityPolicy
 
-__all__ = ["LIVE", "MAX_EVENTS", "POOL_LABEL", "PolicyPlan", "Sandbox", "in_project"]
+__all__ = [
+    "LIVE",
+    "MAX_EVENTS",
+    "POOL_LABEL",
+    "PolicyPlan",
+    "Sandbox",
+    "in_project",
+    "state_counts",
+]
 
 #: The label every FnCall pool member carries, its value the pool's name (``pools``).
 POOL_LABEL = "dsec.fncall-pool"
@@ -104,6 +113,14 @@ class Sandbox:
         """Whether it is labelled with ``project`` (``PROJECT_LABEL``; or, ``subtree``, with a
         project below it)."""
         return in_project(self.rt.spec.labels.get(PROJECT_LABEL), project, subtree)
+
+
+def state_counts(sandboxes: Iterable[Sandbox]) -> dict[str, int]:
+    """How many sandboxes are in each state (``Sandbox.state``), for ``dsec_sandboxes``."""
+    counts: dict[str, int] = {}
+    for sb in sandboxes:
+        counts[sb.state] = counts.get(sb.state, 0) + 1
+    return counts
 
 
 def in_project(label: str | None, project: str, subtree: bool) -> bool:
