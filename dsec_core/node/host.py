@@ -5,7 +5,7 @@ its back-reference with.
 private names, and a test of a service implements only what that service's protocol lists (a
 small fake host, no daemon). Each protocol says which service it serves:
 
-- ``SandboxHost``: the sandboxes and their end (every service);
+- ``SandboxHost``: the sandboxes, their events and their end (the base of most of them);
 - ``SandboxCommands``: commands and files inside a sandbox, through its agent;
 - ``CatalogHost``: the backends and environments sandboxes are made of;
 - one protocol per service, made of those and what else it needs: ``AdmissionHost``
@@ -59,7 +59,7 @@ __all__ = [
 
 
 class SandboxHost(Protocol):
-    """The sandboxes of a node and their end: what every service sees."""
+    """The sandboxes of a node, their events and their end: the base of most protocols here."""
 
     @property
     def config(self) -> NodeConfig: ...
