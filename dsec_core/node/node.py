@@ -88,12 +88,11 @@ class Node:
         self.sandboxes: dict[str, Sandbox] = {}
         self._backends: dict[str, Backend] = {}
         self.catalogs = CatalogStore(cfg.catalog_dir)
-        self.disks = WritableDisks(cfg.disk_dir, cfg.disk_fs)
         self.agent_binary: Path | None = None
         self.layer_sources: list[LayerSource] = []
         self.planner = PolicyPlanner(self.registry)
         self.admission = Admission(self, self.registry, self.planner, self.uids)
-        self.rootfs = RootFilesystems(cfg, self.disks, self.uids)
+        self.rootfs = RootFilesystems(cfg, self.uids)
         self.lifecycle = Lifecycle(self, sweep=self.rootfs.sweep)
         self.states = StateFiles(self, self.planner)
         self.agents = Agents(self)
@@ -113,6 +112,10 @@ class Node:
     @property
     def devices(self) -> DevicePool:
         return self.admission.devices
+
+    @property
+    def disks(self) -> WritableDisks:
+        return self.rootfs.disks
 
     @property
     def mounts(self) -> MountCache | None:
@@ -442,9 +445,7 @@ class Node:
         return await self.layer_snapshots.restore(snapshot, n, spec)
 
     async def snapshot_memory(self, sid: str, name: str | None = None) -> MemorySnapshot:
-        """Save a running sandbox's memory, devices and writable disk at one instant
-        (``Feature.MEMORY_SNAPSHOT``: VM backends); it runs on. ``restore(name, n)`` then
-        starts n sandboxes from that instant."""
+        """Save a running sandbox's memory at one instant (``MemorySnapshots.save``)."""
         return await self.memory.save(sid, name)
 
     def memory_snapshot(self, name: str) -> MemorySnapshot:
@@ -471,14 +472,12 @@ class Node:
 
     # --- FnCall pools ---------------------------------------------------------------------
     async def fncall(self, environment: str, cmd: Any = None, **kw: Any) -> FnCallResult:
-        """Run one call in a warm member of the environment's pool (``Pools.call``): the pool
-        of ``project`` (a keyword; None: the node's shared pools), and with ``start=False``
-        one that may not start a member for the call."""
+        """Run one call in a warm member of the environment's pool of ``project`` (a keyword;
+        None: the node's shared pools), ``Pools.call``."""
         return await self.pools.call(environment, cmd, **kw)
 
     async def judge(self, spec: JudgeSpec) -> JudgeResult:
-        """Judge one submission in a warm member of the environment's pool of ``spec.project``
-        (``judge.judge``)."""
+        """Judge one submission in a warm member of its pool (``judge.judge``)."""
         return await judge(self, self.pools, spec)
 
     # --- inside the sandbox ---------------------------------------------------------------
@@ -594,6 +593,5 @@ class Node:
         return await self.screens.screenshot(sid)
 
     async def input(self, sid: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
-        """Send key presses, pointer moves and clicks to the sandbox's display, in order
-        (``Screens.input``); returns how many were sent."""
+        """Send input events to the sandbox's display (``Screens.input``); how many were sent."""
         return await self.screens.input(sid, events)

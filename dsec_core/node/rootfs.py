@@ -41,9 +41,9 @@ class RootFilesystems:
     """The root filesystems of a node's sandboxes. ``open`` hands it the layer mounts, the
     on-demand layers and the layer sources once the node has them."""
 
-    def __init__(self, config: NodeConfig, disks: WritableDisks, uids: UidPool) -> None:
+    def __init__(self, config: NodeConfig, uids: UidPool) -> None:
         self.config = config
-        self.disks = disks
+        self.disks = WritableDisks(config.disk_dir, config.disk_fs)
         self.uids = uids
         self.mounts: MountCache | None = None
         self.ondemand: OnDemandLayers | None = None
