@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from fake_host import FakeBackend, FakeCatalogs, FakeHost, PlainBackend, layer, plan_of
 
+from dsec_core.backend import RootfsForm
 from dsec_core.catalog.model import Environment
 from dsec_core.errors import (
     AdmissionRejected,
@@ -45,9 +46,11 @@ from dsec_core.node.layer_snapshots import LayerSnapshots
 from dsec_core.node.leases import Leases
 from dsec_core.node.lifecycle import Lifecycle
 from dsec_core.node.memory import MemorySnapshots
+from dsec_core.node.mounts import MountCache
 from dsec_core.node.pause import Pauses
 from dsec_core.node.persistence import STATE_FILE, StateFiles, write_state
 from dsec_core.node.policies import PolicyPlanner, enforcer
+from dsec_core.node.rootfs import RootFilesystems
 from dsec_core.node.sandbox import POOL_LABEL
 from dsec_core.node.screen import Screens
 from dsec_core.plugins import Registry
@@ -321,6 +324,50 @@ async def test_admission_takes_a_uid_range_and_devices_and_gives_them_back(tmp_p
         assert uids.in_use() == 0
     finally:
         await adm.close()
+
+
+# --- root filesystems ------------------------------------------------------------------------
+class ImageBackend(FakeBackend):
+    """A VM-like backend: the layers' image files and a writable disk, nothing mounted."""
+
+    rootfs = RootfsForm.IMAGES
+
+
+async def test_an_images_backend_gets_the_layer_files_and_a_sparse_disk(host):
+    images = {"tool@1": host.tmp / "tool.erofs", "base@1": host.tmp / "base.erofs"}
+    source = Source("local", layer("tool@1"), layer("base@1"))
+    source.image_path = lambda info: images[info.ref]
+    fs = RootFilesystems(host.config, UidPool(1 << 20, 65536, 1, 0))
+    fs.mounts = MountCache(host.tmp / "mnt")
+    fs.sources = [source]
+    sb = host.add(spec=spec(layers=("tool@1", "base@1"), disk="64M"))
+    sb.rt.dir.mkdir(parents=True)
+    taken: list[str] = []
+    rt = await fs.prepare(sb.rt, ImageBackend(), fs.resolve(sb.rt.spec.layers), taken)
+    assert [(i.ref, i.image, i.device) for i in rt.images] == [
+        ("tool@1", images["tool@1"], None),
+        ("base@1", images["base@1"], None),
+    ]
+    assert rt.rootfs is None and taken == [] and rt.disk_size == 64 << 20
+    assert rt.disk.stat().st_size == 64 << 20 and rt.disk.stat().st_blocks == 0  # sparse
+    assert await fs.prefetch(["base@1"]) == [
+        {"layer": "base@1", "source": "local", "fetched": 0, "mode": "local"}
+    ]
+    await fs.undo(taken, rt)
+    assert not rt.data_dir.exists() and not rt.dir.exists()
+
+
+async def test_concurrent_fetches_of_one_image_run_once(host):
+    fs = RootFilesystems(host.config, UidPool(1 << 20, 65536, 1, 0))
+    calls = []
+
+    def fetch(what):
+        calls.append(what)
+        return what * 2
+
+    got = await asyncio.gather(*(fs.once(("image", "d1"), fetch, 21) for _ in range(5)))
+    assert got == [42] * 5 and calls == [21]
+    assert await fs.once(("image", "d1"), fetch, 1) == 2  # done: the next one runs again
 
 
 # --- lifecycle: TTLs, exits, deaths -----------------------------------------------------------
