@@ -399,12 +399,15 @@ class Node:
             t0 = time.perf_counter()
             await sb.backend.stop(sb.rt, sb.backend_state)
             t_stop = time.perf_counter()
-            await self.rootfs.remove(sb)
+            overlay, dirs = await self.rootfs.remove(sb)
             sb.policies.release(sb.rt)
             log.debug(
-                "removed %s: backend %.1f ms, total %.1f ms",
+                "removed %s: backend %.1f ms, overlay %.1f ms, disk and dirs %.1f ms, "
+                "total %.1f ms",
                 sid,
                 1e3 * (t_stop - t0),
+                1e3 * overlay,
+                1e3 * dirs,
                 1e3 * (time.perf_counter() - t0),
             )
             # fully gone: its ids and devices may serve again (if the teardown failed, a
@@ -435,9 +438,8 @@ class Node:
     async def restore(
         self, snapshot: str, n: int = 1, spec: SandboxSpec | None = None
     ) -> list[SandboxInfo]:
-        """``n`` new sandboxes that each start from ``snapshot``'s state, all or nothing: a
-        memory snapshot of that name (``MemorySnapshots.restore``), else a snapshot layer
-        (``LayerSnapshots.restore``); ``spec`` gives the rest (limits, labels)."""
+        """``n`` new sandboxes from ``snapshot``, all or nothing: a memory snapshot of that name
+        (``MemorySnapshots.restore``), else a snapshot layer (``LayerSnapshots.restore``)."""
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024:
             raise InvalidSpec(f"n must be an integer in [1, 1024], got {n!r}", field="n")
         if self.memory.exists(snapshot):

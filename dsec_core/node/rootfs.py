@@ -10,7 +10,6 @@ concurrent creates that need it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,14 +31,12 @@ from .sandbox import Sandbox
 
 __all__ = ["RootFilesystems", "sparse_disk"]
 
-log = logging.getLogger("dsec.node")
-
 T = TypeVar("T")
 
 
 class RootFilesystems:
-    """The root filesystems of a node's sandboxes. ``open`` hands it the layer mounts, the
-    on-demand layers and the layer sources once the node has them."""
+    """The root filesystems of a node's sandboxes: their writable disks, and from ``open`` on
+    (when the node has its layer sources) the shared layer mounts and on-demand layers."""
 
     def __init__(self, config: NodeConfig, uids: UidPool) -> None:
         self.config = config
@@ -189,8 +186,9 @@ class RootFilesystems:
                 self.mounts.release(digest)
             await asyncio.to_thread(self.remove_dirs, rt)
 
-    async def remove(self, sb: Sandbox) -> None:
-        """Unmount a stopped sandbox's overlay, release its layers, delete its directories."""
+    async def remove(self, sb: Sandbox) -> tuple[float, float]:
+        """Unmount a stopped sandbox's overlay, release its layers, delete its directories;
+        the seconds the overlay and then the disk and directories took."""
         t0 = time.perf_counter()
         if sb.rt.rootfs is not None:
             OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
@@ -199,12 +197,7 @@ class RootFilesystems:
                 self.mounts.release(info.digest)
         t_unmount = time.perf_counter()
         await asyncio.to_thread(self.remove_dirs, sb.rt)
-        log.debug(
-            "removed the filesystems of %s: overlay %.1f ms, disk and dirs %.1f ms",
-            sb.rt.id,
-            1e3 * (t_unmount - t0),
-            1e3 * (time.perf_counter() - t_unmount),
-        )
+        return t_unmount - t0, time.perf_counter() - t_unmount
 
     def remove_dirs(self, rt: SandboxRuntime) -> None:
         """Blocking, so called in a thread: unmounting the writable layer's filesystem writes
