@@ -124,13 +124,14 @@ async def whole_sandboxes(home: Path, rounds: int) -> dict[str, list[float]]:
     info = build_busybox_layer(LayerStore(config.layer_dir), name="bench-busybox")
     node = Node(config)
     await node.open()
+    # the writable layers are made by the node's root filesystems: swapped there
     real, plain = node.disks, PlainDirs(config.disk_dir)
     spec = SandboxSpec(layers=(info.ref,), memory="64M")
     out: dict[str, list[float]] = {}
     try:
         for i in range(rounds + 2):
             for name, disks in (("quota", real), ("no quota", plain)):
-                node.disks = disks
+                node.rootfs.disks = disks
                 t0 = time.perf_counter()
                 sb = await node.create(spec)
                 t1 = time.perf_counter()
@@ -146,7 +147,7 @@ async def whole_sandboxes(home: Path, rounds: int) -> dict[str, list[float]]:
                     q, nq = out[f"quota {what}"][-1], out[f"no quota {what}"][-1]
                     out.setdefault(f"difference {what}", []).append(q - nq)
     finally:
-        node.disks = real
+        node.rootfs.disks = real
         await node.close(kill_all=True)
     return out
 

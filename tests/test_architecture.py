@@ -128,3 +128,20 @@ def test_the_checks_above_can_fail(tmp_path):
     found = list(_imports("dsec_core.lazy.m", src))
     assert ("dsec_core.linux.mounts", ["_check"], 1, False) in found
     assert ("json", [], 3, True) in found
+
+
+def test_the_nodes_services_reach_for_no_private_name_of_their_host():
+    """A service of ``dsec_core.node`` sees the node through a protocol of ``host.py``: no
+    ``host._x`` or ``node._x`` (import-linter keeps it from importing ``node.py`` at all)."""
+    reached = []
+    for path in sorted((REPO / "dsec_core" / "node").glob("*.py")):
+        if path.name == "node.py":
+            continue
+        for n in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(n, ast.Attribute) or not n.attr.startswith("_"):
+                continue
+            base = n.value
+            name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+            if name in ("host", "node") and not n.attr.startswith("__"):
+                reached.append(f"{path.relative_to(REPO)}:{n.lineno}: {name}.{n.attr}")
+    assert reached == []

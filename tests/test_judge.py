@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from fake_host import FakeCatalogs, FakeHost
 
 import dsec
 from dsec_core.catalog.model import Catalog, Environment
@@ -25,7 +26,7 @@ from dsec_core.errors import InvalidSpec, UnknownEnvironment
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import close_memory_window, open_memory_window
-from dsec_core.node.judge import outputs_match, verdict_of
+from dsec_core.node.judge import judge, outputs_match, verdict_of
 from dsec_core.node.node import Node
 from dsec_core.node.pools import Pools, PoolSettings
 from dsec_core.records import ExecResult, JudgeCase, JudgeSpec
@@ -253,6 +254,45 @@ async def test_bad_submissions_are_typed_errors_and_leak_nothing(judge_home):
     ):
         with pytest.raises(InvalidSpec):
             submission(SUM, **bad)
+
+
+async def test_judging_on_a_fake_host_compiles_once_and_gives_each_case_a_verdict(tmp_path):
+    """The judge's steps without a sandbox: a fake member whose program prints its input plus
+    one (``fake_host``), one case right, one wrong, one too slow."""
+    host = FakeHost(tmp_path)
+    host.catalogs = FakeCatalogs(Environment(name="judge", base="base@1"))
+
+    def answer(sid, cmd, stdin):
+        if cmd == ["/bin/sh", "-c", "cc prog.c"]:
+            return ExecResult(0, b"", b"compiled", 0.2)
+        n = int(stdin)
+        return ExecResult(0, b"%d\n" % (n + 1), b"", 0.01, cpu_time=5.0 if n == 9 else 0.01)
+
+    host.answer = answer
+    cases = (JudgeCase(b"1\n", b"2\n"), JudgeCase(b"5\n", b"7\n"), JudgeCase(b"9\n", b"10\n"))
+    spec = JudgeSpec(
+        environment="judge",
+        backend="fake",
+        files={"prog.c": b"int main;"},
+        compile="cc prog.c",
+        run="./prog",
+        cases=cases,
+        time_limit=1.0,
+    )
+    pools = Pools(host, PoolSettings(max=1))
+    result = await judge(host, pools, spec)
+    assert [c.verdict for c in result.cases] == ["AC", "WA", "TLE"]
+    assert (result.verdict, result.passed, result.total) == ("WA", 1, 3)
+    assert result.compile_output == b"compiled" and [c.name for c in result.cases] == [
+        "1",
+        "2",
+        "3",
+    ]
+    assert host.files[(result.member, "/work/prog.c")] == b"int main;"
+    assert sum(1 for _, cmd, _ in host.execs if cmd == ["/bin/sh", "-c", "cc prog.c"]) == 1
+    await host.settle()
+    assert host.fake.resets == [result.member]  # the member is reset after the submission
+    await pools.close()
 
 
 def test_outputs_compare_by_lines_tokens_or_bytes():

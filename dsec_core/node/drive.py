@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..api.messages import ExecRequest
 from ..api.routes import dump_json
@@ -42,9 +42,8 @@ from ..api.shapes import decoder, encoder
 from ..backend import DRIVE_DIR
 from ..errors import DsecError, InvalidSpec, UnknownSandbox
 from ..records import ExecResult, TrajectoryEntry
-
-if TYPE_CHECKING:
-    from .node import Node, Sandbox
+from .host import DriveHost
+from .sandbox import Sandbox
 
 __all__ = ["DRIVE_SOCKET", "SOCKET_NAME", "DriveServer"]
 
@@ -64,10 +63,11 @@ assert _result is not None and _entries is not None
 
 
 class DriveServer:
-    """The node's drive socket in ``directory`` (``drive.sock``), serving ``node``."""
+    """The node's drive socket in ``directory`` (``drive.sock``), serving ``host``'s
+    sandboxes."""
 
-    def __init__(self, node: Node, directory: Path) -> None:
-        self.node = node
+    def __init__(self, host: DriveHost, directory: Path) -> None:
+        self.host = host
         self.directory = directory
         self.socket_path = directory / SOCKET_NAME
         self._server: asyncio.AbstractServer | None = None
@@ -93,7 +93,7 @@ class DriveServer:
         """The running sandbox that holds the peer's uid and drives others, or None."""
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _pid, uid, _gid = struct.unpack("3i", raw)
-        for sb in self.node.sandboxes.values():
+        for sb in self.host.sandboxes.values():
             m = sb.rt.idmap
             if m.host_base <= uid < m.host_base + m.size:
                 return sb if sb.rt.spec.drives and sb.status == "running" else None
@@ -141,7 +141,7 @@ class DriveServer:
         if op == "workers":
             return list(spec.drives)
         if op == "trajectory":
-            return _entries(self.node.trajectories.entries(trajectory))  # type: ignore[misc]
+            return _entries(self.host.trajectories.entries(trajectory))  # type: ignore[misc]
         if op != "exec":
             raise InvalidSpec(f"unknown op {op!r}: exec, workers or trajectory", field="op")
         target = req.get("sandbox")
@@ -154,7 +154,7 @@ class DriveServer:
         if body.trajectory is not None:
             raise InvalidSpec("a driver's commands go to its own trajectory", field="trajectory")
         await self._unpaused(target)
-        result = await self.node.exec(
+        result = await self.host.exec(
             target,
             body.cmd,
             timeout=body.timeout,
@@ -172,7 +172,7 @@ class DriveServer:
     async def _unpaused(self, sid: str) -> None:
         """Wait while worker ``sid`` is paused (its lease lapsed and the loop's command slipped
         in meanwhile): the command runs when the worker is resumed, as the loop's own would."""
-        while (sb := self.node.sandboxes.get(sid)) is not None and sb.paused:
+        while (sb := self.host.sandboxes.get(sid)) is not None and sb.paused:
             await asyncio.sleep(0.05)
 
 

@@ -41,7 +41,6 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
 
 from ..backend import Feature, MemoryWindowUse
 from ..errors import DsecError, InvalidSpec, SandboxError
@@ -52,10 +51,8 @@ from ..records import (
     JudgeResult,
     JudgeSpec,
 )
-
-if TYPE_CHECKING:
-    from .node import Node
-    from .pools import Lease, Pools
+from .host import CommandHost
+from .pools import Lease, Pools
 
 __all__ = ["KEEP_OUTPUT", "judge", "outputs_match", "verdict_of"]
 
@@ -125,8 +122,9 @@ def _natural(name: str) -> list[int | str]:
 
 
 # --- judging ------------------------------------------------------------------------------
-async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
-    """Judge one submission in a leased member of the environment's pool."""
+async def judge(host: CommandHost, pools: Pools, spec: JudgeSpec) -> JudgeResult:
+    """Judge one submission in a leased member of the environment's pool (commands and
+    files go through ``host``)."""
     t0 = time.monotonic()
     async with pools.lease(
         spec.environment,
@@ -137,7 +135,7 @@ async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
         project=spec.project,
         start=spec.start,
     ) as m:
-        cases = list(spec.cases) or await _take_cases(node, m, spec.cases_dir or "")
+        cases = list(spec.cases) or await _take_cases(host, m, spec.cases_dir or "")
         cases = [c if c.name else _named(c, i) for i, c in enumerate(cases, 1)]
         if spec.files:
             await pools.write_files(m.sid, m.workdir, spec.files)
@@ -145,7 +143,7 @@ async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
         compile_output, compile_time = b"", 0.0
         if spec.compile:
             try:
-                c = await node.exec(
+                c = await host.exec(
                     m.sid,
                     _argv(spec.compile),
                     timeout=spec.compile_timeout,
@@ -167,7 +165,7 @@ async def judge(node: Node, pools: Pools, spec: JudgeSpec) -> JudgeResult:
                     duration=time.monotonic() - t0,
                     **where,  # type: ignore[arg-type]
                 )
-        results = await _run_cases(node, m, spec, cases)
+        results = await _run_cases(host, m, spec, cases)
     first_bad = next((r.verdict for r in results if r.verdict != "AC"), None)
     return JudgeResult(
         verdict=first_bad or "AC",
@@ -189,11 +187,11 @@ def _argv(cmd: str | Sequence[str]) -> list[str]:
     return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
 
 
-async def _take_cases(node: Node, m: Lease, cases_dir: str) -> list[JudgeCase]:
+async def _take_cases(host: CommandHost, m: Lease, cases_dir: str) -> list[JudgeCase]:
     """Read the cases from the member, then remove them from it (see the module docstring)."""
     path = os.path.join(m.workdir, os.path.normpath(cases_dir))
     try:
-        entries = await node.list_dir(m.sid, path)
+        entries = await host.list_dir(m.sid, path)
     except DsecError as e:
         raise InvalidSpec(f"judge: cannot list cases_dir {path}: {e}", field="cases_dir") from e
     names = {e.name for e in entries if e.type == "file"}
@@ -208,18 +206,18 @@ async def _take_cases(node: Node, m: Lease, cases_dir: str) -> list[JudgeCase]:
         )
     cases = [
         JudgeCase(
-            input=await node.read_file(m.sid, f"{path}/{s}.in"),
-            output=await node.read_file(m.sid, f"{path}/{s}.out"),
+            input=await host.read_file(m.sid, f"{path}/{s}.in"),
+            output=await host.read_file(m.sid, f"{path}/{s}.out"),
             name=s,
         )
         for s in stems
     ]
-    await node.remove(m.sid, path, recursive=True)
+    await host.remove(m.sid, path, recursive=True)
     return cases
 
 
 async def _run_cases(
-    node: Node, m: Lease, spec: JudgeSpec, cases: list[JudgeCase]
+    host: CommandHost, m: Lease, spec: JudgeSpec, cases: list[JudgeCase]
 ) -> list[CaseResult]:
     results: list[CaseResult] = []
     limit = spec.memory_bytes
@@ -233,8 +231,8 @@ async def _run_cases(
             continue
         cap = min(MAX_CASE_OUTPUT, 2 * len(case.output) + (64 << 10))
         try:
-            async with _window(node, m.sid, limit) as use:
-                r = await node.exec(
+            async with _window(host, m.sid, limit) as use:
+                r = await host.exec(
                     m.sid,
                     argv,
                     timeout=spec.wall_limit,
@@ -277,8 +275,8 @@ async def _run_cases(
 
 
 @contextlib.asynccontextmanager
-async def _window(node: Node, sid: str, extra: int) -> AsyncIterator[MemoryWindowUse | None]:
-    sb = node.sandboxes[sid]
+async def _window(host: CommandHost, sid: str, extra: int) -> AsyncIterator[MemoryWindowUse | None]:
+    sb = host.sandbox(sid)
     if Feature.MEMORY_WINDOW not in sb.backend.features:
         yield None
         return

@@ -21,13 +21,10 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import DsecError, InvalidSpec, LeaseHeld, UnknownLease
 from ..records import InfraEvent, LeaseInfo
-
-if TYPE_CHECKING:
-    from .node import Node
+from .host import LeaseHost
 
 __all__ = ["MAX_TTL", "MIN_TTL", "Leases"]
 
@@ -63,10 +60,10 @@ class _Lease:
 
 
 class Leases:
-    """The leases of ``node``."""
+    """The leases on ``host``'s sandboxes."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, host: LeaseHost) -> None:
+        self.host = host
         self._leases: dict[str, _Lease] = {}
         self._by_sandbox: dict[str, str] = {}
 
@@ -80,7 +77,7 @@ class Leases:
             raise InvalidSpec("a lease needs at least one sandbox", field="sandboxes")
         ids = list(dict.fromkeys(sandboxes))
         for sid in ids:
-            self.node._get(sid)  # UnknownSandbox
+            self.host.sandbox(sid)  # UnknownSandbox
             held = self._leases.get(self._by_sandbox.get(sid, ""))
             if held is not None and held.state == "held":
                 raise LeaseHeld(
@@ -89,7 +86,7 @@ class Leases:
                     sandbox_id=sid,
                     lease=held.id,
                 )
-        name = self.node.config.node_name  # as sandbox ids: an apiserver routes by the suffix
+        name = self.host.config.node_name  # as sandbox ids: an apiserver routes by the suffix
         lease_id = secrets.token_hex(8) + (f"-{name}" if name else "")
         lease = _Lease(lease_id, holder, ids, float(ttl), reclaim)
         for sid in ids:
@@ -120,7 +117,7 @@ class Leases:
         self._drop(lease)
         if kill:
             await asyncio.gather(
-                *(self.node.kill(sid) for sid in lease.sandboxes), return_exceptions=True
+                *(self.host.kill(sid) for sid in lease.sandboxes), return_exceptions=True
             )
         return lease.info()
 
@@ -161,9 +158,7 @@ class Leases:
         lease.armed += 1
         armed = lease.armed
         loop = asyncio.get_running_loop()
-        lease.timer = loop.call_later(
-            lease.ttl, lambda: self.node._spawn(self._lapse(lease, armed))
-        )
+        lease.timer = loop.call_later(lease.ttl, lambda: self.host.spawn(self._lapse(lease, armed)))
 
     async def _lapse(self, lease: _Lease, armed: int) -> None:
         # Not by the clock: the loop may run a timer a hair early, and wall time may step.
@@ -182,17 +177,17 @@ class Leases:
         # drivers first: a loop stops before the workers it drives, so no new command of it
         # meets a paused worker (one in flight is frozen with its worker and goes on after)
         for sid in sorted(lease.sandboxes, key=lambda sid: not self._drives(sid)):
-            sb = self.node.sandboxes.get(sid)
+            sb = self.host.sandboxes.get(sid)
             if sb is None or sb.status != "running":
                 continue
             if sb.paused:  # paused by its trainer: its trainer resumes it
                 continue
             try:
-                await self.node.pause(sid, reclaim=lease.reclaim, preempted=True)
+                await self.host.pause(sid, reclaim=lease.reclaim, preempted=True)
             except DsecError as e:
                 log.warning("lease %s lapsed, but %s could not be paused: %s", lease.id, sid, e)
                 continue
-            self.node.record_event(
+            self.host.record_event(
                 InfraEvent(
                     "preempted",
                     sid,
@@ -203,18 +198,18 @@ class Leases:
             )
 
     def _drives(self, sid: str) -> bool:
-        sb = self.node.sandboxes.get(sid)
+        sb = self.host.sandboxes.get(sid)
         return sb is not None and bool(sb.rt.spec.drives)
 
     async def _resume(self, lease: _Lease) -> None:
         """Resume those of the lease's sandboxes a lapse paused (``Sandbox.preempted``, kept
         in their state, so this holds across a daemon restart too): workers first."""
         for sid in sorted(lease.sandboxes, key=self._drives):
-            sb = self.node.sandboxes.get(sid)
+            sb = self.host.sandboxes.get(sid)
             if sb is None or not sb.preempted:
                 continue
             try:
-                await self.node.resume(sid)
+                await self.host.resume(sid)
             except DsecError as e:
                 log.warning("lease %s: cannot resume %s: %s", lease.id, sid, e)
 

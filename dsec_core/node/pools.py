@@ -39,7 +39,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..backend import Feature
 from ..errors import (
@@ -58,16 +57,13 @@ from ..records import (
     device_requests,
     parse_size,
 )
-
-if TYPE_CHECKING:
-    from .node import Node
+from .host import PoolHost
+from .sandbox import POOL_LABEL  # defined with the records: pausing refuses members too
 
 __all__ = ["POOL_LABEL", "Lease", "Pool", "PoolKey", "PoolSettings", "Pools"]
 
 log = logging.getLogger("dsec.pools")
 
-#: The label every pool member carries, its value the pool's name.
-POOL_LABEL = "dsec.fncall-pool"
 #: The working directory of calls when the environment names none ("/" is read-only there).
 DEFAULT_WORKDIR = "/work"
 #: A member's writable layer: unused under a read-only root, so as small as one can be.
@@ -188,8 +184,8 @@ class Pool:
     """The members of one ``PoolKey``: free (clean, most recently used last), leased, or being
     reset or started."""
 
-    def __init__(self, node: Node, key: PoolKey, settings: PoolSettings, workdir: str) -> None:
-        self.node = node
+    def __init__(self, host: PoolHost, key: PoolKey, settings: PoolSettings, workdir: str) -> None:
+        self.host = host
         self.key = key
         self.name = key.name
         self.settings = settings
@@ -326,13 +322,13 @@ class Pool:
 
     def give_back(self, sid: str, broken: bool) -> None:
         """Reset the member (or replace it if ``broken``) and hand it to the next call."""
-        self.node._spawn(self._recycle(sid, broken))
+        self.host.spawn(self._recycle(sid, broken))
 
     async def _recycle(self, sid: str, broken: bool) -> None:
         if not broken:
             self.resetting += 1
             try:
-                await self.node.reset(sid)
+                await self.host.reset(sid)
             except DsecError as e:
                 log.warning("fncall pool %s: member %s failed its reset: %s", self.name, sid, e)
                 broken = True
@@ -355,7 +351,7 @@ class Pool:
         self.free.append(sid)
 
     async def healthy(self, sid: str) -> bool:
-        sb = self.node.sandboxes.get(sid)
+        sb = self.host.sandboxes.get(sid)
         return (
             sb is not None
             and sb.status == "running"
@@ -366,7 +362,7 @@ class Pool:
         """Start a member; the caller counted it in ``starting`` already (synchronously, so
         no other lease sees room that is taken)."""
         try:
-            info = await self.node.create(self.spec)
+            info = await self.host.create(self.spec)
         except BaseException as e:
             self.starting -= 1
             self._release_held()  # a start=False call waited for this member
@@ -388,12 +384,12 @@ class Pool:
             self.free.remove(sid)
         self.replaced += why != "idle"
         log.info("fncall pool %s: member %s goes (%s)", self.name, sid, why)
-        if sid in self.node.sandboxes:
-            self.node._spawn(self._kill(sid))
+        if sid in self.host.sandboxes:
+            self.host.spawn(self._kill(sid))
 
     async def _kill(self, sid: str) -> None:
         try:
-            await self.node.kill(sid, reason="fncall pool")
+            await self.host.kill(sid, reason="fncall pool")
         except DsecError:  # gone on its own meanwhile
             pass
 
@@ -405,7 +401,7 @@ class Pool:
         want = max(want, min(may_start, self.max - self.size))
         for _ in range(want):
             self.starting += 1
-            self.node._spawn(self._start_free())
+            self.host.spawn(self._start_free())
 
     async def _start_free(self) -> None:
         try:
@@ -438,10 +434,10 @@ class Pool:
 
 
 class Pools:
-    """Every FnCall pool of a node, and the reaper that shrinks them."""
+    """Every FnCall pool of ``host``, and the reaper that shrinks them."""
 
-    def __init__(self, node: Node, settings: PoolSettings | None = None) -> None:
-        self.node = node
+    def __init__(self, host: PoolHost, settings: PoolSettings | None = None) -> None:
+        self.host = host
         self.settings = settings or PoolSettings.from_env()
         self.pools: dict[PoolKey, Pool] = {}
         self._reaper: asyncio.Task | None = None
@@ -469,18 +465,18 @@ class Pools:
         found = self.pools.get(key)
         if found is not None:
             return found
-        be = self.node.backend(backend)
+        be = self.host.backend(backend)
         if Feature.RESET not in be.features:
             raise BackendUnavailable(
                 f"backend {backend!r} cannot serve FnCall pools: it cannot reset a sandbox "
                 "between calls (no Feature.RESET); use backend 'fncall'",
                 backend=backend,
             )
-        env = self.node.catalogs.environment(environment)  # UnknownEnvironment
+        env = self.host.catalogs.environment(environment)  # UnknownEnvironment
         workdir = env.workdir if env.workdir not in ("", "/") else DEFAULT_WORKDIR
         if not start:
             raise _cannot_start(key.name, project, "the pool has no member")
-        p = self.pools[key] = Pool(self.node, key, self.settings, workdir)
+        p = self.pools[key] = Pool(self.host, key, self.settings, workdir)
         p._refill()
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
@@ -516,7 +512,7 @@ class Pools:
             argv = cmd if script is None else ["/bin/sh", "-c", script]
             assert argv is not None
             try:
-                r = await self.node.exec(
+                r = await self.host.exec(
                     m.sid,
                     argv,
                     timeout=timeout,
@@ -579,7 +575,7 @@ class Pools:
                 raise InvalidSpec(f"files: bad path {name!r}", field="files")
             paths[path] = data.encode() if isinstance(data, str) else bytes(data)
         # the agent makes missing parent directories
-        await asyncio.gather(*(self.node.write_file(sid, p, d) for p, d in paths.items()))
+        await asyncio.gather(*(self.host.write_file(sid, p, d) for p, d in paths.items()))
 
     async def _reap(self) -> None:
         period = max(0.2, min(self.settings.idle / 4, 5.0))
@@ -601,10 +597,17 @@ class Pools:
             for fut in p.waiters:
                 fut.cancel()
         sids = [sid for p in self.pools.values() for sid in p.members]
-        await asyncio.gather(*(self._kill(s) for s in sids if s in self.node.sandboxes))
+        await asyncio.gather(*(self._kill(s) for s in sids if s in self.host.sandboxes))
 
     async def _kill(self, sid: str) -> None:
         try:
-            await self.node.kill(sid, reason="fncall pool closed")
+            await self.host.kill(sid, reason="fncall pool closed")
         except DsecError:
             pass
+
+    async def drop_left(self) -> None:
+        """Pool members a previous daemon left are nobody's: kill them (``Node.open``)."""
+        left = [sid for sid, sb in self.host.sandboxes.items() if POOL_LABEL in sb.rt.spec.labels]
+        if left:
+            log.info("killing %d FnCall pool members a previous daemon left", len(left))
+        await asyncio.gather(*(self.host.kill(sid, reason="stale pool member") for sid in left))

@@ -46,6 +46,7 @@ from ..records import BUILD_NOTES_DIR, IdMap, LayerInfo
 __all__ = [
     "MAX_LEAK_HITS",
     "MIN_SECRET_LINE",
+    "PACK_MARKER",
     "PACK_TIMEOUT",
     "RUNTIME_PATHS",
     "SCAN_CHUNK",
@@ -67,6 +68,10 @@ __all__ = [
 #: mkfs.erofs runs. Measured for 40 MiB of mixed data: none 0.07 s, lz4 0.7 s, lz4hc 12 s
 #: (sizes 42, 32 and 30 MB). Recompressing a snapshot that is kept for long is a next step.
 SNAPSHOT_COMPRESSION: str | None = None
+
+#: The name of the marker ``pack_upper`` leaves in a sandbox's runtime directory while the
+#: sandbox may be frozen (it names the cgroup; ``recover_packs`` thaws it after a crash).
+PACK_MARKER = "packing"
 
 #: Seconds mkfs.erofs may take before the pack fails (and the sandbox thaws): bounds how long
 #: a sandbox can stay frozen. Uncompressed, it packs hundreds of MB a second here.

@@ -128,7 +128,7 @@ async def settle(node: Node) -> None:
     """Wait for give-backs (resets, replacements) in flight."""
     for _ in range(200):
         if all(p.resetting == 0 and p.starting == 0 for p in node.pools.pools.values()):
-            busy = [t for t in node._tasks if not t.done()]
+            busy = [t for t in node.lifecycle.tasks if not t.done()]
             if not busy:
                 return
         await asyncio.sleep(0.01)

@@ -1,0 +1,230 @@
+"""Root filesystems: a sandbox's layers found, fetched and mounted, its writable layer made, in
+the form its backend asks for, and all of it taken apart again.
+
+``COMPOSED`` backends get the layers mounted (shared through the ``MountCache``) under an
+overlay whose upper is the sandbox's writable disk; ``IMAGES`` backends get the layers' image
+files and a sparse writable disk, nothing mounted. Fetches of one image are made once for all
+concurrent creates that need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..backend import Backend, LayerImage, RootfsForm, SandboxRuntime
+from ..config import NodeConfig
+from ..plugins import Registry
+from ..records import LayerInfo
+from ..sources.base import LayerSource
+from ..sources.chain import find_layer
+from .disks import WritableDisks
+from .idpool import UidPool
+from .mounts import MountCache, OverlayStack
+from .ondemand import OnDemandLayers
+from .sandbox import Sandbox
+
+__all__ = ["RootFilesystems", "sparse_disk"]
+
+T = TypeVar("T")
+
+
+class RootFilesystems:
+    """The root filesystems of a node's sandboxes: their writable disks, and from ``open`` on
+    (when the node has its layer sources) the shared layer mounts and on-demand layers."""
+
+    def __init__(self, config: NodeConfig, uids: UidPool) -> None:
+        self.config = config
+        self.disks = WritableDisks(config.disk_dir, config.disk_fs)
+        self.uids = uids
+        self.mounts: MountCache | None = None
+        self.ondemand: OnDemandLayers | None = None
+        self.sources: Sequence[LayerSource] = ()
+        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self._mounted_refs: dict[str, str] = {}  # layer digest -> name@version, once mounted
+
+    async def open(self, registry: Registry, sources: Sequence[LayerSource]) -> None:
+        """Make the layer mounts and the on-demand layers (taking over those a previous
+        daemon served); layers come from ``sources``."""
+        cfg = self.config
+        self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
+        self.ondemand = OnDemandLayers(cfg, registry)
+        if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
+            await asyncio.to_thread(self.ondemand.ensure_open)
+        self.sources = sources
+
+    def resolve(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
+        """(source, layer) for each ``name@version``, from the first source that has it."""
+        return [find_layer(self.sources, text) for text in refs]
+
+    def lingering(self) -> list[str]:
+        """The layers (``name@version``) mounted now, in use or lingering after their last."""
+        held = self.mounts.refcounts() if self.mounts else {}
+        return [ref for digest, ref in self._mounted_refs.items() if digest in held]
+
+    def sweep(self) -> None:
+        """Unmount the layers that lingered unused long enough (the watch loop's round)."""
+        assert self.mounts is not None  # open() made it
+        self.mounts.sweep()
+
+    def close(self, keep_ondemand: bool) -> None:
+        """Let the layer mounts go; the on-demand layers too, unless ``keep_ondemand`` (a
+        sandbox still reads through them)."""
+        if self.mounts:
+            self.mounts.close()
+        if self.ondemand and not keep_ondemand:
+            self.ondemand.close()  # after the layer mounts that read through it
+
+    def counts(self) -> dict[str, int]:
+        """The layer mount cache's hits and misses since the node opened."""
+        if self.mounts is None:
+            return {}
+        return {"hit": self.mounts.hits, "miss": self.mounts.misses}
+
+    async def prepare(
+        self,
+        rt: SandboxRuntime,
+        backend: Backend,
+        sources: list[tuple[LayerSource, LayerInfo]],
+        taken: list[str],
+    ) -> SandboxRuntime:
+        """What the backend asks for: mounted layers under an overlay (``COMPOSED``; each
+        layer mount taken is appended to ``taken``), or the image files and a writable disk
+        (``IMAGES``: nothing is mounted)."""
+        files = [await self.layer_files(source, info) for source, info in sources]
+        size = self.disks.size_of(rt.limits.disk)
+        if backend.rootfs is RootfsForm.IMAGES:  # the disk's size is its quota
+            images = tuple(
+                LayerImage(info.ref, info.digest, image, device)
+                for (_, info), (image, device) in zip(sources, files, strict=True)
+            )
+            disk = sparse_disk(rt.data_dir, size)
+            return replace(rt, images=images, disk=disk, disk_size=size)
+        if not self.disks.ready(size):  # mkfs once per size, off the event loop
+            await self.once(("disk-template", str(size)), self.disks.template, size)
+        # Inline, as the mounts are (a few ms): in a thread, a cancelled create could undo
+        # itself before the thread had mounted what it then leaves behind.
+        self.disks.mount(rt.id, size, rt.data_dir)
+        assert self.mounts is not None
+        mounts = []
+        for (_, info), (image, device) in zip(sources, files, strict=True):
+            mounts.append(self.mounts.acquire(info.digest, image, device))
+            taken.append(info.digest)
+            self._mounted_refs[info.digest] = info.ref
+        rootfs = rt.dir / "rootfs"
+        userns = self.uids.namespace(rt.idmap)
+        try:
+            OverlayStack(rt.data_dir, rootfs).mount(
+                mounts, owner=(rt.idmap.host_base, rt.idmap.root_gid), userns=userns
+            )
+        finally:
+            userns.close()  # the overlay's layer clones hold the namespace
+        return replace(rt, rootfs=rootfs)
+
+    async def layer_files(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path | None]:
+        """What to mount for a layer: (image, None) for a whole image, or (metadata image,
+        data blob) to load it on demand."""
+        if source.local:
+            return source.image_path(info), None
+        if self.config.ondemand:
+            assert self.ondemand is not None
+            prepared = await self.once(("lazy", info.digest), self.ondemand.prepare, source, info)
+            if prepared is not None:
+                return prepared
+        return await self.once(("image", info.digest), source.image_path, info), None
+
+    async def once(self, key: tuple[str, str], fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking ``fn(*args)`` in a thread, once for all concurrent callers with the same
+        ``key``: a burst of sandboxes of one image fetches it once."""
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
+        """Warm layers on this node: every chunk of on-demand layers, whole remote images."""
+        out = []
+        for source, info in self.resolve(refs):
+            if source.local:
+                out.append({"layer": info.ref, "source": source.url, "fetched": 0, "mode": "local"})
+                continue
+            image, device = await self.layer_files(source, info)
+            form = source.lazy_form(info) if device is not None else None
+            if form is None:
+                out.append(
+                    {"layer": info.ref, "source": source.url, "mode": "whole", "fetched": info.size}
+                )
+                continue
+            assert self.ondemand is not None
+            n = await asyncio.to_thread(self.ondemand.prefetch, form.index.blob_digest)
+            out.append(
+                {
+                    "layer": info.ref,
+                    "source": source.url,
+                    "mode": "on-demand",
+                    "fetched": n,
+                    "chunks": len(form.index.chunks),
+                }
+            )
+        return out
+
+    async def undo(self, taken: list[str], rt: SandboxRuntime) -> None:
+        """Take apart what ``prepare`` made of ``rt`` (``taken``: the layer mounts it took),
+        however far it got."""
+        try:
+            OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount()  # no-op if never mounted
+        finally:
+            assert self.mounts is not None
+            for digest in taken:
+                self.mounts.release(digest)
+            await asyncio.to_thread(self.remove_dirs, rt)
+
+    async def remove(self, sb: Sandbox) -> tuple[float, float]:
+        """Unmount a stopped sandbox's overlay, release its layers, delete its directories;
+        the seconds the overlay and then the disk and directories took."""
+        t0 = time.perf_counter()
+        if sb.rt.rootfs is not None:
+            OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
+            assert self.mounts is not None
+            for info in sb.layers:
+                self.mounts.release(info.digest)
+        t_unmount = time.perf_counter()
+        await asyncio.to_thread(self.remove_dirs, sb.rt)
+        return t_unmount - t0, time.perf_counter() - t_unmount
+
+    def remove_dirs(self, rt: SandboxRuntime) -> None:
+        """Blocking, so called in a thread: unmounting the writable layer's filesystem writes
+        back what the sandbox wrote in the last seconds (up to its memory's dirty share)."""
+        self.disks.remove(rt.id, rt.data_dir)
+        shutil.rmtree(rt.dir, ignore_errors=True)
+
+    def adopt(self, sandboxes: Iterable[Sandbox]) -> None:
+        """After a restart: the layer mounts of ``sandboxes`` (those adopted) are theirs; the
+        writable layers of any other sandbox (after a reboot, or a crash mid-create) go."""
+        kept = {sb.rt.id for sb in sandboxes}
+        in_use: dict[str, int] = {}
+        for sb in sandboxes:
+            for info in sb.layers if sb.rt.rootfs is not None else ():
+                in_use[info.digest] = in_use.get(info.digest, 0) + 1
+        for ddir in sorted(self.config.sandbox_dir.iterdir()):
+            if ddir.name not in kept:
+                self.disks.remove(ddir.name, ddir)
+        self.disks.sweep(kept)
+        assert self.mounts is not None  # open() made it
+        self.mounts.adopt(in_use)
+
+
+def sparse_disk(data_dir: Path, size: int) -> Path:
+    """A new sparse, unformatted file of ``size`` bytes: an ``IMAGES`` backend's writable disk."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    disk = data_dir / "disk.raw"
+    with open(disk, "xb") as f:
+        f.truncate(size)
+    return disk

@@ -1,0 +1,133 @@
+"""What the node tracks of each sandbox (``Sandbox``) and of the security policies in force on it
+(``PolicyPlan``): the records the node and its services share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..agent.rpc import AgentClient
+from ..backend import Backend, SandboxRuntime
+from ..records import PROJECT_LABEL, InfraEvent, LayerInfo, SandboxInfo
+from ..security import SecurityPolicy
+
+__all__ = [
+    "LIVE",
+    "MAX_EVENTS",
+    "POOL_LABEL",
+    "PolicyPlan",
+    "Sandbox",
+    "in_project",
+    "state_counts",
+]
+
+#: The label every FnCall pool member carries, its value the pool's name (``pools``).
+POOL_LABEL = "dsec.fncall-pool"
+
+#: How many infrastructure events a sandbox keeps (the most recent).
+MAX_EVENTS = 100
+#: The statuses of a sandbox that holds what admission counts.
+LIVE = ("creating", "running")
+
+
+@dataclass
+class PolicyPlan:
+    """The security policies of one sandbox: those in force, with their settings, and those
+    considered but not in force, with the reason."""
+
+    chosen: list[tuple[SecurityPolicy, dict[str, Any]]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def states(self) -> dict[str, str]:
+        return {**{p.name: "enforced" for p, _ in self.chosen}, **self.skipped}
+
+    def find(self, name: str) -> tuple[SecurityPolicy, dict[str, Any]] | None:
+        return next(((p, s) for p, s in self.chosen if p.name == name), None)
+
+    def release(self, rt: SandboxRuntime) -> None:
+        """The sandbox is gone: each policy in force lets go of what it holds for it."""
+        for policy, _ in self.chosen:
+            policy.released(rt)
+
+
+@dataclass
+class Sandbox:
+    """A sandbox as the daemon tracks it."""
+
+    rt: SandboxRuntime
+    backend: Backend
+    layers: list[LayerInfo]
+    created: float
+    expires: float | None
+    backend_state: dict[str, Any] = field(default_factory=dict)
+    status: str = "creating"  # creating | running | stopping | dead
+    ttl_handle: asyncio.TimerHandle | None = None
+    agent: AgentClient | None = None
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    policies: PolicyPlan = field(default_factory=lambda: PolicyPlan())
+    exit_fd: int | None = None  # watched by the node's loop (Backend.exit_fd); None: polled
+    paused: bool = False  # running, but every process stopped where it was (Feature.PAUSE)
+    preempted: bool = False  # paused because its trainer's lease lapsed (resumed on takeover)
+    packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
+    events: list[InfraEvent] = field(default_factory=list)  # infrastructure failures it met
+    oom_kills: int = 0  # the OOM kills its backend reported when last asked
+
+    @property
+    def state(self) -> str:
+        """What ``info().state`` says: the status, or "paused" for a paused running one."""
+        return "paused" if self.paused and self.status == "running" else self.status
+
+    @property
+    def live(self) -> bool:
+        """Whether it holds what admission counts (creating or running)."""
+        return self.status in LIVE
+
+    def info(self) -> SandboxInfo:
+        spec = self.rt.spec
+        return SandboxInfo(
+            id=self.rt.id,
+            backend=self.backend.name,
+            state=self.state,
+            created=self.created,
+            expires=self.expires,
+            layers=tuple(layer.ref for layer in self.layers),
+            environment=spec.environment,
+            limits=self.rt.limits.to_dict(),
+            labels=dict(spec.labels),
+            pid=self.backend_state.get("pid"),
+            policies=self.policies.states(),
+            qos=spec.qos,
+            devices=tuple(d.host_path for d in self.rt.devices),
+            runtime=self.backend_state.get("runtime"),
+            vnc=self.backend_state.get("vnc"),
+        )
+
+    def note(self, event: InfraEvent) -> None:
+        """Keep an infrastructure failure that struck it (the latest ``MAX_EVENTS``)."""
+        self.events.append(event)
+        del self.events[:-MAX_EVENTS]
+
+    def in_project(self, project: str, subtree: bool) -> bool:
+        """Whether it is labelled with ``project`` (``PROJECT_LABEL``; or, ``subtree``, with a
+        project below it)."""
+        return in_project(self.rt.spec.labels.get(PROJECT_LABEL), project, subtree)
+
+
+def state_counts(sandboxes: Iterable[Sandbox]) -> dict[str, int]:
+    """How many sandboxes are in each state (``Sandbox.state``), for ``dsec_sandboxes``."""
+    counts: dict[str, int] = {}
+    for sb in sandboxes:
+        counts[sb.state] = counts.get(sb.state, 0) + 1
+    return counts
+
+
+def in_project(label: str | None, project: str, subtree: bool) -> bool:
+    """Whether a sandbox labelled with project ``label`` is ``project``'s (or, ``subtree``,
+    of a project below it; every project is below the root, ``/``)."""
+    if label is None:
+        return False
+    if label == project or (subtree and project == "/"):
+        return True
+    return subtree and label.startswith(project + "/")
