@@ -171,6 +171,17 @@ def test_no_method_comes_from_getattr():
     )
 
 
+def test_the_sdk_imports_nothing_but_the_standard_library():
+    # a slim client distribution can then carry the SDK with dsec's api, records and errors
+    code = (
+        "import sys; before = set(sys.modules); import dsec_core.sdk; "
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}"
+        " - set(sys.stdlib_module_names)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['dsec_core']"
+
+
 # --- the core without I/O ---------------------------------------------------------------------
 
 
