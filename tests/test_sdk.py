@@ -1,0 +1,602 @@
+"""The SDK's shape: every route has a method in both clients, the twins (``Client`` and
+``AsyncClient``, ``Sandbox`` and ``AsyncSandbox``, ...) have the same methods, signatures and
+docstrings, each wrapper takes its core operation's parameters, every public method is
+documented, the core runs without I/O, and mypy reads the installed package's types (py.typed)
+so a user's type error is reported."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import tomllib
+import zipfile
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+import dsec
+from dsec_core import sdk
+from dsec_core.api.routes import RAW, ROUTES
+from dsec_core.api.transport import Response
+from dsec_core.errors import DsecError, NotFound, UnknownLease, UnknownSandbox
+from dsec_core.records import LeaseInfo, SandboxInfo
+from dsec_core.sdk import core
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: Routes no SDK method needs: tools read the document.
+NOT_IN_SDK = {"openapi"}
+#: The twins: (blocking, asyncio).
+TWINS = [
+    (sdk.Client, sdk.AsyncClient),
+    (sdk.Sandbox, sdk.AsyncSandbox),
+    (sdk.Session, sdk.AsyncSession),
+    (sdk.Group, sdk.AsyncGroup),
+    (sdk.Lease, sdk.AsyncLease),
+]
+#: Client methods that are not one core operation of the same name with the same parameters:
+#: a handle's own, and those that take a group handle too.
+NOT_ONE_OP = {"close", "group", "lease", "pause", "resume"}
+OP_NAMES = {"list": "list_sandboxes"}
+
+
+def _public(cls: type) -> dict[str, Any]:
+    return {
+        n: v
+        for n, v in vars(cls).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
+
+
+def _async_free(text: str) -> str:
+    """An annotation of an async twin as its blocking twin writes it."""
+    return re.sub(r"\bAsync(?=[A-Z])", "", text)
+
+
+def _params(fn: Callable[..., Any], drop: int = 1) -> list[tuple[str, Any, Any, str]]:
+    """(name, kind, default, annotation) of each parameter, the first ``drop`` left out."""
+    ps = list(inspect.signature(fn).parameters.values())[drop:]
+    return [(p.name, p.kind, p.default, _async_free(str(p.annotation))) for p in ps]
+
+
+# --- the route table and the clients ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", [dsec.Client, dsec.AsyncClient])
+def test_every_route_has_a_method(client):
+    missing = set(ROUTES) - NOT_IN_SDK - set(_public(client))
+    assert not missing, f"routes without an SDK method: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("sync, aio", TWINS, ids=lambda c: c.__name__)
+def test_the_twins_have_the_same_methods_signatures_and_docstrings(sync, aio):
+    assert set(_public(sync)) == set(_public(aio))
+    assert inspect.getdoc(sync) and inspect.getdoc(aio)
+    for name, member in _public(sync).items():
+        twin = getattr(aio, name)
+        if isinstance(member, property):
+            assert isinstance(twin, property) and member.__doc__ == twin.__doc__, name
+            continue
+        assert inspect.getdoc(member) == inspect.getdoc(twin), f"{sync.__name__}.{name}"
+        assert _params(member) == _params(twin), f"{sync.__name__}.{name}"
+        ret = inspect.signature(member).return_annotation
+        assert _async_free(str(ret)) == _async_free(
+            str(inspect.signature(twin).return_annotation)
+        ), name
+        # what blocks in the one is awaited in the other (a handle's constructor is neither)
+        if name != "group":
+            assert inspect.iscoroutinefunction(twin), f"{aio.__name__}.{name} is not async"
+            assert not inspect.iscoroutinefunction(member), name
+
+
+def test_each_client_method_takes_its_core_operations_parameters():
+    """A route's parameters are written once, in its core operation: a wrapper that differs
+    (a default, a name, a type) fails here."""
+    for name, method in _public(sdk.Client).items():
+        if name in NOT_ONE_OP:
+            continue
+        op = getattr(core, OP_NAMES.get(name, name))
+        mine, theirs = _params(method), _params(op, drop=0)
+        assert mine == theirs, name
+
+
+def test_a_sandbox_handle_is_its_clients_methods_with_the_id_filled_in():
+    client = _public(sdk.Client)
+    for name, method in _public(sdk.Sandbox).items():
+        if name in ("refresh", "session"):
+            continue
+        target = client[name]
+        assert next(iter(inspect.signature(target).parameters)) == "self"
+        first = list(inspect.signature(target).parameters)[1]
+        assert first in ("sandbox_id", "sandboxes"), name
+        assert _params(method) == _params(target, drop=2), name
+    # every client method on one sandbox has its handle method, but those of a handle of its
+    # own (a session's) and ``get`` (``refresh``)
+    on_one = {
+        n for n, m in client.items() if list(inspect.signature(m).parameters)[1:2] == ["sandbox_id"]
+    }
+    assert on_one - set(_public(sdk.Sandbox)) == {"get", "session_exec", "session_close"}
+
+
+#: Fields of a route's messages that are not an SDK method's parameter, and why.
+NOT_PARAMETERS = {
+    "fncall": {"project", "start"},  # set by the apiserver for the caller's project
+    "judge": set(),  # a JudgeSpec, or its fields as keywords (checked against JudgeSpec)
+    "create": {"count", "spec"},  # create(spec, **fields); create_many(spec, n)
+    "restore": {"count"},  # restore(snapshot, n, spec)
+    "list": {"project", "subtree"},  # the apiserver asks its nodes for a project's own
+    "read_file": {"offset", "length"},  # read in pieces by the SDK
+    "write_file": {"offset", "truncate"},  # written in pieces by the SDK
+    "exec_stream": {"trajectory", "step"},  # a streamed command is not logged
+}
+
+
+def test_every_message_field_is_a_method_parameter():
+    for name, route in ROUTES.items():
+        if name in NOT_IN_SDK or name == "judge":
+            continue
+        params = set(inspect.signature(getattr(sdk.Client, name)).parameters)
+        for message in (route.body, route.query):
+            if message is None or message is RAW:
+                continue
+            names = {f.name for f in fields(message)} - NOT_PARAMETERS.get(name, set())
+            assert names <= params, (name, message.__name__, names - params)
+
+
+def test_every_public_method_of_the_sdk_is_documented():
+    undocumented = []
+    for cls in (c for pair in TWINS for c in pair):
+        for name, member in _public(cls).items():
+            if not (member.__doc__ or "").strip():
+                undocumented.append(f"{cls.__name__}.{name}")
+    assert not undocumented
+
+
+def test_no_method_comes_from_getattr():
+    for cls in (c for pair in TWINS for c in pair):
+        assert "__getattr__" not in {n for k in cls.__mro__ for n in vars(k)}, cls
+    assert "__getattr__" not in "".join(
+        p.read_text() for p in Path(sdk.__file__).parent.glob("*.py")
+    )
+
+
+def test_the_sdk_imports_nothing_but_the_standard_library():
+    # a slim client distribution can then carry the SDK with dsec's api, records and errors
+    code = (
+        "import sys; before = set(sys.modules); import dsec_core.sdk; "
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}"
+        " - set(sys.stdlib_module_names)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['dsec_core']"
+
+
+# --- the core without I/O ---------------------------------------------------------------------
+
+
+def _info(sid: str, **labels: str) -> SandboxInfo:
+    return SandboxInfo(sid, "container", "running", 1.0, None, ("base@1",), None, {}, labels)
+
+
+def test_a_chunked_read_is_a_series_of_calls(monkeypatch):
+    monkeypatch.setattr(core, "CHUNK", 4)
+    op = core.read_file("sb-1", "/f")
+    call = next(op)
+    assert call.route.name == "read_file"
+    assert call.target == "/v1/sandboxes/sb-1/file?path=%2Ff&offset=0&length=4"
+    assert op.send(b"abcd").target.endswith("offset=4&length=4")
+    with pytest.raises(StopIteration) as done:
+        op.send(b"ef")
+    assert done.value.value == b"abcdef"
+
+
+def test_a_forgotten_lease_is_taken_again_as_it_was():
+    info = LeaseInfo("l-1", "trainer", ("a", "b"), 5.0, 0.0, "held", reclaim=True)
+    op = core.renew_or_retake(info)
+    assert next(op).route.name == "lease_renew"
+    again = op.throw(UnknownLease("gone"))
+    assert again.route.name == "lease"
+    assert json.loads(again.content) == {
+        "sandboxes": ["a", "b"],
+        "ttl": 5.0,
+        "holder": "trainer",
+        "reclaim": True,
+    }
+
+
+def test_create_many_kills_what_it_made_when_one_failed():
+    op = core.create_many(None, 2, layers=("base@1",))
+    assert next(op).route.name == "create"
+    made = ROUTES["create"].decode_response(
+        json.dumps(
+            {
+                "sandboxes": [_info("sb-1").to_dict()],
+                "errors": [{"type": "AdmissionRejected", "message": "full"}],
+            }
+        ).encode()
+    )
+    cleanup = op.send(made)
+    assert isinstance(cleanup, core.Batch)
+    assert [c.target for c in cleanup.calls] == ["/v1/sandboxes/sb-1"]
+    assert all(c.tolerate == (DsecError,) for c in cleanup.calls)
+    with pytest.raises(dsec.AdmissionRejected, match="full"):
+        op.send([None])
+
+
+def test_a_group_forks_only_its_own_members():
+    op = core.group_fork("g", "sb-1", 2, None, None, {})
+    assert next(op).target == "/v1/sandboxes/sb-1"
+    with pytest.raises(dsec.InvalidSpec, match="not a member"):
+        op.send(_info("sb-1", **{core.GROUP_LABEL: "other"}))
+    op = core.group_fork("g", "sb-1", 2, None, None, {"memory": "256M"})
+    next(op)
+    assert op.send(_info("sb-1", **{core.GROUP_LABEL: "g"})).route.name == "pack_diff"
+
+
+def test_a_tolerated_error_is_the_calls_answer():
+    call = core.call("kill", sid="gone", tolerate=(UnknownSandbox,))
+    body = json.dumps({"error": {"type": "UnknownSandbox", "message": "no"}}).encode()
+    assert isinstance(call.answer(Response(404, body, {})), UnknownSandbox)
+    with pytest.raises(UnknownSandbox):
+        core.call("kill", sid="gone").answer(Response(404, body, {}))
+
+
+# --- both clients send the same requests ------------------------------------------------------
+
+#: Arguments of each route's method (all of its route's fields set where it has them).
+SAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "node_info": ((), {}),
+    "probe": ((), {}),
+    "create": ((), {"layers": ("base@1",), "memory": "256M"}),
+    "list": ((), {}),
+    "get": (("sb-1",), {}),
+    "kill": (("sb-1",), {}),
+    "usage": (("sb-1",), {}),
+    "pause": (("sb-1",), {"reclaim": True}),
+    "resume": (("sb-1",), {}),
+    "events": (("sb-1",), {}),
+    "lease": (("sb-1",), {"ttl": 5.0, "holder": "t", "reclaim": True, "renew": False}),
+    "lease_get": (("l-1",), {}),
+    "lease_renew": (("l-1",), {}),
+    "lease_release": (("l-1",), {"kill": True}),
+    "trajectory": (("traj",), {}),
+    "remove_trajectory": (("traj",), {}),
+    "policies": (("sb-1",), {}),
+    "set_policy": (("sb-1", "egress", {"allow": ["example.com"]}), {}),
+    "exec": (
+        ("sb-1", ["echo", "hi"]),
+        dict(
+            timeout=5,
+            cwd="/tmp",
+            env={"A": "1"},
+            stdin="in",
+            max_output=10,
+            background=True,
+            exclusive=True,
+            trajectory="traj",
+            step=2,
+        ),
+    ),
+    "exec_stream": (("sb-1", "echo hi"), dict(timeout=5, cwd="/tmp", stdin=b"x")),
+    "set_ttl": (("sb-1", 60.0), {}),
+    "session_open": (("sb-1",), {"cwd": "/tmp", "env": {"A": "1"}}),
+    "sessions": (("sb-1",), {}),
+    "session_exec": (("sb-1", "ses-1", "ls"), {"timeout": 5, "stdin": b"x", "max_output": 10}),
+    "session_close": (("sb-1", "ses-1"), {}),
+    "read_file": (("sb-1", "/etc/hosts"), {}),
+    "write_file": (("sb-1", "/tmp/f", "data"), {"mode": 0o600}),
+    "remove": (("sb-1", "/tmp/f"), {"recursive": True}),
+    "screenshot": (("sb-1",), {}),
+    "input": (("sb-1", [{"type": "key", "key": "a"}]), {}),
+    "list_dir": (("sb-1", "/tmp"), {}),
+    "stat": (("sb-1", "/tmp"), {}),
+    "fncall": (
+        ("env", "echo hi"),
+        dict(stdin="x", files={"a.txt": "A"}, timeout=5, env={"A": "1"}, cpu=0.5, memory="256M"),
+    ),
+    "judge": (
+        ("env", "python3 main.py"),
+        {"files": {"main.py": "print(1)"}, "cases": [dsec.JudgeCase(b"", b"1\n")]},
+    ),
+    "pack_diff": (("sb-1",), {"name": "snap", "exclude": ["/x"], "secrets": {"k": "v"}}),
+    "snapshot_memory": (("sb-1", "m"), {}),
+    "memory_snapshot": (("m",), {}),
+    "remove_memory_snapshot": (("m",), {}),
+    "restore": (("snap@1", 2), {"memory": "256M"}),
+    "layers": ((), {}),
+    "prefetch": ((["a@1"],), {}),
+}
+
+_MISSING = json.dumps({"error": {"type": "NotFound", "message": "the fake node has none"}})
+
+
+class _Streamed:
+    def __init__(self, r: Response) -> None:
+        self.status_code, self.headers, self._content = r.status_code, r.headers, r.content
+
+    def __enter__(self) -> _Streamed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    async def __aenter__(self) -> _Streamed:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    def read(self) -> bytes:
+        return self._content
+
+
+class _AsyncStreamed(_Streamed):
+    async def read(self) -> bytes:  # type: ignore[override]
+        return self._content
+
+
+class FakeNode:
+    """A node's files in a dict (``files``), and a NotFound for everything else; every request
+    kept."""
+
+    def __init__(self, files: bool = True) -> None:
+        self.sent: list[tuple[str, str, bytes | None, str | None, float | None, bool]] = []
+        self.files: dict[str, bytearray] = {}
+        self.has_files = files
+
+    def answer(self, method: str, target: str, body: bytes | None, **kw: Any) -> Response:
+        self.sent.append(
+            (method, target, body, kw.get("content_type"), kw.get("timeout"), kw.get("idempotent"))
+        )
+        url = urlsplit(target)
+        q = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if url.path.endswith("/file") and method == "PUT" and self.has_files:
+            f = self.files.setdefault(q["path"], bytearray())
+            off = int(q["offset"])
+            if q["truncate"] == "true":
+                del f[off:]
+            f[off : off + len(body or b"")] = body or b""
+            return Response(200, json.dumps({"written": len(body or b"")}).encode(), {})
+        if url.path.endswith("/file") and q.get("path") in self.files:
+            off, n = int(q["offset"]), int(q["length"])
+            return Response(200, bytes(self.files[q["path"]][off : off + n]), {})
+        return Response(404, _MISSING.encode(), {})
+
+
+class SyncFake:
+    def __init__(self, node: FakeNode) -> None:
+        self.node = node
+
+    def request(self, method: str, target: str, *, body: bytes | None = None, **kw: Any):
+        return self.node.answer(method, target, body, **kw)
+
+    def stream(self, method: str, target: str, *, body: bytes | None = None, **kw: Any):
+        return _Streamed(self.node.answer(method, target, body, **kw))
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncFake(SyncFake):
+    async def request(self, method: str, target: str, *, body: bytes | None = None, **kw: Any):  # type: ignore[override]
+        return self.node.answer(method, target, body, **kw)
+
+    async def stream(self, method: str, target: str, *, body: bytes | None = None, **kw: Any):  # type: ignore[override]
+        return _AsyncStreamed(self.node.answer(method, target, body, **kw))
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _clients(
+    tmp_path: Path, files: bool = True
+) -> tuple[dsec.Client, dsec.AsyncClient, FakeNode, FakeNode]:
+    sync_node, async_node = FakeNode(files), FakeNode(files)
+    client = dsec.Client(os.fspath(tmp_path / "none.sock"), retry=0)
+    aclient = dsec.AsyncClient(os.fspath(tmp_path / "none.sock"), retry=0)
+    client._http = SyncFake(sync_node)  # type: ignore[assignment]
+    aclient._http = AsyncFake(async_node)  # type: ignore[assignment]
+    return client, aclient, sync_node, async_node
+
+
+def test_the_samples_cover_every_route():
+    assert set(SAMPLES) == set(ROUTES) - NOT_IN_SDK
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_both_clients_send_each_route_the_same_way(tmp_path, name):
+    client, aclient, sync_node, async_node = _clients(tmp_path, files=False)
+    args, kw = SAMPLES[name]
+
+    with pytest.raises(NotFound):
+        out = getattr(client, name)(*args, **kw)
+        list(out)  # exec_stream: a generator sends when it is iterated
+
+    async def run() -> None:
+        with pytest.raises(NotFound):
+            out = await getattr(aclient, name)(*args, **kw)
+            [x async for x in out]  # exec_stream: the lines of its answer
+
+    asyncio.run(run())
+    assert sync_node.sent == async_node.sent
+    (method, target, body, content_type, timeout, idempotent), *_ = sync_node.sent
+    route = ROUTES[name]
+    assert method == route.method
+    assert re.fullmatch(re.sub(r"\{\w+\}", "[^/]+", route.path) + r"(\?.*)?", target), target
+    if route.body not in (None, RAW):
+        assert set(json.loads(body or b"{}")) <= {f.name for f in fields(route.body)}
+
+
+def test_both_clients_move_files_in_the_same_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "CHUNK", 4)
+    client, aclient, sync_node, async_node = _clients(tmp_path)
+    local = tmp_path / "up"
+    local.write_bytes(b"0123456789")
+
+    client.write_file("sb-1", "/a", b"abcdefghij")
+    client.upload("sb-1", local, "/b", mode=0o600)
+    assert client.read_file("sb-1", "/a") == b"abcdefghij"
+    client.download("sb-1", "/b", tmp_path / "down-sync")
+
+    async def run() -> bytes:
+        await aclient.write_file("sb-1", "/a", b"abcdefghij")
+        await aclient.upload("sb-1", local, "/b", mode=0o600)
+        await aclient.download("sb-1", "/b", tmp_path / "down-async")
+        return await aclient.read_file("sb-1", "/a")
+
+    assert asyncio.run(run()) == b"abcdefghij"
+    assert (tmp_path / "down-sync").read_bytes() == (tmp_path / "down-async").read_bytes()
+    assert (tmp_path / "down-sync").read_bytes() == b"0123456789"
+    assert len([s for s in sync_node.sent if s[0] == "PUT"]) == 6  # 3 pieces of each file
+    assert sorted(sync_node.sent) == sorted(async_node.sent)
+
+
+# --- types for users: py.typed and mypy -------------------------------------------------------
+
+
+def _distributions() -> list[Path]:
+    return [REPO, *sorted(REPO.glob("plugins/*/")), *sorted(REPO.glob("builders/*/"))]
+
+
+@pytest.mark.parametrize("dist", _distributions(), ids=lambda p: p.name)
+def test_every_distribution_ships_py_typed(dist):
+    project = tomllib.loads((dist / "pyproject.toml").read_text())
+    data = project["tool"]["setuptools"]["package-data"]
+    packages = [p.name for p in dist.glob("dsec*/__init__.py") for p in [p.parent]]
+    assert packages
+    for package in packages:
+        assert (dist / package / "py.typed").is_file(), package
+        assert "py.typed" in data.get(package, []), f"{dist.name}: {package} lacks py.typed"
+
+
+GOOD = """
+    import asyncio
+
+    import dsec
+
+
+    def main() -> None:
+        with dsec.Client("unix:///nowhere.sock", autostart=False) as client:
+            with client.create(environment="python", memory="256M") as sb:
+                result = sb.exec(["python3", "-c", "print(1)"], timeout=10)
+                code: int = result.exit_code
+                print(code, result.text, sb.info.state)
+                for entry in sb.list_dir("/tmp"):
+                    print(entry.name)
+                with sb.session() as session:
+                    print(session.exec("cd /tmp").ok)
+                info: dsec.SandboxInfo = client.pause(sb.id)
+                infos: list[dsec.SandboxInfo] = client.resume([sb.id])
+                print(info, infos, client.fncall("python", script="print(1)").stdout)
+
+
+    async def amain() -> None:
+        async with dsec.AsyncClient("unix:///nowhere.sock", autostart=False) as client:
+            async with await client.create(environment="python") as sb:
+                result = await sb.exec("echo hi")
+                print(result.stdout.decode())
+                async for item in await sb.exec_stream("echo hi"):
+                    print(item)
+
+
+    main()
+    asyncio.run(amain())
+"""
+
+BAD = """
+    import dsec
+
+    with dsec.Client("unix:///nowhere.sock", autostart=False) as client:
+        sb = client.create(environment="python")
+        sb.exec(5)
+        print(sb.exec("ls").exit_status)
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A Python environment with dsec installed from its wheel (not the source tree), so mypy
+    reads it as a user's would: through py.typed, or not at all."""
+    src = tmp_path_factory.mktemp("src") / "dsec"
+    shutil.copytree(
+        REPO,
+        src,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git",
+            ".venv",
+            "build",
+            "*.egg-info",
+            "__pycache__",
+            "plugins",
+            "builders",
+            "tests",
+            "bench",
+            "catalog",
+            "examples",
+        ),
+    )
+    wheels = tmp_path_factory.mktemp("wheel")
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, src],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("dsec-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert {"dsec/py.typed", "dsec_core/py.typed"} <= set(z.namelist())
+    env = tmp_path_factory.mktemp("env")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
+    site = next(env.glob("lib/python*/site-packages"))
+    subprocess.run(
+        [*pip, "install", "--no-deps", "-q", "--target", site, wheel],
+        check=True,
+        capture_output=True,
+    )
+    return env / "bin" / "python"
+
+
+def _mypy(python: Path, where: Path, script: str) -> list[str]:
+    (where / "user.py").write_text(textwrap.dedent(script).lstrip())
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--python-executable",
+            python,
+            "--no-incremental",
+            "--strict",
+            "--no-error-summary",
+            "--hide-error-context",
+            "user.py",
+        ],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return out.stdout.splitlines()
+
+
+def test_mypy_reads_the_installed_sdk_and_finds_a_users_type_errors(installed, tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    assert _mypy(installed, good, GOOD) == []
+    assert _mypy(installed, bad, BAD) == [
+        'user.py:5: error: Argument 1 to "exec" of "Sandbox" has incompatible type "int"; '
+        'expected "str | Sequence[str]"  [arg-type]',
+        'user.py:6: error: "ExecResult" has no attribute "exit_status"  [attr-defined]',
+    ]
