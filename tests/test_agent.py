@@ -195,7 +195,7 @@ def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
     assert info.value.exit_code != 0 and "undefined_thing" in info.value.stderr
     assert "gcc" in info.value.command[0] or "cc" in info.value.command[0]
     assert not list((tmp_path / "bin").iterdir())  # no temp file left behind
-    monkeypatch.setattr(agent_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no compiler on PATH
     with pytest.raises(BackendUnavailable):
         ensure_agent(tmp_path / "bin2", source_dir=src)
 
