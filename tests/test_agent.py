@@ -38,6 +38,7 @@ from dsec_core.errors import (
     ToolError,
     UnknownSession,
 )
+from dsec_core.linux.processes import stop_process
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -142,16 +143,6 @@ def start_agent(binary: Path, sock_dir: Path) -> tuple[subprocess.Popen, Path]:
     return proc, path
 
 
-def stop_agent(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def agent_bin(tmp_path_factory) -> Path:
     return ensure_agent(tmp_path_factory.mktemp("agent-bin"))
@@ -166,7 +157,7 @@ def agent(agent_bin):
     try:
         yield a
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
         leftovers = procs_with(a.token)
         for pid in leftovers:
@@ -518,7 +509,7 @@ async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
         info = await AgentClient(sock_dir / "a.sock").ping()
         assert info["pid"] == proc.pid
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
     bad = subprocess.run(
         [str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL, capture_output=True, timeout=5
@@ -982,7 +973,7 @@ async def test_the_documents_seccomp_filter_binds_the_agent_and_its_commands(age
         assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
         assert (await c.read_file("/proc/self/status")).count(b"Seccomp:\t2") == 1  # handlers
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -1072,7 +1063,7 @@ async def test_landlock_rules_bind_commands_not_the_agents_own_file_operations(a
         assert (tmp_path / "ro" / "harness").read_bytes() == b"installed"
         assert {e.name for e in await c.list_dir(tmp_path / "hid")} == {"answer"}
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -1104,5 +1095,5 @@ async def test_one_socket_can_carry_the_document_and_the_answer(agent_bin, tmp_p
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
     finally:
         ours.close()
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
