@@ -38,7 +38,7 @@ from dsec_core.errors import (
     ToolError,
     UnknownSession,
 )
-from dsec_core.linux.processes import stop_process
+from dsec_core.linux.processes import proc_stat, stop_process
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -51,11 +51,10 @@ def procs_with(token: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
         except OSError:
             continue
-        if token.encode() in cmdline and state != "Z":
+        stat = proc_stat(int(entry))
+        if token.encode() in cmdline and stat is not None and stat.state != "Z":
             found.append(int(entry))
     return found
 
@@ -63,14 +62,10 @@ def procs_with(token: str) -> list[int]:
 def proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, state) for every process."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            table[int(entry)] = (int(fields[1]), fields[0])
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        stat = proc_stat(int(entry))
+        if stat is not None:
+            table[int(entry)] = (stat.ppid, stat.state)
     return table
 
 
