@@ -87,9 +87,12 @@ def run_tool(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     input: str | None = None,
+    cwd: Path | None = None,
+    error: type[ToolError] = ToolError,
 ) -> subprocess.CompletedProcess[str]:
     """Run an external program (``input`` on its stdin, else nothing); a non-zero exit raises
-    ``ToolError`` with its output, a missing program one that says which package has it."""
+    ``error`` (a ``ToolError``, or a subclass the caller's domain names) with its output, a
+    missing program one that says which package has it."""
     argv = [str(c) for c in command]
     try:
         proc = subprocess.run(
@@ -98,19 +101,20 @@ def run_tool(
             text=True,
             errors="replace",
             env=env,
+            cwd=cwd,
             timeout=timeout,
             **({"input": input} if input is not None else {"stdin": subprocess.DEVNULL}),
         )
     except FileNotFoundError as e:
-        raise ToolError(
+        raise error(
             f"{what}: {argv[0]} is not installed ({install_hint(argv[0])})", command=argv
         ) from e
     except subprocess.TimeoutExpired as e:
-        raise ToolError(
+        raise error(
             f"{what}: timed out after {timeout}s", command=argv, stderr=str(e.stderr or "")
         ) from e
     if proc.returncode != 0:
-        raise ToolError(
+        raise error(
             f"{what} failed",
             command=argv,
             exit_code=proc.returncode,
@@ -145,15 +149,7 @@ def compile_static(
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     command = [compiler, "-static", *flags, "-o", os.fspath(tmp), *map(os.fspath, sources)]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise ToolError(
-                f"building {what} failed",
-                command=command,
-                exit_code=proc.returncode,
-                stdout=proc.stdout,
-                stderr=proc.stderr,
-            )
+        run_tool(command, f"building {what}")
         os.chmod(tmp, 0o755)
         os.rename(tmp, target)
     finally:
