@@ -103,13 +103,7 @@ def test_open_pidfd_refuses_another_process_under_the_pid():
 
 def test_wait_for_exit_of_a_process_that_is_not_our_child():
     # a grandchild: the shell exits at once, its sleep is reparented away from us
-    out = subprocess.run(
-        ["sh", "-c", "sleep 1 >/dev/null 2>&1 & echo $!"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    pid = int(out.stdout)
+    pid = int(subprocess.check_output(["sh", "-c", "sleep 1 >/dev/null 2>&1 & echo $!"]))
     assert proc_stat(pid) is not None and proc_stat(pid).ppid != os.getpid()  # type: ignore[union-attr]
     assert not wait_for_exit(pid, 0)
     t = time.monotonic()
