@@ -14,17 +14,13 @@ cd "$here"
 venv="$here/.venv"
 stamp_dir="$venv/.dsec-stamps"
 
-APT_PACKAGES=(runc runsc erofs-utils e2fsprogs debootstrap busybox-static gcc libc6-dev python3-venv
-              util-linux iproute2 docker.io docker-registry ca-certificates xfsprogs
-              clang libbpf-dev nftables  # the egress policy's BPF programs and netns
-              bpftool  # its tests read the programs attached to a cgroup as the kernel sees them
-              apparmor  # apparmor_parser, for the apparmor policy's profiles
-              lxcfs  # sandboxes' own CPUs and memory in /proc: the container backend runs it
-              procps  # free and uptime, which the limits tests copy into a sandbox
-              qemu-system-x86 lz4  # microVM sandboxes (the demo's fizzbuzz-vm): QEMU, and lz4
-                                   # for guest kernels compressed with it
-              etcd-server)  # IAM state shared by several apiservers (DSEC_IAM=etcd://...);
-                            # the tests start their own on loopback
+# What a fresh machine needs: the Debian packages of dsec_core/linux/programs.txt, the one table
+# of every external program dsec, its plugins, benches and tests run (program -> package).
+apt_packages() {
+    awk '!/^[[:space:]]*(#|$)/ && $2 != "-" { print $2 }' dsec_core/linux/programs.txt | sort -u
+}
+mapfile -t APT_PACKAGES < <(apt_packages)
+[ ${#APT_PACKAGES[@]} -gt 0 ] || { echo "run.sh: no packages in dsec_core/linux/programs.txt" >&2; exit 1; }
 # apparmor starts no service on install: its postinst enables apparmor.service for the next
 # boot (a unit conditioned on the kernel having AppArmor, so inert here) and, only if the
 # kernel has AppArmor enabled, loads the profiles in /etc/apparmor.d; a stock Debian 12 has

@@ -44,12 +44,10 @@ import json
 import os
 import posixpath
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from dsec_builder.pkgindex import EgressIndex, LoopbackIndex
@@ -57,10 +55,11 @@ from dsec_builder.pkgindex import EgressIndex, LoopbackIndex
 from dsec_core.catalog.model import default_catalog_file
 from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
+from dsec_core.errors import ToolError
 from dsec_core.layers.image import export_image
 from dsec_core.layers.store import LayerStore
-from dsec_core.linux.mounts import mounted_under, unmount
 from dsec_core.sdk import Client
+from dsec_core.testing import PrivateDockerd, private_dockerd
 
 HERE = Path(__file__).resolve().parent
 ENV = "python"
@@ -82,104 +81,62 @@ def variant_tree(root: Path, k: int) -> Path:
 
 
 # --- docker ---------------------------------------------------------------------------------
-@dataclass
-class Dockerd:
-    """A dockerd this script started: its CLI prefix and data root."""
-
-    cli: list[str]
-    root: Path
-    proc: subprocess.Popen[bytes]
-
-    def run(self, *args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-        r = subprocess.run(
-            [*self.cli, *args], capture_output=True, text=True, timeout=timeout, **kw
-        )
-        if r.returncode != 0:
-            raise SystemExit(f"docker {' '.join(args[:3])} failed: {r.stderr[-2000:]}")
-        return r
+def docker(dockerd: PrivateDockerd, *args: str, **kw) -> subprocess.CompletedProcess:
+    """``docker ARGS`` against the bench's daemon; a failure ends the bench."""
+    r = dockerd.run(*args, **kw)
+    if r.returncode != 0:
+        raise SystemExit(f"docker {' '.join(args[:3])} failed: {r.stderr[-2000:]}")
+    return r
 
 
 @contextlib.contextmanager
-def private_dockerd() -> Iterator[Dockerd]:
-    """A dockerd on a socket and data root of its own (no bridge, no iptables), stopped by pid
-    and its directory removed at the end."""
-    docker, daemon = shutil.which("docker"), shutil.which("dockerd")
-    if not docker or not daemon:
-        raise SystemExit("bench: docker.io is not installed (no docker or dockerd)")
-    root = Path(tempfile.mkdtemp(prefix="dsec-bench-dockerd-", dir="/var/tmp"))
-    sock = root / "docker.sock"
-    log = open(root / "dockerd.log", "wb")
-    proc = subprocess.Popen(
-        [
-            daemon,
-            "--host", f"unix://{sock}",
-            "--bridge=none", "--iptables=false", "--ip-masq=false",
-            "--pidfile", os.fspath(root / "docker.pid"),
-            "--data-root", os.fspath(root / "data"),
-            "--exec-root", os.fspath(root / "exec"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
-    )  # fmt: skip
-    cli = [docker, "-H", f"unix://{sock}"]
-    try:
-        deadline = time.monotonic() + 60
-        while subprocess.run([*cli, "version"], capture_output=True).returncode != 0:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (root / "dockerd.log").read_text(errors="replace")[-800:]
-                raise SystemExit(f"bench: dockerd did not start: {tail}")
-            time.sleep(0.3)
-        yield Dockerd(cli, root, proc)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        # what dockerd mounted there and left (its default netns file, a bind of nsfs; the
-        # data root itself is no mount, so `umount -R root` would miss them)
-        for mp in mounted_under(root):
-            unmount(mp)
-        shutil.rmtree(root)
+def bench_dockerd() -> Iterator[PrivateDockerd]:
+    """The kit's private dockerd, under /var/tmp (the images want room); no docker ends the
+    bench."""
+    with contextlib.ExitStack() as stack:
+        try:
+            dockerd = stack.enter_context(private_dockerd("/var/tmp"))
+        except ToolError as e:
+            raise SystemExit(f"bench: {e}") from e
+        yield dockerd
 
 
-def docker_base(dockerd: Dockerd, store: LayerStore, refs_top_first: list[str], tag: str) -> None:
+def docker_base(
+    dockerd: PrivateDockerd, store: LayerStore, refs_top_first: list[str], tag: str
+) -> None:
     """Make ``tag`` in the daemon from dsec's layers: ``export_image`` (a docker archive, one
     layer per dsec layer), then ``docker load``."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         archive = Path(tmp) / "base.tar"
         export_image(store, refs_top_first, archive, tag=tag)
-        dockerd.run("load", "-i", os.fspath(archive))
+        docker(dockerd, "load", "-i", os.fspath(archive))
 
 
-def docker_variant(dockerd: Dockerd, base: str, tree: Path, k: int, install: str) -> str:
+def docker_variant(dockerd: PrivateDockerd, base: str, tree: Path, k: int, install: str) -> str:
     """Build variant ``k``'s image (``FROM base``, ``COPY`` the tree, ``RUN install``); its tag."""
     ctx = tree.parent
     (ctx / "Dockerfile").write_text(
         f"FROM {base}\nCOPY sample /workspace/sample\nRUN {json.dumps(['sh', '-c', install])}\n"
     )
     tag = f"dsec-bench-variant:{k}"
-    dockerd.run(
+    docker(
+        dockerd,
         "build", "-q", "--network", "host", "-t", tag, os.fspath(ctx),
         env={**os.environ, "DOCKER_BUILDKIT": "0"},  # no buildx here: the classic builder
     )  # fmt: skip
     return tag
 
 
-def docker_bytes(dockerd: Dockerd, tags: list[str]) -> int:
+def docker_bytes(dockerd: PrivateDockerd, tags: list[str]) -> int:
     """The sizes of the unique layers of ``tags`` as the daemon stores them, each counted once
     (the base's, shared by every variant, once): the layers' chain IDs from each image's
     ``RootFS.Layers`` and each layer's size from the daemon's layer database (``docker
     history`` cannot tell a loaded image's layers apart: their IDs are all "<missing>")."""
     sizes: dict[str, int] = {}
-    layerdb = dockerd.root / "data" / "image" / "overlay2" / "layerdb" / "sha256"
+    layerdb = dockerd.data_root / "image" / "overlay2" / "layerdb" / "sha256"
     for tag in tags:
         diff_ids = json.loads(
-            dockerd.run("image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
+            docker(dockerd, "image", "inspect", "--format", "{{json .RootFS.Layers}}", tag).stdout
         )
         chain = ""
         for diff_id in diff_ids:
@@ -194,9 +151,9 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def image_size(dockerd: Dockerd, tag: str) -> int:
+def image_size(dockerd: PrivateDockerd, tag: str) -> int:
     """An image's whole size, its base's layers included."""
-    return int(dockerd.run("image", "inspect", "--format", "{{.Size}}", tag).stdout)
+    return int(docker(dockerd, "image", "inspect", "--format", "{{.Size}}", tag).stdout)
 
 
 def du_bytes(path: Path) -> int:
@@ -324,7 +281,7 @@ def main() -> None:
         Client().close()  # start the embedded node if none runs
         with contextlib.ExitStack() as stack:
             eindex = stack.enter_context(EgressIndex(config.home, wheels, tmp / "egress.jsonl"))
-            dockerd = stack.enter_context(private_dockerd())
+            dockerd = stack.enter_context(bench_dockerd())
             lindex = stack.enter_context(LoopbackIndex(wheels))
             builder = Builder(eindex)
             stack.callback(builder.close)
@@ -356,7 +313,7 @@ def main() -> None:
             # what the ten images weigh one by one (``docker save`` of each, a registry
             # without cross-repository layer sharing): the base in each of them
             fig["docker_images_total_bytes"] = sum(image_size(dockerd, t) for t in tags)
-            fig["docker_data_root_bytes"] = du_bytes(dockerd.root / "data")
+            fig["docker_data_root_bytes"] = du_bytes(dockerd.data_root)
 
     fig["builder_vs_docker_time_ratio"] = round(fig["builder_seconds"] / fig["docker_seconds"], 3)
     fig["builder_vs_docker_time_ratio_without_qa"] = round(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,12 +33,11 @@ import dsec
 from dsec_core.catalog import default_catalog_file
 from dsec_core.config import NodeConfig
 from dsec_core.demo import ensure_catalog
+from dsec_core.errors import ToolError
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.mounts import mount_erofs_file, unmount
 from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
-from dsec_core.testing import build_busybox_layer
-
-DOCKER_SOCK = "/run/dsec-bench-docker.sock"
+from dsec_core.testing import build_busybox_layer, private_dockerd
 
 
 def pct(values: list[float], q: float) -> float:
@@ -51,58 +52,19 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Docker:
-    """A docker CLI bound to a dockerd we can rely on (started here if needed)."""
+    """A docker CLI bound to one daemon (``host``; None: the CLI's default one)."""
 
-    def __init__(self) -> None:
-        self.cli = shutil.which("docker", path="/usr/bin") or shutil.which("docker")
-        if not self.cli or not shutil.which("dockerd"):
-            raise SystemExit("bench: docker.io is not installed (apt-get install docker.io)")
-        self.host = None
-        self.proc = None
-        if self._works(None):
-            return
-        self.host = f"unix://{DOCKER_SOCK}"
-        if not self._works(self.host):
-            # No bridge and no iptables: the benchmark's containers get no network at all.
-            self.proc = subprocess.Popen(
-                [
-                    "dockerd",
-                    "--host",
-                    self.host,
-                    "--bridge=none",
-                    "--iptables=false",
-                    "--ip-masq=false",
-                    "--pidfile",
-                    "/run/dsec-bench-docker.pid",
-                    "--data-root",
-                    "/var/lib/dsec-bench-docker",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=open("/tmp/dsec-bench-dockerd.log", "wb"),
-            )
-            deadline = time.monotonic() + 60
-            while not self._works(self.host):
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit(
-                        "bench: dockerd did not start; see /tmp/dsec-bench-dockerd.log"
-                    )
-                time.sleep(0.2)
+    def __init__(self, cli: str, host: str | None) -> None:
+        self.cli, self.host = cli, host
 
     def argv(self, *args: str) -> list[str]:
         return [self.cli, *(["-H", self.host] if self.host else []), *args]
 
-    def _works(self, host: str | None) -> bool:
-        cmd = [
-            self.cli,
-            *(["-H", host] if host else []),
-            "version",
-            "--format",
-            "{{.Server.Version}}",
-        ]
-        return subprocess.run(cmd, capture_output=True).returncode == 0
-
     def run(self, *args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
         return subprocess.run(self.argv(*args), capture_output=True, input=input)
+
+    def works(self) -> bool:
+        return self.run("version", "--format", "{{.Server.Version}}").returncode == 0
 
     def import_layer(self, image: Path, tag: str) -> None:
         if self.run("image", "inspect", tag).returncode == 0:
@@ -120,12 +82,24 @@ class Docker:
         if imp.returncode != 0:
             raise SystemExit(f"bench: docker import failed: {imp.stderr.decode()}")
 
-    def close(self) -> None:
-        if self.proc:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-            # the log is kept only for a dockerd that failed to start (SystemExit above)
-            Path("/tmp/dsec-bench-dockerd.log").unlink(missing_ok=True)
+
+@contextlib.contextmanager
+def docker_daemon() -> Iterator[Docker]:
+    """The machine's dockerd if one answers, else a private one started here (the kit's
+    ``private_dockerd``: no bridge and no iptables, so the benchmark's containers get no
+    network at all), stopped and removed at the end."""
+    cli = shutil.which("docker", path="/usr/bin") or shutil.which("docker")
+    if not cli or not shutil.which("dockerd"):
+        raise SystemExit("bench: docker.io is not installed (apt-get install docker.io)")
+    if Docker(cli, None).works():
+        yield Docker(cli, None)
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            private = stack.enter_context(private_dockerd())
+        except ToolError as e:
+            raise SystemExit(f"bench: {e}") from e
+        yield Docker(cli, private.host)
 
 
 def docker_run_once(docker: Docker, tag: str) -> float:
@@ -240,16 +214,13 @@ def main() -> None:
         if started:
             stop_daemon(config)
 
-    docker = Docker()
     tag = f"dsec-bench:{info.digest.split(':')[1][:12]}"
-    try:
+    with docker_daemon() as docker:
         docker.import_layer(store.image_path(info), tag)
         docker_run_once(docker, tag)  # warm
         d1, _ = docker_rounds(docker, tag, max(5, n_docker // 2), 1)
         d8, d8_rate = docker_rounds(docker, tag, n_docker, 8)
         dexec = docker_exec(docker, tag, max(10, n // 2))
-    finally:
-        docker.close()
 
     ms = lambda v: round(v * 1000, 2)  # noqa: E731
     fig = {

@@ -38,6 +38,7 @@ from dsec_core.errors import (
     ToolError,
     UnknownSession,
 )
+from dsec_core.linux.processes import proc_stat, stop_process
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -50,11 +51,10 @@ def procs_with(token: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rpartition(")")[2].split()[0]
         except OSError:
             continue
-        if token.encode() in cmdline and state != "Z":
+        stat = proc_stat(int(entry))
+        if token.encode() in cmdline and stat is not None and stat.state != "Z":
             found.append(int(entry))
     return found
 
@@ -62,14 +62,10 @@ def procs_with(token: str) -> list[int]:
 def proc_table() -> dict[int, tuple[int, str]]:
     """pid -> (ppid, state) for every process."""
     table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            table[int(entry)] = (int(fields[1]), fields[0])
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        stat = proc_stat(int(entry))
+        if stat is not None:
+            table[int(entry)] = (stat.ppid, stat.state)
     return table
 
 
@@ -142,16 +138,6 @@ def start_agent(binary: Path, sock_dir: Path) -> tuple[subprocess.Popen, Path]:
     return proc, path
 
 
-def stop_agent(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def agent_bin(tmp_path_factory) -> Path:
     return ensure_agent(tmp_path_factory.mktemp("agent-bin"))
@@ -166,7 +152,7 @@ def agent(agent_bin):
     try:
         yield a
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
         leftovers = procs_with(a.token)
         for pid in leftovers:
@@ -195,7 +181,7 @@ def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
     assert info.value.exit_code != 0 and "undefined_thing" in info.value.stderr
     assert "gcc" in info.value.command[0] or "cc" in info.value.command[0]
     assert not list((tmp_path / "bin").iterdir())  # no temp file left behind
-    monkeypatch.setattr(agent_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # no compiler on PATH
     with pytest.raises(BackendUnavailable):
         ensure_agent(tmp_path / "bin2", source_dir=src)
 
@@ -518,7 +504,7 @@ async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
         info = await AgentClient(sock_dir / "a.sock").ping()
         assert info["pid"] == proc.pid
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
     bad = subprocess.run(
         [str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL, capture_output=True, timeout=5
@@ -982,7 +968,7 @@ async def test_the_documents_seccomp_filter_binds_the_agent_and_its_commands(age
         assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
         assert (await c.read_file("/proc/self/status")).count(b"Seccomp:\t2") == 1  # handlers
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -1072,7 +1058,7 @@ async def test_landlock_rules_bind_commands_not_the_agents_own_file_operations(a
         assert (tmp_path / "ro" / "harness").read_bytes() == b"installed"
         assert {e.name for e in await c.list_dir(tmp_path / "hid")} == {"answer"}
     finally:
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -1104,5 +1090,5 @@ async def test_one_socket_can_carry_the_document_and_the_answer(agent_bin, tmp_p
         assert r.exit_code != 0 and b"Permission denied" in r.stderr
     finally:
         ours.close()
-        stop_agent(proc)
+        stop_process(proc)
         shutil.rmtree(sock_dir, ignore_errors=True)

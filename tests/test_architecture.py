@@ -5,9 +5,11 @@ imports inside functions are the few listed here with their reason."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,45 @@ def test_the_nodes_services_reach_for_no_private_name_of_their_host():
             if name in ("host", "node") and not n.attr.startswith("__"):
                 reached.append(f"{path.relative_to(REPO)}:{n.lineno}: {name}.{n.attr}")
     assert reached == []
+
+
+PLUGINS_CONTRACT = "plugins import only core's plugin-facing floors"
+BUILDERS_CONTRACT = "builders are clients of nodes, not parts of one"
+
+
+def _contracts() -> tuple[list[str], dict[str, dict]]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return config["root_packages"], {c["name"]: c for c in config["contracts"]}
+
+
+def _plugin_facing_in_readme() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    start = text.index("\n### What a plugin may import")
+    end = text.index("\n### ", start + 1)
+    return re.findall(r"^\| `(dsec_core\.[a-z_]+)` \|", text[start:end], re.M)
+
+
+def test_plugins_and_builders_are_under_their_contracts():
+    roots, contracts = _contracts()
+    plugins = sorted(p.parent.name for p in REPO.glob("plugins/*/dsec_*/__init__.py"))
+    builders = sorted(p.parent.name for p in REPO.glob("builders/*/dsec_*/__init__.py"))
+    assert set(plugins + builders) <= set(roots)
+    assert sorted(contracts[PLUGINS_CONTRACT]["source_modules"]) == plugins
+    assert sorted(contracts[BUILDERS_CONTRACT]["source_modules"]) == builders
+
+
+def test_every_core_package_is_plugin_facing_or_forbidden_to_plugins():
+    """A new core package is put on one side: README's table of plugin-facing modules, or the
+    plugins' forbidden list; never both."""
+    _, contracts = _contracts()
+    forbidden = set(contracts[PLUGINS_CONTRACT]["forbidden_modules"])
+    facing = set(_plugin_facing_in_readme())
+    core = {
+        f"dsec_core.{p.stem}"
+        for p in (REPO / "dsec_core").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()
+    }
+    assert facing, "the README's table of plugin-facing modules was not found"
+    assert facing & forbidden == set()
+    assert sorted(core - facing - forbidden) == []
+    assert sorted((facing | forbidden) - core - {"dsec", "dsec_builder"}) == []

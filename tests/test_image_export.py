@@ -3,8 +3,8 @@ run by the real docker (whiteouts of a pack_diff snapshot honoured), and docker 
 save` archives and Dockerfile builds become base layers whose sandboxes run. Bad input gets a
 typed error and leaves no scratch files, mounts, containers or images behind.
 
-Docker's daemon is the running one, or a private one started for this module
-(``test_layers.docker_host``: own socket and data root, no networking, stopped at the end).
+Docker's daemon is a private one started for this module (``test_layers.docker_host``, the
+kit's ``dsec_dockerd``: own socket and data root, no networking, stopped at the end).
 """
 
 from __future__ import annotations

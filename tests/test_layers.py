@@ -423,61 +423,10 @@ def test_local_layer_source_plugin(tmp_path, store, home):
 
 
 @pytest.fixture(scope="module")
-def docker_host(tmp_path_factory):
-    """A docker daemon: the running one, or a private one we start and stop (no networking)."""
-    if not shutil.which("docker") or not shutil.which("dockerd"):
-        pytest.skip("docker is not installed")
-    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        yield os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-        return
-    base = tmp_path_factory.mktemp("dockerd")
-    host = f"unix://{base}/docker.sock"
-    log = open(base / "dockerd.log", "w")
-    proc = subprocess.Popen(
-        [
-            "dockerd",
-            "--host",
-            host,
-            "--data-root",
-            str(base / "data"),
-            "--exec-root",
-            str(base / "exec"),
-            "--pidfile",
-            str(base / "dockerd.pid"),
-            "--bridge",
-            "none",
-            "--iptables=false",
-            "--ip6tables=false",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        for _ in range(100):
-            if subprocess.run(["docker", "-H", host, "info"], capture_output=True).returncode == 0:
-                break
-            if proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        if (
-            proc.poll() is not None
-            or subprocess.run(["docker", "-H", host, "info"], capture_output=True).returncode != 0
-        ):
-            pytest.skip(
-                "dockerd could not start: "
-                + (base / "dockerd.log").read_text()[-500:].replace("\n", " ")
-            )
-        yield host
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        for point in sorted(_mounts_below(base), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True)
+def docker_host(dsec_dockerd) -> str:
+    """The module's docker daemon: a private one (the kit's ``dsec_dockerd``: own socket and
+    data root, no networking), stopped and removed at the end."""
+    return dsec_dockerd.host
 
 
 @pytest.fixture

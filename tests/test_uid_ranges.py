@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from dsec_core.errors import AdmissionRejected, InvalidSpec
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.tools import compile_static
 from dsec_core.node.idpool import MAX_HOST_ID, UidPool
 from dsec_core.node.node import Node
 from dsec_core.records import IdMap, SandboxSpec
@@ -151,19 +151,7 @@ def keys_layer(dsec_node, tmp_path_factory):
         pytest.skip("the keys probe needs gcc (apt-get install gcc libc6-dev)")
     tree = tmp_path_factory.mktemp("keys-layer")
     (tree / "usr" / "local" / "bin").mkdir(parents=True)
-    subprocess.run(
-        [
-            "gcc",
-            "-static",
-            "-O2",
-            "-Wall",
-            "-Werror",
-            "-o",
-            tree / "usr/local/bin/keys",
-            KEYS_SOURCE,
-        ],
-        check=True,
-    )
+    compile_static([KEYS_SOURCE], tree / "usr/local/bin/keys", "the keys probe")
     store = LayerStore(dsec_node.config.layer_dir)
     return build_layer(tree, name="keys-probe", version="1", kind="toolkit", store=store)
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
-from ..errors import BackendUnavailable, ToolError
+from ..errors import BackendUnavailable
+from ..linux.tools import compile_static
 
 __all__ = ["AGENT_SOURCE_DIR", "agent_sources", "ensure_agent"]
 
@@ -52,8 +51,9 @@ def ensure_agent(bin_dir: Path, source_dir: Path = AGENT_SOURCE_DIR) -> Path:
     """Return ``bin_dir/dsec-agent-<digest>``, compiling it first if it is missing.
 
     Compiles every ``*.c`` in ``source_dir`` together (with ``-I source_dir``); the digest covers
-    the headers too. Builds into a temporary name in ``bin_dir`` and renames it into place, so
-    concurrent callers (several daemons, parallel tests) never see a half-written binary.
+    the headers too. ``compile_static`` builds it under a temporary name and renames it into
+    place, so concurrent callers (several daemons, parallel tests) never see a half-written
+    binary. No gcc is a ``BackendUnavailable``, a failed build a ``ToolError``.
     """
     source_dir = Path(source_dir)
     sources = agent_sources(source_dir)
@@ -62,38 +62,10 @@ def ensure_agent(bin_dir: Path, source_dir: Path = AGENT_SOURCE_DIR) -> Path:
     target = bin_dir / f"dsec-agent-{digest}"
     if target.exists():
         return target
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise BackendUnavailable(
-            "building the sandbox agent needs gcc and static glibc (apt-get install gcc libc6-dev)",
-            tool="gcc",
-        )
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    tmp = bin_dir / f".dsec-agent-{digest}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    command = [
-        gcc,
-        "-static",
-        "-O2",
-        "-Wall",
-        "-Werror",
-        "-I",
-        str(source_dir),
-        "-o",
-        str(tmp),
-        *(str(p) for p in sources if p.suffix == ".c"),
-    ]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ToolError(
-                "building the sandbox agent failed",
-                command=command,
-                exit_code=proc.returncode,
-                stdout=proc.stdout,
-                stderr=proc.stderr,
-            )
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return compile_static(
+        [p for p in sources if p.suffix == ".c"],
+        target,
+        "the sandbox agent",
+        flags=["-O2", "-Wall", "-Werror", "-I", os.fspath(source_dir)],
+        missing=BackendUnavailable,
+    )

@@ -16,8 +16,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +27,7 @@ from typing import Any
 
 from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
+from ..linux.processes import free_port, stop_process
 from ..localnode import DAEMON_MODULE, daemon_pid, stop_daemon
 from ..sdk import Client
 from .endpoint import check_name, format_labels
@@ -137,7 +136,7 @@ class NodeKeeper:
                 stop_daemon(config)
             self._prepare_home(config)
             for _attempt in range(3):
-                port = self.port or _free_port(self.settings.node_ip)
+                port = self.port or free_port(self.settings.node_ip)
                 try:
                     self._spawn(config, port)
                 except _PortTaken:
@@ -207,7 +206,7 @@ class NodeKeeper:
             if self._answers():
                 return
             time.sleep(0.1)
-        self._terminate(proc)
+        stop_process(proc, 30.0)
         self._proc = None
         raise NodeUnavailable(
             f"node {self.settings.name}: its daemon did not answer on {self.url} within "
@@ -239,7 +238,7 @@ class NodeKeeper:
             killed = self._kill_sandboxes() if self.alive() else 0
             pid = self.pid()
             if self._proc is not None:
-                self._terminate(self._proc, timeout)
+                stop_process(self._proc, timeout)
                 self._proc = None
             if purge and config.home.exists():
                 mounted = _mounts_under(config.home)
@@ -261,25 +260,9 @@ class NodeKeeper:
                     killed += 1
         return killed
 
-    @staticmethod
-    def _terminate(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
 
 class _PortTaken(Exception):
     """The daemon could not bind the port chosen for it."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _mounts_under(path: Path) -> list[str]:

@@ -12,6 +12,8 @@ or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then
 - ``local_ray_cluster``, ``cluster_daemons`` and fixtures ``dsec_ray_cluster``,
   ``dsec_cluster``: a 3-node Ray cluster on loopback and dsec node daemons on it (needs Ray:
   ``pip install 'dsec[cluster]'``; the fixtures skip without it).
+- ``private_dockerd`` and fixture ``dsec_dockerd``: a dockerd of a test's or benchmark's own
+  (socket, data root, no networking), stopped and removed at the end.
 - fixtures ``dsec_node``, ``dsec_client``, ``dsec_backend_name``, ``dsec_sandboxes``: a real
   node daemon in a private home (under ``DSEC_KIT_HOME``, else ``DSEC_HOME``, else the temporary
   directory), a client of it, the backend under test, and a recorder that kills every sandbox
@@ -22,6 +24,7 @@ plugin module once.
 """
 
 from .backend import BackendConformance
+from .dockerd import PrivateDockerd, dsec_dockerd, private_dockerd
 from .fixtures import (
     KIT_DEVICE_KIND,
     KitNode,
@@ -61,6 +64,7 @@ __all__ = [
     "KitNode",
     "LayerSourceConformance",
     "LocalRayCluster",
+    "PrivateDockerd",
     "RayNodeProcess",
     "SandboxRecorder",
     "SecurityPolicyConformance",
@@ -70,6 +74,7 @@ __all__ = [
     "dsec_backend_name",
     "dsec_client",
     "dsec_cluster",
+    "dsec_dockerd",
     "dsec_node",
     "dsec_ray_cluster",
     "dsec_sandboxes",
@@ -81,6 +86,7 @@ __all__ = [
     "make_busybox_rootfs",
     "make_standin_device",
     "node_home",
+    "private_dockerd",
     "ray_importable",
     "running_kit_node",
     "stop_process",

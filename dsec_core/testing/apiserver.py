@@ -25,7 +25,7 @@ import pytest
 from ..api.transport import HTTPTransport, TransportError
 from ..errors import NodeUnavailable
 from .fixtures import KitNode, running_kit_node
-from .procs import free_port
+from .procs import free_port, stop_process
 
 __all__ = ["ApiserverProcess", "NamedNode", "named_nodes", "running_apiserver"]
 
@@ -80,13 +80,7 @@ class ApiserverProcess:
     log: Path
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10, sig=sig)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -36,6 +36,7 @@ import pytest
 from ..cluster import ClusterPlan, NodeEndpoint, connect, disconnect, down, status, up
 from ..errors import NodeUnavailable
 from ..layers.store import LayerStore
+from ..linux.processes import free_port, proc_stat, start_time, still_running
 from ..records import LayerInfo
 from ..sdk import Client
 from .fixtures import build_busybox_layer, kit_home_parent, leftovers
@@ -141,7 +142,7 @@ class LocalRayCluster:
         return left + ([f"temp dir {self.root}"] if self.root.exists() else [])
 
     def _alive(self) -> list[int]:
-        return [pid for pid, start in self._seen.items() if _start_time(pid) == start]
+        return [pid for pid, start in self._seen.items() if still_running(pid, start)]
 
 
 @contextlib.contextmanager
@@ -168,7 +169,7 @@ def local_ray_cluster(
     root = Path(tempfile.mkdtemp(prefix="dr-", dir="/tmp"))  # unix socket paths are short
     cluster = LocalRayCluster(address="", nodes=[], root=root)
     try:
-        port = _free_port(HEAD_IP)
+        port = free_port(HEAD_IP)
         cluster.address = f"{HEAD_IP}:{port}"
         for k, ip in enumerate(ips):
             head = k == 0
@@ -247,11 +248,11 @@ def _head_args(ip: str) -> list[str]:
     args = [
         "--include-dashboard=false",
         f"--dashboard-host={ip}",
-        f"--dashboard-port={_free_port(ip)}",  # its minimal form runs even without the UI
+        f"--dashboard-port={free_port(ip)}",  # its minimal form runs even without the UI
     ]
     if importlib.util.find_spec("grpc") is not None:
         # with grpc installed Ray starts its client server, on 10001 unless told otherwise
-        args.append(f"--ray-client-server-port={_free_port(ip)}")
+        args.append(f"--ray-client-server-port={free_port(ip)}")
     return args
 
 
@@ -308,17 +309,6 @@ def _connected_to(address: str) -> bool:
 # --- processes by pid ----------------------------------------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), None if it is gone: with the pid,
-    it names one process even after the pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return int(fields[19]) if fields[0] != "Z" else None
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -332,15 +322,14 @@ def _process_tree(roots: Iterable[int]) -> dict[int, int]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rpartition(")")[2].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
+        stat = proc_stat(int(entry))
+        if stat is not None:
+            children.setdefault(stat.ppid, []).append(int(entry))
     out: dict[int, int] = {}
     todo = list(roots)
     while todo:
         pid = todo.pop()
-        start = _start_time(pid)
+        start = start_time(pid)
         if start is None or pid in out:
             continue
         out[pid] = start
@@ -349,15 +338,9 @@ def _process_tree(roots: Iterable[int]) -> dict[int, int]:
 
 
 def _signal(pid: int, start: int, sig: int) -> None:
-    if _start_time(pid) == start:
+    if still_running(pid, start):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # --- dsec on it ----------------------------------------------------------------------------
@@ -446,7 +429,7 @@ def _daemons_left(pids: dict[str, int]) -> list[str]:
     deadline = time.monotonic() + 10.0
     alive = dict(pids)
     while alive and time.monotonic() < deadline:
-        alive = {n: p for n, p in alive.items() if _start_time(p) is not None}
+        alive = {n: p for n, p in alive.items() if start_time(p) is not None}
         time.sleep(0.05)
     for pid in alive.values():  # never leave one running, whatever failed before
         with contextlib.suppress(ProcessLookupError):

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import stat
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import GuestImageError, InvalidSpec
+from ..linux.tools import run_tool
 from .cpio import CpioEntry, write_newc
 from .elf import ElfError, ElfFile
 
@@ -156,21 +156,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> str:
     """Run a packaging program; its failure becomes ``GuestImageError`` with its output."""
-    try:
-        proc = subprocess.run(
-            argv, cwd=cwd, capture_output=True, text=True, errors="replace", check=False
-        )
-    except FileNotFoundError as e:
-        raise GuestImageError(f"{what}: {argv[0]} is not installed", command=argv) from e
-    if proc.returncode != 0:
-        raise GuestImageError(
-            f"{what} failed",
-            command=argv,
-            exit_code=proc.returncode,
-            stdout=proc.stdout,
-            stderr=proc.stderr,
-        )
-    return proc.stdout
+    return run_tool(argv, what, cwd=cwd, error=GuestImageError).stdout
 
 
 def _candidate_version(package: str) -> str | None:

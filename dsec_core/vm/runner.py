@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -55,6 +54,14 @@ from ..errors import (
 from ..linux.cgroups import place_process, place_process_cpu, remove_cgroups
 from ..linux.ext4 import mkfs_ext4
 from ..linux.files import copy_sparse
+from ..linux.processes import (
+    kill_and_wait,
+    open_pidfd,
+    proc_stat,
+    start_time,
+    still_running,
+    wait_readable,
+)
 from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
@@ -99,24 +106,6 @@ TEMPLATE_STATE, TEMPLATE_DISK, TEMPLATE_READY = "vm.state", "disk.raw", "ready"
 PING_PATIENCE = 10.0
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
-
-
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss(pid: int) -> int | None:
@@ -394,13 +383,13 @@ class QemuBackend(Backend):
             listener.listen(1024)
             argv = qemu.qemu_argv(cfg, self.qemu)
             pid = qemu.spawn(argv, [theirs.fileno()], log=rt.dir / "qemu.log")
-            state.update(pid=pid, start_time=_start_time(pid))
+            state.update(pid=pid, start_time=start_time(pid))
             fwd = qemu.spawn(
                 [os.fspath(rt.agent_binary), "forward", "--listen-fd", "3", "--serial-fd", "4"],
                 [listener.fileno(), ours.fileno()],
                 log=rt.dir / "forward.log",
             )
-            state.update(forwarder=fwd, forwarder_start=_start_time(fwd))
+            state.update(forwarder=fwd, forwarder_start=start_time(fwd))
         finally:
             for s in (ours, theirs, listener):
                 s.close()
@@ -418,25 +407,18 @@ class QemuBackend(Backend):
         exits first is a failed start (``GuestPanic`` if the guest's kernel said so)."""
         limit = rt.spec.start_timeout or BOOT_TIMEOUT
         pidfd = os.pidfd_open(state["pid"])
-        loop = asyncio.get_running_loop()
-        died: asyncio.Future[None] = loop.create_future()
-
-        def exited() -> None:
-            if not died.done():
-                died.set_result(None)
-
-        loop.add_reader(pidfd, exited)
+        died = asyncio.ensure_future(wait_readable(pidfd))
         ping = asyncio.ensure_future(self._ping_until_up(rt))
         try:
             done, _ = await asyncio.wait(
                 {ping, died}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            loop.remove_reader(pidfd)
+            for task in (died, ping):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
             os.close(pidfd)
-            ping.cancel()
-            with contextlib.suppress(BaseException):
-                await ping
         if ping in done and ping.exception() is None:
             return
         console = rt.dir / "console.log"
@@ -484,8 +466,7 @@ class QemuBackend(Backend):
     # --- liveness ------------------------------------------------------------------------
     @staticmethod
     def _running(state: Mapping[str, Any]) -> bool:
-        pid = state.get("pid")
-        return isinstance(pid, int) and _start_time(pid) == state.get("start_time")
+        return still_running(state.get("pid"), state.get("start_time"))
 
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         """QEMU runs, or the VM is paused to its file (then no process is needed)."""
@@ -493,16 +474,7 @@ class QemuBackend(Backend):
 
     def exit_fd(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> int | None:
         pid = state.get("pid")
-        if not isinstance(pid, int):
-            return None
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            return None
-        if _start_time(pid) != state.get("start_time"):
-            os.close(fd)
-            return None
-        return fd
+        return open_pidfd(pid, state.get("start_time")) if isinstance(pid, int) else None
 
     def death_cause(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> tuple[str, str]:
         """A guest kernel panic, or QEMU gone (killed from outside, say): the console's last
@@ -626,8 +598,8 @@ class QemuBackend(Backend):
     async def _end_processes(self, state: Mapping[str, Any]) -> None:
         for key, started in (("pid", "start_time"), ("forwarder", "forwarder_start")):
             pid = state.get(key)
-            if isinstance(pid, int) and _start_time(pid) == state.get(started):
-                await _kill_and_wait(pid)
+            if isinstance(pid, int) and still_running(pid, state.get(started)):
+                await kill_and_wait(pid)
             if isinstance(pid, int):
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)  # ours, if this daemon started it
@@ -637,26 +609,8 @@ class QemuBackend(Backend):
         pid = state.get("pid")
         if not isinstance(pid, int) or not self._running(state):
             return SandboxUsage()
-        return SandboxUsage(memory=_rss(pid), cpu_seconds=_cpu_seconds(pid))
+        stat = proc_stat(pid)
+        return SandboxUsage(memory=_rss(pid), cpu_seconds=stat.cpu_seconds if stat else None)
 
     def describe(self, state: Mapping[str, Any]) -> str:
         return json.dumps({k: state.get(k) for k in ("machine", "accel", "vnc")})
-
-
-async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        deadline = time.monotonic() + timeout
-        while _start_time(pid) is not None and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    break
-            await asyncio.sleep(0.005)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(pidfd)

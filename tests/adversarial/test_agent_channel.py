@@ -22,6 +22,7 @@ import pytest
 
 from dsec_core.agent.rpc import MAX_OUTPUT
 from dsec_core.errors import SandboxError
+from dsec_core.linux.tools import compile_static
 
 PROBE_SOURCE = Path(__file__).with_name("agent_probe.c")
 PROBE = "/probe"
@@ -30,11 +31,7 @@ PROBE = "/probe"
 @pytest.fixture(scope="module")
 def probe_binary(tmp_path_factory) -> bytes:
     out = tmp_path_factory.mktemp("probe") / "agent_probe"
-    subprocess.run(
-        ["gcc", "-static", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(PROBE_SOURCE)],
-        check=True,
-        capture_output=True,
-    )
+    compile_static([PROBE_SOURCE], out, "the agent probe", flags=["-O2", "-Wall"])
     return out.read_bytes()
 
 

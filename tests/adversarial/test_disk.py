@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from dsec_core.linux.tools import compile_static
+
 EUID_C = r"""
 #include <fcntl.h>
 #include <stdio.h>
@@ -86,8 +88,7 @@ def _static(tmp_path_factory, name: str, source: str) -> bytes:
     """A static program built from ``source``: the busybox sandbox has no loader or libc."""
     d = tmp_path_factory.mktemp(name)
     (d / f"{name}.c").write_text(source)
-    subprocess.run(["gcc", "-static", "-O1", "-o", d / name, d / f"{name}.c"], check=True)
-    return (d / name).read_bytes()
+    return compile_static([d / f"{name}.c"], d / name, name, flags=["-O1"]).read_bytes()
 
 
 def _as_nobody(*argv: str, groups: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:

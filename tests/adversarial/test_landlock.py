@@ -24,6 +24,7 @@ import pytest
 from dsec_core.config import NodeConfig
 from dsec_core.errors import UnknownLayer
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.tools import compile_static
 
 testing = pytest.importorskip(
     "dsec_security_landlock.testing", reason="the security_landlock plugin is not installed"
@@ -39,11 +40,7 @@ DEBIAN_BASE = "debian-python@12-2"
 @pytest.fixture(scope="module")
 def probe_binary(tmp_path_factory) -> bytes:
     out = tmp_path_factory.mktemp("probe") / "landlock_probe"
-    subprocess.run(
-        ["gcc", "-static", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(PROBE_SOURCE)],
-        check=True,
-        capture_output=True,
-    )
+    compile_static([PROBE_SOURCE], out, "the landlock probe", flags=["-O2", "-Wall"])
     return out.read_bytes()
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import click
 import yaml
 
 from dsec_core.errors import DsecError, InvalidSpec
+from dsec_core.linux.processes import free_port
 
 from .demo import demo_cmd
 from .policy import BuildPolicy
@@ -198,12 +198,6 @@ def rm_cmd(name) -> None:
     click.echo(f"removed build {name}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @build.command("mcp")
 @click.option("--name", required=True, help="The build whose session to serve.")
 @click.option("--http", is_flag=True, help="Streamable HTTP on 127.0.0.1 instead of stdio.")
@@ -215,7 +209,7 @@ def mcp_cmd(name, http, port) -> None:
     with _context() as ctx:
         tools = BuildTools(BuildSession.attach(ctx, name))
         if http:
-            port = port or _free_port()
+            port = port or free_port()
             click.echo(f"MCP server of build {name}: http://127.0.0.1:{port}/mcp", err=True)
         serve(tools, http=http, port=port)
 

@@ -34,6 +34,7 @@ from dsec_security_ebpf.network import EgressNetwork
 
 from dsec_core.errors import InvalidSpec, ToolError
 from dsec_core.linux.netns import add_netns, delete_netns, ip_batch, links, netns_exists
+from dsec_core.linux.processes import stop_process
 from dsec_core.linux.tools import run_tool
 
 __all__ = [
@@ -344,26 +345,18 @@ class EgressIndex:
 def _start(argv: list[str]) -> subprocess.Popen[str]:
     """Start a ``serve`` process and wait until it says it listens."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     line = proc.stdout.readline()
-    if line.strip() != "ready":
-        proc.terminate()  # it has exited, or said something else: either way it is done
-        try:
-            _out, stderr = proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _out, stderr = proc.communicate()
+    if line.strip() != "ready":  # it has exited, or said something else: either way it is done
+        stop_process(proc)
+        with proc.stdout, proc.stderr:
+            stderr = proc.stderr.read()
         raise ToolError("the package index did not start", command=argv, stderr=stderr[-2000:])
     return proc
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc)
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()

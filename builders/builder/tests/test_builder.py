@@ -26,6 +26,7 @@ from dsec_builder.tools import check_args
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import InvalidSpec, LeakFound, UnknownEnvironment
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.processes import stop_process
 from dsec_core.records import BUILD_LABEL, BUILD_NOTES_DIR, STAGED_PREFIX, LayerRef
 from dsec_core.sdk import Client
 
@@ -481,8 +482,7 @@ async def test_mcp_server_over_streamable_http_on_loopback(ctx, python_node):
             r = await mcp.call_tool("session_exec", {"command": "echo over http"})
             assert not r.is_error and r.structured_content["stdout"] == "over http\n"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10)
         if proc.stderr:
             proc.stderr.close()
     assert proc.returncode is not None

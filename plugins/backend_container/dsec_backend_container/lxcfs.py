@@ -19,9 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from typing import Any
 from dsec_core.errors import BackendUnavailable, DsecError
 from dsec_core.linux.cgroups import place_process, remove_cgroups
 from dsec_core.linux.mounts import unmount
+from dsec_core.linux.processes import terminate_pidfd, wait_pidfd
 
 __all__ = ["LXCFS_FILES", "Lxcfs", "find_lxcfs", "lxcfs_enabled", "lxcfs_mounts", "remount_into"]
 
@@ -105,10 +104,6 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _exited(pidfd: int) -> bool:
-    return bool(select.select([pidfd], [], [], 0)[0])
-
-
 def _mountinfo_path(path: str) -> str:
     """``path`` as mountinfo writes it (octal escapes for blanks and backslashes)."""
     for ch, esc in (("\\", "\\134"), (" ", "\\040"), ("\t", "\\011"), ("\n", "\\012")):
@@ -176,7 +171,7 @@ class Lxcfs:
         """Whether lxcfs serves its mount: started or adopted, mounted, and alive. A start in
         progress does not count (its process runs before its mount is up), so a create that
         comes meanwhile waits for it in ``ensure`` instead of binding files not there yet."""
-        return self._pidfd >= 0 and self.device is not None and not _exited(self._pidfd)
+        return self._pidfd >= 0 and self.device is not None and not wait_pidfd(self._pidfd, 0)
 
     def _ours(self, pid: int) -> bool:
         """Whether ``pid`` is an lxcfs serving our mount point (and not a reused pid)."""
@@ -257,7 +252,7 @@ class Lxcfs:
             place_process(pid, self.cgroup, LXCFS_MEMORY)
             deadline = time.monotonic() + START_TIMEOUT
             while (device := self._device()) is None:
-                if _exited(self._pidfd) or time.monotonic() > deadline:
+                if wait_pidfd(self._pidfd, 0) or time.monotonic() > deadline:
                     raise BackendUnavailable(
                         f"container backend: lxcfs did not start at {self.mountpoint}: "
                         f"{self._log_tail()}",
@@ -375,11 +370,7 @@ class Lxcfs:
 
 def _terminate(pid: int, pidfd: int, *, child: bool) -> None:
     """SIGTERM (lxcfs unmounts itself), then SIGKILL if it is not gone within STOP_TIMEOUT."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, sig)
-        if select.select([pidfd], [], [], STOP_TIMEOUT)[0]:
-            break
+    terminate_pidfd(pidfd, STOP_TIMEOUT)
     if child:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)

@@ -52,6 +52,7 @@ from dsec_core.errors import (
     SandboxError,
     ToolError,
 )
+from dsec_core.linux import processes
 from dsec_core.linux.cgroups import (
     cgroup2_root,
     close_memory_window,
@@ -327,16 +328,6 @@ def device_rules(rt: SandboxRuntime) -> list[dict[str, Any]]:
     ]
 
 
-def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks (field 22 of /proc/PID/stat): tells pid reuse apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return int(data.rsplit(")", 1)[1].split()[19])
-
-
 class ContainerBackend(Backend):
     """Sandboxes as runc containers; root inside maps to an unprivileged host uid range."""
 
@@ -449,7 +440,7 @@ class ContainerBackend(Backend):
                     sandbox_id=rt.id,
                 )
             pid = int(pid_file.read_text().strip())
-            start_time = _start_time(pid)
+            start_time = processes.start_time(pid, zombie=True)
             state = {
                 "runtime": "runc",
                 "pid": pid,
@@ -540,9 +531,13 @@ class ContainerBackend(Backend):
                     sandbox_id=rt.id,
                 )
             pid = int(pid_file.read_text().strip())
-            state.update(pid=pid, start_time=_start_time(pid), gofer=gvisor.gofer_pid(root))
+            state.update(
+                pid=pid,
+                start_time=processes.start_time(pid, zombie=True),
+                gofer=gvisor.gofer_pid(root),
+            )
             if state["gofer"] is not None:
-                state["gofer_start_time"] = _start_time(state["gofer"])
+                state["gofer_start_time"] = processes.start_time(state["gofer"], zombie=True)
             self._known.add(rt.id)
             if state["lxcfs"]:
                 self.lxcfs.add(rt.id, pid, state["start_time"])
@@ -578,7 +573,7 @@ class ContainerBackend(Backend):
     # --- liveness -------------------------------------------------------------------------
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
         pid = state.get("pid")
-        live = isinstance(pid, int) and _start_time(pid) == state.get("start_time")
+        live = processes.still_running(pid, state.get("start_time"), zombie=True)
         if live and rt.id not in self._known:  # one a previous daemon started: adopt it
             self._known.add(rt.id)
             if self.pinning is not None and state.get("cpus"):
@@ -597,14 +592,8 @@ class ContainerBackend(Backend):
         pid = state.get("pid")
         if not isinstance(pid, int):
             return None
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            return None  # gone already: alive() says so
-        if _start_time(pid) != state.get("start_time"):  # the pid was reused before we opened
-            os.close(fd)
-            return None
-        return fd
+        # None when gone already (alive() says so) or its pid reused before the open
+        return processes.open_pidfd(pid, state.get("start_time"), zombie=True)
 
     # --- stop -----------------------------------------------------------------------------
     async def pause(
@@ -636,10 +625,10 @@ class ContainerBackend(Backend):
             with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.to_thread(thaw, cgroup_path(rt.id))
         pid = state.get("pid")
-        if pid and _start_time(pid) == state.get("start_time"):
+        if pid and processes.still_running(pid, state.get("start_time"), zombie=True):
             await _kill_and_wait(pid)
         gofer = state.get("gofer")  # runsc's file server, outside the sandbox's cgroups
-        if gofer and _start_time(gofer) == state.get("gofer_start_time"):
+        if gofer and processes.still_running(gofer, state.get("gofer_start_time"), zombie=True):
             await _kill_and_wait(gofer)
         await self._cleanup(rt, state)
         self._forget(rt.id)
@@ -837,7 +826,7 @@ async def _read_line(fd: int) -> bytes:
     os.set_blocking(fd, False)
     out = bytearray()
     while b"\n" not in out and len(out) < STATUS_MAX:
-        await _readable(fd)
+        await processes.wait_readable(fd)
         try:
             chunk = os.read(fd, STATUS_MAX)
         except BlockingIOError:
@@ -870,50 +859,14 @@ async def _spawn_and_wait(argv: list[str], fds: list[int], stdin: int | None = N
         os.close(devnull)
         for fd in high:
             os.close(fd)
-    return await _wait_child(pid)
-
-
-async def _wait_child(pid: int) -> int:
-    pidfd = os.pidfd_open(pid)
-    try:
-        await _readable(pidfd)
-    finally:
-        os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
-async def _readable(fd: int) -> None:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, ready)
-    try:
-        await fut
-    finally:
-        loop.remove_reader(fd)
+    return await processes.wait_child(pid)
 
 
 async def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        # The kernel kills every process of the pid namespace when its init dies, and the
-        # init's exit is only reported once they are all gone.
-        await asyncio.wait_for(_readable(pidfd), timeout)
-    except ProcessLookupError:
-        pass
-    except TimeoutError:
-        raise SandboxError(f"init process {pid} did not die within {timeout}s", pid=pid) from None
-    finally:
-        os.close(pidfd)
+    # The kernel kills every process of the pid namespace when its init dies, and the init's
+    # exit is only reported once they are all gone.
+    if not await processes.kill_and_wait(pid, timeout):
+        raise SandboxError(f"init process {pid} did not die within {timeout}s", pid=pid)
 
 
 def _cgroup2_dir(sandbox_id: str) -> Path | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from dsec_core.api.transport import HTTPTransport
 from dsec_core.backend import cgroup_path
 from dsec_core.errors import error_from_wire
 from dsec_core.linux.cgroups import cpu_cgroup_dir, cpu_idle
+from dsec_core.linux.tools import compile_static
 from dsec_core.plugins import registry
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -41,11 +41,7 @@ def probe(tmp_path_factory) -> bytes:
     if gcc is None:
         pytest.skip("the probe needs gcc and static glibc (apt-get install gcc libc6-dev)")
     out = tmp_path_factory.mktemp("sched-probe") / "sched-probe"
-    subprocess.run(
-        [gcc, "-O2", "-Wall", "-Werror", "-static", "-o", os.fspath(out), os.fspath(PROBE_SOURCE)],
-        check=True,
-    )
-    return out.read_bytes()
+    return compile_static([PROBE_SOURCE], out, "the sched probe").read_bytes()
 
 
 def run_probe(sb, probe: bytes, *attempts: str) -> list[tuple[str, str]]:

@@ -43,6 +43,7 @@ from dsec_backend_container import ContainerBackend
 from dsec_core.backend import Feature, SandboxRuntime, cgroup_path
 from dsec_core.config import NodeConfig
 from dsec_core.errors import SandboxError
+from dsec_core.linux.processes import proc_stat
 from dsec_core.records import IdMap
 
 __all__ = ["DEV_SHM", "FnCallBackend", "work_areas"]
@@ -135,12 +136,8 @@ class FnCallBackend(ContainerBackend):
         pid = state.get("pid")
         if not await super().alive(rt, state) or not isinstance(pid, int):
             return False
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        return fields[0] not in ("Z", "X", "x")
+        stat = proc_stat(pid)
+        return stat is not None and not stat.exited
 
     async def reset(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         pid = state.get("pid")

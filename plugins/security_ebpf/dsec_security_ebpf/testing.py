@@ -15,7 +15,6 @@ import ipaddress
 import json
 import os
 import secrets
-import shutil
 import socket
 import struct
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 
 from dsec_core.errors import ToolError, UnknownSandbox
 from dsec_core.linux.netns import add_netns, delete_netns, ip_batch, netns_exists
+from dsec_core.linux.processes import stop_process
+from dsec_core.linux.tools import compile_static
 from dsec_core.testing import KitNode, free_port, running_kit_node
 
 from .bpf import NodeMaps
@@ -46,23 +47,10 @@ PROBE_SOURCE = Path(__file__).with_name("probe") / "netprobe.c"
 
 
 def build_probe(directory: Path) -> Path:
-    """Compile ``netprobe`` (static) into ``directory``; its path."""
+    """Compile ``netprobe`` (static) into ``directory``, once; its path."""
     out = Path(directory) / "netprobe"
     if not out.exists():
-        gcc = shutil.which("gcc")
-        if gcc is None:
-            raise ToolError("building netprobe needs gcc", command=["gcc"])
-        tmp = out.with_name(f".netprobe.{os.getpid()}.tmp")
-        proc = subprocess.run(
-            [gcc, "-static", "-O2", "-o", os.fspath(tmp), os.fspath(PROBE_SOURCE)],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise ToolError(
-                "building netprobe failed", exit_code=proc.returncode, stderr=proc.stderr
-            )
-        os.rename(tmp, out)
+        compile_static([PROBE_SOURCE], out, "netprobe", flags=["-O2"])
     return out
 
 
@@ -170,12 +158,7 @@ def start_server(argv: list[str], netns: str | None = None) -> subprocess.Popen[
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc)
     if proc.stdout:
         proc.stdout.close()
 

@@ -8,14 +8,12 @@ container: as root on a host, its attempts are real (they clean up after themsel
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dsec_core.errors import SandboxPathError, ToolError
+from dsec_core.linux.tools import compile_static
 
 __all__ = ["PROBE_SOURCE", "build_probe", "parse_probe", "run_probe"]
 
@@ -27,20 +25,12 @@ PROBE_PATH = "/.dsec-probe"
 def build_probe(directory: Path) -> Path:
     """Compile the probe into ``directory`` (static, not PIE: the 32-bit probes pass pointers
     that must sit below 4 GiB) and return its path."""
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise ToolError("the seccomp probe needs gcc and static glibc (apt-get install gcc)")
-    out = Path(directory) / "dsec-seccomp-probe"
-    command = [gcc, "-O2", "-Wall", "-Werror", "-static", "-no-pie", "-o", os.fspath(out)]
-    proc = subprocess.run([*command, os.fspath(PROBE_SOURCE)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ToolError(
-            "building the seccomp probe failed",
-            command=command,
-            exit_code=proc.returncode,
-            stderr=proc.stderr,
-        )
-    return out
+    return compile_static(
+        [PROBE_SOURCE],
+        Path(directory) / "dsec-seccomp-probe",
+        "the seccomp probe",
+        flags=["-O2", "-Wall", "-Werror", "-no-pie"],
+    )
 
 
 def parse_probe(output: str) -> dict[str, str]:

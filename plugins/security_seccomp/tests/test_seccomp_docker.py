@@ -6,13 +6,7 @@ data root, no bridge, no iptables); the Docker half skips, saying why, where non
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import tarfile
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 from dsec_security_seccomp.probe import parse_probe, run_probe
@@ -28,65 +22,8 @@ DELIBERATE = {
 IMAGE = "dsec-seccomp-probe:1"
 
 
-@dataclass
-class Dockerd:
-    cli: list[str]
-    version: str
-
-    def run(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.cli, *args], capture_output=True, text=True, timeout=120)
-
-
 @pytest.fixture(scope="module")
-def dockerd(tmp_path_factory) -> Iterator[Dockerd]:
-    docker, daemon = shutil.which("docker"), shutil.which("dockerd")
-    if not docker or not daemon:
-        pytest.skip("docker.io is not installed (no docker or dockerd)")
-    root = tmp_path_factory.mktemp("dockerd")
-    sock = root / "docker.sock"
-    cli = [docker, "-H", f"unix://{sock}"]
-    log = open(root / "dockerd.log", "wb")
-    proc = subprocess.Popen(
-        [
-            daemon,
-            "--host", f"unix://{sock}",
-            "--bridge=none", "--iptables=false", "--ip-masq=false",
-            "--pidfile", os.fspath(root / "docker.pid"),
-            "--data-root", os.fspath(root / "data"),
-            "--exec-root", os.fspath(root / "exec"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            v = subprocess.run(
-                [*cli, "version", "--format", "{{.Server.Version}}"], capture_output=True, text=True
-            )
-            if v.returncode == 0:
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (root / "dockerd.log").read_text(errors="replace")[-800:]
-                pytest.skip(f"dockerd did not start: {tail}")
-            time.sleep(0.3)
-        yield Dockerd(cli, v.stdout.strip())
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
-        subprocess.run(["umount", "-R", "-l", os.fspath(root)], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def docker_results(dockerd, probe, tmp_path_factory) -> dict[str, dict[str, str]]:
+def docker_results(dsec_dockerd, probe, tmp_path_factory) -> dict[str, dict[str, str]]:
     """The probe's results under Docker's default profile and with seccomp unconfined."""
     tar = tmp_path_factory.mktemp("image") / "image.tar"
     with tarfile.open(tar, "w") as t:
@@ -95,13 +32,11 @@ def docker_results(dockerd, probe, tmp_path_factory) -> dict[str, dict[str, str]
         tmp = tarfile.TarInfo("tmp")
         tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
         t.addfile(tmp)
-    imported = subprocess.run(
-        [*dockerd.cli, "import", os.fspath(tar), IMAGE], capture_output=True, text=True
-    )
+    imported = dsec_dockerd.run("import", os.fspath(tar), IMAGE)
     assert imported.returncode == 0, imported.stderr
     out = {}
     for name, extra in (("default", []), ("unconfined", ["--security-opt", "seccomp=unconfined"])):
-        r = dockerd.run(
+        r = dsec_dockerd.run(
             "run", "--rm", "--network", "none", *extra, "-e", "PROBE_DST=/tmp/dst",
             IMAGE, "/probe", "all",
         )  # fmt: skip

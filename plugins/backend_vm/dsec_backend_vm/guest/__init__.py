@@ -10,12 +10,10 @@ linked statically so it runs in an initramfs with nothing but busybox.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
-from dsec_core.errors import BackendUnavailable, InvalidSpec, ToolError
+from dsec_core.errors import BackendUnavailable, InvalidSpec
+from dsec_core.linux.tools import compile_static
 
 __all__ = ["GUEST_SOURCE_DIR", "ensure_guest_program"]
 
@@ -25,9 +23,9 @@ GUEST_SOURCE_DIR = Path(__file__).parent
 def ensure_guest_program(name: str, bin_dir: Path, source_dir: Path = GUEST_SOURCE_DIR) -> Path:
     """Return ``bin_dir/<name>-<digest>``, built from ``source_dir/<name>.c`` first if missing.
 
-    The digest is the first 12 hex digits of a sha256 over the source. The build goes to a
-    temporary name in ``bin_dir`` that is renamed into place, so concurrent callers never see a
-    half-written binary. An unknown ``name`` is an ``InvalidSpec``; no gcc is a
+    The digest is the first 12 hex digits of a sha256 over the source. ``compile_static``
+    builds it under a temporary name in ``bin_dir`` that is renamed into place, so concurrent
+    callers never see a half-written binary. An unknown ``name`` is an ``InvalidSpec``; no gcc is a
     ``BackendUnavailable``; a failed build is a ``ToolError`` with gcc's output.
     """
     source = Path(source_dir) / f"{name}.c"
@@ -38,28 +36,4 @@ def ensure_guest_program(name: str, bin_dir: Path, source_dir: Path = GUEST_SOUR
     target = bin_dir / f"{name}-{digest}"
     if target.exists():
         return target
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        raise BackendUnavailable(
-            f"building the guest program {name} needs gcc and static glibc "
-            "(apt-get install gcc libc6-dev)",
-            tool="gcc",
-        )
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    tmp = bin_dir / f".{name}-{digest}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    command = [gcc, "-static", "-O2", "-Wall", "-Werror", "-o", str(tmp), str(source)]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ToolError(
-                f"building the guest program {name} failed",
-                command=command,
-                exit_code=proc.returncode,
-                stdout=proc.stdout,
-                stderr=proc.stderr,
-            )
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    return compile_static([source], target, f"the guest program {name}", missing=BackendUnavailable)
