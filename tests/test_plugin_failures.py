@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -228,4 +229,4 @@ def test_a_node_goes_on_without_broken_plugins_unless_its_config_names_one(tmp_p
         finally:
             stop_daemon(config)
             subprocess.run(["umount", "-R", os.fspath(config.run_dir)], capture_output=True)
-            subprocess.run(["rm", "-rf", os.fspath(home)], check=True)
+            shutil.rmtree(home)
