@@ -1,10 +1,56 @@
 """The suite's pytest set-up: dsec's test kit is opt-in (as pytester is), and this repository
-opts in for its own tests and every plugin's."""
+opts in for its own tests and every plugin's.
+
+The suite runs under pytest-xdist (``run.sh test``: ``-n`` workers, ``--dist loadgroup``). What
+the machine has once, each worker gets a share of of its own, set here before any test or daemon
+starts (daemons inherit the environment):
+
+- host uid ranges: worker k's nodes hand out ``DSEC_UID_RANGES`` ranges from a base of its own,
+  so sandboxes of two workers' nodes never share a host uid (the kernel's per-uid key quota and
+  process limits stay per sandbox);
+- homes, ports and cgroups are already per node (a fresh ``tmp_path`` home per test or kit node,
+  ports chosen free, cgroups named by sandbox id and by a digest of the home);
+- Ray's loopback addresses (127.0.0.2-4) are the machine's only fixed ones: the modules that
+  start a Ray cluster share the xdist group ``ray`` and so run one after the other on one worker.
+
+Every other test goes with its module (an xdist group per file, as ``--dist loadscope`` would,
+but with ``ray`` on top): a module's shared fixtures (a node, an apiserver, a cluster) are made
+once, on one worker, and tests that read what an earlier one left keep their order.
+"""
 
 import os
+
+import pytest
 
 pytest_plugins = ["dsec_core.testing"]
 
 # Every test node's VM backends share one cache of guest kernels, initramfs, pmem images and
 # start templates (else each session's node would fetch a kernel again).
 os.environ.setdefault("DSEC_VM_CACHE", "/var/cache/dsec-test-vm")
+
+#: Host uid ranges per xdist worker (each ``uid_size``, 65536 ids, wide): 2048 ranges are far
+#: more than any test's node holds at once, and leave room for 30 workers under 2**32.
+WORKER_UID_RANGES = 2048
+BASE_UID = 100000
+
+
+def _worker_index() -> int | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... in a worker
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def pytest_configure(config) -> None:
+    k = _worker_index()
+    if k is None or "DSEC_UID_BASE" in os.environ:
+        return
+    os.environ["DSEC_UID_BASE"] = str(BASE_UID + k * WORKER_UID_RANGES * 65536)
+    os.environ.setdefault("DSEC_UID_RANGES", str(WORKER_UID_RANGES))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    if not getattr(config.option, "loadgroup", False):  # set by xdist's --dist loadgroup
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

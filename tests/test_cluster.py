@@ -38,6 +38,10 @@ from dsec_core.testing import (
     ray_importable,
 )
 
+#: Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time, on one
+#: xdist worker (conftest.py at the root).
+pytestmark = pytest.mark.xdist_group("ray")
+
 needs_cluster = pytest.mark.skipif(
     not ray_importable() or os.geteuid() != 0,
     reason="needs Ray (pip install 'dsec[cluster]') and root (node daemons)",

@@ -20,6 +20,10 @@ from dsec_core.iam import Iam
 from dsec_core.testing.apiserver import ApiserverProcess, start_apiserver
 from dsec_core.testing.ray import KitCluster
 
+#: Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time, on one
+#: xdist worker (conftest.py at the root).
+pytestmark = pytest.mark.xdist_group("ray")
+
 PROBE = ["--probe-interval", "0.5", "--probe-timeout", "0.5", "--probe-misses", "2"]
 
 

@@ -16,6 +16,7 @@ of that directory (``NodeConfig.ensure_dirs`` refuses otherwise).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -48,6 +49,7 @@ __all__ = [
     "SandboxRecorder",
     "build_busybox_layer",
     "cgroup_hierarchies",
+    "daemon_config",
     "kit_home_parent",
     "leaves_no_mounts_or_threads",
     "leftovers",
@@ -124,13 +126,29 @@ def build_busybox_layer(store: LayerStore, name: str = "kit-base", version: str 
         return build_layer(rootfs, name=name, version=version, kind="base", store=store)
 
 
+def daemon_config(home: Path, **settings: Any) -> NodeConfig:
+    """The ``NodeConfig`` a node daemon started in ``home`` from this process's environment
+    reads (``NodeConfig.from_env`` with ``DSEC_HOME=home``), ``settings`` on top: what a test
+    compares with the daemon's own view (its uid ranges, ``DSEC_UID_BASE`` per test worker)."""
+    saved = os.environ.get("DSEC_HOME")
+    os.environ["DSEC_HOME"] = os.fspath(home)
+    try:
+        config = NodeConfig.from_env()
+    finally:
+        if saved is None:
+            os.environ.pop("DSEC_HOME", None)
+        else:
+            os.environ["DSEC_HOME"] = saved
+    return dataclasses.replace(config, home=home, **settings)
+
+
 @contextlib.contextmanager
 def node_home(prefix: str = "dsec-node-", **settings: Any) -> Iterator[NodeConfig]:
     """The config of a fresh node home in ``/tmp`` (``NodeConfig`` ``settings`` on top) with
     the busybox layer ``kit-base@1`` in its store, for a ``Node`` driven in-process; on exit
     the home is removed, and anything the node left behind fails the caller."""
     home = Path(tempfile.mkdtemp(prefix=prefix))
-    config = NodeConfig(home=home, **settings)
+    config = daemon_config(home, **settings)
     config.ensure_dirs()
     build_busybox_layer(LayerStore(config.layer_dir))
     try:
@@ -258,7 +276,7 @@ class KitNode:
 
     @classmethod
     def start(cls, home: Path) -> KitNode:
-        config = NodeConfig(home=home)
+        config = daemon_config(home)
         config.ensure_dirs()
         layer = build_busybox_layer(LayerStore(config.layer_dir))
         try:

@@ -20,11 +20,14 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec_core.backend import cgroup_path
 from dsec_core.errors import ToolError, UnknownSandbox
+from dsec_core.linux.cgroups import cgroup2_root
 from dsec_core.linux.netns import add_netns, delete_netns, ip_batch, netns_exists
 from dsec_core.linux.processes import stop_process
 from dsec_core.linux.tools import compile_static
@@ -227,18 +230,47 @@ def egress_kit_node(
                 else:
                     os.environ[k] = v
         assert not egress.exists(), f"the node left its egress namespace {egress.name}"
-        left = _registered() - before
+        left = stale_registrations(before)
         assert not left, f"sandboxes left in the egress maps: {sorted(left)}"
     finally:
         stop_server(dns)
 
 
-def _registered() -> set[str]:
+def _registered() -> dict[str, int]:
     try:
         with NodeMaps.open() as maps:
-            return set(maps.sandboxes())
+            return maps.sandboxes()
     except UnknownSandbox:  # nothing pinned yet
-        return set()
+        return {}
+
+
+def _cgroup_alive(sandbox_id: str, cgroup_id: int) -> bool:
+    """Whether the cgroup v2 directory a sandbox was registered with still exists."""
+    root = cgroup2_root()
+    if root is None:
+        return False
+    for path in (root / cgroup_path(sandbox_id), *root.glob(f"*/*/{sandbox_id}")):
+        try:
+            if path.stat().st_ino == cgroup_id:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def stale_registrations(ignore: Iterable[str] = (), wait: float = 5.0) -> set[str]:
+    """Sandboxes registered in the host's maps whose cgroup is gone: what a node left behind.
+    The maps are the host's, shared by every node on it (parallel test workers' too), so an
+    entry of a live sandbox, another node's included, is no leftover; one whose sandbox some
+    node is killing just now goes within ``wait`` seconds. ``ignore``: ids registered before."""
+    skip = set(ignore)
+    deadline = time.monotonic() + wait
+    while True:
+        entries = _registered().items()
+        stale = {sid for sid, cg in entries if sid not in skip and not _cgroup_alive(sid, cg)}
+        if not stale or time.monotonic() >= deadline:
+            return stale
+        time.sleep(0.1)
 
 
 # --- the server process ---------------------------------------------------------------------
