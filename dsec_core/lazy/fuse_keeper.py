@@ -1,10 +1,10 @@
-"""Keeps a node's FUSE connection open while the node daemon restarts.
+"""The FUSE keeper: keeps a node's FUSE connection open while the node daemon restarts.
 
 The on-demand FUSE filesystem lives as long as some process holds its /dev/fuse fd. This tiny
-process (``python -m dsec_core.lazy.keeper --fd N --socket PATH``, its own session, nothing
-imported beyond the standard library) inherits the fd when the daemon first mounts, and hands
-a copy to whichever daemon asks on its unix socket: a restarted daemon adopts the live
-connection, the kernel re-sends requests the dead one had taken, and readers in sandboxes
+process (``python -m dsec_core.lazy.fuse_keeper --fd N --socket PATH``, its own session,
+nothing imported beyond the standard library) inherits the fd when the daemon first mounts,
+and hands a copy to whichever daemon asks on its unix socket: a restarted daemon adopts the
+live connection, the kernel re-sends requests the dead one had taken, and readers in sandboxes
 never see the mount go away. ``EXIT`` on the socket lets it go (the daemon then unmounts).
 
 Requests: ``GIVE`` -> the fd (SCM_RIGHTS) with the mountpoint as data; ``EXIT`` -> ``OK``.

@@ -1,5 +1,6 @@
-"""A loop's client for the drive socket, for Python inside an agent sandbox (standard library
-only: copy this file into the sandbox, ``dsec.rl.drive_client_source()`` gives its text).
+"""The drive client: a loop's client for the drive socket, for Python inside an agent sandbox
+(standard library only: copy this file into the sandbox, ``dsec.rl.drive_client_source()`` gives
+its text, and import it there as ``drive``).
 
     from drive import Drive
     d = Drive()
@@ -9,7 +10,7 @@ only: copy this file into the sandbox, ``dsec.rl.drive_client_source()`` gives i
 Steps are numbered from 0 by the client, one per exec. A loop that restarts makes a new
 ``Drive`` and runs its commands again from the first: those the trajectory log holds come back
 from it (``replayed`` true) without running, and the loop goes on from where it stopped. The node
-side and the protocol: ``dsec_core/node/drive.py``.
+side and the protocol: ``dsec_core/node/drive.py`` (``DriveServer``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import base64
 import json
 import socket
 from typing import Any
+
+__all__ = ["DRIVE_SOCKET", "Drive", "DriveError"]
 
 DRIVE_SOCKET = "/.dsec/drive/drive.sock"
 

@@ -1,4 +1,6 @@
-"""On-demand layers on a node: one FUSE filesystem of data blobs over one shared chunk cache.
+"""The node's lazy layers (``LazyLayers``): the service that serves every layer a node loads
+on demand, through one FUSE filesystem of data blobs over one shared chunk cache. The lazy
+form itself and the parts it is served with are ``dsec_core.lazy``.
 
 When a layer comes from a source that publishes its lazy form (a small EROFS metadata image
 plus a chunked data blob and its chunk index), the node fetches the metadata and the index
@@ -12,9 +14,9 @@ A layer published with a read profile (``lazy.layout``) has its data blob stored
 its tasks first read it; when such a layer is registered, the chunks holding that "hot" part
 are fetched in the background at once, so its first sandboxes find them cached.
 
-The FUSE connection outlives the daemon: a keeper process (``dsec_core.lazy.keeper``) holds a
-copy of its fd, and each blob's source and layer are recorded under ``run/lazy-blobs``. A
-restarted daemon takes the fd from the keeper, registers the recorded blobs again and starts
+The FUSE connection outlives the daemon: a keeper process (``dsec_core.lazy.fuse_keeper``)
+holds a copy of its fd, and each blob's source and layer are recorded under ``run/lazy-blobs``.
+A restarted daemon takes the fd from the keeper, registers the recorded blobs again and starts
 serving; the kernel re-sends the requests the dead daemon had taken, so a reader in a sandbox
 waits through the restart instead of failing, and the chunk cache on disk is reused as is.
 """
@@ -34,22 +36,23 @@ from ..errors import DsecError, NodeUnavailable
 from ..lazy.blob import LazyBlob, prefetch
 from ..lazy.chunks import ChunkCache
 from ..lazy.fuse import FuseServer
-from ..lazy.keeper import ask_keeper, dismiss_keeper
+from ..lazy.fuse_keeper import ask_keeper, dismiss_keeper
 from ..lazy.layout import AccessTrace, ReadProfile
 from ..lazy.split import LazyForm
 from ..plugins import Registry
 from ..records import LayerInfo
 from ..sources.base import LayerSource
 
-__all__ = ["OnDemandLayers"]
+__all__ = ["LazyLayers"]
 
-log = logging.getLogger("dsec.ondemand")
+log = logging.getLogger("dsec.lazy_layers")
 
 WARM_PARALLEL = 4  # fetches in flight per layer while warming its hot chunks
 
 
-class OnDemandLayers:
-    """The node's on-demand loader. ``prepare`` returns what ``MountCache.acquire`` mounts."""
+class LazyLayers:
+    """The node's lazy layers, loaded on demand. ``prepare`` returns what ``MountCache.acquire``
+    mounts."""
 
     def __init__(self, config: NodeConfig, registry: Registry) -> None:
         self.registry = registry
@@ -118,7 +121,7 @@ class OnDemandLayers:
             [
                 sys.executable,
                 "-m",
-                "dsec_core.lazy.keeper",
+                "dsec_core.lazy.fuse_keeper",
                 "--fd",
                 str(fd),
                 "--socket",

@@ -135,6 +135,6 @@ async def _run_tasks(
             if report:
                 report(f"ran {name} (exit {result.exit_code})")
         workload = f"catalog {catalog.name}: " + ", ".join(names)
-        return node.ondemand.profiles(workload) if node.ondemand else []
+        return node.lazy_layers.profiles(workload) if node.lazy_layers else []
     finally:
         await node.close(kill_all=True)
