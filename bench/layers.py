@@ -48,7 +48,7 @@ from dsec_core.layers.store import LayerStore
 from dsec_core.localnode import ensure_daemon
 from dsec_core.node.node import Node
 from dsec_core.plugins import open_source
-from dsec_core.profiling import profile_catalog
+from dsec_core.read_profiles import profile_catalog
 from dsec_core.records import LayerRef, SandboxSpec
 from dsec_core.sources.transfer import push_layer
 from dsec_core.testing import make_busybox_rootfs

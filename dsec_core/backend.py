@@ -118,7 +118,7 @@ Other requirements, all checked by ``dsec_core.testing.BackendConformance``:
   (``Environment.kernel``); None: the backend's default. A backend that shares the host's
   kernel never gets one.
 - With ``SCREEN``, ``screenshot`` returns a PNG of the display and ``input`` delivers typed
-  events (``dsec_core.inputs``) to it; the node calls neither on a paused sandbox.
+  events (``dsec_core.screen_input``) to it; the node calls neither on a paused sandbox.
 - With ``MEMORY_WINDOW``, ``memory_window(rt, state, extra)`` bounds what runs in the sandbox
   during an ``async with`` to ``extra`` bytes above its use at the start, and reports the peak
   and the OOM kills of that while (the node's judge runs each test case in one).
@@ -137,8 +137,8 @@ from typing import Any, ClassVar
 
 from .config import NodeConfig
 from .errors import BackendUnavailable, FeatureUnavailable, PluginInvalid
-from .inputs import InputEvent
 from .records import IdMap, Limits, SandboxSpec, SandboxUsage
+from .screen_input import InputEvent
 
 __all__ = [
     "AGENT_PATH",
@@ -224,7 +224,7 @@ class Feature(enum.StrEnum):
     #: own copy of the disk: the node's memory snapshots and their restore (VM forks).
     MEMORY_SNAPSHOT = "memory-snapshot"
     #: The sandbox has a display: ``screenshot`` returns it as a PNG image and ``input`` sends
-    #: it key presses, pointer moves and clicks (``dsec_core.inputs``). Without it the node
+    #: it key presses, pointer moves and clicks (``dsec_core.screen_input``). Without it the node
     #: refuses both.
     SCREEN = "screen"
 

@@ -1034,7 +1034,7 @@ class JudgeSpec(_Record):
     (set by the apiserver to the caller's; None from a direct caller of a node: its shared
     pools), and ``start`` False means the submission may not start a member, only take a free
     one or wait for one (``AdmissionRejected`` with ``reason="pool-start"`` if the pool has
-    none, or none frees up within the pool's lease timeout).
+    none, or none frees up within the pool's checkout timeout).
     """
 
     environment: str

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dsec_core.renamed import MODULES as RENAMED_MODULES
+from dsec_core.renamed import NAMES as RENAMED_NAMES
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = [REPO / "dsec", REPO / "dsec_core", *sorted(REPO.glob("plugins/*/dsec_*"))]
 
@@ -176,7 +179,8 @@ def test_plugins_and_builders_are_under_their_contracts():
 
 def test_every_core_package_is_plugin_facing_or_forbidden_to_plugins():
     """A new core package is put on one side: README's table of plugin-facing modules, or the
-    plugins' forbidden list; never both."""
+    plugins' forbidden list; never both. The stubs of renamed modules are on neither: they only
+    re-export their new module, for one release."""
     _, contracts = _contracts()
     forbidden = set(contracts[PLUGINS_CONTRACT]["forbidden_modules"])
     facing = set(_plugin_facing_in_readme())
@@ -184,8 +188,37 @@ def test_every_core_package_is_plugin_facing_or_forbidden_to_plugins():
         f"dsec_core.{p.stem}"
         for p in (REPO / "dsec_core").iterdir()
         if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()
-    }
+    } - set(RENAMED_MODULES)
     assert facing, "the README's table of plugin-facing modules was not found"
     assert facing & forbidden == set()
     assert sorted(core - facing - forbidden) == []
     assert sorted((facing | forbidden) - core - {"dsec", "dsec_builder"}) == []
+
+
+def _python_files() -> list[Path]:
+    """Every Python file of the repository: core, plugins, builders, tests, benches, examples."""
+    skip = {".venv", ".git", "templates", "__pycache__"}
+    return [
+        p
+        for p in sorted(REPO.rglob("*.py"))
+        if not skip & set(p.relative_to(REPO).parts) and p.name != "test_renamed.py"
+    ]
+
+
+def test_nothing_uses_a_renamed_module_or_name():
+    """The old names of ``dsec_core.renamed`` are for old callers only: dsec, its plugins,
+    builders, tests, benches and examples import the new ones (a stub imports its new module,
+    which is all it does)."""
+    modules = dict(_modules())
+    stubs = {modules[m] for m in RENAMED_MODULES}
+    used = []
+    for path in _python_files():
+        if path in stubs:
+            continue
+        module = next((m for m, p in modules.items() if p == path), path.stem)
+        for target, names, line, _ in _imports(module, path):
+            old = [target] if target in RENAMED_MODULES else []
+            old += [f"{target}.{n}" for n in names if f"{target}.{n}" in RENAMED_MODULES]
+            old += [f"{target}.{n}" for n in names if f"{target}.{n}" in RENAMED_NAMES]
+            used += [f"{path.relative_to(REPO)}:{line}: {o}" for o in old]
+    assert used == []

@@ -356,19 +356,19 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
             Catalog(name="dev", environments=(Environment(name="bb", base="kit-base@1"),))
         )
         node = Node(config)
-        node.pools = Pools(node, PoolSettings(max=8, lease_timeout=1.0))
+        node.pools = Pools(node, PoolSettings(max=8, checkout_timeout=1.0))
         await node.open()
         try:
             call = dict(cmd="sleep 2; ls /dev/dsec-test-devices-*", memory="64M", devices=["gpu"])
             held = [asyncio.ensure_future(node.fncall("bb", **call)) for _ in range(2)]
             await asyncio.sleep(0.5)  # both members started and busy
             # a third member would need a third device: the call waits for one of the two,
-            # and past the lease timeout gets the node's refusal naming the devices
+            # and past the checkout timeout gets the node's refusal naming the devices
             t0 = time.monotonic()
             with pytest.raises(AdmissionRejected) as e:
                 await node.fncall("bb", **call)
             assert e.value.reason == "devices" and time.monotonic() - t0 >= 0.9
-            node.pools.settings = PoolSettings(max=8, lease_timeout=10.0)
+            node.pools.settings = PoolSettings(max=8, checkout_timeout=10.0)
             for p in node.pools.pools.values():
                 p.settings = node.pools.settings
             waiter = await node.fncall("bb", **{**call, "cmd": "ls /dev/dsec-test-devices-*"})

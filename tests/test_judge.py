@@ -238,7 +238,7 @@ async def test_bad_submissions_are_typed_errors_and_leak_nothing(judge_home):
             await node.judge(submission(SUM, environment="no-such-env"))
         with pytest.raises(InvalidSpec, match="cases_dir"):
             await node.judge(submission(SUM, environment=TASK, cases=(), cases_dir="nope"))
-        # the member the failed judge leased went back clean: the next one is judged in it
+        # the member the failed judge checked out went back clean: the next one is judged in it
         r = await node.judge(submission(SUM, environment=TASK, cases=(), cases_dir="cases"))
         assert r.verdict == "AC"
     finally:

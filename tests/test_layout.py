@@ -321,16 +321,18 @@ async def _run_on_demand(shared: Path, ws: Path) -> tuple[int, int, int, int]:
     await node.open()
     try:
         sb = await node.create(SandboxSpec(environment="scatter-env"))
-        for warmer in list(node.ondemand._warmers):
+        for warmer in list(node.lazy_layers._warmers):
             warmer.join(30)
         ws_blob = next(
-            b for b in node.ondemand.blobs.values() if b.index.blob_size > FILES * FILE_BYTES // 2
+            b
+            for b in node.lazy_layers.blobs.values()
+            if b.index.blob_size > FILES * FILE_BYTES // 2
         )
-        warmed = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
+        warmed = sum(1 for c in ws_blob.index.chunks if c in node.lazy_layers.cache)
         r = await node.exec(sb.id, CATALOG["tasks"][0]["command"])
         want = [hashlib.md5((ws / f"f{i:02d}.bin").read_bytes()[:3000]).hexdigest() for i in READ]
         assert [line.split()[0] for line in r.stdout.decode().splitlines()] == want
-        fetched = sum(1 for c in ws_blob.index.chunks if c in node.ondemand.cache)
+        fetched = sum(1 for c in ws_blob.index.chunks if c in node.lazy_layers.cache)
         chunk = ws_blob.index.chunk_size
         # then every byte of every file reads back right through the packed layout
         r = await node.exec(sb.id, "md5sum f*.bin")
@@ -400,7 +402,7 @@ def test_profile_bad_input(tmp_path):
         (tmp_path / "scatter.json").write_text(json.dumps(CATALOG))
         out = dsec_cli(home, "catalog", "profile", "no-such-catalog")
         assert out.returncode == 1 and "Error:" in out.stderr and "Traceback" not in out.stderr
-        from dsec_core.profiling import profile_catalog
+        from dsec_core.read_profiles import profile_catalog
 
         cat = parse_catalog(CATALOG, check_sources=False, check_layers=False)
         with pytest.raises(UnknownEnvironment, match="no task 'nope'"):

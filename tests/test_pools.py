@@ -19,7 +19,7 @@ from dsec_core.records import PROJECT_LABEL, JudgeSpec, SandboxSpec
 
 def test_defaults_and_per_environment_sizes():
     s = PoolSettings.from_env({})
-    assert (s.min, s.max, s.idle, s.lease_timeout) == (0, 16, 60.0, 30.0)
+    assert (s.min, s.max, s.idle, s.checkout_timeout) == (0, 16, 60.0, 30.0)
     s = PoolSettings.from_env(
         {
             "DSEC_FNCALL_POOL_MIN": "1",
@@ -101,7 +101,7 @@ def host(tmp_path) -> FakeHost:
 
 
 async def test_a_member_serves_call_after_call_and_is_reset_between(host):
-    pools = Pools(host, PoolSettings(max=2, lease_timeout=1.0))
+    pools = Pools(host, PoolSettings(max=2, checkout_timeout=1.0))
     first = await pools.call("fizz", ["cat"], stdin=b"hi", backend="fake", files={"a": b"x"})
     await host.settle()
     second = await pools.call("fizz", script="true", backend="fake", project="org/team")
@@ -122,7 +122,7 @@ async def test_a_member_serves_call_after_call_and_is_reset_between(host):
 
 
 async def test_a_full_pool_makes_a_call_wait_for_the_member_given_back(host):
-    pools = Pools(host, PoolSettings(max=1, lease_timeout=5.0))
+    pools = Pools(host, PoolSettings(max=1, checkout_timeout=5.0))
     results = await asyncio.gather(*(pools.call("fizz", ["cat"], backend="fake") for _ in range(3)))
     assert len({r.member for r in results}) == 1 and len(host.created) == 1
     await host.settle()
@@ -130,7 +130,7 @@ async def test_a_full_pool_makes_a_call_wait_for_the_member_given_back(host):
 
 
 async def test_a_member_that_fails_its_reset_is_replaced(host):
-    pools = Pools(host, PoolSettings(max=2, lease_timeout=1.0))
+    pools = Pools(host, PoolSettings(max=2, checkout_timeout=1.0))
     first = await pools.call("fizz", ["cat"], backend="fake")
     host.fake.failing_resets.add(first.member)
     await pools.call("fizz", ["cat"], backend="fake")  # waits for the reset, which fails
@@ -142,7 +142,7 @@ async def test_a_member_that_fails_its_reset_is_replaced(host):
 
 
 async def test_what_a_pool_refuses(host):
-    pools = Pools(host, PoolSettings(max=1, lease_timeout=0.1))
+    pools = Pools(host, PoolSettings(max=1, checkout_timeout=0.1))
     with pytest.raises(AdmissionRejected) as e:
         await pools.call("fizz", ["true"], backend="fake", start=False)
     assert e.value.context["reason"] == "pool-start" and host.created == []

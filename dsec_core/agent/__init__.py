@@ -3,10 +3,10 @@ shell sessions and file operations; ``ensure_agent`` compiles it once per source
 
 The sources are split by concern: ``wire.c`` (the wire protocol, whose full table opens that
 file), ``proctree.c``, ``exec.c``, ``sessions.c``, ``files.c``, ``guard.c`` (what keeps the
-sandbox's code away from the agent), ``main.c`` (with the architecture notes), ``util.c`` and
-the shared header ``agent.h``. The binary is static (glibc, no NSS) so it
-runs in any root filesystem, and it is named by a digest over every source file, so a changed
-agent never reuses a stale build.
+sandbox's code away from the agent), ``main.c`` (with the architecture notes), ``alloc.c``
+(memory and buffers), ``io.c`` (descriptors and time) and the shared header ``agent.h``. The
+binary is static (glibc, no NSS) so it runs in any root filesystem, and it is named by a digest
+over every source file, so a changed agent never reuses a stale build.
 """
 
 from __future__ import annotations

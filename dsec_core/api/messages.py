@@ -16,8 +16,6 @@ from typing import Any
 
 from ..agent.rpc import MAX_OUTPUT
 from ..errors import InvalidSpec
-from ..inputs import MAX_EVENTS as MAX_INPUT_EVENTS
-from ..inputs import input_dicts
 from ..records import (
     DeviceRequest,
     ExecResult,
@@ -39,6 +37,8 @@ from ..records import (
     check_trajectory_name,
     device_requests,
 )
+from ..screen_input import MAX_EVENTS as MAX_INPUT_EVENTS
+from ..screen_input import input_dicts
 from .shapes import decoder, encoder
 
 __all__ = [
@@ -392,7 +392,7 @@ class FnCallRequest(Message):
     pools are its own (their members carry its ``dsec.project`` label and count against its
     quota); a direct caller of a node may leave it None and use the node's shared pools.
     ``start`` False (the apiserver's choice when the project's quota has no room for one more
-    sandbox) lets the call take a free member or wait for one (the pool's lease timeout) but
+    sandbox) lets the call take a free member or wait for one (the pool's checkout timeout) but
     never start one: with no member at all, or none free in time, it fails with
     ``AdmissionRejected`` (``reason="pool-start"``).
     """

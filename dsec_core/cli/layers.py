@@ -28,7 +28,7 @@ from ..layers.image import export_image, import_dockerfile, import_image
 from ..layers.recipes import build_dir_at
 from ..layers.store import LayerStore
 from ..plugins import registry
-from ..profiling import profile_catalog
+from ..read_profiles import profile_catalog
 from ..records import LAYER_KINDS, LayerInfo
 from ..sdk import Client
 from ..sources.base import LayerSource

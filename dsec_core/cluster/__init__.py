@@ -20,7 +20,7 @@ from .control import (
     up,
 )
 from .endpoint import ClusterUnavailable, NodeEndpoint, NodeState, format_labels
-from .keeper import KeeperSettings, NodeKeeper
+from .node_keeper import KeeperSettings, NodeKeeper
 
 __all__ = [
     "ACTOR_PREFIX",

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..errors import DsecError, InvalidSpec
 from .endpoint import ClusterUnavailable, NodeEndpoint, NodeState
-from .keeper import KeeperSettings, NodeKeeper
+from .node_keeper import KeeperSettings, NodeKeeper
 
 __all__ = [
     "ACTOR_PREFIX",

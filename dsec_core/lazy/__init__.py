@@ -4,8 +4,9 @@ eagerly, file data fetched in chunks when first read.
 ``split`` turns an image into its lazy form (metadata image + chunked data blob), ``layout``
 orders a blob by a read profile, ``chunks`` indexes a blob and caches chunks node-wide by digest,
 ``fuse`` serves blob files over FUSE, ``blob`` joins them (``LazyBlob``) and mounts EROFS over the
-result, and ``keeper`` holds the FUSE connection across daemon restarts. The node's service that
-uses all this is ``dsec_core.node.ondemand``.
+result, and ``fuse_keeper`` holds the FUSE connection across daemon restarts. This package is a
+library with no node in it; the node's service that serves lazy layers with it is
+``dsec_core.node.lazy_layers`` (``LazyLayers``).
 """
 
 from .blob import LazyBlob, mount_lazy_erofs, prefetch

@@ -21,7 +21,8 @@ Every exec goes to the driving sandbox's trajectory log (``SandboxSpec.trajector
 its id) at ``step`` (default: the next): a loop that restarts gets what it already ran from the
 log. ``ExecResult`` and entries are in the API's JSON shapes (bytes in base64). Shells use the
 agent's bridge, ``/.dsec/agent drive`` (stdin to the socket, the socket to stdout); Python
-loops can use ``dsec_core.agent.drive`` (standard library only, to copy into a sandbox).
+loops can use ``drive_client.py`` beside this file (standard library only, to copy into a
+sandbox).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Judge mode: compile a submission once in a warm FnCall member, then run it on each test case
 with the case's own time and memory limits, and give each case a verdict (``VERDICTS``).
 
-One submission holds one leased member of its project's pool (``Pools.lease``: ``spec.project``
-and ``spec.start`` as for an FnCall) from its first file to its last case;
+One submission holds one checked-out member of its project's pool (``Pools.checkout``:
+``spec.project`` and ``spec.start`` as for an FnCall) from its first file to its last case;
 many submissions are judged at once, one member each, as far as the pool's max allows (the rest
 wait for a member as FnCalls do). The member is reset after the submission, whatever it did.
 
@@ -52,7 +52,7 @@ from ..records import (
     JudgeSpec,
 )
 from .host import CommandHost
-from .pools import Lease, Pools
+from .pools import Checkout, Pools
 
 __all__ = ["KEEP_OUTPUT", "judge", "outputs_match", "verdict_of"]
 
@@ -123,10 +123,10 @@ def _natural(name: str) -> list[int | str]:
 
 # --- judging ------------------------------------------------------------------------------
 async def judge(host: CommandHost, pools: Pools, spec: JudgeSpec) -> JudgeResult:
-    """Judge one submission in a leased member of the environment's pool (commands and
+    """Judge one submission in a checked-out member of the environment's pool (commands and
     files go through ``host``)."""
     t0 = time.monotonic()
-    async with pools.lease(
+    async with pools.checkout(
         spec.environment,
         spec.backend,
         spec.cpu,
@@ -187,7 +187,7 @@ def _argv(cmd: str | Sequence[str]) -> list[str]:
     return ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
 
 
-async def _take_cases(host: CommandHost, m: Lease, cases_dir: str) -> list[JudgeCase]:
+async def _take_cases(host: CommandHost, m: Checkout, cases_dir: str) -> list[JudgeCase]:
     """Read the cases from the member, then remove them from it (see the module docstring)."""
     path = os.path.join(m.workdir, os.path.normpath(cases_dir))
     try:
@@ -217,7 +217,7 @@ async def _take_cases(host: CommandHost, m: Lease, cases_dir: str) -> list[Judge
 
 
 async def _run_cases(
-    host: CommandHost, m: Lease, spec: JudgeSpec, cases: list[JudgeCase]
+    host: CommandHost, m: Checkout, spec: JudgeSpec, cases: list[JudgeCase]
 ) -> list[CaseResult]:
     results: list[CaseResult] = []
     limit = spec.memory_bytes

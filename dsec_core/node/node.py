@@ -30,7 +30,6 @@ from ..backend import Backend, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import DsecError, InvalidSpec, SandboxNotRunning
-from ..inputs import InputEvent
 from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
@@ -48,6 +47,7 @@ from ..records import (
     SandboxSpec,
     SandboxUsage,
 )
+from ..screen_input import InputEvent
 from ..sources.base import LayerSource
 from . import admission
 from .admission import Admission, Admitted
@@ -58,11 +58,11 @@ from .drive import DriveServer
 from .idpool import UidPool
 from .judge import JudgeSpec, judge
 from .layer_snapshots import LayerSnapshots
+from .lazy_layers import LazyLayers
 from .leases import Leases
 from .lifecycle import Lifecycle
 from .memory import MemorySnapshots
 from .mounts import MountCache
-from .ondemand import OnDemandLayers
 from .pause import Pauses
 from .persistence import StateFiles, write_state
 from .policies import PolicyPlan, PolicyPlanner, enforcer
@@ -122,8 +122,8 @@ class Node:
         return self.rootfs.mounts
 
     @property
-    def ondemand(self) -> OnDemandLayers | None:
-        return self.rootfs.ondemand
+    def lazy_layers(self) -> LazyLayers | None:
+        return self.rootfs.lazy_layers
 
     # --- life of the node -----------------------------------------------------------------
     async def open(self) -> None:
@@ -168,7 +168,7 @@ class Node:
             except Exception:  # as for policies: the node still closes
                 log.exception("closing backend %s", be.name)
         self.planner.close()
-        self.rootfs.close(keep_ondemand=bool(self.sandboxes))
+        self.rootfs.close(keep_lazy_layers=bool(self.sandboxes))
         await self.admission.close()
         if release_runtime:
             self.release_runtime()

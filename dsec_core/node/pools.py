@@ -1,12 +1,12 @@
 """Warm pools for FnCall: short stateless calls run in resident sandboxes that are reset between
 calls instead of created for each.
 
-One ``Pool`` per (project, environment, backend, cpu, memory, devices). A call leases a clean
-member (or starts one while the pool is under its max, or waits for one to come back), runs,
-and gives it back;
+One ``Pool`` per (project, environment, backend, cpu, memory, devices). A call checks out a
+clean member (``Checkout``: or starts one while the pool is under its max, or waits for one to
+come back), runs, and gives it back;
 the member is then reset (``Backend.reset``: every process killed, work areas emptied) before
-anyone else leases it, whatever the call did. A member that fails its reset, or whose sandbox
-died (its agent or init killed), is killed and replaced; one found dead at lease time is
+anyone else checks it out, whatever the call did. A member that fails its reset, or whose
+sandbox died (its agent or init killed), is killed and replaced; one found dead at checkout is
 skipped. So a call never gets a dirty or dead member. Pools start at ``min`` members, grow on
 demand up to ``max`` and shrink back to ``min`` after ``idle`` seconds without use.
 
@@ -17,16 +17,19 @@ nothing anyone needs.
 
 **Pools belong to a project.** A call names its project (``project``: the apiserver sets it to
 the caller's; a direct caller of the node may leave it None and use the node's shared pools),
-and a project's calls lease only members of its own pools, so calls through the apiserver
+and a project's calls check out only members of its own pools, so calls through the apiserver
 never share a member across projects. What members count for: each member of a project's
 pool is labelled ``dsec.project=<project>`` and counts as one sandbox, with its CPU and memory
 limits, against that project's quota (``Node.project_usage``, the apiserver's probe), idle or
 busy, from its start until the pool lets it go (after ``idle`` seconds unused beyond the
 pool's ``min``; sizes apply to each project's pool on its own). A call with ``start=False``
 (the apiserver's choice when the project's quota has no room for one more sandbox) never
-starts a member: it takes a free one or waits, up to the lease timeout, for one to be given
-back, and fails with ``AdmissionRejected`` (``reason="pool-start"``) at once if the pool has
-no member at all, or when none came free in time.
+starts a member: it takes a free one or waits, up to the checkout timeout, for one to be
+given back, and fails with ``AdmissionRejected`` (``reason="pool-start"``) at once if the pool
+has no member at all, or when none came free in time.
+
+A member held for one call is a ``Checkout`` (``Pools.checkout``), not a lease: leases are the
+trainer's hold on its sandboxes (``dsec_core.node.leases``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..backend import Feature
 from ..errors import (
@@ -57,10 +61,14 @@ from ..records import (
     device_requests,
     parse_size,
 )
+from ..renamed import renamed_getattr
 from .host import PoolHost
 from .sandbox import POOL_LABEL  # defined with the records: pausing refuses members too
 
-__all__ = ["POOL_LABEL", "Lease", "Pool", "PoolKey", "PoolSettings", "Pools"]
+__all__ = ["POOL_LABEL", "Checkout", "Pool", "PoolKey", "PoolSettings", "Pools"]
+
+if not TYPE_CHECKING:  # ``Lease``, renamed ``Checkout``, warns (mypy would take any name for Any)
+    __getattr__ = renamed_getattr(__name__)
 
 log = logging.getLogger("dsec.pools")
 
@@ -73,14 +81,14 @@ MEMBER_DISK = "16M"
 @dataclass(frozen=True)
 class PoolSettings:
     """How big pools are and how long idle members stay (``DSEC_FNCALL_POOL_MIN``,
-    ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_LEASE_TIMEOUT``), and the
-    sizes of the environments that differ (``DSEC_FNCALL_POOLS="fizzbuzz=2:8,other=0:4"``).
+    ``DSEC_FNCALL_POOL_MAX``, ``DSEC_FNCALL_IDLE``, ``DSEC_FNCALL_CHECKOUT_TIMEOUT``), and
+    the sizes of the environments that differ (``DSEC_FNCALL_POOLS="fizzbuzz=2:8,other=0:4"``).
     Sizes are per pool: each project's pool of an environment has its own min and max."""
 
     min: int = 0
     max: int = 16
     idle: float = 60.0  # seconds a free member beyond ``min`` stays unused before it goes
-    lease_timeout: float = 30.0  # seconds a call waits for a member of a full pool
+    checkout_timeout: float = 30.0  # seconds a call waits for a member of a full pool
     #: environment -> (min, max), for the environments whose pools differ from the default
     sizes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -99,21 +107,35 @@ class PoolSettings:
                 min=int(env.get("DSEC_FNCALL_POOL_MIN", d.min)),
                 max=int(env.get("DSEC_FNCALL_POOL_MAX", d.max)),
                 idle=float(env.get("DSEC_FNCALL_IDLE", d.idle)),
-                lease_timeout=float(env.get("DSEC_FNCALL_LEASE_TIMEOUT", d.lease_timeout)),
+                checkout_timeout=float(_checkout_timeout(env, d.checkout_timeout)),
                 sizes=_pool_sizes(env.get("DSEC_FNCALL_POOLS", "")),
             )
         except ValueError as e:
             raise InvalidSpec(
-                f"DSEC_FNCALL_POOL_MIN/MAX, _POOLS, _IDLE, _LEASE_TIMEOUT: {e}"
+                f"DSEC_FNCALL_POOL_MIN/MAX, _POOLS, _IDLE, _CHECKOUT_TIMEOUT: {e}"
             ) from None
         if any(not 0 <= lo <= hi or hi < 1 for lo, hi in s.sizes.values()):
             raise InvalidSpec(f"DSEC_FNCALL_POOLS: need 0 <= min <= max and max >= 1: {s.sizes}")
-        if not 0 <= s.min <= s.max or s.max < 1 or s.idle < 0 or s.lease_timeout < 0:
+        if not 0 <= s.min <= s.max or s.max < 1 or s.idle < 0 or s.checkout_timeout < 0:
             raise InvalidSpec(
                 "FnCall pools need 0 <= DSEC_FNCALL_POOL_MIN <= DSEC_FNCALL_POOL_MAX, a max of "
-                f"at least 1, and DSEC_FNCALL_IDLE and DSEC_FNCALL_LEASE_TIMEOUT >= 0; got {s}"
+                f"at least 1, and DSEC_FNCALL_IDLE and DSEC_FNCALL_CHECKOUT_TIMEOUT >= 0; got {s}"
             )
         return s
+
+
+def _checkout_timeout(env: Mapping[str, str], default: float) -> str | float:
+    """``DSEC_FNCALL_CHECKOUT_TIMEOUT``, or the variable's name before this release
+    (``DSEC_FNCALL_LEASE_TIMEOUT``, read with a warning until the next one)."""
+    if "DSEC_FNCALL_CHECKOUT_TIMEOUT" in env:
+        return env["DSEC_FNCALL_CHECKOUT_TIMEOUT"]
+    if "DSEC_FNCALL_LEASE_TIMEOUT" in env:
+        log.warning(
+            "DSEC_FNCALL_LEASE_TIMEOUT is renamed DSEC_FNCALL_CHECKOUT_TIMEOUT; the old name "
+            "goes in the next release"
+        )
+        return env["DSEC_FNCALL_LEASE_TIMEOUT"]
+    return default
 
 
 def _pool_sizes(text: str) -> dict[str, tuple[int, int]]:
@@ -129,9 +151,10 @@ def _pool_sizes(text: str) -> dict[str, tuple[int, int]]:
 
 
 @dataclass
-class Lease:
-    """A member leased for one call (``Pools.lease``): its sandbox, its pool, the working
-    directory of calls, and how long the lease waited (a new member's start included)."""
+class Checkout:
+    """A member checked out for one call (``Pools.checkout``): its sandbox, its pool, the
+    working directory of calls, and how long the call waited for it (a new member's start
+    included)."""
 
     pool: Pool
     sid: str
@@ -181,8 +204,8 @@ def _cannot_start(pool: str, project: str | None, why: str) -> AdmissionRejected
 
 
 class Pool:
-    """The members of one ``PoolKey``: free (clean, most recently used last), leased, or being
-    reset or started."""
+    """The members of one ``PoolKey``: free (clean, most recently used last), checked out, or
+    being reset or started."""
 
     def __init__(self, host: PoolHost, key: PoolKey, settings: PoolSettings, workdir: str) -> None:
         self.host = host
@@ -218,16 +241,16 @@ class Pool:
     def size(self) -> int:
         return len(self.members) + self.starting
 
-    # --- lease and give back --------------------------------------------------------------
-    async def lease(self, start: bool = True) -> str:
+    # --- take and give back ---------------------------------------------------------------
+    async def take(self, start: bool = True) -> str:
         """A clean, live member: a free one, a new one while under ``max`` and the node has
         room for it, or the next one given back; ``AdmissionRejected`` naming the pool after
-        ``lease_timeout`` (the node's own refusal if it refused a new member meanwhile).
+        ``checkout_timeout`` (the node's own refusal if it refused a new member meanwhile).
 
         ``start=False`` never starts a member: a free one or the next given back, and
         ``AdmissionRejected`` with ``reason="pool-start"`` at once when the pool has no
-        member (none would ever come back), else after ``lease_timeout``."""
-        deadline = time.monotonic() + self.settings.lease_timeout
+        member (none would ever come back), else after ``checkout_timeout``."""
+        deadline = time.monotonic() + self.settings.checkout_timeout
         refused: AdmissionRejected | None = None  # the node's answer to a new member
         while True:
             while self.free:
@@ -239,7 +262,7 @@ class Pool:
                     raise
                 if ok:
                     return sid
-                self._discard(sid, "found dead at lease")
+                self._discard(sid, "found dead at checkout")
                 if not start:  # a starting caller may yet start one the held ones can wait for
                     self._release_held()
             if not start and self.size == 0:
@@ -264,7 +287,7 @@ class Pool:
             sid = await self._wait(deadline, start, refused)
             if await self.healthy(sid):
                 return sid
-            self._discard(sid, "found dead at lease")
+            self._discard(sid, "found dead at checkout")
             if not start:
                 self._release_held()
 
@@ -298,14 +321,14 @@ class Pool:
                 self.name,
                 self.key.project,
                 f"none of its {self.size} members came free in "
-                f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_LEASE_TIMEOUT)",
+                f"{self.settings.checkout_timeout:g}s (DSEC_FNCALL_CHECKOUT_TIMEOUT)",
             )
         if refused is not None:
             raise refused
         raise AdmissionRejected(
             f"fncall pool {self.name}: all {self.max} members busy for "
-            f"{self.settings.lease_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
-            "DSEC_FNCALL_LEASE_TIMEOUT)",
+            f"{self.settings.checkout_timeout:g}s (DSEC_FNCALL_POOL_MAX or _POOLS, "
+            "DSEC_FNCALL_CHECKOUT_TIMEOUT)",
             reason="fncall-pool",
             pool=self.name,
         )
@@ -360,7 +383,7 @@ class Pool:
 
     async def _start(self) -> str:
         """Start a member; the caller counted it in ``starting`` already (synchronously, so
-        no other lease sees room that is taken)."""
+        no other checkout sees room that is taken)."""
         try:
             info = await self.host.create(self.spec)
         except BaseException as e:
@@ -500,11 +523,11 @@ class Pools:
         project: str | None = None,
         start: bool = True,
     ) -> FnCallResult:
-        """Run one call in a member of ``project``'s pool (see ``lease``)."""
+        """Run one call in a member of ``project``'s pool (see ``checkout``)."""
         if (cmd is None) == (script is None):
             raise InvalidSpec("fncall needs one of cmd or script, not both", field="cmd")
         t0 = time.monotonic()
-        async with self.lease(
+        async with self.checkout(
             environment, backend, cpu, memory, devices, project=project, start=start
         ) as m:
             if files:
@@ -540,7 +563,7 @@ class Pools:
             return FnCallResult.from_exec(r, member=m.sid, pool=m.pool.name, wait=m.wait)
 
     @contextlib.asynccontextmanager
-    async def lease(
+    async def checkout(
         self,
         environment: str,
         backend: str = "fncall",
@@ -550,17 +573,17 @@ class Pools:
         *,
         project: str | None = None,
         start: bool = True,
-    ) -> AsyncIterator[Lease]:
+    ) -> AsyncIterator[Checkout]:
         """A clean member of ``project``'s pool for (environment, backend, cpu, memory,
         devices) for the body of the ``async with``; given back (and reset, or replaced if
-        ``Lease.check`` found it broken) at its end, whatever happened. ``start=False``: take
-        a free member or wait for one, never start one (``Pool.lease``)."""
+        ``Checkout.check`` found it broken) at its end, whatever happened. ``start=False``:
+        take a free member or wait for one, never start one (``Pool.take``)."""
         if self._closed:
             raise BackendUnavailable("the node is closing: no more FnCalls")
         t0 = time.monotonic()
         pool = self.pool(environment, backend, cpu, memory, devices, project, start)
-        sid = await pool.lease(start)
-        m = Lease(pool, sid, pool.spec.workdir, time.monotonic() - t0)
+        sid = await pool.take(start)
+        m = Checkout(pool, sid, pool.spec.workdir, time.monotonic() - t0)
         try:
             yield m
         finally:

@@ -25,8 +25,8 @@ from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .disks import WritableDisks
 from .idpool import UidPool
+from .lazy_layers import LazyLayers
 from .mounts import MountCache, OverlayStack
-from .ondemand import OnDemandLayers
 from .sandbox import Sandbox
 
 __all__ = ["RootFilesystems", "sparse_disk"]
@@ -43,7 +43,7 @@ class RootFilesystems:
         self.disks = WritableDisks(config.disk_dir, config.disk_fs)
         self.uids = uids
         self.mounts: MountCache | None = None
-        self.ondemand: OnDemandLayers | None = None
+        self.lazy_layers: LazyLayers | None = None
         self.sources: Sequence[LayerSource] = ()
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._mounted_refs: dict[str, str] = {}  # layer digest -> name@version, once mounted
@@ -53,9 +53,9 @@ class RootFilesystems:
         daemon served); layers come from ``sources``."""
         cfg = self.config
         self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
-        self.ondemand = OnDemandLayers(cfg, registry)
-        if self.ondemand.keeper_socket.exists():  # a previous daemon served on-demand layers
-            await asyncio.to_thread(self.ondemand.ensure_open)
+        self.lazy_layers = LazyLayers(cfg, registry)
+        if self.lazy_layers.keeper_socket.exists():  # a previous daemon served on-demand layers
+            await asyncio.to_thread(self.lazy_layers.ensure_open)
         self.sources = sources
 
     def resolve(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
@@ -72,13 +72,13 @@ class RootFilesystems:
         assert self.mounts is not None  # open() made it
         self.mounts.sweep()
 
-    def close(self, keep_ondemand: bool) -> None:
-        """Let the layer mounts go; the on-demand layers too, unless ``keep_ondemand`` (a
+    def close(self, keep_lazy_layers: bool) -> None:
+        """Let the layer mounts go; the on-demand layers too, unless ``keep_lazy_layers`` (a
         sandbox still reads through them)."""
         if self.mounts:
             self.mounts.close()
-        if self.ondemand and not keep_ondemand:
-            self.ondemand.close()  # after the layer mounts that read through it
+        if self.lazy_layers and not keep_lazy_layers:
+            self.lazy_layers.close()  # after the layer mounts that read through it
 
     def counts(self) -> dict[str, int]:
         """The layer mount cache's hits and misses since the node opened."""
@@ -132,8 +132,10 @@ class RootFilesystems:
         if source.local:
             return source.image_path(info), None
         if self.config.ondemand:
-            assert self.ondemand is not None
-            prepared = await self.once(("lazy", info.digest), self.ondemand.prepare, source, info)
+            assert self.lazy_layers is not None
+            prepared = await self.once(
+                ("lazy", info.digest), self.lazy_layers.prepare, source, info
+            )
             if prepared is not None:
                 return prepared
         return await self.once(("image", info.digest), source.image_path, info), None
@@ -162,8 +164,8 @@ class RootFilesystems:
                     {"layer": info.ref, "source": source.url, "mode": "whole", "fetched": info.size}
                 )
                 continue
-            assert self.ondemand is not None
-            n = await asyncio.to_thread(self.ondemand.prefetch, form.index.blob_digest)
+            assert self.lazy_layers is not None
+            n = await asyncio.to_thread(self.lazy_layers.prefetch, form.index.blob_digest)
             out.append(
                 {
                     "layer": info.ref,

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..backend import Feature
 from ..errors import FeatureUnavailable, SandboxNotRunning, SandboxPaused
-from ..inputs import InputEvent, parse_inputs
+from ..screen_input import InputEvent, parse_inputs
 from .host import SandboxHost
 from .sandbox import Sandbox
 
@@ -45,7 +45,7 @@ class Screens:
 
     async def input(self, sid: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
         """Send key presses, pointer moves and clicks to the sandbox's display, in order
-        (``dsec_core.inputs``: a bad event is ``InvalidSpec`` before any is sent); returns how
+        (``dsec_core.screen_input``: a bad event is ``InvalidSpec`` before any is sent); returns how
         many were sent."""
         checked = parse_inputs(events)
         sb = self.sandbox(sid)

@@ -58,7 +58,7 @@ _INFRA_ERRORS: dict[type[DsecError], str] = {
 def drive_client_source() -> str:
     """The text of the drive socket's Python client (standard library only), to write into an
     agent sandbox as ``drive.py``: ``from drive import Drive``."""
-    return resources.files("dsec_core.agent").joinpath("drive.py").read_text()
+    return resources.files("dsec_core.node").joinpath("drive_client.py").read_text()
 
 
 def infra_event(error: BaseException | ExecResult, sandbox_id: str = "") -> InfraEvent | None:

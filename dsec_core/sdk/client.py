@@ -11,7 +11,6 @@ from typing import Any, TypeVar, overload
 
 from ..api.messages import DEFAULT_MAX_OUTPUT, NodeProbe
 from ..api.transport import HTTPTransport, Response, TransportError
-from ..inputs import InputEvent
 from ..records import (
     DeviceRequest,
     ExecOutput,
@@ -30,6 +29,7 @@ from ..records import (
     SandboxUsage,
     TrajectoryEntry,
 )
+from ..screen_input import InputEvent
 from . import core
 from .connection import connection
 from .core import Batch, Call, Effect, Op, Stream
@@ -531,7 +531,7 @@ class Client:
         return self._run(core.screenshot(sandbox_id))
 
     def input(self, sandbox_id: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
-        """Send input to the sandbox's display in order: records (``dsec_core.inputs``:
+        """Send input to the sandbox's display in order: records (``dsec_core.screen_input``:
         ``Key("a")``, ``Move(x, y)``, ``Click(x, y)``) or their dicts (``{"type": "click",
         "x": 200, "y": 140}``); returns how many were sent."""
         return self._run(core.input(sandbox_id, events))

@@ -61,7 +61,6 @@ from ..errors import (
     UnknownSandbox,
     error_from_wire,
 )
-from ..inputs import InputEvent, input_dicts
 from ..records import (
     DeviceRequest,
     ExecOutput,
@@ -81,6 +80,7 @@ from ..records import (
     TrajectoryEntry,
     check_trajectory_name,
 )
+from ..screen_input import InputEvent, input_dicts
 
 #: The label that makes a sandbox a member of a rollout group (``Client.group``).
 GROUP_LABEL = "dsec.group"

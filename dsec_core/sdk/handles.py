@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..api.messages import DEFAULT_MAX_OUTPUT
 from ..errors import DsecError
-from ..inputs import InputEvent
 from ..records import (
     ExecOutput,
     ExecResult,
@@ -34,6 +33,7 @@ from ..records import (
     SandboxSpec,
     SandboxUsage,
 )
+from ..screen_input import InputEvent
 from . import core
 from .core import SandboxRef
 

@@ -12,6 +12,9 @@ nd_pmem fails with "could not reserve region"); layers over virtio-pmem therefor
 ``q35`` machine trimmed the same way (qboot firmware, ``-nodefaults``, only virtio-pci
 devices), which boots about 0.3 s slower under TCG. ``VmConfig.machine`` picks; the devices
 follow the machine's bus.
+
+A guest's block devices are ``Disk``s (virtio-blk; QEMU's own word is ``-drive``): "drive" in
+dsec is the socket a loop drives its workers through (``dsec_core.node.drive``).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import BackendUnavailable
+from ..renamed import renamed_getattr, warn_renamed
 
 __all__ = [
     "PMEM_ALIGN",
-    "Drive",
+    "Disk",
     "Pmem",
     "VmConfig",
     "accelerator",
@@ -42,6 +47,9 @@ __all__ = [
     "quoted",
     "spawn",
 ]
+
+if not TYPE_CHECKING:  # ``Drive``, renamed ``Disk``, warns (mypy would take any name for Any)
+    __getattr__ = renamed_getattr(__name__)
 
 QEMU = "qemu-system-x86_64"
 QBOOT = Path("/usr/share/qemu/qboot.rom")
@@ -106,7 +114,7 @@ def find_firecracker() -> str | None:
 
 
 @dataclass(frozen=True)
-class Drive:
+class Disk:
     """A virtio-blk disk; the guest finds it by ``serial`` (``/sys/block/vd*/serial``)."""
 
     path: Path
@@ -136,13 +144,19 @@ class VmConfig:
     agent_fd: int  # the agent port's chardev: our end of a connected socket, QEMU's fd 3
     machine: str = "microvm"  # or "q35" (needed for pmem and displays)
     accel: str = "tcg"
-    drives: tuple[Drive, ...] = ()
+    disks: tuple[Disk, ...] = ()
     pmems: tuple[Pmem, ...] = ()
     display: bool = False  # a virtio-gpu display and a virtio tablet (q35 only)
     vnc: int | None = None  # a VNC display number, on 127.0.0.1 only
     incoming: Path | None = None  # start from this saved state (QMP migrate to a file)
     name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
     extra: tuple[str, ...] = field(default=())
+
+    @property
+    def drives(self) -> tuple[Disk, ...]:
+        """Renamed ``disks``; this alias warns and goes in the next release."""
+        warn_renamed("VmConfig.drives", "VmConfig.disks")
+        return self.disks
 
 
 def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
@@ -203,7 +217,7 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         argv += ["-display", "none", "-vga", "none"]
     else:
         argv += _display_args(cfg)
-    for i, d in enumerate(cfg.drives):
+    for i, d in enumerate(cfg.disks):
         ro = ",readonly=on" if d.readonly else ""
         argv += [
             "-drive",

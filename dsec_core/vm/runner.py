@@ -192,7 +192,7 @@ class QemuBackend(Backend):
         """The VM of sandbox ``rt``: its layers, disk, size and channels."""
         _, vmlinux, initrd = self.boot_files(rt.agent_binary, rt.kernel)
         pmem = self.layers_over == "pmem"
-        drives: list[qemu.Drive] = []
+        disks: list[qemu.Disk] = []
         pmems: list[qemu.Pmem] = []
         for i, layer in enumerate(rt.images):
             if pmem:
@@ -203,9 +203,9 @@ class QemuBackend(Backend):
                 image = (
                     layer.image if layer.device is None else pmem_image(self.cache / "pmem", layer)
                 )
-                drives.append(qemu.Drive(image, f"dsec-l{i}"))
+                disks.append(qemu.Disk(image, f"dsec-l{i}"))
         assert rt.disk is not None
-        drives.append(qemu.Drive(rt.disk, "dsec-rw", readonly=False))
+        disks.append(qemu.Disk(rt.disk, "dsec-rw", readonly=False))
         cmdline = (
             f"{CMDLINE} dsec.layers={len(rt.images)} dsec.pmem={int(pmem)} "
             f"dsec.hostname=dsec-{rt.id[:12]}"
@@ -223,7 +223,7 @@ class QemuBackend(Backend):
             agent_fd=agent_fd,
             machine=self.machine_for(pmem),
             accel=self.accel,
-            drives=tuple(drives),
+            disks=tuple(disks),
             pmems=tuple(pmems),
             display=self.display,
             name=f"dsec-{rt.id}",
@@ -295,7 +295,7 @@ class QemuBackend(Backend):
             "machine": cfg.machine,
             "accel": cfg.accel,
             "display": cfg.display,
-            "layers": [os.fspath(d.path) for d in cfg.drives if d.readonly]
+            "layers": [os.fspath(d.path) for d in cfg.disks if d.readonly]
             + [os.fspath(p.path) for p in cfg.pmems],
             "disk": rt.disk_size,
             "qemu": self.qemu,

@@ -30,7 +30,7 @@ extern char **environ;
 #define KILL_BUDGET_MS 2000          /* bound on kill-the-tree loops */
 #define HEADER_TIMEOUT_MS 30000      /* a connection must send its header within this */
 
-/* ---------------------------------------------------------------- util.c */
+/* ---------------------------------------------------------------- alloc.c */
 
 struct buf {
     char *p;
@@ -41,16 +41,19 @@ struct buf {
  * their way into a file); handlers are single-threaded processes, so one buffer serves all. */
 extern char g_scratch[READ_CHUNK];
 
-void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void *xrealloc(void *p, size_t n);
 void *xcalloc(size_t n, size_t sz);
+void buf_reserve(struct buf *b, size_t extra);
+void buf_add(struct buf *b, const void *d, size_t n);
+void buf_free(struct buf *b);
+
+/* ---------------------------------------------------------------- io.c */
+
+void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 long long now_us(void);
 long long now_ms(void);
 int poll_wait(long long deadline_ms);
 void set_nonblock(int fd, int on);
-void buf_reserve(struct buf *b, size_t extra);
-void buf_add(struct buf *b, const void *d, size_t n);
-void buf_free(struct buf *b);
 struct iovec;
 int writev_all(int fd, struct iovec *iov, int cnt);
 int write_all(int fd, const void *p, size_t n);

@@ -4,8 +4,8 @@
  *
  * This file is the main process: the accept loop, dispatch, handler processes and signals.
  * The rest: wire.c (the wire protocol, with its full table), exec.c, sessions.c, files.c,
- * proctree.c (process trees), guard.c (keeping sandbox code away from the agent) and util.c;
- * agent.h declares what they share.
+ * proctree.c (process trees), guard.c (keeping sandbox code away from the agent), alloc.c
+ * (memory and buffers) and io.c (descriptors and time); agent.h declares what they share.
  *
  * Usage: dsec-agent [--fd N | --listen PATH | --serial PATH] [--policy-fd N [--status-fd N]]
  *        dsec-agent drive [SOCKET]   (drive.c: the bridge a loop drives its workers through)

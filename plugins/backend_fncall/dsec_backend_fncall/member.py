@@ -131,7 +131,7 @@ class FnCallBackend(ContainerBackend):
         return state
 
     async def alive(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> bool:
-        """The container backend's answer, and not dying: a pool asks just before it leases a
+        """The container backend's answer, and not dying: a pool asks just before it checks out a
         member, so an init killed a moment ago (a zombie, or exiting) counts as dead."""
         pid = state.get("pid")
         if not await super().alive(rt, state) or not isinstance(pid, int):

@@ -312,14 +312,14 @@ async def test_a_member_killed_under_a_call_is_a_runtime_error_and_is_replaced(f
         await node.close(kill_all=True)
 
 
-async def test_a_free_member_that_died_is_never_leased(fn_home):
+async def test_a_free_member_that_died_is_never_checked_out(fn_home):
     node = await _opened(fn_home, max=1)
     try:
         first = await call(node, "true")
         await settle(node)
         os.kill(node.sandboxes[first.member].backend_state["pid"], signal.SIGKILL)
         be = node.backend("fncall")
-        for _ in range(100):  # a death at the very moment of a lease is a runtime error (above)
+        for _ in range(100):  # a death at the very moment of a checkout is a runtime error (above)
             sb = node.sandboxes.get(first.member)
             if sb is None or not await be.alive(sb.rt, sb.backend_state):
                 break
@@ -360,7 +360,7 @@ async def test_unknown_environment_and_a_backend_without_reset_are_typed_errors(
 
 
 async def test_a_full_pool_rejects_with_its_name(fn_home):
-    node = await _opened(fn_home, max=1, lease_timeout=0.3)
+    node = await _opened(fn_home, max=1, checkout_timeout=0.3)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2", timeout=10))
         await asyncio.sleep(0.5)
@@ -390,8 +390,8 @@ async def test_a_caller_that_goes_away_while_waiting_loses_no_member(fn_home):
 
 async def test_a_node_without_room_for_a_member_rejects_naming_the_pool(fn_home):
     """The node refuses a second member (one sandbox at most): a call waits for the busy one
-    instead, and past the lease timeout gets the node's refusal naming the pool."""
-    node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4, lease_timeout=0.5)
+    instead, and past the checkout timeout gets the node's refusal naming the pool."""
+    node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4, checkout_timeout=0.5)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2", timeout=10))
         await asyncio.sleep(0.4)
@@ -401,7 +401,7 @@ async def test_a_node_without_room_for_a_member_rejects_naming_the_pool(fn_home)
         assert e.value.pool == f"{ENV}/fncall/1cpu/64M" and e.value.reason == "count"
         assert time.monotonic() - t0 >= 0.45  # it waited for the member first
         (pool,) = node.pools.pools.values()
-        pool.settings = dataclasses.replace(pool.settings, lease_timeout=10.0)
+        pool.settings = dataclasses.replace(pool.settings, checkout_timeout=10.0)
         waited = await call(node, "echo waited")
         assert waited.ok and waited.wait > 0.5 and pool.size == 1
         assert (await busy).ok
@@ -540,12 +540,12 @@ async def test_a_project_pool_shrinks_away_and_its_use_goes_with_it(fn_home):
 
 
 async def test_start_false_on_an_empty_pool_fails_at_once(fn_home):
-    node = await _opened(fn_home, max=2, lease_timeout=5.0)
+    node = await _opened(fn_home, max=2, checkout_timeout=5.0)
     try:
         t0 = time.monotonic()
         with pytest.raises(AdmissionRejected) as e:
             await call(node, "true", project="org/a", start=False)
-        assert time.monotonic() - t0 < 1.0  # no lease timeout waited: nothing would come
+        assert time.monotonic() - t0 < 1.0  # no checkout timeout waited: nothing would come
         assert e.value.reason == "pool-start" and e.value.pool == f"{ENV}/fncall/1cpu/64M@org/a"
         assert "could not start a member" in str(e.value)
         assert not node.sandboxes and not node.pools.pools  # nothing was started or made
@@ -573,7 +573,7 @@ async def test_start_false_on_an_empty_pool_fails_at_once(fn_home):
 
 
 async def test_start_false_takes_an_idle_member(fn_home):
-    node = await _opened(fn_home, max=2, lease_timeout=5.0)
+    node = await _opened(fn_home, max=2, checkout_timeout=5.0)
     try:
         first = await call(node, "true", project="org/a")
         await settle(node)
@@ -598,7 +598,7 @@ async def test_start_false_takes_an_idle_member(fn_home):
 
 
 async def test_start_false_waits_for_a_busy_member(fn_home):
-    node = await _opened(fn_home, max=4, lease_timeout=10.0)
+    node = await _opened(fn_home, max=4, checkout_timeout=10.0)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 0.6; echo busy", project="org/a"))
         await asyncio.sleep(0.3)
@@ -614,8 +614,8 @@ async def test_start_false_waits_for_a_busy_member(fn_home):
         await node.close(kill_all=True)
 
 
-async def test_start_false_fails_after_the_lease_timeout_if_no_member_frees(fn_home):
-    node = await _opened(fn_home, max=4, lease_timeout=0.4)
+async def test_start_false_fails_after_the_checkout_timeout_if_no_member_frees(fn_home):
+    node = await _opened(fn_home, max=4, checkout_timeout=0.4)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2; echo busy", project="org/a"))
         await asyncio.sleep(0.3)
@@ -632,7 +632,7 @@ async def test_start_false_fails_after_the_lease_timeout_if_no_member_frees(fn_h
 
 
 async def test_start_false_waiting_on_a_member_that_dies_fails_at_once(fn_home):
-    node = await _opened(fn_home, max=1, lease_timeout=10.0)
+    node = await _opened(fn_home, max=1, checkout_timeout=10.0)
     try:
         first = await call(node, "true", project="org/a")
         await settle(node)

@@ -22,7 +22,7 @@ from typing import Any
 from dsec_core.backend import Feature, SandboxRuntime
 from dsec_core.config import NodeConfig
 from dsec_core.errors import BackendUnavailable
-from dsec_core.inputs import InputEvent, Key
+from dsec_core.screen_input import InputEvent, Key
 from dsec_core.vm.qmp import QMP_SOCKET, Qmp
 from dsec_core.vm.runner import QemuBackend
 

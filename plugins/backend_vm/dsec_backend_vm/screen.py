@@ -1,5 +1,5 @@
 """A VM's screen and input over QMP: ``screendump_png`` takes a screenshot as PNG bytes, and
-typed input events (``dsec_core.inputs``: key, move, click) are sent as ``input-send-event``
+typed input events (``dsec_core.screen_input``: key, move, click) are sent as ``input-send-event``
 batches.
 
 QEMU 7.1 and later write PNG themselves (``screendump`` with ``format: png``, when built with
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from qemu.qmp import ExecuteError
 
 from dsec_core.errors import InvalidSpec, SandboxError
-from dsec_core.inputs import BUTTONS, Click, InputEvent, Key, Move, parse_input, parse_inputs
+from dsec_core.screen_input import BUTTONS, Click, InputEvent, Key, Move, parse_input, parse_inputs
 
 __all__ = [
     "ABS_MAX",

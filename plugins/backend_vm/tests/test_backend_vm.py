@@ -27,9 +27,9 @@ from dsec_backend_vm.guest import ensure_guest_program
 from dsec_core.api.messages import InputRequest
 from dsec_core.api.transport import HTTPTransport
 from dsec_core.errors import BackendUnavailable, FeatureUnavailable, InvalidSpec, SandboxError
-from dsec_core.inputs import MAX_EVENTS, Click, Key, Move, input_dicts, parse_inputs
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.screen_input import MAX_EVENTS, Click, Key, Move, input_dicts, parse_inputs
 from dsec_core.testing import BackendConformance
 from dsec_core.testing.fixtures import KitNode, running_kit_node
 from dsec_core.vm.qmp import QMP_SOCKET, Qmp, qmp_execute

@@ -230,7 +230,7 @@ async def test_node_runs_a_sandbox_from_a_layer_only_in_the_shared_source(tmp_pa
         sb = await node.create(SandboxSpec(layers=("shared-base@1",), memory="64M"))
         assert (await node.exec(sb.id, "echo from shared")).stdout == b"from shared\n"
         # the shared source publishes the lazy form, so the node mounts it on demand
-        assert [b.index.blob_digest for b in node.ondemand.blobs.values()]
+        assert [b.index.blob_digest for b in node.lazy_layers.blobs.values()]
         assert not (config.cache_dir / (info.digest.split(":")[1] + ".erofs")).exists()
         await node.kill(sb.id)
     finally:

@@ -50,7 +50,7 @@ def setup(tmp_path):
     dest = open_source(f"posix:{shared}")
     for ref in ("od-base@1", "od-ws@1"):
         push_layer(ref, dest, staging)
-    home = Path(tempfile.mkdtemp(prefix="dsec-ondemand-"))
+    home = Path(tempfile.mkdtemp(prefix="dsec-lazy-layers-"))
     config = NodeConfig(home=home, layer_sources=("local", f"posix:{shared}"), fetch_timeout=2.0)
     yield config, shared
     left = leftovers(home)
@@ -66,8 +66,8 @@ async def test_reads_fetch_only_what_they_touch(setup):
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         r = await node.exec(sb.id, "cat /workspace/small.txt")
         assert r.stdout == b"tiny file\n"
-        cache = node.ondemand.cache
-        ws_blob = next(b for b in node.ondemand.blobs.values() if b.index.blob_size > 10 << 20)
+        cache = node.lazy_layers.cache
+        ws_blob = next(b for b in node.lazy_layers.blobs.values() if b.index.blob_size > 10 << 20)
         fetched_after_small = cache.fetches
         assert fetched_after_small * ws_blob.index.chunk_size < ws_blob.index.blob_size / 4
         r = await node.exec(sb.id, "md5sum /workspace/big3.bin")
@@ -128,7 +128,7 @@ async def test_damaged_compressed_chunk_gives_eio_not_garbage(setup):
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         r = await node.exec(sb.id, "md5sum /workspace/*.txt", timeout=60)
         assert r.exit_code != 0 and b"Input/output error" in r.stderr
-        assert index.chunks[packed[0]] not in node.ondemand.cache
+        assert index.chunks[packed[0]] not in node.lazy_layers.cache
         with open(blob_file, "r+b") as f:
             f.seek(off + n // 2)
             f.write(byte)
@@ -150,7 +150,7 @@ async def test_eager_mode_fetches_whole_images(setup):
     try:
         sb = await node.create(SandboxSpec(layers=("od-ws@1", "od-base@1"), memory="128M"))
         assert (await node.exec(sb.id, "cat /workspace/small.txt")).stdout == b"tiny file\n"
-        assert node.ondemand.server is None  # nothing went through the on-demand path
+        assert node.lazy_layers.server is None  # nothing went through the on-demand path
         cached = [p for p in config.cache_dir.glob("*.erofs")]
         assert len(cached) == 2
         await node.kill(sb.id)

@@ -1,7 +1,6 @@
 /*
- * Small helpers every part of the agent uses: logging, allocation that cannot fail (the agent is
- * init, so running out of memory ends it cleanly rather than half-serving), monotonic time,
- * growable buffers and whole reads and writes.
+ * Descriptors and time: whole reads and writes, non-blocking mode, poll timeouts from deadlines
+ * on the monotonic clock, and the agent's log lines on stderr.
  */
 #include "agent.h"
 
@@ -11,13 +10,9 @@
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
-
-char g_scratch[READ_CHUNK];
 
 void logmsg(const char *fmt, ...)
 {
@@ -31,28 +26,6 @@ void logmsg(const char *fmt, ...)
         n = sizeof line - 2;
     line[n++] = '\n';
     if (write(2, line, n) < 0) { /* nowhere left to complain */ }
-}
-
-static void die_oom(void)
-{
-    logmsg("out of memory");
-    _exit(70);
-}
-
-void *xrealloc(void *p, size_t n)
-{
-    p = realloc(p, n ? n : 1);
-    if (!p)
-        die_oom();
-    return p;
-}
-
-void *xcalloc(size_t n, size_t sz)
-{
-    void *p = calloc(n ? n : 1, sz ? sz : 1);
-    if (!p)
-        die_oom();
-    return p;
 }
 
 long long now_us(void)
@@ -79,32 +52,6 @@ void set_nonblock(int fd, int on)
     int fl = fcntl(fd, F_GETFL);
     if (fl >= 0)
         fcntl(fd, F_SETFL, on ? fl | O_NONBLOCK : fl & ~O_NONBLOCK);
-}
-
-void buf_reserve(struct buf *b, size_t extra)
-{
-    if (b->cap - b->len >= extra)
-        return;
-    size_t c = b->cap ? b->cap : 256;
-    while (c - b->len < extra)
-        c *= 2;
-    b->p = xrealloc(b->p, c);
-    b->cap = c;
-}
-
-void buf_add(struct buf *b, const void *d, size_t n)
-{
-    buf_reserve(b, n);
-    if (n)
-        memcpy(b->p + b->len, d, n);
-    b->len += n;
-}
-
-void buf_free(struct buf *b)
-{
-    free(b->p);
-    b->p = NULL;
-    b->len = b->cap = 0;
 }
 
 /* Write everything; works on blocking and non-blocking fds (waits up to 10 s per stall). */
