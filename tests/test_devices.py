@@ -33,7 +33,7 @@ from dsec_core.node.devices import Device, DevicePool
 from dsec_core.node.node import Node
 from dsec_core.node.pools import PoolKey, Pools, PoolSettings
 from dsec_core.records import DeviceRequest, JudgeCase, JudgeSpec, NodeLoad, SandboxSpec
-from dsec_core.testing import KIT_DEVICE_KIND, node_home, running_kit_node
+from dsec_core.testing import KIT_DEVICE_KIND, async_until, node_home, running_kit_node
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 BASE = {"layers": ("kit-base@1",), "memory": "64M", "cpu": 0.2}
@@ -361,7 +361,11 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
         try:
             call = dict(cmd="sleep 2; ls /dev/dsec-test-devices-*", memory="64M", devices=["gpu"])
             held = [asyncio.ensure_future(node.fncall("bb", **call)) for _ in range(2)]
-            await asyncio.sleep(0.5)  # both members started and busy
+            key = PoolKey("bb", "fncall", 1.0, 64 << 20, (DeviceRequest("gpu"),))
+            await async_until(
+                lambda: (p := node.pools.pools.get(key)) is not None and p.size == 2 and not p.free,
+                what="both members started and busy",
+            )
             # a third member would need a third device: the call waits for one of the two,
             # and past the checkout timeout gets the node's refusal naming the devices
             t0 = time.monotonic()
@@ -377,7 +381,7 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
             assert all(r.ok for r in results), results
             seen = {r.stdout.strip() for r in results}
             assert seen == {b"null", b"zero"}  # each member its own device
-            pool = node.pools.pools[PoolKey("bb", "fncall", 1.0, 64 << 20, (DeviceRequest("gpu"),))]
+            pool = node.pools.pools[key]
             assert pool.size == 2
             r = await node.fncall("bb", **call)  # a member is free again: no new one needed
             assert r.ok and pool.size == 2

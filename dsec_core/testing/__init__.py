@@ -57,6 +57,7 @@ from .ray import (
     ray_importable,
 )
 from .sources import LayerSourceConformance
+from .waits import async_until, until
 
 __all__ = [
     "KIT_DEVICE_KIND",
@@ -69,6 +70,7 @@ __all__ = [
     "RayNodeProcess",
     "SandboxRecorder",
     "SecurityPolicyConformance",
+    "async_until",
     "build_busybox_layer",
     "cgroup_hierarchies",
     "cluster_daemons",
@@ -92,4 +94,5 @@ __all__ = [
     "ray_importable",
     "running_kit_node",
     "stop_process",
+    "until",
 ]

@@ -37,6 +37,7 @@ from ..errors import (
     InvalidSpec,
     PluginInvalid,
     SandboxPathError,
+    SandboxNotRunning,
     SandboxPaused,
     SessionClosed,
     UnknownSandbox,
@@ -438,8 +439,13 @@ class BackendConformance:
 
     # --- lifecycle ------------------------------------------------------------------------
     def test_ttl_kills(self, dsec_sandboxes, dsec_client):
+        asked = time.monotonic()
         sb = dsec_sandboxes.create(ttl=1.0)
-        assert sb.exec("true").exit_code == 0
+        try:
+            assert sb.exec("true").exit_code == 0
+        except (SandboxNotRunning, UnknownSandbox):
+            # a slow machine (an emulated VM on a loaded host): the ttl ended it mid-call
+            assert time.monotonic() - asked >= 1.0
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if sb.id not in {i.id for i in dsec_client.list()}:
