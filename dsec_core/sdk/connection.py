@@ -3,7 +3,7 @@
 embedded single-node default); and for how long a request keeps trying while the node is away.
 
 Starting the local daemon is the one step of a client's set-up that blocks, in both twins: it
-happens once, in the constructor, before any operation.
+happens once, in their constructor (``Connected``), before any operation.
 """
 
 from __future__ import annotations

@@ -30,9 +30,7 @@ R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
 
-_SELF = (
-    inspect.Parameter.POSITIONAL_OR_KEYWORD
-)  # a method's self, unless its next is positional-only
+_ONLY, _EITHER = inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 def _method(fn: F, model: Callable[..., Any], drop: int, returns: Any) -> F:
@@ -40,16 +38,18 @@ def _method(fn: F, model: Callable[..., Any], drop: int, returns: Any) -> F:
     ``drop`` (what the method fills in: its operation's ids), after ``self``."""
     functools.update_wrapper(fn, model)
     params = list(inspect.signature(model).parameters.values())[drop:]
-    positional = params and params[0].kind is inspect.Parameter.POSITIONAL_ONLY
-    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY if positional else _SELF)
-    vars(fn)["__signature__"] = inspect.Signature([self, *params], return_annotation=returns)
-    fn.__annotations__ = {p.name: p.annotation for p in params} | {"return": returns}
+    # self is positional-only where what follows is (a group's name, before its **kw)
+    kind = _ONLY if params and params[0].kind is _ONLY else _EITHER
+    signature = inspect.Signature([inspect.Parameter("self", kind), *params])
+    vars(fn)["__signature__"] = signature.replace(return_annotation=returns)
+    fn.__annotations__ = {p.name: p.annotation for p in params if p.annotation is not p.empty}
+    fn.__annotations__["return"] = returns
     return fn
 
 
 def named(cls: C) -> C:
     """``cls``, the methods made here in it named as its own: ``Group.create`` rather than
-    ``group_create`` (its operation's name) for ``help()``, tracebacks and documentation."""
+    ``group_create`` (its operation's name), for ``help()``, reprs and documentation."""
     for name, member in vars(cls).items():
         if inspect.isfunction(member) and hasattr(member, "__wrapped__"):
             member.__name__, member.__qualname__ = name, f"{cls.__qualname__}.{name}"
