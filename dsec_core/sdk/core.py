@@ -374,7 +374,7 @@ def pause(sandbox_id: str, *, reclaim: bool = False) -> Op[SandboxInfo]:
 
 
 def pause_all(sandbox_ids: Sequence[str], *, reclaim: bool = False) -> Op[list[SandboxInfo]]:
-    """``pause`` of each sandbox, at once (an async client)."""
+    """``pause`` of each sandbox: at once in an async client, in turn in a blocking one."""
     q = PauseQuery(reclaim)
     return (yield Batch(tuple(call("pause", query=q, sid=sid) for sid in sandbox_ids)))
 
@@ -385,7 +385,7 @@ def resume(sandbox_id: str) -> Op[SandboxInfo]:
 
 
 def resume_all(sandbox_ids: Sequence[str]) -> Op[list[SandboxInfo]]:
-    """``resume`` of each sandbox, at once (an async client)."""
+    """``resume`` of each sandbox: at once in an async client, in turn in a blocking one."""
     return (yield Batch(tuple(call("resume", sid=sid) for sid in sandbox_ids)))
 
 
