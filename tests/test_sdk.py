@@ -1,8 +1,8 @@
 """The SDK's shape: every route has a method in both clients, the twins (``Client`` and
 ``AsyncClient``, ``Sandbox`` and ``AsyncSandbox``, ...) have the same methods, signatures and
-docstrings, each wrapper takes its core operation's parameters, every public method is
-documented, the core runs without I/O, and mypy reads the installed package's types (py.typed)
-so a user's type error is reported."""
+docstrings, each method is made from its core operation (whose parameters are its messages'
+fields), every public method is documented, the core runs without I/O, and mypy reads the
+installed package's types (py.typed) so a user's type error is reported."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import textwrap
 import tomllib
 import zipfile
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -45,16 +45,19 @@ TWINS = [
     (sdk.Group, sdk.AsyncGroup),
     (sdk.Lease, sdk.AsyncLease),
 ]
-#: Client methods that are not one core operation of the same name with the same parameters:
-#: a handle's own, and those that take a group handle too.
-NOT_ONE_OP = {"close", "group", "lease", "pause", "resume"}
+#: Client methods written out rather than made from one core operation of the same name, and
+#: why: its own (``close``, a group's handle), one of several operations (one id or many, or a
+#: group), or a name the core cannot give a function (``list``).
+WRITTEN_OUT = {"close", "group", "pause", "resume", "list"}
 OP_NAMES = {"list": "list_sandboxes"}
 
 
 def _public(cls: type) -> dict[str, Any]:
+    """The public methods and properties of ``cls``, its bases' (a handle's ref) included."""
     return {
         n: v
-        for n, v in vars(cls).items()
+        for k in reversed(cls.__mro__[:-1])
+        for n, v in vars(k).items()
         if not n.startswith("_") and (callable(v) or isinstance(v, property))
     }
 
@@ -100,15 +103,22 @@ def test_the_twins_have_the_same_methods_signatures_and_docstrings(sync, aio):
             assert not inspect.iscoroutinefunction(member), name
 
 
-def test_each_client_method_takes_its_core_operations_parameters():
-    """A route's parameters are written once, in its core operation: a wrapper that differs
-    (a default, a name, a type) fails here."""
-    for name, method in _public(sdk.Client).items():
-        if name in NOT_ONE_OP:
+@pytest.mark.parametrize("client", [sdk.Client, sdk.AsyncClient])
+def test_each_client_method_is_made_from_its_core_operation(client):
+    """A route's parameters and docstring are written once, in its core operation: each client
+    method is made from it (``methods``), but those written out for a reason."""
+    for name, method in _public(client).items():
+        if name in WRITTEN_OUT:
+            assert not hasattr(method, "__wrapped__"), name
             continue
+        op = getattr(core, name)
+        assert inspect.unwrap(method) is op, f"{client.__name__}.{name} is not core.{name}"
+        assert method.__qualname__ == f"{client.__name__}.{name}"
+        assert inspect.getdoc(method) == inspect.getdoc(op)
+        assert _params(method) == _params(op, drop=0), name
+    for name in WRITTEN_OUT - {"close", "group"}:  # one id (or more) and its operation's options
         op = getattr(core, OP_NAMES.get(name, name))
-        mine, theirs = _params(method), _params(op, drop=0)
-        assert mine == theirs, name
+        assert _params(getattr(client, name))[1:] == _params(op, drop=0)[1:], name
 
 
 def test_a_sandbox_handle_is_its_clients_methods_with_the_id_filled_in():
@@ -129,29 +139,61 @@ def test_a_sandbox_handle_is_its_clients_methods_with_the_id_filled_in():
     assert on_one - set(_public(sdk.Sandbox)) == {"get", "session_exec", "session_close"}
 
 
-#: Fields of a route's messages that are not an SDK method's parameter, and why.
+#: Fields of a route's messages that are not its operation's parameters, and why.
 NOT_PARAMETERS = {
     "fncall": {"project", "start"},  # set by the apiserver for the caller's project
-    "judge": set(),  # a JudgeSpec, or its fields as keywords (checked against JudgeSpec)
-    "create": {"count", "spec"},  # create(spec, **fields); create_many(spec, n)
-    "restore": {"count"},  # restore(snapshot, n, spec)
+    "create": {"count"},  # create(spec, **fields); create_many(spec, n)
     "list": {"project", "subtree"},  # the apiserver asks its nodes for a project's own
     "read_file": {"offset", "length"},  # read in pieces by the SDK
     "write_file": {"offset", "truncate"},  # written in pieces by the SDK
     "exec_stream": {"trajectory", "step"},  # a streamed command is not logged
 }
+#: Parameters of an operation that are not fields of its messages, but the ids in the route's
+#: path (its first): a raw body, what the client does itself (renewing a lease).
+NOT_FIELDS = {"data", "renew"}
+#: A field an operation names otherwise.
+RENAMED = {("restore", "count"): "n"}
+NO_DEFAULT = inspect.Parameter.empty
+#: Where an operation's default is not its message's, and why.
+SDK_DEFAULTS = {
+    # a command the SDK runs is bounded unless asked otherwise; on the wire null is no bound
+    ("exec", "timeout"): 300.0,
+    ("exec_stream", "timeout"): 300.0,
+    ("session_exec", "timeout"): 300.0,
+    ("fncall", "timeout"): 300.0,
+    ("set_ttl", "ttl"): NO_DEFAULT,  # None (until killed) is asked for, not assumed
+    ("write_file", "mode"): 0o644,  # permission bits, sent as octal text
+    ("pack_diff", "secrets"): None,  # None for none: no mutable default
+    ("create", "spec"): None,  # made of the keyword arguments when none is given
+}
 
 
-def test_every_message_field_is_a_method_parameter():
-    for name, route in ROUTES.items():
-        if name in NOT_IN_SDK or name == "judge":
-            continue
-        params = set(inspect.signature(getattr(sdk.Client, name)).parameters)
-        for message in (route.body, route.query):
-            if message is None or message is RAW:
-                continue
-            names = {f.name for f in fields(message)} - NOT_PARAMETERS.get(name, set())
-            assert names <= params, (name, message.__name__, names - params)
+def _default(f: Any) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return NO_DEFAULT if f.default_factory is MISSING else f.default_factory()
+
+
+@pytest.mark.parametrize("name", sorted(set(ROUTES) - NOT_IN_SDK - {"judge"}))
+def test_each_operation_takes_its_messages_fields(name):
+    """An operation's parameters are its route's message fields, in order and with their
+    defaults, but where this file says why not (``judge`` takes a ``JudgeSpec``, or its fields
+    as keywords that are checked against it)."""
+    route, op = ROUTES[name], getattr(core, OP_NAMES.get(name, name))
+    in_path = len(re.findall(r"\{\w+\}", route.path))
+    params = [
+        (p.name, p.default)
+        for p in list(inspect.signature(op).parameters.values())[in_path:]
+        if p.kind is not p.VAR_KEYWORD and p.name not in NOT_FIELDS
+    ]
+    wanted = [
+        (RENAMED.get((name, f.name), f.name), SDK_DEFAULTS.get((name, f.name), _default(f)))
+        for message in (route.body, route.query)
+        if message not in (None, RAW)
+        for f in fields(message)
+        if f.name not in NOT_PARAMETERS.get(name, ())
+    ]
+    assert params == wanted
 
 
 def test_every_public_method_of_the_sdk_is_documented():
@@ -235,11 +277,11 @@ def test_create_many_kills_what_it_made_when_one_failed():
 
 
 def test_a_group_forks_only_its_own_members():
-    op = core.group_fork("g", "sb-1", 2, None, None, {})
+    op = core.group_fork("g", "sb-1", 2)
     assert next(op).target == "/v1/sandboxes/sb-1"
     with pytest.raises(dsec.InvalidSpec, match="not a member"):
         op.send(_info("sb-1", **{core.GROUP_LABEL: "other"}))
-    op = core.group_fork("g", "sb-1", 2, None, None, {"memory": "256M"})
+    op = core.group_fork("g", "sb-1", 2, memory="256M")
     next(op)
     assert op.send(_info("sb-1", **{core.GROUP_LABEL: "g"})).route.name == "pack_diff"
 
@@ -498,7 +540,12 @@ GOOD = """
                     print(session.exec("cd /tmp").ok)
                 info: dsec.SandboxInfo = client.pause(sb.id)
                 infos: list[dsec.SandboxInfo] = client.resume([sb.id])
-                print(info, infos, client.fncall("python", script="print(1)").stdout)
+                called: dsec.FnCallResult = client.fncall("python", script="print(1)")
+                print(info, infos, called.stdout)
+            group = client.group("rollout")
+            members: list[dsec.Sandbox] = group.create(n=2, environment="python")
+            with client.lease([m.id for m in members], ttl=5) as lease:
+                print(lease.id, group.fork(members[0], 2)[0].exec("true").ok)
 
 
     async def amain() -> None:
@@ -508,6 +555,8 @@ GOOD = """
                 print(result.stdout.decode())
                 async for item in await sb.exec_stream("echo hi"):
                     print(item)
+            called: dsec.FnCallResult = await client.fncall("python", "true", timeout=5)
+            print(called.exit_code)
 
 
     main()
@@ -521,6 +570,8 @@ BAD = """
         sb = client.create(environment="python")
         sb.exec(5)
         print(sb.exec("ls").exit_status)
+        client.fncall("python", script=1)
+        code: int = client.fncall("python", script="print(1)")
 """
 
 
@@ -596,7 +647,11 @@ def test_mypy_reads_the_installed_sdk_and_finds_a_users_type_errors(installed, t
     good.mkdir(), bad.mkdir()
     assert _mypy(installed, good, GOOD) == []
     assert _mypy(installed, bad, BAD) == [
-        'user.py:5: error: Argument 1 to "exec" of "Sandbox" has incompatible type "int"; '
+        'user.py:5: error: Argument 1 has incompatible type "int"; '
         'expected "str | Sequence[str]"  [arg-type]',
         'user.py:6: error: "ExecResult" has no attribute "exit_status"  [attr-defined]',
+        'user.py:7: error: Argument "script" has incompatible type "int"; '
+        'expected "str | None"  [arg-type]',
+        "user.py:8: error: Incompatible types in assignment (expression has type "
+        '"FnCallResult", variable has type "int")  [assignment]',
     ]

@@ -3,9 +3,12 @@ handles (``Sandbox``/``AsyncSandbox``, sessions, rollout groups, trainer leases)
 
 Every operation is written once, in ``core``, without I/O: it builds each request from the
 route table (``dsec_core.api.routes``) and reads each answer; the two clients only run it on
-their transport (``client``, ``async_client``). ``Client()`` with no address talks to
-``DSEC_ADDRESS`` (with ``DSEC_TOKEN``) if set, else to the local node daemon on its unix
-socket, starting it if none runs (the embedded single-node default; ``connection``).
+their transport (``client``, ``async_client``). Its parameters and docstring are those of the
+methods made from it, the clients' and the handles' (``methods``).
+
+``Client()`` with no address talks to ``DSEC_ADDRESS`` (with ``DSEC_TOKEN``) if set, else to
+the local node daemon on its unix socket, starting it if none runs (the embedded single-node
+default; ``connection``).
 
 Bad arguments raise ``InvalidSpec`` naming the argument before anything is sent: each request is
 checked against the same decoders the node runs. While the node is away (its daemon restarting)

@@ -3,13 +3,15 @@
 embedded single-node default); and for how long a request keeps trying while the node is away.
 
 Starting the local daemon is the one step of a client's set-up that blocks, in both twins: it
-happens once, in the constructor, before any operation.
+happens once, in their constructor (``Connected``), before any operation.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..api.transport import Address
 from ..config import NodeConfig
@@ -17,6 +19,27 @@ from ..errors import InvalidSpec
 from ..localnode import ensure_daemon
 
 RETRY_TIMEOUT = 15.0  # seconds a request keeps trying while the node is away (a restart)
+
+
+class Connected:
+    """What both twins are made of: a ``Connection`` of their arguments (see ``Client``), and
+    their transport (``_transport``: blocking or asyncio) on it."""
+
+    _transport: ClassVar[Callable[..., Any]]
+
+    def __init__(
+        self,
+        address: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        verify: bool | str | os.PathLike[str] = True,
+        autostart: bool = True,
+        retry: float | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        c = connection(address, token=token, api_key=api_key, autostart=autostart, retry=retry)
+        self.address = str(c.address)
+        self._http = self._transport(c.address, token=c.token, verify=verify, retry=c.retry)
 
 
 @dataclass(frozen=True)

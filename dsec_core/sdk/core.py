@@ -10,8 +10,11 @@ writes, create-many's cleanup, forks, leases taken again) are then one piece of 
 two clients differ only in how they wait: blocking, or awaited with ``asyncio.gather`` and
 threads, as httpx's clients do over h11.
 
-Arguments are checked here against the same decoders the node runs, so a bad one is an
-``InvalidSpec`` naming it before anything is sent.
+Each operation's parameters, defaults and docstring are those of the methods that run it:
+``methods`` makes ``Client.fncall``, ``AsyncClient.fncall`` and the handles' methods from
+``fncall`` here, so its docstring speaks to their callers (of the handle a method returns, where
+it makes one). Arguments are checked here against the same decoders the node runs, so a bad one
+is an ``InvalidSpec`` naming it before anything is sent.
 """
 
 from __future__ import annotations
@@ -307,38 +310,49 @@ def _ids(sandboxes: str | Sequence[str]) -> list[str]:
 
 
 def node_info() -> Op[dict[str, Any]]:
+    """What the node daemon is and holds (``NodeStatus`` as a dict): version, capacity,
+    backends, layer sources, FnCall pools, devices."""
     status = yield call("node_info")
     return status.to_dict()
 
 
 def probe() -> Op[NodeProbe]:
+    """What the control plane's watcher sees of the node (``NodeProbe``)."""
     return (yield call("probe"))
 
 
 def create(spec: SandboxSpec | None = None, **kw: Any) -> Op[SandboxInfo]:
+    """Create a sandbox from ``spec`` (a ``SandboxSpec``) or its fields as keywords
+    (``environment="judge-fizzbuzz"``), the keywords overriding the spec's; returns its
+    handle. ``InvalidSpec`` names an unknown or bad field before anything is sent."""
     made = yield call("create", CreateRequest(sandbox_spec(spec, kw)))
     return made.sandboxes[0]
 
 
 def create_many(spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> Op[list[SandboxInfo]]:
-    """All or nothing: the sandboxes made are killed if any could not be, and the first error
-    is raised (a failure to kill one of them is not: that error says more)."""
+    """Create ``n`` sandboxes concurrently; all or nothing (the created are killed on
+    error, and the first error is raised)."""
     made = yield call("create", CreateRequest(sandbox_spec(spec, kw), n))
-    if made.errors:
+    if made.errors:  # a failure to kill one of them is not raised: the first error says more
         yield Batch(tuple(call("kill", sid=i.id, tolerate=(DsecError,)) for i in made.sandboxes))
         raise error_from_wire(made.errors[0].to_dict())
     return list(made.sandboxes)
 
 
 def get(sandbox_id: str) -> Op[SandboxInfo]:
+    """The handle of sandbox ``sandbox_id`` as the node sees it now (``UnknownSandbox``
+    if there is none)."""
     return (yield call("get", sid=sandbox_id))
 
 
 def list_sandboxes() -> Op[list[SandboxInfo]]:
+    """Every sandbox on the node (through an apiserver: the caller's project's), oldest
+    first."""
     return list((yield call("list")).sandboxes)
 
 
 def kill(sandbox_id: str) -> Op[None]:
+    """Kill the sandbox and remove everything it left."""
     yield call("kill", sid=sandbox_id)
 
 
@@ -348,37 +362,51 @@ def kill_quietly(sandbox_id: str) -> Op[None]:
 
 
 def usage(sandbox_id: str) -> Op[SandboxUsage]:
+    """What the sandbox uses now: CPU time, memory, processes, disk."""
     return (yield call("usage", sid=sandbox_id))
 
 
-def pause(sandboxes: str | Sequence[str], *, reclaim: bool = False) -> Op[Any]:
-    """One sandbox's ``SandboxInfo`` (an id), or a list (a list of ids)."""
+def pause(sandbox_id: str, *, reclaim: bool = False) -> Op[SandboxInfo]:
+    """Pause the sandbox: every process stops where it is; memory, open files and sessions
+    stay, and nothing in it answers until ``resume``. ``reclaim`` then has the kernel take
+    back what of its memory it can. Pausing a paused one changes nothing."""
+    return (yield call("pause", query=PauseQuery(reclaim), sid=sandbox_id))
+
+
+def pause_all(sandbox_ids: Sequence[str], *, reclaim: bool = False) -> Op[list[SandboxInfo]]:
+    """``pause`` of each sandbox: at once in an async client, in turn in a blocking one."""
     q = PauseQuery(reclaim)
-    if isinstance(sandboxes, str):
-        return (yield call("pause", query=q, sid=sandboxes))
-    return (yield Batch(tuple(call("pause", query=q, sid=sid) for sid in sandboxes)))
+    return (yield Batch(tuple(call("pause", query=q, sid=sid) for sid in sandbox_ids)))
 
 
-def resume(sandboxes: str | Sequence[str]) -> Op[Any]:
-    """One sandbox's ``SandboxInfo`` (an id), or a list (a list of ids)."""
-    if isinstance(sandboxes, str):
-        return (yield call("resume", sid=sandboxes))
-    return (yield Batch(tuple(call("resume", sid=sid) for sid in sandboxes)))
+def resume(sandbox_id: str) -> Op[SandboxInfo]:
+    """Let the paused sandbox go on where it was; a no-op for one that is not paused."""
+    return (yield call("resume", sid=sandbox_id))
+
+
+def resume_all(sandbox_ids: Sequence[str]) -> Op[list[SandboxInfo]]:
+    """``resume`` of each sandbox: at once in an async client, in turn in a blocking one."""
+    return (yield Batch(tuple(call("resume", sid=sid) for sid in sandbox_ids)))
 
 
 def events(sandbox_id: str) -> Op[list[InfraEvent]]:
+    """The infrastructure failures that struck the sandbox (``InfraEvent``: preempted, out
+    of memory, ...), oldest first: not the task's doing, so a trainer masks them."""
     return list((yield call("events", sid=sandbox_id)).events)
 
 
 def set_ttl(sandbox_id: str, ttl: float | None) -> Op[SandboxInfo]:
+    """Let the sandbox live ``ttl`` more seconds from now (None: until killed)."""
     return (yield call("set_ttl", TtlRequest(ttl), sid=sandbox_id))
 
 
 def policies(sandbox_id: str) -> Op[list[PolicyState]]:
+    """The sandbox's security policies: in force (with what they saw), or why not."""
     return list((yield call("policies", sid=sandbox_id)).policies)
 
 
 def set_policy(sandbox_id: str, policy: str, settings: Mapping[str, Any]) -> Op[PolicyState]:
+    """Change a live policy (e.g. a network allowlist) of the running sandbox."""
     return (yield call("set_policy", PolicySettings(settings), sid=sandbox_id, policy=policy))
 
 
@@ -386,20 +414,36 @@ def set_policy(sandbox_id: str, policy: str, settings: Mapping[str, Any]) -> Op[
 
 
 def lease(
-    sandboxes: str | Sequence[str], *, ttl: float = 10.0, holder: str = "", reclaim: bool = False
-) -> Op[LeaseInfo]:
-    return (yield call("lease", LeaseRequest(tuple(_ids(sandboxes)), ttl, holder, reclaim)))
+    sandboxes: str | Sequence[str],
+    *,
+    ttl: float = 10.0,
+    holder: str = "",
+    reclaim: bool = False,
+    renew: bool = True,
+) -> Op[tuple[LeaseInfo, bool]]:
+    """Take a lease on ``sandboxes`` (an agent sandbox and its workers, a group's members):
+    if it is not renewed within ``ttl`` seconds (its trainer died) the node pauses them,
+    with ``reclaim`` reclaiming their memory too, and records a "preempted" event. A lease
+    on sandboxes of a lapsed one takes them over and resumes them. ``renew``: this process
+    renews it every ttl/3 until ``release`` (a thread; an async client's task). ``LeaseHeld``
+    if a live lease of another holds one of them."""
+    # renewing is the handle's to do: ``renew`` goes back with the lease to the client
+    taken = yield call("lease", LeaseRequest(tuple(_ids(sandboxes)), ttl, holder, reclaim))
+    return taken, renew
 
 
 def lease_get(lease_id: str) -> Op[LeaseInfo]:
+    """Lease ``lease_id`` as the node holds it now (``UnknownLease`` if it does not)."""
     return (yield call("lease_get", lease=lease_id))
 
 
 def lease_renew(lease_id: str) -> Op[LeaseInfo]:
+    """Renew a lease (``Lease.renew``: the handle does it for its holder)."""
     return (yield call("lease_renew", lease=lease_id))
 
 
 def lease_release(lease_id: str, *, kill: bool = False) -> Op[LeaseInfo]:
+    """End a lease (``Lease.release``); ``kill`` kills its sandboxes too."""
     return (yield call("lease_release", query=ReleaseQuery(kill), lease=lease_id))
 
 
@@ -422,10 +466,12 @@ def release_if_held(lease_id: str, kill: bool, info: LeaseInfo) -> Op[LeaseInfo]
 
 
 def trajectory(name: str) -> Op[list[TrajectoryEntry]]:
+    """Every step of trajectory log ``name`` (none if there is no such log)."""
     return list((yield call("trajectory", trajectory=check_trajectory_name(name))).entries)
 
 
 def remove_trajectory(name: str) -> Op[None]:
+    """Remove trajectory log ``name`` (``NotFound`` if there is none)."""
     yield call("remove_trajectory", trajectory=check_trajectory_name(name))
 
 
@@ -433,10 +479,12 @@ def remove_trajectory(name: str) -> Op[None]:
 
 
 def layers() -> Op[list[LayerInfo]]:
+    """Every layer of the node's layer sources, source by source."""
     return list((yield call("layers")).layers)
 
 
 def prefetch(refs: Sequence[str]) -> Op[list[dict[str, Any]]]:
+    """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
     made = yield call("prefetch", PrefetchRequest(refs))  # type: ignore[arg-type]
     return [row.to_dict() for row in made.layers]
 
@@ -451,19 +499,31 @@ def pack_diff(
     source: str | None = None,
     secrets: Mapping[str, str] | None = None,
 ) -> Op[LayerInfo]:
+    """Pack the running sandbox's writable layer into a snapshot layer over its layers
+    (``Node.pack_diff``): the sandbox is frozen meanwhile. ``exclude`` leaves paths out;
+    ``scrub`` also leaves out /tmp, caches, shell histories and credentials; ``source``
+    (a URL of one of the node's layer sources) also pushes it there, with the parents it
+    lacks. ``secrets`` (label -> text, e.g. ``{"hidden-test": ...}``): the packed layer
+    is scanned for each; a hit removes it and raises ``LeakFound`` naming paths and
+    labels."""
     body = PackDiffRequest(name, version, tuple(exclude), scrub, source, dict(secrets or {}))
     return (yield call("pack_diff", body, sid=sandbox_id))
 
 
 def snapshot_memory(sandbox_id: str, name: str | None = None) -> Op[MemorySnapshot]:
+    """Save a running VM sandbox's memory, devices and disk at one instant (it runs on);
+    ``restore(snapshot.name, n)`` starts n sandboxes that go on from there."""
     return (yield call("snapshot_memory", MemorySnapshotRequest(name), sid=sandbox_id))
 
 
 def memory_snapshot(name: str) -> Op[MemorySnapshot]:
+    """Memory snapshot ``name`` as ``snapshot_memory`` made it (``UnknownSnapshot`` if
+    there is none): its size on disk and the spec its restores take."""
     return (yield call("memory_snapshot", snapshot=name))
 
 
 def remove_memory_snapshot(name: str) -> Op[None]:
+    """Remove memory snapshot ``name`` (``UnknownSnapshot`` if there is none)."""
     yield call("remove_memory_snapshot", snapshot=name)
 
 
@@ -473,6 +533,10 @@ def restore(
     spec: SandboxSpec | None = None,
     **kw: Any,
 ) -> Op[list[SandboxInfo]]:
+    """``n`` new sandboxes that each start from ``snapshot``'s state, each with its own
+    writable layer over the same read-only layers; all or nothing. ``spec`` (or its
+    fields) sets the rest; its layers and environment are replaced by the snapshot's.
+    ``MissingParentLayers`` names the digests of parent layers no source holds."""
     ref = _snapshot_ref(snapshot)
     # the node replaces the layers; a spec needs some to be valid
     body = RestoreRequest(ref, n, sandbox_spec(spec, {"layers": (ref,), **kw}))
@@ -496,6 +560,12 @@ def exec(
     trajectory: str | None = None,
     step: int | None = None,
 ) -> Op[ExecResult]:
+    """Run ``cmd`` in the sandbox: a string through ``/bin/sh -c``, a list as argv.
+    Processes it leaves running are killed when it exits, unless ``background``;
+    ``exclusive`` first kills every other process in the sandbox (sessions, background
+    jobs, other calls), which is how a verifier should run. ``trajectory``: log it as
+    ``step`` (default: the next) of that trajectory log; a step logged already comes back
+    from the log (``replayed``) without running."""
     body = ExecRequest(
         cmd,  # type: ignore[arg-type]  # ExecRequest takes any sequence, and str stdin
         timeout,
@@ -526,6 +596,11 @@ def fncall(
     memory: int | str = "512M",
     devices: Sequence[DeviceRequest | str | Mapping[str, Any]] = (),
 ) -> Op[FnCallResult]:
+    """Run a short stateless call (``cmd``, or shell ``script``) in a warm member of the
+    environment's FnCall pool, with ``files`` (relative to its working directory) written
+    first; the member is reset before anyone else's call. A timeout sets ``timed_out``; a
+    member that died under the call gives ``error="runtime-error"`` (it is replaced).
+    ``devices`` (e.g. ``["gpu"]``): members hold them, and the pool is one of its own."""
     body = FnCallRequest(
         environment,
         cmd,  # type: ignore[arg-type]  # FnCallRequest takes what the SDK's callers pass
@@ -546,18 +621,26 @@ def fncall(
 def judge(
     environment: str | JudgeSpec, run: str | Sequence[str] | None = None, **kw: Any
 ) -> Op[JudgeResult]:
+    """Judge a submission in a warm member of the environment's FnCall pool: ``files``
+    written, ``compile`` run once, then ``run`` on each of ``cases`` (``JudgeCase``) or
+    of ``cases_dir``'s NAME.in/NAME.out, each with ``time_limit`` CPU seconds and
+    ``memory_limit``; a verdict per case (AC, WA, TLE, MLE, RE) and for the whole (or CE).
+    Takes a ``JudgeSpec``, or its fields as arguments."""
     return (yield call("judge", _judge_spec(environment, run, kw)))
 
 
 def session_open(
     sandbox_id: str, *, cwd: str | None = None, env: Mapping[str, str] | None = None
-) -> Op[str]:
-    """The new session's id."""
+) -> Op[tuple[str, str]]:
+    """Start a persistent shell in the sandbox (``cwd`` and ``env`` default to the
+    sandbox's): its cwd, variables and functions carry over between its commands. A
+    context manager that closes it on exit."""
     opened = yield call("session_open", SessionOpenRequest(cwd, env), sid=sandbox_id)
-    return opened.session
+    return sandbox_id, opened.session  # what its handle is made of
 
 
 def sessions(sandbox_id: str) -> Op[list[str]]:
+    """The ids of the sandbox's sessions whose shells still run."""
     return list((yield call("sessions", sid=sandbox_id)).sessions)
 
 
@@ -570,11 +653,13 @@ def session_exec(
     stdin: bytes | str | None = None,
     max_output: int = DEFAULT_MAX_OUTPUT,
 ) -> Op[ExecResult]:
+    """Run shell command ``cmd`` in the session (``Session.exec``)."""
     body = SessionExecRequest(cmd, timeout, stdin, max_output)  # type: ignore[arg-type]
     return (yield call("session_exec", body, sid=sandbox_id, ses=session_id))
 
 
 def session_close(sandbox_id: str, session_id: str) -> Op[None]:
+    """Close the session (``Session.close``): its shell and what it started end."""
     yield call("session_close", sid=sandbox_id, ses=session_id)
 
 
@@ -587,6 +672,7 @@ def session_close_quietly(sandbox_id: str, session_id: str) -> Op[None]:
 
 
 def read_file(sandbox_id: str, path: str) -> Op[bytes]:
+    """The whole file at ``path`` in the sandbox (read in pieces of ``CHUNK``)."""
     out = bytearray()
     while True:
         piece = yield call("read_file", query=ReadQuery(path, len(out), CHUNK), sid=sandbox_id)
@@ -600,6 +686,8 @@ def _write(sandbox_id: str, path: str, mode: str, off: int, piece: bytes) -> Cal
 
 
 def write_file(sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o644) -> Op[None]:
+    """Write ``data`` (str: as UTF-8) to ``path`` in the sandbox, replacing the file;
+    ``mode`` (permission bits such as 0o755) applies to a file this creates."""
     octal = _octal(mode)
     for off, piece in _write_chunks(_data(data)):
         yield _write(sandbox_id, path, octal, off, piece)
@@ -608,7 +696,9 @@ def write_file(sandbox_id: str, path: str, data: bytes | str, *, mode: int = 0o6
 def upload(
     sandbox_id: str, local: str | os.PathLike[str], remote: str, *, mode: int | None = None
 ) -> Op[None]:
-    """A local file's pieces, each read (in a thread, for an async client) as it is sent."""
+    """Copy local file ``local`` to ``remote`` in the sandbox piece by piece, never holding
+    all of it; ``mode`` defaults to the local file's."""
+    # each piece is read (in a thread, for an async client) as it is sent
     where = _local(local)
     octal = _octal((yield Blocking(_upload_mode, (where, mode))))
     pieces = _file_chunks(where)
@@ -621,8 +711,8 @@ def upload(
 
 
 def download(sandbox_id: str, remote: str, local: str | os.PathLike[str]) -> Op[None]:
-    """The local file is opened once the first piece came (a bad remote path leaves it as it
-    was), and written piece by piece."""
+    """Copy a file out of the sandbox piece by piece, never holding all of it. The local
+    file is opened once the first piece came (a bad remote path leaves it as it was)."""
     where = _local(local)
     piece = yield call("read_file", query=ReadQuery(remote, 0, CHUNK), sid=sandbox_id)
     f = yield Blocking(open, (where, "wb"))
@@ -639,22 +729,30 @@ def download(sandbox_id: str, remote: str, local: str | os.PathLike[str]) -> Op[
 
 
 def list_dir(sandbox_id: str, path: str) -> Op[list[FileEntry]]:
+    """The entries of directory ``path`` in the sandbox (lstat, without . and ..), sorted
+    by name."""
     return list((yield call("list_dir", query=FileQuery(path), sid=sandbox_id)).entries)
 
 
 def stat(sandbox_id: str, path: str) -> Op[FileEntry]:
+    """What lstat says of ``path`` in the sandbox."""
     return (yield call("stat", query=FileQuery(path), sid=sandbox_id))
 
 
 def remove(sandbox_id: str, path: str, *, recursive: bool = False) -> Op[None]:
+    """Remove a file, symlink or empty directory in the sandbox; ``recursive``: a tree."""
     yield call("remove", query=RemoveQuery(path, recursive), sid=sandbox_id)
 
 
 def screenshot(sandbox_id: str) -> Op[bytes]:
+    """The sandbox's display now, as PNG bytes (a backend with a screen: ``vm``)."""
     return (yield call("screenshot", sid=sandbox_id))
 
 
 def input(sandbox_id: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> Op[int]:
+    """Send input to the sandbox's display in order: records (``dsec_core.screen_input``:
+    ``Key("a")``, ``Move(x, y)``, ``Click(x, y)``) or their dicts (``{"type": "click",
+    "x": 200, "y": 140}``); returns how many were sent."""
     # checked here: InvalidSpec names the bad event before anything is sent
     body = InputRequest(tuple(input_dicts(events)))
     return (yield call("input", body, sid=sandbox_id)).sent
@@ -700,6 +798,9 @@ def exec_stream(
     background: bool = False,
     exclusive: bool = False,
 ) -> Stream:
+    """``exec``, with the output as it comes: ``ExecOutput`` pieces (``stream`` "stdout"
+    or "stderr", ``data``), then the ``ExecResult`` (its stdout and stderr empty). Takes
+    ``exec``'s arguments but ``trajectory``. Leaving the loop early kills the command."""
     route = ROUTES["exec_stream"]
     body = ExecRequest(
         cmd,  # type: ignore[arg-type]
@@ -766,6 +867,11 @@ class SandboxRef:
         self.info = info
         self.id = info.id
 
+    @property
+    def _key(self) -> str:
+        """What the core's operations on the sandbox take first (``methods.handle_method``)."""
+        return self.id
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.info.state}>"
 
@@ -789,22 +895,28 @@ def group_members(name: str) -> Op[list[SandboxInfo]]:
 
 
 def group_create(
-    name: str, spec: SandboxSpec | None, n: int, kw: Mapping[str, Any]
+    name: str, /, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
 ) -> Op[list[SandboxInfo]]:
+    """``n`` new members (all or none), labelled into the group."""
     return (yield from create_many(_in_group(spec, kw, name), n))
 
 
 def group_fork(
     name: str,
-    source: str | SandboxRef | None,
-    n: int,
-    snapshot: str | LayerInfo | None,
-    spec: SandboxSpec | None,
-    kw: Mapping[str, Any],
+    /,
+    source: str | SandboxRef | None = None,
+    n: int = 1,
+    *,
+    snapshot: str | LayerInfo | None = None,
+    spec: SandboxSpec | None = None,
+    **kw: Any,
 ) -> Op[list[SandboxInfo]]:
-    """Member ``source`` packed (``pack_diff``), then ``n`` restores of it; or of ``snapshot``.
-    The restore spec is labelled into the group and checked before anything is packed; the
-    layers it is given only make it valid, the node replaces them by the snapshot's."""
+    """``n`` new members that each start from member ``source``'s state now (packed with
+    ``pack_diff``, then ``restore``), each with its own writable layer; or from an
+    earlier ``snapshot`` instead. ``spec`` (or its fields) goes to ``Client.restore``.
+    ``InvalidSpec`` if ``source`` is not a member of this group."""
+    # The restore spec is labelled into the group and checked before anything is packed; the
+    # layers it is given only make it valid, the node replaces them by the snapshot's.
     if (source is None) == (snapshot is None):
         raise InvalidSpec("fork takes a source member or a snapshot, one of them", field="source")
     if snapshot is not None:
@@ -825,24 +937,30 @@ def group_fork(
     return (yield from restore(packed, n, restore_spec))
 
 
-def group_lease(name: str, *, ttl: float, holder: str, reclaim: bool) -> Op[LeaseInfo]:
+def group_lease(
+    name: str, *, ttl: float = 10.0, holder: str = "", reclaim: bool = False
+) -> Op[tuple[LeaseInfo, bool]]:
+    """A lease on every member now (``Client.lease``): they pause if this process stops
+    renewing it, and a new trainer's lease on the group resumes them."""
     ids = [i.id for i in (yield from group_members(name))]
     return (yield from lease(ids, ttl=ttl, holder=holder or name, reclaim=reclaim))
 
 
-def group_pause(name: str, *, reclaim: bool) -> Op[list[SandboxInfo]]:
+def group_pause(name: str, *, reclaim: bool = False) -> Op[list[SandboxInfo]]:
+    """Pause every member that runs (see ``Client.pause``)."""
     live = [i.id for i in (yield from group_members(name)) if i.state == "running"]
-    return list((yield from pause(live, reclaim=reclaim)))
+    return (yield from pause_all(live, reclaim=reclaim))
 
 
 def group_resume(name: str) -> Op[list[SandboxInfo]]:
+    """Resume every paused member."""
     paused = [i.id for i in (yield from group_members(name)) if i.state == "paused"]
-    return list((yield from resume(paused)))
+    return (yield from resume_all(paused))
 
 
 def group_kill(name: str) -> Op[int]:
-    """Kill every member; one that went away meanwhile (its TTL, another process's kill) is no
-    error. How many there were."""
+    """Kill every member; returns how many there were."""
+    # one that went away meanwhile (its TTL, another process's kill) is no error
     members = yield from group_members(name)
     yield Batch(tuple(call("kill", sid=i.id, tolerate=(UnknownSandbox,)) for i in members))
     return len(members)

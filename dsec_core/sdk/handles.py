@@ -1,10 +1,11 @@
 """Handles: a sandbox, a session, a rollout group or a trainer's lease bound to its client.
 
 Each comes in twins, ``Sandbox`` for ``Client`` and ``AsyncSandbox`` for ``AsyncClient`` and so
-on, with explicit, typed, documented methods (so an IDE and mypy see ``sb.exec`` and its
-``ExecResult``); a sandbox's methods are its client's with the sandbox's id filled in, and what
-takes more than one request (a group's fork, a lease taken again) is an operation of the core.
-``tests/test_sdk.py`` holds each twin's methods to the other's and to the client's.
+on. A handle's methods are its client's with the handle's id filled in, made from the same
+operations of the core (``methods.handle_method``), so an IDE and mypy see ``sb.exec`` with
+``exec``'s parameters and its ``ExecResult``; what takes more than one request (a group's fork, a
+lease taken again) is an operation of the core too. ``tests/test_sdk.py`` holds each twin's
+methods to the other's and to the client's.
 """
 
 from __future__ import annotations
@@ -13,29 +14,24 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..api.messages import DEFAULT_MAX_OUTPUT
 from ..errors import DsecError
-from ..records import (
-    ExecOutput,
-    ExecResult,
-    FileEntry,
-    InfraEvent,
-    LayerInfo,
-    LeaseInfo,
-    MemorySnapshot,
-    PolicyState,
-    SandboxInfo,
-    SandboxSpec,
-    SandboxUsage,
-)
-from ..screen_input import InputEvent
+from ..records import LeaseInfo, SandboxInfo
 from . import core
 from .core import SandboxRef
+from .methods import (
+    async_handle_method,
+    async_session_method,
+    awaiting,
+    blocking,
+    handle_method,
+    named,
+    session_method,
+    streaming,
+    streaming_async,
+)
 
 if TYPE_CHECKING:
     from .async_client import AsyncClient
@@ -44,9 +40,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.sdk")
 
 
+# --- what a client's operation makes a handle of (``into``) -----------------------------------
+
+
+def sandbox_handles(client: Client, infos: list[SandboxInfo]) -> list[Sandbox]:
+    return [Sandbox(client, i) for i in infos]
+
+
+def async_sandbox_handles(client: AsyncClient, infos: list[SandboxInfo]) -> list[AsyncSandbox]:
+    return [AsyncSandbox(client, i) for i in infos]
+
+
+def session_handle(client: Client, ids: tuple[str, str]) -> Session:
+    return Session(client, *ids)
+
+
+def async_session_handle(client: AsyncClient, ids: tuple[str, str]) -> AsyncSession:
+    return AsyncSession(client, *ids)
+
+
+def lease_handle(client: Client, taken: tuple[LeaseInfo, bool]) -> Lease:
+    return Lease(client, *taken)
+
+
+def async_lease_handle(client: AsyncClient, taken: tuple[LeaseInfo, bool]) -> AsyncLease:
+    return AsyncLease(client, *taken)
+
+
 # --- sandboxes --------------------------------------------------------------------------------
 
 
+@named
 class Sandbox(SandboxRef):
     """A sandbox handle: ``sb.exec(...)``, ``sb.read_file(...)``, ``sb.kill()``; a context
     manager that kills the sandbox on exit. ``info`` is what was last seen of it
@@ -67,170 +91,33 @@ class Sandbox(SandboxRef):
         self.info = self.client._run(core.get(self.id))
         return self.info
 
-    def kill(self) -> None:
-        """Kill the sandbox and remove everything it left (``Client.kill``)."""
-        self.client.kill(self.id)
-
-    def exec(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = 300.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        background: bool = False,
-        exclusive: bool = False,
-        trajectory: str | None = None,
-        step: int | None = None,
-    ) -> ExecResult:
-        """Run ``cmd`` in the sandbox (``Client.exec``)."""
-        return self.client.exec(
-            self.id,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-            trajectory=trajectory,
-            step=step,
-        )
-
-    def exec_stream(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = 300.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        background: bool = False,
-        exclusive: bool = False,
-    ) -> Iterator[ExecOutput | ExecResult]:
-        """Run ``cmd`` with its output as it comes (``Client.exec_stream``)."""
-        return self.client.exec_stream(
-            self.id,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-        )
-
-    def session(self, *, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Session:
-        """Start a persistent shell (``Client.session_open``); a context manager."""
-        return self.client.session_open(self.id, cwd=cwd, env=env)
-
-    def session_open(
-        self, *, cwd: str | None = None, env: Mapping[str, str] | None = None
-    ) -> Session:
-        """Start a persistent shell (``Client.session_open``); the same as ``session``."""
-        return self.client.session_open(self.id, cwd=cwd, env=env)
-
-    def sessions(self) -> builtins.list[str]:
-        """The ids of the sandbox's live sessions (``Client.sessions``)."""
-        return self.client.sessions(self.id)
-
-    def set_ttl(self, ttl: float | None) -> SandboxInfo:
-        """Let the sandbox live ``ttl`` more seconds from now (``Client.set_ttl``)."""
-        return self.client.set_ttl(self.id, ttl)
-
-    def pause(self, *, reclaim: bool = False) -> SandboxInfo:
-        """Pause the sandbox (``Client.pause``)."""
-        return self.client.pause(self.id, reclaim=reclaim)
-
-    def resume(self) -> SandboxInfo:
-        """Let the paused sandbox go on (``Client.resume``)."""
-        return self.client.resume(self.id)
-
-    def usage(self) -> SandboxUsage:
-        """What the sandbox uses now (``Client.usage``)."""
-        return self.client.usage(self.id)
-
-    def events(self) -> builtins.list[InfraEvent]:
-        """The infrastructure failures that struck the sandbox (``Client.events``)."""
-        return self.client.events(self.id)
-
-    def policies(self) -> builtins.list[PolicyState]:
-        """The sandbox's security policies (``Client.policies``)."""
-        return self.client.policies(self.id)
-
-    def set_policy(self, policy: str, settings: Mapping[str, Any]) -> PolicyState:
-        """Change a live policy of the sandbox (``Client.set_policy``)."""
-        return self.client.set_policy(self.id, policy, settings)
-
-    def read_file(self, path: str) -> bytes:
-        """The whole file at ``path`` (``Client.read_file``)."""
-        return self.client.read_file(self.id, path)
-
-    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` (``Client.write_file``)."""
-        self.client.write_file(self.id, path, data, mode=mode)
-
-    def upload(
-        self, local: str | os.PathLike[str], remote: str, *, mode: int | None = None
-    ) -> None:
-        """Copy local file ``local`` to ``remote`` in the sandbox (``Client.upload``)."""
-        self.client.upload(self.id, local, remote, mode=mode)
-
-    def download(self, remote: str, local: str | os.PathLike[str]) -> None:
-        """Copy ``remote`` out of the sandbox to ``local`` (``Client.download``)."""
-        self.client.download(self.id, remote, local)
-
-    def list_dir(self, path: str) -> builtins.list[FileEntry]:
-        """The entries of directory ``path`` (``Client.list_dir``)."""
-        return self.client.list_dir(self.id, path)
-
-    def stat(self, path: str) -> FileEntry:
-        """What lstat says of ``path`` (``Client.stat``)."""
-        return self.client.stat(self.id, path)
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Remove ``path`` (``Client.remove``)."""
-        self.client.remove(self.id, path, recursive=recursive)
-
-    def screenshot(self) -> bytes:
-        """The sandbox's display now, as PNG bytes (``Client.screenshot``)."""
-        return self.client.screenshot(self.id)
-
-    def input(self, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
-        """Send input to the sandbox's display (``Client.input``)."""
-        return self.client.input(self.id, events)
-
-    def pack_diff(
-        self,
-        *,
-        name: str | None = None,
-        version: str | None = None,
-        exclude: Sequence[str] = (),
-        scrub: bool = True,
-        source: str | None = None,
-        secrets: Mapping[str, str] | None = None,
-    ) -> LayerInfo:
-        """Pack the sandbox's writable layer into a snapshot layer (``Client.pack_diff``)."""
-        return self.client.pack_diff(
-            self.id,
-            name=name,
-            version=version,
-            exclude=exclude,
-            scrub=scrub,
-            source=source,
-            secrets=secrets,
-        )
-
-    def snapshot_memory(self, name: str | None = None) -> MemorySnapshot:
-        """Save the VM sandbox's memory, devices and disk now (``Client.snapshot_memory``)."""
-        return self.client.snapshot_memory(self.id, name)
+    kill = handle_method(blocking(core.kill))
+    exec = handle_method(blocking(core.exec))
+    exec_stream = handle_method(streaming(core.exec_stream))
+    session = handle_method(blocking(core.session_open, into=session_handle))
+    session_open = handle_method(blocking(core.session_open, into=session_handle))
+    sessions = handle_method(blocking(core.sessions))
+    set_ttl = handle_method(blocking(core.set_ttl))
+    pause = handle_method(blocking(core.pause))
+    resume = handle_method(blocking(core.resume))
+    usage = handle_method(blocking(core.usage))
+    events = handle_method(blocking(core.events))
+    policies = handle_method(blocking(core.policies))
+    set_policy = handle_method(blocking(core.set_policy))
+    read_file = handle_method(blocking(core.read_file))
+    write_file = handle_method(blocking(core.write_file))
+    upload = handle_method(blocking(core.upload))
+    download = handle_method(blocking(core.download))
+    list_dir = handle_method(blocking(core.list_dir))
+    stat = handle_method(blocking(core.stat))
+    remove = handle_method(blocking(core.remove))
+    screenshot = handle_method(blocking(core.screenshot))
+    input = handle_method(blocking(core.input))
+    pack_diff = handle_method(blocking(core.pack_diff))
+    snapshot_memory = handle_method(blocking(core.snapshot_memory))
 
 
+@named
 class AsyncSandbox(SandboxRef):
     """The asyncio twin of ``Sandbox`` (``async with`` kills it on exit)."""
 
@@ -249,184 +136,53 @@ class AsyncSandbox(SandboxRef):
         self.info = await self.client._run(core.get(self.id))
         return self.info
 
-    async def kill(self) -> None:
-        """Kill the sandbox and remove everything it left (``Client.kill``)."""
-        await self.client.kill(self.id)
-
-    async def exec(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = 300.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        background: bool = False,
-        exclusive: bool = False,
-        trajectory: str | None = None,
-        step: int | None = None,
-    ) -> ExecResult:
-        """Run ``cmd`` in the sandbox (``Client.exec``)."""
-        return await self.client.exec(
-            self.id,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-            trajectory=trajectory,
-            step=step,
-        )
-
-    async def exec_stream(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = 300.0,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-        background: bool = False,
-        exclusive: bool = False,
-    ) -> AsyncIterator[ExecOutput | ExecResult]:
-        """Run ``cmd`` with its output as it comes (``Client.exec_stream``)."""
-        return await self.client.exec_stream(
-            self.id,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-        )
-
-    async def session(
-        self, *, cwd: str | None = None, env: Mapping[str, str] | None = None
-    ) -> AsyncSession:
-        """Start a persistent shell (``Client.session_open``); a context manager."""
-        return await self.client.session_open(self.id, cwd=cwd, env=env)
-
-    async def session_open(
-        self, *, cwd: str | None = None, env: Mapping[str, str] | None = None
-    ) -> AsyncSession:
-        """Start a persistent shell (``Client.session_open``); the same as ``session``."""
-        return await self.client.session_open(self.id, cwd=cwd, env=env)
-
-    async def sessions(self) -> builtins.list[str]:
-        """The ids of the sandbox's live sessions (``Client.sessions``)."""
-        return await self.client.sessions(self.id)
-
-    async def set_ttl(self, ttl: float | None) -> SandboxInfo:
-        """Let the sandbox live ``ttl`` more seconds from now (``Client.set_ttl``)."""
-        return await self.client.set_ttl(self.id, ttl)
-
-    async def pause(self, *, reclaim: bool = False) -> SandboxInfo:
-        """Pause the sandbox (``Client.pause``)."""
-        return await self.client.pause(self.id, reclaim=reclaim)
-
-    async def resume(self) -> SandboxInfo:
-        """Let the paused sandbox go on (``Client.resume``)."""
-        return await self.client.resume(self.id)
-
-    async def usage(self) -> SandboxUsage:
-        """What the sandbox uses now (``Client.usage``)."""
-        return await self.client.usage(self.id)
-
-    async def events(self) -> builtins.list[InfraEvent]:
-        """The infrastructure failures that struck the sandbox (``Client.events``)."""
-        return await self.client.events(self.id)
-
-    async def policies(self) -> builtins.list[PolicyState]:
-        """The sandbox's security policies (``Client.policies``)."""
-        return await self.client.policies(self.id)
-
-    async def set_policy(self, policy: str, settings: Mapping[str, Any]) -> PolicyState:
-        """Change a live policy of the sandbox (``Client.set_policy``)."""
-        return await self.client.set_policy(self.id, policy, settings)
-
-    async def read_file(self, path: str) -> bytes:
-        """The whole file at ``path`` (``Client.read_file``)."""
-        return await self.client.read_file(self.id, path)
-
-    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` (``Client.write_file``)."""
-        await self.client.write_file(self.id, path, data, mode=mode)
-
-    async def upload(
-        self, local: str | os.PathLike[str], remote: str, *, mode: int | None = None
-    ) -> None:
-        """Copy local file ``local`` to ``remote`` in the sandbox (``Client.upload``)."""
-        await self.client.upload(self.id, local, remote, mode=mode)
-
-    async def download(self, remote: str, local: str | os.PathLike[str]) -> None:
-        """Copy ``remote`` out of the sandbox to ``local`` (``Client.download``)."""
-        await self.client.download(self.id, remote, local)
-
-    async def list_dir(self, path: str) -> builtins.list[FileEntry]:
-        """The entries of directory ``path`` (``Client.list_dir``)."""
-        return await self.client.list_dir(self.id, path)
-
-    async def stat(self, path: str) -> FileEntry:
-        """What lstat says of ``path`` (``Client.stat``)."""
-        return await self.client.stat(self.id, path)
-
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        """Remove ``path`` (``Client.remove``)."""
-        await self.client.remove(self.id, path, recursive=recursive)
-
-    async def screenshot(self) -> bytes:
-        """The sandbox's display now, as PNG bytes (``Client.screenshot``)."""
-        return await self.client.screenshot(self.id)
-
-    async def input(self, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
-        """Send input to the sandbox's display (``Client.input``)."""
-        return await self.client.input(self.id, events)
-
-    async def pack_diff(
-        self,
-        *,
-        name: str | None = None,
-        version: str | None = None,
-        exclude: Sequence[str] = (),
-        scrub: bool = True,
-        source: str | None = None,
-        secrets: Mapping[str, str] | None = None,
-    ) -> LayerInfo:
-        """Pack the sandbox's writable layer into a snapshot layer (``Client.pack_diff``)."""
-        return await self.client.pack_diff(
-            self.id,
-            name=name,
-            version=version,
-            exclude=exclude,
-            scrub=scrub,
-            source=source,
-            secrets=secrets,
-        )
-
-    async def snapshot_memory(self, name: str | None = None) -> MemorySnapshot:
-        """Save the VM sandbox's memory, devices and disk now (``Client.snapshot_memory``)."""
-        return await self.client.snapshot_memory(self.id, name)
+    kill = async_handle_method(awaiting(core.kill))
+    exec = async_handle_method(awaiting(core.exec))
+    exec_stream = async_handle_method(streaming_async(core.exec_stream))
+    session = async_handle_method(awaiting(core.session_open, into=async_session_handle))
+    session_open = async_handle_method(awaiting(core.session_open, into=async_session_handle))
+    sessions = async_handle_method(awaiting(core.sessions))
+    set_ttl = async_handle_method(awaiting(core.set_ttl))
+    pause = async_handle_method(awaiting(core.pause))
+    resume = async_handle_method(awaiting(core.resume))
+    usage = async_handle_method(awaiting(core.usage))
+    events = async_handle_method(awaiting(core.events))
+    policies = async_handle_method(awaiting(core.policies))
+    set_policy = async_handle_method(awaiting(core.set_policy))
+    read_file = async_handle_method(awaiting(core.read_file))
+    write_file = async_handle_method(awaiting(core.write_file))
+    upload = async_handle_method(awaiting(core.upload))
+    download = async_handle_method(awaiting(core.download))
+    list_dir = async_handle_method(awaiting(core.list_dir))
+    stat = async_handle_method(awaiting(core.stat))
+    remove = async_handle_method(awaiting(core.remove))
+    screenshot = async_handle_method(awaiting(core.screenshot))
+    input = async_handle_method(awaiting(core.input))
+    pack_diff = async_handle_method(awaiting(core.pack_diff))
+    snapshot_memory = async_handle_method(awaiting(core.snapshot_memory))
 
 
 # --- sessions ---------------------------------------------------------------------------------
 
 
-class Session:
+class SessionRef:
+    """What a session handle is: its sandbox's id and its own."""
+
+    def __init__(self, sandbox_id: str, session_id: str) -> None:
+        self.sandbox_id, self.id = sandbox_id, session_id
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} in {self.sandbox_id}>"
+
+
+@named
+class Session(SessionRef):
     """A persistent shell in a sandbox: cwd, env and shell variables carry over. A context
     manager that closes it on exit."""
 
     def __init__(self, client: Client, sandbox_id: str, session_id: str) -> None:
-        self.client, self.sandbox_id, self.id = client, sandbox_id, session_id
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id} in {self.sandbox_id}>"
+        super().__init__(sandbox_id, session_id)
+        self.client = client
 
     def __enter__(self) -> Session:
         return self
@@ -434,32 +190,17 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.client._run(core.session_close_quietly(self.sandbox_id, self.id))
 
-    def exec(
-        self,
-        cmd: str,
-        *,
-        timeout: float | None = 300.0,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-    ) -> ExecResult:
-        """Run shell command ``cmd`` in the session (``Client.session_exec``)."""
-        return self.client.session_exec(
-            self.sandbox_id, self.id, cmd, timeout=timeout, stdin=stdin, max_output=max_output
-        )
-
-    def close(self) -> None:
-        """Close the session (``Client.session_close``)."""
-        self.client.session_close(self.sandbox_id, self.id)
+    exec = session_method(blocking(core.session_exec))
+    close = session_method(blocking(core.session_close))
 
 
-class AsyncSession:
+@named
+class AsyncSession(SessionRef):
     """The asyncio twin of ``Session``."""
 
     def __init__(self, client: AsyncClient, sandbox_id: str, session_id: str) -> None:
-        self.client, self.sandbox_id, self.id = client, sandbox_id, session_id
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.id} in {self.sandbox_id}>"
+        super().__init__(sandbox_id, session_id)
+        self.client = client
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -467,168 +208,78 @@ class AsyncSession:
     async def __aexit__(self, *exc: object) -> None:
         await self.client._run(core.session_close_quietly(self.sandbox_id, self.id))
 
-    async def exec(
-        self,
-        cmd: str,
-        *,
-        timeout: float | None = 300.0,
-        stdin: bytes | str | None = None,
-        max_output: int = DEFAULT_MAX_OUTPUT,
-    ) -> ExecResult:
-        """Run shell command ``cmd`` in the session (``Client.session_exec``)."""
-        return await self.client.session_exec(
-            self.sandbox_id, self.id, cmd, timeout=timeout, stdin=stdin, max_output=max_output
-        )
-
-    async def close(self) -> None:
-        """Close the session (``Client.session_close``)."""
-        await self.client.session_close(self.sandbox_id, self.id)
+    exec = async_session_method(awaiting(core.session_exec))
+    close = async_session_method(awaiting(core.session_close))
 
 
 # --- rollout groups ---------------------------------------------------------------------------
 
 
-class Group:
-    """A rollout group: sandboxes created, paused, resumed and killed together, found again by
-    name from any process (see ``Client.group``)."""
+class GroupRef:
+    """What a rollout group's handle is: its name, which its operations take first."""
 
-    def __init__(self, client: Client, name: str) -> None:
-        self.client = client
+    def __init__(self, name: str) -> None:
         self.name = core.group_name(name)
+
+    @property
+    def _key(self) -> str:
+        return self.name
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
-    def create(
-        self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
-    ) -> builtins.list[Sandbox]:
-        """``n`` new members (all or none), labelled into the group."""
-        made = self.client._run(core.group_create(self.name, spec, n, kw))
-        return [Sandbox(self.client, i) for i in made]
 
-    def fork(
-        self,
-        source: str | Sandbox | None = None,
-        n: int = 1,
-        *,
-        snapshot: str | LayerInfo | None = None,
-        spec: SandboxSpec | None = None,
-        **kw: Any,
-    ) -> builtins.list[Sandbox]:
-        """``n`` new members that each start from member ``source``'s state now (packed with
-        ``pack_diff``, then ``restore``), each with its own writable layer; or from an
-        earlier ``snapshot`` instead. ``spec`` (or its fields) goes to ``Client.restore``.
-        ``InvalidSpec`` if ``source`` is not a member of this group."""
-        made = self.client._run(core.group_fork(self.name, source, n, snapshot, spec, kw))
-        return [Sandbox(self.client, i) for i in made]
+@named
+class Group(GroupRef):
+    """A rollout group: sandboxes created, paused, resumed and killed together, found again by
+    name from any process (see ``Client.group``)."""
 
-    def members(self) -> builtins.list[SandboxInfo]:
-        """The group's sandboxes on the node now, oldest first."""
-        return self.client._run(core.group_members(self.name))
+    def __init__(self, client: Client, name: str) -> None:
+        super().__init__(name)
+        self.client = client
+
+    create = handle_method(blocking(core.group_create, into=sandbox_handles))
+    fork = handle_method(blocking(core.group_fork, into=sandbox_handles))
+    members = handle_method(blocking(core.group_members))
+    lease = handle_method(blocking(core.group_lease, into=lease_handle))
+    pause = handle_method(blocking(core.group_pause))
+    resume = handle_method(blocking(core.group_resume))
+    kill = handle_method(blocking(core.group_kill))
 
     def sandboxes(self) -> builtins.list[Sandbox]:
         """Handles of the group's sandboxes on the node now, oldest first."""
         return [Sandbox(self.client, i) for i in self.members()]
 
-    def lease(self, *, ttl: float = 10.0, holder: str = "", reclaim: bool = False) -> Lease:
-        """A lease on every member now (``Client.lease``): they pause if this process stops
-        renewing it, and a new trainer's lease on the group resumes them."""
-        op = core.group_lease(self.name, ttl=ttl, holder=holder, reclaim=reclaim)
-        return Lease(self.client, self.client._run(op))
 
-    def pause(self, *, reclaim: bool = False) -> builtins.list[SandboxInfo]:
-        """Pause every member that runs (see ``Client.pause``)."""
-        return self.client._run(core.group_pause(self.name, reclaim=reclaim))
-
-    def resume(self) -> builtins.list[SandboxInfo]:
-        """Resume every paused member."""
-        return self.client._run(core.group_resume(self.name))
-
-    def kill(self) -> int:
-        """Kill every member; returns how many there were."""
-        return self.client._run(core.group_kill(self.name))
-
-
-class AsyncGroup:
+@named
+class AsyncGroup(GroupRef):
     """``Group`` for ``AsyncClient``: members are paused, resumed and killed at once."""
 
     def __init__(self, client: AsyncClient, name: str) -> None:
+        super().__init__(name)
         self.client = client
-        self.name = core.group_name(name)
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.name}>"
-
-    async def create(
-        self, spec: SandboxSpec | None = None, n: int = 1, **kw: Any
-    ) -> builtins.list[AsyncSandbox]:
-        """``n`` new members (all or none), labelled into the group."""
-        made = await self.client._run(core.group_create(self.name, spec, n, kw))
-        return [AsyncSandbox(self.client, i) for i in made]
-
-    async def fork(
-        self,
-        source: str | AsyncSandbox | None = None,
-        n: int = 1,
-        *,
-        snapshot: str | LayerInfo | None = None,
-        spec: SandboxSpec | None = None,
-        **kw: Any,
-    ) -> builtins.list[AsyncSandbox]:
-        """``n`` new members that each start from member ``source``'s state now (packed with
-        ``pack_diff``, then ``restore``), each with its own writable layer; or from an
-        earlier ``snapshot`` instead. ``spec`` (or its fields) goes to ``Client.restore``.
-        ``InvalidSpec`` if ``source`` is not a member of this group."""
-        made = await self.client._run(core.group_fork(self.name, source, n, snapshot, spec, kw))
-        return [AsyncSandbox(self.client, i) for i in made]
-
-    async def members(self) -> builtins.list[SandboxInfo]:
-        """The group's sandboxes on the node now, oldest first."""
-        return await self.client._run(core.group_members(self.name))
+    create = async_handle_method(awaiting(core.group_create, into=async_sandbox_handles))
+    fork = async_handle_method(awaiting(core.group_fork, into=async_sandbox_handles))
+    members = async_handle_method(awaiting(core.group_members))
+    lease = async_handle_method(awaiting(core.group_lease, into=async_lease_handle))
+    pause = async_handle_method(awaiting(core.group_pause))
+    resume = async_handle_method(awaiting(core.group_resume))
+    kill = async_handle_method(awaiting(core.group_kill))
 
     async def sandboxes(self) -> builtins.list[AsyncSandbox]:
         """Handles of the group's sandboxes on the node now, oldest first."""
         return [AsyncSandbox(self.client, i) for i in await self.members()]
 
-    async def lease(
-        self, *, ttl: float = 10.0, holder: str = "", reclaim: bool = False
-    ) -> AsyncLease:
-        """A lease on every member now (``Client.lease``): they pause if this process stops
-        renewing it, and a new trainer's lease on the group resumes them."""
-        op = core.group_lease(self.name, ttl=ttl, holder=holder, reclaim=reclaim)
-        return AsyncLease(self.client, await self.client._run(op))
-
-    async def pause(self, *, reclaim: bool = False) -> builtins.list[SandboxInfo]:
-        """Pause every member that runs (see ``Client.pause``)."""
-        return await self.client._run(core.group_pause(self.name, reclaim=reclaim))
-
-    async def resume(self) -> builtins.list[SandboxInfo]:
-        """Resume every paused member."""
-        return await self.client._run(core.group_resume(self.name))
-
-    async def kill(self) -> int:
-        """Kill every member; returns how many there were."""
-        return await self.client._run(core.group_kill(self.name))
-
 
 # --- trainer leases ---------------------------------------------------------------------------
 
 
-class Lease:
-    """A trainer's lease on sandboxes (``Client.lease``). With ``renew`` a daemon thread renews
-    it every ttl/3; if the node forgot it (a restarted daemon), the thread takes a new one on
-    the same sandboxes. ``release()`` (or leaving a ``with``) ends it; the sandboxes stay."""
+class LeaseRef:
+    """What a trainer's lease handle is: the lease as last seen (``info``)."""
 
-    def __init__(self, client: Client, info: LeaseInfo, renew: bool = True) -> None:
-        self.client = client
+    def __init__(self, info: LeaseInfo) -> None:
         self.info = info
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if renew:
-            self._thread = threading.Thread(
-                target=self._renewing, name=f"dsec-lease-{info.id}", daemon=True
-            )
-            self._thread.start()
 
     @property
     def id(self) -> str:
@@ -638,6 +289,23 @@ class Lease:
     def __repr__(self) -> str:
         on = ", ".join(self.info.sandboxes)
         return f"<{type(self).__name__} {self.id} on {on}: {self.info.state}>"
+
+
+class Lease(LeaseRef):
+    """A trainer's lease on sandboxes (``Client.lease``). With ``renew`` a daemon thread renews
+    it every ttl/3; if the node forgot it (a restarted daemon), the thread takes a new one on
+    the same sandboxes. ``release()`` (or leaving a ``with``) ends it; the sandboxes stay."""
+
+    def __init__(self, client: Client, info: LeaseInfo, renew: bool = True) -> None:
+        super().__init__(info)
+        self.client = client
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if renew:
+            self._thread = threading.Thread(
+                target=self._renewing, name=f"dsec-lease-{info.id}", daemon=True
+            )
+            self._thread.start()
 
     def __enter__(self) -> Lease:
         return self
@@ -666,22 +334,13 @@ class Lease:
         self.info = self.client._run(core.release_if_held(self.info.id, kill, self.info))
 
 
-class AsyncLease:
+class AsyncLease(LeaseRef):
     """``Lease`` for ``AsyncClient``: renewed by a task of the event loop."""
 
     def __init__(self, client: AsyncClient, info: LeaseInfo, renew: bool = True) -> None:
+        super().__init__(info)
         self.client = client
-        self.info = info
         self._task = asyncio.get_running_loop().create_task(self._renewing()) if renew else None
-
-    @property
-    def id(self) -> str:
-        """The lease's id."""
-        return self.info.id
-
-    def __repr__(self) -> str:
-        on = ", ".join(self.info.sandboxes)
-        return f"<{type(self).__name__} {self.id} on {on}: {self.info.state}>"
 
     async def __aenter__(self) -> AsyncLease:
         return self
