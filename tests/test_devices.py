@@ -363,7 +363,11 @@ async def test_a_pool_with_exclusive_devices_grows_no_further_than_them(standins
             held = [asyncio.ensure_future(node.fncall("bb", **call)) for _ in range(2)]
             key = PoolKey("bb", "fncall", 1.0, 64 << 20, (DeviceRequest("gpu"),))
             await async_until(
-                lambda: (p := node.pools.pools.get(key)) is not None and p.size == 2 and not p.free,
+                lambda: (
+                    (p := node.pools.pools.get(key)) is not None
+                    and len(p.members) == 2
+                    and not p.free
+                ),
                 what="both members started and busy",
             )
             # a third member would need a third device: the call waits for one of the two,
