@@ -148,7 +148,12 @@ case "$cmd" in
         export DSEC_TEST_HOME="${DSEC_TEST_HOME:-/var/lib/dsec-test}"
         DSEC_HOME="$DSEC_TEST_HOME" "$venv/bin/dsec" catalog build
         set +e
-        "$venv/bin/pytest" -q -p no:cacheprovider "$@"
+        # Several workers (conftest.py gives each its own uid ranges and keeps each module on
+        # one worker, the Ray modules on one); DSEC_TEST_WORKERS=0 runs it in this process.
+        workers="${DSEC_TEST_WORKERS:-4}"
+        xdist=()
+        [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
+        "$venv/bin/pytest" -q -p no:cacheprovider "${xdist[@]}" --durations=25 "$@"
         rc=$?
         set -e
         [ "$rc" -eq 5 ] && { echo "run.sh: no tests ran" >&2; exit 1; }
