@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import socket
 import struct
 import sys
+
+from ..linux.processes import wait_for_exit
 
 __all__ = ["ask_keeper", "dismiss_keeper", "main"]
 
@@ -44,14 +45,7 @@ def dismiss_keeper(path: str, timeout: float = 10.0) -> None:
     """Tell the keeper at ``path`` to exit and wait until its process is gone (it may be the
     child of a daemon that died, so the caller cannot wait for it the usual way)."""
     _msg, _fds, pid = _ask(path, b"EXIT", min(timeout, 2.0))
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        select.select([pidfd], [], [], timeout)  # readable once the process has exited
-    finally:
-        os.close(pidfd)
+    wait_for_exit(pid, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

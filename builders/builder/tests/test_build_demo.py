@@ -96,7 +96,7 @@ def test_build_demo_builds_publishes_and_runs_the_task(python_node):
     assert REFERENCE.strip().endswith("return number + 1")
     layers = LayerStore(python_node.config.layer_dir)
     assert not [i for i in layers.list() if i.name.startswith(STAGED_PREFIX)]
-    assert index_namespaces() == before
+    assert index_namespaces() <= before  # none of its own left (others may have gone meanwhile)
 
     # `dsec demo --task` runs a task of the node's registered catalogs by name: one over the
     # built environment (its hidden-test task is the build's, for graders: not registered)
@@ -134,7 +134,7 @@ def test_an_unknown_environment_is_a_typed_error_and_starts_nothing(python_node)
     assert "Traceback" not in out.stderr
     with python_node.client() as client:
         assert not [i for i in client.list() if BUILD_LABEL in i.labels]
-    assert index_namespaces() == before
+    assert index_namespaces() <= before  # none of its own left (others may have gone meanwhile)
 
 
 @pytest.fixture(autouse=True)
