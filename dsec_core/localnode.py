@@ -16,6 +16,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 from .api.routes import ROUTES
 from .api.transport import Address, HTTPTransport
@@ -28,6 +29,7 @@ __all__ = [
     "ensure_daemon",
     "listen_addresses",
     "ping",
+    "spawn_daemon",
     "stop_daemon",
 ]
 
@@ -104,6 +106,22 @@ def daemon_pid(config: NodeConfig) -> int | None:
         os.close(fd)
 
 
+def spawn_daemon(config: NodeConfig, env: Mapping[str, str]) -> subprocess.Popen:
+    """Start a node daemon for ``config`` with ``env`` in a session of its own, not waiting for
+    it to answer. The daemon logs to its rotated log file itself; what it prints before its
+    logging is set up (or as it crashes) lands in ``config.stderr_path``, begun afresh."""
+    with open(config.stderr_path, "wb") as logf:
+        return subprocess.Popen(
+            [sys.executable, "-m", DAEMON_MODULE],
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            env=dict(env),
+            close_fds=True,
+        )
+
+
 def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> dict:
     """Make sure a daemon serves ``config.home``, starting one detached if needed."""
     config = config or NodeConfig.from_env()
@@ -122,20 +140,7 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
         info = ping(config)
         if info:
             return info
-        # The daemon logs to its rotated log file itself; what it prints before its logging
-        # is set up (or as it crashes) lands here, and each start begins it afresh.
-        logf = open(config.stderr_path, "wb")
-        env = dict(os.environ, DSEC_HOME=os.fspath(config.home))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", DAEMON_MODULE],
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=logf,
-            start_new_session=True,
-            env=env,
-            close_fds=True,
-        )
-        logf.close()
+        proc = spawn_daemon(config, dict(os.environ, DSEC_HOME=os.fspath(config.home)))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = ping(config, timeout=1.0)

@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from typing import Any
 from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
 from ..linux.processes import free_port, stop_process
-from ..localnode import DAEMON_MODULE, daemon_pid, stop_daemon
+from ..localnode import daemon_pid, spawn_daemon, stop_daemon
 from ..sdk import Client
 from .endpoint import check_name, format_labels
 
@@ -179,16 +178,7 @@ class NodeKeeper:
         """Start the daemon on ``port`` and wait until it answers there; ``_PortTaken`` if
         the port went to someone else first, ``NodeUnavailable`` for any other failure."""
         config.home.mkdir(parents=True, exist_ok=True)
-        with open(config.stderr_path, "wb") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", DAEMON_MODULE],
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=logf,
-                start_new_session=True,
-                env=self._environment(port),
-                close_fds=True,
-            )
+        proc = spawn_daemon(config, self._environment(port))
         self._proc, self.port = proc, port
         deadline = time.monotonic() + self.settings.start_timeout
         while time.monotonic() < deadline:
