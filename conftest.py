@@ -1,26 +1,22 @@
 """The suite's pytest set-up: dsec's test kit is opt-in (as pytester is), and this repository
 opts in for its own tests and every plugin's.
 
-The suite runs under pytest-xdist (``run.sh test``: ``-n`` workers, ``--dist loadgroup``). What
-the machine has once, each worker gets a share of of its own, set here before any test or daemon
-starts (daemons inherit the environment):
+The suite runs under pytest-xdist (``run.sh test``: ``-n`` workers, ``--dist loadfile``: each
+module on one worker, so its shared fixtures, a node, an apiserver or a cluster, are made once
+and its tests keep their order). What the machine has once, each worker gets a share of its own,
+set here before any test or daemon starts (daemons inherit the environment):
 
 - host uid ranges: worker k's nodes hand out ``DSEC_UID_RANGES`` ranges from a base of its own,
   so sandboxes of two workers' nodes never share a host uid (the kernel's per-uid key quota and
   process limits stay per sandbox);
 - homes, ports and cgroups are already per node (a fresh ``tmp_path`` home per test or kit node,
   ports chosen free, cgroups named by sandbox id and by a digest of the home);
-- Ray's loopback addresses (127.0.0.2-4) are the machine's only fixed ones: the modules that
-  start a Ray cluster share the xdist group ``ray`` and so run one after the other on one worker.
-
-Every other test goes with its module (an xdist group per file, as ``--dist loadscope`` would,
-but with ``ray`` on top): a module's shared fixtures (a node, an apiserver, a cluster) are made
-once, on one worker, and tests that read what an earlier one left keep their order.
+- Ray's loopback addresses (127.0.0.2-4) are the machine's only fixed ones: a module that starts
+  a Ray cluster holds ``dsec_core.testing.ray_loopback_lock`` while it runs, so two such modules
+  on two workers run one after the other.
 """
 
 import os
-
-import pytest
 
 pytest_plugins = ["dsec_core.testing"]
 
@@ -45,12 +41,3 @@ def pytest_configure(config) -> None:
         return
     os.environ["DSEC_UID_BASE"] = str(BASE_UID + k * WORKER_UID_RANGES * 65536)
     os.environ.setdefault("DSEC_UID_RANGES", str(WORKER_UID_RANGES))
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items) -> None:
-    if not getattr(config.option, "loadgroup", False):  # set by xdist's --dist loadgroup
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -148,11 +148,11 @@ case "$cmd" in
         export DSEC_TEST_HOME="${DSEC_TEST_HOME:-/var/lib/dsec-test}"
         DSEC_HOME="$DSEC_TEST_HOME" "$venv/bin/dsec" catalog build
         set +e
-        # Several workers (conftest.py gives each its own uid ranges and keeps each module on
-        # one worker, the Ray modules on one); DSEC_TEST_WORKERS=0 runs it in this process.
+        # Several workers, each module on one (conftest.py gives each worker its own uid
+        # ranges); DSEC_TEST_WORKERS=0 runs the suite in this process.
         workers="${DSEC_TEST_WORKERS:-4}"
         xdist=()
-        [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadgroup)
+        [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
         "$venv/bin/pytest" -q -p no:cacheprovider "${xdist[@]}" --durations=25 "$@"
         rc=$?
         set -e

@@ -134,6 +134,7 @@ def test_keys_are_checked(cluster):
     for key in (None, "", "nonsense", "dsk_0000000000000000_" + "0" * 64):
         with dsec.Client(cluster.api.url, api_key=key) as c, pytest.raises(AuthenticationFailed):
             c.list()
+    cluster.key("acme")  # the project, whichever test came first
     info, secret = cluster.iam.create_key("acme", "member")
     with cluster.client(secret) as c:
         c.list()

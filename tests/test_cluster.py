@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,11 +37,17 @@ from dsec_core.testing import (
     LocalRayCluster,
     free_port,
     ray_importable,
+    ray_loopback_lock,
 )
 
-#: Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time, on one
-#: xdist worker (conftest.py at the root).
-pytestmark = pytest.mark.xdist_group("ray")
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_module_at_a_time() -> Iterator[None]:
+    """Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time on
+    this machine (parallel test workers wait here)."""
+    with ray_loopback_lock():
+        yield
+
 
 needs_cluster = pytest.mark.skipif(
     not ray_importable() or os.geteuid() != 0,

@@ -18,11 +18,16 @@ from dsec_core.apiserver import OVERFLOW_LABEL
 from dsec_core.errors import NodeLost
 from dsec_core.iam import Iam
 from dsec_core.testing.apiserver import ApiserverProcess, start_apiserver
-from dsec_core.testing.ray import KitCluster
+from dsec_core.testing.ray import KitCluster, ray_loopback_lock
 
-#: Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time, on one
-#: xdist worker (conftest.py at the root).
-pytestmark = pytest.mark.xdist_group("ray")
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_module_at_a_time() -> Iterator[None]:
+    """Ray clusters take the fixed loopback addresses 127.0.0.2-4: one module at a time on
+    this machine (parallel test workers wait here)."""
+    with ray_loopback_lock():
+        yield
+
 
 PROBE = ["--probe-interval", "0.5", "--probe-timeout", "0.5", "--probe-misses", "2"]
 

@@ -50,7 +50,7 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
     results = json.loads(out.stdout[out.stdout.index("[\n") :])
     catalog = load_catalog(default_catalog_file())
     tasks = catalog.tasks
-    assert {r["task"] for r in results} == {t.name for t in tasks}
+    assert {r["task"] for r in results} == {t.name for t in tasks}, out.stdout + out.stderr
     # the microVM task ran after the container ones, on its environment's backend and kernel
     on_vm = [t.name for t in tasks if catalog.environment(t.environment).backend == "microvm"]
     assert on_vm and [r["task"] for r in results][-len(on_vm) :] == on_vm

@@ -55,6 +55,7 @@ from .ray import (
     dsec_ray_cluster,
     local_ray_cluster,
     ray_importable,
+    ray_loopback_lock,
 )
 from .sources import LayerSourceConformance
 from .waits import async_until, until
@@ -92,6 +93,7 @@ __all__ = [
     "node_home",
     "private_dockerd",
     "ray_importable",
+    "ray_loopback_lock",
     "running_kit_node",
     "stop_process",
     "until",

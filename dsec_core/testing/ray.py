@@ -17,6 +17,7 @@ every process below them), never with ``ray stop``, which kills every Ray proces
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -50,10 +51,13 @@ __all__ = [
     "dsec_ray_cluster",
     "local_ray_cluster",
     "ray_importable",
+    "ray_loopback_lock",
 ]
 
 #: The head's address; worker k (from 1) gets 127.0.0.(2 + k).
 HEAD_IP = "127.0.0.2"
+#: The machine-wide lock of the loopback addresses above (``ray_loopback_lock``).
+LOOPBACK_LOCK = Path("/run/lock/dsec-test-ray-loopback.lock")
 #: Ray's smallest object store (bytes); a test cluster stores no objects worth the name.
 OBJECT_STORE_BYTES = 80 * 1000 * 1000
 #: Test nodes' uid ranges: clear of a default node's (100000 + 8192 ranges of 65536 ids).
@@ -435,6 +439,20 @@ def _daemons_left(pids: dict[str, int]) -> list[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     return [f"daemon of {n} (pid {p}) still ran after cluster down" for n, p in alive.items()]
+
+
+@contextlib.contextmanager
+def ray_loopback_lock() -> Iterator[None]:
+    """Hold the machine's Ray test addresses (``HEAD_IP`` and the next ones) for the block:
+    test clusters of parallel workers take turns rather than meet on the same loopback
+    addresses. An exclusive ``flock``, released if its holder dies."""
+    LOOPBACK_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(LOOPBACK_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def _remove_homes(root: Path, problems: list[str]) -> None:

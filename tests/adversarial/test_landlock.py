@@ -220,11 +220,19 @@ def _victim(sb) -> subprocess.Popen:
     return _inside(sb, "setpriv", "--bounding-set=-all", "--inh-caps=-all", "sleep", "1000")
 
 
-def _pid_inside(nsenter: subprocess.Popen) -> int:
-    """The pid, in the sandbox's pid namespace, of the process nsenter started there."""
-    for _ in range(200):
+def _pid_inside(nsenter: subprocess.Popen, comm: str | None = None) -> int:
+    """The pid, in the sandbox's pid namespace, of the process nsenter started there; with
+    ``comm``, once it runs that program (before its exec it is not yet dumpable: entering the
+    user namespace cleared that, and on a loaded machine a probe could come in between)."""
+    for _ in range(1000):
         try:
             kids = Path(f"/proc/{nsenter.pid}/task/{nsenter.pid}/children").read_text().split()
+            if (
+                kids
+                and comm is not None
+                and Path(f"/proc/{kids[0]}/comm").read_text().strip() != comm
+            ):
+                kids = []
             if kids:
                 status = Path(f"/proc/{kids[0]}/status").read_text()
                 nspid = next(line for line in status.splitlines() if line.startswith("NSpid:"))
@@ -256,7 +264,7 @@ def test_signal_outside_the_domain(pair, witness):
     for sb, expect in ((control, "ok"), (guarded, "EPERM")):
         victim = _victim(sb)
         try:
-            pid = _pid_inside(victim)
+            pid = _pid_inside(victim, "sleep")
             steps = attempt(sb, "signal", "1")  # the agent: delivered and ignored, or refused
             assert steps == {"kill 0": expect, "SIGTERM": expect}, (sb, steps)
             steps = attempt(sb, "signal", str(pid))
@@ -277,7 +285,7 @@ def test_trace_outside_the_domain(pair, witness):
     for sb, expect in ((control, "ok"), (guarded, "EPERM")):
         victim = _victim(sb)
         try:
-            steps = attempt(sb, "trace", str(_pid_inside(victim)))
+            steps = attempt(sb, "trace", str(_pid_inside(victim, "sleep")))
             want = {"ptrace attach": expect, "read /proc/PID/environ": expect}
             if expect == "EPERM":
                 want["read /proc/PID/environ"] = "EACCES"

@@ -19,10 +19,6 @@ from dsec_core.layers.store import LayerStore
 from dsec_core.linux.netns import NETNS_DIR
 from dsec_core.records import BUILD_LABEL, STAGED_PREFIX, SandboxSpec
 
-#: Package indexes get network namespaces of the host (dsec-pkgindex-*), which the build demo
-#: checks are all gone: the modules that make them run one after the other on one xdist worker.
-pytestmark = pytest.mark.xdist_group("pkgindex")
-
 
 def dsec(python_node, *args: str) -> subprocess.CompletedProcess:
     """``dsec ARGS`` against the test's node."""

@@ -28,10 +28,6 @@ from dsec_core.linux.netns import links
 from dsec_core.records import SandboxSpec
 from dsec_core.testing import KitNode
 
-#: Package indexes get network namespaces of the host (dsec-pkgindex-*), which the build demo
-#: checks are all gone: the modules that make them run one after the other on one xdist worker.
-pytestmark = pytest.mark.xdist_group("pkgindex")
-
 DATA = Path(__file__).resolve().parents[1] / "dsec_builder" / "demo_data"
 WHEELS = DATA / "wheels"
 PEPPERCORN = "peppercorn-0.6-py3-none-any.whl"
