@@ -20,7 +20,7 @@ from dsec_core.linux.cgroups import frozen
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
 from dsec_core.sdk import GROUP_LABEL
-from dsec_core.testing import leftovers, node_home
+from dsec_core.testing import async_until, leftovers, node_home
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -60,7 +60,11 @@ async def test_a_counting_loop_stops_and_goes_on_from_its_count(node):
     info = await node.create(SPEC)
     sid = info.id
     await node.exec(sid, COUNT, background=True)
-    await asyncio.sleep(0.3)
+    count = Path(node.sandboxes[sid].rt.rootfs or "/nonexistent") / "tmp" / "count"
+    await async_until(
+        lambda: count.exists() and count.read_text().strip() not in ("", "0"),
+        what="the loop counting",
+    )
     t0 = time.perf_counter()
     paused = await node.pause(sid)
     pause_ms = 1e3 * (time.perf_counter() - t0)

@@ -39,7 +39,13 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.node.node import Node
 from dsec_core.node.pools import Pools, PoolSettings
-from dsec_core.testing import BackendConformance, leftovers, make_busybox_rootfs
+from dsec_core.testing import (
+    BackendConformance,
+    async_until,
+    daemon_config,
+    leftovers,
+    make_busybox_rootfs,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -59,7 +65,7 @@ class TestFnCallBackend(BackendConformance):
 @pytest.fixture
 def fn_home():
     home = Path(tempfile.mkdtemp(prefix="dsec-fncall-"))
-    config = NodeConfig(home=home)
+    config = daemon_config(home)  # this worker's uid ranges
     config.ensure_dirs()
     with tempfile.TemporaryDirectory() as tmp:
         rootfs = make_busybox_rootfs(Path(tmp) / "rootfs")
@@ -144,6 +150,15 @@ LEAVE_FILES = (
 SEE_FILES = "ls -A /tmp /root /work /dev/shm /dev/mqueue"
 LISTENERS = "cat /proc/net/tcp /proc/net/tcp6 | grep -c ' 0A '"
 EMPTY_AREAS = sorted([b"/tmp:", b"/root:", b"/work:", b"/dev/shm:", b"/dev/mqueue:"])
+
+
+async def checked_out(node: Node, n: int = 1) -> None:
+    """Until ``n`` members of the node's pools are checked out (started and not free): the
+    calls just sent are on them."""
+    await async_until(
+        lambda: sum(len(p.members) - len(p.free) for p in node.pools.pools.values()) >= n,
+        what=f"{n} member(s) checked out",
+    )
 
 
 async def test_a_call_sees_no_files_of_the_one_before(fn_home):
@@ -300,7 +315,7 @@ async def test_a_member_killed_under_a_call_is_a_runtime_error_and_is_replaced(f
         await settle(node)
         pid = node.sandboxes[first.member].backend_state["pid"]
         task = asyncio.ensure_future(call(node, "sleep 30", timeout=20))
-        await asyncio.sleep(0.3)
+        await checked_out(node)
         os.kill(pid, signal.SIGKILL)  # the agent, PID 1 of the member, from the host
         dead = await task
         assert dead.error == "runtime-error" and not dead.ok, dead
@@ -363,7 +378,7 @@ async def test_a_full_pool_rejects_with_its_name(fn_home):
     node = await _opened(fn_home, max=1, checkout_timeout=0.3)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2", timeout=10))
-        await asyncio.sleep(0.5)
+        await checked_out(node)
         with pytest.raises(AdmissionRejected) as e:
             await call(node, "true")
         assert e.value.pool == f"{ENV}/fncall/1cpu/64M" and e.value.reason == "fncall-pool"
@@ -376,7 +391,7 @@ async def test_a_caller_that_goes_away_while_waiting_loses_no_member(fn_home):
     node = await _opened(fn_home, max=1)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 0.5"))
-        await asyncio.sleep(0.3)
+        await checked_out(node)
         waiting = asyncio.ensure_future(call(node, "true"))
         await asyncio.sleep(0.05)
         waiting.cancel()
@@ -394,7 +409,7 @@ async def test_a_node_without_room_for_a_member_rejects_naming_the_pool(fn_home)
     node = await _opened(dataclasses.replace(fn_home, max_sandboxes=1), max=4, checkout_timeout=0.5)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2", timeout=10))
-        await asyncio.sleep(0.4)
+        await checked_out(node)
         t0 = time.monotonic()
         with pytest.raises(AdmissionRejected) as e:
             await call(node, "true")
@@ -601,7 +616,7 @@ async def test_start_false_waits_for_a_busy_member(fn_home):
     node = await _opened(fn_home, max=4, checkout_timeout=10.0)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 0.6; echo busy", project="org/a"))
-        await asyncio.sleep(0.3)
+        await checked_out(node)
         t0 = time.monotonic()
         r = await call(node, "echo waited", project="org/a", start=False)
         assert r.ok and r.stdout == b"waited\n"
@@ -618,7 +633,7 @@ async def test_start_false_fails_after_the_checkout_timeout_if_no_member_frees(f
     node = await _opened(fn_home, max=4, checkout_timeout=0.4)
     try:
         busy = asyncio.ensure_future(call(node, "sleep 2; echo busy", project="org/a"))
-        await asyncio.sleep(0.3)
+        await checked_out(node)
         t0 = time.monotonic()
         with pytest.raises(AdmissionRejected) as e:
             await call(node, "true", project="org/a", start=False)
@@ -638,7 +653,7 @@ async def test_start_false_waiting_on_a_member_that_dies_fails_at_once(fn_home):
         await settle(node)
         pid = node.sandboxes[first.member].backend_state["pid"]
         busy = asyncio.ensure_future(call(node, "sleep 30", timeout=20, project="org/a"))
-        await asyncio.sleep(0.3)
+        await checked_out(node)
         waiting = asyncio.ensure_future(call(node, "true", project="org/a", start=False))
         await asyncio.sleep(0.1)
         t0 = time.monotonic()

@@ -25,7 +25,7 @@ from dsec_core.errors import (
     UnknownSnapshot,
 )
 from dsec_core.linux.cgroups import CGROUP_ROOT
-from dsec_core.testing import leftovers, running_kit_node
+from dsec_core.testing import leftovers, running_kit_node, until
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"),
@@ -235,7 +235,10 @@ def test_restore_n_from_a_memory_snapshot_goes_on_from_its_instant(vm, dsec_clie
         "> /dev/null 2>&1 &",
         background=True,
     ).check()
-    time.sleep(1.0)
+    until(
+        lambda: vm.exec("cat /root/count 2>/dev/null").stdout.strip() not in (b"", b"1"),
+        what="the guest's loop counting",
+    )
     snap = vm.snapshot_memory(name=f"fork-{vm.id}")
     assert snap.backend == "microvm" and snap.bytes > 0
     at_save = int(vm.exec("cat /root/count").stdout)
