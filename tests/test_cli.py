@@ -189,3 +189,31 @@ def test_unenterable_home_is_a_clear_error(tmp_path):
     assert (
         out.returncode == 1 and "Error: DSEC_HOME" in out.stderr and "Traceback" not in out.stderr
     )
+
+
+def test_the_cli_loads_its_server_side_only_when_asked():
+    """Importing the CLI (what every ``dsec`` run does) loads neither the apiserver, the
+    cluster, the demo nor the OpenAPI document; ``dsec --help`` still lists their commands,
+    and naming one loads it."""
+    server_side = (
+        "dsec_core.apiserver",
+        "dsec_core.cluster",
+        "dsec_core.demo",
+        "dsec_core.api.openapi",
+    )
+    probe = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from dsec_core.cli import cli\n"
+        f"names = {server_side!r}\n"
+        "print([n for n in names if n in sys.modules])\n"
+        "out = CliRunner().invoke(cli, ['--help']).output\n"
+        "groups = ('apiserver', 'cluster', 'iam', 'layer', 'catalog')\n"
+        "print(all(f'  {c} ' in out for c in groups))\n"
+        "print(CliRunner().invoke(cli, ['apiserver', '--help']).exit_code)\n"
+        "print('dsec_core.apiserver' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[:4] == ["[]", "True", "0", "True"], out

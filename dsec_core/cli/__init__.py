@@ -7,6 +7,7 @@ traceback.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 import time
@@ -20,19 +21,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from .. import __version__
-from ..api.openapi import openapi_document
 from ..config import NodeConfig
-from ..demo import run_demo
 from ..errors import DsecError
 from ..localnode import ensure_daemon, ping, stop_daemon
 from ..plugins import plugin_descriptions, register_commands, registry
 from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
-from .apiserver import apiserver
-from .cluster import cluster
-from .iam import iam
-from .layers import catalog, layer
-from .plugin import plugin
 
 __all__ = ["cli", "main"]
 
@@ -65,7 +59,38 @@ def _kv(pairs: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-@click.group()
+class LazyGroup(click.Group):
+    """A group whose subcommands named in ``lazy`` (name -> ``module:attribute``) are imported
+    when first used: a client command does not load the apiserver, the cluster or the builder
+    (each ``dsec`` run spent about 0.4 s importing them)."""
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            module, _, attribute = self.lazy[cmd_name].partition(":")
+            command = getattr(importlib.import_module(module, __package__), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+#: The subcommand groups kept in modules of their own, imported when used.
+LAZY_GROUPS = {
+    "layer": ".layers:layer",
+    "catalog": ".layers:catalog",
+    "plugin": ".plugin:plugin",
+    "apiserver": ".apiserver:apiserver",
+    "iam": ".iam:iam",
+    "cluster": ".cluster:cluster",
+}
+
+
+@click.group(cls=LazyGroup, lazy=LAZY_GROUPS)
 @click.version_option(__version__, prog_name="dsec")
 def cli() -> None:
     """dsec: elastic sandboxes for agentic RL on composed EROFS layers."""
@@ -758,6 +783,8 @@ def _device_line(dev: dict[str, Any]) -> str:
 @node.command("openapi")
 def node_openapi() -> None:
     """Print the node API's OpenAPI 3.1 document (JSON), e.g. for schemathesis."""
+    from ..api.openapi import openapi_document  # the node's whole API: loaded when asked
+
     _dump(openapi_document())
 
 
@@ -783,6 +810,8 @@ def demo_cmd(catalog_file, tasks, as_json) -> None:
     """Build the default catalog if missing, run one rollout per task in parallel, score them."""
     if catalog_file and tasks:
         raise click.UsageError("--catalog and --task do not go together")
+    from ..demo import run_demo  # the demo and its catalog builder: loaded when run
+
     results = run_demo(catalog_file, console=console, tasks=tasks)
     if as_json:
         _dump(results)
@@ -791,12 +820,6 @@ def demo_cmd(catalog_file, tasks, as_json) -> None:
 
 
 def _add_plugin_commands() -> None:
-    cli.add_command(layer)
-    cli.add_command(catalog)
-    cli.add_command(plugin)
-    cli.add_command(apiserver)
-    cli.add_command(iam)
-    cli.add_command(cluster)
     register_commands(cli)  # each plugin's on its own: one that fails adds nothing
 
 
