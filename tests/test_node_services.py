@@ -718,8 +718,11 @@ def _ask(path, *requests: dict) -> list[dict]:
         f = s.makefile("rwb")
         answers = []
         for req in requests:
-            f.write(json.dumps(req).encode() + b"\n")
-            f.flush()
+            try:
+                f.write(json.dumps(req).encode() + b"\n")
+                f.flush()
+            except BrokenPipeError:  # a caller it serves nothing: answered and closed at once
+                pass
             answers.append(json.loads(f.readline()))
         return answers
 
