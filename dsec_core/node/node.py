@@ -19,10 +19,10 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from .. import plugins
 from ..agent import ensure_agent
@@ -75,6 +75,24 @@ from .trajectory import TrajectoryLogs
 __all__ = ["Node", "PolicyPlan", "Sandbox"]
 
 log = logging.getLogger("dsec.node")
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Delegated(Generic[P, R]):
+    """A method of the face that is a service's own (``Node.exec`` is ``node.agents.exec``):
+    its signature, defaults and docstring stay where they are written, and mypy sees them."""
+
+    def __init__(self, service: str, method: Callable[Concatenate[Any, P], R]) -> None:
+        self.service, self.name, self.__doc__ = service, method.__name__, method.__doc__
+
+    def __get__(self, node: Any, owner: type | None = None) -> Callable[P, R]:
+        if node is None:  # on the class (help, inspect): the descriptor itself
+            return self  # type: ignore[return-value]
+        bound: Callable[P, R] = getattr(getattr(node, self.service), self.name)
+        return bound
 
 
 class Node:
@@ -483,61 +501,9 @@ class Node:
         return await judge(self, self.pools, spec)
 
     # --- inside the sandbox ---------------------------------------------------------------
-    async def exec(
-        self,
-        sid: str,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: bytes | None = None,
-        max_output: int = 1 << 20,
-        background: bool = False,
-        exclusive: bool = False,
-        trajectory: str | None = None,
-        step: int | None = None,
-    ) -> ExecResult:
-        """Run a command in the sandbox (``Agents.exec``)."""
-        return await self.agents.exec(
-            sid,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-            trajectory=trajectory,
-            step=step,
-        )
-
-    def exec_stream(
-        self,
-        sid: str,
-        cmd: str | Sequence[str],
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: bytes | None = None,
-        max_output: int = 1 << 20,
-        background: bool = False,
-        exclusive: bool = False,
-    ) -> AsyncIterator[tuple[str, bytes] | ExecResult]:
-        """``exec`` with the output as it comes (``Agents.exec_stream``)."""
-        return self.agents.exec_stream(
-            sid,
-            cmd,
-            timeout=timeout,
-            cwd=cwd,
-            env=env,
-            stdin=stdin,
-            max_output=max_output,
-            background=background,
-            exclusive=exclusive,
-        )
+    # the service's own methods, their parameters and docstrings written once, in Agents
+    exec = _Delegated("agents", Agents.exec)
+    exec_stream = _Delegated("agents", Agents.exec_stream)
 
     async def session_open(
         self, sid: str, cwd: str | None = None, env: dict[str, str] | None = None
