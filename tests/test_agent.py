@@ -39,6 +39,7 @@ from dsec_core.errors import (
     UnknownSession,
 )
 from dsec_core.linux.processes import proc_stat, stop_process
+from dsec_core.testing import async_until
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -88,15 +89,6 @@ def rss_kib(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-async def wait_until(predicate, timeout: float = 3.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        await asyncio.sleep(0.02)
-    return predicate()
 
 
 @dataclass
@@ -384,13 +376,13 @@ async def test_background_processes_do_not_hold_exec(agent):
     r = await agent.client.exec(f"sleep {m} & echo bg", background=True)
     assert r.exit_code == 0 and r.stdout == b"bg\n" and time.monotonic() - start < 1
     # allowed to keep running; the fixture's teardown checks it dies with the agent
-    assert await wait_until(lambda: len(procs_with(m)) == 1)
+    await async_until(lambda: len(procs_with(m)) == 1, timeout=3.0)
     # its handler stays as the keeper (subreaper) of what it left, and goes with it
     (sleeper,) = procs_with(m)
     keeper = proc_table()[sleeper][0]
     assert keeper in agent.pids() and keeper != agent.proc.pid
     os.kill(sleeper, signal.SIGKILL)
-    assert await wait_until(lambda: keeper not in proc_table())
+    await async_until(lambda: keeper not in proc_table(), timeout=3.0)
 
 
 async def test_exec_kills_what_it_left_running(agent):
@@ -401,7 +393,7 @@ async def test_exec_kills_what_it_left_running(agent):
     assert r.exit_code == 0 and r.stdout == b"left\n" and not r.timed_out
     assert procs_with(m) == []  # gone before the answer came back
     # the handler itself exits right after answering, and main reaps it
-    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
+    await async_until(lambda: descendants(agent.proc.pid) == [], timeout=3.0)
 
 
 async def test_a_command_that_kills_its_handler_leaves_no_orphans(agent):
@@ -410,9 +402,9 @@ async def test_a_command_that_kills_its_handler_leaves_no_orphans(agent):
     m = agent.marker
     with pytest.raises(SandboxNotRunning):
         await agent.client.exec(f"sleep {m} & setsid sleep {m} & sleep 0.1; kill -9 $PPID; wait")
-    assert await wait_until(lambda: not procs_with(m))
+    await async_until(lambda: not procs_with(m), timeout=3.0)
     assert (await agent.client.exec("echo fine")).stdout == b"fine\n"
-    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
+    await async_until(lambda: descendants(agent.proc.pid) == [], timeout=3.0)
 
 
 async def test_a_stopped_handler_is_continued(agent):
@@ -427,7 +419,7 @@ async def test_exclusive_kills_every_other_process(agent):
     await c.session_exec(sid, f"sleep {m} &")
     await c.exec(f"sleep {m} > /dev/null &", background=True)
     other = asyncio.create_task(c.exec(["sleep", m]))
-    assert await wait_until(lambda: len(procs_with(m)) == 3)
+    await async_until(lambda: len(procs_with(m)) == 3, timeout=3.0)
     r = await c.exec(["sh", "-c", "echo alone"], exclusive=True)
     assert r.stdout == b"alone\n"
     assert procs_with(m) == []
@@ -435,7 +427,7 @@ async def test_exclusive_kills_every_other_process(agent):
         await other
     with pytest.raises(SessionClosed):
         await c.session_exec(sid, "true")
-    assert await wait_until(lambda: descendants(agent.proc.pid) == [])
+    await async_until(lambda: descendants(agent.proc.pid) == [], timeout=3.0)
 
 
 async def test_concurrent_execs_run_in_parallel(agent):
@@ -448,7 +440,7 @@ async def test_concurrent_execs_run_in_parallel(agent):
 async def test_cancelled_call_kills_its_command(agent):
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(agent.client.exec(f"sleep {agent.marker}"), 0.3)
-    assert await wait_until(lambda: not procs_with(agent.marker))
+    await async_until(lambda: not procs_with(agent.marker), timeout=3.0)
 
 
 async def test_commands_cannot_reach_agent_fds(agent):
@@ -533,7 +525,7 @@ async def test_agent_gone_raises_sandbox_not_running(agent, tmp_path):
         table = proc_table()
         return not [p for p in children if p in table and table[p][1] != "Z"]
 
-    assert await wait_until(all_gone)
+    await async_until(all_gone, timeout=3.0)
 
 
 async def test_oversize_frames_are_refused(agent):
@@ -719,13 +711,13 @@ async def test_session_timeout_spares_earlier_background_jobs(agent):
     # a "server" from an earlier command that keeps forking workers; the loop ends (and the
     # server with it) as soon as one of its sleeps is killed
     await c.session_exec(sid, f"sh -c 'while sleep 0.05; do :; done' {server} &")
-    assert await wait_until(lambda: len(procs_with(server)) == 1)
+    await async_until(lambda: len(procs_with(server)) == 1, timeout=3.0)
     r = await c.session_exec(sid, f"sleep {m} & sleep {m}", timeout=0.3)
     assert r.timed_out and procs_with(m) == []
     await asyncio.sleep(0.2)
     assert len(procs_with(server)) == 1  # it and its workers were spared
     await c.session_close(sid)
-    assert await wait_until(lambda: not procs_with(server))
+    await async_until(lambda: not procs_with(server), timeout=3.0)
 
 
 async def test_session_stuck_shell_is_killed(agent):
@@ -775,9 +767,9 @@ async def test_session_close_kills_descendants(agent):
     c, m = agent.client, agent.marker
     sid = await c.session_open()
     await c.session_exec(sid, f"setsid sleep {m} & sleep {m} &")
-    assert await wait_until(lambda: len(procs_with(m)) == 2)  # both have exec'd sleep
+    await async_until(lambda: len(procs_with(m)) == 2, timeout=3.0)  # both have exec'd sleep
     await c.session_close(sid)
-    assert await wait_until(lambda: not procs_with(m))
+    await async_until(lambda: not procs_with(m), timeout=3.0)
     assert await c.sessions() == []
     with pytest.raises(UnknownSession):
         await c.session_exec(sid, "true")

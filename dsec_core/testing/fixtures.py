@@ -128,18 +128,9 @@ def build_busybox_layer(store: LayerStore, name: str = "kit-base", version: str 
 
 def daemon_config(home: Path, **settings: Any) -> NodeConfig:
     """The ``NodeConfig`` a node daemon started in ``home`` from this process's environment
-    reads (``NodeConfig.from_env`` with ``DSEC_HOME=home``), ``settings`` on top: what a test
+    reads (``NodeConfig.from_env``, ``home`` for ``DSEC_HOME``), ``settings`` on top: what a test
     compares with the daemon's own view (its uid ranges, ``DSEC_UID_BASE`` per test worker)."""
-    saved = os.environ.get("DSEC_HOME")
-    os.environ["DSEC_HOME"] = os.fspath(home)
-    try:
-        config = NodeConfig.from_env()
-    finally:
-        if saved is None:
-            os.environ.pop("DSEC_HOME", None)
-        else:
-            os.environ["DSEC_HOME"] = saved
-    return dataclasses.replace(config, home=home, **settings)
+    return dataclasses.replace(NodeConfig.from_env(), home=home, **settings)
 
 
 @contextlib.contextmanager

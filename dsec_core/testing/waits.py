@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 __all__ = ["async_until", "until"]
@@ -33,20 +33,14 @@ def until(
 
 
 async def async_until(
-    predicate: Callable[[], T | Awaitable[T]],
-    timeout: float = 10.0,
-    what: str = "",
-    every: float = 0.02,
+    predicate: Callable[[], T], timeout: float = 10.0, what: str = "", every: float = 0.02
 ) -> T:
-    """``until`` on the event loop: ``predicate`` may be a plain function or a coroutine
-    function."""
+    """``until`` on the event loop: the loop runs between polls."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
-        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-            value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"not within {timeout}s: {what or predicate!r}")
         await asyncio.sleep(every)

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from dsec_security_ebpf.testing import ServerNamespace, egress_kit_node, stale_r
 from dsec_core.backend import cgroup_path
 from dsec_core.errors import InvalidSpec, PolicyUnavailable, ToolError
 from dsec_core.linux.netns import links
-from dsec_core.testing import leftovers
+from dsec_core.testing import leftovers, until
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
 
@@ -39,15 +38,6 @@ def egress_stats(sb) -> dict:
     (state,) = [p for p in sb.policies() if p.name == "egress"]
     assert state.state == "enforced"
     return dict(state.stats)
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_allowed_traffic_arrives_through_the_egress_namespace(dsec_sandboxes, servers, netprobe):
@@ -105,9 +95,10 @@ def test_domains_resolve_when_set_and_on_schedule(
         assert probe(sb, "tcp", other.address, "8080", "early") == "connect: EPERM"
 
         egress.set_zone({"svc.example": [other.address]})
-        assert wait_for(
+        until(
             lambda: egress_stats(sb)["resolved"]["svc.example"] == [other.address],
             timeout=10 * egress.refresh,
+            every=0.1,
         )
         assert probe(sb, "tcp", other.address, "8080", "moved") == "ok"
         assert probe(sb, "tcp", servers.address, "8080", "stale") == "connect: EPERM"
@@ -172,7 +163,7 @@ def test_kill_leaves_nothing(dsec_sandboxes, egress, servers, netprobe):
     dsec_sandboxes.client.kill(sb.id)
     assert not registered(sb.id)
     # the veth goes in the background, after the kernel's RCU grace period (tens of ms)
-    assert wait_for(lambda: veth_name(sb.id) not in links(ns), timeout=5)
+    until(lambda: veth_name(sb.id) not in links(ns), timeout=5, every=0.1)
     assert not (UNIFIED / cgroup_path(sb.id)).exists()
     assert leftovers(egress.node.home)["cgroups"] == []
 
