@@ -14,15 +14,19 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dsec
+from dsec_core.api.transport import HTTPTransport
 from dsec_core.errors import AdmissionRejected
 from dsec_core.fairqueue import FairQueue, project_of
-from dsec_core.records import SandboxSpec
+from dsec_core.iam import Iam
+from dsec_core.records import PROJECT_LABEL, SandboxSpec
+from dsec_core.testing.apiserver import named_nodes, running_apiserver
 from dsec_core.testing.fixtures import KitNode, running_kit_node
 from dsec_core.testing.waits import until
 
@@ -298,3 +302,112 @@ def test_a_cancelled_caller_leaves_the_queue_and_nothing_is_made(client, node):
     time.sleep(0.5)
     projects = [i.labels.get("project") for i in client.list()]
     assert "gone" not in projects and len(projects) == ROOM - 1
+
+
+# --- through an apiserver --------------------------------------------------------------------
+
+
+@dataclass
+class Api:
+    url: str
+    iam: Iam
+    layer: str
+    operator: str
+
+    def client(self, project: str) -> dsec.Client:
+        return dsec.Client(self.url, api_key=self.key(project))
+
+    def key(self, project: str) -> str:
+        if project not in {p.path for p in self.iam.projects()}:
+            self.iam.create_project(project)
+        return self.iam.create_key(project, "member")[1]
+
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(layers=(self.layer,), memory="64M")
+
+    def depth(self, project: str) -> float:
+        t = HTTPTransport(self.url, token=self.operator)
+        try:
+            text = t.request("GET", "/metrics", timeout=10).text
+        finally:
+            t.close()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "dsec_apiserver_create_queue_depth" and s.labels == {
+                    "project": project
+                }:
+                    return s.value
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory) -> Iterator[Api]:
+    """An apiserver over one node with room for ``ROOM`` sandboxes."""
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    iam = Iam.open(iam_url)
+    env = {"DSEC_MAX_SANDBOXES": str(ROOM), "DSEC_MAX_STARTING": str(STARTING)}
+    try:
+        with named_nodes({"q1": {}}, env) as nodes, running_apiserver(nodes, iam_url) as server:
+            operator = iam.create_key("/", "admin")[1]
+            yield Api(server.url, iam, nodes[0].node.layer.ref, operator)
+    finally:
+        iam.close()
+
+
+def test_through_the_apiserver_a_create_waits_for_room_on_a_node(api):
+    with api.client("fill") as c:
+        fillers = c.create_many(api.spec(), ROOM, wait=10)  # past the last test's kills
+        try:
+            with pytest.raises(AdmissionRejected):  # without wait: refused at once
+                c.create(api.spec())
+            with pytest.raises(AdmissionRejected) as e:
+                c.create(api.spec(), wait=0.5)
+            assert e.value.context["waited"] >= 0.5 and "waited" in str(e.value)
+            out: dict = {}
+
+            def waiting() -> None:
+                with api.client("later") as c2:
+                    out["sb"] = c2.create(api.spec(), wait=30)
+
+            t = threading.Thread(target=waiting, daemon=True)
+            t.start()
+            until(lambda: api.depth("later") == 1, timeout=10)
+            fillers.pop().kill()
+            t.join(20)
+            assert "sb" in out, "the waiting create was not served"
+            assert out["sb"].info.labels[PROJECT_LABEL] == "later"
+            assert api.depth("later") == 0
+            out["sb"].kill()
+        finally:
+            for sb in fillers:
+                sb.kill()
+
+
+def test_through_the_apiserver_a_cancelled_create_leaves_both_queues(api):
+    key = api.key("gone")
+    with api.client("fill2") as c:
+        fillers = c.create_many(api.spec(), ROOM, wait=10)  # past the last test's kills
+
+        async def cancel_one() -> None:
+            async with dsec.AsyncClient(api.url, api_key=key) as ac:
+                task = asyncio.ensure_future(ac.create(api.spec(), wait=30))
+                deadline = time.monotonic() + 10
+                while await asyncio.to_thread(api.depth, "gone") != 1:
+                    assert time.monotonic() < deadline, "the create never queued"
+                    await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        try:
+            asyncio.run(cancel_one())
+            until(lambda: api.depth("gone") == 0, timeout=5)
+            fillers.pop().kill()
+            time.sleep(1.5)  # past a probe: room a queued create would have taken
+            with api.client("gone") as g:
+                assert g.list() == []
+        finally:
+            for sb in fillers:
+                sb.kill()
