@@ -78,6 +78,32 @@ def test_an_idle_project_banks_no_credit():
     assert q.order()[:6] == ["b0", "a6", "b1", "a7", "b2", "a8"]
 
 
+def test_turns_taken_at_once_count_and_a_late_project_gets_at_most_its_credit():
+    q: FairQueue[str] = FairQueue(credit=3)
+    for _ in range(5):  # "early" got five creates through before anything waited
+        q.charge("early")
+    _fill(q, "early", 5)
+    _fill(q, "late", 5)
+    # late joins three turns behind the virtual time (that of early's last turn): it takes
+    # those and the one early is ahead by, then the two alternate
+    assert q.order()[:7] == ["late0", "late1", "late2", "late3", "early0", "late4", "early1"]
+    q2: FairQueue[str] = FairQueue()  # no credit: a late project just joins the rotation
+    for _ in range(5):
+        q2.charge("early")
+    _fill(q2, "early", 3)
+    _fill(q2, "late", 3)
+    assert q2.order()[:4] == ["late0", "early0", "late1", "early1"]
+
+
+def test_ties_go_to_the_project_that_holds_least():
+    q: FairQueue[str] = FairQueue()
+    _fill(q, "a", 3)
+    _fill(q, "b", 3)
+    assert q.peek({"a": 5, "b": 1}) == "b0"
+    assert q.order({"a": 2})[:4] == ["b0", "a0", "b1", "a1"]  # the tags still alternate
+    assert q.pop({"a": 5}) == "b0"
+
+
 def test_weights_give_shares_and_removal_leaves_the_order_fair():
     q: FairQueue[str] = FairQueue(weights={"a": 2.0})
     _fill(q, "a", 6)

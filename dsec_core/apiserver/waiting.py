@@ -35,6 +35,8 @@ T = TypeVar("T")
 WAITABLE = frozenset(
     {"count", "cpu", "memory", "memory-pressure", "memory-available", "devices", "placement"}
 )
+#: Turns a project that had nothing queued may be behind the others (``FairQueue``'s credit).
+CREDIT = 16
 #: Seconds between two attempts at the head's placement while anything waits.
 TICK = 0.2
 
@@ -68,7 +70,7 @@ class PlacementQueue:
 
     def __init__(self, metrics: QueueMetrics | None = None) -> None:
         self.metrics = metrics
-        self.waiting: FairQueue[_Waiter[Any]] = FairQueue()
+        self.waiting: FairQueue[_Waiter[Any]] = FairQueue(credit=CREDIT)
         self._ticker: asyncio.Task[None] | None = None
 
     async def place(self, attempt: Callable[[], T], project: str, batch: str, wait: float) -> T:
@@ -78,7 +80,9 @@ class PlacementQueue:
         if the deadline passes first. Cancelled: out of the queue."""
         if wait <= 0 or not self.waiting:
             try:
-                return attempt()
+                value = attempt()
+                self.waiting.charge(project, batch)  # its turn, taken at once
+                return value
             except AdmissionRejected as e:
                 if wait <= 0 or not _waitable(e):
                     raise

@@ -6,10 +6,12 @@ then by batch, not first come first served).
 ``CreateQueue.enter`` hands a create its ``Ticket`` once it is its turn, a start slot is free
 and admission would take it; the create then admits itself at once (``Ticket.admitted``) and
 gives the slot back when its sandbox runs or its create failed (``Ticket.done``). The check
-``fits`` counts the creates let go but not yet admitted, so several may go in one round. The
-head of the fair order that does not fit holds the others back (a large create is not starved
-by small ones behind it) until room frees: a kill, a create that ends, or the ticker that
-looks again while anything waits (memory in use changes without an event).
+``fits`` counts the creates let go but not yet admitted, so several may go in one round.
+The fair order goes by turns (``dsec_core.fairqueue``; a turn taken at once counts), ties
+going to the project holding least of the node (``held``). The head of the fair order that
+does not fit holds the others back (a large create is not starved by small ones behind it)
+until room frees: a kill, a create that ends, or the ticker that looks again while anything
+waits (memory in use changes without an event).
 
 A create without ``wait`` is refused at once when admission refuses it (as before the queue),
 but still waits for a start slot in fair order. One that waits past its deadline is refused
@@ -88,13 +90,23 @@ class Ticket:
 class CreateQueue:
     """Creates waiting on one node. ``fits(spec, pending)`` is admission's refusal of
     ``spec`` on the node with ``pending`` specs counted as created (None: it fits);
-    ``max_starting`` bounds the creates between their turn and their end."""
+    ``max_starting`` bounds the creates between their turn and their end; ``held()`` counts
+    the node's live sandboxes by project (of projects whose turns tie, who holds least goes
+    first)."""
 
-    def __init__(self, fits: Fits, max_starting: int, metrics: QueueMetrics | None = None) -> None:
+    def __init__(
+        self,
+        fits: Fits,
+        max_starting: int,
+        metrics: QueueMetrics | None = None,
+        held: Callable[[], dict[str, int]] = dict,
+    ) -> None:
         self.fits = fits
+        self.held = held
         self.max_starting = max_starting
         self.metrics = metrics
-        self.waiting: FairQueue[Ticket] = FairQueue()
+        # a credit of the start slots: what the fast path may let through before a queue forms
+        self.waiting: FairQueue[Ticket] = FairQueue(credit=max_starting)
         self.starting = 0
         self._pending: dict[Ticket, SandboxSpec] = {}
         self._seq = itertools.count(1)
@@ -115,6 +127,7 @@ class CreateQueue:
             self._reject(refusal.context.get("reason", "admission"))
             raise refusal
         if refusal is None and not self.waiting and self.starting < self.max_starting:
+            self.waiting.charge(project, batch)  # its turn, taken at once
             self._grant(t)  # the common case: nothing waits, no await
             return t
         t.future = asyncio.get_running_loop().create_future()
@@ -141,23 +154,33 @@ class CreateQueue:
         if self.waiting:
             self.pump()
 
+    def _holdings(self) -> dict[str, float]:
+        """What each project holds: its live sandboxes, and its creates let go but not yet
+        admitted (not among them yet)."""
+        held: dict[str, float] = dict(self.held())
+        for t in self._pending:
+            held[t.project] = held.get(t.project, 0) + 1
+        return held
+
     def pump(self) -> None:
         """Let go, in fair order, every create that may go now."""
+        held = self._holdings() if self.waiting else {}
         while self.waiting and self.starting < self.max_starting:
-            t = self.waiting.peek()
+            t = self.waiting.peek(held)
             assert t is not None
             refusal = self.fits(t.spec, tuple(self._pending.values()))
             if refusal is not None:
                 reason = refusal.context.get("reason")
                 if reason in WAITABLE and time.monotonic() < t.deadline:
                     break  # the head waits for room; the ticker looks again
-                self.waiting.pop()
+                self.waiting.pop(held)
                 self._reject(str(reason or "admission"))
                 assert t.future is not None
                 if not t.future.done():
                     t.future.set_exception(self._explained(t, refusal, position=0))
                 continue
-            self.waiting.pop()
+            self.waiting.pop(held)
+            held[t.project] = held.get(t.project, 0) + 1
             self._grant(t)
             assert t.future is not None
             if not t.future.done():
@@ -217,7 +240,7 @@ class CreateQueue:
 
     def _too_late(self, t: Ticket) -> AdmissionRejected:
         """The refusal of ``t``, whose deadline passed in the queue (it leaves it)."""
-        position = self.waiting.position(t)
+        position = self.waiting.position(t, self._holdings())
         self.waiting.remove(t)
         self._changed()
         refusal = self.fits(t.spec, tuple(self._pending.values()))

@@ -128,7 +128,7 @@ class Node:
             sandbox_states=lambda: state_counts(self.sandboxes.values()),
             layer_cache=self.rootfs.counts,
         )
-        self.queue = CreateQueue(self._fits, cfg.max_starting, self.metrics.queue)
+        self.queue = CreateQueue(self._fits, cfg.max_starting, self.metrics.queue, self._held)
 
     @property
     def devices(self) -> DevicePool:
@@ -301,6 +301,15 @@ class Node:
         except AdmissionRejected as e:
             return e
         return None
+
+    def _held(self) -> dict[str, int]:
+        """Live sandboxes by the create queue's project (``fairqueue.project_of``)."""
+        out: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            if sb.live:
+                project = project_of(sb.rt.spec.labels)
+                out[project] = out.get(project, 0) + 1
+        return out
 
     async def _admit_and_create(
         self, spec: SandboxSpec, saved: Path | None, ticket: Ticket | None = None
