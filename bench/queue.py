@@ -7,7 +7,9 @@ Four trainer processes (multiprocessing, each with its own ``AsyncClient`` and i
 project label, so fairness is per trainer) each submit N creates at once with ``wait``,
 against one node whose room is R live sandboxes (``DSEC_MAX_SANDBOXES``); each sandbox lives
 1-3 s (random, seeded) and is then killed. The baseline, in the same run: the same 4 x N
-creates with the same lifetimes from one trainer alone.
+creates with the same lifetimes from one trainer alone; the full run makes it before and
+after the four trainers and takes the mean of the two (the machine's other load drifts over
+minutes), the quick run once, after them.
 
 Figures: ``rejected`` (target 0), ``completed_fraction`` (1.0); each trainer's share of the
 creates completed in every 10-second window relative to the fair share (a quarter):
@@ -243,8 +245,10 @@ def main() -> None:
     with bench_node(room) as (address, layer, config):
         with dsec.Client(address) as c:  # warm the layer's mount
             c.create(layers=(layer,), memory="32M").kill()
+        solo = {"solo": [x for v in lives.values() for x in v]}
+        singles = [] if args.quick else [run_load(address, layer, solo)[1]]
         t0, four = run_load(address, layer, lives)
-        t1, single = run_load(address, layer, {"solo": [x for v in lives.values() for x in v]})
+        singles.append(run_load(address, layer, solo)[1])
         max_starting = config.max_starting
 
     outs = [o for v in four.values() for o in v]
@@ -252,7 +256,7 @@ def main() -> None:
     errors = [o.detail for o in outs if o.status == "error"]
     ok = sum(o.status == "ok" for o in outs)
     ratios, windows = shares(t0, four, window)
-    r4, r1 = rate(four), rate(single)
+    r4, r1 = rate(four), statistics.mean(rate(x) for x in singles)
     fig = {
         "quick": args.quick,
         "trainers": TRAINERS,
@@ -270,7 +274,8 @@ def main() -> None:
         "single_creates_per_s": round(r1, 2),
         "rate_vs_single": round(r4 / r1, 3) if r1 else None,
         "peak_live": peak_live(four),
-        "single_rejected": sum(o.status != "ok" for v in single.values() for o in v),
+        "single_rejected": sum(o.status != "ok" for x in singles for v in x.values() for o in v),
+        "single_runs": len(singles),
     }
     print(
         f"\n{TRAINERS} trainers x {n} creates (wait={WAIT:g}s), room {room}, "
@@ -295,13 +300,16 @@ def main() -> None:
         f"{fig['single_creates_per_s']}: {fig['rate_vs_single']}x (target >= "
         f"{TARGETS['rate_vs_single']}); peak live {fig['peak_live']} of room {room}"
     )
-    if os.environ.get("QUEUE_DEBUG"):
-        for p, v in four.items():
-            b = [0] * 40
-            for o in v:
-                if o.status == "ok":
-                    b[min(39, int(o.done - t0))] += 1
-            print(p, b)
+    print(f"\ncreates completed in each {window:g}-s window (* : all four active, counted)")
+    done = {p: [o.done - t0 for o in v if o.status == "ok"] for p, v in four.items()}
+    last = max((max(ts) for ts in done.values() if ts), default=0.0)
+    first_done = min((max(ts) for ts in done.values() if ts), default=0.0)
+    print(f"{'window':>10} " + " ".join(f"{p:>10}" for p in four))
+    for k in range(int(last // window) + 1):
+        counts = [sum(k * window <= t < (k + 1) * window for t in ts) for ts in done.values()]
+        mark = "*" if (k + 1) * window <= first_done else " "
+        label = f"{k * window:g}-{(k + 1) * window:g}s"
+        print(f"{label:>9}{mark} " + " ".join(f"{c:>10}" for c in counts))
     if errors:
         print(f"first error: {errors[0]}")
     print(json.dumps(fig))

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
@@ -280,7 +281,7 @@ class Node:
     ) -> list[SandboxInfo | DsecError]:
         """Create ``n`` sandboxes concurrently, one batch of the create queue (``batch``; a
         fresh one if empty); each slot holds its sandbox or its typed error."""
-        batch = batch or f"batch-{id(object()):x}-{time.monotonic_ns():x}"
+        batch = batch or f"batch-{secrets.token_hex(6)}"
         results = await asyncio.gather(
             *(self.create(spec, saved, wait=wait, batch=batch) for _ in range(n)),
             return_exceptions=True,
