@@ -122,8 +122,8 @@ class CreateQueue:
         once ``wait`` seconds passed without room. Cancelled: out of the queue."""
         now = time.monotonic()
         t = Ticket(spec, project, batch, now + max(wait, 0.0), now, self, seq=next(self._seq))
-        refusal = self.fits(spec, tuple(self._pending.values()))
-        if refusal is not None and (wait <= 0 or refusal.context.get("reason") not in WAITABLE):
+        refusal = self._refusal(spec)
+        if refusal is not None and wait <= 0:
             self._reject(refusal.context.get("reason", "admission"))
             raise refusal
         if refusal is None and not self.waiting and self.starting < self.max_starting:
@@ -154,6 +154,15 @@ class CreateQueue:
         if self.waiting:
             self.pump()
 
+    def _refusal(self, spec: SandboxSpec) -> AdmissionRejected | None:
+        """Admission's refusal of ``spec`` now if room may lift it; one that room never
+        lifts (a backend the node lacks) is the create's own to raise, typed as its admission
+        says (``UnknownBackend``...), so the queue lets it through."""
+        refusal = self.fits(spec, tuple(self._pending.values()))
+        if refusal is None or refusal.context.get("reason") not in WAITABLE:
+            return None
+        return refusal
+
     def _holdings(self) -> dict[str, float]:
         """What each project holds: its live sandboxes, and its creates let go but not yet
         admitted (not among them yet)."""
@@ -168,10 +177,10 @@ class CreateQueue:
         while self.waiting and self.starting < self.max_starting:
             t = self.waiting.peek(held)
             assert t is not None
-            refusal = self.fits(t.spec, tuple(self._pending.values()))
+            refusal = self._refusal(t.spec)
             if refusal is not None:
                 reason = refusal.context.get("reason")
-                if reason in WAITABLE and time.monotonic() < t.deadline:
+                if time.monotonic() < t.deadline:
                     break  # the head waits for room; the ticker looks again
                 self.waiting.pop(held)
                 self._reject(str(reason or "admission"))
@@ -243,7 +252,7 @@ class CreateQueue:
         position = self.waiting.position(t, self._holdings())
         self.waiting.remove(t)
         self._changed()
-        refusal = self.fits(t.spec, tuple(self._pending.values()))
+        refusal = self._refusal(t.spec)
         if refusal is not None:
             err = self._explained(t, refusal, position)
         elif self.starting >= self.max_starting:
