@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .model import (
     LOOSEN_ROLES,
+    MINTABLE,
     RESOURCES,
     ROLES,
     ROOT,
@@ -24,12 +25,21 @@ from .model import (
     in_subtree,
     parent_of,
 )
-from .service import KEY_PREFIX, Iam, can_loosen, can_manage, can_reach, default_iam_url
+from .service import (
+    KEY_PREFIX,
+    Iam,
+    can_loosen,
+    can_manage,
+    can_reach,
+    default_iam_url,
+    mint_refusal,
+)
 from .store import EtcdStore, IamStore, SqliteStore
 
 __all__ = [
     "KEY_PREFIX",
     "LOOSEN_ROLES",
+    "MINTABLE",
     "RESOURCES",
     "ROLES",
     "ROOT",
@@ -51,5 +61,6 @@ __all__ = [
     "check_project_path",
     "default_iam_url",
     "in_subtree",
+    "mint_refusal",
     "parent_of",
 ]
