@@ -107,6 +107,7 @@ from ..records import (
 )
 from ..security import loosenings
 from .auth import PRINCIPAL, Authenticated, Refusal
+from .iam_routes import iam_routes
 from .nodes import NodeEntry, NodeSet
 from .reach import (
     BUILD_ROLES,
@@ -1245,7 +1246,7 @@ def make_app(
 
     routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
     app = Starlette(
-        routes=[*routes, *extra_routes],
+        routes=[*routes, *iam_routes(gw.iam), *extra_routes],
         lifespan=lifespan,
         exception_handlers={HTTPException: on_http_error},
     )

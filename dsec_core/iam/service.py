@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
@@ -115,7 +116,7 @@ def mint_refusal(
     it, expiring no later than itself when it expires."""
     if role not in MINTABLE.get(principal.role, ()):
         return (
-            f"a {principal.role} key may not mint a {role} key (only "
+            f"a {principal.role} key may not mint {role} keys (only "
             f"{', '.join(MINTABLE.get(principal.role, ())) or 'none'})"
         )
     if not in_subtree(project, principal.project):
@@ -504,13 +505,14 @@ class Iam:
         # revoked with its project? (the project table is cached like keys: one read per ttl)
         if info.project != ROOT and info.project not in self._project_table(info.project):
             raise AuthenticationFailed(_AUTH_FAILED)
-        left = self.cache_ttl if info.expires is None else info.expires - time.time()
+        left = math.inf if info.expires is None else info.expires - time.time()
         if left <= 0 or (info.minted_by is not None and not self._minter_alive(info.minted_by)):
             raise AuthenticationFailed(_AUTH_FAILED)
         principal = Principal(key_id, info.project, info.role, info.expires)
         with self._lock:
             if len(self._keys) >= _CACHE_MAX:
                 self._keys.clear()
+            # remembered no longer than the ttl, nor past the key's expiry
             self._keys[key_id] = (stored, principal, now + min(self.cache_ttl, left))
         return principal
 
