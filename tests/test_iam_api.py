@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from openapi_spec_validator import validate as validate_openapi
 
 import dsec
 from dsec_core.api.iam import (
@@ -29,6 +30,7 @@ from dsec_core.api.iam import (
     QuotaRequest,
     RevokeProjectQuery,
 )
+from dsec_core.api.openapi import openapi_document
 from dsec_core.api.routes import ROUTES
 from dsec_core.api.transport import HTTPTransport
 from dsec_core.cli.iam import iam as iam_cli
@@ -620,3 +622,59 @@ def test_dsec_iam_over_the_api_prints_what_the_store_path_prints(pair, monkeypat
     assert gone["projects"] == [f"{org}/team"] and len(gone["keys"]) == 1
     assert run(api, "project", "ls", org).stdout == run(store, "project", "ls", org).stdout
     run(store, "whoami", code=1)  # the store knows no caller
+
+
+# --- malformed requests --------------------------------------------------------------------
+
+#: (method, target, body) of requests no client of ours would send.
+MALFORMED = [
+    ("GET", "/v1/iam/projects?under=", None),
+    ("GET", "/v1/iam/projects?under=Not%20A%20Path", None),
+    ("GET", "/v1/iam/projects?nonsense=1", None),
+    ("GET", "/v1/iam/project", None),
+    ("GET", "/v1/iam/project?path=%2F..%2Fx", None),
+    ("DELETE", "/v1/iam/project?path=x&force=maybe", None),
+    ("DELETE", "/v1/iam/project?path=%2F", None),
+    ("POST", "/v1/iam/projects", b"[]"),
+    ("POST", "/v1/iam/projects", b"{"),
+    ("POST", "/v1/iam/projects", b'{"path": 7}'),
+    ("POST", "/v1/iam/projects", b'{"path": "x", "quota": {"sandboxes": 1e400}}'),
+    ("POST", "/v1/iam/projects", b'{"path": "x", "quota": {"memory": "lots"}}'),
+    ("POST", "/v1/iam/projects", b'{"path": "x", "quota": {"cpu": -1}}'),
+    ("POST", "/v1/iam/projects", b'{"path": "x", "extra": 1}'),
+    ("POST", "/v1/iam/projects", b'{"path": "' + b"a/" * 5000 + b'a"}'),
+    ("PUT", "/v1/iam/project/quota", b'{"path": "/", "quota": {}}'),
+    ("PUT", "/v1/iam/project/quota", b'{"path": "x"}'),
+    ("POST", "/v1/iam/keys", b'{"project": "x", "role": ["admin"]}'),
+    ("POST", "/v1/iam/keys", b'{"project": "/", "role": "admin", "ttl": 1e300}'),
+    ("POST", "/v1/iam/keys", b'{"project": "/", "role": "admin", "name": "a b"}'),
+    ("POST", "/v1/iam/keys", b'{"project": "/", "role": "admin", "ttl": true}'),
+    ("POST", "/v1/iam/keys", b"[" * 10000),
+    ("DELETE", "/v1/iam/keys/%00", None),
+    ("DELETE", "/v1/iam/keys/" + "f" * 5000, None),
+]
+
+
+@pytest.mark.parametrize("method, target, body", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_requests_are_typed_errors_never_a_500(pair, method, target, body):
+    before = _store(pair.iam)
+    http = HTTPTransport(pair.a.url, token=pair.root)
+    try:
+        r = http.request(
+            method, target, body=body, content_type="application/json" if body else None, timeout=10
+        )
+    finally:
+        http.close()
+    assert 400 <= r.status_code < 500, (r.status_code, r.content[:300])
+    assert json.loads(r.content)["error"]["type"]
+    assert _store(pair.iam) == before
+
+
+def test_the_apiservers_openapi_document_has_iams_routes(pair):
+    with pair.client(pair.root) as c:
+        http = c._http
+        doc = json.loads(http.request("GET", "/v1/openapi.json", timeout=10).content)
+    validate_openapi(doc)
+    assert doc == openapi_document(IAM_ROUTES)
+    for route in IAM_ROUTES.values():
+        assert doc["paths"][route.path][route.method.lower()]["operationId"] == route.name

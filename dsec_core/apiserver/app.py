@@ -52,6 +52,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 
 from .. import __version__, plugins
+from ..api.iam import IAM_ROUTES
 from ..api.messages import (
     CreateResult,
     ErrorBody,
@@ -864,7 +865,7 @@ async def _node_info(gw: Gateway, request: Request, principal: Any, rid: str) ->
 
 
 async def _openapi(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    return Response(dump_json(openapi_document()), media_type=JSON)
+    return Response(dump_json(openapi_document(IAM_ROUTES)), media_type=JSON)
 
 
 async def _probe(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:

@@ -2,7 +2,8 @@
 agent, builder) stored hashed, and the checks every apiserver request goes through.
 
 ``Iam.open(url)`` picks the store: SQLite by default (``$DSEC_HOME/iam.db``), etcd when several
-apiservers share state. ``dsec iam ...`` manages it from the machine's shell.
+apiservers share state. ``dsec iam ...`` manages it from the machine's shell, and every
+apiserver serves it to keys under ``/v1/iam`` (``dsec_core.apiserver.iam_routes``).
 """
 
 from __future__ import annotations
