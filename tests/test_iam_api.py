@@ -622,6 +622,7 @@ def test_dsec_iam_over_the_api_prints_what_the_store_path_prints(pair, monkeypat
     assert gone["projects"] == [f"{org}/team"] and len(gone["keys"]) == 1
     assert run(api, "project", "ls", org).stdout == run(store, "project", "ls", org).stdout
     run(store, "whoami", code=1)  # the store knows no caller
+    run(["--address", pair.a.url], "project", "ls", code=2)  # an address without a key
 
 
 # --- malformed requests --------------------------------------------------------------------

@@ -168,6 +168,13 @@ def iam(ctx: click.Context, iam_url: str | None, address: str | None, api_key: s
     --api-key, or DSEC_ADDRESS and DSEC_API_KEY), works through its API as that key instead:
     an admin key manages its subtree, any key mints keys no wider than itself.
     """
+    given = {
+        name
+        for name in ("address", "api_key")
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    }
+    if given and not (address and api_key):  # half of it in the environment is the store's
+        raise click.UsageError("--address and --api-key go together: give both, or neither")
     ctx.obj = {"iam_url": iam_url, "address": address, "api_key": api_key}
 
 

@@ -40,11 +40,12 @@ __all__ = [
 #: org). An admin key of the root creates orgs and manages everything; the machine's operator
 #: makes the first one with ``dsec iam key create --project / --role admin``.
 ROOT = "/"
-#: What a key may do: "admin" manages projects and keys in its project's subtree and reaches
-#: its sandboxes; "member" reaches the subtree's sandboxes and manages nothing; "agent" reaches
-#: only its own project's sandboxes (none of its subprojects') and manages nothing; "builder"
-#: reaches what a member does and also makes environment builds (build sandboxes and staged
-#: layers, which the apiserver keeps from every role but admin and builder).
+#: What a key may do: "admin" manages projects, quotas and keys in its project's subtree and
+#: reaches its sandboxes; "member" reaches the subtree's sandboxes; "agent" reaches only its
+#: own project's sandboxes (none of its subprojects'); "builder" reaches what a member does and
+#: also makes environment builds (build sandboxes and staged layers, which the apiserver keeps
+#: from every role but admin and builder). Every key may also delegate: mint keys no wider than
+#: itself (``MINTABLE``) and make a sub-agent's project below its own within its own quota.
 ROLES = ("admin", "member", "agent", "builder")
 #: Roles whose keys may loosen a sandbox's security policies against the node's default: turn
 #: a default policy off, let it be skipped, widen it (seccomp's ``allow``), open the network,

@@ -164,9 +164,11 @@ class Iam:
     """Projects, API keys and authorisation over one ``IamStore``.
 
     Every operation takes and returns the records of ``dsec_core.iam.model``. Those that
-    change something take ``actor``: the principal asking (the apiserver passes the caller's),
-    checked with ``can_manage``; None is the machine's operator working on the store
-    directly (the ``dsec iam`` CLI), who may do anything. Thread-safe; its methods block on
+    change something take ``actor``: the principal asking (the apiserver's IAM routes pass the
+    caller's), checked here and only here (``can_manage`` for projects and quotas,
+    ``mint_refusal`` for keys, a sub-agent's project within the actor's quota); None is the
+    machine's operator working on the store directly (the ``dsec iam`` CLI), who may do
+    anything. Thread-safe; its methods block on
     the store (microseconds on SQLite, a loopback round trip on etcd), so an asyncio server
     may prefer to call the uncached paths through a thread.
     """
