@@ -334,3 +334,20 @@ def test_episode_results_refuse_what_they_cannot_be():
         dsec.rollout.EpisodeResult.from_dict(
             {"index": 0, "task": "t", "reward": 1.0, "status": "ok", "colour": "red"}
         )
+
+
+def test_the_example_runs_a_batch_with_a_masked_retry_and_a_fork_tree():
+    example = Path(__file__).parent.parent / "examples" / "rollout_batch.py"
+    out = subprocess.run(
+        [sys.executable, os.fspath(example), "--episodes", "8", "--concurrency", "4"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    text = out.stdout
+    assert "8 episodes: 8 ok, 0 masked, 1 retried; mean reward 0.750; 8 lines" in text, text
+    assert "episode 1: out_of_memory on attempt 1, ok on attempt 2" in text
+    assert text.count("reward 1.0") == 2 and text.count("reward 0.0") == 4
+    assert "hint_task" in text and text.endswith("done\n")
+    assert not Path(text.splitlines()[0].removeprefix("node home: ")).exists()
