@@ -37,6 +37,7 @@ LAZY_IMPORTS = {
     "store (zstandard) and jsonschema, which dsec.rollout's other episodes and the slim client "
     "do without",
     "dsec_core.catalog.rewards": "as dsec_core.catalog.model",
+    "yaml": "a catalog file read by dsec.rollout: the slim client may do without PyYAML",
     "dsec_core.rl.env": "the environments need gymnasium (dsec[rl]) and numpy, 0.25 s: loaded "
     "when one is first named, so dsec.rollout and `dsec rollout` import dsec_core.rl without them",
 }

@@ -320,7 +320,8 @@ def test_rollout_imports_without_the_server_or_gymnasium():
     probe = (
         "import sys, dsec.rollout\n"
         "heavy = ('starlette', 'uvicorn', 'qemu', 'python_on_whales', 'gymnasium', 'numpy',\n"
-        "         'dsec_core.node', 'dsec_core.apiserver', 'dsec_core.demo', 'dsec_core.catalog')\n"
+        "         'dsec_core.node', 'dsec_core.apiserver', 'dsec_core.demo', 'dsec_core.catalog',\n"
+        "         'yaml', 'jsonschema', 'zstandard')\n"
         "print([m for m in heavy if m in sys.modules])\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from ..errors import DsecError, InvalidSpec
 from ..records import DEFAULT_BACKEND, SandboxSpec
 from ..rl.calls import Op, Use, adrive, drive
@@ -72,6 +70,8 @@ def servable(catalog: Catalog, layers: set[str], backends: set[str] | None) -> l
 def read_catalog(path: str | os.PathLike[str]) -> Catalog:
     """The catalog file at ``path``, as a client reads it: its environments may name layers
     the node has (the node resolves them at create time), and its imports are not followed."""
+    import yaml
+
     from ..catalog.model import parse_catalog
 
     where = Path(path)
