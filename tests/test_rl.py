@@ -5,6 +5,7 @@ drive socket's Python client speaking to a real node as a sandbox's uid."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -215,6 +216,18 @@ async def test_the_async_twin_runs_the_same_episode_and_forks(dsec_node):
         with pytest.raises(EnvClosed):
             await env.reset()
         assert not [i for i in await client.list() if i.id in {sid, *(k.sandbox_id for k in kids)}]
+
+
+def test_the_twins_have_the_same_methods_one_blocking_one_awaited():
+    for name in ("reset", "step", "fork", "close"):
+        blocking, awaited = getattr(SandboxEnv, name), getattr(AsyncSandboxEnv, name)
+        assert not inspect.iscoroutinefunction(blocking) and inspect.iscoroutinefunction(awaited)
+        assert list(inspect.signature(blocking).parameters) == list(
+            inspect.signature(awaited).parameters
+        ), name
+    # what they do is the shared core's, not a copy in either twin
+    own = {n for n in vars(SandboxEnv) | vars(AsyncSandboxEnv) if n.endswith("_op")}
+    assert own == set()
 
 
 def test_an_infra_failure_raised_as_an_error_keeps_its_event():
