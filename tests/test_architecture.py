@@ -33,6 +33,13 @@ LAZY_IMPORTS = {
     "would slow every other command's start-up",
     "dsec_core.demo": "`dsec demo` only; it loads the catalog builder, 0.2 s of every command",
     "dsec_core.api.openapi": "`dsec node openapi` only; the whole API's schema, 0.08 s",
+    "dsec_core.catalog.model": "catalog tasks of a rollout only: the catalog brings the layer "
+    "store (zstandard) and jsonschema, which dsec.rollout's other episodes and the slim client "
+    "do without",
+    "dsec_core.catalog.rewards": "as dsec_core.catalog.model",
+    "yaml": "a catalog file read by dsec.rollout: the slim client may do without PyYAML",
+    "dsec_core.rl.env": "the environments need gymnasium (dsec[rl]) and numpy, 0.25 s: loaded "
+    "when one is first named, so dsec.rollout and `dsec rollout` import dsec_core.rl without them",
 }
 
 

@@ -87,6 +87,7 @@ LAZY_GROUPS = {
     "apiserver": ".apiserver:apiserver",
     "iam": ".iam:iam",
     "cluster": ".cluster:cluster",
+    "rollout": ".rollout:rollout",
 }
 
 
