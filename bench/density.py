@@ -199,7 +199,10 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, float]], per_kib: float, quick: bool) -> None:
-    title = f"Idle sandboxes on one node (busybox, 0.5 CPU, 256 MiB; {per_kib:.0f} KiB each)"
+    # host memory per sandbox is MemTotal - MemAvailable before and after: on a shared machine
+    # other processes' work can outweigh it, and a negative figure means only that
+    each = f"; {per_kib:.0f} KiB of host memory each" if per_kib > 0 else ""
+    title = f"Idle sandboxes on one node (busybox, 0.5 CPU, 256 MiB{each})"
     with figure("density", title, quick, ncols=2) as (_, (create, other)):
         live = [r["live"] for r in rows]
         create.plot(live, [r["create_p50_ms"] for r in rows], "o-", color=COLOURS["dsec"])
