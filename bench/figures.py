@@ -71,7 +71,8 @@ def bars(ax: Any, labels: Sequence[str], values: Sequence[float], *, unit: str, 
         log_scale(ax, "x")
     ax.set_xlabel(unit)
     for y, v in zip(ys, values, strict=True):
-        ax.annotate(f" {v:.3g}", (v, y), va="center", fontsize=8, annotation_clip=False)
+        label = f" {v:,.0f}" if v >= 100 else f" {v:.3g}"
+        ax.annotate(label, (v, y), va="center", fontsize=8, annotation_clip=False)
     ax.grid(axis="x", alpha=0.3)
 
 
