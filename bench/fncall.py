@@ -174,23 +174,25 @@ def main() -> None:
     # docker after dsec: dockerd's start and stop leave the kernel busy for a while after
     tag = "dsec-bench-fncall:busybox"
     cid = ""
-    with docker_daemon() as docker:
-        try:
-            docker.import_layer(image, tag)
-            run = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000")
-            cid = run.stdout.decode().strip()
-            if run.returncode != 0 or not cid:
-                raise SystemExit(f"bench: docker run failed: {run.stderr.decode()}")
-            docker_rounds(docker, cid, "true", 4, 1)  # warm
-            for task in TASKS:
-                for conc in (1, 8):
-                    res[f"docker exec {task} c{conc}"] = docker_rounds(
-                        docker, cid, task, n_docker if conc == 8 else n_docker // 2, conc
-                    )
-        finally:
-            if cid:
-                docker.run("rm", "-f", cid)
-            shutil.rmtree(keep, ignore_errors=True)
+    try:
+        with docker_daemon() as docker:
+            try:
+                docker.import_layer(image, tag)
+                run = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000")
+                cid = run.stdout.decode().strip()
+                if run.returncode != 0 or not cid:
+                    raise SystemExit(f"bench: docker run failed: {run.stderr.decode()}")
+                docker_rounds(docker, cid, "true", 4, 1)  # warm
+                for task in TASKS:
+                    for conc in (1, 8):
+                        res[f"docker exec {task} c{conc}"] = docker_rounds(
+                            docker, cid, task, n_docker if conc == 8 else n_docker // 2, conc
+                        )
+            finally:
+                if cid:
+                    docker.run("rm", "-f", cid)
+    finally:  # the image copy goes whatever happened, docker missing included
+        shutil.rmtree(keep, ignore_errors=True)
 
     def ms(v: float) -> float:
         return round(1e3 * v, 2)
