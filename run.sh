@@ -4,7 +4,7 @@
 #
 #   sudo bash run.sh demo     # dsec demo on the embedded single-node default
 #   sudo bash run.sh test     # the checks below, then the test suite
-#   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
+#   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors, the docs
 #   sudo bash run.sh setup    # only the set-up
 #   sudo bash run.sh bench    # bench/create.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, build.py and layers.py, each --quick
 set -euo pipefail
@@ -92,7 +92,7 @@ setup_python() {
             if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
             else plugins+=(-e "$d"); fi
         done
-        if ! "$venv/bin/pip" install -q -e ".[test,rl]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
+        if ! "$venv/bin/pip" install -q -e ".[test,rl,docs,bench]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
             cat "$stamp_dir/pip.log" >&2
             echo "run.sh: pip install failed" >&2
             exit 1
@@ -120,11 +120,18 @@ setup() {
 }
 
 checks() {
-    log "checks: ruff, ruff format, mypy, import floors"
+    log "checks: ruff, ruff format, mypy, import floors, the docs site"
     "$venv/bin/ruff" check --quiet .
     "$venv/bin/ruff" format --check --quiet .
     "$venv/bin/mypy" --no-error-summary
     "$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache
+    # every page, link, anchor and docstring of the API reference; built into a temporary
+    # directory, so a check leaves no site/ behind
+    local site
+    site="$(mktemp -d)"
+    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$site" \
+        || { rm -rf "$site"; echo "run.sh: mkdocs build --strict failed" >&2; return 1; }
+    rm -rf "$site"
 }
 
 cmd="${1:-demo}"

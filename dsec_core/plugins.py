@@ -75,14 +75,15 @@ log = logging.getLogger("dsec.plugins")
 
 ENTRY_POINT_GROUP = "dsec"
 #: The plugin API this dsec speaks. 1 was the first contract (before backends declared what
-#: they need and give, and before the declaration itself); 2 is the one README.md describes.
+#: they need and give, and before the declaration itself); 2 is the one the docs describe
+#: (docs/plugins/index.md).
 PLUGIN_API = 2
 #: What a plugin module sets to the plugin API it was written for: ``DSEC_PLUGIN_API = 2``.
 API_ATTRIBUTE = "DSEC_PLUGIN_API"
 #: The API of a plugin that declares none: it predates the declaration.
 UNDECLARED_API = 1
 #: Where a plugin author reads what changed.
-MIGRATION = "README.md, section 'Migrating a plugin written before this change'"
+MIGRATION = "the guide 'Migrating a plugin written before this change' (docs/plugins/migrating.md)"
 #: Plugins of dsec_core itself, registered on every plugin manager whatever DSEC_PLUGINS says.
 CORE_PLUGINS: tuple[tuple[str, ModuleType], ...] = (
     ("core_local_source", local_source),
