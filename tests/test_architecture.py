@@ -33,6 +33,8 @@ LAZY_IMPORTS = {
     "would slow every other command's start-up",
     "dsec_core.demo": "`dsec demo` only; it loads the catalog builder, 0.2 s of every command",
     "dsec_core.api.openapi": "`dsec node openapi` only; the whole API's schema, 0.08 s",
+    "dsec_core.plugins": "the CLI's `dsec plugins` and plugins' commands only: pluggy and the "
+    "plugin floors are the node side's (dsec[node]), which a client-only install lacks",
 }
 
 
