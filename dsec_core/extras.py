@@ -54,9 +54,14 @@ def require_node(command: str) -> None:
     start``, say) if this install lacks any of the node extra's distributions."""
     absent = missing()
     if absent:
+        which = (
+            "it is the client alone"
+            if len(absent) == len(NODE_MODULES)
+            else f"it lacks {', '.join(absent)}"
+        )
         raise NodeSideMissing(
-            f"{command} needs dsec's node side, which this install does not have (it is the "
-            f"client alone; missing: {', '.join(absent)}): {INSTALL_NODE} adds it",
+            f"{command} needs dsec's node side, which this install does not have ({which}): "
+            f"{INSTALL_NODE} adds it",
             command=command,
             missing=list(absent),
             install=INSTALL_NODE,

@@ -101,8 +101,8 @@ class LazyGroup(click.Group):
                 raise
             # a plugin's command (`dsec build`, say) is not there without the node side
             raise click.UsageError(
-                f"{e.message}. This install is dsec's client alone: the node side's commands "
-                f"and the plugins' come with {INSTALL_NODE}",
+                f"{e.message.rstrip('.')}. This install is dsec's client alone: the node "
+                f"side's commands and the plugins' come with {INSTALL_NODE}",
                 e.ctx,
             ) from None
 
