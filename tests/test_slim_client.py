@@ -173,7 +173,7 @@ def test_the_client_installs_alone(slim):
 
 ROUND_TRIP = """
     import json, sys
-    import dsec
+    import dsec, dsec.rl
 
     with dsec.Client(sys.argv[1]) as client:
         with client.create(layers=[sys.argv[2]], memory="64M", disk="64M") as sb:
@@ -181,19 +181,32 @@ ROUND_TRIP = """
             listed = [i.id for i in client.list()]
             sid = sb.id
         gone = sid not in [i.id for i in client.list()]
+        env = dsec.rl.SandboxEnv(client, reward=dsec.rl.command_reward("test -f /answer"),
+                                 layers=[sys.argv[2]], memory="64M", disk="64M")
+        try:
+            env.reset()
+            env.step("touch /answer")
+            _, reward, terminated, _, _ = env.step("submit")
+        finally:
+            env.close()
+        drive = dsec.rl.drive_client_source()
     print(json.dumps({"out": result.text, "code": result.exit_code, "listed": sid in listed,
-                      "gone": gone, "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+                      "gone": gone, "reward": reward, "terminated": terminated,
+                      "drive": "class Drive" in drive, "left": [i.id for i in client.list()]}))
 """
 
 
-def test_a_create_exec_kill_round_trip_through_the_slim_sdk(slim, dsec_node: KitNode):
+def test_a_create_exec_kill_round_trip_and_an_episode_through_the_slim_sdk(
+    slim, dsec_node: KitNode
+):
     socket = os.fspath(dsec_node.config.socket_path)
     out = run(slim, "python", "-c", textwrap.dedent(ROUND_TRIP), socket, dsec_node.layer.ref)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["code"] == 0 and got["out"].startswith("from the slim client\n")
     assert got["listed"] and got["gone"]
-    assert "dsec_core" in got["modules"]
+    assert (got["reward"], got["terminated"], got["drive"]) == (1.0, True, True)  # dsec.rl
+    assert got["left"] == []
 
 
 def test_the_slim_cli_drives_a_node(slim, dsec_node: KitNode):
