@@ -40,6 +40,8 @@ LAZY_IMPORTS = {
     "yaml": "a catalog file read by dsec.rollout: the slim client may do without PyYAML",
     "dsec_core.rl.env": "the environments need gymnasium (dsec[rl]) and numpy, 0.25 s: loaded "
     "when one is first named, so dsec.rollout and `dsec rollout` import dsec_core.rl without them",
+    "dsec_core.plugins": "the CLI's `dsec plugins` and plugins' commands only: pluggy and the "
+    "plugin floors are the node side's (dsec[node]), which a client-only install lacks",
 }
 
 
