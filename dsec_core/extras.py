@@ -23,8 +23,6 @@ INSTALL_NODE = "pip install 'dsec[node]'"
 NODE_MODULES = {
     "pluggy": "pluggy",
     "packaging": "packaging",
-    "jsonschema": "jsonschema",
-    "pyyaml": "yaml",
     "starlette": "starlette",
     "uvicorn": "uvicorn",
     "uvloop": "uvloop",

@@ -34,10 +34,11 @@ LAZY_IMPORTS = {
     "dsec_core.demo": "`dsec demo` only; it loads the catalog builder, 0.2 s of every command",
     "dsec_core.api.openapi": "`dsec node openapi` only; the whole API's schema, 0.08 s",
     "dsec_core.catalog.model": "catalog tasks of a rollout only: the catalog brings the layer "
-    "store (zstandard) and jsonschema, which dsec.rollout's other episodes and the slim client "
-    "do without",
+    "store and jsonschema, 0.15 s, which dsec.rollout's other episodes do without",
     "dsec_core.catalog.rewards": "as dsec_core.catalog.model",
-    "yaml": "a catalog file read by dsec.rollout: the slim client may do without PyYAML",
+    "yaml": "a catalog file read by dsec.rollout: as dsec_core.catalog.model",
+    "zstandard": "the node side's (dsec[node]): only zstd chunks of lazy layers use it, and the "
+    "slim client reads catalogs, whose model imports the layer store, without it",
     "dsec_core.rl.env": "the environments need gymnasium (dsec[rl]) and numpy, 0.25 s: loaded "
     "when one is first named, so dsec.rollout and `dsec rollout` import dsec_core.rl without them",
     "dsec_core.plugins": "the CLI's `dsec plugins` and plugins' commands only: pluggy and the "

@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from dsec_core.catalog.model import load_catalog
+from dsec_core.catalog.store import CatalogStore
 from dsec_core.extras import INSTALL_NODE, NODE_MODULES
+from dsec_core.layers.store import LayerStore
 from dsec_core.testing import KitNode
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +40,10 @@ SERVER = ["uvicorn", "starlette", "qemu.qmp", "python-on-whales", "uvloop", "htt
 
 
 #: what the wheel's build needs not copied: the repository's other distributions, tests, data
-NOT_IN_THE_WHEEL = (".git", ".venv", "build", "*.egg-info", "__pycache__", "plugins", "builders",
-                    "tests", "bench", "catalog", "examples")  # fmt: skip
+#: (at its top: dsec_core/catalog is the package's own) and build leftovers (anywhere)
+NOT_AT_THE_TOP = (".git", ".venv", "build", "plugins", "builders", "tests", "bench", "catalog",
+                  "examples", "docs", "site")  # fmt: skip
+NOT_ANYWHERE = ("*.egg-info", "__pycache__")
 
 
 def _normalized(name: str) -> str:
@@ -61,12 +66,13 @@ def slim(tmp_path_factory) -> Path:
         )
     # built from a copy: pip builds in the source tree and would leave build/ behind
     src = tmp_path_factory.mktemp("src") / "dsec"
-    shutil.copytree(
-        REPO,
-        src,
-        symlinks=True,
-        ignore=shutil.ignore_patterns(*NOT_IN_THE_WHEEL),
-    )
+    anywhere = shutil.ignore_patterns(*NOT_ANYWHERE)
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        top = set(NOT_AT_THE_TOP) if Path(directory) == REPO else set()
+        return anywhere(directory, names) | (top & set(names))
+
+    shutil.copytree(REPO, src, symlinks=True, ignore=ignore)
     wheels = tmp_path_factory.mktemp("wheel")
     build = ["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, src]
     subprocess.run(
@@ -119,7 +125,9 @@ def run(
     return subprocess.run(
         [env / "bin" / program, *args],
         env={**clean, "PYTHONNOUSERSITE": "1", **extra},
-        cwd=cwd,
+        # not the repository: `python -c` puts the working directory first on sys.path, where
+        # the source tree's dsec_core would stand in for the wheel's
+        cwd=cwd or env.parent,
         capture_output=True,
         text=True,
         timeout=120,
@@ -142,7 +150,7 @@ def test_the_client_path_imports_nothing_of_the_node_side():
     """Even where the node side is installed, the SDK, dsec.rl and the CLI's module load none
     of it."""
     code = (
-        "import sys; import dsec, dsec.rl, dsec_core.cli; "
+        "import sys; import dsec, dsec.rl, dsec.rollout, dsec_core.cli; "
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
     )
     out = subprocess.run(
@@ -161,14 +169,22 @@ def test_the_client_installs_alone(slim):
     assert listed.returncode == 0, listed.stderr
     installed = {_normalized(p["name"]): p["version"] for p in json.loads(listed.stdout)}
     print("the client pulled:", ", ".join(f"{n} {v}" for n, v in sorted(installed.items())))
-    assert {"dsec", "click", "rich", "gymnasium"} <= set(installed)
+    assert {"dsec", "click", "rich", "pyyaml", "jsonschema", "gymnasium"} <= set(installed)
     assert set(installed) & set(map(_normalized, node_extra())) == set()
     assert set(installed) & set(map(_normalized, SERVER)) == set()
     checked = pip(slim, "check")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    imported = run(slim, "python", "-c", "import dsec, dsec.rl; print(dsec.__version__)")
+    imported = run(
+        slim,
+        "python",
+        "-c",
+        "import dsec, dsec.rl, dsec.rollout, dsec_core; print(dsec.__version__); "
+        "print(dsec_core.__file__)",
+    )
     assert imported.returncode == 0, imported.stderr
-    assert imported.stdout.strip() == installed["dsec"]
+    version, where = imported.stdout.split()
+    assert version == installed["dsec"]
+    assert Path(where).is_relative_to(slim)  # the wheel's, not the source tree's
 
 
 ROUND_TRIP = """
@@ -270,3 +286,31 @@ def test_a_client_that_would_start_a_node_says_what_to_install(slim, tmp_path):
     helped = run(slim, "dsec", "--help")
     assert helped.returncode == 0 and "sandbox" in helped.stdout
     assert f"(needs dsec's node side: {INSTALL_NODE})" in helped.stdout
+
+
+def test_the_slim_client_runs_a_catalogs_tasks(slim, dsec_node: KitNode, tmp_path):
+    """dsec.rollout reads catalogs (the default one shipped in the wheel, or a file) without
+    the node side, and `dsec rollout` runs a catalog's tasks against a node and prints the
+    table."""
+    listed = run(slim, "python", "-c", "import dsec.rollout as r; print(len(r.catalog_tasks()))")
+    assert listed.returncode == 0, listed.stderr
+    assert int(listed.stdout) >= 6  # the default catalog's tasks, read from the wheel
+    catalog = tmp_path / "tasks.yaml"
+    catalog.write_text(
+        "name: slim-rollout\n"
+        f"environments: [{{name: slim-box, base: {dsec_node.layer.ref}}}]\n"
+        "tasks:\n"
+        "  - {name: good, environment: slim-box, command: 'true', reward: exit_code}\n"
+        "  - {name: bad, environment: slim-box, command: 'false', reward: exit_code}\n"
+    )
+    # registered on the node, as its operator's `dsec catalog add` would (the node side)
+    CatalogStore(dsec_node.config.catalog_dir).save(
+        load_catalog(catalog, store=LayerStore(dsec_node.config.layer_dir))
+    )
+    out = tmp_path / "r.jsonl"
+    ran = run(slim, "dsec", "rollout", "--episodes", "4", "--concurrency", "2",
+              "--catalog", os.fspath(catalog), "--out", os.fspath(out),
+              "--address", os.fspath(dsec_node.config.socket_path))  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    assert "dsec rollout: 4 episodes" in ran.stdout and "0.500" in ran.stdout, ran.stdout
+    assert len(out.read_text().splitlines()) == 4
