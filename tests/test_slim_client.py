@@ -24,8 +24,11 @@ from packaging.requirements import Requirement
 from dsec_core.catalog.model import load_catalog
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.extras import INSTALL_NODE, NODE_MODULES
+from dsec_core.iam import Iam
 from dsec_core.layers.store import LayerStore
 from dsec_core.testing import KitNode
+from dsec_core.testing.apiserver import start_apiserver
+from dsec_core.testing.procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 #: where run.sh setup keeps the client's dependencies as wheels (the dev venv's own directory)
@@ -314,3 +317,26 @@ def test_the_slim_client_runs_a_catalogs_tasks(slim, dsec_node: KitNode, tmp_pat
     assert ran.returncode == 0, ran.stderr
     assert "dsec rollout: 4 episodes" in ran.stdout and "0.500" in ran.stdout, ran.stdout
     assert len(out.read_text().splitlines()) == 4
+
+
+def test_the_slim_cli_manages_iam_through_an_apiserver(slim, tmp_path):
+    """`dsec iam` with an address is a client of the apiserver's IAM API: an admin's key,
+    given to the slim CLI, makes a project and mints a narrower key for an agent."""
+    url = f"sqlite://{tmp_path / 'iam.db'}"
+    iam = Iam.open(url, cache_ttl=0)
+    api = start_apiserver([], url, args=["--node", f"n0=http://127.0.0.1:{free_port()}"])
+    try:
+        _, root = iam.create_key("/", "admin", "slim-root")
+        at = {"DSEC_ADDRESS": api.url, "DSEC_API_KEY": root}
+        made = run(slim, "dsec", "iam", "project", "create", "slim", **at)
+        assert made.returncode == 0, made.stderr
+        minted = run(slim, "dsec", "iam", "key", "create", "--project", "slim",
+                     "--role", "agent", "--name", "slim-agent", **at)  # fmt: skip
+        assert minted.returncode == 0, minted.stderr
+        who = run(slim, "dsec", "iam", "whoami", **at)
+        assert who.returncode == 0 and "slim-root" in who.stdout, who.stdout + who.stderr
+        assert [k.name for k in iam.keys("slim")] == ["slim-agent"]  # in the store
+    finally:
+        api.stop()
+        api.log.unlink(missing_ok=True)
+        iam.close()

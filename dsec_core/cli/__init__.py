@@ -135,7 +135,9 @@ LAZY_GROUPS = {
     "rollout": ".rollout:rollout",
 }
 #: Those of them that are the node side's: they import what only ``dsec[node]`` installs.
-NODE_SIDE_GROUPS = frozenset({"layer", "catalog", "plugin", "apiserver", "iam", "cluster"})
+#: (``iam`` is not: over an apiserver's API it is a client, and its store is SQLite's or etcd's
+#: HTTP, both standard library.)
+NODE_SIDE_GROUPS = frozenset({"layer", "catalog", "plugin", "apiserver", "cluster"})
 
 
 @click.group(cls=LazyGroup, lazy=LAZY_GROUPS, node_side=NODE_SIDE_GROUPS)
