@@ -4,7 +4,7 @@
 #
 #   sudo bash run.sh demo     # dsec demo on the embedded single-node default
 #   sudo bash run.sh test     # the checks below, then the test suite
-#   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors
+#   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors, the docs
 #   sudo bash run.sh setup    # only the set-up
 #   sudo bash run.sh bench    # bench/create.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, build.py and layers.py, each --quick
 set -euo pipefail
@@ -92,7 +92,8 @@ setup_python() {
             if grep -q '^test *=' "$d/pyproject.toml"; then plugins+=(-e "$d[test]")
             else plugins+=(-e "$d"); fi
         done
-        if ! "$venv/bin/pip" install -q -e ".[test,rl]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
+        # the node side (the `node` extra) too: a plain `pip install dsec` is the client alone
+        if ! "$venv/bin/pip" install -q -e ".[node,test,rl,docs,bench]" "${plugins[@]}" >"$stamp_dir/pip.log" 2>&1; then
             cat "$stamp_dir/pip.log" >&2
             echo "run.sh: pip install failed" >&2
             exit 1
@@ -113,18 +114,47 @@ setup_python() {
     fi
 }
 
+# tests/test_slim_client.py installs the client alone (`pip install dsec[rl]`) into a fresh venv
+# without reaching an index: the client's dependencies wait here as wheels, pinned to the versions
+# .venv has. Filled again when the client's requirements change.
+setup_wheelhouse() {
+    local house="$venv/wheelhouse" sum
+    "$venv/bin/python" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["rl"]))' >"$stamp_dir/client.txt"
+    sum=$(sha256sum "$stamp_dir/client.txt" | cut -c1-16)
+    [ -f "$stamp_dir/wheelhouse-$sum" ] && [ -d "$house" ] && return
+    log "keeping the client's dependencies as wheels in .venv/wheelhouse"
+    "$venv/bin/pip" freeze --exclude-editable | grep '==' >"$stamp_dir/pins.txt" || true
+    if ! "$venv/bin/pip" download -q --only-binary=:all: -d "$house" -r "$stamp_dir/client.txt" \
+            -c "$stamp_dir/pins.txt" >"$stamp_dir/wheelhouse.log" 2>&1; then
+        cat "$stamp_dir/wheelhouse.log" >&2
+        echo "run.sh: pip download of the client's wheels failed" >&2
+        exit 1
+    fi
+    rm -f "$stamp_dir"/wheelhouse-*
+    touch "$stamp_dir/wheelhouse-$sum"
+}
+
 setup() {
     need_root
     setup_apt
     setup_python
+    setup_wheelhouse
 }
 
 checks() {
-    log "checks: ruff, ruff format, mypy, import floors"
+    log "checks: ruff, ruff format, mypy, import floors, the docs site"
     "$venv/bin/ruff" check --quiet .
     "$venv/bin/ruff" format --check --quiet .
     "$venv/bin/mypy" --no-error-summary
     "$venv/bin/lint-imports" --no-cache >/dev/null || "$venv/bin/lint-imports" --no-cache
+    # every page, link, anchor and docstring of the API reference; built into a temporary
+    # directory, so a check leaves no site/ behind
+    local site
+    site="$(mktemp -d)"
+    NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$site" \
+        || { rm -rf "$site"; echo "run.sh: mkdocs build --strict failed" >&2; return 1; }
+    rm -rf "$site"
 }
 
 cmd="${1:-demo}"

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from figures import COLOURS, add_plot_flag, bars, figure, log_scale
+
 import dsec
 from dsec_core.catalog import default_catalog_file
 from dsec_core.config import NodeConfig
@@ -182,6 +184,7 @@ def main() -> None:
         "(default: debian-python@12-2 from the default catalog; busybox with --quick)",
     )
     ap.add_argument("--rounds", type=int, default=None)
+    add_plot_flag(ap)
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
@@ -274,8 +277,24 @@ def main() -> None:
     for name, a, b, c in rows:
         print(f"{name:28} {a:>22} {b:>22} {c:>15}")
     print("targets: ratio_vs_docker_c8 >= 10, dsec_p50_ms <= 40, dsec_exec_p50_ms <= 10\n")
+    if args.plot:
+        plot(s1, d1, fig)
     print(json.dumps(fig))
     sys.stdout.flush()
+
+
+def plot(s1: list[float], d1: list[float], fig: dict) -> None:
+    title = f"Create -> first exec -> kill, dsec vs docker ({fig['image']})"
+    with figure("create", title, fig["quick"], ncols=3, width=4.2) as (_, (lat, rate, ex)):
+        for name, xs, colour in (("dsec", s1, "dsec"), ("docker run", d1, "baseline")):
+            lat.ecdf([1000 * x for x in xs], label=name, color=COLOURS[colour])
+        log_scale(lat, "x")
+        lat.set(xlabel="ms, concurrency 1", ylabel="fraction of rounds")
+        lat.legend()
+        rates = [fig["dsec_per_s_c8"], fig["docker_per_s_c8"]]
+        bars(rate, ["dsec", "docker run"], rates, unit="sandboxes/s at concurrency 8")
+        execs = [fig["dsec_exec_p50_ms"], fig["docker_exec_p50_ms"]]
+        bars(ex, ["dsec exec", "docker exec"], execs, unit="exec `true`, p50 ms", log=True)
 
 
 if __name__ == "__main__":

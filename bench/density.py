@@ -9,7 +9,7 @@ memory, the time to list them all and to kill them all. The exec p50 at 10 live 
 baseline in the same run: at the target it should be no worse than 2x.
 
 Sandboxes ask 0.5 CPU and 256 MiB each, like a typical agent sandbox that sits idle most of
-the time. Admission counts the memory really in use (see README, Admission), so 2,000 such
+the time. Admission counts the memory really in use (docs/operators/admission.md), so 2,000 such
 sandboxes, whose limits add up to 21 times this host's RAM, fit. CPU admission is a sum of
 requests against ``DSEC_CPU_OVERCOMMIT`` times the cores; on this bench's node it is set to
 1000, since two cores and 2,000 sandboxes of 0.5 CPU are 500x.
@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from figures import COLOURS, add_plot_flag, figure, log_scale
 
 import dsec
 from dsec_core.config import NodeConfig
@@ -101,6 +103,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="300 sandboxes (under a minute)")
     ap.add_argument("--target", type=int, help="how many idle sandboxes to reach")
+    add_plot_flag(ap)
     args = ap.parse_args()
     target = args.target or (300 if args.quick else 2000)
     milestones = sorted({10, min(500, target // 3 if args.quick else 500), target})
@@ -170,6 +173,8 @@ def main() -> None:
     )
     if error:
         print(f"stopped by: {error}")
+    if args.plot:
+        plot(rows, per_kib, args.quick)
     print(
         json.dumps(
             {
@@ -191,6 +196,24 @@ def main() -> None:
             }
         )
     )
+
+
+def plot(rows: list[dict[str, float]], per_kib: float, quick: bool) -> None:
+    # host memory per sandbox is MemTotal - MemAvailable before and after: on a shared machine
+    # other processes' work can outweigh it, and a negative figure means only that
+    each = f"; {per_kib:.0f} KiB of host memory each" if per_kib > 0 else ""
+    title = f"Idle sandboxes on one node (busybox, 0.5 CPU, 256 MiB{each})"
+    with figure("density", title, quick, ncols=2) as (_, (create, other)):
+        live = [r["live"] for r in rows]
+        create.plot(live, [r["create_p50_ms"] for r in rows], "o-", color=COLOURS["dsec"])
+        create.set(xlabel="live sandboxes", ylabel="create p50, ms", ylim=(0, None))
+        other.plot(live, [r["exec_p50_ms"] for r in rows], "o-", label="exec `true` p50")
+        other.plot(live, [r["list_ms"] for r in rows], "s--", label="list all", color="gray")
+        other.set(xlabel="live sandboxes", ylabel="ms")
+        log_scale(other)
+        other.legend()
+        for ax in (create, other):
+            ax.grid(alpha=0.3)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.testing import build_busybox_layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from create import Docker, pct
+from create import Docker, docker_daemon, pct
+from figures import add_plot_flag, bars, figure
 
 ENV = "bench-fncall"
 MEMORY = "64M"
@@ -72,6 +73,7 @@ JUDGE = (
 )
 JUDGE_STDIN = "".join(f"{i}\n" for i in range(1, FIZZ_N + 1)).encode()
 TASKS = {"true": (["true"], None), "judge": (JUDGE, JUDGE_STDIN)}
+WAYS = ("fncall", "docker exec", "fresh")
 
 
 async def rounds(
@@ -145,6 +147,7 @@ async def dsec_side(address: str, layer: str, n_fn: int, n_fresh: int) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls (under a minute)")
+    add_plot_flag(ap)
     args = ap.parse_args()
     n_fn, n_fresh, n_docker = (300, 24, 32) if args.quick else (2000, 100, 160)
 
@@ -169,25 +172,26 @@ def main() -> None:
         shutil.rmtree(home, ignore_errors=True)
 
     # docker after dsec: dockerd's start and stop leave the kernel busy for a while after
-    docker = Docker()
     tag = "dsec-bench-fncall:busybox"
     cid = ""
     try:
-        docker.import_layer(image, tag)
-        run = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000")
-        cid = run.stdout.decode().strip()
-        if run.returncode != 0 or not cid:
-            raise SystemExit(f"bench: docker run failed: {run.stderr.decode()}")
-        docker_rounds(docker, cid, "true", 4, 1)  # warm
-        for task in TASKS:
-            for conc in (1, 8):
-                res[f"docker exec {task} c{conc}"] = docker_rounds(
-                    docker, cid, task, n_docker if conc == 8 else n_docker // 2, conc
-                )
-    finally:
-        if cid:
-            docker.run("rm", "-f", cid)
-        docker.close()
+        with docker_daemon() as docker:
+            try:
+                docker.import_layer(image, tag)
+                run = docker.run("run", "-d", "--network", "none", tag, "sleep", "100000")
+                cid = run.stdout.decode().strip()
+                if run.returncode != 0 or not cid:
+                    raise SystemExit(f"bench: docker run failed: {run.stderr.decode()}")
+                docker_rounds(docker, cid, "true", 4, 1)  # warm
+                for task in TASKS:
+                    for conc in (1, 8):
+                        res[f"docker exec {task} c{conc}"] = docker_rounds(
+                            docker, cid, task, n_docker if conc == 8 else n_docker // 2, conc
+                        )
+            finally:
+                if cid:
+                    docker.run("rm", "-f", cid)
+    finally:  # the image copy goes whatever happened, docker missing included
         shutil.rmtree(keep, ignore_errors=True)
 
     def ms(v: float) -> float:
@@ -223,7 +227,20 @@ def main() -> None:
         "judge_ratio_vs_docker_exec_c8": round(jfn8 / jdk8, 2),
     }
     print("targets: fncall_p50_ms <= 10, ratio_vs_docker_exec_c8 >= 10")
+    if args.plot:
+        plot(res, args.quick)
     print(json.dumps(fig))
+
+
+def plot(res: dict[str, tuple[list[float], float]], quick: bool) -> None:
+    title = "One short call: FnCall's warm member, docker exec, a fresh sandbox (busybox)"
+    with figure("fncall", title, quick, ncols=2, width=5.2) as (_, (lat, rate)):
+        labels = [f"{'dsec fncall' if w == 'fncall' else w} {t}" for t in TASKS for w in WAYS]
+        labels = [lb.replace("fresh", "dsec fresh sandbox") for lb in labels]
+        p50 = [1e3 * statistics.median(res[f"{w} {t} c1"][0]) for t in TASKS for w in WAYS]
+        bars(lat, labels, p50, unit="p50 ms, concurrency 1", log=True)
+        per_s = [res[f"{w} {t} c8"][1] for t in TASKS for w in WAYS]
+        bars(rate, labels, per_s, unit="calls/s, concurrency 8", log=True)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from dsec_core.testing import build_busybox_layer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from create import pct
+from figures import COLOURS, add_plot_flag, bars, figure
 from fncall import FIZZBUZZ, fizzbuzz, rounds
 
 ENV = "bench-judge"
@@ -116,6 +117,7 @@ async def measure(address: str, layer: str, n: int, n_fresh: int) -> dict[str, t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer submissions (under a minute)")
+    add_plot_flag(ap)
     args = ap.parse_args()
     n, n_fresh = (48, 16) if args.quick else (400, 80)
 
@@ -160,7 +162,21 @@ def main() -> None:
         "ratio_vs_fresh_c8": round(j8 / f8, 2),
         "ratio_vs_fncall_per_case_c8": round(j8 / p8, 2),
     }
+    if args.plot:
+        plot(res, args.quick)
     print(json.dumps(fig))
+
+
+def plot(res: dict[str, tuple[list[float], float]], quick: bool) -> None:
+    title = f"Judging a submission of {len(CASES)} cases (busybox, awk FizzBuzz)"
+    ways = {"judge": "dsec judge", "fncall per case": "dsec fncall per case",
+            "fresh sandbox": "dsec fresh sandbox"}  # fmt: skip
+    colours = [COLOURS["dsec"], COLOURS["other"], COLOURS["baseline"]]
+    with figure("judge", title, quick, ncols=2) as (_, (lat, rate)):
+        p50 = [1e3 * statistics.median(res[f"{w} c1"][0]) for w in ways]
+        bars(lat, list(ways.values()), p50, unit="p50 ms, concurrency 1", colours=colours)
+        per_s = [res[f"{w} c8"][1] for w in ways]
+        bars(rate, list(ways.values()), per_s, unit="submissions/s, concurrency 8", colours=colours)
 
 
 if __name__ == "__main__":

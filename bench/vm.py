@@ -46,6 +46,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from figures import COLOURS, add_plot_flag, bars, figure
+
 import dsec
 from dsec_core.backend import cgroup_path
 from dsec_core.layers.build import build_layer
@@ -325,6 +327,7 @@ def idle_vms_memory(node: KitNode, layers: list[str], n: int, settle: float) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and VMs (< 1 min)")
+    add_plot_flag(ap)
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
@@ -366,6 +369,28 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
     took = time.perf_counter() - started
     report(args.quick, lat, boot, mem, rounds, execs, n_vms, data_mb, took)
+    if args.plot:
+        plot(args.quick, lat, mem, n_vms, data_mb)
+
+
+def plot(quick: bool, lat: dict[str, dict], mem: dict[str, dict], n_vms: int, data_mb: int) -> None:
+    names = {"container": "dsec container (runc)", "gvisor": "dsec gVisor (runsc)"}
+    names |= {"microvm": "dsec microVM", "vm": "dsec full VM"}
+    ran = [n for n in names if n in lat and "skipped" not in lat[n]]
+    title = "Sandboxes as VMs against containers, create and idle memory"
+    with figure("vm", title, quick, ncols=2, width=5.4) as (_, (create, memory)):
+        p50 = [1e3 * statistics.median(lat[n]["first"]) for n in ran]
+        colours = [COLOURS["baseline"] if n == "container" else COLOURS["dsec"] for n in ran]
+        bars(create, [names[n] for n in ran], p50, unit="create -> first exec, p50 ms", log=True,
+             colours=colours)  # fmt: skip
+        # the host's rise (MemTotal - MemAvailable) counts the page cache that pmem's DAX
+        # shares; the VMs' cgroups count what each guest holds of its own
+        kinds = {"host_used_bytes": "host", "cgroup_bytes": "cgroups"}
+        rows = [(f"{over} layers, {name}", mem[over][k] / 1e6) for k, name in kinds.items()
+                for over in mem]  # fmt: skip
+        colours = [COLOURS["dsec"] if "pmem" in r[0] else COLOURS["baseline"] for r in rows]
+        bars(memory, [r[0] for r in rows], [r[1] for r in rows], colours=colours,
+             unit=f"MB added by {n_vms} idle VMs that read a {data_mb} MB layer")  # fmt: skip
 
 
 def report(

@@ -6,8 +6,10 @@ with dsec.Client() as client, client.create(environment="judge-fizzbuzz") as sb:
 """
 
 from dsec_core import __version__
+from dsec_core.api.iam import MintedKey
 from dsec_core.errors import *  # noqa: F403 - the error tree is part of the SDK
 from dsec_core.errors import __all__ as _errors
+from dsec_core.iam.model import KeyInfo, Project, ProjectRevocation, Quota
 from dsec_core.records import (
     CaseResult,
     ExecResult,
@@ -55,5 +57,10 @@ __all__ = [
     "LayerInfo",
     "Limits",
     "SandboxUsage",
+    "Project",
+    "Quota",
+    "KeyInfo",
+    "MintedKey",
+    "ProjectRevocation",
     *_errors,
 ]

@@ -1,18 +1,18 @@
 """``dsec demo``: one RL rollout per catalog task, in parallel, rewarded from native signals.
 
-Builds the default catalog if missing, starts the embedded node if none runs, then for each
-task creates a sandbox of its environment, runs its command, computes the reward from the exit
-code or the JUnit pass rate, and kills the sandbox; a judge task goes to judge mode instead (a
-warm FnCall member compiles once and runs each case with its own limits; reward 1.0 if every
-case is accepted). Tasks whose environment names another backend (a microVM) run after the
-container ones, or are skipped with one line saying why where that backend cannot run here
-(no QEMU, say).
+Builds the default catalog if missing, starts the embedded node if none runs, then runs one
+episode per task through ``dsec.rollout``'s runner: a sandbox of its environment, its command,
+the reward from the exit code or the JUnit pass rate, the sandbox killed; a judge task goes to
+judge mode instead (a warm FnCall member compiles once and runs each case with its own limits;
+reward 1.0 if every case is accepted). An infrastructure failure is retried as the runner
+does; a row then says how many attempts it took. Tasks whose environment names another
+backend (a microVM) run after the container ones, or are skipped with one line saying why
+where that backend cannot run here (no QEMU, say).
 """
 
 from __future__ import annotations
 
 import asyncio
-import posixpath
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,13 +24,13 @@ from rich.table import Table
 
 from .catalog.build import build_catalog
 from .catalog.model import Task, default_catalog_file, load_catalog
-from .catalog.rewards import compute_reward
 from .catalog.store import CatalogStore
 from .config import NodeConfig
-from .errors import BackendUnavailable, DsecError, UnknownBackend
+from .errors import DsecError
 from .layers.store import LayerStore
 from .plugins import registry
-from .records import DEFAULT_BACKEND, SandboxSpec
+from .records import DEFAULT_BACKEND
+from .rollout import EpisodeResult, arun
 from .sdk import AsyncClient, Client
 
 __all__ = ["ensure_catalog", "run_demo"]
@@ -67,82 +67,28 @@ def ensure_catalog(path: Path, config: NodeConfig, console: Console | None = Non
     return catalog
 
 
-async def _rollout(
-    client: AsyncClient, task, files: Mapping[str, str | bytes] | None = None
-) -> dict[str, Any]:
-    if task.judge is not None:
-        return await _judged(client, task)
-    started = time.monotonic()
-    sb = await client.create(
-        SandboxSpec(environment=task.qualified_environment, ttl=600, cpu=1.0, memory="512M")
-    )
-    try:
-        # a grader's files (hidden tests): written into this sandbox only, never the layers
-        for path, data in (files or {}).items():
-            await sb.exec(["mkdir", "-p", posixpath.dirname(path)], timeout=30)
-            await sb.write_file(path, data)
-        # the reward comes from this result: run it as a verifier should, alone in the sandbox
-        result = await sb.exec(task.command, timeout=task.timeout, exclusive=True)
-
-        async def read(path: str) -> bytes:
-            return await sb.read_file(path)
-
-        report = None
-        if getattr(task, "report", None):
-            try:
-                report = await read(task.report)
-            except Exception:  # a missing report scores zero; compute_reward handles None
-                report = None
-        reward = compute_reward(task, result, (lambda _p: report) if report is not None else None)
-    finally:
-        await sb.kill()
-    row = _row(
-        task,
-        reward,
-        started,
-        sb.id,
-        str(result.exit_code),
-        result.duration,
-        timed_out=result.timed_out,
-    )
-    row["backend"] = sb.info.backend  # the environment's, resolved by the node
-    return row
-
-
-async def _judged(client: AsyncClient, task) -> dict[str, Any]:
-    """A judge task: judge mode in a warm FnCall member (compile once, each case with its own
-    limits), rewarded 1.0 if every case is accepted."""
-    started = time.monotonic()
-    r = await client.judge(task.judge_spec())
-    outcome = f"{r.verdict} {r.passed}/{r.total}"
-    row = _row(task, compute_reward(task, r), started, r.member, outcome, r.duration)
-    row["verdicts"] = [c.verdict for c in r.cases]
-    row["backend"] = task.judge_spec().backend
-    return row
-
-
-def _row(
-    task,
-    reward: float,
-    started: float,
-    sandbox: str,
-    outcome: str,
-    run_seconds: float,
-    timed_out: bool = False,
-) -> dict[str, Any]:
-    expect = getattr(task, "expect", None)
-    return {
+def _row(task: Task, r: EpisodeResult) -> dict[str, Any]:
+    """The demo's row of one episode: its reward against the task's ``expect``."""
+    expect = task.expect
+    reward = r.reward if r.reward is not None else 0.0
+    row: dict[str, Any] = {
         "task": task.name,
         "environment": task.environment,
         "reward": reward,
         "expect": expect,
-        "ok": expect is None or abs(reward - expect) < 1e-9,
-        "outcome": outcome,  # the exit code, or the judge's verdict and accepted cases
-        "timed_out": timed_out,
-        "exec_seconds": round(run_seconds, 3),
-        "seconds": round(time.monotonic() - started, 3),
-        "sandbox": sandbox,
+        "ok": r.status == "ok" and (expect is None or abs(reward - expect) < 1e-9),
+        "status": r.status,  # ok, failed (the error says why) or masked (infrastructure)
+        # the exit code, or the judge's verdict and accepted cases; else what went wrong
+        "outcome": r.outcome or r.error or f"masked ({r.infra})",
+        "timed_out": r.timed_out,
+        "attempts": r.attempts,
+        "seconds": r.duration,
+        "sandbox": r.sandboxes[-1] if r.sandboxes else "",
+        "backend": r.backend,
     }
+    if task.judge is not None:
+        row["verdicts"] = list(r.verdicts)
+    return row
 
 
 def _unavailable(backend: str) -> str | None:
@@ -185,36 +131,42 @@ def run_demo(
     later = [t for t in chosen if t not in first]
     skipped: list[str] = []
 
-    async def on_own_backend(client: AsyncClient, task) -> dict[str, Any] | None:
-        backend = backends[task.name] or DEFAULT_BACKEND
-        why = _unavailable(backend)
-        if why is None:
-            try:
-                return await _rollout(client, task, files.get(task.name))
-            except (UnknownBackend, BackendUnavailable) as e:  # the node's own check said no
-                why = str(e)
-        skipped.append(f"skipped task {task.name} on backend {backend}: {why}")
-        return None
+    async def rollouts(client: AsyncClient, tasks: list[Task], at_once: int) -> list:
+        report = await arun(
+            client,
+            len(tasks),
+            tasks=tasks,
+            concurrency=max(1, at_once),
+            files=files,
+            progress=False,
+        )
+        return [(t, r) for t, r in zip(tasks, report.results, strict=True)]
 
-    async def all_rollouts() -> list[dict]:
+    async def all_rollouts() -> list[tuple[Task, EpisodeResult]]:
         async with AsyncClient() as client:
-            done = list(
-                await asyncio.gather(*(_rollout(client, t, files.get(t.name)) for t in first))
-            )
-            for task in later:
-                row = await on_own_backend(client, task)
-                if row is not None:
-                    done.append(row)
+            done = await rollouts(client, first, len(first)) if first else []
+            for task in later:  # each alone: its guest boots on the same cores
+                backend = backends[task.name] or DEFAULT_BACKEND
+                why = _unavailable(backend)
+                if why is None:
+                    ((_, r),) = await rollouts(client, [task], 1)
+                    if r.error_type not in ("UnknownBackend", "BackendUnavailable"):
+                        done.append((task, r))
+                        continue
+                    why = r.error or ""  # the node's own check said no
+                skipped.append(f"skipped task {task.name} on backend {backend}: {why}")
             return done
 
     started = time.monotonic()
-    results = asyncio.run(all_rollouts())
+    results = [_row(t, r) for t, r in asyncio.run(all_rollouts())]
     wall = time.monotonic() - started
     table = Table(
         "task", "reward", "expected", "exit / verdict", "duration", title="dsec demo rollouts"
     )
     for r in results:
         mark = "" if r["ok"] else " [red](mismatch)[/red]"
+        if r["status"] != "ok":
+            mark = f" [red]({r['status']})[/red]"
         table.add_row(
             r["task"],
             f"{r['reward']:.2f}{mark}",

@@ -35,11 +35,13 @@ __all__ = [
     "MountError",
     "NetlinkError",
     "NodeLost",
+    "NodeSideMissing",
     "NodeUnavailable",
     "NotFound",
     "PermissionDenied",
     "PluginApiMismatch",
     "PluginInvalid",
+    "PluginVersionMismatch",
     "PolicyUnavailable",
     "ProjectExists",
     "ProjectInUse",
@@ -335,6 +337,12 @@ class PluginApiMismatch(PluginInvalid):
     ``supported``); the message points at what to do: migrate it, or upgrade dsec."""
 
 
+class PluginVersionMismatch(PluginInvalid):
+    """A plugin's distribution was written for other dsec versions than the one running: the
+    range it requires of dsec (``requires``, from its ``Requires-Dist: dsec[node]>=0.1,<0.2``)
+    does not hold ``running``. Carries ``plugin``, ``distribution``, ``requires``, ``running``."""
+
+
 class AdmissionRejected(DsecError):
     """The node refuses the request: it would exceed the node's capacity."""
 
@@ -433,6 +441,14 @@ class NodeUnavailable(DsecError):
     """The node daemon cannot be reached or started."""
 
     http_status = 503
+
+
+class NodeSideMissing(DsecError):
+    """What was asked needs dsec's node side (the node daemon, the apiserver, catalogs,
+    plugins), and this install is the client alone: ``pip install 'dsec[node]'`` adds it.
+    Carries ``command`` (what needed it), ``missing`` (the node extra's distributions not
+    installed) and ``install`` (the command that adds them). Not a ``NodeUnavailable``: no
+    node went away, and no retry or infrastructure mask will help."""
 
 
 class NodeLost(NodeUnavailable):

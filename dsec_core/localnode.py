@@ -22,6 +22,7 @@ from .api.routes import ROUTES
 from .api.transport import Address, HTTPTransport
 from .config import NodeConfig
 from .errors import InvalidSpec, NodeUnavailable
+from .extras import require_node
 
 __all__ = [
     "DAEMON_MODULE",
@@ -128,6 +129,11 @@ def ensure_daemon(config: NodeConfig | None = None, timeout: float = 60.0) -> di
     info = ping(config)
     if info:
         return info
+    # a client-only install (`pip install dsec`) has no daemon to start: say so, not its import
+    require_node(
+        f"starting a node daemon at {config.socket_path} (none answers there; a client given "
+        "a node's address, or DSEC_ADDRESS, uses that node instead)"
+    )
     listen_addresses(config)  # a misconfigured listener fails here, not in the daemon's log
     if os.geteuid() != 0:
         raise NodeUnavailable(

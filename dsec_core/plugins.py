@@ -7,7 +7,9 @@ points, and their placement answers last, so a plugin can override it. ``registr
 what the registration hooks offer and opens layer sources by URL; ``place()`` asks the
 placement hooks to pick a node.
 
-A plugin that fails, fails alone: one that does not import, declares another plugin API than
+A plugin that fails, fails alone: one whose distribution was written for other dsec versions
+(the range its ``Requires-Dist: dsec[node]>=0.1,<0.2`` gives does not hold ``__version__``;
+checked before it is imported), one that does not import, declares another plugin API than
 ``PLUGIN_API`` (``DSEC_PLUGIN_API = N`` in its module; none is the first contract's, 1),
 implements hooks dsec does not have, or raises or offers something that breaks the contract
 while registering, is skipped with a ``PluginFailure`` saying why (``dsec plugins`` shows it,
@@ -35,6 +37,10 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from . import __version__, hookspecs, placement
 from .backend import Backend
@@ -43,6 +49,7 @@ from .errors import (
     DsecError,
     PluginApiMismatch,
     PluginInvalid,
+    PluginVersionMismatch,
     UnknownBackend,
     UnknownPolicy,
     UnknownSource,
@@ -61,6 +68,7 @@ __all__ = [
     "DsecPluginManager",
     "PluginFailure",
     "Registry",
+    "dsec_range",
     "failures",
     "get_plugin_manager",
     "open_source",
@@ -68,6 +76,7 @@ __all__ = [
     "plugin_descriptions",
     "register_commands",
     "registry",
+    "release_range",
     "reset",
 ]
 
@@ -75,14 +84,15 @@ log = logging.getLogger("dsec.plugins")
 
 ENTRY_POINT_GROUP = "dsec"
 #: The plugin API this dsec speaks. 1 was the first contract (before backends declared what
-#: they need and give, and before the declaration itself); 2 is the one README.md describes.
+#: they need and give, and before the declaration itself); 2 is the one the docs describe
+#: (docs/plugins/index.md).
 PLUGIN_API = 2
 #: What a plugin module sets to the plugin API it was written for: ``DSEC_PLUGIN_API = 2``.
 API_ATTRIBUTE = "DSEC_PLUGIN_API"
 #: The API of a plugin that declares none: it predates the declaration.
 UNDECLARED_API = 1
 #: Where a plugin author reads what changed.
-MIGRATION = "README.md, section 'Migrating a plugin written before this change'"
+MIGRATION = "the guide 'Migrating a plugin written before this change' (docs/plugins/migrating.md)"
 #: Plugins of dsec_core itself, registered on every plugin manager whatever DSEC_PLUGINS says.
 CORE_PLUGINS: tuple[tuple[str, ModuleType], ...] = (
     ("core_local_source", local_source),
@@ -94,7 +104,9 @@ CORE_PLUGINS: tuple[tuple[str, ModuleType], ...] = (
 class PluginFailure:
     """A plugin that was skipped, or a name it lost, and why; the other plugins work without it.
 
-    ``stage``: ``import`` (loading its entry point raised), ``api`` (it was written for another
+    ``stage``: ``version`` (its distribution was written for other dsec versions:
+    ``PluginVersionMismatch``; it is not imported), ``import`` (loading its entry point
+    raised), ``api`` (it was written for another
     plugin API: ``PluginApiMismatch``), ``hooks`` (it implements hooks dsec does not have, or
     with arguments they do not take), ``register`` (a registration hook raised, or offered
     something that breaks the contract), ``commands`` (``dsec_register_commands`` raised), or
@@ -211,6 +223,53 @@ def _declared_in_source(module: str) -> Any:
     return int(found.group(1)) if found else UNDECLARED_API
 
 
+def release_range(version: str = __version__) -> str:
+    """The dsec versions a plugin written for dsec ``version`` declares (``dsec[node]`` and
+    this, in its pyproject's dependencies): ``version``'s release series, ``>=0.1,<0.2`` for
+    0.1.x (before 1.0 a minor release may change what plugins see), ``>=1.2,<2`` from 1.0 on."""
+    v = Version(version)
+    if v.major == 0:
+        return f">=0.{v.minor},<0.{v.minor + 1}"
+    return f">={v.major}.{v.minor},<{v.major + 1}"
+
+
+def dsec_range(dist: importlib.metadata.Distribution) -> SpecifierSet | None:
+    """The dsec versions a plugin's distribution was written for: the specifiers of its own
+    requirement on dsec (``dsec[node]>=0.1,<0.2``; empty if it gives no range), or None if it
+    requires no dsec. Requirements of its extras (``; extra == "test"``) are not its own."""
+    for line in dist.requires or ():
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue  # metadata we cannot read refuses nothing
+        if canonicalize_name(requirement.name) != "dsec":
+            continue
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        return requirement.specifier
+    return None
+
+
+def _version_mismatch(
+    name: str, dist: importlib.metadata.Distribution
+) -> PluginVersionMismatch | None:
+    """The error of a plugin whose distribution requires dsec versions ``__version__`` is not
+    among; None if it fits (or says nothing of a range)."""
+    wanted = dsec_range(dist)
+    if wanted is None or wanted.contains(__version__, prereleases=True):
+        return None
+    dist_name = dist.metadata["Name"]
+    return PluginVersionMismatch(
+        f"plugin {name!r} ({dist_name} {dist.version}) was written for dsec {wanted} (its "
+        f"distribution requires it), and this is dsec {__version__}: install a version of "
+        f"{dist_name} written for dsec {__version__}, or the dsec it was written for",
+        plugin=name,
+        distribution=dist_name,
+        requires=str(wanted),
+        running=__version__,
+    )
+
+
 def _from_dsec(e: ImportError) -> bool:
     """Whether ``e`` is about a module or name of dsec's (one that moved or went)."""
     return (e.name or "").split(".")[0] in ("dsec_core", "dsec")
@@ -250,6 +309,10 @@ def _load_entry_points(pm: DsecPluginManager, wanted: set[str] | None) -> None:
         if dist is not None:
             pm.distributions[ep.name] = dist
         label = f"{dist.metadata['Name']} {dist.version}" if dist else ep.value
+        too_old_or_new = _version_mismatch(ep.name, dist) if dist is not None else None
+        if too_old_or_new is not None:  # not imported: it may not even import in this dsec
+            pm.fail(ep.name, "version", too_old_or_new)
+            continue
         try:
             plugin = ep.load()
         except (Exception, SystemExit) as e:  # a plugin's import must not end the host
@@ -568,9 +631,11 @@ def place(request: SandboxSpec, nodes: Sequence[NodeLoad]) -> NodeLoad | None:
 
 
 def plugin_descriptions() -> list[dict[str, Any]]:
-    """Name, version, distribution, module, declared plugin API and implemented hooks of each
-    plugin, and ``error``: None for a working one, else why it was skipped or what name it
-    lost (for ``dsec plugins``). Skipped plugins are listed too, with no hooks."""
+    """Name, version, distribution, module, declared plugin API, the dsec versions it was
+    written for (``dsec``: its distribution's range, ``""`` if it gives none, None without a
+    distribution) and implemented hooks of each plugin, and ``error``: None for a working one,
+    else why it was skipped or what name it lost (for ``dsec plugins``). Skipped plugins are
+    listed too, with no hooks."""
     pm = get_plugin_manager()
     errors: dict[str, list[str]] = {}
     for f in failures():
@@ -583,9 +648,12 @@ def plugin_descriptions() -> list[dict[str, Any]]:
         hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or []) if plugin else []
         dist = pm.distributions.get(name)
         version, distribution = (dist.version, dist.metadata["Name"]) if dist else (None, None)
+        wanted = dsec_range(dist) if dist else None
+        written_for = None if dist is None else "" if wanted is None else str(wanted)
         api = pm.apis.get(name)
         if name in core:
             version, distribution, api = __version__, "dsec", PLUGIN_API
+            written_for = f"=={__version__}"
         module = getattr(plugin, "__name__", repr(plugin)) if plugin is not None else None
         if module is None and dist is not None:
             eps = [e for e in dist.entry_points if e.group == ENTRY_POINT_GROUP and e.name == name]
@@ -597,6 +665,7 @@ def plugin_descriptions() -> list[dict[str, Any]]:
                 "distribution": distribution,
                 "module": module,
                 "api": api,
+                "dsec": written_for,
                 "hooks": hooks,
                 "error": "; ".join(errors[name]) if name in errors else None,
             }

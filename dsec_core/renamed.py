@@ -1,5 +1,5 @@
 """The names this release renamed, old to new, and what keeps each old one importable for one
-more release with a ``DeprecationWarning`` (README "Renamed in this release").
+more release with a ``DeprecationWarning`` (docs/plugins/renamed.md).
 
 A renamed module leaves a stub at its old path that calls ``warn_renamed`` and re-exports the
 new module; a renamed name in a module that stays is served by that module's ``__getattr__``

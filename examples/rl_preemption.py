@@ -96,8 +96,8 @@ def forking(client: dsec.Client) -> None:
         print(f"   forked into 3 in {time.perf_counter() - t0:.2f}s")
         for guess, branch in zip((41, 42, 43), branches, strict=True):
             branch.step(f"echo {guess} > /answer")
-            _, reward, *_ = branch.step("submit")
             state = branch.step("wc -l < /work/state")[0].strip()
+            _, reward, *_ = branch.step("submit")  # the episode ends here
             print(f"   branch {branch.sandbox_id}: guessed {guess}, reward {reward}, state {state}")
     finally:
         for branch in branches:

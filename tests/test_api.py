@@ -17,6 +17,7 @@ import pytest
 from openapi_spec_validator import validate as validate_openapi
 
 import dsec
+from dsec_core.api.iam import IAM_ROUTES
 from dsec_core.api.messages import MAX_READ, ExecRequest, ReadQuery, WriteQuery
 from dsec_core.api.openapi import openapi_document
 from dsec_core.api.routes import MAX_BODY, RAW, ROUTES
@@ -69,10 +70,11 @@ def test_the_server_serves_exactly_the_table(tmp_path):
 @pytest.mark.parametrize("client", [dsec.Client, dsec.AsyncClient])
 def test_every_sdk_method_is_a_route(client):
     public = {n for n, v in vars(client).items() if callable(v) and not n.startswith("_")}
-    assert public == (set(ROUTES) - NOT_IN_SDK) | set(COMPOSED)
+    routes = {**ROUTES, **IAM_ROUTES}  # IAM's: an apiserver's own
+    assert public == (set(routes) - NOT_IN_SDK) | set(COMPOSED)
     # made from, or running, the core's operation of the route (that it sends the route:
     # tests/test_sdk.py)
-    for name in set(ROUTES) - NOT_IN_SDK:
+    for name in set(routes) - NOT_IN_SDK:
         op, method = CORE_OPS.get(name, name), getattr(client, name)
         made = inspect.unwrap(method) is getattr(core, op)
         assert made or re.search(rf"core\.{op}\(", inspect.getsource(method)), name

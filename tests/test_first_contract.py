@@ -1,4 +1,5 @@
-"""README.md's "Migrating a plugin written before this change", held to account: a backend and a
+"""The docs' "Migrating a plugin written before this change" (docs/plugins/migrating.md), held to
+account: a backend and a
 layer source written for dsec's first plugin contract (``first_contract/v1``: the contract of
 git history before the layered core, 762db83) are refused with a clear plugin-API message while
 everything else works; the same two migrated by that section alone (``first_contract/v2``)
@@ -21,7 +22,7 @@ from dsec_core.plugins import MIGRATION, PLUGIN_API
 
 FIXTURES = Path(__file__).parent / "first_contract"
 PACKAGES = ("dsec-backend-oldbox", "dsec-layer-shelf")
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "plugins" / "migrating.md"
 SECTION = "Migrating a plugin written before this change"
 
 OLDBOX = ("dsec-backend-oldbox", "dsec_backend_oldbox/__init__.py")
@@ -29,7 +30,7 @@ OLDBOX_TESTS = ("dsec-backend-oldbox", "tests/test_oldbox.py")
 SHELF = ("dsec-layer-shelf", "dsec_layer_shelf/__init__.py")
 SHELF_TESTS = ("dsec-layer-shelf", "tests/test_shelf.py")
 #: Each change the migration made: (package, file, what v1 has, what v2 has instead, what the
-#: README section says about it). The section must name each, and v1/v2 must show it.
+#: guide says about it). The section must name each, and v1/v2 must show it.
 CHANGES = [
     (*OLDBOX, None,
      "DSEC_PLUGIN_API = 2", "`DSEC_PLUGIN_API = 2`"),
@@ -92,9 +93,9 @@ ALSO_COVERED = [
 
 
 def section() -> str:
-    text = README.read_text()
-    start = text.index(f"### {SECTION}\n")
-    return text[start : text.index("\n## ", start)]
+    text = GUIDE.read_text()
+    assert text.startswith(f"# {SECTION}\n"), f"{GUIDE} is not the migration guide"
+    return text
 
 
 def install(pkg: str, version: str, tmp: Path) -> Path:

@@ -395,10 +395,18 @@ def test_only_admins_manage_their_subtree(iam):
 
     made = iam.create_project("org/team/new", actor=admin)
     assert made.path == "org/team/new"
-    for who in (member, agent, other_admin):
+    with pytest.raises(PermissionDenied) as err:
+        iam.create_project("org/team/new2", actor=other_admin)
+    assert err.value.http_status == 403
+    # a key that is no admin's makes projects only below its own (a sub-agent's), with a
+    # quota no larger than its own project's (org/team: 6 sandboxes)
+    for who in (member, agent):
+        with pytest.raises(PermissionDenied):
+            iam.create_project("org/team", actor=who)
         with pytest.raises(PermissionDenied) as err:
-            iam.create_project("org/team/new2", actor=who)
-        assert err.value.http_status == 403
+            iam.create_project("org/team/new2", Quota(sandboxes=7), actor=who)
+        assert err.value.context["resource"] == "sandboxes"
+    assert iam.create_project("org/team/sub", Quota(sandboxes=6), actor=agent).path
     with pytest.raises(PermissionDenied):
         iam.create_project("org2", actor=admin)
     with pytest.raises(PermissionDenied):

@@ -4,7 +4,9 @@ listed by ``dsec plugins`` with its error and skipped; every other command and p
 and a node refuses to start only when its configuration names what such a plugin would offer.
 
 The broken plugins are one installed distribution, ``dsec-test-broken``, made here as pip
-would leave it (a ``.dist-info`` with entry points in the ``dsec`` group) on ``PYTHONPATH``."""
+would leave it (a ``.dist-info`` with entry points in the ``dsec`` group) on ``PYTHONPATH``; the
+plugins written for other dsec versions are a distribution each (``RANGES``), since the range
+is their distribution's ``Requires-Dist``."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ from pathlib import Path
 
 import click
 import pytest
+from packaging.requirements import Requirement
 
-from dsec_core import plugins
+from dsec_core import __version__, plugins
 from dsec_core.config import NodeConfig
-from dsec_core.errors import NodeUnavailable, PluginApiMismatch, UnknownBackend, UnknownSource
+from dsec_core.errors import (
+    NodeUnavailable,
+    PluginApiMismatch,
+    PluginVersionMismatch,
+    UnknownBackend,
+    UnknownSource,
+)
 from dsec_core.hookspecs import hookimpl
 from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.testing import running_kit_node
@@ -77,6 +86,37 @@ def broken_site(root: Path) -> Path:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dsec-test-broken\nVersion: 0.1\n")
     eps = "".join(f"{name} = dsec_test_{name}\n" for name in BROKEN)
     (info / "entry_points.txt").write_text(f"[dsec]\n{eps}")
+    return site
+
+
+#: distribution ``dsec-test-NAME`` -> its Requires-Dist lines and whether its plugin loads: the
+#: plugin itself (``ranged_NAME``) is sound, only the dsec versions it says it fits differ
+RANGES = {
+    "elder": (["dsec[node]<0.1,>=0.0.1"], False),
+    "newer": (["dsec>=0.2"], False),
+    # its extras' requirements are not its own: the test extra's dsec>=9 refuses nothing
+    "fitting": (["dsec[node]<0.2,>=0.1", 'dsec[node]>=9; extra == "test"'], True),
+    "unranged": (["dsec"], True),  # it gives no range: nothing to refuse it for
+}
+RANGED_PLUGIN = (
+    "from dsec_core.hookspecs import hookimpl\n\nDSEC_PLUGIN_API = 2\n\n"
+    "@hookimpl\ndef dsec_register_commands(cli):\n    pass\n"
+)
+
+
+def ranged_site(root: Path) -> Path:
+    """A directory holding the ``RANGES`` distributions, as installed."""
+    site = root / "ranged-site"
+    for name, (requires, _) in RANGES.items():
+        (site / f"dsec_test_ranged_{name}").mkdir(parents=True)
+        (site / f"dsec_test_ranged_{name}" / "__init__.py").write_text(RANGED_PLUGIN)
+        info = site / f"dsec_test_{name}-0.1.dist-info"
+        info.mkdir()
+        lines = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: dsec-test-{name}\nVersion: 0.1\n{lines}"
+        )
+        (info / "entry_points.txt").write_text(f"[dsec]\nranged_{name} = dsec_test_ranged_{name}\n")
     return site
 
 
@@ -142,9 +182,49 @@ def test_an_api_mismatch_is_typed_and_points_at_the_migration_section(tmp_path, 
         assert failures["broken_register"].stage == "register"
         pm = plugins.get_plugin_manager()
         assert all(pm.get_plugin(name) is None for name in BROKEN)  # skipped whole
-        assert (Path(__file__).parents[1] / "README.md").read_text().count(f"### {MIGRATION}")
+        page = Path(__file__).parents[1] / "docs" / "plugins" / "migrating.md"
+        assert page.read_text().startswith(f"# {MIGRATION}\n") and "migrating.md" in error.see
     finally:
         plugins.reset()
+
+
+def test_a_plugin_written_for_other_dsec_versions_is_refused_before_it_imports(
+    tmp_path, monkeypatch
+):
+    site = ranged_site(tmp_path)
+    monkeypatch.syspath_prepend(site)
+    monkeypatch.delenv("DSEC_PLUGINS", raising=False)
+    plugins.reset()
+    try:
+        failures = {f.plugin: f for f in plugins.registry().failures}
+        pm = plugins.get_plugin_manager()
+        for name, (requires, loads) in RANGES.items():
+            plugin = f"ranged_{name}"
+            assert (pm.get_plugin(plugin) is not None) is loads, name
+            assert (plugin in failures) is not loads, name
+            if loads:
+                continue
+            failure = failures[plugin]
+            error = failure.error
+            assert failure.stage == "version" and isinstance(error, PluginVersionMismatch)
+            assert failure.distribution == f"dsec-test-{name}"
+            assert (error.plugin, error.running) == (plugin, __version__)
+            assert error.requires == str(Requirement(requires[0]).specifier)
+            assert f"{error.requires} (its distribution requires it)" in str(error)
+            assert f"this is dsec {__version__}" in str(error)
+            assert f"dsec_test_ranged_{name}" not in sys.modules  # refused unimported
+        assert plugins.registry().backends  # everything else is there
+    finally:
+        plugins.reset()
+    # the CLI lists them with why, and goes on
+    out = dsec("plugins", "--json", site=site, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shown = {p["name"]: p for p in json.loads(out.stdout)["plugins"]}
+    assert "written for dsec <0.1,>=0.0.1" in shown["ranged_elder"]["error"]
+    assert shown["ranged_elder"]["dsec"] == "<0.1,>=0.0.1" and shown["ranged_elder"]["hooks"] == []
+    assert shown["ranged_fitting"]["error"] is None and shown["ranged_fitting"]["dsec"]
+    assert shown["ranged_unranged"]["error"] is None and shown["ranged_unranged"]["dsec"] == ""
+    assert "ranged_newer" in out.stderr and "written for dsec >=0.2" in out.stderr
 
 
 class _Commands:

@@ -14,6 +14,7 @@ import pytest
 
 from dsec_core.cli.plugin import plugin_skeleton, write_plugin
 from dsec_core.errors import InvalidSpec
+from dsec_core.plugins import release_range
 
 
 def dsec(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -150,6 +151,7 @@ def test_the_cli_writes_a_whole_package(tmp_path):
     pyproject = (pkg / "pyproject.toml").read_text()
     assert 'backend_mybox = "dsec_backend_mybox"' in pyproject
     assert 'addopts = "-p dsec_core.testing"' in pyproject
+    assert f'dependencies = ["dsec[node]{release_range()}"]' in pyproject  # written for this dsec
     assert "pytest dsec-backend-mybox/tests" in (pkg / "README.md").read_text()
     assert not [p for p in (tmp_path / "plugins").iterdir() if p.name.startswith(".")]
     out = dsec("plugin", "new", "policy", "masks", cwd=tmp_path)

@@ -3,13 +3,18 @@ third-party plugin registered the same way is picked up."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import json
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pluggy
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from dsec_core import hookspecs, plugins
 from dsec_core.backend import Backend
@@ -59,6 +64,32 @@ def test_shipped_plugins_load_through_entry_points():
     assert descs["core_placement"]["distribution"] == "dsec"
     reg = plugins.registry()
     assert "container" in reg.backends and "local" in reg.layer_sources
+
+
+def test_every_shipped_plugin_declares_the_dsec_versions_it_was_written_for():
+    """Each plugin and builder requires ``dsec[node]`` within this release's series
+    (``release_range``): in its pyproject, in its installed metadata, and in ``dsec plugins``."""
+    repo = Path(__file__).resolve().parents[1]
+    series = SpecifierSet(plugins.release_range())
+    assert plugins.__version__ in series
+    projects = sorted(
+        [*repo.glob("plugins/*/pyproject.toml"), *repo.glob("builders/*/pyproject.toml")]
+    )
+    assert len(projects) >= 12
+    for path in projects:
+        project = tomllib.loads(path.read_text())["project"]
+        (dsec,) = [r for r in map(Requirement, project["dependencies"]) if r.name == "dsec"]
+        assert dsec.extras == {"node"} and dsec.specifier == series, path
+        assert plugins.dsec_range(importlib.metadata.distribution(project["name"])) == series
+    descs = plugins.plugin_descriptions()
+    shipped = [d for d in descs if d["distribution"] not in (None, "dsec")]
+    assert shipped and all(SpecifierSet(d["dsec"]) == series for d in shipped), shipped
+
+
+def test_the_release_range_is_the_version_series():
+    assert plugins.release_range("0.1.0") == ">=0.1,<0.2"
+    assert plugins.release_range("0.3.2rc1") == ">=0.3,<0.4"
+    assert plugins.release_range("1.2.3") == ">=1.2,<2"
 
 
 def test_cli_plugins_json():

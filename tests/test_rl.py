@@ -5,6 +5,7 @@ drive socket's Python client speaking to a real node as a sandbox's uid."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -17,7 +18,20 @@ import gymnasium
 import pytest
 
 import dsec
-from dsec.rl import INFRA_KINDS, SandboxEnv, command_reward, drive_client_source, infra_event
+from dsec.rl import (
+    INFRA_KINDS,
+    AsyncSandboxEnv,
+    EnvClosed,
+    EnvError,
+    EnvNotReset,
+    EpisodeEnded,
+    InfraFailure,
+    InvalidAction,
+    SandboxEnv,
+    command_reward,
+    drive_client_source,
+    infra_event,
+)
 from dsec_core.config import NodeConfig
 from dsec_core.errors import (
     NodeUnavailable,
@@ -58,6 +72,9 @@ def test_an_episode_steps_through_commands_and_is_scored_on_submit(dsec_client):
         env.reset()
         results = [env.step("true") for _ in range(4)]
         assert [r[3] for r in results] == [False, False, False, True]  # max_steps
+        with pytest.raises(EpisodeEnded):
+            env.step("true")
+        env.reset()
         _, _, _, _, info = env.step("printf '\\001\\377x'")
         assert info["exit_code"] == 0
         obs, *_ = env.step("printf 'a\\001b'")
@@ -97,10 +114,14 @@ def test_infrastructure_failures_are_typed_in_info_and_masked(dsec_client):
         obs, reward, terminated, truncated, info = env.step("echo hi")
         assert info["infra"].kind == "preempted" and info["masked"]
         assert (reward, terminated, truncated) == (0.0, False, True)
-        dsec_client.resume(sid)
+        with pytest.raises(EpisodeEnded):  # truncated: the episode is over
+            env.step("echo hi")
+        env.reset()
+        sid = env.sandbox_id
         obs, reward, _, truncated, info = env.step("dd if=/dev/zero of=/dev/null bs=100M count=1")
         assert info["infra"].kind == "out_of_memory" and truncated and info["masked"]
         assert [e.kind for e in dsec_client.events(sid)] == ["out_of_memory"]
+        env.reset()
         _, _, _, truncated, info = env.step("exit 3")  # the task's own failure: no event
         assert info["infra"] is None and info["exit_code"] == 3 and not truncated
     finally:
@@ -111,6 +132,109 @@ def test_infrastructure_failures_are_typed_in_info_and_masked(dsec_client):
     lost = make_env(dsec.Client("/nonexistent/dsec.sock", autostart=False, retry=0.2))
     obs, info = lost.reset()
     assert info["infra"].kind == "node_lost"
+
+
+def test_an_env_used_out_of_turn_raises_the_typed_error_saying_how(dsec_client):
+    env = make_env(dsec_client, max_steps=2)
+    with pytest.raises(EnvNotReset, match="reset"):
+        env.step("true")
+    with pytest.raises(EnvNotReset):
+        env.fork(2)
+    env.reset()
+    sid = env.sandbox_id
+    for bad in ("", "   ", 42, "echo \u00e9", "x" * (1 << 16 + 1)):
+        with pytest.raises(InvalidAction) as e:
+            env.step(bad)  # type: ignore[arg-type]
+        assert isinstance(e.value, EnvError) and isinstance(e.value, dsec.DsecError)
+        assert e.value.sandbox_id == sid and e.value.step == 0
+    assert env.step("echo ok")[0] == "ok\n"  # a refused action took no step
+    assert env.step("submit")[2]  # terminated
+    with pytest.raises(EpisodeEnded, match="ended"):
+        env.step("true")
+    with pytest.raises(EpisodeEnded):
+        env.fork(1)
+    with pytest.raises(dsec.InvalidSpec):
+        SandboxEnv(dsec_client)  # nothing to make a sandbox of
+    env.close()
+    env.close()  # closing twice is no error
+    with pytest.raises(UnknownSandbox):
+        dsec_client.get(sid)  # its sandbox went with it
+    for use in (env.reset, lambda: env.step("true"), lambda: env.fork(1)):
+        with pytest.raises(EnvClosed):
+            use()
+    # a reset that met an infrastructure failure leaves nothing to step
+    slow = make_env(dsec_client, start_timeout=1e-6)
+    assert slow.reset()[1]["masked"]
+    with pytest.raises(EpisodeEnded):
+        slow.step("true")
+
+
+async def test_the_async_twin_runs_the_same_episode_and_forks(dsec_node):
+    async with dsec.AsyncClient(os.fspath(dsec_node.config.socket_path)) as client:
+
+        async def checked(c, sid: str) -> float:  # an async reward of the async client
+            return 1.0 if (await c.exec(sid, "grep -q 42 /answer")).ok else 0.0
+
+        env = AsyncSandboxEnv(client, reward=checked, max_steps=5, **FIELDS)
+        kids: list[AsyncSandboxEnv] = []
+        try:
+            with pytest.raises(EnvNotReset):
+                await env.step("true")
+            obs, info = await env.reset(seed=3)
+            assert obs == "" and info["infra"] is None and env.np_random is not None
+            obs, reward, terminated, truncated, info = await env.step("echo 40 > /answer; echo hi")
+            assert (obs, reward, terminated, truncated) == ("hi\n", 0.0, False, False)
+            with pytest.raises(InvalidAction):
+                await env.step("")
+            kids = await env.fork(2)
+            lazy = await env.fork(1, start=False)  # its sandbox comes at its reset
+            assert lazy[0].sandbox_id is None and lazy[0].phase == "new"
+            kids += lazy
+            await lazy[0].reset()
+            assert lazy[0].steps == 1  # counted from the fork point
+            for i, kid in enumerate(kids):
+                obs, *_ = await kid.step(f"cat /answer; echo 4{i + 1} > /answer")
+                assert obs == "40\n"
+            scores = [(await kid.step("submit"))[1] for kid in kids]
+            assert scores == [0.0, 1.0, 0.0]
+            # the blocking command_reward works on the async client too
+            env.reward_fn = command_reward("grep -q 40 /answer")
+            assert (await env.step("submit"))[1:3] == (1.0, True)
+            with pytest.raises(EpisodeEnded):
+                await env.step("true")
+            await env.reset()
+            sid = env.sandbox_id
+            _, _, _, truncated, info = await env.step(
+                "dd if=/dev/zero of=/dev/null bs=100M count=1"
+            )
+            assert truncated and info["infra"].kind == "out_of_memory" and info["masked"]
+            assert [e.kind for e in await client.events(sid)] == ["out_of_memory"]
+        finally:
+            for kid in kids:
+                await kid.close()
+            await env.close()
+        with pytest.raises(EnvClosed):
+            await env.reset()
+        assert not [i for i in await client.list() if i.id in {sid, *(k.sandbox_id for k in kids)}]
+
+
+def test_the_twins_have_the_same_methods_one_blocking_one_awaited():
+    for name in ("reset", "step", "fork", "close"):
+        blocking, awaited = getattr(SandboxEnv, name), getattr(AsyncSandboxEnv, name)
+        assert not inspect.iscoroutinefunction(blocking) and inspect.iscoroutinefunction(awaited)
+        assert list(inspect.signature(blocking).parameters) == list(
+            inspect.signature(awaited).parameters
+        ), name
+    # what they do is the shared core's, not a copy in either twin
+    own = {n for n in vars(SandboxEnv) | vars(AsyncSandboxEnv) if n.endswith("_op")}
+    assert own == set()
+
+
+def test_an_infra_failure_raised_as_an_error_keeps_its_event():
+    event = dsec.rl.InfraEvent("out_of_memory", "s1", 1.0, "dd")
+    err = InfraFailure(event)
+    assert infra_event(err) is event and isinstance(err, dsec.DsecError)
+    assert "out_of_memory" in str(err) and err.sandbox_id == "s1"
 
 
 def test_infra_event_classifies_errors_not_the_task_s_own():

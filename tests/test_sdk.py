@@ -27,6 +27,7 @@ import pytest
 
 import dsec
 from dsec_core import sdk
+from dsec_core.api.iam import IAM_ROUTES
 from dsec_core.api.routes import RAW, ROUTES
 from dsec_core.api.transport import Response
 from dsec_core.errors import DsecError, NotFound, UnknownLease, UnknownSandbox
@@ -34,6 +35,8 @@ from dsec_core.records import LeaseInfo, SandboxInfo
 from dsec_core.sdk import core
 
 REPO = Path(__file__).resolve().parent.parent
+#: Every route an SDK method calls: the node API's, and IAM's (an apiserver's only).
+ALL_ROUTES = {**ROUTES, **IAM_ROUTES}
 
 #: Routes no SDK method needs: tools read the document.
 NOT_IN_SDK = {"openapi"}
@@ -78,7 +81,7 @@ def _params(fn: Callable[..., Any], drop: int = 1) -> list[tuple[str, Any, Any, 
 
 @pytest.mark.parametrize("client", [dsec.Client, dsec.AsyncClient])
 def test_every_route_has_a_method(client):
-    missing = set(ROUTES) - NOT_IN_SDK - set(_public(client))
+    missing = set(ALL_ROUTES) - NOT_IN_SDK - set(_public(client))
     assert not missing, f"routes without an SDK method: {sorted(missing)}"
 
 
@@ -165,6 +168,7 @@ SDK_DEFAULTS = {
     ("write_file", "mode"): 0o644,  # permission bits, sent as octal text
     ("pack_diff", "secrets"): None,  # None for none: no mutable default
     ("create", "spec"): None,  # made of the keyword arguments when none is given
+    ("create_project", "quota"): None,  # None for no bounds: no mutable default
 }
 
 
@@ -174,12 +178,12 @@ def _default(f: Any) -> Any:
     return NO_DEFAULT if f.default_factory is MISSING else f.default_factory()
 
 
-@pytest.mark.parametrize("name", sorted(set(ROUTES) - NOT_IN_SDK - {"judge"}))
+@pytest.mark.parametrize("name", sorted(set(ALL_ROUTES) - NOT_IN_SDK - {"judge"}))
 def test_each_operation_takes_its_messages_fields(name):
     """An operation's parameters are its route's message fields, in order and with their
     defaults, but where this file says why not (``judge`` takes a ``JudgeSpec``, or its fields
     as keywords that are checked against it)."""
-    route, op = ROUTES[name], getattr(core, OP_NAMES.get(name, name))
+    route, op = ALL_ROUTES[name], getattr(core, OP_NAMES.get(name, name))
     in_path = len(re.findall(r"\{\w+\}", route.path))
     params = [
         (p.name, p.default)
@@ -358,6 +362,15 @@ SAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "restore": (("snap@1", 2), {"memory": "256M"}),
     "layers": ((), {}),
     "prefetch": ((["a@1"],), {}),
+    "whoami": ((), {}),
+    "projects": ((), {"under": "org"}),
+    "create_project": (("org/team",), {"quota": {"sandboxes": 2, "memory": "1G"}}),
+    "project": (("org/team",), {}),
+    "set_quota": (("org/team", dsec.Quota(cpu=2.0)), {}),
+    "revoke_project": (("org/team",), {"force": True}),
+    "keys": ((), {"project": "org"}),
+    "create_key": (("org/team", "agent"), {"name": "sub", "ttl": 60.0}),
+    "revoke_key": (("0123456789abcdef",), {}),
 }
 
 _MISSING = json.dumps({"error": {"type": "NotFound", "message": "the fake node has none"}})
@@ -453,7 +466,7 @@ def _clients(
 
 
 def test_the_samples_cover_every_route():
-    assert set(SAMPLES) == set(ROUTES) - NOT_IN_SDK
+    assert set(SAMPLES) == set(ALL_ROUTES) - NOT_IN_SDK
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -473,7 +486,7 @@ def test_both_clients_send_each_route_the_same_way(tmp_path, name):
     asyncio.run(run())
     assert sync_node.sent == async_node.sent
     (method, target, body, content_type, timeout, idempotent), *_ = sync_node.sent
-    route = ROUTES[name]
+    route = ALL_ROUTES[name]
     assert method == route.method
     assert re.fullmatch(re.sub(r"\{\w+\}", "[^/]+", route.path) + r"(\?.*)?", target), target
     if route.body not in (None, RAW):

@@ -6,6 +6,7 @@ fuzzers such as schemathesis read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from .. import __version__
@@ -28,11 +29,12 @@ _DESCRIPTION = (
 )
 
 
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 document of every route in ``ROUTES``."""
+def openapi_document(more: Mapping[str, Route] | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of every route in ``ROUTES``, and of ``more`` (an apiserver's
+    own: IAM's ``IAM_ROUTES``)."""
     schemas: dict[str, Any] = {}
     paths: dict[str, dict[str, Any]] = {}
-    for route in ROUTES.values():
+    for route in [*ROUTES.values(), *(more or {}).values()]:
         paths.setdefault(route.path, {})[route.method.lower()] = _operation(route, schemas)
     error = json_schema(ErrorResponse, schemas)
     return {
@@ -117,4 +119,6 @@ def _scalar(schema: dict[str, Any]) -> dict[str, Any]:
     kinds = schema.get("type")
     if isinstance(kinds, list) and "null" in kinds:
         schema = {**schema, "type": next(k for k in kinds if k != "null")}
+        if schema.get("default", 0) is None:  # left out is the default, not a null
+            del schema["default"]
     return schema

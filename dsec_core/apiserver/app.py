@@ -52,6 +52,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route as StarletteRoute
 
 from .. import __version__, plugins
+from ..api.iam import IAM_ROUTES
 from ..api.messages import (
     CreateResult,
     ErrorBody,
@@ -108,6 +109,7 @@ from ..records import (
 )
 from ..security import loosenings
 from .auth import PRINCIPAL, Authenticated, Refusal
+from .iam_routes import iam_routes
 from .nodes import Hold, NodeEntry, NodeSet
 from .reach import (
     BUILD_ROLES,
@@ -891,7 +893,7 @@ async def _node_info(gw: Gateway, request: Request, principal: Any, rid: str) ->
 
 
 async def _openapi(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
-    return Response(dump_json(openapi_document()), media_type=JSON)
+    return Response(dump_json(openapi_document(IAM_ROUTES)), media_type=JSON)
 
 
 async def _probe(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
@@ -1273,7 +1275,7 @@ def make_app(
 
     routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
     app = Starlette(
-        routes=[*routes, *extra_routes],
+        routes=[*routes, *iam_routes(gw.iam), *extra_routes],
         lifespan=lifespan,
         exception_handlers={HTTPException: on_http_error},
     )

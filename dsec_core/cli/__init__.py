@@ -1,7 +1,10 @@
 """The ``dsec`` command line: plugins, layers, catalogs, sandboxes, the node daemon, the demo.
 
 A ``DsecError`` prints ``Error: ...`` and exits 1; any other exception is a bug and keeps its
-traceback.
+traceback. The client commands (sandboxes, fncall, judge, trajectories, ``node status``) run in
+a client-only install (``pip install dsec``); the node side's (``NODE_SIDE_GROUPS``, ``node
+start``, ``demo``, ``plugins``) and the plugins' commands need ``dsec[node]`` and say so
+(``NodeSideMissing``) where it is not installed.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from rich.table import Column, Table
 from .. import __version__
 from ..config import NodeConfig
 from ..errors import DsecError
+from ..extras import INSTALL_NODE, missing, require_node
 from ..localnode import ensure_daemon, ping, stop_daemon
-from ..plugins import plugin_descriptions, register_commands, registry
 from ..records import COMPARE_MODES, QOS_CLASSES, JudgeCase, JudgeSpec, SandboxSpec
 from ..sdk import AsyncClient, Client
 
@@ -62,21 +65,63 @@ def _kv(pairs: tuple[str, ...], what: str) -> dict[str, str]:
 class LazyGroup(click.Group):
     """A group whose subcommands named in ``lazy`` (name -> ``module:attribute``) are imported
     when first used: a client command does not load the apiserver, the cluster or the builder
-    (each ``dsec`` run spent about 0.4 s importing them)."""
+    (each ``dsec`` run spent about 0.4 s importing them). Those in ``node_side`` need
+    ``dsec[node]``: where it is not installed, each is a ``needs_node_side`` stand-in."""
 
-    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        lazy: dict[str, str] | None = None,
+        node_side: frozenset[str] = frozenset(),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = dict(lazy or {})
+        self.node_side = node_side
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *self.lazy})
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self.lazy and cmd_name not in self.commands:
+            if cmd_name in self.node_side and missing():
+                return needs_node_side(f"dsec {cmd_name}")
             module, _, attribute = self.lazy[cmd_name].partition(":")
             command = getattr(importlib.import_module(module, __package__), attribute)
             self.add_command(command, cmd_name)
         return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            if not missing():
+                raise
+            # a plugin's command (`dsec build`, say) is not there without the node side
+            raise click.UsageError(
+                f"{e.message.rstrip('.')}. This install is dsec's client alone: the node "
+                f"side's commands and the plugins' come with {INSTALL_NODE}",
+                e.ctx,
+            ) from None
+
+
+def needs_node_side(command: str) -> click.Command:
+    """A stand-in for ``command`` in a client-only install: it takes any arguments and fails
+    with ``NodeSideMissing`` saying what to install."""
+
+    def fail(args: tuple[str, ...]) -> None:
+        require_node(command)
+
+    return click.Command(
+        command.rpartition(" ")[2],
+        callback=fail,
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        help=f"(needs dsec's node side: {INSTALL_NODE})",
+        add_help_option=False,
+    )
 
 
 #: The subcommand groups kept in modules of their own, imported when used.
@@ -87,10 +132,15 @@ LAZY_GROUPS = {
     "apiserver": ".apiserver:apiserver",
     "iam": ".iam:iam",
     "cluster": ".cluster:cluster",
+    "rollout": ".rollout:rollout",
 }
+#: Those of them that are the node side's: they import what only ``dsec[node]`` installs.
+#: (``iam`` is not: over an apiserver's API it is a client, and its store is SQLite's or etcd's
+#: HTTP, both standard library.)
+NODE_SIDE_GROUPS = frozenset({"layer", "catalog", "plugin", "apiserver", "cluster"})
 
 
-@click.group(cls=LazyGroup, lazy=LAZY_GROUPS)
+@click.group(cls=LazyGroup, lazy=LAZY_GROUPS, node_side=NODE_SIDE_GROUPS)
 @click.version_option(__version__, prog_name="dsec")
 def cli() -> None:
     """dsec: elastic sandboxes for agentic RL on composed EROFS layers."""
@@ -104,6 +154,9 @@ def cli() -> None:
 def plugins_cmd(as_json: bool) -> None:
     """List plugins with their versions, plugin API and hooks, and those that failed, with why
     (they are skipped; everything else works without them)."""
+    require_node("dsec plugins")
+    from ..plugins import plugin_descriptions, registry  # the node side's (pluggy)
+
     descs = plugin_descriptions()
     reg = registry()
     provided = {
@@ -715,6 +768,7 @@ def node() -> None:
 @click.option("--foreground", is_flag=True, help="Run in this process (logs to stderr).")
 def node_start(foreground) -> None:
     """Start the node daemon (no-op if it runs)."""
+    require_node("dsec node start")
     if foreground:
         # Imported here: the daemon (uvicorn, starlette, the node) adds a quarter of a second
         # to every other command's start-up.
@@ -810,6 +864,7 @@ def demo_cmd(catalog_file, tasks, as_json) -> None:
     """Build the default catalog if missing, run one rollout per task in parallel, score them."""
     if catalog_file and tasks:
         raise click.UsageError("--catalog and --task do not go together")
+    require_node("dsec demo")
     from ..demo import run_demo  # the demo and its catalog builder: loaded when run
 
     results = run_demo(catalog_file, console=console, tasks=tasks)
@@ -820,6 +875,10 @@ def demo_cmd(catalog_file, tasks, as_json) -> None:
 
 
 def _add_plugin_commands() -> None:
+    if missing():
+        return  # a client-only install loads no plugins: each needs dsec[node]
+    from ..plugins import register_commands  # the node side's (pluggy, the plugin floors)
+
     register_commands(cli)  # each plugin's on its own: one that fails adds nothing
 
 

@@ -1,8 +1,12 @@
 """``dsec iam``: projects and API keys, worked on the IAM store directly (the machine's
-operator's tool, so it needs no key itself: that is how the first admin key is made).
+operator's tool, so it needs no key itself: that is how the first admin key is made), or
+through an apiserver's IAM API under a key when given both an address and a key.
 
-The store is ``--iam URL``, else ``DSEC_IAM``, else ``$DSEC_HOME/iam.db``. A ``DsecError``
-propagates to the main CLI, which prints ``Error: ...`` and exits 1.
+The store is ``--iam URL``, else ``DSEC_IAM``, else ``$DSEC_HOME/iam.db``; the API is
+``--address`` (``DSEC_ADDRESS``) with ``--api-key`` (``DSEC_API_KEY``), and then the key's role
+decides what it may do (``dsec_core.iam.Iam``'s rules, the same on both paths). Either way
+the commands take the same arguments and print the same output. A ``DsecError`` propagates
+to the main CLI, which prints ``Error: ...`` and exits 1.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ from typing import Any
 import click
 
 from ..errors import InvalidSpec
-from ..iam import ROLES, Iam, KeyInfo, Project, Quota
+from ..iam import ROLES, Iam, KeyInfo, Project, ProjectRevocation, Quota
 from ..records import parse_size
+from ..sdk import Client
 
 __all__ = ["iam"]
 
@@ -29,8 +34,51 @@ def _dump(data: Any) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
+class ThroughApi:
+    """The part of ``Iam`` the commands use, through an apiserver's IAM API under a key: the
+    same calls and records, so each command reads the same whichever it works on."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def create_project(self, path: str, quota: Quota | None = None) -> Project:
+        return self.client.create_project(path, quota)
+
+    def projects(self, under: str | None = None) -> list[Project]:
+        return self.client.projects(under)
+
+    def project(self, path: str) -> Project:
+        return self.client.project(path)
+
+    def set_quota(self, path: str, quota: Quota) -> Project:
+        return self.client.set_quota(path, quota)
+
+    def revoke_project(self, path: str, *, force: bool = False) -> ProjectRevocation:
+        return self.client.revoke_project(path, force=force)
+
+    def create_key(
+        self, project: str, role: str, name: str | None = None, *, ttl: float | None = None
+    ) -> tuple[KeyInfo, str]:
+        minted = self.client.create_key(project, role, name, ttl)
+        return minted.key, minted.secret
+
+    def keys(self, project: str | None = None) -> list[KeyInfo]:
+        return self.client.keys(project)
+
+    def revoke_key(self, key_id: str) -> KeyInfo:
+        return self.client.revoke_key(key_id)
+
+    def whoami(self) -> KeyInfo:
+        return self.client.whoami()
+
+
 @contextmanager
-def _open(ctx: click.Context) -> Iterator[Iam]:
+def _open(ctx: click.Context) -> Iterator[Any]:
+    """IAM as the commands work on it: ``Iam`` over the store, or ``ThroughApi``."""
+    if ctx.obj.get("address") and ctx.obj.get("api_key"):
+        with Client(ctx.obj["address"], api_key=ctx.obj["api_key"], autostart=False) as client:
+            yield ThroughApi(client)
+        return
     with Iam.open(ctx.obj["iam_url"]) as store:
         yield store
 
@@ -81,7 +129,11 @@ def _project_line(p: Project) -> str:
 
 
 def _key_line(k: KeyInfo) -> str:
-    return f"{k.key_id:<16}  {k.project:<32} {k.role:<6} {k.name or '-':<20} {_when(k.created)}"
+    expires = "-" if k.expires is None else _when(k.expires)
+    return (
+        f"{k.key_id:<16}  {k.project:<32} {k.role:<7} {k.name or '-':<20} {_when(k.created)}"
+        f"  {expires}"
+    )
 
 
 @click.group()
@@ -93,15 +145,37 @@ def _key_line(k: KeyInfo) -> str:
     help="IAM store: sqlite:///abs/path.db or etcd://host:port[/prefix] "
     "(default: DSEC_IAM, else $DSEC_HOME/iam.db).",
 )
+@click.option(
+    "--address",
+    envvar="DSEC_ADDRESS",
+    default=None,
+    help="An apiserver (http(s)://host:port): work through its IAM API under --api-key "
+    "instead of on the store (default: DSEC_ADDRESS).",
+)
+@click.option(
+    "--api-key",
+    envvar="DSEC_API_KEY",
+    default=None,
+    help="The API key to act as through --address (default: DSEC_API_KEY).",
+)
 @click.pass_context
-def iam(ctx: click.Context, iam_url: str | None) -> None:
-    """Projects (org/team/job, with quotas) and API keys (admin, member, agent).
+def iam(ctx: click.Context, iam_url: str | None, address: str | None, api_key: str | None) -> None:
+    """Projects (org/team/job, with quotas) and API keys (admin, member, agent, builder).
 
     Works on the store directly, as the machine's operator: the first admin key is made
     here (`dsec iam key create --project / --role admin`). The root project / always exists;
-    its admins manage every org.
+    its admins manage every org. Given an apiserver's address and an API key (--address and
+    --api-key, or DSEC_ADDRESS and DSEC_API_KEY), works through its API as that key instead:
+    an admin key manages its subtree, any key mints keys no wider than itself.
     """
-    ctx.obj = {"iam_url": iam_url}
+    given = {
+        name
+        for name in ("address", "api_key")
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    }
+    if given and not (address and api_key):  # half of it in the environment is the store's
+        raise click.UsageError("--address and --api-key go together: give both, or neither")
+    ctx.obj = {"iam_url": iam_url, "address": address, "api_key": api_key}
 
 
 # --- dsec iam project ----------------------------------------------------------------------
@@ -204,14 +278,20 @@ def key() -> None:
 @click.option("--project", "project_path", required=True, help="Project path; / is the root.")
 @click.option("--role", required=True, type=click.Choice(ROLES), help="What the key may do.")
 @click.option("--name", default=None, help="A name, unique in the project.")
+@click.option("--ttl", type=float, default=None, help="Seconds until it expires (default: never).")
 @click.option("--json", "as_json", is_flag=True, help="Print the key and its secret as JSON.")
 @click.pass_context
 def key_create(
-    ctx: click.Context, project_path: str, role: str, name: str | None, as_json: bool
+    ctx: click.Context,
+    project_path: str,
+    role: str,
+    name: str | None,
+    ttl: float | None,
+    as_json: bool,
 ) -> None:
     """Create an API key and print its secret: shown this once, only its hash is kept."""
     with _open(ctx) as store:
-        info, secret = store.create_key(project_path, role, name)
+        info, secret = store.create_key(project_path, role, name, ttl=ttl)
     if as_json:
         _dump({"key": info.to_dict(), "secret": secret})
         return
@@ -233,7 +313,7 @@ def key_ls(ctx: click.Context, project_path: str | None, as_json: bool) -> None:
     if as_json:
         _dump([k.to_dict() for k in found])
         return
-    click.echo(f"{'KEY':<16}  {'PROJECT':<32} {'ROLE':<6} {'NAME':<20} CREATED")
+    click.echo(f"{'KEY':<16}  {'PROJECT':<32} {'ROLE':<7} {'NAME':<20} {'CREATED':<16}  EXPIRES")
     for k in found:
         click.echo(_key_line(k))
 
@@ -246,3 +326,22 @@ def key_revoke(ctx: click.Context, key_id: str) -> None:
     with _open(ctx) as store:
         info = store.revoke_key(key_id)
     click.echo(f"revoked key {info.key_id} ({info.role} of {info.project})")
+
+
+@iam.command("whoami")
+@click.option("--json", "as_json", is_flag=True, help="Print the key as JSON.")
+@click.pass_context
+def whoami(ctx: click.Context, as_json: bool) -> None:
+    """The API key given (--api-key, through --address): its id, project, role, expiry."""
+    with _open(ctx) as store:
+        if not isinstance(store, ThroughApi):
+            raise InvalidSpec(
+                "whoami asks an apiserver about a key: give --address and --api-key "
+                "(or DSEC_ADDRESS and DSEC_API_KEY)",
+                field="address",
+            )
+        info = store.whoami()
+    if as_json:
+        _dump(info.to_dict())
+    else:
+        click.echo(_key_line(info))

@@ -1,7 +1,8 @@
 """``dsec plugin new backend|source|policy NAME``: write a plugin package a third party starts
 from.
 
-The package (pyproject with the ``dsec`` entry point and the kit opted in, the module, a test
+The package (pyproject with the ``dsec`` entry point, the dsec versions it is written for
+(``release_range``) and the kit opted in, the module, a test
 that subclasses the conformance kit, a README) is rendered from the templates in
 ``templates/<kind>/`` with ``string.Template`` and installs and passes its kit as generated.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import click
 
 from ..errors import InvalidSpec
-from ..plugins import registry
+from ..plugins import registry, release_range
 
 __all__ = ["KINDS", "PluginSkeleton", "plugin", "plugin_skeleton", "write_plugin"]
 
@@ -126,7 +127,7 @@ def write_plugin(kind: str, name: str, dest: Path) -> Path:
             path=os.fspath(target),
         )
     dest.mkdir(parents=True, exist_ok=True)
-    values = skel.values()
+    values = {**skel.values(), "dsec_range": release_range()}
     work = Path(tempfile.mkdtemp(prefix=f".{skel.dist}.", dir=dest))
     try:
         for template, relative in LAYOUT.items():

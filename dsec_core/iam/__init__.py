@@ -2,13 +2,15 @@
 agent, builder) stored hashed, and the checks every apiserver request goes through.
 
 ``Iam.open(url)`` picks the store: SQLite by default (``$DSEC_HOME/iam.db``), etcd when several
-apiservers share state. ``dsec iam ...`` manages it from the machine's shell.
+apiservers share state. ``dsec iam ...`` manages it from the machine's shell, and every
+apiserver serves it to keys under ``/v1/iam`` (``dsec_core.apiserver.iam_routes``).
 """
 
 from __future__ import annotations
 
 from .model import (
     LOOSEN_ROLES,
+    MINTABLE,
     RESOURCES,
     ROLES,
     ROOT,
@@ -24,12 +26,21 @@ from .model import (
     in_subtree,
     parent_of,
 )
-from .service import KEY_PREFIX, Iam, can_loosen, can_manage, can_reach, default_iam_url
+from .service import (
+    KEY_PREFIX,
+    Iam,
+    can_loosen,
+    can_manage,
+    can_reach,
+    default_iam_url,
+    mint_refusal,
+)
 from .store import EtcdStore, IamStore, SqliteStore
 
 __all__ = [
     "KEY_PREFIX",
     "LOOSEN_ROLES",
+    "MINTABLE",
     "RESOURCES",
     "ROLES",
     "ROOT",
@@ -51,5 +62,6 @@ __all__ = [
     "check_project_path",
     "default_iam_url",
     "in_subtree",
+    "mint_refusal",
     "parent_of",
 ]

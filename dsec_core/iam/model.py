@@ -19,6 +19,7 @@ from ..records import parse_size
 
 __all__ = [
     "LOOSEN_ROLES",
+    "MINTABLE",
     "RESOURCES",
     "ROLES",
     "ROOT",
@@ -39,11 +40,12 @@ __all__ = [
 #: org). An admin key of the root creates orgs and manages everything; the machine's operator
 #: makes the first one with ``dsec iam key create --project / --role admin``.
 ROOT = "/"
-#: What a key may do: "admin" manages projects and keys in its project's subtree and reaches
-#: its sandboxes; "member" reaches the subtree's sandboxes and manages nothing; "agent" reaches
-#: only its own project's sandboxes (none of its subprojects') and manages nothing; "builder"
-#: reaches what a member does and also makes environment builds (build sandboxes and staged
-#: layers, which the apiserver keeps from every role but admin and builder).
+#: What a key may do: "admin" manages projects, quotas and keys in its project's subtree and
+#: reaches its sandboxes; "member" reaches the subtree's sandboxes; "agent" reaches only its
+#: own project's sandboxes (none of its subprojects'); "builder" reaches what a member does and
+#: also makes environment builds (build sandboxes and staged layers, which the apiserver keeps
+#: from every role but admin and builder). Every key may also delegate: mint keys no wider than
+#: itself (``MINTABLE``) and make a sub-agent's project below its own within its own quota.
 ROLES = ("admin", "member", "agent", "builder")
 #: Roles whose keys may loosen a sandbox's security policies against the node's default: turn
 #: a default policy off, let it be skipped, widen it (seccomp's ``allow``), open the network,
@@ -51,6 +53,15 @@ ROLES = ("admin", "member", "agent", "builder")
 #: and agent keys may only tighten: the sandboxes they make run at least as confined as the
 #: node's default.
 LOOSEN_ROLES = ("admin", "builder")
+#: The roles of the keys a key of each role may mint (``Iam.create_key`` with an actor): its
+#: own or a narrower one, never a wider. A builder reaches what a member does and builds, a
+#: member what an agent does and its project's subprojects; an admin's keys may be any role.
+MINTABLE = {
+    "admin": ROLES,
+    "builder": ("builder", "member", "agent"),
+    "member": ("member", "agent"),
+    "agent": ("agent",),
+}
 #: What a quota bounds, each counted over a project's whole subtree.
 RESOURCES = ("sandboxes", "cpu", "memory")
 
@@ -217,13 +228,17 @@ class Project(_IamRecord):
 
 @dataclass(frozen=True)
 class KeyInfo(_IamRecord):
-    """An API key as it may be shown: never its secret, nor the secret's hash."""
+    """An API key as it may be shown: never its secret, nor the secret's hash. ``expires``:
+    when it stops authenticating (a Unix time; None: when revoked). ``minted_by``: the key
+    that minted it when that was not an admin's (a delegation: it dies with its minter)."""
 
     key_id: str
     project: str
     role: str
     name: str | None = None
     created: float = 0.0
+    expires: float | None = None
+    minted_by: str | None = None
 
     def __post_init__(self) -> None:
         check_project_path(self.project)
@@ -232,15 +247,19 @@ class KeyInfo(_IamRecord):
                 f"role must be one of {', '.join(ROLES)}, got {self.role!r}", field="role"
             )
         check_key_name(self.name)
+        if self.expires is not None:
+            _number("expires", self.expires, (int, float))
 
 
 @dataclass(frozen=True)
 class Principal(_IamRecord):
-    """Who a request is: the key it carried, that key's project and role."""
+    """Who a request is: the key it carried, that key's project and role, and when the key
+    expires (None: never)."""
 
     key_id: str
     project: str
     role: str
+    expires: float | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
@@ -42,6 +43,7 @@ from ..errors import (
 )
 from .model import (
     LOOSEN_ROLES,
+    MINTABLE,
     RESOURCES,
     ROLES,
     ROOT,
@@ -59,7 +61,15 @@ from .model import (
 )
 from .store import EtcdStore, IamStore, SqliteStore
 
-__all__ = ["KEY_PREFIX", "Iam", "can_loosen", "can_manage", "can_reach", "default_iam_url"]
+__all__ = [
+    "KEY_PREFIX",
+    "Iam",
+    "can_loosen",
+    "can_manage",
+    "can_reach",
+    "default_iam_url",
+    "mint_refusal",
+]
 
 #: Every API key starts with this, so a leaked one is recognisable (secret scanners).
 KEY_PREFIX = "dsk_"
@@ -97,6 +107,31 @@ def can_manage(principal: Principal, project: str) -> bool:
     return principal.role == "admin" and in_subtree(project, principal.project)
 
 
+def mint_refusal(
+    principal: Principal, project: str, role: str, expires: float | None = None
+) -> str | None:
+    """Why ``principal`` may not mint a key of ``role`` for ``project`` expiring at
+    ``expires`` (None: it may). A key mints only keys no wider than itself: a role it may
+    mint (``MINTABLE``: its own or narrower; an admin's any), in its own project or one below
+    it, expiring no later than itself when it expires."""
+    if role not in MINTABLE.get(principal.role, ()):
+        return (
+            f"a {principal.role} key may not mint {role} keys (only "
+            f"{', '.join(MINTABLE.get(principal.role, ())) or 'none'})"
+        )
+    if not in_subtree(project, principal.project):
+        return (
+            f"a key of project {principal.project} may not mint keys for project {project} "
+            "(only for its own project and those below it)"
+        )
+    if principal.expires is not None and (expires is None or expires > principal.expires):
+        return (
+            f"a key that expires at {principal.expires:.0f} may not mint one that outlives it "
+            f"({'never expiring' if expires is None else f'expiring at {expires:.0f}'})"
+        )
+    return None
+
+
 def _project_key(path: str) -> str:
     return f"project/{path}"
 
@@ -107,6 +142,12 @@ def _key_key(key_id: str) -> str:
 
 def _name_key(project: str, name: str) -> str:
     return f"keyname/{project}:{name}"
+
+
+def _positive(name: str, value: Any) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0 < value < 1e10:
+        raise InvalidSpec(f"{name} must be seconds (more than 0), got {value!r}", field=name)
 
 
 def _digest(secret: str) -> str:
@@ -123,9 +164,11 @@ class Iam:
     """Projects, API keys and authorisation over one ``IamStore``.
 
     Every operation takes and returns the records of ``dsec_core.iam.model``. Those that
-    change something take ``actor``: the principal asking (the apiserver passes the caller's),
-    checked with ``can_manage``; None is the machine's operator working on the store
-    directly (the ``dsec iam`` CLI), who may do anything. Thread-safe; its methods block on
+    change something take ``actor``: the principal asking (the apiserver's IAM routes pass the
+    caller's), checked here and only here (``can_manage`` for projects and quotas,
+    ``mint_refusal`` for keys, a sub-agent's project within the actor's quota); None is the
+    machine's operator working on the store directly (the ``dsec iam`` CLI), who may do
+    anything. Thread-safe; its methods block on
     the store (microseconds on SQLite, a loopback round trip on etcd), so an asyncio server
     may prefer to call the uncached paths through a thread.
     """
@@ -186,7 +229,12 @@ class Iam:
         check_project_path(path)
         if path == ROOT:
             raise ProjectExists("the root project always exists", project=ROOT)
-        self._allow(actor, path)
+        if quota is not None and not isinstance(quota, Quota):
+            raise InvalidSpec(f"quota must be a Quota, got {quota!r}", field="quota")
+        if actor is not None and actor.role != "admin":
+            self._allow_delegated_project(actor, path, quota or Quota())
+        else:
+            self._allow(actor, path)
         project = Project(path, quota or Quota(), time.time())
         parent = parent_of(path)
         require = [] if parent == ROOT else [_project_key(parent)]
@@ -198,6 +246,41 @@ class Iam:
             raise ProjectExists(f"project {path} already exists", project=path)
         self._forget_projects()
         return project
+
+    def _allow_delegated_project(self, actor: Principal, path: str, quota: Quota) -> None:
+        """A key that is no admin's may make a project below its own (a sub-agent's), with a
+        quota no larger than its own project's (the tightest bound of it and its ancestors);
+        the new project's use counts against those quotas too, as every subproject's does."""
+        if path == actor.project or not in_subtree(path, actor.project):
+            raise PermissionDenied(
+                f"key {actor.key_id} ({actor.role} of {actor.project}) may make projects only "
+                f"below its own, not {path}",
+                project=path,
+            )
+        own = self.effective_quota(actor.project)
+        for resource in RESOURCES:
+            bound, asked = own.limit(resource), quota.limit(resource)
+            if bound is not None and asked is not None and asked > bound:
+                raise PermissionDenied(
+                    f"key {actor.key_id} ({actor.role} of {actor.project}) may not give "
+                    f"project {path} a quota of {resource} of {asked:g}: its own is {bound:g}",
+                    project=path,
+                    resource=resource,
+                    limit=bound,
+                    requested=asked,
+                )
+
+    def effective_quota(self, path: str) -> Quota:
+        """The tightest bound on each resource over ``path`` and its ancestors: the most its
+        subtree may ever run."""
+        bounds: dict[str, Any] = {}
+        for p in ancestors(check_project_path(path)):
+            quota = self.project(p).quota
+            for resource in RESOURCES:
+                limit = quota.limit(resource)
+                if limit is not None and (bounds.get(resource) is None or limit < bounds[resource]):
+                    bounds[resource] = limit
+        return Quota(**bounds)
 
     def project(self, path: str) -> Project:
         """Project ``path`` as stored now (the root: a record with no quota)."""
@@ -290,56 +373,114 @@ class Iam:
         role: str,
         name: str | None = None,
         *,
+        ttl: float | None = None,
         actor: Principal | None = None,
     ) -> tuple[KeyInfo, str]:
         """A new API key of ``role`` for ``project`` and its secret, the only time the secret
         is shown: only its hash is kept. ``name`` (optional) is unique within the project
-        (``KeyExists``)."""
+        (``KeyExists``); ``ttl``: seconds until it expires (None: never).
+
+        An actor mints only keys no wider than itself (``mint_refusal``, else
+        ``PermissionDenied``). A key minted by one that is no admin's is a delegation: it
+        records its minter (``minted_by``) and stops authenticating when the minter does."""
         check_project_path(project)
         check_key_name(name)
         if role not in ROLES:
             raise InvalidSpec(f"role must be one of {', '.join(ROLES)}, got {role!r}", field="role")
-        self._allow(actor, project)
+        if ttl is not None:
+            _positive("ttl", ttl)
+        now = time.time()
+        expires = None if ttl is None else now + ttl
+        minted_by = None
+        if actor is not None:
+            why = mint_refusal(actor, project, role, expires)
+            if why:
+                raise PermissionDenied(f"key {actor.key_id}: {why}", project=project, role=role)
+            minted_by = None if actor.role == "admin" else actor.key_id
         require = [] if project == ROOT else [_project_key(project)]
+        if minted_by is not None:
+            require.append(_key_key(minted_by))  # not minted by a key revoked meanwhile
         while True:
             key_id = secrets.token_hex(8)
             secret = f"{KEY_PREFIX}{key_id}_{secrets.token_hex(32)}"
-            info = KeyInfo(key_id, project, role, name, time.time())
+            info = KeyInfo(key_id, project, role, name, now, expires, minted_by)
             items = {_key_key(key_id): info.to_dict() | {"hash": _digest(secret)}}
             if name:
                 items[_name_key(project, name)] = {"key_id": key_id}
             if self.store.create(items, require):
                 return info, secret
-            if require and self.store.get(require[0]) is None:
+            if project != ROOT and self.store.get(require[0]) is None:
                 raise UnknownProject(f"no project {project}", name=project)
+            if minted_by is not None and self.store.get(_key_key(minted_by)) is None:
+                raise AuthenticationFailed(_AUTH_FAILED)
             if name and self.store.get(_name_key(project, name)) is not None:
                 raise KeyExists(
                     f"project {project} already has a key named {name}", project=project, name=name
                 )
             # else the random id collided with an existing key's (1 in 2**64): draw again
 
+    def _all_keys(self) -> list[KeyInfo]:
+        return [_stored_key(v)[0] for v in self.store.scan("key/").values()]
+
+    @staticmethod
+    def _minted_under(key_id: str, stored: list[KeyInfo]) -> list[KeyInfo]:
+        """The keys ``key_id`` minted, and those they minted, and so on."""
+        children: dict[str, list[KeyInfo]] = {}
+        for k in stored:
+            if k.minted_by is not None:
+                children.setdefault(k.minted_by, []).append(k)
+        out, todo = [], [key_id]
+        while todo:
+            for k in children.get(todo.pop(), ()):
+                out.append(k)
+                todo.append(k.key_id)
+        return out
+
+    def _may_revoke(self, actor: Principal, info: KeyInfo, stored: list[KeyInfo]) -> bool:
+        """An admin revokes the keys of its subtree; any key those it minted (transitively)."""
+        if can_manage(actor, info.project):
+            return True
+        return info.key_id in {k.key_id for k in self._minted_under(actor.key_id, stored)}
+
     def keys(self, project: str | None = None, *, actor: Principal | None = None) -> list[KeyInfo]:
         """The keys of ``project`` and its subprojects (None: all), by project then creation;
-        never their secrets or hashes. An actor sees only those it may manage."""
+        never their secrets or hashes. An actor sees only those it may revoke (an admin: its
+        subtree's; any key: those it minted)."""
         top = check_project_path(project) if project is not None else ROOT
-        out = []
-        for value in self.store.scan("key/").values():
-            info = _stored_key(value)[0]
-            if in_subtree(info.project, top) and (actor is None or can_manage(actor, info.project)):
-                out.append(info)
+        stored = self._all_keys()
+        mine = (
+            set() if actor is None else {k.key_id for k in self._minted_under(actor.key_id, stored)}
+        )
+        out = [
+            info
+            for info in stored
+            if in_subtree(info.project, top)
+            and (actor is None or can_manage(actor, info.project) or info.key_id in mine)
+        ]
         return sorted(out, key=lambda k: (k.project, k.created, k.key_id))
 
-    def revoke_key(self, key_id: str, *, actor: Principal | None = None) -> KeyInfo:
-        """Remove key ``key_id``: it stops authenticating at once in this process, within
-        ``cache_ttl`` in others. A key the actor may not manage is ``UnknownKey`` too."""
+    def key(self, key_id: str) -> KeyInfo:
+        """Key ``key_id``'s record (``UnknownKey`` if there is none)."""
         value = self.store.get(_key_key(key_id)) if re.fullmatch(r"[0-9a-f]{16}", key_id) else None
-        info = _stored_key(value)[0] if value is not None else None
-        if info is None or (actor is not None and not can_manage(actor, info.project)):
+        if value is None:
             raise UnknownKey(f"no API key {key_id}", name=key_id)
-        doomed = [_key_key(key_id)] + ([_name_key(info.project, info.name)] if info.name else [])
+        return _stored_key(value)[0]
+
+    def revoke_key(self, key_id: str, *, actor: Principal | None = None) -> KeyInfo:
+        """Remove key ``key_id`` and the keys it minted (transitively): they stop
+        authenticating at once in this process, within ``cache_ttl`` in others. A key the
+        actor may not revoke (``keys``) is ``UnknownKey`` too."""
+        stored = self._all_keys()
+        info = next((k for k in stored if k.key_id == key_id), None)
+        if info is None or (actor is not None and not self._may_revoke(actor, info, stored)):
+            raise UnknownKey(f"no API key {key_id}", name=key_id)
+        gone = [info, *self._minted_under(key_id, stored)]
+        doomed = [_key_key(k.key_id) for k in gone]
+        doomed += [_name_key(k.project, k.name) for k in gone if k.name]
         self.store.delete(doomed)
         with self._lock:
-            self._keys.pop(key_id, None)
+            for k in gone:
+                self._keys.pop(k.key_id, None)
         return info
 
     def authenticate(self, secret: str | None) -> Principal:
@@ -366,12 +507,31 @@ class Iam:
         # revoked with its project? (the project table is cached like keys: one read per ttl)
         if info.project != ROOT and info.project not in self._project_table(info.project):
             raise AuthenticationFailed(_AUTH_FAILED)
-        principal = Principal(key_id, info.project, info.role)
+        left = math.inf if info.expires is None else info.expires - time.time()
+        if left <= 0 or (info.minted_by is not None and not self._minter_alive(info.minted_by)):
+            raise AuthenticationFailed(_AUTH_FAILED)
+        principal = Principal(key_id, info.project, info.role, info.expires)
         with self._lock:
             if len(self._keys) >= _CACHE_MAX:
                 self._keys.clear()
-            self._keys[key_id] = (stored, principal, now + self.cache_ttl)
+            # remembered no longer than the ttl, nor past the key's expiry
+            self._keys[key_id] = (stored, principal, now + min(self.cache_ttl, left))
         return principal
+
+    def _minter_alive(self, key_id: str) -> bool:
+        """Whether the key that minted another still authenticates: it exists, has not
+        expired, and its own minter is alive (a delegation never outlives its chain)."""
+        for _ in range(64):  # a chain is short; a cycle cannot be made, but never loop on one
+            value = self.store.get(_key_key(key_id))
+            if value is None:
+                return False
+            info = _stored_key(value)[0]
+            if info.expires is not None and info.expires <= time.time():
+                return False
+            if info.minted_by is None:
+                return True
+            key_id = info.minted_by
+        return False
 
     # --- authorisation ----------------------------------------------------------------------
 

@@ -22,8 +22,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import zstandard
-
 from ..errors import LayerCorrupt, SourceUnavailable
 from .layout import check_layout
 
@@ -153,7 +151,7 @@ class ChunkIndex:
             return data
         try:
             out = _inflate(self.compression, data, length)
-        except (zlib.error, zstandard.ZstdError) as e:
+        except _Undecodable as e:
             raise LayerCorrupt(
                 f"blob {self.blob_digest} chunk {i} does not decompress: {e}",
                 digest=self.blob_digest,
@@ -242,9 +240,15 @@ class ChunkIndex:
         )
 
 
+class _Undecodable(Exception):
+    """A stored chunk its codec cannot decompress (zlib's or zstd's error, as text)."""
+
+
 def deflate(compression: str, data: bytes) -> bytes:
     """``data`` compressed for a chunk index of that ``compression`` (zstd level 3, zlib 3)."""
     if compression == "zstd":
+        import zstandard
+
         return zstandard.ZstdCompressor(level=3, write_checksum=True).compress(data)
     return zlib.compress(data, 3)
 
@@ -253,14 +257,22 @@ def _inflate(compression: str, data: bytes, length: int) -> bytes | None:
     """Decompress one stored chunk of ``length`` bytes, never inflating past length + 1 (a
     damaged or hostile chunk cannot balloon); None if its header claims another size."""
     if compression == "zstd":
-        claimed = zstandard.frame_content_size(data)
-        if claimed not in (length, zstandard.CONTENTSIZE_UNKNOWN):
-            return None
-        # With the size in the header the output buffer is exactly that; without it, at most
-        # length + 1 (more is a ZstdError).
-        return zstandard.ZstdDecompressor().decompress(data, max_output_size=length + 1)
+        import zstandard
+
+        try:
+            claimed = zstandard.frame_content_size(data)
+            if claimed not in (length, zstandard.CONTENTSIZE_UNKNOWN):
+                return None
+            # With the size in the header the output buffer is exactly that; without it, at
+            # most length + 1 (more is a ZstdError).
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=length + 1)
+        except zstandard.ZstdError as e:
+            raise _Undecodable(str(e)) from None
     inflater = zlib.decompressobj()
-    out = inflater.decompress(data, length + 1)
+    try:
+        out = inflater.decompress(data, length + 1)
+    except zlib.error as e:
+        raise _Undecodable(str(e)) from None
     return out if inflater.eof else None
 
 

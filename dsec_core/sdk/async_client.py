@@ -196,6 +196,17 @@ class AsyncClient(Connected):
     fncall = awaiting(core.fncall)
     judge = awaiting(core.judge)
 
+    # --- IAM: projects, quotas and keys (through an apiserver) ----------------------------
+    whoami = awaiting(core.whoami)
+    projects = awaiting(core.projects)
+    create_project = awaiting(core.create_project)
+    project = awaiting(core.project)
+    set_quota = awaiting(core.set_quota)
+    revoke_project = awaiting(core.revoke_project)
+    keys = awaiting(core.keys)
+    create_key = awaiting(core.create_key)
+    revoke_key = awaiting(core.revoke_key)
+
     # --- inside a sandbox -----------------------------------------------------------------
     exec = awaiting(core.exec)
     exec_stream = streaming_async(core.exec_stream)

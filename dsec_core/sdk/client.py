@@ -191,6 +191,17 @@ class Client(Connected):
     fncall = blocking(core.fncall)
     judge = blocking(core.judge)
 
+    # --- IAM: projects, quotas and keys (through an apiserver) ----------------------------
+    whoami = blocking(core.whoami)
+    projects = blocking(core.projects)
+    create_project = blocking(core.create_project)
+    project = blocking(core.project)
+    set_quota = blocking(core.set_quota)
+    revoke_project = blocking(core.revoke_project)
+    keys = blocking(core.keys)
+    create_key = blocking(core.create_key)
+    revoke_key = blocking(core.revoke_key)
+
     # --- inside a sandbox -----------------------------------------------------------------
     exec = blocking(core.exec)
     exec_stream = streaming(core.exec_stream)

@@ -30,6 +30,17 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any, TypeAlias, TypeVar
 
+from ..api.iam import (
+    IAM_ROUTES,
+    KeyQuery,
+    KeyRequest,
+    MintedKey,
+    ProjectQuery,
+    ProjectRequest,
+    ProjectsQuery,
+    QuotaRequest,
+    RevokeProjectQuery,
+)
 from ..api.messages import (
     DEFAULT_MAX_OUTPUT,
     CreateRequest,
@@ -64,6 +75,7 @@ from ..errors import (
     UnknownSandbox,
     error_from_wire,
 )
+from ..iam.model import KeyInfo, Project, ProjectRevocation, Quota
 from ..records import (
     DeviceRequest,
     ExecOutput,
@@ -171,7 +183,7 @@ def call(
 ) -> Call:
     """The ``Call`` of route ``name``: its path parameters filled, its query and body encoded
     and checked as the node would (``InvalidSpec`` naming the field before anything is sent)."""
-    route = ROUTES[name]
+    route = ROUTES[name] if name in ROUTES else IAM_ROUTES[name]
     target, content = route.target(params, query), route.encode_body(body)
     timeout, command = route.timeout, None
     if route.exec_timeout:  # the command's own timeout plus time for the node to answer
@@ -986,3 +998,76 @@ def group_kill(name: str) -> Op[int]:
     members = yield from group_members(name)
     yield Batch(tuple(call("kill", sid=i.id, tolerate=(UnknownSandbox,)) for i in members))
     return len(members)
+
+
+# --- IAM: projects, quotas and keys (through an apiserver) -------------------------------------
+
+
+def _quota(quota: Quota | Mapping[str, Any] | None) -> Quota:
+    if quota is None:
+        return Quota()
+    if isinstance(quota, Mapping):
+        return Quota.from_dict(quota)
+    if not isinstance(quota, Quota):
+        raise InvalidSpec(f"quota must be a Quota or a dict, got {quota!r}", field="quota")
+    return quota
+
+
+def whoami() -> Op[KeyInfo]:
+    """The API key this client sends, as IAM knows it: its id, project, role, name and
+    when it expires (never its secret)."""
+    return (yield call("whoami"))
+
+
+def projects(under: str | None = None) -> Op[list[Project]]:
+    """The projects the key sees (its project and those below it; ``under``: that
+    subtree only), by path, with their quotas."""
+    return list((yield call("projects", query=ProjectsQuery(under))).projects)
+
+
+def create_project(path: str, quota: Quota | Mapping[str, Any] | None = None) -> Op[Project]:
+    """Create project ``path`` (``org/team/job``) under its existing parent, with ``quota``
+    (a ``Quota`` or its fields as a dict; memory may be ``"8G"``). An admin key makes them
+    in its subtree; any other key below its own project (a sub-agent's), with a quota no
+    larger than its own (``PermissionDenied``)."""
+    return (yield call("create_project", ProjectRequest(path, _quota(quota))))
+
+
+def project(path: str) -> Op[Project]:
+    """Project ``path`` and its quota (``UnknownProject`` if the key does not see it)."""
+    return (yield call("project", query=ProjectQuery(path)))
+
+
+def set_quota(path: str, quota: Quota | Mapping[str, Any]) -> Op[Project]:
+    """Replace project ``path``'s quota (an admin key's, in its subtree); returns the
+    project as it is now."""
+    return (yield call("set_quota", QuotaRequest(path, _quota(quota))))
+
+
+def revoke_project(path: str, *, force: bool = False) -> Op[ProjectRevocation]:
+    """Revoke project ``path`` (an admin key's, in its subtree). One with subprojects or
+    keys is ``ProjectInUse`` unless ``force``, which revokes them too."""
+    return (yield call("revoke_project", query=RevokeProjectQuery(path, force)))
+
+
+def keys(project: str | None = None) -> Op[list[KeyInfo]]:
+    """The keys this key may revoke (an admin's: its subtree's; any key's: those it
+    minted), of ``project``'s subtree if given; never their secrets."""
+    return list((yield call("keys", query=KeyQuery(project))).keys)
+
+
+def create_key(
+    project: str, role: str, name: str | None = None, ttl: float | None = None
+) -> Op[MintedKey]:
+    """Mint an API key of ``role`` for ``project``, no wider than this client's own: a
+    role it may mint (its own or narrower), its project or one below it, expiring no
+    later than it does (``ttl``: seconds to live; None: until revoked). Returns the key
+    and its secret (``.key``, ``.secret``): the only time the secret is shown. A key
+    minted by one that is no admin's is revoked with it."""
+    return (yield call("create_key", KeyRequest(project, role, name, ttl)))
+
+
+def revoke_key(key_id: str) -> Op[KeyInfo]:
+    """Revoke API key ``key_id`` and the keys it minted: they stop working within 2 s on
+    every apiserver. One this key may not revoke is ``UnknownKey``, as a missing one."""
+    return (yield call("revoke_key", key=key_id))

@@ -19,7 +19,7 @@ from .record import BuildRecord, BuildStore
 from .session import BuildContext, BuildSession, FinishResult
 from .tools import TOOL_NAMES, BuildTools
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = [

@@ -5,7 +5,7 @@ from dsec_core.hookspecs import hookimpl
 
 from .runc import ContainerBackend
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = ["ContainerBackend"]

@@ -4,7 +4,8 @@ cleanly.
 
 The tools that read these files are the host's own (procps ``free`` and ``uptime``, coreutils
 ``nproc``, glibc ``getconf``, the system python), copied with their libraries into a layer:
-busybox's ``free`` and ``uptime`` ask sysinfo(2), which lxcfs cannot change (see the README).
+busybox's ``free`` and ``uptime`` ask sysinfo(2), which lxcfs cannot change
+(docs/operators/limits.md).
 They are called by their paths: the kit's busybox shell runs its own applet for a bare name.
 """
 

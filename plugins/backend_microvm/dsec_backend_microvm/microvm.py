@@ -3,7 +3,8 @@ when layers come over virtio-pmem, which QEMU's microvm cannot hold), one vCPU p
 core of the sandbox's CPU limit, its memory limit as guest RAM.
 
 Firecracker, where its binary is present with real KVM, is reported by ``hypervisor()`` but
-not yet driven: QEMU runs every guest (``README.md`` says what was measured with which).
+not yet driven: QEMU runs every guest (dsec's ``docs/operators/runtimes.md`` says what was
+measured with which).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ``vm`` backend through a node daemon: create to first exec, and the latency of the
-screen API (``screenshot``, ``input`` of one click) as a client sees it: the numbers in the
-root README's "Full VMs with a screen".
+screen API (``screenshot``, ``input`` of one click) as a client sees it: the numbers in
+dsec's docs, docs/trainers/vms.md.
 
 A kit node (``dsec_core.testing``: a private ``DSEC_HOME``, the busybox base layer) gets a layer
 holding clickpad; each run creates a ``vm`` sandbox from both, times ``create`` plus the first

@@ -63,7 +63,7 @@ from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
 from dsec_core.sources.base import LayerSource, fetch_verified, split_for_publishing
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = [

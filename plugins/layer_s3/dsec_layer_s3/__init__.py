@@ -28,7 +28,7 @@ from dsec_core.errors import InvalidSpec, SourceUnavailable
 from dsec_core.hookspecs import hookimpl
 from dsec_core.sources.base import BlobStoreSource
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = ["S3LayerSource"]

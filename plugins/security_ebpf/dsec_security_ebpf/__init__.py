@@ -8,7 +8,7 @@ from .network import EgressNetwork, egress_namespace, veth_name
 from .policy import EgressPolicy
 from .rules import Rule, parse_rule, parse_settings
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = [

@@ -6,7 +6,7 @@ from dsec_core.hookspecs import hookimpl
 
 from .policy import LandlockPolicy, host_abi
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = ["LandlockPolicy", "host_abi"]

@@ -7,7 +7,7 @@ from dsec_core.hookspecs import hookimpl
 from .policy import SeccompPolicy
 from .profile import build_profile
 
-#: The dsec plugin API this plugin is written for (README.md, "Writing a plugin").
+#: The dsec plugin API this plugin is written for (docs/plugins/index.md, "Writing a plugin").
 DSEC_PLUGIN_API = 2
 
 __all__ = ["SeccompPolicy", "build_profile"]

@@ -1,8 +1,8 @@
 """dsec backend plugin ``oldbox``: sandboxes in fresh pid, network, ipc, uts and mount namespaces
 around a chroot of the root filesystem the daemon composes, with ``dsec-agent`` as PID 1.
 
-Migrated from dsec's first plugin contract by README.md's "Migrating a plugin written before
-this change": plugin API 2.
+Migrated from dsec's first plugin contract by dsec's guide "Migrating a plugin written
+before this change" (docs/plugins/migrating.md): plugin API 2.
 """
 
 from __future__ import annotations

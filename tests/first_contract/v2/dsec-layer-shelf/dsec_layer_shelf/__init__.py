@@ -1,8 +1,8 @@
 """dsec layer source plugin ``shelf``: layers and catalogs in a directory, ``shelf:/some/dir``.
 
 The ``BlobStoreSource`` layout over four primitives on files under one directory, written to a
-temporary name and renamed into place. Migrated from dsec's first plugin contract by README.md's
-"Migrating a plugin written before this change": plugin API 2.
+temporary name and renamed into place. Migrated from dsec's first plugin contract by dsec's
+guide "Migrating a plugin written before this change" (docs/plugins/migrating.md): plugin API 2.
 """
 
 from __future__ import annotations
