@@ -43,9 +43,10 @@ import sys
 from pathlib import Path
 
 # This script is named queue.py: run as one, its folder comes first on sys.path, where it would
-# shadow the standard library's queue (which multiprocessing imports). Its folder goes.
+# shadow the standard library's queue (which multiprocessing imports). It goes last instead,
+# where the benches' figures module is still found.
 if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+    sys.path.append(sys.path.pop(0))
 
 import argparse
 import asyncio
@@ -62,6 +63,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from figures import COLOURS, add_plot_flag, bars, figure
 
 import dsec
 from dsec_core.config import NodeConfig
@@ -234,6 +237,7 @@ def main() -> None:
     ap.add_argument("--room", type=int, default=None, help="live sandboxes the node takes")
     ap.add_argument("--creates", type=int, default=None, help="creates per trainer")
     ap.add_argument("--seed", type=int, default=22)
+    add_plot_flag(ap)
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
@@ -312,8 +316,33 @@ def main() -> None:
         print(f"{label:>9}{mark} " + " ".join(f"{c:>10}" for c in counts))
     if errors:
         print(f"first error: {errors[0]}")
+    if args.plot:
+        plot(four, t0, window, fig)
     print(json.dumps(fig))
     sys.stdout.flush()
+
+
+def plot(four: dict[str, list[Outcome]], t0: float, window: float, fig: dict) -> None:
+    """Each trainer's creates completed so far over time against a quarter of all of them,
+    and creates/s of four trainers against one alone."""
+    with figure("queue", "Four trainers sharing one node", fig["quick"], ncols=2) as (_, axes):
+        done = {p: sorted(o.done - t0 for o in v if o.status == "ok") for p, v in four.items()}
+        everyone = sorted(t for ts in done.values() for t in ts)
+        for p, ts in sorted(done.items()):
+            axes[0].step(ts, range(1, len(ts) + 1), where="post", label=p, lw=1)
+        quarter = [(i + 1) / len(done) for i in range(len(everyone))]
+        axes[0].plot(everyone, quarter, color="black", ls=":", lw=1, label="a quarter of all")
+        axes[0].set_xlabel("seconds from the start")
+        axes[0].set_ylabel("creates completed so far")
+        axes[0].legend(fontsize=7)
+        axes[0].grid(alpha=0.3)
+        bars(
+            axes[1],
+            ["dsec, 4 trainers", "one trainer alone"],
+            [fig["creates_per_s"], fig["single_creates_per_s"]],
+            unit="creates/s",
+            colours=[COLOURS["dsec"], COLOURS["baseline"]],
+        )
 
 
 if __name__ == "__main__":
