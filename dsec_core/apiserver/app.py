@@ -18,7 +18,8 @@ does not exist. By route:
   quotas (and its ancestors') and on the nodes before asking them (``nodes.Ledger``), place
   each sandbox with the ``dsec_place`` hook over the healthy nodes (the home pool, or the
   overflow pool for a spec that allows it once the home pool is over ``overflow_at``), and
-  give back the room a node refused;
+  give back the room a node refused; a create with ``wait`` that no node has room for waits
+  in a fair queue of placements (``waiting``) instead of being refused;
 - ``list`` asks every healthy node and keeps what the caller reaches;
 - leases route by their id's suffix as sandboxes do, and are the project's whose tag their
   holder carries; fncall and judge go where placement says, in pools of the caller's project;
