@@ -99,6 +99,10 @@ class NodeConfig:
     # The most sandboxes one create request may ask for; a bigger batch is refused before any
     # work (n=100000 once took a daemon to 400 MiB of pending creates).
     max_batch: int = 1024
+    # Sandboxes starting at once (admitted, not yet running); more creates wait for a start slot
+    # in the create queue's fair order: a burst then costs each create its turn, not a
+    # thrashing host (verl caps its STARTING sandboxes at 128 for this).
+    max_starting: int = field(default_factory=lambda: max(16, 2 * (os.cpu_count() or 1)))
     # Each sandbox gets a host uid range of its own, ``uid_size`` ids wide, from a pool of
     # ``uid_ranges`` ranges starting at ``uid_base`` (range k: uid_base + k * uid_size); root's
     # group inside is host gid ``uid_base`` in every sandbox (``sandbox_gid``).
@@ -173,6 +177,8 @@ class NodeConfig:
             kw["max_sandboxes"] = int(os.environ["DSEC_MAX_SANDBOXES"])
         if "DSEC_MAX_BATCH" in os.environ:
             kw["max_batch"] = _positive_int("DSEC_MAX_BATCH")
+        if "DSEC_MAX_STARTING" in os.environ:
+            kw["max_starting"] = _positive_int("DSEC_MAX_STARTING")
         if "DSEC_UID_BASE" in os.environ:
             kw["uid_base"] = _positive_int("DSEC_UID_BASE")
         if "DSEC_UID_SIZE" in os.environ:

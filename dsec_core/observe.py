@@ -34,6 +34,7 @@ __all__ = [
     "EXEC_BUCKETS",
     "FORWARD_BUCKETS",
     "OVERFLOW_POOL",
+    "QUEUE_WAIT_BUCKETS",
     "REQUEST_ID",
     "REQUEST_ID_HEADER",
     "SANDBOX_STATES",
@@ -42,6 +43,7 @@ __all__ = [
     "NodeMetrics",
     "ObservedRequests",
     "ProbedNode",
+    "QueueMetrics",
     "RequestIdFilter",
     "RequestMetrics",
     "current_request_id",
@@ -258,6 +260,64 @@ def _no_counts() -> Mapping[str, int]:
     return {}
 
 
+#: Buckets of a queued create's wait, in seconds: from none to minutes.
+QUEUE_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class QueueMetrics:
+    """A create queue's metrics (the node's and the apiserver's, ``prefix`` apart):
+
+    - ``<prefix>_create_queue_depth{project}``: creates waiting now;
+    - ``<prefix>_create_queue_wait_seconds``: how long each create waited for its turn;
+    - ``<prefix>_create_starting``: creates let go and not yet ended (a node bounds these);
+    - ``<prefix>_create_queue_rejected_total{reason}``: creates refused by the queue (the
+      resource that was short, ``starting``, ``turn``), after waiting or at once.
+    """
+
+    def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
+        self.depth = Gauge(
+            f"{prefix}_create_queue_depth",
+            "Creates waiting for room or a start slot, by project",
+            ("project",),
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            f"{prefix}_create_queue_wait_seconds",
+            "Time a create waited in the queue for its turn",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.starting_now = Gauge(
+            f"{prefix}_create_starting",
+            "Creates let go by the queue and not yet ended",
+            registry=registry,
+        )
+        self.rejected_total = Counter(
+            f"{prefix}_create_queue_rejected",
+            "Creates the queue refused, by reason (the resource short, starting, turn)",
+            ("reason",),
+            registry=registry,
+        )
+        self._projects: set[str] = set()
+
+    def queued(self, depth: Mapping[str, int]) -> None:
+        """The queue's depth by project now (a project no longer waiting shows 0)."""
+        for project in self._projects - set(depth):
+            self.depth.labels(project).set(0)
+        for project, n in depth.items():
+            self.depth.labels(project).set(n)
+        self._projects |= set(depth)
+
+    def waited(self, seconds: float) -> None:
+        self.wait_seconds.observe(seconds)
+
+    def starting(self, n: int) -> None:
+        self.starting_now.set(n)
+
+    def rejected(self, reason: str) -> None:
+        self.rejected_total.labels(reason).inc()
+
+
 class NodeMetrics:
     """A node daemon's metrics, in a registry of its own (``registry``, made if not given).
 
@@ -267,7 +327,9 @@ class NodeMetrics:
       ok|nonzero|timeout|error (``exec_outcome``; error: the call failed, nothing ran);
     - ``dsec_exec_seconds{kind}``: their round trip inside the node;
     - ``dsec_layer_cache_total{result}``: hit|miss, from ``layer_cache()`` at scrape time;
-    - ``dsec_requests_total{method,route,code}``: HTTP requests answered.
+    - ``dsec_requests_total{method,route,code}``: HTTP requests answered;
+    - ``dsec_create_queue_*`` and ``dsec_create_starting``: the create queue (``queue``,
+      ``QueueMetrics``).
     """
 
     def __init__(
@@ -303,6 +365,7 @@ class NodeMetrics:
         self._exec_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._requests = _RequestCounter("dsec_requests", r)
         r.register(_NodeState(sandbox_states, layer_cache))
+        self.queue = QueueMetrics("dsec", r)
 
     def observe_create(self, backend: str, ok: bool, seconds: float) -> None:
         """One sandbox's create took ``seconds`` and succeeded (``ok``) or failed."""
@@ -347,7 +410,9 @@ class ApiserverMetrics:
     - ``dsec_node_healthy{node}``: 1 while the watcher finds the node healthy, else 0;
     - ``dsec_node_probe_seconds{node}``: the watcher's probes;
     - ``dsec_apiserver_forward_seconds{route}``: requests forwarded to a node, until its
-      answer's head (``route``: the route's name).
+      answer's head (``route``: the route's name);
+    - ``dsec_apiserver_create_queue_*``: creates waiting for a node with room (``queue``,
+      ``QueueMetrics``).
 
     The method names are those the apiserver's ``Metrics`` protocol calls, so an instance is
     passed to it as is.
@@ -395,6 +460,7 @@ class ApiserverMetrics:
             buckets=FORWARD_BUCKETS,
             registry=r,
         )
+        self.queue = QueueMetrics("dsec_apiserver", r)
 
     def observe_request(self, method: str, route: str, code: int, seconds: float) -> None:
         self._requests.inc(method, route, code)

@@ -271,10 +271,16 @@ class ErrorResponse(Message):
 @dataclass(frozen=True)
 class CreateRequest(Message):
     """Create ``count`` sandboxes from one spec; a node takes at most ``DSEC_MAX_BATCH`` in one
-    request, and no more than it has room for, or refuses the whole request before any work."""
+    request, and (without ``wait``) no more than it has room for, or refuses the whole request
+    before any work. ``wait``: seconds each create may wait in the fair create queue for room
+    before ``AdmissionRejected`` (0: refused at once); ``batch``: the queue's batch the creates
+    belong to within their project (empty: a batch of this request's own when ``count`` > 1,
+    else the project's default batch)."""
 
     spec: SandboxSpec
     count: int = field(default=1, metadata=_limits(minimum=1))
+    wait: float = field(default=0.0, metadata=_limits(minimum=0, maximum=86400))
+    batch: str = field(default="", metadata=_limits(maxLength=256))
 
 
 @dataclass(frozen=True)

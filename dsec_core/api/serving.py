@@ -6,12 +6,13 @@ options both run with (``server_options``: the bounded HTTP protocol of ``.proto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,7 +38,10 @@ __all__ = [
     "read_json_body",
     "request_key",
     "server_options",
+    "unless_disconnected",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -240,3 +244,29 @@ def request_key(headers: Any) -> str | None:
         elif name == b"x-access-token":
             access = value.decode("latin-1")
     return bearer or api_key or access or None
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ``work`` cancelled as soon as the client closes its connection
+    (a queued create whose caller gave up leaves the queue). The request's body must have
+    been read: what the connection says next is then only its end."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, DsecError):
+            await task
+        raise DsecError(f"{request.method} {request.url.path}: the client closed its request")
+    return task.result()

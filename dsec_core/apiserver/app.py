@@ -18,7 +18,8 @@ does not exist. By route:
   quotas (and its ancestors') and on the nodes before asking them (``nodes.Ledger``), place
   each sandbox with the ``dsec_place`` hook over the healthy nodes (the home pool, or the
   overflow pool for a spec that allows it once the home pool is over ``overflow_at``), and
-  give back the room a node refused;
+  give back the room a node refused; a create with ``wait`` that no node has room for waits
+  in a fair queue of placements (``waiting``) instead of being refused;
 - ``list`` asks every healthy node and keeps what the caller reaches;
 - leases route by their id's suffix as sandboxes do, and are the project's whose tag their
   holder carries; fncall and judge go where placement says, in pools of the caller's project;
@@ -77,6 +78,7 @@ from ..api.serving import (
     on_http_error,
     read_json_body,
     request_key,
+    unless_disconnected,
 )
 from ..api.transport import AsyncStreamedResponse, TransportError
 from ..errors import (
@@ -109,7 +111,7 @@ from ..records import (
 from ..security import loosenings
 from .auth import PRINCIPAL, Authenticated, Refusal
 from .iam_routes import iam_routes
-from .nodes import NodeEntry, NodeSet
+from .nodes import Hold, NodeEntry, NodeSet
 from .reach import (
     BUILD_ROLES,
     MEMBER_LABEL,
@@ -121,6 +123,7 @@ from .reach import (
     scoped,
     strip_tag,
 )
+from .waiting import PlacementQueue
 
 __all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "make_app"]
 
@@ -195,6 +198,8 @@ class Gateway:
         #: (project, environment) -> the node that ran the project's last fncall or judge
         #: call of it: its pool is warm there
         self.pool_homes: dict[tuple[str, str], str] = {}
+        #: creates waiting for room on some node (``waiting``)
+        self.waiting = PlacementQueue(getattr(self.metrics, "queue", None))
 
     # --- what a key reaches ---------------------------------------------------------------
     def node_of(self, resource_id: str, kind: str = "sandbox") -> NodeEntry:
@@ -683,6 +688,7 @@ def _sandbox_handler(route: Route) -> Handler:
         response = await _forward(gw, entry, request, route, principal, rid, body)
         if route.name == "kill" and response.status_code < 300:
             gw.forget(sid)
+            gw.waiting.room_freed()
         return response
 
     return handle
@@ -718,17 +724,38 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     if principal.role not in ("admin", "member", "agent", "builder"):
         raise PermissionDenied(f"role {principal.role!r} cannot create sandboxes")
     _, body = await _body(request, route)
+    if body.wait > 0:  # a caller that gives up leaves the queue (and the node's)
+        return await unless_disconnected(
+            request, _create_placed(gw, principal, rid, body, t0, time.monotonic())
+        )
+    return await _create_placed(gw, principal, rid, body, t0, time.monotonic())
+
+
+async def _create_placed(
+    gw: Gateway, principal: Any, rid: str, body: Any, t0: float, t_wait: float
+) -> Response:
+    route = ROUTES["create"]
     spec, near = await gw.admit(principal, body.spec)
     build = BUILD_LABEL in spec.labels
     lim = spec.limits
     memory = lim.memory + gw.memory_overhead(spec.backend)
-    # no await from the quota check to the holds: they are one step
-    gw.check_quota(principal.project, body.count, lim.cpu, memory)
-    shares, overflow = gw.place(spec, body.count, only=near)
     ledger = gw.nodes.ledger
-    holds = {
-        name: ledger.hold(principal.project, name, k, lim.cpu, memory) for name, k in shares.items()
-    }
+
+    def place_and_hold() -> tuple[dict[str, int], bool, dict[str, Hold]]:
+        # no await from the quota check to the holds: they are one step
+        gw.check_quota(principal.project, body.count, lim.cpu, memory)
+        shares, overflow = gw.place(spec, body.count, only=near)
+        holds = {
+            name: ledger.hold(principal.project, name, k, lim.cpu, memory)
+            for name, k in shares.items()
+        }
+        return shares, overflow, holds
+
+    batch = body.batch or (rid if body.count > 1 else "")
+    shares, overflow, holds = await gw.waiting.place(
+        place_and_hold, principal.project, batch, body.wait
+    )
+    left = max(0.0, body.wait - (time.monotonic() - t_wait)) if body.wait > 0 else 0.0
     for name in shares:
         if gw.metrics:
             gw.metrics.placed(name, gw.nodes.nodes[name].pool, overflow)
@@ -736,10 +763,10 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     async def send(name: str, k: int) -> bytes | DsecError:
         entry = gw.nodes.nodes[name]
         # decoded and checked above: encoded without the route's check (a decode over again)
-        content = dump_json(replace(body, spec=spec, count=k).to_dict())
+        content = dump_json(replace(body, spec=spec, count=k, wait=left).to_dict())
         try:
             return await gw._request(
-                entry, "POST", route.path, content, route.timeout, request_id=rid
+                entry, "POST", route.path, content, (route.timeout or 300.0) + left, request_id=rid
             )
         except DsecError as e:
             return e
@@ -751,6 +778,8 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
         for hold in holds.values():
             ledger.settle(hold, 0)
         raise
+    finally:
+        gw.waiting.room_freed()  # a refused share gave room back; the probes show the rest
     t_back = time.perf_counter()
     if len(results) == 1 and isinstance(results[0], bytes):
         # one node made them all: its answer goes back as it is, read only for the ids

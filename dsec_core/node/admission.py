@@ -53,6 +53,7 @@ __all__ = [
     "project_usage",
     "resolve_spec",
     "warm",
+    "with_created",
 ]
 
 log = logging.getLogger("dsec.node")
@@ -206,6 +207,22 @@ def node_load(
         memory_pressure_limit=config.memory_pressure_limit,
         devices=devices,
     )
+
+
+def with_created(load: NodeLoad, specs: Iterable[SandboxSpec]) -> NodeLoad:
+    """``load`` with sandboxes of ``specs`` counted as being created (as ``node_load`` counts
+    one: its limits reserved, ``SANDBOX_START_MEMORY`` off what is available)."""
+    for spec in specs:
+        lim = spec.limits
+        available = load.memory_available
+        load = replace(
+            load,
+            sandboxes=load.sandboxes + 1,
+            cpu_committed=load.cpu_committed + (0.0 if spec.qos == "be" else lim.cpu),
+            memory_committed=load.memory_committed + lim.memory,
+            memory_available=None if available is None else available - SANDBOX_START_MEMORY,
+        )
+    return load
 
 
 def admit(spec: SandboxSpec, load: NodeLoad) -> None:

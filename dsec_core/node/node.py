@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
@@ -29,7 +30,8 @@ from ..agent import ensure_agent
 from ..backend import Backend, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import DsecError, InvalidSpec, SandboxNotRunning
+from ..errors import AdmissionRejected, DsecError, InvalidSpec, SandboxNotRunning
+from ..fairqueue import project_of
 from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
@@ -52,6 +54,7 @@ from ..sources.base import LayerSource
 from . import admission
 from .admission import Admission, Admitted
 from .agents import Agents
+from .create_queue import CreateQueue, Ticket
 from .devices import DevicePool
 from .disks import WritableDisks
 from .drive import DriveServer
@@ -126,6 +129,7 @@ class Node:
             sandbox_states=lambda: state_counts(self.sandboxes.values()),
             layer_cache=self.rootfs.counts,
         )
+        self.queue = CreateQueue(self._fits, cfg.max_starting, self.metrics.queue, self._held)
 
     @property
     def devices(self) -> DevicePool:
@@ -187,6 +191,7 @@ class Node:
                 log.exception("closing backend %s", be.name)
         self.planner.close()
         self.rootfs.close(keep_lazy_layers=bool(self.sandboxes))
+        await self.queue.close()
         await self.admission.close()
         if release_runtime:
             self.release_runtime()
@@ -230,12 +235,28 @@ class Node:
         return admission.project_usage(self.sandboxes.values())
 
     # --- create ---------------------------------------------------------------------------
-    async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo:
+    async def create(
+        self, spec: SandboxSpec, saved: Path | None = None, *, wait: float = 0.0, batch: str = ""
+    ) -> SandboxInfo:
         """Create a sandbox (``saved``: from a memory snapshot's directory, ``restore``); its
-        time goes into ``metrics`` (``dsec_create_seconds``) whether it succeeds or fails."""
+        time goes into ``metrics`` (``dsec_create_seconds``) whether it succeeds or fails.
+
+        It waits its turn in the create queue (``create_queue``) for a start slot, and up to
+        ``wait`` seconds for room if admission cannot take it now, under its project and
+        ``batch``. Cancelled while it waits, it leaves the queue; cancelled once it starts, it
+        runs to its end in the background and the sandbox it made is killed."""
         t0 = time.perf_counter()
         try:
-            info = await self._admit_and_create(spec, saved)
+            ticket = await self.queue.enter(spec, project_of(spec.labels), batch, wait)
+            t0 = time.perf_counter()  # the create's own time, not its wait in the queue
+            task = asyncio.get_running_loop().create_task(
+                self._admit_and_create(spec, saved, ticket)
+            )
+            try:
+                info = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                self.spawn(self._discard(task))
+                raise
         except BaseException:
             label = admission.backend_label(spec, self.catalogs)
             self.metrics.observe_create(label, False, time.perf_counter() - t0)
@@ -243,12 +264,27 @@ class Node:
         self.metrics.observe_create(info.backend, True, time.perf_counter() - t0)
         return info
 
+    async def _discard(self, task: asyncio.Task[SandboxInfo]) -> None:
+        """The sandbox a create whose caller left is making: killed once it runs."""
+        with contextlib.suppress(Exception):
+            info = await task
+            await self.kill(info.id, reason="caller gone")
+
     async def create_many_settled(
-        self, spec: SandboxSpec, n: int, saved: Path | None = None
+        self,
+        spec: SandboxSpec,
+        n: int,
+        saved: Path | None = None,
+        *,
+        wait: float = 0.0,
+        batch: str = "",
     ) -> list[SandboxInfo | DsecError]:
-        """Create ``n`` sandboxes concurrently; each slot holds its sandbox or its typed error."""
+        """Create ``n`` sandboxes concurrently, one batch of the create queue (``batch``; a
+        fresh one if empty); each slot holds its sandbox or its typed error."""
+        batch = batch or f"batch-{secrets.token_hex(6)}"
         results = await asyncio.gather(
-            *(self.create(spec, saved) for _ in range(n)), return_exceptions=True
+            *(self.create(spec, saved, wait=wait, batch=batch) for _ in range(n)),
+            return_exceptions=True,
         )
         out: list[SandboxInfo | DsecError] = []
         for r in results:
@@ -257,14 +293,43 @@ class Node:
             out.append(r)
         return out
 
-    async def _admit_and_create(self, spec: SandboxSpec, saved: Path | None) -> SandboxInfo:
-        t0 = time.perf_counter()
-        a = self.admission.admit(spec)
+    def _fits(self, spec: SandboxSpec, pending: Sequence[SandboxSpec]) -> AdmissionRejected | None:
+        """Admission's refusal of ``spec`` now, with ``pending`` (let go by the queue, not yet
+        admitted) counted as created; None if it would take it."""
+        load = admission.with_created(self.load(), pending)
         try:
-            return await self._create(a, t0, saved)
-        except BaseException:  # nothing of the sandbox is left (_create undid it all)
-            self.admission.release(a.sid, a.idmap)
-            raise
+            admission.admit(spec, load)
+        except AdmissionRejected as e:
+            return e
+        return None
+
+    def _held(self) -> dict[str, int]:
+        """Live sandboxes by the create queue's project (``fairqueue.project_of``)."""
+        out: dict[str, int] = {}
+        for sb in self.sandboxes.values():
+            if sb.live:
+                project = project_of(sb.rt.spec.labels)
+                out[project] = out.get(project, 0) + 1
+        return out
+
+    async def _admit_and_create(
+        self, spec: SandboxSpec, saved: Path | None, ticket: Ticket | None = None
+    ) -> SandboxInfo:
+        t0 = time.perf_counter()
+        try:
+            try:
+                a = self.admission.admit(spec)
+            finally:  # counted by admission from here on (no await until _create adds it)
+                if ticket is not None:
+                    ticket.admitted()
+            try:
+                return await self._create(a, t0, saved)
+            except BaseException:  # nothing of the sandbox is left (_create undid it all)
+                self.admission.release(a.sid, a.idmap)
+                raise
+        finally:
+            if ticket is not None:
+                ticket.done()
 
     async def _create(self, a: Admitted, t0: float, saved: Path | None) -> SandboxInfo:
         sid, spec, backend = a.sid, a.spec, a.backend
@@ -435,6 +500,7 @@ class Node:
             self.sandboxes.pop(sid, None)
             sb.status = "dead"
             sb.stopped.set()
+            self.queue.room_freed()
 
     # --- snapshots ------------------------------------------------------------------------
     async def pack_diff(

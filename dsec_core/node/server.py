@@ -69,6 +69,7 @@ from ..api.serving import (
     error_response,
     on_http_error,
     read_json_body,
+    unless_disconnected,
 )
 from ..errors import (
     AdmissionRejected,
@@ -240,7 +241,8 @@ async def _openapi(node: Node, c: Call) -> dict[str, Any]:
 
 @_handles("create")
 async def _create(node: Node, c: Call) -> CreateResult:
-    spec, count = c.body.spec, c.body.count
+    b = c.body
+    spec, count, wait = b.spec, b.count, b.wait
     cfg = node.config
     # Both refused before any work, not once per slot: each pending create costs memory.
     if count > cfg.max_batch:
@@ -251,15 +253,16 @@ async def _create(node: Node, c: Call) -> CreateResult:
             limit=cfg.max_batch,
         )
     if count == 1:
-        return CreateResult(sandboxes=(await node.create(spec),))
+        return CreateResult(sandboxes=(await node.create(spec, wait=wait, batch=b.batch),))
     room = cfg.max_sandboxes - node.load().sandboxes
-    if count > room:
+    # with wait, only a count that can never fit is refused at once; the rest queue
+    if count > (cfg.max_sandboxes if wait > 0 else room):
         raise AdmissionRejected(
             f"count {count} is over the node's room for {max(room, 0)} more sandboxes "
             f"(of {cfg.max_sandboxes})",
             reason="count",
         )
-    results = await node.create_many_settled(spec, count)
+    results = await node.create_many_settled(spec, count, wait=wait, batch=b.batch)
     return CreateResult(
         sandboxes=tuple(r for r in results if not isinstance(r, DsecError)),
         errors=tuple(ErrorBody(**r.to_wire()) for r in results if isinstance(r, DsecError)),
@@ -606,7 +609,13 @@ def _endpoint(
                 body = body_pieces(request, route.max_body)
             else:
                 body = route.decode_body(await read_json_body(request, route.max_body))
-            answer = await handler(node, Call(request.path_params, query, body))
+            call = handler(node, Call(request.path_params, query, body))
+            if (
+                route.name == "create" and getattr(body, "wait", 0) > 0
+            ):  # a caller gone leaves the queue
+                answer = await unless_disconnected(request, call)
+            else:
+                answer = await call
         except DsecError as e:
             return error_response(e)
         if route.response is RAW and not isinstance(answer, bytes):

@@ -333,22 +333,44 @@ def probe() -> Op[NodeProbe]:
     return (yield call("probe"))
 
 
-def create(spec: SandboxSpec | None = None, **kw: Any) -> Op[SandboxInfo]:
+def create(
+    spec: SandboxSpec | None = None, *, wait: float = 0.0, batch: str = "", **kw: Any
+) -> Op[SandboxInfo]:
     """Create a sandbox from ``spec`` (a ``SandboxSpec``) or its fields as keywords
     (``environment="judge-fizzbuzz"``), the keywords overriding the spec's; returns its
-    handle. ``InvalidSpec`` names an unknown or bad field before anything is sent."""
-    made = yield call("create", CreateRequest(sandbox_spec(spec, kw)))
+    handle. ``InvalidSpec`` names an unknown or bad field before anything is sent.
+
+    ``wait``: seconds the create may wait in the node's fair create queue for room (served by
+    project, then by ``batch``, not first come first served) before ``AdmissionRejected``
+    naming what was short; 0 (the default) is refused at once when there is no room."""
+    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), wait=wait, batch=batch))
     return made.sandboxes[0]
 
 
-def create_many(spec: SandboxSpec | None = None, n: int = 1, **kw: Any) -> Op[list[SandboxInfo]]:
+def create_many(
+    spec: SandboxSpec | None = None,
+    n: int = 1,
+    *,
+    wait: float = 0.0,
+    batch: str = "",
+    **kw: Any,
+) -> Op[list[SandboxInfo]]:
     """Create ``n`` sandboxes concurrently; all or nothing (the created are killed on
-    error, and the first error is raised)."""
-    made = yield call("create", CreateRequest(sandbox_spec(spec, kw), n))
+    error, and the first error is raised). ``wait``: as for ``create``, for each of them; the
+    ``n`` are one batch of the fair queue (``batch`` names it, to share one over calls)."""
+    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), n, wait, batch))
     if made.errors:  # a failure to kill one of them is not raised: the first error says more
         yield Batch(tuple(call("kill", sid=i.id, tolerate=(DsecError,)) for i in made.sandboxes))
         raise error_from_wire(made.errors[0].to_dict())
     return list(made.sandboxes)
+
+
+def _create_call(request: CreateRequest) -> Call:
+    """The create's call, its answer awaited ``wait`` seconds longer than the route's."""
+    c = call("create", request)
+    if c.timeout is None or not request.wait:
+        return c
+    return dataclasses.replace(c, timeout=c.timeout + request.wait)
 
 
 def get(sandbox_id: str) -> Op[SandboxInfo]:
