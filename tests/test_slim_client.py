@@ -195,6 +195,7 @@ ROUND_TRIP = """
     import dsec, dsec.rl
 
     with dsec.Client(sys.argv[1]) as client:
+        before = {i.id for i in client.list()}  # the kit's node is the worker's: others' too
         with client.create(layers=[sys.argv[2]], memory="64M", disk="64M") as sb:
             result = sb.exec("echo from the slim client; cat /proc/1/comm")
             listed = [i.id for i in client.list()]
@@ -211,7 +212,8 @@ ROUND_TRIP = """
         drive = dsec.rl.drive_client_source()
     print(json.dumps({"out": result.text, "code": result.exit_code, "listed": sid in listed,
                       "gone": gone, "reward": reward, "terminated": terminated,
-                      "drive": "class Drive" in drive, "left": [i.id for i in client.list()]}))
+                      "drive": "class Drive" in drive,
+                      "left": sorted({i.id for i in client.list()} - before)}))
 """
 
 

@@ -298,6 +298,7 @@ class Node:
         admitted) counted as created; None if it would take it."""
         load = admission.with_created(self.load(), pending)
         try:
+            self.devices.check(spec.devices)  # first, as admission does: this names the holders
             admission.admit(spec, load)
         except AdmissionRejected as e:
             return e
