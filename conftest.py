@@ -44,11 +44,10 @@ def pytest_configure(config) -> None:
 
 
 #: Modules whose few tests are long, in seconds (the sum of their tests' times in ``--durations``
-#: of a CI run, or of the module run alone, rounded). xdist hands modules out in order; by
-#: default it orders them by their number of tests, so a module of three one-minute tests went
-#: out last and ran alone at the end. ``run.sh test`` passes ``--no-loadscope-reorder`` and the
-#: hook below orders them longest first (longest processing time first: the run's tail is a
-#: short module).
+#: of a CI run, or of the module run alone, rounded). xdist hands modules out in order; by default it orders them by
+#: their number of tests, so a module of three one-minute tests went out last and ran alone
+#: at the end. ``run.sh test`` passes ``--no-loadscope-reorder`` and the hook below orders
+#: them longest first (longest processing time first: the run's tail is a short module).
 LONG_MODULES = {
     "tests/test_lazy_layers.py": 90,
     "tests/adversarial/test_tenants.py": 85,
