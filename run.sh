@@ -187,8 +187,7 @@ case "$cmd" in
         # ranges); DSEC_TEST_WORKERS=0 runs the suite in this process.
         workers="${DSEC_TEST_WORKERS:-4}"
         xdist=()
-        # modules go out longest first (conftest.py orders them), not by their tests' count
-        [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+        [ "$workers" != 0 ] && xdist=(-n "$workers" --dist loadfile)
         "$venv/bin/pytest" -q -p no:cacheprovider "${xdist[@]}" --durations=25 "$@"
         rc=$?
         set -e

@@ -65,6 +65,8 @@ def batch(client: dsec.Client, episodes: int, concurrency: int, out: Path) -> No
         f"retried; mean reward {s['mean_reward']:.3f}; {len(out.read_text().splitlines())} "
         f"lines in {out.name}"
     )
+    for r in report.failed:  # the task's or the policy's own error, not the platform's
+        print(f"   episode {r.index} failed: {r.error_type}: {r.error}")
     retried = [r for r in report.results if r.attempts > 1]
     for r in retried:
         print(f"   episode {r.index}: {r.infra} on attempt 1, {r.status} on attempt {r.attempts}")
