@@ -135,11 +135,58 @@ print("\n".join(p["dependencies"] + p["optional-dependencies"]["rl"]))' >"$stamp
     touch "$stamp_dir/wheelhouse-$sum"
 }
 
+# Harbor (PyPI `harbor`, the Terminal-Bench harness) needs Python >= 3.12, which dsec's .venv
+# is not: it gets its own venv, .venv-harbor, with a pinned harbor (and its e2b extra, for
+# Harbor's built-in `-e e2b`), dsec's slim client and the native provider plugins/harbor
+# (`-e dsec_harbor:DsecEnvironment`); plugins/harbor/tests run Harbor's CLI from there. The
+# first Python >= 3.12 found: python3.13/python3.12 on PATH, then pyenv's versions. None: it
+# is skipped, saying so (and those tests skip, saying so).
+HARBOR_VERSION=0.26.0
+harbor_python() {
+    local py
+    for py in python3.13 python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3; do
+        if command -v "$py" >/dev/null 2>&1 \
+                && "$py" -c 'import sys, venv; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+            command -v "$py"
+            return 0
+        fi
+    done
+    return 1
+}
+
+setup_harbor() {
+    local hvenv="$here/.venv-harbor" py sum
+    if ! py="$(harbor_python)"; then
+        log "no Python >= 3.12 on this machine: Harbor's venv is skipped (plugins/harbor's tests skip)"
+        return 0
+    fi
+    if [ ! -x "$hvenv/bin/python" ]; then
+        log "creating Harbor's Python environment in .venv-harbor ($py)"
+        "$py" -m venv "$hvenv"
+    fi
+    mkdir -p "$hvenv/.dsec-stamps"
+    sum=$( (echo "$HARBOR_VERSION"; cat pyproject.toml plugins/harbor/pyproject.toml) | sha256sum | cut -c1-16)
+    [ -f "$hvenv/.dsec-stamps/pip-$sum" ] && return 0
+    log "installing harbor $HARBOR_VERSION, dsec's client and dsec_harbor into .venv-harbor"
+    "$hvenv/bin/pip" install -q --upgrade pip >/dev/null 2>&1 || true
+    if ! "$hvenv/bin/pip" install -q "harbor[e2b]==$HARBOR_VERSION" -e . -e plugins/harbor \
+            >"$hvenv/.dsec-stamps/pip.log" 2>&1; then
+        cat "$hvenv/.dsec-stamps/pip.log" >&2
+        echo "run.sh: pip install into .venv-harbor failed" >&2
+        exit 1
+    fi
+    "$hvenv/bin/python" -c "import harbor, dsec, dsec_harbor; dsec_harbor.DsecEnvironment" \
+        || { echo "run.sh: Harbor's venv does not import dsec_harbor" >&2; exit 1; }
+    rm -f "$hvenv/.dsec-stamps"/pip-*
+    touch "$hvenv/.dsec-stamps/pip-$sum"
+}
+
 setup() {
     need_root
     setup_apt
     setup_python
     setup_wheelhouse
+    setup_harbor
 }
 
 checks() {

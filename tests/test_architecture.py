@@ -41,6 +41,8 @@ LAZY_IMPORTS = {
     "slim client reads catalogs, whose model imports the layer store, without it",
     "dsec_core.rl.env": "the environments need gymnasium (dsec[rl]) and numpy, 0.25 s: loaded "
     "when one is first named, so dsec.rollout and `dsec rollout` import dsec_core.rl without them",
+    "dsec_harbor.environment": "Harbor (Python >= 3.12) is in Harbor's venv only: dsec's "
+    "venv imports dsec_harbor without it, Harbor loads DsecEnvironment on first use",
     "dsec_core.plugins": "the CLI's `dsec plugins` and plugins' commands only: pluggy and the "
     "plugin floors are the node side's (dsec[node]), which a client-only install lacks",
 }
@@ -166,6 +168,7 @@ def test_the_nodes_services_reach_for_no_private_name_of_their_host():
 
 PLUGINS_CONTRACT = "plugins import only core's plugin-facing floors"
 BUILDERS_CONTRACT = "builders are clients of nodes, not parts of one"
+INTEGRATIONS_CONTRACT = "integrations are clients of nodes"
 
 
 def _contracts() -> tuple[list[str], dict[str, dict]]:
@@ -185,12 +188,23 @@ def _plugin_facing_in_docs() -> list[str]:
     return re.findall(r"^\| `(dsec_core\.[a-z_]+)` \|", text[start:end], re.M)
 
 
+def is_integration(package: Path) -> bool:
+    """A plugin folder whose project registers nothing in dsec's entry-point group is a
+    client-side integration (plugins/harbor: a Harbor provider run in the trainer's process),
+    never loaded by a node."""
+    project = tomllib.loads((package.parent / "pyproject.toml").read_text())["project"]
+    return "dsec" not in project.get("entry-points", {})
+
+
 def test_plugins_and_builders_are_under_their_contracts():
     roots, contracts = _contracts()
-    plugins = sorted(p.parent.name for p in REPO.glob("plugins/*/dsec_*/__init__.py"))
+    found = [p.parent for p in REPO.glob("plugins/*/dsec_*/__init__.py")]
+    plugins = sorted(p.name for p in found if not is_integration(p))
+    integrations = sorted(p.name for p in found if is_integration(p))
     builders = sorted(p.parent.name for p in REPO.glob("builders/*/dsec_*/__init__.py"))
-    assert set(plugins + builders) <= set(roots)
+    assert set(plugins + integrations + builders) <= set(roots)
     assert sorted(contracts[PLUGINS_CONTRACT]["source_modules"]) == plugins
+    assert sorted(contracts[INTEGRATIONS_CONTRACT]["source_modules"]) == integrations
     assert sorted(contracts[BUILDERS_CONTRACT]["source_modules"]) == builders
 
 
@@ -215,7 +229,7 @@ def test_every_core_package_is_plugin_facing_or_forbidden_to_plugins():
 
 def _python_files() -> list[Path]:
     """Every Python file of the repository: core, plugins, builders, tests, benches, examples."""
-    skip = {".venv", ".git", "templates", "__pycache__"}
+    skip = {".venv", ".venv-harbor", ".git", "templates", "__pycache__"}
     return [
         p
         for p in sorted(REPO.rglob("*.py"))

@@ -1,0 +1,205 @@
+"""A task's environment made into dsec layers: ``build_layer`` replays a parsed Dockerfile
+(``dsec_harbor.dockerfile``) in a sandbox of its base through the SDK and packs what the steps
+wrote as a snapshot layer named by the environment's content hash, so an unchanged environment
+is built once and each trial restores from that layer.
+
+Why the SDK and not ``docker build``: it works against any node or apiserver a client can
+reach (no docker daemon, no node-side access), with the node's own isolation for the build's
+RUN steps. ``build_layer`` is the one place that decides how; an apiserver that builds
+Dockerfiles itself (E2B's template API) can take its place later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shlex
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dsec_core.errors import DsecError, InvalidSpec, LayerBuildError, UnknownLayer
+from dsec_core.sdk import AsyncClient, AsyncSandbox
+
+from .dockerfile import Copy, Recipe, Run
+
+#: Bumped when what ``build_layer`` makes of the same Dockerfile changes: a new version is a
+#: new layer name, so layers built by an older recipe are never reused.
+RECIPE_VERSION = "1"
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Base:
+    """Where a build starts: a dsec environment (``python``) or layers (top first)."""
+
+    environment: str | None = None
+    layers: tuple[str, ...] = ()
+
+    def spec(self) -> dict[str, Any]:
+        if self.environment is not None:
+            return {"environment": self.environment}
+        return {"layers": self.layers}
+
+
+def parse_images(text: str | None, field: str = "DSEC_HARBOR_IMAGES") -> dict[str, Base]:
+    """An operator's table of FROM images: ``image=environment`` or ``image=name@version``
+    (a layer), comma-separated, e.g. ``python:3.12-slim=python,ubuntu:24.04=python``."""
+    table: dict[str, Base] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        image, eq, target = part.strip().rpartition("=")
+        if not eq or not image or not target:
+            raise InvalidSpec(f"{field}: {part.strip()!r} is not image=environment", field=field)
+        table[image] = Base(layers=(target,)) if "@" in target else Base(environment=target)
+    return table
+
+
+def resolve_base(image: str, images: Mapping[str, Base]) -> Base:
+    """The dsec base of FROM ``image``: the operator's table by the image as written, then
+    without its tag or digest; ``UnknownImage``-like ``InvalidSpec`` naming it otherwise."""
+    if image in images:
+        return images[image]
+    bare = image.split("@", 1)[0].rsplit(":", 1)[0] if ":" in image or "@" in image else image
+    if bare in images:
+        return images[bare]
+    raise InvalidSpec(
+        f"FROM {image}: no dsec environment or layer is mapped to this image; map it with "
+        f"DSEC_HARBOR_IMAGES='{image}=<environment>' (or --ek images='{image}=<environment>')",
+        field="FROM",
+        name=image,
+    )
+
+
+def layer_name(environment_hash: str) -> str:
+    """The snapshot layer of an environment with this content hash."""
+    return f"harbor-{environment_hash[:32]}"
+
+
+async def find_layer(client: AsyncClient, ref: str) -> bool:
+    """Whether the node holds layer ``ref`` (any of its sources)."""
+    try:
+        layers = await client.layers()
+    except DsecError:
+        return False
+    return any(info.ref == ref for info in layers)
+
+
+def _as_user(command: str, user: str | None) -> list[str]:
+    if user in (None, "", "root", "0"):
+        return ["/bin/sh", "-c", command]
+    # util-linux's runuser: no PAM password prompt for root, and a login-free shell
+    return ["runuser", "-u", str(user), "--", "/bin/sh", "-c", command]
+
+
+async def _run(
+    sb: AsyncSandbox, argv: list[str], *, env: Mapping[str, str], cwd: str, timeout: float
+) -> None:
+    r = await sb.exec(argv, cwd=cwd, env=dict(env), timeout=timeout)
+    if r.exit_code != 0:
+        out = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()[-20:]
+        raise LayerBuildError(
+            f"build step failed (exit {r.exit_code}): {shlex.join(argv[-1:])}\n  "
+            + "\n  ".join(out),
+            path=cwd,
+        )
+
+
+def _copies(step: Copy, context: Path) -> list[tuple[Path, str]]:
+    """(local file or directory, remote path) pairs of one COPY, with Docker's rules: a
+    directory's contents go into ``dest``; a file goes to ``dest`` itself unless ``dest``
+    ends in ``/`` or several sources are copied."""
+    into_dir = step.dest.endswith("/") or len(step.sources) > 1
+    out: list[tuple[Path, str]] = []
+    root = context.resolve()
+    for pattern in step.sources:
+        matches = sorted(glob.glob(str(root / pattern))) or []
+        if not matches:
+            raise LayerBuildError(f"COPY {pattern}: no such file in {root}", path=str(root))
+        if len(matches) > 1:
+            into_dir = True
+        for match in matches:
+            src = Path(match).resolve()
+            if not src.is_relative_to(root):
+                raise LayerBuildError(f"COPY {pattern}: outside the build context", path=match)
+            if src.is_dir():
+                for dirpath, dirnames, filenames in os.walk(src):
+                    rel = Path(dirpath).relative_to(src)
+                    target = PurePosixPath(step.dest) / rel.as_posix()
+                    out.append((Path(dirpath), str(target)))
+                    out.extend((Path(dirpath) / f, str(target / f)) for f in filenames)
+                    dirnames.sort()
+            else:
+                dest = PurePosixPath(step.dest)
+                out.append((src, str(dest / src.name) if into_dir else str(dest)))
+    return out
+
+
+async def _copy(sb: AsyncSandbox, step: Copy, context: Path, timeout: float) -> None:
+    pairs = _copies(step, context)
+    dirs = {remote for local, remote in pairs if local.is_dir()}
+    dirs |= {str(PurePosixPath(remote).parent) for local, remote in pairs if not local.is_dir()}
+    await _run(sb, ["mkdir", "-p", *sorted(dirs)], env={}, cwd="/", timeout=timeout)
+    for local, remote in pairs:
+        if not local.is_dir():
+            await sb.upload(local, remote)
+    if step.chown:
+        targets = sorted({remote for _, remote in pairs})
+        await _run(sb, ["chown", step.chown, *targets], env={}, cwd="/", timeout=timeout)
+
+
+async def build_layer(
+    client: AsyncClient,
+    recipe: Recipe,
+    context: Path,
+    *,
+    name: str,
+    version: str = RECIPE_VERSION,
+    base: Base,
+    timeout: float,
+    log: Log = lambda _m: None,
+) -> str:
+    """Replay ``recipe`` in a new sandbox of ``base`` (no network: a build step needs no
+    more than the files it was given) and pack what it wrote as snapshot layer
+    ``name@version``; returns that ref. The sandbox is killed on every path.
+    ``LayerBuildError`` with the failing step's output if one fails."""
+    sb = await client.create(**base.spec(), network="none", ttl=timeout + 60, memory="2G")
+    try:
+        made: set[str] = set()
+        for step, env, workdir, user in recipe.steps:
+            if workdir not in made:  # docker makes a WORKDIR that does not exist
+                await _run(sb, ["mkdir", "-p", workdir], env={}, cwd="/", timeout=timeout)
+                made.add(workdir)
+            if isinstance(step, Run):
+                log(f"RUN {step.command}")
+                if isinstance(step.command, str):
+                    argv = _as_user(step.command, user)
+                else:
+                    argv = _as_user(shlex.join(step.command), user)
+                await _run(sb, argv, env=env, cwd=workdir, timeout=timeout)
+            else:
+                log(f"COPY {' '.join(step.sources)} {step.dest}")
+                await _copy(sb, step, context, timeout)
+        await _run(sb, ["mkdir", "-p", recipe.workdir], env={}, cwd="/", timeout=timeout)
+        info = await sb.pack_diff(name=name, version=version, scrub=False)
+        log(f"packed {info.ref} ({info.size} bytes)")
+        return info.ref
+    finally:
+        with contextlib.suppress(DsecError):
+            await sb.kill()
+
+
+__all__ = [
+    "RECIPE_VERSION",
+    "Base",
+    "UnknownLayer",
+    "build_layer",
+    "find_layer",
+    "layer_name",
+    "parse_images",
+    "resolve_base",
+]
