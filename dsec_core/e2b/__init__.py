@@ -39,6 +39,9 @@ started in the background (``cmd &``) does run on. Output past 16 MiB per stream
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -53,6 +56,8 @@ from .lifecycle import (
     lifecycle_refusal,
     lifecycle_routes,
 )
+from .template_routes import BuiltTemplates, template_refusal, template_routes
+from .templates import FileStore, TemplateStore
 
 __all__ = [
     "DEFAULT_TEMPLATES",
@@ -66,20 +71,32 @@ __all__ = [
 ]
 
 
-def e2b_routes(connect: Connect, templates: Templates | None = None) -> list[BaseRoute]:
+def e2b_routes(
+    connect: Connect,
+    templates: Templates | None = None,
+    store: Any = None,
+    files: FileStore | None = None,
+) -> list[BaseRoute]:
     """The E2B API's routes, for another app's route table (the apiserver serves them beside
     its own ``/v1`` ones on one listener): ``connect`` turns each request's API key into a dsec
     client; ``templates`` (default: ``DSEC_E2B_TEMPLATES`` over ``DEFAULT_TEMPLATES``) maps
-    template names to environments."""
+    template names to environments. With ``store`` (an ``IamStore``: the apiserver's IAM
+    store) the template API is served too, its uploads kept in ``files`` (default:
+    ``DSEC_E2B_FILES``), and sandboxes are created from built templates first."""
     templates = templates if templates is not None else Templates.from_env()
-    return [*lifecycle_routes(connect, templates), *envd_routes(connect)]
+    extra: list[BaseRoute] = []
+    if store is not None:
+        tstore = TemplateStore(store)
+        templates = replace(templates, built=BuiltTemplates(tstore))
+        extra = list(template_routes(connect, tstore, files or FileStore(), templates))
+    return [*lifecycle_routes(connect, templates), *extra, *envd_routes(connect)]
 
 
 def e2b_refusal(path: str, e: DsecError) -> Response | None:
     """The E2B API's answer to a request refused before any route ran (no key, or one IAM
     does not know: the apiserver checks keys before reading anything), in the shape the SDK
     expects on ``path``; None for a path that is not the E2B API's."""
-    return lifecycle_refusal(path, e) or envd_refusal(path, e)
+    return lifecycle_refusal(path, e) or template_refusal(path, e) or envd_refusal(path, e)
 
 
 def make_app(connect: Connect, templates: Templates | None = None) -> Starlette:

@@ -1,0 +1,193 @@
+"""E2B's template API on a real ``dsec apiserver`` over a node, driven by the stock ``e2b``
+SDK: ``Template`` steps and a Dockerfile build into dsec layers, a sandbox of the template sees
+the copied files, the ENV and the WORKDIR, an unchanged rebuild is a cache hit that starts no
+build sandbox, a failing RUN and an unknown image are build errors saying why, a member key
+may not build, and aliases, listing and deleting work as the SDK expects."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("e2b")
+
+from e2b import BuildException, Sandbox, Template
+from e2b.api.client.api.templates import delete_templates_template_id, get_templates
+from e2b.api.client_sync import get_api_client
+from e2b.connection_config import ConnectionConfig
+
+from dsec_core.iam import Iam
+from dsec_core.records import BUILD_LABEL
+from dsec_core.testing.apiserver import named_nodes, start_apiserver
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+#: What ``FROM`` names in these tests; the operator's table maps it to the kit's environment.
+IMAGE = "python:3.11-slim-bookworm"
+
+
+class Plane:
+    def __init__(self, url: str, iam: Iam, node: object, files: Path) -> None:
+        self.url, self.iam, self.node, self.files = url, iam, node, files
+        iam.create_project("tpl")
+        self.builder = iam.create_key("tpl", "builder")[1]
+        self.member = iam.create_key("tpl", "member")[1]
+
+    def build_sandboxes(self) -> list[str]:
+        """Ids of every build sandbox the node ever ran, dead ones included."""
+        client = self.node.client()  # type: ignore[attr-defined]
+        try:
+            return [i.id for i in client.list() if BUILD_LABEL in i.labels]
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory) -> Iterator[Plane]:
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    files = tmp_path_factory.mktemp("e2b-files")
+    iam = Iam.open(iam_url)
+    with named_nodes({"t1": {}}) as nodes:
+        environment = nodes[0].node.environment("e2b-tpl-kit")
+        with pytest.MonkeyPatch.context() as mp:  # read as the apiserver starts
+            mp.setenv("DSEC_E2B_TEMPLATES", f"base={environment}")
+            mp.setenv("DSEC_E2B_IMAGES", f"{IMAGE}={environment}")
+            mp.setenv("DSEC_E2B_FILES", str(files))
+            api = start_apiserver(nodes, iam_url)
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("E2B_API_URL", api.url)
+                mp.setenv("E2B_SANDBOX_URL", api.url)
+                mp.delenv("E2B_API_KEY", raising=False)
+                yield Plane(api.url, iam, nodes[0].node, files)
+        finally:
+            api.stop()
+            api.log.unlink(missing_ok=True)
+    iam.close()
+
+
+def _context(tmp_path: Path) -> Path:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "main.txt").write_text("from the context\n")
+    (tmp_path / "hello.txt").write_text("hello file\n")
+    return tmp_path
+
+
+def test_steps_build_a_template_whose_sandboxes_see_files_env_and_workdir(plane, tmp_path):
+    ctx = _context(tmp_path)
+    template = (
+        Template(file_context_path=ctx)
+        .from_image(IMAGE)
+        .copy("hello.txt", "/data/")
+        .copy("app", "/srv/app")
+        .set_envs({"GREETING": "hi there"})
+        .set_workdir("/srv/app")
+        .run_cmd("cat main.txt > made.txt && echo $GREETING >> made.txt")
+    )
+    logs: list[str] = []
+    info = Template.build(
+        template, "tpl-steps", api_key=plane.builder, on_build_logs=lambda e: logs.append(e.message)
+    )
+    assert any("RUN cat main.txt" in m for m in logs)
+    assert Template.alias_exists("tpl-steps", api_key=plane.member)
+    assert not Template.alias_exists("tpl-none", api_key=plane.member)
+
+    sb = Sandbox.create("tpl-steps", api_key=plane.member)  # a member key may use it
+    try:
+        assert sb.files.read("/data/hello.txt") == "hello file\n"
+        assert sb.files.read("/srv/app/made.txt") == "from the context\nhi there\n"
+        r = sb.commands.run("echo $GREETING; pwd; id -un")
+        out = r.stdout.splitlines()
+        assert out[:2] == ["hi there", "/srv/app"]
+    finally:
+        sb.kill()
+
+    # an unchanged rebuild is a cache hit: fast, and no build sandbox runs
+    before = set(plane.build_sandboxes())
+    t0 = time.monotonic()
+    again = Template.build(template, "tpl-steps", api_key=plane.builder)
+    took = time.monotonic() - t0
+    assert again.template_id == info.template_id and again.build_id != info.build_id
+    assert set(plane.build_sandboxes()) == before
+    assert took < 3.0, f"a cache hit took {took:.1f} s"
+
+
+def test_a_dockerfile_builds_and_appends_the_e2b_user(plane, tmp_path):
+    ctx = _context(tmp_path)
+    dockerfile = f"""FROM {IMAGE}
+ENV MODE=docker
+WORKDIR /work
+COPY hello.txt ./
+RUN echo built-$MODE > /work/built.txt
+"""
+    Template.build(
+        Template(file_context_path=ctx).from_dockerfile(dockerfile),
+        "tpl-docker",
+        api_key=plane.builder,
+    )
+    sb = Sandbox.create("tpl-docker", api_key=plane.member)
+    try:
+        assert sb.files.read("/work/built.txt") == "built-docker\n"
+        assert sb.files.read("/work/hello.txt") == "hello file\n"
+        r = sb.commands.run("echo $MODE; grep ^user: /etc/passwd | cut -d: -f6; pwd")
+        # the SDK ends a Dockerfile with USER user: the account was made as E2B's base has it
+        assert r.stdout.splitlines() == ["docker", "/home/user", "/work"]
+    finally:
+        sb.kill()
+
+
+def test_a_failing_run_fails_the_build_with_its_output(plane):
+    template = Template().from_image(IMAGE).run_cmd("echo about-to-fail; exit 3")
+    with pytest.raises(BuildException) as e:
+        Template.build(template, "tpl-fails", api_key=plane.builder)
+    assert "about-to-fail" in str(e.value) and "exit code 3" in str(e.value)
+
+
+def test_an_unknown_image_is_a_build_error_naming_it(plane):
+    template = Template().from_image("no-such-registry.example/nothing:0").run_cmd("true")
+    with pytest.raises(BuildException) as e:
+        Template.build(template, "tpl-noimage", api_key=plane.builder)
+    assert "no-such-registry.example/nothing:0" in str(e.value)
+
+
+def test_a_member_key_may_not_build(plane):
+    template = Template().from_image(IMAGE).run_cmd("true")
+    with pytest.raises(Exception) as e:
+        Template.build(template, "tpl-member", api_key=plane.member)
+    assert "403" in str(e.value) or "member key cannot" in str(e.value)
+    assert not Template.alias_exists("tpl-member", api_key=plane.builder)
+
+
+def test_list_and_delete(plane):
+    template = Template().from_image(IMAGE).run_cmd("echo listed > /listed.txt")
+    info = Template.build(template, "tpl-listed", api_key=plane.builder)
+    api = get_api_client(ConnectionConfig(api_key=plane.builder))
+    listed = get_templates.sync(client=api)
+    assert isinstance(listed, list)
+    mine = [t for t in listed if t.template_id == info.template_id]
+    assert mine and mine[0].aliases == ["tpl-listed"] and mine[0].build_status.value == "ready"
+    # another project's key sees none of them, and cannot use or find one
+    plane.iam.create_project("tpl-other")
+    other = plane.iam.create_key("tpl-other", "builder")[1]
+    assert get_templates.sync(client=get_api_client(ConnectionConfig(api_key=other))) == []
+    assert not Template.alias_exists("tpl-listed", api_key=other)
+    r = delete_templates_template_id.sync_detailed(info.template_id, client=api)
+    assert r.status_code == 204
+    assert not Template.alias_exists("tpl-listed", api_key=plane.builder)
+    with pytest.raises(Exception):  # noqa: B017 - the SDK's error for an unknown template
+        Sandbox.create("tpl-listed", api_key=plane.member)
+
+
+def test_nothing_is_left_behind(plane):
+    client = plane.node.client()
+    try:
+        live = [i.id for i in client.list() if BUILD_LABEL in i.labels and i.state != "dead"]
+    finally:
+        client.close()
+    assert live == []
+    leftovers = [p for p in plane.files.rglob(".upload-*")]
+    assert leftovers == []
