@@ -6,21 +6,23 @@ may not build, and aliases, listing and deleting work as the SDK expects."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("e2b")
 
-from e2b import BuildException, Sandbox, Template
+from e2b import AsyncSandbox, AsyncTemplate, BuildException, Sandbox, Template, wait_for_file
 from e2b.api.client.api.templates import delete_templates_template_id, get_templates
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
-from dsec_core.iam import Iam
+from dsec_core.iam import ROOT, Iam
 from dsec_core.records import BUILD_LABEL
 from dsec_core.testing.apiserver import named_nodes, start_apiserver
 
@@ -37,13 +39,17 @@ class Plane:
         self.builder = iam.create_key("tpl", "builder")[1]
         self.member = iam.create_key("tpl", "member")[1]
 
-    def build_sandboxes(self) -> list[str]:
-        """Ids of every build sandbox the node ever ran, dead ones included."""
-        client = self.node.client()  # type: ignore[attr-defined]
-        try:
-            return [i.id for i in client.list() if BUILD_LABEL in i.labels]
-        finally:
-            client.close()
+        self.admin = iam.create_key(ROOT, "admin")[1]
+
+    def placed(self) -> float:
+        """How many sandboxes the apiserver placed so far (its metrics: the operator's)."""
+        r = httpx.get(self.url + "/metrics", headers={"X-API-Key": self.admin})
+        r.raise_for_status()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in r.text.splitlines()
+            if line.startswith("dsec_placement_decisions_total")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +95,12 @@ def test_steps_build_a_template_whose_sandboxes_see_files_env_and_workdir(plane,
         .run_cmd("cat main.txt > made.txt && echo $GREETING >> made.txt")
     )
     logs: list[str] = []
+    placed, t0 = plane.placed(), time.monotonic()
     info = Template.build(
         template, "tpl-steps", api_key=plane.builder, on_build_logs=lambda e: logs.append(e.message)
     )
+    first = time.monotonic() - t0
+    assert plane.placed() == placed + 1  # one build sandbox
     assert any("RUN cat main.txt" in m for m in logs)
     assert Template.alias_exists("tpl-steps", api_key=plane.member)
     assert not Template.alias_exists("tpl-none", api_key=plane.member)
@@ -107,13 +116,14 @@ def test_steps_build_a_template_whose_sandboxes_see_files_env_and_workdir(plane,
         sb.kill()
 
     # an unchanged rebuild is a cache hit: fast, and no build sandbox runs
-    before = set(plane.build_sandboxes())
+    before = plane.placed()
     t0 = time.monotonic()
     again = Template.build(template, "tpl-steps", api_key=plane.builder)
     took = time.monotonic() - t0
     assert again.template_id == info.template_id and again.build_id != info.build_id
-    assert set(plane.build_sandboxes()) == before
+    assert plane.placed() == before
     assert took < 3.0, f"a cache hit took {took:.1f} s"
+    print(f"first build {first:.2f} s, cache hit {took:.2f} s")
 
 
 def test_a_dockerfile_builds_and_appends_the_e2b_user(plane, tmp_path):
@@ -191,3 +201,39 @@ def test_nothing_is_left_behind(plane):
     assert live == []
     leftovers = [p for p in plane.files.rglob(".upload-*")]
     assert leftovers == []
+
+
+def test_the_async_sdk_builds_from_a_template_with_start_and_ready_commands(plane):
+    async def main() -> None:
+        base = AsyncTemplate().from_image(IMAGE).run_cmd("echo base > /base.txt")
+        await AsyncTemplate.build(base, "tpl-async-base", api_key=plane.builder)
+        child = (
+            AsyncTemplate()
+            .from_template("tpl-async-base")
+            .set_envs({"CHILD": "yes"})
+            .run_cmd("cat /base.txt > /child.txt")
+            .set_start_cmd("echo started > /tmp/started; sleep 600", wait_for_file("/tmp/started"))
+        )
+        seen: list[str] = []
+        await AsyncTemplate.build(
+            child,
+            "tpl-async-child",
+            api_key=plane.builder,
+            on_build_logs=lambda e: seen.append(e.message),
+        )
+        assert any("FROM template tpl-async-base" in m for m in seen)
+        sb = await AsyncSandbox.create("tpl-async-child", api_key=plane.member)
+        try:
+            assert await sb.files.read("/child.txt") == "base\n"
+            assert await sb.files.read("/tmp/started") == "started\n"  # ready once it is there
+            r = await sb.commands.run("echo $CHILD")
+            assert r.stdout == "yes\n"
+        finally:
+            await sb.kill()
+
+        # skip_cache forces a rebuild: a build sandbox runs again
+        before = plane.placed()
+        await AsyncTemplate.build(child, "tpl-async-child", api_key=plane.builder, skip_cache=True)
+        assert plane.placed() == before + 1
+
+    asyncio.run(main())

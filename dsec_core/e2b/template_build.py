@@ -385,13 +385,18 @@ class TemplateBuild:
                 "docker images"
             )
         try:
-            ref = await resolve(image)
+            resolved = await resolve(image)
         except UnknownImage as e:
             raise BuildFailed(f"FROM {image}: unknown image: {e.message}") from e
         except DsecError as e:
             raise BuildFailed(f"FROM {image}: {type(e).__name__}: {e.message}") from e
-        blog.add(f"FROM {image}: layer {ref}", step="base")
-        return State(None, (ref,), key=f"layer:{ref}")
+        ref = resolved.layer
+        how = "cached" if resolved.cached else "made"
+        blog.add(f"FROM {image}: layer {ref} ({how} from {resolved.source})", step="base")
+        # the image's ENV holds (Docker's semantics: PATH, LANG, ...); its user and workdir
+        # give way to E2B's defaults, as on E2B
+        env = dict(item.partition("=")[::2] for item in resolved.env)
+        return State(None, (ref,), env, key=f"layer:{ref}")
 
     def _cache_key(self, state: State) -> str:
         doc = {
