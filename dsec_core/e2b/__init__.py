@@ -16,10 +16,13 @@ A request without a key is the SDK's ``AuthenticationException`` (401); what ``c
 the node raises maps to E2B's answers (404 unknown, 429 admission or quota, 400 bad input,
 409 paused, 5xx the rest).
 
-Templates are dsec environments: ``DSEC_E2B_TEMPLATES="base=python,web=node20"`` maps names,
-``base`` (E2B's default) is ``python`` unless mapped otherwise, and any other name is taken as
-an environment's own name. ``timeout`` is the sandbox's ttl, ``metadata`` its labels
-``e2b.meta.<key>``, ``envs`` its environment.
+Templates are built through E2B's template API (``Template.build``: ``template_routes``, with
+the build in ``template_build`` and the records in ``templates``; served when the app is given
+a store, as the apiserver gives its IAM store), else they are dsec environments:
+``DSEC_E2B_TEMPLATES="base=python,web=node20"`` maps names, ``base`` (E2B's default) is
+``python`` unless mapped otherwise, and any other name is taken as an environment's own name.
+``timeout`` is the sandbox's ttl, ``metadata`` its labels ``e2b.meta.<key>``, ``envs`` its
+environment.
 
 Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
 ``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
@@ -27,7 +30,7 @@ Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
 ``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
 ``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
-forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
+forks, metrics, template tags, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
 ``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
 lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped

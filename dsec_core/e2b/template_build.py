@@ -452,7 +452,11 @@ class TemplateBuild:
             blog.add("packing the template's layer", step="finalize")
             await blog.save()
             info = await self.client.pack_diff(
-                sid, name=f"e2b-{key[:32]}", version=self.build.build_id[:12], scrub=False
+                sid,
+                name=f"e2b-{key[:32]}",
+                version=self.build.build_id[:12],
+                scrub=False,
+                source=os.environ.get("DSEC_E2B_LAYER_SOURCE") or None,
             )
         finally:
             with contextlib.suppress(Exception):
