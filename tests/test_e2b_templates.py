@@ -17,7 +17,15 @@ import pytest
 
 pytest.importorskip("e2b")
 
-from e2b import AsyncSandbox, AsyncTemplate, BuildException, Sandbox, Template, wait_for_file
+from e2b import (
+    AsyncSandbox,
+    AsyncTemplate,
+    BuildException,
+    Sandbox,
+    SandboxException,
+    Template,
+    wait_for_file,
+)
 from e2b.api.client.api.templates import delete_templates_template_id, get_templates
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
@@ -237,3 +245,29 @@ def test_the_async_sdk_builds_from_a_template_with_start_and_ready_commands(plan
         assert plane.placed() == before + 1
 
     asyncio.run(main())
+
+
+def test_tags_name_builds_as_harbor_uses_them(plane):
+    """Harbor's e2b environment builds ``name:tag``, reads the tag's build id with
+    ``get_tags`` and creates sandboxes of ``name:<build id>``."""
+    template = Template().from_image(IMAGE).run_cmd("echo tagged > /tagged.txt")
+    info = Template.build(template, "tpl-tagged:v1", api_key=plane.builder)
+    tags = Template.get_tags("tpl-tagged", api_key=plane.member)
+    assert [(t.tag, t.build_id) for t in tags] == [("v1", info.build_id)]
+    for ref in ("tpl-tagged:v1", f"tpl-tagged:{info.build_id}", "tpl-tagged"):
+        sb = Sandbox.create(ref, api_key=plane.member)
+        try:
+            assert sb.files.read("/tagged.txt") == "tagged\n"
+        finally:
+            sb.kill()
+    Template.assign_tags("tpl-tagged:v1", "stable", api_key=plane.builder)
+    assert {t.tag for t in Template.get_tags("tpl-tagged", api_key=plane.builder)} == {
+        "v1",
+        "stable",
+    }
+    Template.remove_tags("tpl-tagged", "v1", api_key=plane.builder)
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("tpl-tagged:v1", api_key=plane.member)
+    assert "does not exist" in str(e.value)
+    with pytest.raises(SandboxException):  # a name never built: 404, as Harbor expects
+        Template.get_tags("tpl-never", api_key=plane.builder)

@@ -279,13 +279,17 @@ class BuildLog:
             self.add(line, level, step)
 
     async def save(
-        self, status: str | None = None, reason: Mapping[str, Any] | None = None
+        self,
+        status: str | None = None,
+        reason: Mapping[str, Any] | None = None,
+        result: Mapping[str, Any] | None = None,
     ) -> None:
         self.build = replace(
             self.build,
             status=status or self.build.status,
             logs=tuple(self.entries),
             reason=reason if reason is not None else self.build.reason,
+            result=result if result is not None else self.build.result,
         )
         self._saved = time.monotonic()
         await self.store.save_build(self.build)
@@ -454,7 +458,7 @@ class TemplateBuild:
             info = await self.client.pack_diff(
                 sid,
                 name=f"e2b-{key[:32]}",
-                version=self.build.build_id[:12],
+                version=self.build.build_id.replace("-", "")[:12],
                 scrub=False,
                 source=os.environ.get("DSEC_E2B_LAYER_SOURCE") or None,
             )
@@ -559,6 +563,15 @@ class TemplateBuild:
 
     # --- the end -----------------------------------------------------------------------------
     async def _finish(self, result: Mapping[str, Any], blog: BuildLog) -> None:
+        made: dict[str, Any] = {
+            "environment": result.get("environment"),
+            "layers": list(result.get("layers") or ()),
+            "env": dict(result.get("env") or {}),
+            "workdir": str(result.get("workdir") or "/"),
+            "user": str(result.get("user") or "root"),
+            "start_cmd": self.request.start_cmd,
+            "ready_cmd": self.request.ready_cmd,
+        }
         current = await self.store.template(self.template.template_id)
         if current is not None and current.build_id == self.build.build_id:
             await self.store.save_template(
@@ -566,18 +579,18 @@ class TemplateBuild:
                     current,
                     status="ready",
                     built=True,
-                    environment=result.get("environment"),
-                    layers=tuple(result.get("layers") or ()),
-                    env=dict(result.get("env") or {}),
-                    workdir=str(result.get("workdir") or "/"),
-                    user=str(result.get("user") or "root"),
-                    start_cmd=self.request.start_cmd,
-                    ready_cmd=self.request.ready_cmd,
+                    environment=made["environment"],
+                    layers=tuple(made["layers"]),
+                    env=made["env"],
+                    workdir=made["workdir"],
+                    user=made["user"],
+                    start_cmd=made["start_cmd"],
+                    ready_cmd=made["ready_cmd"],
                     updated=time.time(),
                 )
             )
         blog.add("build ready", step="finalize")
-        await blog.save("ready")
+        await blog.save("ready", result=made)
 
     async def _fail(self, blog: BuildLog, message: str, step: str) -> None:
         blog.add(message, "error", step)

@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,6 +34,7 @@ from .templates import (
     UnknownTemplate,
     check_builder,
     check_hash,
+    check_tag,
 )
 
 __all__ = ["BuiltTemplates", "Target", "template_refusal", "template_routes"]
@@ -135,19 +136,27 @@ class BuiltTemplates:
         self.callers = _Callers()
 
     async def find(self, client: Any, key: str, name: str) -> Target | None:
+        """The target of template ``name``: an alias or id, its last ready build; with
+        ``:tag`` or ``:build-id`` after it, that build. None if the caller has no such
+        template; ``UnknownTemplate`` for a tag or build that is not (yet) ready."""
         who = await self.callers.who(client, key)
         rec = await self.store.find(who.role, who.project, name)
         if rec is None:
             return None
-        if not rec.built:
-            raise InvalidSpec(f"template {name!r} has no ready build yet", field="templateID")
+        base, sep, selector = name.partition(":")
+        if sep and selector:
+            made = await self.store.made_by(rec, selector)
+        elif rec.built:
+            made = rec.result()
+        else:
+            raise UnknownTemplate(f"template {name!r} has no ready build yet", name=name)
         return Target(
-            rec.environment,
-            rec.layers,
-            dict(rec.env),
-            rec.workdir,
-            rec.start_cmd,
-            rec.ready_cmd,
+            made.get("environment"),
+            tuple(made.get("layers") or ()),
+            dict(made.get("env") or {}),
+            str(made.get("workdir") or "/"),
+            made.get("start_cmd"),
+            made.get("ready_cmd"),
         )
 
 
@@ -235,9 +244,12 @@ def template_routes(
         if not isinstance(name, str) or not name:
             raise InvalidSpec("name is required", field="name")
         base, _, tag = name.partition(":")
-        tags = [t for t in (body.get("tags") or []) if isinstance(t, str)]
+        extra = body.get("tags") or []
+        if not isinstance(extra, list):
+            raise InvalidSpec("tags must be a list of tags", field="tags")
+        tags = [check_tag(t) for t in ([tag] if tag else []) + extra] or ["default"]
         rec, build = await store.open_build(
-            who.project, base, _int(body, "cpuCount"), _int(body, "memoryMB")
+            who.project, base, tags, _int(body, "cpuCount"), _int(body, "memoryMB")
         )
         return JSONResponse(
             {
@@ -246,10 +258,51 @@ def template_routes(
                 "public": False,
                 "names": list(rec.names),
                 "aliases": list(rec.names),
-                "tags": [tag, *tags] if tag else tags or ["default"],
+                "tags": tags,
             },
             status_code=202,
         )
+
+    async def tags(request: Request, client: Any, key: str, who: Who) -> Response:
+        rec = await owned(who, request.path_params["tid"])
+        return JSONResponse(
+            [
+                {"tag": t, "buildID": v["build"], "createdAt": _iso(float(v["at"]))}
+                for t, v in sorted(rec.tags.items())
+            ]
+        )
+
+    async def assign(request: Request, client: Any, key: str, who: Who) -> Response:
+        check_builder(who.role, "tag templates")
+        body = await _json(request)
+        target, new = body.get("target"), body.get("tags")
+        if not isinstance(target, str) or ":" not in target:
+            raise InvalidSpec("target must be name:tag", field="target")
+        if not isinstance(new, list) or not new:
+            raise InvalidSpec("tags must be a list of tags", field="tags")
+        rec = await owned(who, target)
+        selector = target.partition(":")[2]
+        tagged = rec.tags.get(selector)
+        bid = str(tagged["build"]) if tagged else selector
+        await store.made_by(rec, selector)  # UnknownTemplate unless that build is ready
+        now = time.time()
+        added = {check_tag(t): {"build": bid, "at": now} for t in new}
+        await store.save_template(replace(rec, tags={**rec.tags, **added}))
+        return JSONResponse({"tags": list(added), "buildID": bid}, status_code=201)
+
+    async def untag(request: Request, client: Any, key: str, who: Who) -> Response:
+        check_builder(who.role, "untag templates")
+        body = await _json(request)
+        name, gone = body.get("name"), body.get("tags")
+        if not isinstance(name, str) or not isinstance(gone, list):
+            raise InvalidSpec("name and tags are required", field="tags")
+        rec = await owned(who, name)
+        missing = [t for t in gone if t not in rec.tags]
+        if missing:
+            raise UnknownTemplate(f"template {name!r} has no tag {missing[0]!r}", name=name)
+        kept = {t: v for t, v in rec.tags.items() if t not in gone}
+        await store.save_template(replace(rec, tags=kept))
+        return Response(status_code=204)
 
     async def file_link(request: Request, client: Any, key: str, who: Who) -> Response:
         check_builder(who.role, "upload template files")
@@ -350,6 +403,9 @@ def template_routes(
 
     return [
         Route("/v3/templates", handler(create), methods=["POST"]),
+        Route("/templates/tags", handler(assign), methods=["POST"]),
+        Route("/templates/tags", handler(untag), methods=["DELETE"]),
+        Route("/templates/{tid}/tags", handler(tags), methods=["GET"]),
         Route("/templates", handler(listing), methods=["GET"]),
         Route("/templates/aliases/{alias}", handler(alias), methods=["GET"]),
         Route("/templates/{tid}/files/{hash}", handler(file_link), methods=["GET"]),

@@ -21,7 +21,8 @@ import re
 import secrets
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ __all__ = [
     "TemplateStore",
     "UnknownTemplate",
     "check_builder",
+    "check_hash",
+    "check_name",
+    "check_tag",
 ]
 
 #: Roles whose keys may build and delete templates (the apiserver's ``BUILD_ROLES``; the E2B
@@ -48,6 +52,8 @@ BUILD_ROLES = ("admin", "builder")
 #: Most log entries a build keeps (the oldest go first); a step's output is cut to its tail.
 MAX_LOG_ENTRIES = 2000
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
 
@@ -72,6 +78,14 @@ def check_name(name: str) -> str:
             field="name",
         )
     return name
+
+
+def check_tag(tag: Any) -> str:
+    if not isinstance(tag, str) or not _TAG_RE.match(tag):
+        raise InvalidSpec(
+            f"tag {tag!r}: letters, digits, '.', '_' and '-', at most 64", field="tags"
+        )
+    return tag
 
 
 def check_hash(files_hash: str) -> str:
@@ -178,6 +192,9 @@ class TemplateRecord:
     build_count: int = 0
     #: True once some build of it was ready: a sandbox can be made while another builds.
     built: bool = False
+    #: E2B's tags: tag -> ``{"build": build id, "at": when it was assigned}``. A build's tags
+    #: are assigned when it starts, as E2B does; ``name:tag`` creates from that build.
+    tags: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TemplateRecord:
@@ -190,7 +207,20 @@ class TemplateRecord:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["names"], d["layers"], d["env"] = list(self.names), list(self.layers), dict(self.env)
+        d["tags"] = {k: dict(v) for k, v in self.tags.items()}
         return d
+
+    def result(self) -> dict[str, Any]:
+        """What a sandbox of its last ready build is made of (``BuildRecord.result``)."""
+        return {
+            "environment": self.environment,
+            "layers": list(self.layers),
+            "env": dict(self.env),
+            "workdir": self.workdir,
+            "user": self.user,
+            "start_cmd": self.start_cmd,
+            "ready_cmd": self.ready_cmd,
+        }
 
 
 @dataclass(frozen=True)
@@ -204,6 +234,8 @@ class BuildRecord:
     logs: tuple[Mapping[str, Any], ...] = ()
     reason: Mapping[str, Any] | None = None
     updated: float = 0.0
+    #: Once ready: what a sandbox of this build is made of (``TemplateRecord.result``).
+    result: Mapping[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BuildRecord:
@@ -214,6 +246,7 @@ class BuildRecord:
             logs=tuple(d.get("logs", ())),
             reason=d.get("reason"),
             updated=float(d.get("updated", 0.0)),
+            result=d.get("result"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,6 +257,7 @@ class BuildRecord:
             "logs": [dict(e) for e in self.logs],
             "reason": dict(self.reason) if self.reason is not None else None,
             "updated": self.updated,
+            "result": dict(self.result) if self.result is not None else None,
         }
 
 
@@ -289,12 +323,17 @@ class TemplateStore:
         )
 
     async def open_build(
-        self, project: str, name: str, cpu: int | None, memory_mb: int | None
+        self,
+        project: str,
+        name: str,
+        tags: Sequence[str],
+        cpu: int | None,
+        memory_mb: int | None,
     ) -> tuple[TemplateRecord, BuildRecord]:
         """A new build of template ``name`` in ``project``: the template it names (made now if
-        there is none) with a new build id, and that build's record."""
+        there is none) with a new build id and ``tags`` pointing at it, and its record."""
         check_name(name)
-        bid = secrets.token_hex(8)
+        bid = str(uuid.uuid4())  # the SDK reads build ids as UUIDs
         now = time.time()
         for _ in range(5):  # two apiservers making the same name at once: one wins
             d = await self._run(self.store.get, _akey(project, name))
@@ -307,8 +346,10 @@ class TemplateStore:
                     await self._run(self.store.delete, [_akey(project, name)])
                 if not await self._run(self.store.create, items):
                     continue
+            assigned = {t: {"build": bid, "at": now} for t in tags}
             rec = replace(
                 rec,
+                tags={**rec.tags, **assigned},
                 build_id=bid,
                 status="waiting",
                 updated=now,
@@ -321,6 +362,20 @@ class TemplateStore:
             await self._run(self.store.create, {_bkey(rec.template_id, bid): build.to_dict()})
             return rec, build
         raise InvalidSpec(f"template {name!r} is being created by another request; try again")
+
+    async def made_by(self, rec: TemplateRecord, selector: str) -> Mapping[str, Any]:
+        """What the build that ``selector`` (a tag of ``rec``, or one of its build ids)
+        names made; ``UnknownTemplate`` (E2B's words) if there is none, or it is not ready."""
+        tagged = rec.tags.get(selector)
+        bid = str(tagged["build"]) if tagged else selector
+        build = await self.build(rec.template_id, bid) if _UUID_RE.match(bid) else None
+        if build is None or build.result is None:
+            state = f" (its build is {build.status})" if build is not None else ""
+            raise UnknownTemplate(
+                f"tag '{selector}' does not exist for template '{rec.names[0]}'{state}",
+                name=selector,
+            )
+        return build.result
 
     async def save_template(self, rec: TemplateRecord) -> None:
         await self._run(self.store.update, _tkey(rec.template_id), rec.to_dict())
