@@ -140,13 +140,16 @@ def test_a_dockerfile_builds_and_appends_the_e2b_user(plane, tmp_path):
 ENV MODE=docker
 WORKDIR /work
 COPY hello.txt ./
-RUN echo built-$MODE > /work/built.txt
+RUN echo built-$MODE | tee /work/built.txt
 """
+    logs: list[str] = []
     Template.build(
         Template(file_context_path=ctx).from_dockerfile(dockerfile),
         "tpl-docker",
         api_key=plane.builder,
+        on_build_logs=lambda e: logs.append(e.message),
     )
+    assert "built-docker" in logs  # a RUN's output, streamed to on_build_logs
     sb = Sandbox.create("tpl-docker", api_key=plane.member)
     try:
         assert sb.files.read("/work/built.txt") == "built-docker\n"

@@ -30,7 +30,7 @@ Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
 ``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
 ``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
-forks, metrics, template tags, volumes and secrets: no route, so the SDK's error for a 404
+forks, metrics, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
 ``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
 lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped

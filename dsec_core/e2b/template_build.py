@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsecError, InvalidSpec, UnknownImage
-from ..records import BUILD_LABEL
+from ..records import BUILD_LABEL, ExecResult
 from .templates import (
     BuildNetwork,
     BuildRecord,
@@ -51,6 +51,8 @@ E2B_USER, E2B_HOME = "user", "/home/user"
 STEP_TIMEOUT = 1800.0
 #: A step's output kept in a failed build's reason (its tail).
 REASON_OUTPUT = 4000
+#: The longest log line: longer output without a newline is logged in pieces of this.
+MAX_LINE = 16 << 10
 #: Seconds between a running build's heartbeats in its record.
 HEARTBEAT = 15.0
 #: The build sandbox's limits when the template asks for none.
@@ -274,10 +276,6 @@ class BuildLog:
     def add(self, message: str, level: str = "info", step: str | None = None) -> None:
         self.entries.append(log_entry(message, level, step))
 
-    def output(self, text: str, step: str, level: str = "info") -> None:
-        for line in text.splitlines()[-200:]:
-            self.add(line, level, step)
-
     async def save(
         self,
         status: str | None = None,
@@ -486,21 +484,41 @@ class TemplateBuild:
         cwd: str | None = None,
         what: str | None = None,
     ) -> None:
-        r = await self.client.exec(
+        items = await self.client.exec_stream(
             sid, command, cwd=cwd or state.workdir, env=state.env, timeout=STEP_TIMEOUT
         )
-        out = r.stdout.decode("utf-8", "replace")
-        err = r.stderr.decode("utf-8", "replace")
-        blog.output(out, step)
-        blog.output(err, step, "error" if r.exit_code else "info")
+        kept: list[str] = []  # the step's output, for the reason if it fails
+        partial = {"stdout": b"", "stderr": b""}
+        r: ExecResult | None = None
+
+        def line(raw: bytes) -> None:
+            text = raw.decode("utf-8", "replace")
+            blog.add(text, "info", step)
+            kept.append(text)
+
+        async for item in items:  # the output goes to the log as it comes, line by line
+            if isinstance(item, ExecResult):
+                r = item
+                continue
+            *lines, rest = (partial[item.stream] + item.data).split(b"\n")
+            if len(rest) > MAX_LINE:  # a line without end is logged in pieces
+                lines, rest = [*lines, rest], b""
+            partial[item.stream] = rest
+            for raw in lines:
+                line(raw)
+            del kept[:-400]
+            await blog.maybe_save()
+        for rest in partial.values():
+            if rest:
+                line(rest)
+        if r is None:
+            raise BuildFailed(f"step {step}: {what or command}: its output stream broke off")
         if r.timed_out or r.exit_code != 0:
-            why = (
-                f"timed out after {STEP_TIMEOUT:.0f} s"
-                if r.timed_out
-                else f"exit code {r.exit_code}"
-            )
+            why = f"exit code {r.exit_code}"
+            if r.timed_out:
+                why = f"timed out after {STEP_TIMEOUT:.0f} s"
             raise BuildFailed(
-                f"step {step}: {what or command} failed ({why}): {_tail((out + err).strip())}",
+                f"step {step}: {what or command} failed ({why}): {_tail(chr(10).join(kept))}",
                 step=step,
             )
 
