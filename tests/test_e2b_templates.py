@@ -7,6 +7,7 @@ may not build, and aliases, listing and deleting work as the SDK expects."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -30,9 +31,13 @@ from e2b.api.client.api.templates import delete_templates_template_id, get_templ
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
+from dsec_core.errors import ToolError
 from dsec_core.iam import ROOT, Iam
+from dsec_core.layers.image import export_image
+from dsec_core.layers.store import LayerStore
 from dsec_core.records import BUILD_LABEL
 from dsec_core.testing.apiserver import named_nodes, start_apiserver
+from dsec_core.testing.dockerd import private_dockerd
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -41,8 +46,12 @@ IMAGE = "python:3.11-slim-bookworm"
 
 
 class Plane:
-    def __init__(self, url: str, iam: Iam, node: object, files: Path) -> None:
+    def __init__(
+        self, url: str, iam: Iam, node: object, files: Path, docker_image: str | None
+    ) -> None:
         self.url, self.iam, self.node, self.files = url, iam, node, files
+        #: An image in the node's docker (a private dockerd), or None where none can run.
+        self.docker_image = docker_image
         iam.create_project("tpl")
         self.builder = iam.create_key("tpl", "builder")[1]
         self.member = iam.create_key("tpl", "member")[1]
@@ -65,8 +74,26 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
     iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
     files = tmp_path_factory.mktemp("e2b-files")
     iam = Iam.open(iam_url)
-    with named_nodes({"t1": {}}) as nodes:
-        environment = nodes[0].node.environment("e2b-tpl-kit")
+    with contextlib.ExitStack() as stack:
+        try:  # the node's own docker, for FROM an image it holds
+            dockerd = stack.enter_context(private_dockerd(tmp_path_factory.mktemp("dockerd")))
+        except ToolError:
+            dockerd = None
+        env = {"DOCKER_HOST": dockerd.host} if dockerd else {}
+        nodes = stack.enter_context(named_nodes({"t1": {}}, env=env))
+        node = nodes[0].node
+        environment = node.environment("e2b-tpl-kit")
+        image = None
+        if dockerd is not None:
+            image = "dsec-e2b-tpl-test:1"
+            archive = export_image(
+                LayerStore(node.config.layer_dir),
+                [node.layer.ref],
+                tmp_path_factory.mktemp("image") / "image.tar",
+                tag=image,
+                env=["FROM_IMAGE=docker"],
+            )
+            assert dockerd.run("load", "-i", str(archive)).returncode == 0
         with pytest.MonkeyPatch.context() as mp:  # read as the apiserver starts
             mp.setenv("DSEC_E2B_TEMPLATES", f"base={environment}")
             mp.setenv("DSEC_E2B_IMAGES", f"{IMAGE}={environment}")
@@ -77,7 +104,7 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
                 mp.setenv("E2B_API_URL", api.url)
                 mp.setenv("E2B_SANDBOX_URL", api.url)
                 mp.delenv("E2B_API_KEY", raising=False)
-                yield Plane(api.url, iam, nodes[0].node, files)
+                yield Plane(api.url, iam, node, files, image)
         finally:
             api.stop()
             api.log.unlink(missing_ok=True)
@@ -157,6 +184,21 @@ RUN echo built-$MODE | tee /work/built.txt
         r = sb.commands.run("echo $MODE; grep ^user: /etc/passwd | cut -d: -f6; pwd")
         # the SDK ends a Dockerfile with USER user: the account was made as E2B's base has it
         assert r.stdout.splitlines() == ["docker", "/home/user", "/work"]
+    finally:
+        sb.kill()
+
+
+def test_from_an_image_in_the_nodes_docker(plane):
+    """FROM an image no table names: the node makes its docker image into a base layer, and
+    the image's ENV holds in the template's sandboxes."""
+    if plane.docker_image is None:
+        pytest.skip("no private dockerd could run here")
+    template = Template().from_image(plane.docker_image).run_cmd("echo $FROM_IMAGE > /from.txt")
+    Template.build(template, "tpl-docker-image", api_key=plane.builder)
+    sb = Sandbox.create("tpl-docker-image", api_key=plane.member)
+    try:
+        assert sb.files.read("/from.txt") == "docker\n"
+        assert sb.commands.run("echo $FROM_IMAGE").stdout == "docker\n"
     finally:
         sb.kill()
 
