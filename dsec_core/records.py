@@ -52,6 +52,7 @@ __all__ = [
     "MemorySnapshot",
     "NodeLoad",
     "PolicyState",
+    "ResolvedImage",
     "SandboxInfo",
     "SandboxSpec",
     "SandboxUsage",
@@ -592,6 +593,28 @@ class InfraEvent(_Record):
     sandbox_id: str = ""
     at: float = 0.0
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ResolvedImage(_Record):
+    """A docker image name (as a Dockerfile's ``FROM`` names it) made into a base layer on the
+    node: ``layer`` (``name@version``, for ``SandboxSpec.layers``), ``source`` (``docker`` for
+    the node's local docker, else the URL of the layer source it came from), and what the
+    image's config says a container of it starts with: ``env`` (``KEY=VALUE``), ``workdir``,
+    ``user`` and ``cmd`` (argv; empty if none). ``cached``: the layer was there already."""
+
+    image: str
+    layer: str
+    source: str
+    env: tuple[str, ...] = ()
+    workdir: str = ""
+    user: str = ""
+    cmd: tuple[str, ...] = ()
+    cached: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env", tuple(self.env))
+        object.__setattr__(self, "cmd", tuple(self.cmd))
 
 
 @dataclass(frozen=True)

@@ -165,3 +165,18 @@ def test_the_async_sdk_packs_with_secrets(cluster):
                 await sb.kill()
 
     asyncio.run(main())
+
+
+def test_resolving_an_image_is_a_builders_business(cluster):
+    """``resolve_image`` through the apiserver: agent and member keys are refused before any
+    node is asked; a builder's request reaches the node, whose answer for an image it has
+    nowhere is ``UnknownImage`` naming it (a node without docker, or without an OCI source,
+    looks there and says so)."""
+    for role in ("agent", "member"):
+        with cluster.client(role) as c, pytest.raises(PermissionDenied, match="resolve images"):
+            c.resolve_image("python:3.11-slim-bookworm")
+    with cluster.client("builder") as c:
+        with pytest.raises(dsec.UnknownImage, match=r"no-such-image:3\.11-slim"):
+            c.resolve_image("no-such-image:3.11-slim")
+        with pytest.raises(dsec.InvalidSpec, match="not a docker image reference"):
+            c.resolve_image("${BASE}")

@@ -488,3 +488,46 @@ def test_cli_export_and_import(loaded, tmp_path):
         assert both.returncode == 2 and "exactly one of" in both.stderr
         with contextlib.suppress(FileNotFoundError):
             archive.unlink()
+
+
+# --- FROM an image: the node resolves it into a base layer ------------------------------------
+
+
+async def test_a_from_image_resolves_from_the_nodes_docker_once(loaded, tmp_path):
+    """``Node.resolve_image``: an image in the node's docker becomes a content-addressed base
+    layer with the image's env and workdir; asking again is a cache hit; a sandbox of it runs;
+    an image nowhere is ``UnknownImage`` naming it; nothing is left in docker or the store."""
+    with node_home("dsec-oci-") as config:
+        store = LayerStore(config.layer_dir)
+        tag = _tag("fromimage")
+        archive = export_image(
+            store,
+            ["kit-base@1"],
+            tmp_path / "img.tar",
+            tag=tag,
+            env=["GREETING=hi"],
+            workdir="/tmp",
+        )
+        _load(archive, loaded, tag)
+        node = Node(config)
+        await node.open()
+        try:
+            first = await node.resolve_image(tag)
+            assert not first.cached and first.source == "docker"
+            assert first.layer.startswith("image-dsec-test-fromimage-")
+            assert "GREETING=hi" in first.env and first.workdir == "/tmp"
+            again = await node.resolve_image(tag)
+            assert again.cached and again.layer == first.layer
+            assert store.resolve(first.layer).kind == "base"
+            sid = (await node.create(SandboxSpec(layers=(first.layer,), memory="128M"))).id
+            assert await _sh(node, sid, "echo ran") == "ran\n"
+
+            missing = f"no-such-image-{secrets.token_hex(3)}:3.11-slim"
+            with pytest.raises(UnknownImage, match=missing) as e:
+                await node.resolve_image(missing)
+            assert "the node's docker" in str(e.value)
+            with pytest.raises(InvalidSpec, match="not a docker image reference"):
+                await node.resolve_image("$BASE_IMAGE")
+        finally:
+            await node.close(kill_all=True)
+        _no_scratch(store)

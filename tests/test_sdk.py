@@ -362,6 +362,7 @@ SAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "restore": (("snap@1", 2), {"memory": "256M"}),
     "layers": ((), {}),
     "prefetch": ((["a@1"],), {}),
+    "resolve_image": (("python:3.11-slim-bookworm",), {}),
     "whoami": ((), {}),
     "projects": ((), {"under": "org"}),
     "create_project": (("org/team",), {"quota": {"sandboxes": 2, "memory": "1G"}}),

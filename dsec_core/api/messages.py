@@ -30,6 +30,7 @@ from ..records import (
     MemorySnapshot,
     NodeLoad,
     PolicyState,
+    ResolvedImage,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
@@ -92,6 +93,8 @@ __all__ = [
     "ReleaseQuery",
     "RemoveQuery",
     "Removed",
+    "ResolveImageRequest",
+    "ResolvedImage",
     "RestoreRequest",
     "SandboxInfo",
     "SandboxList",
@@ -742,6 +745,19 @@ class PrefetchRequest(Message):
             )
         if isinstance(self.refs, AbcSequence) and not isinstance(self.refs, (bytes, tuple)):
             object.__setattr__(self, "refs", tuple(self.refs))
+
+
+#: The longest image name a resolve takes (docker's own limit for a reference is 255 for the
+#: repository; a tag and digest add at most 200 more).
+MAX_IMAGE_NAME = 512
+
+
+@dataclass(frozen=True)
+class ResolveImageRequest(Message):
+    """A docker image to make into a base layer, named as a Dockerfile's ``FROM`` names it
+    (``python:3.11-slim-bookworm``, ``ghcr.io/org/tool:1``, ``name@sha256:...``)."""
+
+    image: str = field(metadata=_limits(minLength=1, maxLength=MAX_IMAGE_NAME))
 
 
 @dataclass(frozen=True)

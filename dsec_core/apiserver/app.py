@@ -1216,6 +1216,31 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
     )
 
 
+async def _resolve_image(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """Make a docker image into a base layer on every healthy node (a template built over it
+    may run on any of them); the first node's answer that has it is returned. Builds'
+    business: a builder or admin key."""
+    route = ROUTES["resolve_image"]
+    _check_builder(principal, "resolve images into layers")
+    raw, _body_msg = await _body(request, route)
+    entries = gw.nodes.healthy()
+    if not entries:
+        raise NodeUnavailable("no healthy node to resolve the image")
+    answers = await asyncio.gather(
+        *(gw._request(e, "POST", route.path, raw, None, rid) for e in entries),
+        return_exceptions=True,
+    )
+    for answer in answers:
+        if isinstance(answer, bytes):
+            return Response(answer, route.status, media_type=JSON)
+    first = answers[0]
+    raise (
+        gw.scrub(principal, first)
+        if isinstance(first, DsecError)
+        else NodeUnavailable("no node could resolve the image")
+    )
+
+
 _SPECIAL: dict[str, Handler] = {
     "create": _create,
     "list": _list,
@@ -1225,6 +1250,7 @@ _SPECIAL: dict[str, Handler] = {
     "restore": _restore,
     "layers": _layers,
     "prefetch": _prefetch,
+    "resolve_image": _resolve_image,
     "lease": _lease,
     "set_policy": _set_policy,
     "trajectory": _trajectory,

@@ -33,6 +33,7 @@ import tarfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,11 +45,13 @@ from .store import LayerStore, Progress, check_kind
 
 __all__ = [
     "DEFAULT_PATH",
+    "ImageReference",
     "export_image",
     "flatten_oci_layout",
     "import_dockerfile",
     "import_image",
     "layer_tar",
+    "local_docker_image",
 ]
 
 #: The PATH an exported image gets when ``env`` sets none: the one dsec sandboxes run with.
@@ -62,6 +65,54 @@ _OPAQUE = ".wh..wh..opq"
 _CHUNK = 1 << 20
 #: What ``import_image`` takes for an archive's file name rather than an image name
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+# A docker image reference: [host[:port]/]path[:tag][@sha256:hex], path components lowercase.
+_REF_COMPONENT = r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*"
+_REFERENCE = re.compile(
+    rf"(?:(?P<host>[A-Za-z0-9.-]+(?::[0-9]+)?|localhost)/)??"
+    rf"(?P<path>{_REF_COMPONENT}(?:/{_REF_COMPONENT})*)"
+    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9._-]{0,127}))?"
+    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?"
+)
+
+
+@dataclass(frozen=True)
+class ImageReference:
+    """A docker image reference as a Dockerfile's ``FROM`` names it, split: ``host`` (None for
+    docker's default registry), ``path`` (``library/python`` is written ``python``), ``tag``
+    (None when only a digest, or nothing, is given: ``latest`` then) and ``digest``."""
+
+    host: str | None
+    path: str
+    tag: str | None
+    digest: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> ImageReference:
+        """``InvalidSpec`` for text that is no image reference (build args such as
+        ``$BASE`` are not expanded: they are not one)."""
+        m = _REFERENCE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise InvalidSpec(f"{text!r} is not a docker image reference", image=text)
+        host = m["host"]
+        path = m["path"]
+        if host is None and "/" in path:
+            first, _, rest = path.partition("/")
+            if "." in first or first == "localhost":
+                host, path = first, rest
+        return cls(host, path, m["tag"], m["digest"])
+
+    @property
+    def version(self) -> str:
+        """The tag, else the digest, else ``latest``: what a registry is asked for."""
+        return self.tag or self.digest or "latest"
+
+    def __str__(self) -> str:
+        text = f"{self.host}/{self.path}" if self.host else self.path
+        if self.tag:
+            text += f":{self.tag}"
+        return text + (f"@{self.digest}" if self.digest else "")
 
 
 def _noop(stage: str, fraction: float | None) -> None:
@@ -666,6 +717,30 @@ def _client() -> Any:
             command=["docker"],
         )
     return DockerClient()
+
+
+def local_docker_image(image: str) -> tuple[str, dict[str, Any]] | None:
+    """The id (``sha256:...``) and config (``Env``, ``WorkingDir``, ``User``, ``Cmd``,
+    ``Entrypoint``) of docker image ``image`` as the local docker has it (``DOCKER_HOST``'s
+    daemon; nothing is pulled); None if docker has no such image, or there is no docker CLI
+    or daemon to ask (the caller looks elsewhere then)."""
+    from python_on_whales.exceptions import DockerException
+
+    if shutil.which("docker") is None:
+        return None
+    try:
+        found = _client().image.inspect(image)
+    except DockerException:  # no such image, or no daemon: either way, not here
+        return None
+    config = found.config
+    doc = {
+        "Env": list(config.env or []),
+        "WorkingDir": config.working_dir or "",
+        "User": config.user or "",
+        "Cmd": list(config.cmd or []),
+        "Entrypoint": list(config.entrypoint or []),
+    }
+    return str(found.id), doc
 
 
 def import_image(

@@ -45,6 +45,7 @@ from ..records import (
     MemorySnapshot,
     NodeLoad,
     PolicyState,
+    ResolvedImage,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
@@ -59,6 +60,7 @@ from .devices import DevicePool
 from .disks import WritableDisks
 from .drive import DriveServer
 from .idpool import UidPool
+from .images import Images
 from .judge import JudgeSpec, judge
 from .layer_snapshots import LayerSnapshots
 from .lazy_layers import LazyLayers
@@ -120,6 +122,7 @@ class Node:
         self.screens = Screens(self)
         self.pauses = Pauses(self)
         self.layer_snapshots = LayerSnapshots(self)
+        self.images = Images(self)
         self.memory = MemorySnapshots(self)
         self.pools = Pools(self)
         self.leases = Leases(self)
@@ -407,6 +410,11 @@ class Node:
     async def prefetch(self, refs: Sequence[str]) -> list[dict[str, Any]]:
         """Warm layers on this node: every chunk of on-demand layers, whole remote images."""
         return await self.rootfs.prefetch(refs)
+
+    async def resolve_image(self, image: str) -> ResolvedImage:
+        """Make docker image ``image`` (as ``FROM`` names it) into a base layer of this node's
+        store (``Images.resolve``)."""
+        return await self.images.resolve(image)
 
     # --- the sandboxes --------------------------------------------------------------------
     def sandbox(self, sid: str) -> Sandbox:

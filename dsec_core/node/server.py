@@ -572,6 +572,11 @@ async def _prefetch(node: Node, c: Call) -> PrefetchResult:
     return PrefetchResult(layers=tuple(PrefetchedLayer(**row) for row in rows))
 
 
+@_handles("resolve_image")
+async def _resolve_image(node: Node, c: Call) -> Any:
+    return await node.resolve_image(c.body.image)
+
+
 # --- the generic endpoint ----------------------------------------------------------------------
 
 

@@ -186,6 +186,7 @@ class AsyncClient(Connected):
     # --- layers and snapshots -------------------------------------------------------------
     layers = awaiting(core.layers)
     prefetch = awaiting(core.prefetch)
+    resolve_image = awaiting(core.resolve_image)
     pack_diff = awaiting(core.pack_diff)
     snapshot_memory = awaiting(core.snapshot_memory)
     memory_snapshot = awaiting(core.memory_snapshot)

@@ -181,6 +181,7 @@ class Client(Connected):
     # --- layers and snapshots -------------------------------------------------------------
     layers = blocking(core.layers)
     prefetch = blocking(core.prefetch)
+    resolve_image = blocking(core.resolve_image)
     pack_diff = blocking(core.pack_diff)
     snapshot_memory = blocking(core.snapshot_memory)
     memory_snapshot = blocking(core.memory_snapshot)

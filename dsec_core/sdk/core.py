@@ -58,6 +58,7 @@ from ..api.messages import (
     ReadQuery,
     ReleaseQuery,
     RemoveQuery,
+    ResolveImageRequest,
     RestoreRequest,
     SessionExecRequest,
     SessionOpenRequest,
@@ -89,6 +90,7 @@ from ..records import (
     LeaseInfo,
     MemorySnapshot,
     PolicyState,
+    ResolvedImage,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
@@ -521,6 +523,16 @@ def prefetch(refs: Sequence[str]) -> Op[list[dict[str, Any]]]:
     """Warm layers on the node (all chunks of on-demand layers); returns what was fetched."""
     made = yield call("prefetch", PrefetchRequest(refs))  # type: ignore[arg-type]
     return [row.to_dict() for row in made.layers]
+
+
+def resolve_image(image: str) -> Op[ResolvedImage]:
+    """Make docker image ``image``, named as a Dockerfile's ``FROM`` names it
+    (``python:3.11-slim-bookworm``), into a base layer on the node: from the node's local
+    docker, else from a layer source of the node that holds images (an OCI registry). Never
+    pulls from public registries. Returns the layer (``ResolvedImage.layer``, for
+    ``layers=[...]``) and the image's env, workdir, user and command; ``UnknownImage`` naming
+    the image if neither has it. Through an apiserver it needs a builder or admin key."""
+    return (yield call("resolve_image", ResolveImageRequest(image)))
 
 
 def pack_diff(

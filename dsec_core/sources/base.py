@@ -36,6 +36,7 @@ from ..errors import (
     SourceUnavailable,
     ToolError,
     UnknownEnvironment,
+    UnknownImage,
     UnknownLayer,
 )
 from ..lazy.chunks import DEFAULT_CHUNK_SIZE
@@ -154,6 +155,22 @@ class LayerSource(abc.ABC):
         return fetch_verified(
             read_range, digest=form.meta_digest, size=size, dest=dest, source=self.url
         )
+
+    # --- docker/OCI images ----------------------------------------------------------------
+    def find_image(self, image: str) -> str | None:
+        """The manifest digest of docker image ``image`` (a reference as a Dockerfile's
+        ``FROM`` names it; a registry host in it is left out) for this machine's platform, if
+        this source holds such an image; None if not. Sources that hold only dsec layers (the
+        default) hold none. Blocking."""
+        return None
+
+    def fetch_image(self, image: str, dest: Path | None) -> dict[str, Any]:
+        """The config of the image ``find_image`` found (its JSON's ``config`` object:
+        ``Env``, ``WorkingDir``, ``User``, ``Cmd``...), and unless ``dest`` is None the image
+        itself, written into an OCI image layout at ``dest`` (one manifest, this platform's,
+        and its blobs, each verified). ``UnknownImage`` if the source holds no such image.
+        Blocking."""
+        raise UnknownImage(f"{self.url} holds no docker images ({image!r})", name=image)
 
     # --- publishing -----------------------------------------------------------------------
     def push(self, info: LayerInfo, image: Path, *, profile: ReadProfile | None = None) -> bool:

@@ -35,6 +35,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import re
 import time
 import urllib.parse
@@ -55,9 +56,11 @@ from dsec_core.errors import (
     LayerExists,
     SourceUnavailable,
     UnknownEnvironment,
+    UnknownImage,
     UnknownLayer,
 )
 from dsec_core.hookspecs import hookimpl
+from dsec_core.layers.image import ImageReference
 from dsec_core.lazy.layout import ReadProfile
 from dsec_core.lazy.split import LazyForm
 from dsec_core.records import LayerInfo, LayerRef
@@ -84,6 +87,18 @@ LAZY_TAG_PREFIX = "lazy-"
 CATALOG_MEDIA_TYPE = "application/vnd.dsec.catalog.v1+json"
 MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
 EMPTY_MEDIA_TYPE = "application/vnd.oci.empty.v1+json"
+#: What a docker image's manifest may be: an index (a manifest list) or one image's manifest,
+#: in OCI's or docker's own media types.
+IMAGE_INDEX_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
+IMAGE_MANIFEST_TYPES = (
+    MANIFEST_MEDIA_TYPE,
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+#: The largest manifest or config read whole (registries cap manifests at 4 MiB).
+MAX_MANIFEST = 4 << 20
 EMPTY_BLOB = b"{}"
 EMPTY_DIGEST = "sha256:" + hashlib.sha256(EMPTY_BLOB).hexdigest()
 ANNOTATION_PREFIX = "org.dsec.layer."
@@ -100,6 +115,12 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 def _digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _architecture() -> str:
+    """This machine's architecture as OCI platforms name it."""
+    machine = platform.machine()
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
 
 def _rfc3339(ts: float) -> str:
@@ -420,6 +441,102 @@ class OciLayerSource(LayerSource):
             if repo.startswith(start) and rest and "/" not in rest:
                 out.extend(self._versions(rest))
         return sorted(out, key=lambda i: (i.name, i.created))
+
+    # --- docker images ---------------------------------------------------------------------
+    def _image_repo(self, image: str) -> tuple[str, str]:
+        """The repository and tag or digest that hold docker image ``image`` here: its path
+        under this source's prefix (a registry host in the reference is left out)."""
+        ref = ImageReference.parse(image)
+        return self._repo(ref.path), ref.digest or ref.tag or "latest"
+
+    def _image_manifest(self, repo: str, reference: str) -> tuple[str, dict] | None:
+        """(digest, manifest) of this platform's image at ``repo:reference``; None if the
+        registry has none there, or what it has is no docker image (a dsec layer, say)."""
+        accept = ", ".join((*IMAGE_INDEX_TYPES, *IMAGE_MANIFEST_TYPES))
+        for _ in range(2):  # an index, then the manifest it names for this platform
+            at = "@" if reference.startswith("sha256:") else ":"
+            container = self.client.container(f"{repo}{at}{reference}")
+            url = f"{self.client.prefix}://{container.manifest_url()}"
+            response = self._request("GET", url, ok=(200, 404), headers={"Accept": accept})
+            if response.status_code == 404:
+                return None
+            body = response.content[: MAX_MANIFEST + 1]
+            if len(body) > MAX_MANIFEST:
+                raise SourceUnavailable(
+                    f"{self.url}: manifest {repo}:{reference} is over {MAX_MANIFEST} bytes",
+                    source=self.url,
+                )
+            try:
+                doc = json.loads(body)
+            except ValueError as e:
+                raise SourceUnavailable(
+                    f"{self.url}: manifest {repo}:{reference} is not JSON", source=self.url
+                ) from e
+            media = doc.get("mediaType") or response.headers.get("Content-Type", "")
+            if media in IMAGE_INDEX_TYPES or "manifests" in doc:
+                here = [
+                    m
+                    for m in doc.get("manifests") or []
+                    if (m.get("platform") or {}).get("os", "linux") == "linux"
+                    and (m.get("platform") or {}).get("architecture") == _architecture()
+                ]
+                if not here:
+                    return None
+                reference = str(here[0]["digest"])
+                continue
+            layers = doc.get("layers") or []
+            if any(str(d.get("mediaType", "")).startswith("application/vnd.erofs") for d in layers):
+                return None  # a dsec layer, not an image
+            return _digest_of(body), doc
+        return None
+
+    def find_image(self, image: str) -> str | None:
+        repo, reference = self._image_repo(image)
+        if not all(_COMPONENT.fullmatch(c) for c in repo.split("/")):
+            return None
+        found = self._image_manifest(repo, reference)
+        return None if found is None else found[0]
+
+    def fetch_image(self, image: str, dest: Path | None) -> dict[str, Any]:
+        repo, reference = self._image_repo(image)
+        found = self._image_manifest(repo, reference)
+        if found is None:
+            raise UnknownImage(f"{self.url} holds no image {image!r}", name=image)
+        _digest, manifest = found
+        config_desc = manifest["config"]
+        config_size = int(config_desc["size"])
+        if config_size > MAX_MANIFEST:
+            raise SourceUnavailable(
+                f"{self.url}: the config of image {image!r} is over {MAX_MANIFEST} bytes",
+                source=self.url,
+            )
+        config_blob = self._read_range(repo, str(config_desc["digest"]), 0, config_size)
+        if _digest_of(config_blob) != config_desc["digest"]:
+            raise LayerCorrupt(
+                f"{self.url}: the config of image {image!r} does not match its digest",
+                digest=str(config_desc["digest"]),
+                source=self.url,
+            )
+        config = json.loads(config_blob)
+        if dest is not None:
+            blobs = dest / "blobs" / "sha256"
+            blobs.mkdir(parents=True, exist_ok=True)
+            (blobs / str(config_desc["digest"]).split(":", 1)[1]).write_bytes(config_blob)
+            for desc in manifest.get("layers", []):
+                blob = str(desc["digest"])
+                fetch_verified(
+                    functools.partial(self._read_range, repo, blob),
+                    digest=blob,
+                    size=int(desc["size"]),
+                    dest=blobs / blob.split(":", 1)[1],
+                    source=self.url,
+                )
+            raw = json.dumps(manifest).encode()
+            (blobs / _digest_of(raw).split(":", 1)[1]).write_bytes(raw)
+            entry = {"mediaType": MANIFEST_MEDIA_TYPE, "digest": _digest_of(raw), "size": len(raw)}
+            (dest / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [entry]}))
+            (dest / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        return dict(config.get("config") or {})
 
     def image_path(self, info: LayerInfo) -> Path:
         if self.cache_dir is None:
