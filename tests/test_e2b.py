@@ -324,7 +324,11 @@ def test_files_write_read_list_exists_remove(served, sandboxes):
     assert (moved.path, moved.type.value, moved.size) == ("/work/new/hello.txt", "file", 9)
     got = sb.files.get_info("/work/new/hello.txt")
     assert got.permissions == "-rw-r--r--" and got.modified_time.year >= 2024
-    sb.files.rename("/work/new/hello.txt", "/work/dir/hello.txt")
+    # into a directory that does not exist yet: envd makes it
+    moved = sb.files.rename("/work/new/hello.txt", "/work/fresh/deeper/hello.txt")
+    assert moved.path == "/work/fresh/deeper/hello.txt"
+    assert sb.files.read("/work/fresh/deeper/hello.txt") == "hi there\n"
+    sb.files.rename("/work/fresh/deeper/hello.txt", "/work/dir/hello.txt")
     sb.files.remove("/work/dir")
     assert not sb.files.exists("/work/dir/hello.txt")
     with pytest.raises(FileNotFoundException):
@@ -377,6 +381,28 @@ def test_list_pages_and_filters(served, sandboxes):
     assert Sandbox.list(query=q).next_items() == []
     r = httpx.get(f"{served.url}/v2/sandboxes?nextToken=junk", headers={"X-API-KEY": KEY})
     assert r.status_code == 400 and "nextToken" in r.json()["message"]
+
+
+def test_metadata_filters_match_keys_and_values_exactly(served, sandboxes):
+    """Keys and values with spaces, ``&``, ``=``, ``/``, ``+``, ``%`` and non-ASCII match
+    exactly as E2B matches them, and a near miss matches nothing."""
+    run = uuid.uuid4().hex
+    odd = {"run": run, "a key&x=1": "v/w & z=é+%20ü", "ключ": "日本 語"}
+    sb = Sandbox.create(metadata=odd)
+    plain = Sandbox.create(metadata={"run": run, "a key&x=1": "v/w & z=e+%20u"})
+    sandboxes += [sb, plain]
+    assert sb.get_info().metadata == odd
+
+    def found(metadata):
+        q = SandboxQuery(metadata=metadata)
+        return {s.sandbox_id for s in Sandbox.list(query=q).next_items()}
+
+    assert found(odd) == {sb.sandbox_id}
+    assert found({"ключ": "日本 語"}) == {sb.sandbox_id}
+    assert found({"run": run}) == {sb.sandbox_id, plain.sandbox_id}
+    assert found({"a key&x=1": "v/w & z=e+%20u"}) == {plain.sandbox_id}
+    assert found({"a key": "v/w"}) == set()
+    assert found({"ключ": "日本+語"}) == set()
 
 
 def test_pause_then_connect_resumes(served, sandboxes):

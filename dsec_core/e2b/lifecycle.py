@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -240,8 +240,14 @@ class ListQuery:
 
     @classmethod
     def parse(cls, q: Mapping[str, str], v1: bool = False) -> ListQuery:
-        # the SDK quotes each key and value, then url-encodes the whole as one parameter
-        metadata = dict(parse_qsl(q.get("metadata", ""), keep_blank_values=True))
+        # the SDK percent-quotes each key and value (``quote``), then url-encodes the pairs as
+        # one parameter (``urlencode``): the query's decoding undid the transport's layer,
+        # ``parse_qsl`` undoes ``urlencode``, and ``unquote`` the SDK's own quoting, so keys
+        # and values with spaces, ``&``, ``=``, ``/`` or any UTF-8 match exactly
+        metadata = {
+            unquote(k): unquote(v)
+            for k, v in parse_qsl(q.get("metadata", ""), keep_blank_values=True)
+        }
         states = frozenset(s for s in q.get("state", "").split(",") if s)
         if not states:
             states = frozenset({"running"}) if v1 else frozenset({"running", "paused"})
