@@ -291,6 +291,29 @@ def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
     assert e.value.status_code == 400 and "network" in str(e.value)
 
 
+def test_allow_internet_access_reaches_a_server_outside_the_node(served, sandboxes, tmp_path):
+    """``allow_internet_access=True`` is ``network="internet"``: out through the node's NAT to
+    a server on a TEST-NET address in a namespace the test links to the host's; without it (or
+    with False) the sandbox stays loopback-only, as before."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    testing = pytest.importorskip("dsec_security_ebpf.testing")
+    with testing.HostServerNamespace(served.node.home, tmp_path, "203.0.113.0/24") as ns:
+        ns.serve(tcp=[8080])
+        sb = Sandbox.create(allow_internet_access=True)
+        sandboxes.append(sb)
+        assert sb.commands.run(f"echo hello | nc -w 2 {ns.address} 8080").exit_code == 0
+        # cloud metadata stays out of reach
+        r = sb.commands.run("nc -w 2 169.254.169.254 80 </dev/null 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout
+        for allow in (False, None):
+            off = Sandbox.create(allow_internet_access=allow)
+            sandboxes.append(off)
+            with pytest.raises(CommandExitException):
+                off.commands.run(f"echo no | nc -w 2 {ns.address} 8080")
+        assert [r.data for r in ns.received()] == ["hello\n"]
+
+
 def test_over_quota_is_the_sdks_rate_limit_error_without_retries(served):
     t0 = time.monotonic()
     with pytest.raises(RateLimitException) as e:

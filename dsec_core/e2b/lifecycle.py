@@ -188,13 +188,18 @@ def _check_create(body: Mapping[str, Any]) -> str:
             "autoPause is not supported: a dsec sandbox is killed at its timeout",
             field="autoPause",
         )
-    if body.get("allow_internet_access") is True:
+    if body.get("allow_internet_access") not in (None, True, False):
         raise InvalidSpec(
-            "allow_internet_access is not supported: a sandbox has its environment's network "
-            "(dsec's default: loopback only)",
-            field="allow_internet_access",
+            "allow_internet_access must be true or false", field="allow_internet_access"
         )
     return template
+
+
+def _network(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``allow_internet_access: true`` is dsec's ``network="internet"`` (out through the node's
+    NAT, private ranges, cloud metadata and the node's own addresses refused); false or absent
+    leaves the sandbox its default, loopback only."""
+    return {"network": "internet"} if body.get("allow_internet_access") is True else {}
 
 
 async def _set_ttl(client: Any, sandbox_id: str, ttl: float | None) -> None:
@@ -334,6 +339,7 @@ def lifecycle_routes(connect: Connect, templates: Templates) -> list[Route]:
             ttl=_timeout(body, DEFAULT_TIMEOUT),
             env=_strings(body, "envVars"),
             labels=labels,
+            **_network(body),
         )
         return JSONResponse(created_sandbox(sb.info, key), status_code=201)
 
