@@ -4,6 +4,7 @@ files, paging and filters, pause and connect, errors; sync ``Sandbox`` and ``Asy
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -278,8 +279,6 @@ def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
     sandboxes.append(sb)
     with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*PTY"):
         sb.pty.create(PtySize(rows=24, cols=80))
-    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*watching"):
-        sb.files.watch_dir("/tmp")
     with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*stdin"):
         sb.commands.run("cat", stdin=True)
     with pytest.raises(InvalidArgumentException, match="gzip"):
@@ -356,6 +355,61 @@ def test_files_write_read_list_exists_remove(served, sandboxes):
     assert not sb.files.exists("/work/dir/hello.txt")
     with pytest.raises(FileNotFoundException):
         sb.files.read("/work/dir/hello.txt")
+
+
+def _collect(handle, until, timeout=10.0):
+    """The events of a sync ``WatchHandle`` as (type, name) pairs, polled until ``until`` is
+    among them."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while until not in seen:
+        assert time.monotonic() < deadline, f"no {until} in {seen}"
+        seen += [(e.type.value, e.name) for e in handle.get_new_events()]
+        time.sleep(0.05)
+    return seen
+
+
+def test_watch_dir_reports_envds_events(served, sandboxes):
+    sb = Sandbox.create()
+    sandboxes.append(sb)
+    sb.files.make_dir("/work/w/d")
+    h = sb.files.watch_dir("/work/w")
+    sb.commands.run(
+        "echo one > /work/w/a.txt && chmod 600 /work/w/a.txt && mv /work/w/a.txt /work/w/b.txt"
+        " && echo x > /work/w/d/inner && mkdir /work/w/e && rm /work/w/b.txt"
+    )
+    seen = _collect(h, ("remove", "b.txt"))
+    assert seen == [
+        ("create", "a.txt"),
+        ("write", "a.txt"),
+        ("chmod", "a.txt"),
+        ("rename", "a.txt"),
+        ("create", "b.txt"),
+        ("create", "e"),
+        ("remove", "b.txt"),
+    ]  # d/inner is not in it: not recursive
+    h.stop()
+    with pytest.raises(SandboxException):
+        h.get_new_events()  # stopped
+    # recursive: what happens under it, in directories made after the watch began too
+    h = sb.files.watch_dir("/work/w", recursive=True)
+    sb.files.write("/work/w/d/deep.txt", "deep")
+    sb.commands.run("mkdir -p /work/w/n/m")
+    sb.commands.run("echo f > /work/w/n/m/f && rm -r /work/w/d")
+    seen = _collect(h, ("remove", "d"))
+    assert ("create", "d/deep.txt") in seen and ("create", "n/m/f") in seen
+    assert ("remove", "d/inner") in seen and ("create", "n") in seen
+    listing = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
+    assert "/.dsec/agent watch -r /work/w" in sb.commands.run(listing).stdout
+    h.stop()  # the watching command goes with it
+    deadline = time.monotonic() + 5
+    while "/.dsec/agent watch" in sb.commands.run(listing).stdout:
+        assert time.monotonic() < deadline, "the watcher still runs"
+        time.sleep(0.05)
+    with pytest.raises(SandboxException, match="not found"):
+        sb.files.watch_dir("/work/nope")
+    with pytest.raises(SandboxException, match="not a directory"):
+        sb.files.watch_dir("/etc/passwd")
 
 
 def test_kill_get_info_and_connect_after_kill(served):
@@ -501,3 +555,33 @@ async def test_async_sandbox_core_flows(served):
     with pytest.raises(SandboxException) as e:
         await AsyncSandbox.create(template="no-such-template")
     assert e.value.status_code == 404
+
+
+async def test_async_watch_dir_streams_events_until_stopped_or_killed(served):
+    sb = await AsyncSandbox.create()
+    try:
+        await sb.files.make_dir("/work/w")
+        got: list[tuple[str, str]] = []
+        exits: list[object] = []
+        h = await sb.files.watch_dir(
+            "/work/w",
+            on_event=lambda e: got.append((e.type.value, e.name)),
+            on_exit=exits.append,
+            recursive=True,
+        )
+        await sb.commands.run("mkdir /work/w/s && echo hi > /work/w/s/x && rm /work/w/s/x")
+        deadline = time.monotonic() + 10
+        while ("remove", "s/x") not in got:
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.05)
+        assert got == [("create", "s"), ("create", "s/x"), ("write", "s/x"), ("remove", "s/x")]
+        await h.stop()
+        assert exits == [None]
+        # a watch whose sandbox is killed ends
+        h = await sb.files.watch_dir("/work/w", on_event=lambda e: None, on_exit=exits.append)
+    finally:
+        assert await sb.kill() is True
+    deadline = time.monotonic() + 10
+    while len(exits) < 2:
+        assert time.monotonic() < deadline, "the watch did not end with its sandbox"
+        await asyncio.sleep(0.05)
