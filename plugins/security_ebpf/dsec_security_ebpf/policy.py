@@ -39,7 +39,7 @@ from .bpf import (
 )
 from .network import EgressNetwork
 from .resolve import Resolver
-from .rules import Rule, parse_settings, trie_entries
+from .rules import Rule, internet_rules, parse_settings, trie_entries
 
 __all__ = ["EgressPolicy", "hosts_file"]
 
@@ -68,13 +68,24 @@ class _Tracked:
     def domains(self) -> set[str]:
         return {r.domain for r in self.rules if r.domain}
 
+    def entries(self) -> dict[str, set[bytes]]:
+        """The keys of the sandbox's tries: its rules, and in ``network="internet"`` every
+        address outside the private ranges."""
+        rules = self.rules
+        if self.rt.spec.network == "internet":
+            rules = (*rules, *internet_rules())
+        return trie_entries(rules, self.resolved)
+
 
 class EgressPolicy(SecurityPolicy):
     """Default-deny egress allowlist: CIDR, port and protocol, or domain, port and protocol."""
 
     name = "egress"
     targets = frozenset({"oci", "started"})
-    network_modes = frozenset({"allowlist"})
+    network_modes = frozenset({"allowlist", "internet"})
+    #: ``network="internet"`` needs no allow rules: a sandbox that does not list the policy
+    #: gets it with none (``SecurityPolicy.implied_by``).
+    implied_by = frozenset({"internet"})
     live = True
     # One TEST-NET-1 destination: the programs, maps, veth and egress namespace all come up,
     # and nothing leaves the node (documentation addresses, routed nowhere).
@@ -211,8 +222,10 @@ class EgressPolicy(SecurityPolicy):
                     )
                 self.programs.attach(rt.id, s.cgroup2)
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(tracked.rules, tracked.resolved))
-            if rt.spec.network == "allowlist":
+                maps.sync(tracked.entries())
+            if rt.spec.network == "internet":
+                self.network.ensure_uplink()
+            if rt.spec.network in self.network_modes:
                 tracked.address = self.network.attach(rt.id, s.netns)
             self._write_hosts(tracked)
         except BaseException:
@@ -243,7 +256,7 @@ class EgressPolicy(SecurityPolicy):
             new = _Tracked(rt, rules, address=tracked.address)
             new.resolved = self.resolver.resolve(new.domains)
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(new.rules, new.resolved))
+                maps.sync(new.entries())
             self._write_hosts(new)
             self._track(new)
 
@@ -253,7 +266,7 @@ class EgressPolicy(SecurityPolicy):
         tracked.address = self.network.address_of(rt.id)
         try:
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(tracked.rules, tracked.resolved))
+                maps.sync(tracked.entries())
         except DsecError as e:
             log.warning("sandbox %s: its egress maps are gone: %s", rt.id, e)
             return
@@ -354,7 +367,7 @@ class EgressPolicy(SecurityPolicy):
                     continue  # released or updated meanwhile
                 try:
                     with SandboxMaps.open(t.rt.id) as maps:
-                        maps.sync(trie_entries(t.rules, resolved))
+                        maps.sync(_Tracked(t.rt, t.rules, resolved).entries())
                 except DsecError as e:
                     log.warning("sandbox %s: egress maps: %s", t.rt.id, e)
                     continue
