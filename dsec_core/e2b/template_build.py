@@ -140,6 +140,19 @@ class BuildRequest:
         return self.force or any(s.force for s in self.steps)
 
 
+#: Docker's PATH for an image whose config sets none: what ``ENV PATH=/x:$PATH`` extends.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_ENV_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand_env(value: str, env: Mapping[str, str]) -> str:
+    """``$NAME`` and ``${NAME}`` in an ENV value, against the ENV so far, as Docker expands
+    them at build time: the SDK expands only names its Dockerfile declared and sends the rest
+    as written (``ENV PATH=/opt/x/bin:$PATH``, in many of Harbor's tasks)."""
+    known = {"PATH": DEFAULT_PATH, **env}
+    return _ENV_REF.sub(lambda m: known.get(m.group(1) or m.group(2), ""), value)
+
+
 @dataclass
 class State:
     """What the steps so far left set: the base a sandbox is made from, ENV, WORKDIR, USER."""
@@ -529,7 +542,8 @@ class TemplateBuild:
             await self._sh(sid, step.args[0], n, blog, state, what=f"RUN {step.args[0]}")
         elif step.type == "ENV":
             args = list(step.args)
-            state.env.update(zip(args[0::2], args[1::2], strict=False))
+            for key, value in zip(args[0::2], args[1::2], strict=False):
+                state.env[key] = expand_env(value, state.env)
         elif step.type == "WORKDIR":
             path = posixpath.normpath(posixpath.join(state.workdir, step.args[0]))
             await self._sh(sid, f"mkdir -p {shlex.quote(path)}", n, blog, state, cwd="/")

@@ -89,7 +89,8 @@ def test_oracle_scores_1_and_nop_0_through_harbors_e2b_environment(
     iam = Iam.open(iam_url)
     try:
         iam.create_project("harbor")
-        key = iam.create_key("harbor", "member")[1]
+        # Harbor builds its templates and creates its sandboxes with one key: a builder's
+        key = iam.create_key("harbor", "builder")[1]
         with named_nodes({"h1": {}}) as nodes:
             install_python_env(nodes[0].node)
             with pytest.MonkeyPatch.context() as mp:
