@@ -158,6 +158,9 @@ class DsecEnvironment(BaseEnvironment):
             if self._options.backend:
                 spec["backend"] = self._options.backend
             (self._sandbox,) = await client.restore(ref, 1, **spec)
+            self.logger.info(
+                f"dsec: sandbox {self._sandbox.id} restored from {ref} (network {spec['network']})"
+            )
             if recipe.user is not None:
                 self.default_user = recipe.user
             await self.ensure_dirs(self._mount_targets(writable_only=True))
