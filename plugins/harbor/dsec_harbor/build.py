@@ -16,11 +16,11 @@ import glob
 import os
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from dsec_core.errors import DsecError, InvalidSpec, LayerBuildError, UnknownLayer
+from dsec_core.errors import DsecError, InvalidSpec, LayerBuildError, UnknownImage
 from dsec_core.sdk import AsyncClient, AsyncSandbox
 
 from .dockerfile import Copy, Recipe, Run
@@ -34,10 +34,13 @@ Log = Callable[[str], None]
 
 @dataclass(frozen=True)
 class Base:
-    """Where a build starts: a dsec environment (``python``) or layers (top first)."""
+    """Where a build starts: a dsec environment (``python``) or layers (top first), and the
+    image's own ENV (a docker image's config: PATH, LANG, ...), which holds in the build's
+    steps and in the sandboxes after it, as under Docker."""
 
     environment: str | None = None
     layers: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def spec(self) -> dict[str, Any]:
         if self.environment is not None:
@@ -59,20 +62,36 @@ def parse_images(text: str | None, field: str = "DSEC_HARBOR_IMAGES") -> dict[st
     return table
 
 
-def resolve_base(image: str, images: Mapping[str, Base]) -> Base:
-    """The dsec base of FROM ``image``: the operator's table by the image as written, then
-    without its tag or digest; ``UnknownImage``-like ``InvalidSpec`` naming it otherwise."""
-    if image in images:
-        return images[image]
-    bare = image.split("@", 1)[0].rsplit(":", 1)[0] if ":" in image or "@" in image else image
-    if bare in images:
-        return images[bare]
-    raise InvalidSpec(
-        f"FROM {image}: no dsec environment or layer is mapped to this image; map it with "
-        f"DSEC_HARBOR_IMAGES='{image}=<environment>' (or --ek images='{image}=<environment>')",
-        field="FROM",
-        name=image,
-    )
+def lookup_base(image: str, images: Mapping[str, Base]) -> Base | None:
+    """FROM ``image`` in the operator's table: as written, then without its tag or digest,
+    then with ``:latest`` for a bare name."""
+    bare = image.split("@", 1)[0]
+    if ":" in bare.rsplit("/", 1)[-1]:
+        bare = bare.rsplit(":", 1)[0]
+    for name in (image, bare, f"{image}:latest"):
+        if name in images:
+            return images[name]
+    return None
+
+
+async def resolve_base(client: AsyncClient, image: str, images: Mapping[str, Base]) -> Base:
+    """The dsec base of FROM ``image``: the operator's table (``lookup_base``), else the node's
+    ``resolve_image`` (its local docker images, then its layer sources that hold images; never
+    a public registry), whose layer keeps the image's ENV. ``UnknownImage`` naming the image
+    and where it was looked for otherwise."""
+    found = lookup_base(image, images)
+    if found is not None:
+        return found
+    try:
+        resolved = await client.resolve_image(image)
+    except UnknownImage as e:
+        raise UnknownImage(
+            f"FROM {image}: not in DSEC_HARBOR_IMAGES (map it: '{image}=<environment>'), "
+            f"and the node has no such image: {e.message}",
+            name=image,
+        ) from e
+    env = dict(item.partition("=")[::2] for item in resolved.env)
+    return Base(layers=(resolved.layer,), env=env)
 
 
 def layer_name(environment_hash: str) -> str:
@@ -180,7 +199,7 @@ async def build_layer(
                     argv = _as_user(step.command, user)
                 else:
                     argv = _as_user(shlex.join(step.command), user)
-                await _run(sb, argv, env=env, cwd=workdir, timeout=timeout)
+                await _run(sb, argv, env={**base.env, **env}, cwd=workdir, timeout=timeout)
             else:
                 log(f"COPY {' '.join(step.sources)} {step.dest}")
                 await _copy(sb, step, context, timeout)
@@ -196,10 +215,10 @@ async def build_layer(
 __all__ = [
     "RECIPE_VERSION",
     "Base",
-    "UnknownLayer",
     "build_layer",
     "find_layer",
     "layer_name",
+    "lookup_base",
     "parse_images",
     "resolve_base",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -111,9 +112,11 @@ def _pairs(args: str, variables: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def parse(path: Path | str) -> Recipe:
-    """Read the Dockerfile at ``path``. ``InvalidSpec`` (naming the line) for what dsec does
-    not replay: several stages, ``COPY --from``, ``ADD`` of a URL, an empty file."""
+def parse(path: Path | str, image_env: Mapping[str, str] | None = None) -> Recipe:
+    """Read the Dockerfile at ``path``; ``image_env`` is its FROM image's ENV, which ``$NAME``
+    in its instructions expand against (default: Docker's PATH alone). ``InvalidSpec``
+    (naming the line) for what dsec does not replay: several stages, ``COPY --from``, ``ADD``
+    of a URL, an empty file."""
     file = Path(path)
     text = file.read_text()
     base: str | None = None
@@ -129,7 +132,7 @@ def parse(path: Path | str) -> Recipe:
     for n, line in _logical_lines(text):
         word, _, rest = line.partition(" ")
         instruction, rest = word.upper(), rest.strip()
-        variables = {"PATH": DEFAULT_PATH, **args, **env}
+        variables = {"PATH": DEFAULT_PATH, **(image_env or {}), **args, **env}
         if instruction == "FROM":
             if base is not None:
                 raise bad(n, "multi-stage Dockerfiles are not supported (one FROM)")

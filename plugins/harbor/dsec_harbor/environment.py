@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -27,7 +28,15 @@ from pydantic import Field
 from dsec_core.errors import DsecError, LayerExists
 from dsec_core.sdk import AsyncClient, AsyncSandbox
 
-from .build import RECIPE_VERSION, build_layer, find_layer, layer_name, parse_images, resolve_base
+from .build import (
+    RECIPE_VERSION,
+    Base,
+    build_layer,
+    find_layer,
+    layer_name,
+    parse_images,
+    resolve_base,
+)
 from .dockerfile import Recipe, parse
 
 #: One build per environment hash at a time in this process: concurrent trials of one task
@@ -90,9 +99,9 @@ class DsecEnvironment(BaseEnvironment):
         if (self.environment_dir / "docker-compose.yaml").exists():
             raise ValueError("dsec runs one container per task: docker-compose is not supported")
 
-    def _read_recipe(self) -> Recipe:
+    def _read_recipe(self, image_env: Mapping[str, str] | None = None) -> Recipe:
         if self._dockerfile.is_file():
-            return parse(self._dockerfile)
+            return parse(self._dockerfile, image_env)
         return Recipe(base=str(self.task_env_config.docker_image))
 
     def _connect(self) -> AsyncClient:
@@ -103,10 +112,10 @@ class DsecEnvironment(BaseEnvironment):
         token = opts.token or os.environ.get("DSEC_TOKEN") or os.environ.get("DSEC_API_KEY")
         return AsyncClient(address, token=token or None, autostart=False)
 
-    async def _layer(self, client: AsyncClient, recipe: Recipe, force_build: bool) -> str:
+    async def _layer(
+        self, client: AsyncClient, recipe: Recipe, base: Base, force_build: bool
+    ) -> str:
         """The snapshot layer of this environment: found on the node, or built now."""
-        images = parse_images(self._options.images or os.environ.get("DSEC_HARBOR_IMAGES"))
-        base = resolve_base(recipe.base, images)
         name = layer_name(self.environment_id)
         ref = f"{name}@{RECIPE_VERSION}"
         lock = _BUILDS.setdefault(ref, asyncio.Lock())
@@ -138,12 +147,16 @@ class DsecEnvironment(BaseEnvironment):
         return "none"
 
     async def start(self, force_build: bool) -> None:
-        self._recipe = recipe = self._read_recipe()
         self._client = client = self._connect()
         try:
-            ref = await self._layer(client, recipe, force_build)
+            images = parse_images(self._options.images or os.environ.get("DSEC_HARBOR_IMAGES"))
+            image = self._read_recipe().base
+            # the image's own ENV (PATH, ...) is what the Dockerfile's $PATH extends
+            base = await resolve_base(client, image, images)
+            self._recipe = recipe = self._read_recipe(base.env)
+            ref = await self._layer(client, recipe, base, force_build)
             spec: dict[str, Any] = {
-                "env": {**recipe.env, **self._startup_env()},
+                "env": {**base.env, **recipe.env, **self._startup_env()},
                 "workdir": self.task_env_config.workdir or recipe.workdir,
                 "network": self._network(),
                 "ttl": self._options.ttl_sec,

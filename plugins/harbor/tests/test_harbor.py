@@ -12,11 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dsec_harbor.build import RECIPE_VERSION, parse_images, resolve_base
+from dsec_harbor.build import RECIPE_VERSION, Base, lookup_base, parse_images, resolve_base
 from dsec_harbor.dockerfile import Copy, Run, parse
 from harbor_kit import DOCKERFILE, IMAGES, harbor_env, install_python_env, run_job
 
+from dsec_core.errors import UnknownImage
 from dsec_core.iam import Iam
+from dsec_core.sdk import AsyncClient
 from dsec_core.testing.apiserver import named_nodes, running_apiserver
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
@@ -38,7 +40,11 @@ def test_the_dockerfile_is_read_into_the_steps_dsec_replays(tmp_path: Path):
     assert workdir == "/app" and "PATH" not in env  # ENV PATH comes later
     last = recipe.steps[-1][0]
     assert isinstance(last, Run) and "wc -w" in str(last.command)
-    assert resolve_base(recipe.base, parse_images(IMAGES)).environment == "python"
+    images = parse_images(IMAGES + ",ubuntu=python@12,debian:12@sha256:ab=dev")
+    assert lookup_base(recipe.base, images) == Base(environment="python")
+    assert lookup_base("ubuntu:24.04", images) == Base(layers=("python@12",))  # tag dropped
+    assert lookup_base("debian:12@sha256:ab", images) == Base(environment="dev")
+    assert lookup_base("alpine", images) is None  # then the node's resolve_image
 
 
 @needs_root
@@ -77,6 +83,18 @@ def test_oracle_scores_1_and_nop_0_through_the_native_provider(
     with python_node.client() as c:
         again = [i for i in c.layers() if i.name.startswith("harbor-")]
         assert [(i.ref, i.digest) for i in again] == [(i.ref, i.digest) for i in built]
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_an_image_neither_mapped_nor_on_the_node_is_an_error_naming_it(python_node):
+    async with AsyncClient(f"unix://{python_node.config.socket_path}", autostart=False) as c:
+        with pytest.raises(UnknownImage) as e:
+            await resolve_base(c, "nosuch/image:1.0", parse_images(IMAGES))
+        assert "FROM nosuch/image:1.0" in str(e.value) and "DSEC_HARBOR_IMAGES" in str(e.value)
+        assert e.value.context["name"] == "nosuch/image:1.0"
+        mapped = await resolve_base(c, "python:3.11-slim-bookworm", parse_images(IMAGES))
+        assert mapped == Base(environment="python")
 
 
 HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
