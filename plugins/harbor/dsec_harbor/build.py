@@ -180,13 +180,14 @@ async def build_layer(
     version: str = RECIPE_VERSION,
     base: Base,
     timeout: float,
+    network: str = "none",
     log: Log = lambda _m: None,
 ) -> str:
-    """Replay ``recipe`` in a new sandbox of ``base`` (no network: a build step needs no
-    more than the files it was given) and pack what it wrote as snapshot layer
-    ``name@version``; returns that ref. The sandbox is killed on every path.
+    """Replay ``recipe`` in a new sandbox of ``base`` (in dsec network mode ``network``:
+    ``none`` by default, ``internet`` for RUN steps that download) and pack what it wrote as
+    snapshot layer ``name@version``; returns that ref. The sandbox is killed on every path.
     ``LayerBuildError`` with the failing step's output if one fails."""
-    sb = await client.create(**base.spec(), network="none", ttl=timeout + 60, memory="2G")
+    sb = await client.create(**base.spec(), network=network, ttl=timeout + 60, memory="2G")
     try:
         made: set[str] = set()
         for step, env, workdir, user in recipe.steps:

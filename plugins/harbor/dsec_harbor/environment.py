@@ -61,6 +61,11 @@ class DsecOptions(EnvironmentOptions):
         default="internet",
         description="dsec network mode for tasks with network_mode=public.",
     )
+    build_network: str = Field(
+        default="none",
+        description="dsec network mode of the Dockerfile's build (none; internet for RUN steps "
+        "that download).",
+    )
     ttl_sec: float = Field(default=7200.0, description="The sandbox's time to live.")
 
 
@@ -136,6 +141,7 @@ class DsecEnvironment(BaseEnvironment):
                     version=version,
                     base=base,
                     timeout=timeout,
+                    network=self._options.build_network,
                     log=lambda m: self.logger.info(f"dsec build {name}: {m}"),
                 )
             except LayerExists:  # another Harbor process built the same environment meanwhile
