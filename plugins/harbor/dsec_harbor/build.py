@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import os
 import shlex
 from collections.abc import Callable, Mapping
@@ -94,9 +96,13 @@ async def resolve_base(client: AsyncClient, image: str, images: Mapping[str, Bas
     return Base(layers=(resolved.layer,), env=env)
 
 
-def layer_name(environment_hash: str) -> str:
-    """The snapshot layer of an environment with this content hash."""
-    return f"harbor-{environment_hash[:32]}"
+def layer_name(environment_hash: str, base: Base) -> str:
+    """The snapshot layer of an environment with this content hash (Harbor's
+    ``environment_id``: the task's ``environment/`` files) built over ``base``: an operator
+    who maps the FROM image elsewhere gets a new build, not the old base's."""
+    doc = {"environment": environment_hash, "base": base.spec(), "env": dict(base.env)}
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return f"harbor-{digest[:32]}"
 
 
 async def find_layer(client: AsyncClient, ref: str) -> bool:

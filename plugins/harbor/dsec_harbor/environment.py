@@ -121,7 +121,7 @@ class DsecEnvironment(BaseEnvironment):
         self, client: AsyncClient, recipe: Recipe, base: Base, force_build: bool
     ) -> str:
         """The snapshot layer of this environment: found on the node, or built now."""
-        name = layer_name(self.environment_id)
+        name = layer_name(self.environment_id, base)
         ref = f"{name}@{RECIPE_VERSION}"
         lock = _BUILDS.setdefault(ref, asyncio.Lock())
         async with lock:
@@ -185,13 +185,17 @@ class DsecEnvironment(BaseEnvironment):
             await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._upload_environment_dir_after_start()
         except BaseException:
-            await self.stop(delete=True)
+            await self.stop(delete=True)  # a sandbox that never started is no use to look at
             raise
 
     async def stop(self, delete: bool) -> None:
+        """Kill the sandbox; ``--no-delete`` leaves it running until its TTL (``ttl_sec``),
+        for a look inside (`dsec sandbox exec <id> ...`)."""
         sb, client = self._sandbox, self._client
         self._sandbox = self._client = None
-        if sb is not None:
+        if sb is not None and not delete:
+            self.logger.info(f"dsec: sandbox {sb.id} left running (--no-delete)")
+        elif sb is not None:
             with contextlib.suppress(DsecError):
                 await sb.kill()
         if client is not None:
