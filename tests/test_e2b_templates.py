@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from e2b.api.client.api.templates import delete_templates_template_id, get_templ
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
+from dsec_core.e2b.template_build import BuildFailed, copy_plan
 from dsec_core.errors import ToolError
 from dsec_core.iam import ROOT, Iam
 from dsec_core.layers.image import export_image
@@ -316,3 +318,40 @@ def test_tags_name_builds_as_harbor_uses_them(plane):
     assert "does not exist" in str(e.value)
     with pytest.raises(SandboxException):  # a name never built: 404, as Harbor expects
         Template.get_tags("tpl-never", api_key=plane.builder)
+
+
+# --- COPY's placement rules, without a sandbox -----------------------------------------------
+
+
+def _members(*names: str) -> list[tarfile.TarInfo]:
+    out = []
+    for name in names:
+        info = tarfile.TarInfo(name.rstrip("/"))
+        info.type = tarfile.DIRTYPE if name.endswith("/") else tarfile.REGTYPE
+        out.append(info)
+    return out
+
+
+def _placed(members, src, dest, workdir="/w", dest_is_dir=False):
+    plan, targets = copy_plan(members, src, dest, workdir, dest_is_dir)
+    return sorted(t for _, t in plan), targets
+
+
+def test_copy_places_files_as_docker_does():
+    tree = _members("app/", "app/a.txt", "app/sub/", "app/sub/b.txt", "top.txt", "x.py", "y.py")
+    # a directory's contents go into dest
+    assert _placed(tree, "app", "/srv") == (
+        ["/srv/a.txt", "/srv/sub", "/srv/sub/b.txt"],
+        ["/srv/a.txt", "/srv/sub"],
+    )
+    # a file goes to dest, or into it when dest ends with / or is a directory
+    assert _placed(tree, "top.txt", "/etc/conf") == (["/etc/conf"], ["/etc/conf"])
+    assert _placed(tree, "top.txt", "/etc/") == (["/etc/top.txt"], ["/etc/top.txt"])
+    assert _placed(tree, "top.txt", "/etc", dest_is_dir=True)[0] == ["/etc/top.txt"]
+    # a relative dest is under the workdir; several matches go into dest
+    assert _placed(tree, "*.py", "lib")[0] == ["/w/lib/x.py", "/w/lib/y.py"]
+    # "." is everything; nothing matched is the step's error; no member leaves the context
+    assert "/o/app/sub/b.txt" in _placed(tree, ".", "/o")[0]
+    with pytest.raises(BuildFailed, match="no uploaded file"):
+        copy_plan(tree, "missing", "/x", "/", False)
+    assert _placed(_members("../evil", "ok"), ".", "/d")[0] == ["/d/ok"]

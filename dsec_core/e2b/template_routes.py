@@ -332,6 +332,8 @@ def template_routes(
         if build.status != "waiting":
             raise InvalidSpec(f"build {bid} was started already ({build.status})")
         req = BuildRequest.parse(await _json(request))
+        build = replace(build, status="building")  # a second start is refused from here on
+        await store.save_build(build)
 
         async def run() -> None:
             async with caller_client(connect, key) as build_client:
