@@ -212,6 +212,20 @@ def test_a_failing_run_fails_the_build_with_its_output(plane):
     assert "about-to-fail" in str(e.value) and "exit code 3" in str(e.value)
 
 
+def test_a_long_log_keeps_its_tail_within_the_records_bounds(plane):
+    """A step printing more lines than a build record keeps: the oldest are dropped (the
+    record stays small enough for etcd), offsets stay the whole log's, the tail arrives."""
+    template = Template().from_image(IMAGE).run_cmd("seq 1 3000")
+    seen: list[str] = []
+    Template.build(
+        template,
+        "tpl-long-log",
+        api_key=plane.builder,
+        on_build_logs=lambda e: seen.append(e.message),
+    )
+    assert "3000" in seen and "build ready" in seen
+
+
 def test_an_unknown_image_is_a_build_error_naming_it(plane):
     template = Template().from_image("no-such-registry.example/nothing:0").run_cmd("true")
     with pytest.raises(BuildException) as e:

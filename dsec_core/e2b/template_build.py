@@ -52,7 +52,7 @@ STEP_TIMEOUT = 1800.0
 #: A step's output kept in a failed build's reason (its tail).
 REASON_OUTPUT = 4000
 #: The longest log line: longer output without a newline is logged in pieces of this.
-MAX_LINE = 16 << 10
+MAX_LINE = 4 << 10
 #: Seconds between a running build's heartbeats in its record.
 HEARTBEAT = 15.0
 #: The build sandbox's limits when the template asks for none.
@@ -290,7 +290,9 @@ class BuildLog:
             result=result if result is not None else self.build.result,
         )
         self._saved = time.monotonic()
-        await self.store.save_build(self.build)
+        # the store drops the oldest entries past its bounds: keep in step with what it kept
+        self.build = await self.store.save_build(self.build)
+        self.entries = [dict(e) for e in self.build.logs]
 
     async def maybe_save(self) -> None:
         if time.monotonic() - self._saved > 1.0:
@@ -492,7 +494,7 @@ class TemplateBuild:
         r: ExecResult | None = None
 
         def line(raw: bytes) -> None:
-            text = raw.decode("utf-8", "replace")
+            text = raw[:MAX_LINE].decode("utf-8", "replace")
             blog.add(text, "info", step)
             kept.append(text)
 

@@ -371,7 +371,7 @@ def template_routes(
             limit = min(100, max(1, int(request.query_params.get("limit", 100))))
         except ValueError:
             raise InvalidSpec("logsOffset and limit are integers", field="logsOffset") from None
-        entries = list(build.logs[offset : offset + limit])
+        entries = build.entries(offset, limit)
         answer: dict[str, Any] = {
             "templateID": tid,
             "buildID": bid,
