@@ -106,7 +106,9 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
                 mp.setenv("E2B_API_URL", api.url)
                 mp.setenv("E2B_SANDBOX_URL", api.url)
                 mp.delenv("E2B_API_KEY", raising=False)
-                yield Plane(api.url, iam, node, files, image)
+                plane = Plane(api.url, iam, node, files, image)
+                plane.nodes, plane.iam_url = nodes, iam_url
+                yield plane
         finally:
             api.stop()
             api.log.unlink(missing_ok=True)
@@ -239,6 +241,26 @@ def test_a_member_key_may_not_build(plane):
         Template.build(template, "tpl-member", api_key=plane.member)
     assert "403" in str(e.value) or "member key cannot" in str(e.value)
     assert not Template.alias_exists("tpl-member", api_key=plane.builder)
+
+
+def test_another_apiserver_on_the_same_iam_store_sees_the_templates(plane):
+    template = Template().from_image(IMAGE).run_cmd("echo shared > /shared.txt")
+    Template.build(template, "tpl-shared", api_key=plane.builder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSEC_E2B_FILES", str(plane.files))
+        other = start_apiserver(plane.nodes, plane.iam_url)
+    try:
+        assert Template.alias_exists("tpl-shared", api_key=plane.member, api_url=other.url)
+        sb = Sandbox.create(
+            "tpl-shared", api_key=plane.member, api_url=other.url, sandbox_url=other.url
+        )
+        try:
+            assert sb.files.read("/shared.txt") == "shared\n"
+        finally:
+            sb.kill()
+    finally:
+        other.stop()
+        other.log.unlink(missing_ok=True)
 
 
 def test_list_and_delete(plane):
