@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,8 @@ from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
 from dsec_core.e2b.template_build import BuildFailed, copy_plan
-from dsec_core.errors import ToolError
+from dsec_core.e2b.templates import BuildNetwork, ImageTable
+from dsec_core.errors import InvalidSpec, ToolError
 from dsec_core.iam import ROOT, Iam
 from dsec_core.layers.image import export_image
 from dsec_core.layers.store import LayerStore
@@ -283,17 +285,6 @@ def test_list_and_delete(plane):
         Sandbox.create("tpl-listed", api_key=plane.member)
 
 
-def test_nothing_is_left_behind(plane):
-    client = plane.node.client()
-    try:
-        live = [i.id for i in client.list() if BUILD_LABEL in i.labels and i.state != "dead"]
-    finally:
-        client.close()
-    assert live == []
-    leftovers = [p for p in plane.files.rglob(".upload-*")]
-    assert leftovers == []
-
-
 def test_the_async_sdk_builds_from_a_template_with_start_and_ready_commands(plane):
     async def main() -> None:
         base = AsyncTemplate().from_image(IMAGE).run_cmd("echo base > /base.txt")
@@ -391,3 +382,31 @@ def test_copy_places_files_as_docker_does():
     with pytest.raises(BuildFailed, match="no uploaded file"):
         copy_plan(tree, "missing", "/x", "/", False)
     assert _placed(_members("../evil", "ok"), ".", "/d")[0] == ["/d/ok"]
+
+
+def test_operator_settings_are_read_strictly():
+    table = ImageTable.parse("python:3.11-slim=python, ubuntu:22.04=ubuntu@22.04")
+    assert table.get("python:3.11-slim") == "python"
+    assert table.get("ubuntu:22.04") == "ubuntu@22.04" and table.get("alpine") is None
+    assert ImageTable.parse("busybox:latest=kit").get("busybox") == "kit"
+    with pytest.raises(InvalidSpec, match="DSEC_E2B_IMAGES"):
+        ImageTable.parse("python:3.11")
+    assert BuildNetwork.parse(None).mode == "none" and BuildNetwork.parse("internet").mode == (
+        "internet"
+    )
+    allow = BuildNetwork.parse("10.0.0.5:3128/tcp,pypi.internal:443/tcp")
+    assert allow.mode == "allowlist"
+    assert allow.policies == {"egress": {"allow": ["10.0.0.5:3128/tcp", "pypi.internal:443/tcp"]}}
+    with pytest.raises(InvalidSpec, match="DSEC_E2B_BUILD_NETWORK"):
+        BuildNetwork.parse("everything")
+
+
+def test_nothing_is_left_behind(plane):
+    client = plane.node.client()
+    try:
+        live = [i.id for i in client.list() if BUILD_LABEL in i.labels and i.state != "dead"]
+    finally:
+        client.close()
+    assert live == []
+    leftovers = [*plane.files.rglob(".upload-*"), *Path(tempfile.gettempdir()).glob("dsec-e2b-*")]
+    assert leftovers == []
