@@ -325,13 +325,16 @@ def test_tags_name_builds_as_harbor_uses_them(plane):
     """Harbor's e2b environment builds ``name:tag``, reads the tag's build id with
     ``get_tags`` and creates sandboxes of ``name:<build id>``."""
     template = Template().from_image(IMAGE).run_cmd("echo tagged > /tagged.txt")
-    info = Template.build(template, "tpl-tagged:v1", api_key=plane.builder)
+    info = Template.build(
+        template, "tpl-tagged:v1", cpu_count=1, memory_mb=300, api_key=plane.builder
+    )
     tags = Template.get_tags("tpl-tagged", api_key=plane.member)
     assert [(t.tag, t.build_id) for t in tags] == [("v1", info.build_id)]
     for ref in ("tpl-tagged:v1", f"tpl-tagged:{info.build_id}", "tpl-tagged"):
         sb = Sandbox.create(ref, api_key=plane.member)
         try:
             assert sb.files.read("/tagged.txt") == "tagged\n"
+            assert sb.get_info().memory_mb == 300  # the build's memory_mb
         finally:
             sb.kill()
     Template.assign_tags("tpl-tagged:v1", "stable", api_key=plane.builder)

@@ -430,8 +430,10 @@ class TemplateBuild:
 
     # --- the steps -------------------------------------------------------------------------
     async def _execute(self, state: State, key: str, blog: BuildLog) -> dict[str, Any]:
+        memory_mb = max(2048, self.template.memory_mb or 0)  # at least what it will run with
         spec: dict[str, Any] = {
             **BUILD_SANDBOX,
+            "memory": f"{memory_mb}M",
             "environment": state.environment,
             "layers": state.layers,
             "labels": {BUILD_LABEL: f"e2b-{self.template.template_id}"},
@@ -591,6 +593,8 @@ class TemplateBuild:
             "user": str(result.get("user") or "root"),
             "start_cmd": self.request.start_cmd,
             "ready_cmd": self.request.ready_cmd,
+            "cpu_count": self.template.cpu_count,
+            "memory_mb": self.template.memory_mb,
         }
         current = await self.store.template(self.template.template_id)
         if current is not None and current.build_id == self.build.build_id:

@@ -87,9 +87,15 @@ class Target:
     workdir: str = "/"
     start_cmd: str | None = None
     ready_cmd: str | None = None
+    cpu_count: int | None = None
+    memory_mb: int | None = None
 
     def spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {"environment": self.environment}
+        if self.cpu_count:
+            spec["cpu"] = float(self.cpu_count)
+        if self.memory_mb:
+            spec["memory"] = f"{self.memory_mb}M"
         if self.layers:
             spec["layers"] = self.layers
         if self.workdir != "/":
@@ -157,6 +163,8 @@ class BuiltTemplates:
             str(made.get("workdir") or "/"),
             made.get("start_cmd"),
             made.get("ready_cmd"),
+            made.get("cpu_count"),
+            made.get("memory_mb"),
         )
 
 
@@ -169,8 +177,8 @@ def _listed(rec: TemplateRecord) -> dict[str, Any]:
     return {
         "templateID": rec.template_id,
         "buildID": rec.build_id,
-        "cpuCount": rec.cpu_count,
-        "memoryMB": rec.memory_mb,
+        "cpuCount": rec.cpu_count or 1,
+        "memoryMB": rec.memory_mb or 512,
         "diskSizeMB": 10240,
         "public": False,
         "aliases": list(rec.names),

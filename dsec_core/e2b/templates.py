@@ -189,8 +189,9 @@ class TemplateRecord:
     user: str = "root"
     start_cmd: str | None = None
     ready_cmd: str | None = None
-    cpu_count: int = 2
-    memory_mb: int = 512
+    #: The sandboxes' CPUs and memory as the build asked (None: dsec's defaults).
+    cpu_count: int | None = None
+    memory_mb: int | None = None
     created: float = 0.0
     updated: float = 0.0
     build_count: int = 0
@@ -224,6 +225,8 @@ class TemplateRecord:
             "user": self.user,
             "start_cmd": self.start_cmd,
             "ready_cmd": self.ready_cmd,
+            "cpu_count": self.cpu_count,
+            "memory_mb": self.memory_mb,
         }
 
 
@@ -367,8 +370,8 @@ class TemplateStore:
                 status="waiting",
                 updated=now,
                 build_count=rec.build_count + 1,
-                cpu_count=cpu or rec.cpu_count,
-                memory_mb=memory_mb or rec.memory_mb,
+                cpu_count=cpu,
+                memory_mb=memory_mb,
             )
             build = BuildRecord(rec.template_id, bid, "waiting", updated=now)
             await self._run(self.store.update, _tkey(rec.template_id), rec.to_dict())
