@@ -29,7 +29,11 @@ from e2b import (
     Template,
     wait_for_file,
 )
-from e2b.api.client.api.templates import delete_templates_template_id, get_templates
+from e2b.api.client.api.templates import (
+    delete_templates_template_id,
+    get_templates,
+    get_v2_templates,
+)
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
@@ -271,6 +275,9 @@ def test_list_and_delete(plane):
     api = get_api_client(ConnectionConfig(api_key=plane.builder))
     listed = get_templates.sync(client=api)
     assert isinstance(listed, list)
+    assert [t.template_id for t in get_v2_templates.sync(client=api)] == [
+        t.template_id for t in listed
+    ]
     mine = [t for t in listed if t.template_id == info.template_id]
     assert mine and mine[0].aliases == ["tpl-listed"] and mine[0].build_status.value == "ready"
     # another project's key sees none of them, and cannot use or find one
@@ -278,6 +285,11 @@ def test_list_and_delete(plane):
     other = plane.iam.create_key("tpl-other", "builder")[1]
     assert get_templates.sync(client=get_api_client(ConnectionConfig(api_key=other))) == []
     assert not Template.alias_exists("tpl-listed", api_key=other)
+    sb = Sandbox.create(info.template_id, api_key=plane.member)  # by id, too
+    try:
+        assert sb.files.read("/listed.txt") == "listed\n"
+    finally:
+        sb.kill()
     r = delete_templates_template_id.sync_detailed(info.template_id, client=api)
     assert r.status_code == 204
     assert not Template.alias_exists("tpl-listed", api_key=plane.builder)

@@ -417,6 +417,7 @@ def template_routes(
         Route("/templates/tags", handler(untag), methods=["DELETE"]),
         Route("/templates/{tid}/tags", handler(tags), methods=["GET"]),
         Route("/templates", handler(listing), methods=["GET"]),
+        Route("/v2/templates", handler(listing), methods=["GET"]),
         Route("/templates/aliases/{alias}", handler(alias), methods=["GET"]),
         Route("/templates/{tid}/files/{hash}", handler(file_link), methods=["GET"]),
         Route(_UPLOAD_PATH + "/{tid}/{hash}", handler(upload), methods=["PUT"]),
