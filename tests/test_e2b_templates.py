@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +29,17 @@ from e2b import (
     Template,
     wait_for_file,
 )
-from e2b.api.client.api.templates import delete_templates_template_id, get_templates
+from e2b.api.client.api.templates import (
+    delete_templates_template_id,
+    get_templates,
+    get_v2_templates,
+)
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
-from dsec_core.errors import ToolError
+from dsec_core.e2b.template_build import BuildFailed, copy_plan
+from dsec_core.e2b.templates import BuildNetwork, ImageTable
+from dsec_core.errors import InvalidSpec, ToolError
 from dsec_core.iam import ROOT, Iam
 from dsec_core.layers.image import export_image
 from dsec_core.layers.store import LayerStore
@@ -104,7 +112,9 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
                 mp.setenv("E2B_API_URL", api.url)
                 mp.setenv("E2B_SANDBOX_URL", api.url)
                 mp.delenv("E2B_API_KEY", raising=False)
-                yield Plane(api.url, iam, node, files, image)
+                plane = Plane(api.url, iam, node, files, image)
+                plane.nodes, plane.iam_url = nodes, iam_url
+                yield plane
         finally:
             api.stop()
             api.log.unlink(missing_ok=True)
@@ -210,6 +220,20 @@ def test_a_failing_run_fails_the_build_with_its_output(plane):
     assert "about-to-fail" in str(e.value) and "exit code 3" in str(e.value)
 
 
+def test_a_long_log_keeps_its_tail_within_the_records_bounds(plane):
+    """A step printing more lines than a build record keeps: the oldest are dropped (the
+    record stays small enough for etcd), offsets stay the whole log's, the tail arrives."""
+    template = Template().from_image(IMAGE).run_cmd("seq 1 3000")
+    seen: list[str] = []
+    Template.build(
+        template,
+        "tpl-long-log",
+        api_key=plane.builder,
+        on_build_logs=lambda e: seen.append(e.message),
+    )
+    assert "3000" in seen and "build ready" in seen
+
+
 def test_an_unknown_image_is_a_build_error_naming_it(plane):
     template = Template().from_image("no-such-registry.example/nothing:0").run_cmd("true")
     with pytest.raises(BuildException) as e:
@@ -225,12 +249,35 @@ def test_a_member_key_may_not_build(plane):
     assert not Template.alias_exists("tpl-member", api_key=plane.builder)
 
 
+def test_another_apiserver_on_the_same_iam_store_sees_the_templates(plane):
+    template = Template().from_image(IMAGE).run_cmd("echo shared > /shared.txt")
+    Template.build(template, "tpl-shared", api_key=plane.builder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSEC_E2B_FILES", str(plane.files))
+        other = start_apiserver(plane.nodes, plane.iam_url)
+    try:
+        assert Template.alias_exists("tpl-shared", api_key=plane.member, api_url=other.url)
+        sb = Sandbox.create(
+            "tpl-shared", api_key=plane.member, api_url=other.url, sandbox_url=other.url
+        )
+        try:
+            assert sb.files.read("/shared.txt") == "shared\n"
+        finally:
+            sb.kill()
+    finally:
+        other.stop()
+        other.log.unlink(missing_ok=True)
+
+
 def test_list_and_delete(plane):
     template = Template().from_image(IMAGE).run_cmd("echo listed > /listed.txt")
     info = Template.build(template, "tpl-listed", api_key=plane.builder)
     api = get_api_client(ConnectionConfig(api_key=plane.builder))
     listed = get_templates.sync(client=api)
     assert isinstance(listed, list)
+    assert [t.template_id for t in get_v2_templates.sync(client=api)] == [
+        t.template_id for t in listed
+    ]
     mine = [t for t in listed if t.template_id == info.template_id]
     assert mine and mine[0].aliases == ["tpl-listed"] and mine[0].build_status.value == "ready"
     # another project's key sees none of them, and cannot use or find one
@@ -238,22 +285,16 @@ def test_list_and_delete(plane):
     other = plane.iam.create_key("tpl-other", "builder")[1]
     assert get_templates.sync(client=get_api_client(ConnectionConfig(api_key=other))) == []
     assert not Template.alias_exists("tpl-listed", api_key=other)
+    sb = Sandbox.create(info.template_id, api_key=plane.member)  # by id, too
+    try:
+        assert sb.files.read("/listed.txt") == "listed\n"
+    finally:
+        sb.kill()
     r = delete_templates_template_id.sync_detailed(info.template_id, client=api)
     assert r.status_code == 204
     assert not Template.alias_exists("tpl-listed", api_key=plane.builder)
     with pytest.raises(Exception):  # noqa: B017 - the SDK's error for an unknown template
         Sandbox.create("tpl-listed", api_key=plane.member)
-
-
-def test_nothing_is_left_behind(plane):
-    client = plane.node.client()
-    try:
-        live = [i.id for i in client.list() if BUILD_LABEL in i.labels and i.state != "dead"]
-    finally:
-        client.close()
-    assert live == []
-    leftovers = [p for p in plane.files.rglob(".upload-*")]
-    assert leftovers == []
 
 
 def test_the_async_sdk_builds_from_a_template_with_start_and_ready_commands(plane):
@@ -296,13 +337,16 @@ def test_tags_name_builds_as_harbor_uses_them(plane):
     """Harbor's e2b environment builds ``name:tag``, reads the tag's build id with
     ``get_tags`` and creates sandboxes of ``name:<build id>``."""
     template = Template().from_image(IMAGE).run_cmd("echo tagged > /tagged.txt")
-    info = Template.build(template, "tpl-tagged:v1", api_key=plane.builder)
+    info = Template.build(
+        template, "tpl-tagged:v1", cpu_count=1, memory_mb=300, api_key=plane.builder
+    )
     tags = Template.get_tags("tpl-tagged", api_key=plane.member)
     assert [(t.tag, t.build_id) for t in tags] == [("v1", info.build_id)]
     for ref in ("tpl-tagged:v1", f"tpl-tagged:{info.build_id}", "tpl-tagged"):
         sb = Sandbox.create(ref, api_key=plane.member)
         try:
             assert sb.files.read("/tagged.txt") == "tagged\n"
+            assert sb.get_info().memory_mb == 300  # the build's memory_mb
         finally:
             sb.kill()
     Template.assign_tags("tpl-tagged:v1", "stable", api_key=plane.builder)
@@ -316,3 +360,68 @@ def test_tags_name_builds_as_harbor_uses_them(plane):
     assert "does not exist" in str(e.value)
     with pytest.raises(SandboxException):  # a name never built: 404, as Harbor expects
         Template.get_tags("tpl-never", api_key=plane.builder)
+
+
+# --- COPY's placement rules, without a sandbox -----------------------------------------------
+
+
+def _members(*names: str) -> list[tarfile.TarInfo]:
+    out = []
+    for name in names:
+        info = tarfile.TarInfo(name.rstrip("/"))
+        info.type = tarfile.DIRTYPE if name.endswith("/") else tarfile.REGTYPE
+        out.append(info)
+    return out
+
+
+def _placed(members, src, dest, workdir="/w", dest_is_dir=False):
+    plan, targets = copy_plan(members, src, dest, workdir, dest_is_dir)
+    return sorted(t for _, t in plan), targets
+
+
+def test_copy_places_files_as_docker_does():
+    tree = _members("app/", "app/a.txt", "app/sub/", "app/sub/b.txt", "top.txt", "x.py", "y.py")
+    # a directory's contents go into dest
+    assert _placed(tree, "app", "/srv") == (
+        ["/srv/a.txt", "/srv/sub", "/srv/sub/b.txt"],
+        ["/srv/a.txt", "/srv/sub"],
+    )
+    # a file goes to dest, or into it when dest ends with / or is a directory
+    assert _placed(tree, "top.txt", "/etc/conf") == (["/etc/conf"], ["/etc/conf"])
+    assert _placed(tree, "top.txt", "/etc/") == (["/etc/top.txt"], ["/etc/top.txt"])
+    assert _placed(tree, "top.txt", "/etc", dest_is_dir=True)[0] == ["/etc/top.txt"]
+    # a relative dest is under the workdir; several matches go into dest
+    assert _placed(tree, "*.py", "lib")[0] == ["/w/lib/x.py", "/w/lib/y.py"]
+    # "." is everything; nothing matched is the step's error; no member leaves the context
+    assert "/o/app/sub/b.txt" in _placed(tree, ".", "/o")[0]
+    with pytest.raises(BuildFailed, match="no uploaded file"):
+        copy_plan(tree, "missing", "/x", "/", False)
+    assert _placed(_members("../evil", "ok"), ".", "/d")[0] == ["/d/ok"]
+
+
+def test_operator_settings_are_read_strictly():
+    table = ImageTable.parse("python:3.11-slim=python, ubuntu:22.04=ubuntu@22.04")
+    assert table.get("python:3.11-slim") == "python"
+    assert table.get("ubuntu:22.04") == "ubuntu@22.04" and table.get("alpine") is None
+    assert ImageTable.parse("busybox:latest=kit").get("busybox") == "kit"
+    with pytest.raises(InvalidSpec, match="DSEC_E2B_IMAGES"):
+        ImageTable.parse("python:3.11")
+    assert BuildNetwork.parse(None).mode == "none" and BuildNetwork.parse("internet").mode == (
+        "internet"
+    )
+    allow = BuildNetwork.parse("10.0.0.5:3128/tcp,pypi.internal:443/tcp")
+    assert allow.mode == "allowlist"
+    assert allow.policies == {"egress": {"allow": ["10.0.0.5:3128/tcp", "pypi.internal:443/tcp"]}}
+    with pytest.raises(InvalidSpec, match="DSEC_E2B_BUILD_NETWORK"):
+        BuildNetwork.parse("everything")
+
+
+def test_nothing_is_left_behind(plane):
+    client = plane.node.client()
+    try:
+        live = [i.id for i in client.list() if BUILD_LABEL in i.labels and i.state != "dead"]
+    finally:
+        client.close()
+    assert live == []
+    leftovers = [*plane.files.rglob(".upload-*"), *Path(tempfile.gettempdir()).glob("dsec-e2b-*")]
+    assert leftovers == []

@@ -52,7 +52,7 @@ STEP_TIMEOUT = 1800.0
 #: A step's output kept in a failed build's reason (its tail).
 REASON_OUTPUT = 4000
 #: The longest log line: longer output without a newline is logged in pieces of this.
-MAX_LINE = 16 << 10
+MAX_LINE = 4 << 10
 #: Seconds between a running build's heartbeats in its record.
 HEARTBEAT = 15.0
 #: The build sandbox's limits when the template asks for none.
@@ -303,7 +303,9 @@ class BuildLog:
             result=result if result is not None else self.build.result,
         )
         self._saved = time.monotonic()
-        await self.store.save_build(self.build)
+        # the store drops the oldest entries past its bounds: keep in step with what it kept
+        self.build = await self.store.save_build(self.build)
+        self.entries = [dict(e) for e in self.build.logs]
 
     async def maybe_save(self) -> None:
         if time.monotonic() - self._saved > 1.0:
@@ -441,8 +443,10 @@ class TemplateBuild:
 
     # --- the steps -------------------------------------------------------------------------
     async def _execute(self, state: State, key: str, blog: BuildLog) -> dict[str, Any]:
+        memory_mb = max(2048, self.template.memory_mb or 0)  # at least what it will run with
         spec: dict[str, Any] = {
             **BUILD_SANDBOX,
+            "memory": f"{memory_mb}M",
             "environment": state.environment,
             "layers": state.layers,
             "labels": {BUILD_LABEL: f"e2b-{self.template.template_id}"},
@@ -505,7 +509,7 @@ class TemplateBuild:
         r: ExecResult | None = None
 
         def line(raw: bytes) -> None:
-            text = raw.decode("utf-8", "replace")
+            text = raw[:MAX_LINE].decode("utf-8", "replace")
             blog.add(text, "info", step)
             kept.append(text)
 
@@ -603,6 +607,8 @@ class TemplateBuild:
             "user": str(result.get("user") or "root"),
             "start_cmd": self.request.start_cmd,
             "ready_cmd": self.request.ready_cmd,
+            "cpu_count": self.template.cpu_count,
+            "memory_mb": self.template.memory_mb,
         }
         current = await self.store.template(self.template.template_id)
         if current is not None and current.build_id == self.build.build_id:

@@ -87,9 +87,15 @@ class Target:
     workdir: str = "/"
     start_cmd: str | None = None
     ready_cmd: str | None = None
+    cpu_count: int | None = None
+    memory_mb: int | None = None
 
     def spec(self) -> dict[str, Any]:
         spec: dict[str, Any] = {"environment": self.environment}
+        if self.cpu_count:
+            spec["cpu"] = float(self.cpu_count)
+        if self.memory_mb:
+            spec["memory"] = f"{self.memory_mb}M"
         if self.layers:
             spec["layers"] = self.layers
         if self.workdir != "/":
@@ -157,6 +163,8 @@ class BuiltTemplates:
             str(made.get("workdir") or "/"),
             made.get("start_cmd"),
             made.get("ready_cmd"),
+            made.get("cpu_count"),
+            made.get("memory_mb"),
         )
 
 
@@ -169,8 +177,8 @@ def _listed(rec: TemplateRecord) -> dict[str, Any]:
     return {
         "templateID": rec.template_id,
         "buildID": rec.build_id,
-        "cpuCount": rec.cpu_count,
-        "memoryMB": rec.memory_mb,
+        "cpuCount": rec.cpu_count or 1,
+        "memoryMB": rec.memory_mb or 512,
         "diskSizeMB": 10240,
         "public": False,
         "aliases": list(rec.names),
@@ -332,6 +340,8 @@ def template_routes(
         if build.status != "waiting":
             raise InvalidSpec(f"build {bid} was started already ({build.status})")
         req = BuildRequest.parse(await _json(request))
+        build = replace(build, status="building")  # a second start is refused from here on
+        await store.save_build(build)
 
         async def run() -> None:
             async with caller_client(connect, key) as build_client:
@@ -369,7 +379,7 @@ def template_routes(
             limit = min(100, max(1, int(request.query_params.get("limit", 100))))
         except ValueError:
             raise InvalidSpec("logsOffset and limit are integers", field="logsOffset") from None
-        entries = list(build.logs[offset : offset + limit])
+        entries = build.entries(offset, limit)
         answer: dict[str, Any] = {
             "templateID": tid,
             "buildID": bid,
@@ -407,6 +417,7 @@ def template_routes(
         Route("/templates/tags", handler(untag), methods=["DELETE"]),
         Route("/templates/{tid}/tags", handler(tags), methods=["GET"]),
         Route("/templates", handler(listing), methods=["GET"]),
+        Route("/v2/templates", handler(listing), methods=["GET"]),
         Route("/templates/aliases/{alias}", handler(alias), methods=["GET"]),
         Route("/templates/{tid}/files/{hash}", handler(file_link), methods=["GET"]),
         Route(_UPLOAD_PATH + "/{tid}/{hash}", handler(upload), methods=["PUT"]),

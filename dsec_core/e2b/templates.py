@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -49,8 +50,11 @@ __all__ = [
 #: Roles whose keys may build and delete templates (the apiserver's ``BUILD_ROLES``; the E2B
 #: API sits below the apiserver's package, so the names are repeated here).
 BUILD_ROLES = ("admin", "builder")
-#: Most log entries a build keeps (the oldest go first); a step's output is cut to its tail.
+#: Most log entries a build record keeps, and their most bytes (JSON): the oldest go first,
+#: counted in ``BuildRecord.dropped`` so log offsets stay those of the whole log. The bytes
+#: bound keeps a record within what etcd takes in one value (1.5 MiB by default).
 MAX_LOG_ENTRIES = 2000
+MAX_LOG_BYTES = 512 << 10
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -185,8 +189,9 @@ class TemplateRecord:
     user: str = "root"
     start_cmd: str | None = None
     ready_cmd: str | None = None
-    cpu_count: int = 2
-    memory_mb: int = 512
+    #: The sandboxes' CPUs and memory as the build asked (None: dsec's defaults).
+    cpu_count: int | None = None
+    memory_mb: int | None = None
     created: float = 0.0
     updated: float = 0.0
     build_count: int = 0
@@ -220,6 +225,8 @@ class TemplateRecord:
             "user": self.user,
             "start_cmd": self.start_cmd,
             "ready_cmd": self.ready_cmd,
+            "cpu_count": self.cpu_count,
+            "memory_mb": self.memory_mb,
         }
 
 
@@ -236,6 +243,8 @@ class BuildRecord:
     updated: float = 0.0
     #: Once ready: what a sandbox of this build is made of (``TemplateRecord.result``).
     result: Mapping[str, Any] | None = None
+    #: How many of the oldest entries were dropped (``MAX_LOG_ENTRIES``, ``MAX_LOG_BYTES``).
+    dropped: int = 0
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BuildRecord:
@@ -247,6 +256,7 @@ class BuildRecord:
             reason=d.get("reason"),
             updated=float(d.get("updated", 0.0)),
             result=d.get("result"),
+            dropped=int(d.get("dropped", 0)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -258,7 +268,13 @@ class BuildRecord:
             "reason": dict(self.reason) if self.reason is not None else None,
             "updated": self.updated,
             "result": dict(self.result) if self.result is not None else None,
+            "dropped": self.dropped,
         }
+
+    def entries(self, offset: int, limit: int) -> list[Mapping[str, Any]]:
+        """Log entries from ``offset`` of the whole log (dropped ones are skipped)."""
+        start = max(0, offset - self.dropped)
+        return list(self.logs[start : start + limit])
 
 
 def _tkey(tid: str) -> str:
@@ -354,8 +370,8 @@ class TemplateStore:
                 status="waiting",
                 updated=now,
                 build_count=rec.build_count + 1,
-                cpu_count=cpu or rec.cpu_count,
-                memory_mb=memory_mb or rec.memory_mb,
+                cpu_count=cpu,
+                memory_mb=memory_mb,
             )
             build = BuildRecord(rec.template_id, bid, "waiting", updated=now)
             await self._run(self.store.update, _tkey(rec.template_id), rec.to_dict())
@@ -391,12 +407,19 @@ class TemplateStore:
         d = await self._run(self.store.get, _bkey(tid, bid))
         return BuildRecord.from_dict(d) if d is not None else None
 
-    async def save_build(self, build: BuildRecord) -> None:
-        logs = build.logs[-MAX_LOG_ENTRIES:]
-        build = replace(build, logs=logs, updated=time.time())
+    async def save_build(self, build: BuildRecord) -> BuildRecord:
+        """Save ``build``, its oldest log entries dropped past the bounds; returns what was
+        saved."""
+        logs, dropped = list(build.logs), build.dropped
+        size = sum(len(json.dumps(e)) for e in logs)
+        while logs and (len(logs) > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES):
+            size -= len(json.dumps(logs.pop(0)))
+            dropped += 1
+        build = replace(build, logs=tuple(logs), dropped=dropped, updated=time.time())
         await self._run(
             self.store.update, _bkey(build.template_id, build.build_id), build.to_dict()
         )
+        return build
 
     # --- the build cache ------------------------------------------------------------------
     async def cached(self, project: str, key: str) -> dict[str, Any] | None:
