@@ -6,6 +6,7 @@ project's sandbox is not found, on the control plane and on envd's paths alike."
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,8 +15,8 @@ pytest.importorskip("e2b")
 
 from e2b import (
     AuthenticationException,
-    SandboxException,
     Sandbox,
+    SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
@@ -117,5 +118,23 @@ def test_internet_access_is_a_loosening_that_a_member_key_may_not_ask_for(plane)
     sb = Sandbox.create(api_key=plane.key("org/net", "builder"), allow_internet_access=True)
     try:
         assert sb.commands.run("cat /sys/class/net/eth0/operstate").stdout.strip() == "up"
+    finally:
+        sb.kill()
+
+
+def test_watch_dir_through_the_apiserver(plane):
+    """The watch runs as a streamed exec through the apiserver, held between polls."""
+    key = plane.key("org/watch")
+    sb = Sandbox.create(api_key=key)
+    try:
+        h = sb.files.watch_dir("/tmp")
+        sb.files.write("/tmp/seen.txt", "x")
+        seen: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 10
+        while ("create", "seen.txt") not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += [(e.type.value, e.name) for e in h.get_new_events()]
+            time.sleep(0.05)
+        h.stop()
     finally:
         sb.kill()
