@@ -24,13 +24,21 @@ a store, as the apiserver gives its IAM store), else they are dsec environments:
 ``timeout`` is the sandbox's ttl, ``metadata`` its labels ``e2b.meta.<key>``, ``envs`` its
 environment.
 
+``allow_internet_access=True`` is dsec's ``network="internet"``: out through the node's NAT,
+with private ranges, cloud metadata and the node's own addresses refused (false or absent:
+loopback only, dsec's default). Metadata filters match keys and values exactly, whatever they
+hold (the SDK's double quoting is undone). ``files.rename`` makes the destination's missing
+directories, as envd does. ``files.watch_dir`` (recursive too; sync polling and the async
+stream) runs the sandbox's agent binary as an inotify watcher (``watch.py``); its events are
+envd's, without ``include_entry`` (the SDK refuses it for envd 0.6.1).
+
 Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
 ``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
-"Code.UNIMPLEMENTED: ..."; ``files.watch_dir``: the same; file metadata: the SDK's own
+"Code.UNIMPLEMENTED: ..."; file metadata: the SDK's own
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
-``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
-``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
-forks, metrics, volumes and secrets: no route, so the SDK's error for a 404
+``network``, ``mcp``, ``volume_mounts`` and ``lifecycle`` (auto pause/resume) on create:
+``SandboxException`` with status 400; snapshots, forks, metrics, volumes and secrets: no
+route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
 ``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
 lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped

@@ -3,10 +3,14 @@ cgroup and changed live by map updates, with egress through the node's egress na
 
 Settings: ``{"allow": ["10.77.0.2/32:8080/tcp", "[fd00::/64]:*/udp", "pypi.example:443/tcp"]}``
 (``rules``). With ``SandboxSpec.network="allowlist"`` the sandbox also gets a veth into the
-egress namespace (``network``); with ``"none"`` it stays loopback-only and the programs only
-count what it tries. Domains are resolved on the node when the policy is set and every
-``DSEC_EGRESS_REFRESH`` seconds after (``resolve``); the sandbox's ``/etc/hosts`` (a read-only
-file the node rewrites) names what they resolved to, so programs in it find them without DNS.
+egress namespace (``network``); with ``"internet"`` (no policy to list: the mode brings this
+one along, ``implied_by``) the egress namespace gets an uplink through the host's NAT and the
+sandbox may reach every IPv4 address outside the private and special ranges
+(``rules.INTERNET_DENIED``), plus what its rules allow; with ``"none"`` it stays loopback-only
+and the programs only count what it tries. Domains are resolved on the node when the policy is
+set and every ``DSEC_EGRESS_REFRESH`` seconds after (``resolve``); the sandbox's ``/etc/hosts``
+(a read-only file the node rewrites) names what they resolved to, so programs in it find them
+without DNS.
 """
 
 from __future__ import annotations

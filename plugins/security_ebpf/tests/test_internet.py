@@ -117,6 +117,22 @@ def test_none_and_allowlist_do_not_reach_the_internet(dsec_sandboxes, public, ne
     assert public.received() == []
 
 
+def test_internet_survives_a_daemon_restart(dsec_sandboxes, egress, public, private, netprobe):
+    sb = online(dsec_sandboxes, netprobe)
+    egress.node.restart()  # the old daemon keeps the uplink: a sandbox still uses it
+    with egress.node.client() as c:
+        sb = c.get(sb.id)
+        assert probe(sb, "tcp", public.address, "8080", "after") == "ok"
+        assert probe(sb, "tcp", private.address, "8080", "x") == "connect: EPERM"
+        # a live change keeps the mode's networks (the new daemon knows the sandbox's mode)
+        c.set_policy(sb.id, "egress", {"allow": [f"{private.address}/32:8080/tcp"]})
+        assert probe(sb, "tcp", private.address, "8080", "opened") == "ok"
+        assert probe(sb, "tcp", public.address, "8080", "still") == "ok"
+        assert online(dsec_sandboxes, netprobe).id  # a new one beside it, same uplink
+        c.kill(sb.id)
+    assert [r.data for r in public.received()] == ["after", "still"]
+
+
 def test_a_nodes_stop_leaves_no_uplink_behind(tmp_path, netprobe):
     with egress_kit_node(tmp_path) as egress:
         home = egress.node.home
