@@ -35,6 +35,7 @@ from .build import (
     find_layer,
     layer_name,
     parse_images,
+    put_files,
     resolve_base,
 )
 from .dockerfile import Recipe, parse
@@ -249,17 +250,13 @@ class DsecEnvironment(BaseEnvironment):
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         sb = self._require()
         root = Path(source_dir)
-        files: list[tuple[Path, str]] = []
-        dirs = {target_dir}
+        pairs: list[tuple[Path, str]] = [(root, target_dir)]
         for dirpath, dirnames, filenames in os.walk(root):
-            rel = Path(dirpath).relative_to(root).as_posix()
-            here = str(PurePosixPath(target_dir) / rel)
-            dirs.add(here)
+            here = PurePosixPath(target_dir) / Path(dirpath).relative_to(root).as_posix()
             dirnames.sort()
-            files += [(Path(dirpath) / f, f"{here}/{f}") for f in sorted(filenames)]
-        await sb.exec(["mkdir", "-p", *sorted(dirs)], timeout=60)
-        for local, remote in files:
-            await sb.upload(local, remote)
+            pairs.append((Path(dirpath), str(here)))
+            pairs += [(Path(dirpath) / f, str(here / f)) for f in sorted(filenames)]
+        await put_files(sb, pairs, timeout=600)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         sb = self._require()

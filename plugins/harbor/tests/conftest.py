@@ -32,6 +32,11 @@ def harbor_task(tmp_path_factory) -> Path:
     (task / "environment" / "words.txt").write_text("one two three\n")
     (task / "environment" / "data").mkdir()
     (task / "environment" / "data" / "note.txt").write_text("from data/\n")
+    for i in range(20):  # enough files that the COPY goes as one tar
+        (task / "environment" / "data" / f"part-{i:02d}.txt").write_text(f"{i}\n")
+    (task / "environment" / "data" / "bin").mkdir()
+    (task / "environment" / "data" / "bin" / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (task / "environment" / "data" / "bin" / "run.sh").chmod(0o755)
     (task / "solution" / "solve.sh").write_text(SOLVE)
     (task / "tests" / "test.sh").write_text(TEST)
     toml = (task / "task.toml").read_text()

@@ -51,8 +51,13 @@ set -e
 """
 TEST = """\
 #!/bin/bash
+# COPY of a directory keeps every file (22 of them: one tar), their modes, root as owner
+copied() {
+    [ "$(cat /app/data/part-19.txt)" = 19 ] && [ -x /app/data/bin/run.sh ] \\
+        && [ "$(stat -c %u /app/data/part-19.txt)" = 0 ]
+}
 expected="$(printf 'hello from dsec\\n3\\nfrom data/\\n')"
-if [ "$(cat /app/answer.txt 2>/dev/null)" = "$expected" ] && [ "$APP_HOME" = /app ]; then
+if [ "$(cat /app/answer.txt 2>/dev/null)" = "$expected" ] && [ "$APP_HOME" = /app ] && copied; then
     echo 1 > /logs/verifier/reward.txt
 else
     echo 0 > /logs/verifier/reward.txt

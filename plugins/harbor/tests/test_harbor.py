@@ -65,6 +65,8 @@ def test_oracle_scores_1_and_nop_0_through_the_native_provider(
     assert job.of("nop") == [0.0, 0.0], job.output[-4000:]
     assert job.log.count(" packed harbor-") == 1, job.log[-4000:]  # one build, 3 waited for it
     assert job.log.count("(cache hit)") == 3, job.log[-4000:]
+    assert "COPY data/ /app/data/: 22 files as one tar" in job.log, job.log[-4000:]
+    assert "COPY words.txt /app/: 1 files" in job.log, job.log[-4000:]
     with python_node.client() as c:
         built = [i for i in c.layers() if i.name.startswith("harbor-")]
         assert [i.kind for i in built] == ["snapshot"], built  # built once, by content hash
