@@ -108,13 +108,18 @@ def layer_name(environment_hash: str, base: Base) -> str:
     return f"harbor-{digest[:32]}"
 
 
-async def find_layer(client: AsyncClient, ref: str) -> bool:
-    """Whether the node holds layer ``ref`` (any of its sources)."""
+async def find_layer(client: AsyncClient, name: str, version: str) -> str | None:
+    """The ref of layer ``name@version`` as the node (or apiserver) lists it, or None. Through
+    an apiserver a project's layers are listed under its scope tag (``<tag>-<name>``, what
+    ``pack_diff`` there made of ``name``), and only those the caller reaches."""
     try:
         layers = await client.layers()
     except DsecError:
-        return False
-    return any(info.ref == ref for info in layers)
+        return None
+    for info in layers:
+        if info.version == version and (info.name == name or info.name.endswith(f"-{name}")):
+            return info.ref
+    return None
 
 
 def _as_user(command: str, user: str | None) -> list[str]:

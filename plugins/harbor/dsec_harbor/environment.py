@@ -126,9 +126,10 @@ class DsecEnvironment(BaseEnvironment):
         ref = f"{name}@{RECIPE_VERSION}"
         lock = _BUILDS.setdefault(ref, asyncio.Lock())
         async with lock:
-            if not force_build and await find_layer(client, ref):
-                self.logger.info(f"dsec: {ref} is built already (cache hit)")
-                return ref
+            found = None if force_build else await find_layer(client, name, RECIPE_VERSION)
+            if found is not None:
+                self.logger.info(f"dsec: {found} is built already (cache hit)")
+                return found
             timeout = float(self.task_env_config.build_timeout_sec)
             # layer versions are immutable: a forced build is packed as a version of its own,
             # used by this trial, and leaves the cached one as it is
@@ -146,7 +147,10 @@ class DsecEnvironment(BaseEnvironment):
                     log=lambda m: self.logger.info(f"dsec build {name}: {m}"),
                 )
             except LayerExists:  # another Harbor process built the same environment meanwhile
-                return ref
+                found = await find_layer(client, name, RECIPE_VERSION)
+                if found is None:
+                    raise
+                return found
 
     def _network(self) -> str:
         if self.network_policy.network_mode == NetworkMode.PUBLIC:

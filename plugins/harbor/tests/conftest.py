@@ -4,15 +4,27 @@ and ENV."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harbor_kit import DOCKERFILE, SOLVE, TEST, harbor_bin, harbor_env, install_python_env
+from harbor_kit import (
+    DOCKERFILE,
+    IMAGES,
+    SOLVE,
+    TEST,
+    harbor_bin,
+    harbor_env,
+    install_python_env,
+)
 
+from dsec_core.iam import Iam
 from dsec_core.testing import KitNode, running_kit_node
+from dsec_core.testing.apiserver import named_nodes, running_apiserver
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +68,35 @@ def python_node() -> Iterator[KitNode]:
     with running_kit_node("dsec-harbor-") as node:
         install_python_env(node)
         yield node
+
+
+@dataclass
+class Plane:
+    """A ``dsec apiserver`` over one node with the ``python`` environment, and two keys of
+    project ``harbor``: a member's and a builder's."""
+
+    url: str
+    member_key: str
+    builder_key: str
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory) -> Iterator[Plane]:
+    if os.geteuid() != 0:
+        pytest.skip("a dsec node needs root")
+    harbor_bin()
+    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
+    iam = Iam.open(iam_url)
+    try:
+        iam.create_project("harbor")
+        member = iam.create_key("harbor", "member")[1]
+        builder = iam.create_key("harbor", "builder")[1]
+        with contextlib.ExitStack() as stack:
+            nodes = stack.enter_context(named_nodes({"h1": {}}))
+            install_python_env(nodes[0].node)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("DSEC_E2B_IMAGES", IMAGES)  # read as the apiserver starts
+                api = stack.enter_context(running_apiserver(nodes, iam_url))
+            yield Plane(api.url, member, builder)
+    finally:
+        iam.close()

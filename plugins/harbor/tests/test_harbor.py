@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 from dsec_harbor.build import RECIPE_VERSION, Base, lookup_base, parse_images, resolve_base
 from dsec_harbor.dockerfile import Copy, Run, parse
-from harbor_kit import DOCKERFILE, IMAGES, harbor_env, install_python_env, run_job
+from harbor_kit import DOCKERFILE, IMAGES, harbor_env, run_job
 
 from dsec_core.errors import UnknownImage
-from dsec_core.iam import Iam
 from dsec_core.sdk import AsyncClient
-from dsec_core.testing.apiserver import named_nodes, running_apiserver
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
 PROVIDER = "dsec_harbor:DsecEnvironment"
@@ -103,6 +102,20 @@ HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
 
 
 @needs_root
+def test_the_native_provider_works_through_an_apiserver_with_a_member_key(
+    plane, harbor_task: Path, tmp_path: Path
+):
+    env = harbor_env(
+        DSEC_ADDRESS=plane.url, DSEC_API_KEY=plane.member_key, DSEC_HARBOR_IMAGES=IMAGES
+    )
+    job = run_job(tmp_path, harbor_task, env, "-a", "oracle", "-k", "2", "-e", PROVIDER)
+    assert job.of("oracle") == [1.0, 1.0], job.output[-4000:]
+    # built once, under the project's scope tag, and found again under it
+    assert job.log.count(" packed ") == 1, job.log[-4000:]
+    assert re.search(r"dsec: [a-z0-9]+-harbor-[0-9a-f]{32}@1 is built already", job.log), job.log
+
+
+@needs_root
 @pytest.mark.xfail(
     not HAS_TEMPLATES,
     reason="Harbor's -e e2b builds each task's Dockerfile through E2B's template API "
@@ -112,28 +125,14 @@ HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
     strict=True,
 )
 def test_oracle_scores_1_and_nop_0_through_harbors_e2b_environment(
-    harbor_task: Path, tmp_path: Path, tmp_path_factory
+    plane, harbor_task: Path, tmp_path: Path
 ):
-    iam_url = f"sqlite://{tmp_path_factory.mktemp('iam') / 'iam.db'}"
-    iam = Iam.open(iam_url)
-    try:
-        iam.create_project("harbor")
-        # Harbor builds its templates and creates its sandboxes with one key: a builder's
-        key = iam.create_key("harbor", "builder")[1]
-        with named_nodes({"h1": {}}) as nodes:
-            install_python_env(nodes[0].node)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("DSEC_E2B_IMAGES", IMAGES)  # read as the apiserver starts
-                api_cm = running_apiserver(nodes, iam_url)
-                api = api_cm.__enter__()
-            try:
-                env = harbor_env(E2B_API_URL=api.url, E2B_SANDBOX_URL=api.url, E2B_API_KEY=key)
-                config = tmp_path / "job.yaml"
-                config.write_text("agents:\n  - name: oracle\n  - name: nop\n")
-                job = run_job(tmp_path, harbor_task, env, "-c", str(config), "-e", "e2b")
-                assert job.of("oracle") == [1.0], job.output[-4000:]
-                assert job.of("nop") == [0.0], job.output[-4000:]
-            finally:
-                api_cm.__exit__(None, None, None)
-    finally:
-        iam.close()
+    # Harbor builds its templates and creates its sandboxes with one key: a builder's
+    env = harbor_env(
+        E2B_API_URL=plane.url, E2B_SANDBOX_URL=plane.url, E2B_API_KEY=plane.builder_key
+    )
+    config = tmp_path / "job.yaml"
+    config.write_text("agents:\n  - name: oracle\n  - name: nop\n")
+    job = run_job(tmp_path, harbor_task, env, "-c", str(config), "-e", "e2b")
+    assert job.of("oracle") == [1.0], job.output[-4000:]
+    assert job.of("nop") == [0.0], job.output[-4000:]
