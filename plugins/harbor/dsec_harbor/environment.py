@@ -1,11 +1,12 @@
 """``DsecEnvironment``: Harbor's ``BaseEnvironment`` on dsec sandboxes.
 
 ``start`` builds the task's ``environment/Dockerfile`` into a snapshot layer named by the
-environment's content hash (``dsec_harbor.build``; a cache hit when the node holds it) and
+environment's content hash and its base (``dsec_harbor.build``; a cache hit when the node holds
+it) and
 restores a sandbox from it; that layer is the state after the environment's set-up, so every
 trial of a task, and every attempt (``-k``), starts from one build as a fork of it (a new
 writable layer over the same read-only ones). ``exec``, the file transfers and ``stop`` are the
-SDK's. The node is ```DSEC_ADDRESS`` with ``DSEC_TOKEN`` (a node's token) or ``DSEC_API_KEY`` (an
+SDK's. The node is ``DSEC_ADDRESS`` with ``DSEC_TOKEN`` (a node's token) or ``DSEC_API_KEY`` (an
 apiserver's key), as the CLI takes them, or ``--ek address=... --ek token=...``.
 """
 
@@ -78,7 +79,7 @@ class DsecEnvironment(BaseEnvironment):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._sandbox: AsyncSandbox | None = None
         self._client: AsyncClient | None = None
-        self._recipe: Recipe | None = None
+        self._bash: bool | None = None
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -164,7 +165,7 @@ class DsecEnvironment(BaseEnvironment):
             image = self._read_recipe().base
             # the image's own ENV (PATH, ...) is what the Dockerfile's $PATH extends
             base = await resolve_base(client, image, images)
-            self._recipe = recipe = self._read_recipe(base.env)
+            recipe = self._read_recipe(base.env)
             ref = await self._layer(client, recipe, base, force_build)
             spec: dict[str, Any] = {
                 "env": {**base.env, **recipe.env, **self._startup_env()},
@@ -239,7 +240,8 @@ class DsecEnvironment(BaseEnvironment):
         )
 
     async def _has_bash(self) -> bool:
-        if not hasattr(self, "_bash"):
+        """Whether the sandbox has bash, which Harbor's commands are written for (asked once)."""
+        if self._bash is None:
             sb = self._require()
             r = await sb.exec(["/bin/sh", "-c", "command -v bash"], timeout=30)
             self._bash = r.exit_code == 0
