@@ -13,11 +13,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dsec_harbor.build import RECIPE_VERSION, Base, lookup_base, parse_images, resolve_base
+from dsec_harbor.build import (
+    RECIPE_VERSION,
+    Base,
+    build_layer,
+    find_layer,
+    lookup_base,
+    parse_images,
+    resolve_base,
+)
 from dsec_harbor.dockerfile import Copy, Run, parse
 from harbor_kit import DOCKERFILE, IMAGES, harbor_env, run_job
 
-from dsec_core.errors import UnknownImage
+from dsec_core.errors import LayerBuildError, UnknownImage
 from dsec_core.sdk import AsyncClient
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a dsec node needs root")
@@ -96,6 +104,26 @@ async def test_an_image_neither_mapped_nor_on_the_node_is_an_error_naming_it(pyt
         assert e.value.context["name"] == "nosuch/image:1.0"
         mapped = await resolve_base(c, "python:3.11-slim-bookworm", parse_images(IMAGES))
         assert mapped == Base(environment="python")
+
+
+@needs_root
+@pytest.mark.asyncio
+async def test_a_failing_run_step_fails_the_build_with_its_output_and_leaves_nothing(
+    python_node, tmp_path: Path
+):
+    (tmp_path / "Dockerfile").write_text(
+        "FROM python:3.11-slim-bookworm\nRUN echo about to fail >&2 && exit 3\n"
+    )
+    recipe = parse(tmp_path / "Dockerfile")
+    async with AsyncClient(f"unix://{python_node.config.socket_path}", autostart=False) as c:
+        with pytest.raises(LayerBuildError) as e:
+            await build_layer(
+                c, recipe, tmp_path, name="harbor-fails", base=Base(environment="python"),
+                timeout=60,
+            )  # fmt: skip
+        assert "exit 3" in str(e.value) and "about to fail" in str(e.value)
+        assert await c.list() == []  # the build sandbox is gone
+        assert await find_layer(c, "harbor-fails", RECIPE_VERSION) is None
 
 
 HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
