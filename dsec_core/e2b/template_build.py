@@ -39,6 +39,7 @@ from .templates import (
     ImageTable,
     TemplateRecord,
     TemplateStore,
+    check_hash,
 )
 
 __all__ = ["BuildFailed", "BuildRequest", "TemplateBuild", "copy_plan", "log_entry"]
@@ -122,8 +123,17 @@ class BuildRequest:
             if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                 raise InvalidSpec(f"steps[{i}].args must be strings", field="steps")
             fh = s.get("filesHash")
-            if s["type"] == "COPY" and (not isinstance(fh, str) or len(args) < 2):
-                raise InvalidSpec(f"steps[{i}]: COPY needs src, dest and filesHash", field="steps")
+            if s["type"] == "COPY":
+                if not isinstance(fh, str) or len(args) < 2:
+                    raise InvalidSpec(
+                        f"steps[{i}]: COPY needs src, dest and filesHash", field="steps"
+                    )
+                check_hash(fh)
+            elif not args or not args[0] or (s["type"] == "ENV" and len(args) % 2):
+                raise InvalidSpec(
+                    f"steps[{i}]: {s['type']} needs its arguments (ENV: names and values)",
+                    field="steps",
+                )
             steps.append(Step(s["type"], tuple(args), fh, bool(s.get("force"))))
         return cls(
             from_image=text("fromImage"),
@@ -246,17 +256,20 @@ def _bytes(data: bytes) -> Any:
 
 
 def _user_script(name: str) -> str:
-    """Create account ``name`` (home ``/home/<name>``) if the image lacks it, as E2B's base
-    image has ``user``: with the image's own tools, else by hand."""
+    """Create account ``name`` (home ``/home/<name>``, bash where the image has it) if the
+    image lacks it, as E2B's base image has ``user``: with the image's own tools (``useradd``,
+    else busybox's ``adduser``), else by hand in ``/etc/passwd`` and ``/etc/group``."""
     u = shlex.quote(name)
-    home = shlex.quote(f"/home/{name}")
+    h = shlex.quote(f"/home/{name}")
     return (
-        f"if ! grep -q '^'{u}':' /etc/passwd 2>/dev/null; then "
-        f"if command -v useradd >/dev/null 2>&1; then useradd -m -d {home} -s /bin/sh {u}; "
-        f"elif command -v adduser >/dev/null 2>&1; then adduser -D -h {home} {u}; "
-        f"else echo {u}':x:1000:1000::'{home}':/bin/sh' >> /etc/passwd && "
-        f"echo {u}':x:1000:' >> /etc/group; fi; fi; "
-        f"mkdir -p {home} && (chown {u} {home} 2>/dev/null || true)"
+        f"grep -q '^'{u}':' /etc/passwd 2>/dev/null || {{ "
+        "s=/bin/sh; [ -x /bin/bash ] && s=/bin/bash; "
+        f'useradd -m -d {h} -s "$s" {u} 2>/dev/null || '
+        f'useradd -m -d {h} -s "$s" -g {u} {u} 2>/dev/null || '
+        f'adduser -D -h {h} -s "$s" {u} 2>/dev/null || '
+        f"{{ echo {u}':x:1000:1000::'{h}\":$s\" >> /etc/passwd && "
+        f"echo {u}':x:1000:' >> /etc/group; }}; }} && "
+        f"mkdir -p {h} && (chown {u} {h} 2>/dev/null || true)"
     )
 
 
