@@ -164,6 +164,13 @@ async def test_connect_after_disconnect_and_list_kill(direct):
     sb = await AsyncSandbox.create()
     try:
         await _connect_checks(sb)
+        # envd's client stream of input, in order
+        h = await sb.commands.run("cat", background=True, stdin=True)
+        async with sb.commands.stream_input(h.pid) as given:
+            await given.send("a\n")
+            await given.send(b"b\n")
+        await sb.commands.close_stdin(h.pid)
+        assert (await h.wait()).stdout == "a\nb\n"
         h = await sb.commands.run("sleep 4242", background=True)
         await h.disconnect()
         assert h.pid in {p.pid for p in await sb.commands.list()}  # it runs on
@@ -205,7 +212,7 @@ def test_sdk_process_operations(dsec_node):
         assert out == b"one\ntwo\ndone\n"
         assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 0
 
-        t = sb.process_start("sh", pty=(24, 80))
+        t = sb.process_start("sh", rows=24, cols=80)
         assert (t.rows, t.cols) == (24, 80)
         sb.process_resize(t.pid, 33, 99)
         sb.process_input(t.pid, "tty; stty size; exit 3\n")
@@ -232,7 +239,7 @@ def test_sdk_process_operations(dsec_node):
         with pytest.raises(NotFound):
             sb.process(999999)
         with pytest.raises(InvalidSpec):
-            sb.process_start("x", pty=(0, 80))
+            sb.process_start("x", rows=0, cols=80)
 
 
 async def test_async_sdk_process_survives_readers(dsec_node):

@@ -518,11 +518,11 @@ class ProcessInputRequest(Message):
     """Input for a process's stdin or terminal (base64), and/or the end of its input (``eof``:
     stdin closes once what came before is written; a terminal gets its EOF character)."""
 
-    data: bytes = b""
+    stdin: bytes = b""
     eof: bool = False
 
     def __post_init__(self) -> None:
-        _text_to_bytes(self, "data")
+        _text_to_bytes(self, "stdin")
 
 
 @dataclass(frozen=True)

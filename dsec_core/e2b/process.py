@@ -199,7 +199,8 @@ async def start_events(
                 env=env,
                 cwd=cwd,
                 stdin=stdin,
-                pty=size,
+                rows=size[0] if size else None,
+                cols=size[1] if size else None,
                 background=True,
             )
             yield _event({"start": {"pid": info.pid}})

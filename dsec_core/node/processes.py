@@ -261,7 +261,7 @@ class Processes:
         p = self._running(sid, pid)
         if not p.stdin and (data or eof):
             raise InvalidSpec(
-                f"process {pid} was started without stdin: it takes no input", field="data"
+                f"process {pid} was started without stdin: it takes no input", field="stdin"
             )
         if data:
             await p.proc.send(data)

@@ -292,7 +292,7 @@ async def _process_output(node: Node, c: Call) -> AsyncIterator[bytes]:
 
 @_handles("process_input")
 async def _process_input(node: Node, c: Call) -> Any:
-    return await node.process_input(c.sid, _pid(c), c.body.data, c.body.eof)
+    return await node.process_input(c.sid, _pid(c), c.body.stdin, c.body.eof)
 
 
 @_handles("process_resize")

@@ -868,18 +868,18 @@ def process_start(
     cwd: str | None = None,
     env: Mapping[str, str] | None = None,
     stdin: bool = False,
-    pty: tuple[int, int] | None = None,
+    rows: int | None = None,
+    cols: int | None = None,
     background: bool = False,
 ) -> Op[ProcessInfo]:
     """Start ``cmd`` (a string through ``/bin/sh -c``, a list as argv) as a process that
-    runs on between clients: ``stdin`` keeps its input open for ``process_input``; ``pty``
-    = (rows, cols) runs it on a terminal of its own (``tty`` names it, ``stty size`` shows
+    runs on between clients: ``stdin`` keeps its input open for ``process_input``; ``rows``
+    and ``cols`` run it on a terminal of that size (``tty`` names it, ``stty size`` shows
     the size; its output is all "stdout"). Read its output with ``process_output`` (from
     the start, or from now; any number of readers, at any time), resize with
     ``process_resize``, signal with ``process_signal``. It runs until it ends, ``timeout``
     (None: none) runs out, a signal kills it, or the sandbox dies; what it leaves running is
     killed when it exits, unless ``background``."""
-    rows, cols = (None, None) if pty is None else pty
     body = ProcessStartRequest(
         cmd,  # type: ignore[arg-type]  # ProcessStartRequest takes any sequence
         timeout,
@@ -922,11 +922,11 @@ def process_output(sandbox_id: str, pid: int, *, from_start: bool = True) -> Str
 
 
 def process_input(
-    sandbox_id: str, pid: int, data: bytes | str = b"", *, eof: bool = False
+    sandbox_id: str, pid: int, stdin: bytes | str = b"", *, eof: bool = False
 ) -> Op[ProcessInfo]:
-    """Send ``data`` to a process's stdin (or terminal); ``eof`` then ends its input (stdin
+    """Send ``stdin`` to a process's stdin (or terminal); ``eof`` then ends its input (stdin
     closes; a terminal gets its EOF character, ^D)."""
-    body = ProcessInputRequest(data, eof)  # type: ignore[arg-type]  # str is encoded
+    body = ProcessInputRequest(stdin, eof)  # type: ignore[arg-type]  # str is encoded
     return (yield call("process_input", body, sid=sandbox_id, pid=_pid(pid)))
 
 

@@ -578,6 +578,25 @@ static void exec_wait(int conn, struct exec_run *x)
     }
 }
 
+/* interactive=1, after the fork: input queues (from the request's body on; stdin stays open
+ * for more) and the client learns the pid. */
+static void exec_interactive_start(struct exec_run *x, const char *in, long long body_len)
+{
+    x->interactive = 1;
+    if (body_len > 0)
+        buf_add(&x->inq, in, (size_t)body_len);
+    x->in = x->inq.p;
+    x->in_len = x->inq.len;
+    struct buf h = {0};
+    resp_begin(&h);
+    resp_str(&h, "started", "1");
+    resp_num(&h, "pid", x->pid);
+    if (resp_send(x->conn, &h, NULL, 0, NULL, 0) < 0) {
+        exec_kill_all(x->pid);
+        _exit(0);
+    }
+}
+
 void op_exec(int conn, struct req *r)
 {
     struct run_opts o;
@@ -642,22 +661,8 @@ void op_exec(int conn, struct req *r)
     }
     x.stream = stream != 0 || interactive;
     x.conn = conn;
-    if (interactive) {
-        /* the queue starts with the request's body; stdin stays open for more */
-        x.interactive = 1;
-        if (o.body_len > 0)
-            buf_add(&x.inq, in, (size_t)o.body_len);
-        x.in = x.inq.p;
-        x.in_len = x.inq.len;
-        struct buf h = {0};
-        resp_begin(&h);
-        resp_str(&h, "started", "1");
-        resp_num(&h, "pid", pid);
-        if (resp_send(conn, &h, NULL, 0, NULL, 0) < 0) {
-            exec_kill_all(pid);
-            _exit(0);
-        }
-    }
+    if (interactive)
+        exec_interactive_start(&x, in, o.body_len);
     exec_wait(conn, &x);
     exec_flush(&x); /* what a timeout drained */
     if (!x.t_end)
