@@ -176,6 +176,7 @@ async def test_connect_after_disconnect_and_list_kill(direct):
         assert h.pid in {p.pid for p in await sb.commands.list()}  # it runs on
         assert await sb.commands.kill(h.pid) is True
         assert h.pid not in {p.pid for p in await sb.commands.list()}
+        assert not _host_processes("sleep 4242")  # gone, not just out of the list
         with pytest.raises(e2b.NotFoundException):
             await sb.commands.connect(h.pid)
     finally:
