@@ -21,20 +21,25 @@ Templates are dsec environments: ``DSEC_E2B_TEMPLATES="base=python,web=node20"``
 an environment's own name. ``timeout`` is the sandbox's ttl, ``metadata`` its labels
 ``e2b.meta.<key>``, ``envs`` its environment.
 
-Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
-``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
-"Code.UNIMPLEMENTED: ..."; ``files.watch_dir``: the same; file metadata: the SDK's own
+Commands are the node's interactive processes (``process_start``): ``stdin=True`` with
+``send_stdin``/``stream_input``/``close_stdin``, PTYs (``sandbox.pty``: a pseudo-terminal of
+the sandbox's own, resized by ``resize``) and ``commands.connect`` (output from then on) work
+as under envd.
+
+Not supported, each with the error the SDK raises for it: ``files.watch_dir``:
+``SandboxException`` "Code.UNIMPLEMENTED: ..."; file metadata: the SDK's own
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
 ``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
 ``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
 forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
-``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
-lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped
-background handle, the program ending) dsec kills it, where envd would let it run on; what it
-started in the background (``cmd &``) does run on. Output past 16 MiB per stream is dropped
-(the result's ``error`` says so). ``download_url``/``upload_url`` signatures are not checked
-(a request needs the ``X-Access-Token`` header).
+``commands.list`` shows each command's argv as it runs now, without its ``envs``; process
+tags are not kept (a tag selector is not found). A command runs on when the SDK lets go of its
+stream (``disconnect()``, a dropped handle, the program ending), as under envd, until it ends,
+its ``timeout`` kills it, ``kill`` does, or the sandbox dies (or the node daemon stops, which
+holds it); what it started in the background (``cmd &``) runs on too.
+``download_url``/``upload_url`` signatures are not checked (a request needs the
+``X-Access-Token`` header).
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from ..api.messages import (
     PoolStatus,
     PrefetchedLayer,
     PrefetchResult,
+    ProcessList,
     ProjectUsage,
     QosSupport,
     Removed,
@@ -232,6 +233,76 @@ async def _exec_stream(node: Node, c: Call) -> AsyncIterator[bytes]:
             await stream.aclose()  # type: ignore[attr-defined]
 
     return lines()
+
+
+def _pid(c: Call) -> int:
+    text = c.path["pid"]
+    if not text.isdigit() or not 0 < int(text) < 1 << 31:
+        raise NotFound(f"no process {text!r}: a pid is a positive number")
+    return int(text)
+
+
+@_handles("process_start")
+async def _process_start(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.process_start(
+        c.sid,
+        b.cmd,
+        timeout=b.timeout,
+        cwd=b.cwd,
+        env=b.env,
+        stdin=b.stdin,
+        rows=b.rows,
+        cols=b.cols,
+        background=b.background,
+    )
+
+
+@_handles("processes")
+async def _processes(node: Node, c: Call) -> ProcessList:
+    return ProcessList(processes=tuple(node.processes_of(c.sid)))
+
+
+@_handles("process")
+async def _process(node: Node, c: Call) -> Any:
+    return node.process_get(c.sid, _pid(c))
+
+
+@_handles("process_output")
+async def _process_output(node: Node, c: Call) -> AsyncIterator[bytes]:
+    """As ``exec_stream``'s lines: output as it comes, then the result or the error."""
+    stream = node.process_output(c.sid, _pid(c), c.body.from_start)
+    encode_result = ROUTES["exec"].encode_response
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for item in stream:
+                if isinstance(item, ExecResult):
+                    yield b'{"result":' + encode_result(item) + b"}\n"
+                else:
+                    name, data = item
+                    yield dump_json({name: base64.b64encode(data).decode()}) + b"\n"
+        except DsecError as e:
+            yield dump_json({"error": e.to_wire()}) + b"\n"
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    return lines()
+
+
+@_handles("process_input")
+async def _process_input(node: Node, c: Call) -> Any:
+    return await node.process_input(c.sid, _pid(c), c.body.stdin, c.body.eof)
+
+
+@_handles("process_resize")
+async def _process_resize(node: Node, c: Call) -> Any:
+    return await node.process_resize(c.sid, _pid(c), c.body.rows, c.body.cols)
+
+
+@_handles("process_signal")
+async def _process_signal(node: Node, c: Call) -> Any:
+    return await node.process_signal(c.sid, _pid(c), c.body.signal)
 
 
 @_handles("openapi")
