@@ -26,11 +26,18 @@ Commands are the node's interactive processes (``process_start``): ``stdin=True`
 the sandbox's own, resized by ``resize``) and ``commands.connect`` (output from then on) work
 as under envd.
 
-Not supported, each with the error the SDK raises for it: ``files.watch_dir``:
-``SandboxException`` "Code.UNIMPLEMENTED: ..."; file metadata: the SDK's own
+``allow_internet_access=True`` is dsec's ``network="internet"``: out through the node's NAT,
+with private ranges, cloud metadata and the node's own addresses refused (false or absent:
+loopback only, dsec's default). Metadata filters match keys and values exactly, whatever they
+hold (the SDK's double quoting is undone). ``files.rename`` makes the destination's missing
+directories, as envd does. ``files.watch_dir`` (recursive too; sync polling and the async
+stream) runs the sandbox's agent binary as an inotify watcher (``watch.py``); its events are
+envd's, without ``include_entry`` (the SDK refuses it for envd 0.6.1).
+
+Not supported, each with the error the SDK raises for it: file metadata: the SDK's own
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
-``network``, ``mcp``, ``volume_mounts``, ``lifecycle`` (auto pause/resume) and
-``allow_internet_access=True`` on create: ``SandboxException`` with status 400; snapshots,
+``network``, ``mcp``, ``volume_mounts`` and ``lifecycle`` (auto pause/resume) on create:
+``SandboxException`` with status 400; snapshots,
 forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
 ``commands.list`` shows each command's argv as it runs now, without its ``envs``; process

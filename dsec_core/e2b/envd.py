@@ -34,6 +34,7 @@ from .process import (
     stream_input,
     update,
 )
+from .watch import Watchers, watch_dir_events
 
 __all__ = ["envd_refusal", "envd_routes"]
 
@@ -46,12 +47,7 @@ _PROCESS_UNARY = {
 }
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
 #: ``SandboxException: Code.UNIMPLEMENTED: ...``).
-_UNSUPPORTED = {
-    ("filesystem.Filesystem", "WatchDir"): "watching directories is not supported",
-    ("filesystem.Filesystem", "CreateWatcher"): "watching directories is not supported",
-    ("filesystem.Filesystem", "GetWatcherEvents"): "watching directories is not supported",
-    ("filesystem.Filesystem", "RemoveWatcher"): "watching directories is not supported",
-}
+_UNSUPPORTED: dict[tuple[str, str], str] = {}
 _SERVICES = ("process.Process", "filesystem.Filesystem")
 _STREAMS = {("process.Process", "Start"), ("process.Process", "Connect")}
 _STREAMS |= {("filesystem.Filesystem", "WatchDir"), ("process.Process", "StreamInput")}
@@ -72,6 +68,13 @@ def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
 
 
 def envd_routes(connect: Connect) -> list[Route]:
+    watchers = Watchers(connect)
+    watcher_calls = {
+        "CreateWatcher": watchers.create,
+        "GetWatcherEvents": watchers.events,
+        "RemoveWatcher": watchers.remove,
+    }
+
     async def health(request: Request) -> Response:
         """204 while the sandbox runs; 502 "... was not found" once it is gone, which is how
         the SDK's ``is_running`` and its error probes tell."""
@@ -137,6 +140,22 @@ def envd_routes(connect: Connect) -> list[Route]:
                 ),
                 media_type=STREAM_CONTENT_TYPE,
             )
+        if name == ("filesystem.Filesystem", "WatchDir"):
+            return StreamingResponse(
+                watch_dir_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
+            )
+        if name[0] == "filesystem.Filesystem" and name[1] in watcher_calls:
+            try:
+                return JSONResponse(await watcher_calls[name[1]](key, sid, message))
+            except RpcError as e:
+                return unary_error(e)
         call: Any = None
         if name[0] == "process.Process":
             call = _PROCESS_UNARY.get(name[1])
