@@ -225,6 +225,7 @@ def test_files_are_written_before_the_run_and_fetched_after_it(plane):
             fetch_files=["out.bin", "deep/er/note.txt", "never-made.txt"],
         )
         assert r.status == "Success", r
+        assert r.executor_pod_name  # the FnCall member that ran it
         assert r.run_result.stdout == "768\n"
         assert base64.b64decode(r.files["out.bin"]) == blob[::-1]
         assert base64.b64decode(r.files["deep/er/note.txt"]) == b"hi"
@@ -245,6 +246,7 @@ def test_a_memory_limit_is_enforced_by_the_kernel(plane):
     body = small.json()
     assert body["status"] == "Failed" and body["run_result"]["return_code"] != 0
     assert "allocated" not in body["run_result"]["stdout"]
+    assert "over the memory limit" in body["run_result"]["stderr"]  # the cgroup's OOM kill
     big = post(plane.api, {"code": hog, "language": "python", "memory_limit_MB": 1024})
     assert big.json()["status"] == "Success", big.text
 
