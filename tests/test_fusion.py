@@ -3,9 +3,9 @@ apiserver, through the stock ``sandbox_fusion`` client and verl's own code-rewar
 in warm FnCall members of the default catalog's ``python`` and ``dev`` (g++) environments.
 
 verl's package imports torch at its top, so it is installed without its dependencies (run.sh
-setup) and its reward module, ``verl/utils/reward_score/sandbox_fusion/`` (``requests`` and the
-standard library only), is loaded by path as a package of its own: ``verl/__init__.py`` never
-runs and nothing needs stubbing.
+setup, into .venv/verl) and its reward module, ``verl/utils/reward_score/sandbox_fusion/``
+(``requests`` and the standard library only), is loaded by path as a package of its own:
+``verl/__init__.py`` never runs and nothing needs stubbing.
 
 The base layers are the default catalog's, which ``run.sh test`` builds into DSEC_TEST_HOME
 before the suite (debootstrap); they are linked into the test node's own store.
@@ -115,14 +115,18 @@ def post(url: str, body: object, **kw) -> requests.Response:
     return requests.post(f"{url}/run_code", data=data, timeout=60, **kw)
 
 
+#: Where run.sh setup installs verl (--no-deps, --target: off sys.path, since its wheel ships a
+#: top-level ``tests`` package that would shadow ours).
+VERL_DIR = Path(sys.prefix) / "verl"
+
+
 @pytest.fixture(scope="module")
 def verl_reward() -> ModuleType:
     """verl's ``verl.utils.reward_score.sandbox_fusion``, loaded from its file as a package
     named ``verl_sandbox_fusion`` (its ``from .utils import ...`` resolves inside it)."""
-    found = importlib.util.find_spec("verl")  # finds the package without running its __init__
-    if found is None or not found.submodule_search_locations:
-        pytest.skip("verl is not installed (run.sh setup: pip install --no-deps verl)")
-    where = Path(found.submodule_search_locations[0]) / "utils/reward_score/sandbox_fusion"
+    where = VERL_DIR / "verl/utils/reward_score/sandbox_fusion"
+    if not (where / "utils.py").is_file():
+        pytest.skip(f"verl is not in {VERL_DIR} (run.sh setup installs it there, --no-deps)")
     spec = importlib.util.spec_from_file_location(
         "verl_sandbox_fusion", where / "__init__.py", submodule_search_locations=[str(where)]
     )
