@@ -32,6 +32,8 @@ import requests
 
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
+from dsec_core.errors import InvalidSpec
+from dsec_core.fusion import environments, member_memory, parse_request
 from dsec_core.iam import Iam
 from dsec_core.layers.store import LayerStore
 from dsec_core.testing.apiserver import named_nodes, running_apiserver
@@ -300,3 +302,24 @@ def test_32_concurrent_requests_are_all_answered_right(plane):
     with ThreadPoolExecutor(32) as pool:
         answers = dict(pool.map(one, range(32)))
     assert answers == {i: f"{i * i}\n" for i in range(32)}
+
+
+# --- the translation alone (dsec_core.fusion) ------------------------------------------------
+
+
+def test_the_operator_picks_each_languages_environment(monkeypatch):
+    body = json.dumps({"code": "int main(){}", "language": "cpp"}).encode()
+    assert parse_request(body).environment == "dev"
+    monkeypatch.setenv("DSEC_FUSION_ENVIRONMENTS", "cpp=gcc13, python=py312")
+    assert environments() == {**environments(), "cpp": "gcc13", "python": "py312"}
+    spec = parse_request(body)
+    assert (spec.environment, spec.run) == ("gcc13", "./main") and "g++" in (spec.compile or "")
+    assert spec.files == {"main.cpp": b"int main(){}"} and spec.memory_limit is None
+    for bad in ("cpp", "cobol=x", "cpp="):
+        monkeypatch.setenv("DSEC_FUSION_ENVIRONMENTS", bad)
+        with pytest.raises(InvalidSpec, match="DSEC_FUSION_ENVIRONMENTS"):
+            environments()
+    # a memory limit sizes the member: the limit plus headroom, in steps, at least 1 GiB
+    assert member_memory(None) == member_memory(256 << 20) == 1 << 30
+    assert member_memory(1024 << 20) == 1280 << 20
+    assert member_memory(1000 << 20) == 1280 << 20  # close limits share a pool
