@@ -36,6 +36,7 @@ from dsec_core.errors import InvalidSpec
 from dsec_core.fusion import environments, member_memory, parse_request
 from dsec_core.iam import Iam
 from dsec_core.layers.store import LayerStore
+from dsec_core.testing import KitNode
 from dsec_core.testing.apiserver import named_nodes, running_apiserver
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
@@ -57,6 +58,7 @@ class Plane:
     node: str  # http://dsec:TOKEN@127.0.0.1:PORT: the node, its token as Basic auth's password
     api: str  # the apiserver, a key of project "fusion" likewise
     api_bare: str  # the apiserver without a key
+    kit: KitNode  # the node, for a look at its pools
 
 
 def _link_layer(source: LayerStore, target: LayerStore, ref: str) -> None:
@@ -103,6 +105,7 @@ def plane(built_catalog_config, tmp_path_factory) -> Iterator[Plane]:
                 node=f"http://dsec:{node.token}@{node.url.removeprefix('http://')}",
                 api=f"http://dsec:{key}@{host}",
                 api_bare=api.url,
+                kit=node.node,
             )
     iam.close()
 
@@ -236,6 +239,17 @@ def test_files_are_written_before_the_run_and_fetched_after_it(plane):
         assert base64.b64decode(r.files["out.bin"]) == blob[::-1]
         assert base64.b64decode(r.files["deep/er/note.txt"]) == b"hi"
         assert "never-made.txt" not in r.files
+
+
+def test_runs_through_the_apiserver_use_the_projects_pools(plane):
+    raw = post(plane.api, {"code": "print('api')", "language": "python"})
+    assert raw.status_code == 200 and raw.headers["content-type"] == "application/json"
+    assert raw.json()["run_result"]["stdout"] == "api\n"
+    assert run(plane.node, code="print('node')").run_result.stdout == "node\n"
+    with plane.kit.client() as c:
+        pools = {(p["name"].partition("@")[0], p["project"]) for p in c.node_info()["pools"]}
+    # the key's project's pool, and the node's shared one of direct callers
+    assert {("python/fncall/1cpu/1024M", "fusion"), ("python/fncall/1cpu/1024M", None)} <= pools
 
 
 def test_each_run_starts_clean(plane):
