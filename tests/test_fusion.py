@@ -30,6 +30,7 @@ from types import ModuleType
 import pytest
 import requests
 
+from dsec_core.api.serving import request_key
 from dsec_core.catalog.model import Catalog, Environment
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import InvalidSpec
@@ -337,3 +338,15 @@ def test_the_operator_picks_each_languages_environment(monkeypatch):
     assert member_memory(None) == member_memory(256 << 20) == 1 << 30
     assert member_memory(1024 << 20) == 1280 << 20
     assert member_memory(1000 << 20) == 1280 << 20  # close limits share a pool
+
+
+def test_a_key_rides_as_basic_auths_password_after_the_other_forms():
+    def basic(pair: str) -> tuple[bytes, bytes]:
+        return b"authorization", b"Basic " + base64.b64encode(pair.encode())
+
+    assert request_key([basic("dsec:k1")]) == "k1"
+    assert request_key([basic(":k1")]) == "k1"  # any user name, an empty one too
+    assert request_key([basic("dsec:a:b")]) == "a:b"  # the password is all after the first ':'
+    assert request_key([basic("dsec:k1"), (b"x-api-key", b"k2")]) == "k2"
+    for bad in (basic("dsec"), basic("dsec:"), (b"authorization", b"Basic %%%")):
+        assert request_key([bad]) is None

@@ -248,22 +248,22 @@ def basic_password(value: bytes) -> str | None:
 
 def request_key(headers: Any) -> str | None:
     """The API key a request head carries (ASGI ``(name, value)`` byte pairs): the
-    ``Authorization: Bearer`` value (or HTTP Basic auth's password, ``basic_password``),
-    else ``X-API-Key``, else ``X-Access-Token`` (E2B's envd paths); None if none does. The one
+    ``Authorization: Bearer`` value, else ``X-API-Key``, else ``X-Access-Token`` (E2B's envd
+    paths), else HTTP Basic auth's password (``basic_password``); None if none does. The one
     rule: the key the apiserver checks is the key every route then acts as."""
-    bearer = api_key = access = None
+    bearer = api_key = access = basic = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, rest = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and rest.strip():
                 bearer = rest.strip()
             elif scheme.lower() == "basic":
-                bearer = basic_password(value)
+                basic = basic_password(value)
         elif name == b"x-api-key":
             api_key = value.decode("latin-1")
         elif name == b"x-access-token":
             access = value.decode("latin-1")
-    return bearer or api_key or access or None
+    return bearer or api_key or access or basic or None
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
