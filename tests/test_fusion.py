@@ -163,6 +163,19 @@ def test_verl_scores_a_right_solution_1_and_a_wrong_one_0(plane, verl_reward, wh
     )
     assert results == [True], meta
     assert meta[0]["compile_status"] == "Finished"
+    # verl's own codes: -4 a compile error, -3 a timeout, -2 a runtime error
+    results, meta = verl_reward.check_correctness(
+        url, {"inputs": ["1 2"], "outputs": ["3"]}, "int main( {", language="cpp"
+    )
+    assert results == [-4] and meta[0]["status"] == "compile_error", meta
+    results, meta = verl_reward.check_correctness(
+        url,
+        {"inputs": ["1", "2"], "outputs": ["1", "2"]},
+        "import sys, time\nif input() == '2': time.sleep(30)\nraise SystemExit(3)",
+        timeout=1,
+    )
+    assert results == [-2, -3], meta
+    assert [m["status"] for m in meta] == ["runtime_error", "timeout"]
 
 
 def test_a_run_over_its_time_limit_is_time_limit_exceeded_without_a_return_code(plane):
