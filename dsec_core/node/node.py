@@ -32,6 +32,7 @@ from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import AdmissionRejected, DsecError, InvalidSpec, SandboxNotRunning
 from ..fairqueue import project_of
+from ..fusion import CodeRun, CodeRunResult
 from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
@@ -55,6 +56,7 @@ from ..sources.base import LayerSource
 from . import admission
 from .admission import Admission, Admitted
 from .agents import Agents
+from .coderun import run_code
 from .create_queue import CreateQueue, Ticket
 from .devices import DevicePool
 from .disks import WritableDisks
@@ -578,6 +580,11 @@ class Node:
     async def judge(self, spec: JudgeSpec) -> JudgeResult:
         """Judge one submission in a warm member of its pool (``judge.judge``)."""
         return await judge(self, self.pools, spec)
+
+    async def run_code(self, spec: CodeRun) -> CodeRunResult:
+        """Run one SandboxFusion ``/run_code`` request in a warm member of its pool
+        (``coderun.run_code``)."""
+        return await run_code(self, self.pools, spec)
 
     # --- inside the sandbox ---------------------------------------------------------------
     # the service's own methods, their parameters and docstrings written once, in Agents

@@ -65,6 +65,7 @@ from ..api.messages import (
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import (
+    basic_password,
     body_pieces,
     check_declared,
     error_response,
@@ -79,6 +80,7 @@ from ..errors import (
     InvalidSpec,
     NotFound,
 )
+from ..fusion import CodeRun, answer, for_pool, fusion_endpoint
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
 from ..observe import ObservedRequests, exec_outcome
@@ -723,6 +725,9 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
         for r in ROUTES.values()
     ]
+    # SandboxFusion's /run_code (dsec_core.fusion): not a route of the table, its shapes are
+    # SandboxFusion's
+    routes.append(StarletteRoute("/run_code", _fusion_run(node), methods=["POST"]))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -737,10 +742,24 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
     return app
 
 
+def _fusion_run(node: Node) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /run_code`` over the node's FnCall pools. An apiserver that places a request
+    here names the caller's project in the query (``?project=P&start=0|1``, as it does in an
+    FnCall's body); a direct caller uses the node's shared pools."""
+
+    async def run(request: Request, raw: bytes, spec: CodeRun) -> bytes:
+        q = request.query_params
+        spec = for_pool(spec, q.get("project") or None, q.get("start", "1") != "0")
+        return answer(await node.run_code(spec))
+
+    return fusion_endpoint(run)
+
+
 def require_token(app: ASGIApp, token: str) -> ASGIApp:
     """``app`` behind a bearer token: any HTTP request without ``Authorization: Bearer
-    <token>`` gets a 401 ``AuthenticationFailed``. Compared as SHA-256 digests in constant time,
-    so neither the token nor its length leaks through timing."""
+    <token>`` (or HTTP Basic auth with the token as its password, any user name: what a URL
+    ``http://dsec:TOKEN@host/`` sends) gets a 401 ``AuthenticationFailed``. Compared as SHA-256
+    digests in constant time, so neither the token nor its length leaks through timing."""
     if not token:
         raise InvalidSpec("a TCP listener needs a non-empty API token")
     expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
@@ -748,6 +767,9 @@ def require_token(app: ASGIApp, token: str) -> ASGIApp:
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            password = basic_password(given) if given is not None else None
+            if password is not None:
+                given = b"Bearer " + password.encode("latin-1", "replace")
             if given is None or not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
                 why = "no bearer token" if given is None else "a wrong bearer token"
                 err = AuthenticationFailed(
