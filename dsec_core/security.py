@@ -6,7 +6,9 @@ the node checks each one: the policy exists (``UnknownPolicy``), its settings ar
 (``validate``: ``InvalidSpec``), this host can run it (``check_available``) and it can be
 enforced on the sandbox's backend (``enforceable_on``): if not, the create fails with
 ``PolicyUnavailable``, never silently without the policy. ``SandboxSpec.network`` modes other
-than ``"none"`` must be enforced by a requested policy that lists the mode in ``network_modes``.
+than ``"none"`` must be enforced by a requested policy that lists the mode in ``network_modes``;
+a policy whose ``implied_by`` names the mode is added with empty settings when the sandbox does
+not list it (``network="internet"`` needs no rules, so naming the mode is enough).
 
 Two settings keys belong to the node, not the policy (it never sees them): ``"enabled": false``
 turns a policy off for the sandbox (a ``default`` one, typically), and ``"best_effort": true``
@@ -123,6 +125,10 @@ class SecurityPolicy:
     targets: ClassVar[frozenset[str]] = frozenset()
     #: ``SandboxSpec.network`` modes this policy enforces (e.g. ``{"allowlist"}``).
     network_modes: ClassVar[frozenset[str]] = frozenset()
+    #: Network modes (of ``network_modes``) for which a sandbox that does not list this policy
+    #: gets it with empty settings (``{}`` must then be valid settings), as a ``default``
+    #: policy is added; a mode whose settings matter, such as an allowlist, is not one.
+    implied_by: ClassVar[frozenset[str]] = frozenset()
     #: Applied to every sandbox whose backend can enforce it, unless the sandbox's spec turns
     #: it off (``{"enabled": false}``); where the backend cannot, the sandbox runs without it
     #: and its ``SandboxInfo.policies`` says so.

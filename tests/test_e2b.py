@@ -4,6 +4,7 @@ files, paging and filters, pause and connect, errors; sync ``Sandbox`` and ``Asy
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -39,7 +40,6 @@ from e2b import (  # noqa: E402
     TemplateException,
     TimeoutException,
 )
-from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
 
 from dsec_core.e2b import Templates, make_app  # noqa: E402
 from dsec_core.errors import AuthenticationFailed, QuotaExceeded  # noqa: E402
@@ -250,14 +250,14 @@ def test_background_command_wait_and_kill(served, sandboxes):
         h.wait()
     assert e.value.exit_code != 0
     assert sb.commands.kill(h.pid) is False  # gone already
-    # a command lives as long as its stream: let go of it and dsec kills it
+    # as under envd, a command runs on when its client lets go, until it is killed
     h = sb.commands.run("sleep 77", background=True)
     assert h.pid in {p.pid for p in sb.commands.list()}
     h.disconnect()
-    deadline = time.monotonic() + 10
-    while h.pid in {p.pid for p in sb.commands.list()}:
-        assert time.monotonic() < deadline, "the command outlived its stream"
-        time.sleep(0.1)
+    time.sleep(0.3)
+    assert h.pid in {p.pid for p in sb.commands.list()}
+    assert sb.commands.kill(h.pid) is True
+    assert h.pid not in {p.pid for p in sb.commands.list()}
 
 
 def test_commands_list_shows_running_commands(served, sandboxes):
@@ -276,12 +276,6 @@ def test_commands_list_shows_running_commands(served, sandboxes):
 def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
     sb = Sandbox.create()
     sandboxes.append(sb)
-    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*PTY"):
-        sb.pty.create(PtySize(rows=24, cols=80))
-    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*watching"):
-        sb.files.watch_dir("/tmp")
-    with pytest.raises(SandboxException, match=r"UNIMPLEMENTED.*stdin"):
-        sb.commands.run("cat", stdin=True)
     with pytest.raises(InvalidArgumentException, match="gzip"):
         sb.files.write("/x.txt", "data", gzip=True)
     with pytest.raises(TemplateException):  # the SDK's own check against envd's version
@@ -289,6 +283,29 @@ def test_unsupported_features_fail_with_the_sdks_errors(served, sandboxes):
     with pytest.raises(SandboxException) as e:
         Sandbox.create(network={"deny_out": ["0.0.0.0/0"]})
     assert e.value.status_code == 400 and "network" in str(e.value)
+
+
+def test_allow_internet_access_reaches_a_server_outside_the_node(served, sandboxes, tmp_path):
+    """``allow_internet_access=True`` is ``network="internet"``: out through the node's NAT to
+    a server on a TEST-NET address in a namespace the test links to the host's; without it (or
+    with False) the sandbox stays loopback-only, as before."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    testing = pytest.importorskip("dsec_security_ebpf.testing")
+    with testing.HostServerNamespace(served.node.home, tmp_path, "203.0.113.0/24") as ns:
+        ns.serve(tcp=[8080])
+        sb = Sandbox.create(allow_internet_access=True)
+        sandboxes.append(sb)
+        assert sb.commands.run(f"echo hello | nc -w 2 {ns.address} 8080").exit_code == 0
+        # cloud metadata stays out of reach
+        r = sb.commands.run("nc -w 2 169.254.169.254 80 </dev/null 2>&1; echo rc=$?")
+        assert "rc=0" not in r.stdout
+        for allow in (False, None):
+            off = Sandbox.create(allow_internet_access=allow)
+            sandboxes.append(off)
+            with pytest.raises(CommandExitException):
+                off.commands.run(f"echo no | nc -w 2 {ns.address} 8080")
+        assert [r.data for r in ns.received()] == ["hello\n"]
 
 
 def test_over_quota_is_the_sdks_rate_limit_error_without_retries(served):
@@ -324,11 +341,70 @@ def test_files_write_read_list_exists_remove(served, sandboxes):
     assert (moved.path, moved.type.value, moved.size) == ("/work/new/hello.txt", "file", 9)
     got = sb.files.get_info("/work/new/hello.txt")
     assert got.permissions == "-rw-r--r--" and got.modified_time.year >= 2024
-    sb.files.rename("/work/new/hello.txt", "/work/dir/hello.txt")
+    # into a directory that does not exist yet: envd makes it
+    moved = sb.files.rename("/work/new/hello.txt", "/work/fresh/deeper/hello.txt")
+    assert moved.path == "/work/fresh/deeper/hello.txt"
+    assert sb.files.read("/work/fresh/deeper/hello.txt") == "hi there\n"
+    sb.files.rename("/work/fresh/deeper/hello.txt", "/work/dir/hello.txt")
     sb.files.remove("/work/dir")
     assert not sb.files.exists("/work/dir/hello.txt")
     with pytest.raises(FileNotFoundException):
         sb.files.read("/work/dir/hello.txt")
+
+
+def _collect(handle, until, timeout=10.0):
+    """The events of a sync ``WatchHandle`` as (type, name) pairs, polled until ``until`` is
+    among them."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while until not in seen:
+        assert time.monotonic() < deadline, f"no {until} in {seen}"
+        seen += [(e.type.value, e.name) for e in handle.get_new_events()]
+        time.sleep(0.05)
+    return seen
+
+
+def test_watch_dir_reports_envds_events(served, sandboxes):
+    sb = Sandbox.create()
+    sandboxes.append(sb)
+    sb.files.make_dir("/work/w/d")
+    h = sb.files.watch_dir("/work/w")
+    sb.commands.run(
+        "echo one > /work/w/a.txt && chmod 600 /work/w/a.txt && mv /work/w/a.txt /work/w/b.txt"
+        " && echo x > /work/w/d/inner && mkdir /work/w/e && rm /work/w/b.txt"
+    )
+    seen = _collect(h, ("remove", "b.txt"))
+    assert seen == [
+        ("create", "a.txt"),
+        ("write", "a.txt"),
+        ("chmod", "a.txt"),
+        ("rename", "a.txt"),
+        ("create", "b.txt"),
+        ("create", "e"),
+        ("remove", "b.txt"),
+    ]  # d/inner is not in it: not recursive
+    h.stop()
+    with pytest.raises(SandboxException):
+        h.get_new_events()  # stopped
+    # recursive: what happens under it, in directories made after the watch began too
+    h = sb.files.watch_dir("/work/w", recursive=True)
+    sb.files.write("/work/w/d/deep.txt", "deep")
+    sb.commands.run("mkdir -p /work/w/n/m")
+    sb.commands.run("echo f > /work/w/n/m/f && rm -r /work/w/d")
+    seen = _collect(h, ("remove", "d"))
+    assert ("create", "d/deep.txt") in seen and ("create", "n/m/f") in seen
+    assert ("remove", "d/inner") in seen and ("create", "n") in seen
+    listing = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"
+    assert "/.dsec/agent watch -r /work/w" in sb.commands.run(listing).stdout
+    h.stop()  # the watching command goes with it
+    deadline = time.monotonic() + 5
+    while "/.dsec/agent watch" in sb.commands.run(listing).stdout:
+        assert time.monotonic() < deadline, "the watcher still runs"
+        time.sleep(0.05)
+    with pytest.raises(SandboxException, match="not found"):
+        sb.files.watch_dir("/work/nope")
+    with pytest.raises(SandboxException, match="not a directory"):
+        sb.files.watch_dir("/etc/passwd")
 
 
 def test_kill_get_info_and_connect_after_kill(served):
@@ -377,6 +453,28 @@ def test_list_pages_and_filters(served, sandboxes):
     assert Sandbox.list(query=q).next_items() == []
     r = httpx.get(f"{served.url}/v2/sandboxes?nextToken=junk", headers={"X-API-KEY": KEY})
     assert r.status_code == 400 and "nextToken" in r.json()["message"]
+
+
+def test_metadata_filters_match_keys_and_values_exactly(served, sandboxes):
+    """Keys and values with spaces, ``&``, ``=``, ``/``, ``+``, ``%`` and non-ASCII match
+    exactly as E2B matches them, and a near miss matches nothing."""
+    run = uuid.uuid4().hex
+    odd = {"run": run, "a key&x=1": "v/w & z=é+%20ü", "ключ": "日本 語"}
+    sb = Sandbox.create(metadata=odd)
+    plain = Sandbox.create(metadata={"run": run, "a key&x=1": "v/w & z=e+%20u"})
+    sandboxes += [sb, plain]
+    assert sb.get_info().metadata == odd
+
+    def found(metadata):
+        q = SandboxQuery(metadata=metadata)
+        return {s.sandbox_id for s in Sandbox.list(query=q).next_items()}
+
+    assert found(odd) == {sb.sandbox_id}
+    assert found({"ключ": "日本 語"}) == {sb.sandbox_id}
+    assert found({"run": run}) == {sb.sandbox_id, plain.sandbox_id}
+    assert found({"a key&x=1": "v/w & z=e+%20u"}) == {plain.sandbox_id}
+    assert found({"a key": "v/w"}) == set()
+    assert found({"ключ": "日本+語"}) == set()
 
 
 def test_pause_then_connect_resumes(served, sandboxes):
@@ -452,3 +550,33 @@ async def test_async_sandbox_core_flows(served):
     with pytest.raises(SandboxException) as e:
         await AsyncSandbox.create(template="no-such-template")
     assert e.value.status_code == 404
+
+
+async def test_async_watch_dir_streams_events_until_stopped_or_killed(served):
+    sb = await AsyncSandbox.create()
+    try:
+        await sb.files.make_dir("/work/w")
+        got: list[tuple[str, str]] = []
+        exits: list[object] = []
+        h = await sb.files.watch_dir(
+            "/work/w",
+            on_event=lambda e: got.append((e.type.value, e.name)),
+            on_exit=exits.append,
+            recursive=True,
+        )
+        await sb.commands.run("mkdir /work/w/s && echo hi > /work/w/s/x && rm /work/w/s/x")
+        deadline = time.monotonic() + 10
+        while ("remove", "s/x") not in got:
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.05)
+        assert got == [("create", "s"), ("create", "s/x"), ("write", "s/x"), ("remove", "s/x")]
+        await h.stop()
+        assert exits == [None]
+        # a watch whose sandbox is killed ends
+        h = await sb.files.watch_dir("/work/w", on_event=lambda e: None, on_exit=exits.append)
+    finally:
+        assert await sb.kill() is True
+    deadline = time.monotonic() + 10
+    while len(exits) < 2:
+        assert time.monotonic() < deadline, "the watch did not end with its sandbox"
+        await asyncio.sleep(0.05)

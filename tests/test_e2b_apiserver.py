@@ -6,6 +6,7 @@ project's sandbox is not found, on the control plane and on envd's paths alike."
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +16,7 @@ pytest.importorskip("e2b")
 from e2b import (
     AuthenticationException,
     Sandbox,
+    SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
@@ -30,13 +32,13 @@ class Plane:
     def __init__(self, url: str, iam: Iam) -> None:
         self.url, self.iam = url, iam
 
-    def key(self, project: str) -> str:
+    def key(self, project: str, role: str = "member") -> str:
         known = {p.path for p in self.iam.projects()}
         parts = project.split("/")
         for i in range(1, len(parts) + 1):
             if "/".join(parts[:i]) not in known:
                 self.iam.create_project("/".join(parts[:i]))
-        return self.iam.create_key(project, "member")[1]
+        return self.iam.create_key(project, role)[1]
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,35 @@ def test_a_wrong_key_is_the_sdks_authentication_error(plane):
         Sandbox.create(api_key="dsk_0000000000000000_" + "0" * 64)
     with pytest.raises(AuthenticationException):
         Sandbox.list(api_key="nonsense").next_items()
+
+
+def test_internet_access_is_a_loosening_that_a_member_key_may_not_ask_for(plane):
+    """``allow_internet_access=True`` opens the network (``network="internet"``): the IAM rule
+    for every network mode but "none" holds, so a member key is refused with the reason and a
+    builder key (one that may loosen) gets it."""
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create(api_key=plane.key("org/net"), allow_internet_access=True)
+    assert e.value.status_code == 403 and "network 'internet'" in str(e.value)
+    sb = Sandbox.create(api_key=plane.key("org/net", "builder"), allow_internet_access=True)
+    try:
+        assert sb.commands.run("cat /sys/class/net/eth0/operstate").stdout.strip() == "up"
+    finally:
+        sb.kill()
+
+
+def test_watch_dir_through_the_apiserver(plane):
+    """The watch runs as a streamed exec through the apiserver, held between polls."""
+    key = plane.key("org/watch")
+    sb = Sandbox.create(api_key=key)
+    try:
+        h = sb.files.watch_dir("/tmp")
+        sb.files.write("/tmp/seen.txt", "x")
+        seen: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 10
+        while ("create", "seen.txt") not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += [(e.type.value, e.name) for e in h.get_new_events()]
+            time.sleep(0.05)
+        h.stop()
+    finally:
+        sb.kill()

@@ -23,27 +23,34 @@ from .connect import (
     unary_error,
 )
 from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
-from .process import keepalive_interval, list_processes, send_signal, start_events
+from .process import (
+    close_stdin,
+    connect_events,
+    keepalive_interval,
+    list_processes,
+    send_input,
+    send_signal,
+    start_events,
+    stream_input,
+    update,
+)
+from .watch import Watchers, watch_dir_events
 
 __all__ = ["envd_refusal", "envd_routes"]
 
-_PROCESS_UNARY = {"SendSignal": send_signal, "List": list_processes}
+_PROCESS_UNARY = {
+    "SendSignal": send_signal,
+    "List": list_processes,
+    "SendInput": send_input,
+    "CloseStdin": close_stdin,
+    "Update": update,
+}
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
 #: ``SandboxException: Code.UNIMPLEMENTED: ...``).
-_UNSUPPORTED = {
-    ("process.Process", "Connect"): "reconnecting to a running command is not supported",
-    ("process.Process", "Update"): "PTY is not supported",
-    ("process.Process", "SendInput"): "stdin is not supported",
-    ("process.Process", "StreamInput"): "stdin is not supported",
-    ("process.Process", "CloseStdin"): "stdin is not supported",
-    ("filesystem.Filesystem", "WatchDir"): "watching directories is not supported",
-    ("filesystem.Filesystem", "CreateWatcher"): "watching directories is not supported",
-    ("filesystem.Filesystem", "GetWatcherEvents"): "watching directories is not supported",
-    ("filesystem.Filesystem", "RemoveWatcher"): "watching directories is not supported",
-}
+_UNSUPPORTED: dict[tuple[str, str], str] = {}
 _SERVICES = ("process.Process", "filesystem.Filesystem")
 _STREAMS = {("process.Process", "Start"), ("process.Process", "Connect")}
-_STREAMS |= {("filesystem.Filesystem", "WatchDir")}
+_STREAMS |= {("filesystem.Filesystem", "WatchDir"), ("process.Process", "StreamInput")}
 
 
 def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
@@ -61,6 +68,13 @@ def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
 
 
 def envd_routes(connect: Connect) -> list[Route]:
+    watchers = Watchers(connect)
+    watcher_calls = {
+        "CreateWatcher": watchers.create,
+        "GetWatcherEvents": watchers.events,
+        "RemoveWatcher": watchers.remove,
+    }
+
     async def health(request: Request) -> Response:
         """204 while the sandbox runs; 502 "... was not found" once it is gone, which is how
         the SDK's ``is_running`` and its error probes tell."""
@@ -91,6 +105,10 @@ def envd_routes(connect: Connect) -> list[Route]:
         try:
             sid = sandbox_of(request)
             key = envd_key(request)
+            if name == ("process.Process", "StreamInput"):  # a client stream: read as it comes
+                return Response(
+                    await stream_input(connect, key, sid, request), media_type=STREAM_CONTENT_TYPE
+                )
             message = await read_message(request, stream=stream)
             timeout = timeout_seconds(request)
         except (DsecError, RpcError) as e:
@@ -111,6 +129,33 @@ def envd_routes(connect: Connect) -> list[Route]:
                 ),
                 media_type=STREAM_CONTENT_TYPE,
             )
+        if name == ("process.Process", "Connect"):
+            return StreamingResponse(
+                connect_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
+            )
+        if name == ("filesystem.Filesystem", "WatchDir"):
+            return StreamingResponse(
+                watch_dir_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
+            )
+        if name[0] == "filesystem.Filesystem" and name[1] in watcher_calls:
+            try:
+                return JSONResponse(await watcher_calls[name[1]](key, sid, message))
+            except RpcError as e:
+                return unary_error(e)
         call: Any = None
         if name[0] == "process.Process":
             call = _PROCESS_UNARY.get(name[1])

@@ -132,7 +132,22 @@ async def _move(client: Any, sid: str, message: dict[str, Any]) -> dict[str, Any
     source = absolute(message.get("source"), "source")
     destination = absolute(message.get("destination"), "destination")
     await client.stat(sid, source)  # a missing source is not_found, as in envd
-    await _run(client, sid, ["mv", "-f", "--", source, destination], "mv")
+    # envd makes the destination's missing parent directories first
+    parent = posixpath.dirname(destination)
+    await _run(
+        client,
+        sid,
+        [
+            "sh",
+            "-c",
+            'mkdir -p -- "$1" && exec mv -f -- "$2" "$3"',
+            "mv",
+            parent,
+            source,
+            destination,
+        ],
+        "mv",
+    )
     return {"entry": entry_info(await client.stat(sid, destination), destination)}
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -190,13 +190,18 @@ def _check_create(body: Mapping[str, Any]) -> str:
             "autoPause is not supported: a dsec sandbox is killed at its timeout",
             field="autoPause",
         )
-    if body.get("allow_internet_access") is True:
+    if body.get("allow_internet_access") not in (None, True, False):
         raise InvalidSpec(
-            "allow_internet_access is not supported: a sandbox has its environment's network "
-            "(dsec's default: loopback only)",
-            field="allow_internet_access",
+            "allow_internet_access must be true or false", field="allow_internet_access"
         )
     return template
+
+
+def _network(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``allow_internet_access: true`` is dsec's ``network="internet"`` (out through the node's
+    NAT, private ranges, cloud metadata and the node's own addresses refused); false or absent
+    leaves the sandbox its default, loopback only."""
+    return {"network": "internet"} if body.get("allow_internet_access") is True else {}
 
 
 async def _set_ttl(client: Any, sandbox_id: str, ttl: float | None) -> None:
@@ -242,8 +247,14 @@ class ListQuery:
 
     @classmethod
     def parse(cls, q: Mapping[str, str], v1: bool = False) -> ListQuery:
-        # the SDK quotes each key and value, then url-encodes the whole as one parameter
-        metadata = dict(parse_qsl(q.get("metadata", ""), keep_blank_values=True))
+        # the SDK percent-quotes each key and value (``quote``), then url-encodes the pairs as
+        # one parameter (``urlencode``): the query's decoding undid the transport's layer,
+        # ``parse_qsl`` undoes ``urlencode``, and ``unquote`` the SDK's own quoting, so keys
+        # and values with spaces, ``&``, ``=``, ``/`` or any UTF-8 match exactly
+        metadata = {
+            unquote(k): unquote(v)
+            for k, v in parse_qsl(q.get("metadata", ""), keep_blank_values=True)
+        }
         states = frozenset(s for s in q.get("state", "").split(",") if s)
         if not states:
             states = frozenset({"running"}) if v1 else frozenset({"running", "paused"})
@@ -334,6 +345,7 @@ def lifecycle_routes(connect: Connect, templates: Templates) -> list[Route]:
             ttl=_timeout(body, DEFAULT_TIMEOUT),
             env=env,
             labels=labels,
+            **_network(body),
         )
         if built:
             try:

@@ -48,8 +48,9 @@ class PolicyPlanner:
 
     def plan(self, spec: SandboxSpec, backend: Backend) -> PolicyPlan:
         """The policies for a sandbox of ``spec`` on ``backend``: those it asks for and the
-        ``default`` ones, each checked to be enforceable there; ``spec.network`` must be
-        enforced by the backend ("none") or by one of them. Raises before anything is set up:
+        ``default`` ones and one ``implied_by`` the network mode, each checked to be
+        enforceable there; ``spec.network`` must be enforced by the backend ("none") or by one
+        of them. Raises before anything is set up:
         ``UnknownPolicy``, ``InvalidSpec`` (settings) or ``PolicyUnavailable`` (unless the
         policy is a default or ``best_effort``: then it is skipped, with the reason)."""
         plan = PolicyPlan()
@@ -57,6 +58,13 @@ class PolicyPlanner:
         defaults = {n for n, c in self.registry.security_policies.items() if c.default}
         for name in sorted(defaults - set(requested)):
             requested[name] = {}
+        implied = sorted(
+            n for n, c in self.registry.security_policies.items() if spec.network in c.implied_by
+        )
+        needed = set(spec.policies)
+        if implied and not set(implied) & set(requested):
+            requested[implied[0]] = {}
+            needed.add(implied[0])  # the mode needs it: its absence is the create's error
         for name, raw in requested.items():
             settings = {k: v for k, v in raw.items() if k not in NODE_SETTINGS}
             if raw.get("enabled", True) is False:
@@ -70,7 +78,7 @@ class PolicyPlanner:
                 policy.validate(settings)
                 self.enforceable(policy, backend)
             except PolicyUnavailable as e:
-                if name in spec.policies and not raw.get("best_effort", False):
+                if name in needed and not raw.get("best_effort", False):
                     raise
                 plan.skipped[name] = f"skipped: {e}"
                 continue

@@ -192,6 +192,11 @@ class SecurityPolicyConformance:
         assert all(isinstance(m, str) and m != "none" for m in cls.network_modes), (
             "network_modes lists modes other than 'none' (loopback only is the backend's)"
         )
+        assert isinstance(cls.implied_by, frozenset) and cls.implied_by <= cls.network_modes, (
+            "implied_by must be a frozenset of the policy's own network_modes"
+        )
+        if cls.implied_by:
+            self.policy_class()().validate({})  # what an implied policy is given
         assert isinstance(cls.default, bool) and isinstance(cls.live, bool)
         settings, network = cls.example
         assert isinstance(settings, Mapping) and isinstance(network, str), (

@@ -220,6 +220,7 @@ pid_t domain_spawn(int sandboxed, void (*fn)(void *), void *arg);
 /* ---------------------------------------------------------------- drive.c */
 
 int drive_bridge(const char *path);
+int watch_main(int argc, char **argv);
 
 /* ---------------------------------------------------------------- main.c */
 

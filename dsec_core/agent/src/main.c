@@ -514,6 +514,8 @@ int main(int argc, char **argv)
         return drive_bridge(argc > 2 ? argv[2] : NULL);
     if (argc >= 2 && !strcmp(argv[1], "forward")) /* a VM's host side, not the agent: mux.c */
         return forward_main(argc, argv);
+    if (argc >= 2 && !strcmp(argv[1], "watch")) /* a command in the sandbox: watch.c */
+        return watch_main(argc, argv);
     struct agent_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc >= 0)

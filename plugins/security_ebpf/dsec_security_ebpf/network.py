@@ -7,7 +7,17 @@ to every other interface in it (what an operator or a test attaches there: an up
 server namespace) and masquerades it; it forwards nothing between sandboxes, accepts nothing
 from them addressed to itself, and lets nothing new in. It has no link to the host's
 namespace, so the host's loopback and anything listening on the host are out of reach by
-construction.
+construction, until a sandbox of ``network="internet"`` asks for the uplink.
+
+The uplink (``EgressNetwork.ensure_uplink``) is a veth pair: ``uplink0`` in the egress
+namespace, its default route, and ``dsu<hash>`` in the host's namespace, a /30 of link-local
+addresses between them (169.254.128.0/18, one /30 picked by the same hash, away from the cloud
+metadata address). The host's side is a dsec-owned nftables table ``inet dsec_uplink_<hash>``:
+what comes in from the uplink is forwarded and masqueraded out of whatever route the host has
+(its default one), answers come back, and nothing from the uplink reaches the host itself (its
+own addresses, whatever they are) or starts towards the egress namespace. The table and the
+pair go when the egress namespace goes. Which destinations a sandbox reaches through it is the
+BPF programs' call (``policy``), not the route's.
 
 Making the egress namespace (``ip netns add``, its sysctls and nftables ruleset) runs tools,
 once per node. Per sandbox nothing runs: veths, addresses and routes are netlink requests from
@@ -31,12 +41,22 @@ from dsec_core.linux.netns import (
     add_netns,
     call_in_netns,
     delete_netns,
+    ip_batch,
     netns_exists,
     open_netns,
     run_in_netns,
 )
+from dsec_core.linux.tools import run_tool
 
-__all__ = ["GATEWAY", "EgressNetwork", "egress_namespace", "veth_name"]
+__all__ = [
+    "GATEWAY",
+    "UPLINK_DEVICE",
+    "EgressNetwork",
+    "egress_namespace",
+    "uplink_name",
+    "uplink_table",
+    "veth_name",
+]
 
 log = logging.getLogger("dsec.egress")
 
@@ -74,10 +94,59 @@ SYSCTLS = {
 }
 
 
+#: The uplink's end in the egress namespace (not "dsv*": the ruleset forwards sandboxes to it).
+UPLINK_DEVICE = "uplink0"
+UPLINK_PREFIX = "dsu"
+UPLINK_BLOCK = ipaddress.IPv4Network("169.254.128.0/18")  # 4096 /30s, below 169.254.169.254
+# The host's side of the uplink: forward and masquerade what comes from it, let answers back,
+# and keep it from the host's own addresses and from starting anything towards it.
+UPLINK_RULESET = """
+table inet {table}
+delete table inet {table}
+table inet {table} {{
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname "{dev}" accept
+    oifname "{dev}" ct state established,related accept
+    oifname "{dev}" drop
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{dev}" ct state established,related accept
+    iifname "{dev}" drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    iifname "{dev}" oifname != "{dev}" masquerade
+  }}
+}}
+"""
+
+
+def _digest(home: Path) -> str:
+    return hashlib.sha256(os.fsencode(Path(home).resolve())).hexdigest()[:10]
+
+
 def egress_namespace(home: Path) -> str:
     """The name (in /run/netns) of the egress namespace of the node at ``home``."""
-    digest = hashlib.sha256(os.fsencode(Path(home).resolve())).hexdigest()[:10]
-    return f"dsec-egress-{digest}"
+    return f"dsec-egress-{_digest(home)}"
+
+
+def uplink_name(home: Path) -> str:
+    """The host's end of the uplink of the node at ``home`` (13 characters)."""
+    return UPLINK_PREFIX + _digest(home)
+
+
+def uplink_table(home: Path) -> str:
+    """The name of the host's nftables table (family ``inet``) of that uplink."""
+    return f"dsec_uplink_{_digest(home)}"
+
+
+def uplink_addresses(home: Path) -> tuple[str, str]:
+    """The host's and the egress namespace's addresses on that uplink (a /30 each)."""
+    n = int(_digest(home), 16) % (UPLINK_BLOCK.num_addresses // 4)
+    base = UPLINK_BLOCK.network_address + 4 * n
+    return str(base + 1), str(base + 2)
 
 
 def veth_name(sandbox_id: str) -> str:
@@ -90,6 +159,9 @@ class EgressNetwork:
 
     def __init__(self, home: Path, subnet: str | None = None) -> None:
         self.name = egress_namespace(home)
+        self.uplink = uplink_name(home)
+        self.uplink_table = uplink_table(home)
+        self.uplink_addresses = uplink_addresses(home)
         text = subnet or os.environ.get("DSEC_EGRESS_SUBNET") or DEFAULT_SUBNET
         try:
             net = ipaddress.ip_network(text)
@@ -139,6 +211,64 @@ class EgressNetwork:
             delete_netns(self.name)
             raise
         self._used = {}
+
+    def ensure_uplink(self) -> None:
+        """Make the egress namespace and its uplink to the host's namespace if they are not
+        there (see the module's docs). On failure nothing of the uplink is left."""
+        with self._lock:
+            self._ensure()
+            if self.has_uplink():
+                return
+            host, inside = self.uplink_addresses
+            try:
+                _host_forwards()
+                ip_batch(
+                    None,
+                    [
+                        f"link add {self.uplink} type veth peer name {UPLINK_DEVICE} "
+                        f"netns {self.name}",
+                        f"addr add {host}/30 dev {self.uplink}",
+                        f"link set {self.uplink} up",
+                    ],
+                    f"making the uplink of {self.name}",
+                )
+                ip_batch(
+                    self.name,
+                    [
+                        f"addr add {inside}/30 dev {UPLINK_DEVICE}",
+                        f"link set {UPLINK_DEVICE} up",
+                        f"route replace default via {host} dev {UPLINK_DEVICE}",
+                    ],
+                    f"the egress side of the uplink of {self.name}",
+                )
+                rules = UPLINK_RULESET.format(table=self.uplink_table, dev=self.uplink)
+                run_tool(["nft", "-f", "-"], f"the host's rules of {self.uplink}", input=rules)
+            except BaseException:
+                self._remove_uplink()
+                raise
+            log.info("egress namespace %s: uplink %s to the host made", self.name, self.uplink)
+
+    def has_uplink(self) -> bool:
+        """Whether the egress namespace has its uplink to the host."""
+        return self.exists() and self._host_end()
+
+    def _host_end(self) -> bool:
+        with Netlink.open() as nl:  # the host's namespace: this process's
+            return any(link.name == self.uplink for link in nl.links())
+
+    def _remove_uplink(self) -> None:
+        """Remove the uplink's host end (its peer goes with it) and its host table; no error if
+        they are gone already."""
+        if self._host_end():
+            try:
+                ip_batch(None, [f"link delete {self.uplink}"], f"removing {self.uplink}")
+            except ToolError as e:  # gone meanwhile (its namespace was freed)
+                log.debug("removing %s: %s", self.uplink, e)
+        run_tool(
+            ["nft", "-f", "-"],
+            f"removing the host's table {self.uplink_table}",
+            input=f"table inet {self.uplink_table}\ndelete table inet {self.uplink_table}\n",
+        )
 
     def _addresses(self) -> dict[str, str]:
         if self._used is None:  # a namespace a previous daemon made: read what it holds
@@ -284,6 +414,7 @@ class EgressNetwork:
                 return False
             self._close_socket()
             delete_netns(self.name)
+            self._remove_uplink()
             self._used = None
             return True
 
@@ -291,6 +422,15 @@ class EgressNetwork:
         if self._nl is not None:
             self._nl.close()
             self._nl = None
+
+
+def _host_forwards() -> None:
+    """Turn on the host's IPv4 forwarding if it is off (Docker and most NAT setups have it on
+    already). It stays on: other things on the host may have come to rely on it since."""
+    path = Path("/proc/sys/net/ipv4/ip_forward")
+    if path.read_text().strip() != "1":
+        log.warning("egress: turning on the host's IPv4 forwarding for the uplink")
+        path.write_text("1")
 
 
 def _set_up_sandbox_side(address: str, where: str) -> None:

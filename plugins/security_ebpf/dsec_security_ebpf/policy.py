@@ -3,10 +3,14 @@ cgroup and changed live by map updates, with egress through the node's egress na
 
 Settings: ``{"allow": ["10.77.0.2/32:8080/tcp", "[fd00::/64]:*/udp", "pypi.example:443/tcp"]}``
 (``rules``). With ``SandboxSpec.network="allowlist"`` the sandbox also gets a veth into the
-egress namespace (``network``); with ``"none"`` it stays loopback-only and the programs only
-count what it tries. Domains are resolved on the node when the policy is set and every
-``DSEC_EGRESS_REFRESH`` seconds after (``resolve``); the sandbox's ``/etc/hosts`` (a read-only
-file the node rewrites) names what they resolved to, so programs in it find them without DNS.
+egress namespace (``network``); with ``"internet"`` (no policy to list: the mode brings this
+one along, ``implied_by``) the egress namespace gets an uplink through the host's NAT and the
+sandbox may reach every IPv4 address outside the private and special ranges
+(``rules.INTERNET_DENIED``), plus what its rules allow; with ``"none"`` it stays loopback-only
+and the programs only count what it tries. Domains are resolved on the node when the policy is
+set and every ``DSEC_EGRESS_REFRESH`` seconds after (``resolve``); the sandbox's ``/etc/hosts``
+(a read-only file the node rewrites) names what they resolved to, so programs in it find them
+without DNS.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .bpf import (
 )
 from .network import EgressNetwork
 from .resolve import Resolver
-from .rules import Rule, parse_settings, trie_entries
+from .rules import Rule, internet_rules, parse_settings, trie_entries
 
 __all__ = ["EgressPolicy", "hosts_file"]
 
@@ -68,13 +72,24 @@ class _Tracked:
     def domains(self) -> set[str]:
         return {r.domain for r in self.rules if r.domain}
 
+    def entries(self) -> dict[str, set[bytes]]:
+        """The keys of the sandbox's tries: its rules, and in ``network="internet"`` every
+        address outside the private ranges."""
+        rules = self.rules
+        if self.rt.spec.network == "internet":
+            rules = (*rules, *internet_rules())
+        return trie_entries(rules, self.resolved)
+
 
 class EgressPolicy(SecurityPolicy):
     """Default-deny egress allowlist: CIDR, port and protocol, or domain, port and protocol."""
 
     name = "egress"
     targets = frozenset({"oci", "started"})
-    network_modes = frozenset({"allowlist"})
+    network_modes = frozenset({"allowlist", "internet"})
+    #: ``network="internet"`` needs no allow rules: a sandbox that does not list the policy
+    #: gets it with none (``SecurityPolicy.implied_by``).
+    implied_by = frozenset({"internet"})
     live = True
     # One TEST-NET-1 destination: the programs, maps, veth and egress namespace all come up,
     # and nothing leaves the node (documentation addresses, routed nowhere).
@@ -211,8 +226,10 @@ class EgressPolicy(SecurityPolicy):
                     )
                 self.programs.attach(rt.id, s.cgroup2)
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(tracked.rules, tracked.resolved))
-            if rt.spec.network == "allowlist":
+                maps.sync(tracked.entries())
+            if rt.spec.network == "internet":
+                self.network.ensure_uplink()
+            if rt.spec.network in self.network_modes:
                 tracked.address = self.network.attach(rt.id, s.netns)
             self._write_hosts(tracked)
         except BaseException:
@@ -243,7 +260,7 @@ class EgressPolicy(SecurityPolicy):
             new = _Tracked(rt, rules, address=tracked.address)
             new.resolved = self.resolver.resolve(new.domains)
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(new.rules, new.resolved))
+                maps.sync(new.entries())
             self._write_hosts(new)
             self._track(new)
 
@@ -253,7 +270,7 @@ class EgressPolicy(SecurityPolicy):
         tracked.address = self.network.address_of(rt.id)
         try:
             with SandboxMaps.open(rt.id) as maps:
-                maps.sync(trie_entries(tracked.rules, tracked.resolved))
+                maps.sync(tracked.entries())
         except DsecError as e:
             log.warning("sandbox %s: its egress maps are gone: %s", rt.id, e)
             return
@@ -354,7 +371,7 @@ class EgressPolicy(SecurityPolicy):
                     continue  # released or updated meanwhile
                 try:
                     with SandboxMaps.open(t.rt.id) as maps:
-                        maps.sync(trie_entries(t.rules, resolved))
+                        maps.sync(_Tracked(t.rt, t.rules, resolved).entries())
                 except DsecError as e:
                     log.warning("sandbox %s: egress maps: %s", t.rt.id, e)
                     continue

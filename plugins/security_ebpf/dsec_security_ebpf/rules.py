@@ -16,9 +16,11 @@ from typing import Any
 from dsec_core.errors import InvalidSpec
 
 __all__ = [
+    "INTERNET_DENIED",
     "MAX_RULES",
     "PROTOCOLS",
     "Rule",
+    "internet_rules",
     "parse_rule",
     "parse_settings",
     "trie_entries",
@@ -30,6 +32,27 @@ MAX_RULES = 4096
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _HEAD = struct.Struct("<IBB")  # prefixlen, protocol, padding; then port and address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+#: What ``network="internet"`` keeps out unless an allow rule opens it: "this network",
+#: private (RFC 1918), shared (100.64/10, carrier NAT), loopback, link-local (cloud metadata,
+#: 169.254.169.254, among them), multicast and the reserved rest. IPv4 only: a sandbox's eth0
+#: has no IPv6. The node's own addresses, whatever they are, are kept out on the host (the
+#: uplink's table in ``network``).
+INTERNET_DENIED = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -116,6 +139,29 @@ def parse_settings(settings: Mapping[str, Any]) -> tuple[Rule, ...]:
             f"egress: {len(allow)} rules; a sandbox may have {MAX_RULES}", field="allow"
         )
     return tuple(parse_rule(r, f"allow[{i}]") for i, r in enumerate(allow))
+
+
+def _internet() -> list[ipaddress.IPv4Network]:
+    nets = [ipaddress.IPv4Network("0.0.0.0/0")]
+    for denied in INTERNET_DENIED:
+        out: list[ipaddress.IPv4Network] = []
+        for n in nets:
+            if denied.subnet_of(n):
+                out += n.address_exclude(denied)
+            elif not n.subnet_of(denied):
+                out.append(n)
+        nets = out
+    return sorted(nets)
+
+
+def internet_rules() -> tuple[Rule, ...]:
+    """The rules of ``network="internet"``: every IPv4 address but ``INTERNET_DENIED``, any
+    port, TCP and UDP (51 networks, 102 trie entries; the programs need no other mode)."""
+    return tuple(
+        Rule(f"{net}:*/{proto}", 0, proto, network=net)
+        for net in _internet()
+        for proto in PROTOCOLS
+    )
 
 
 def trie_entries(

@@ -39,6 +39,7 @@ from .network import EgressNetwork
 __all__ = [
     "PROBE_SOURCE",
     "EgressKitNode",
+    "HostServerNamespace",
     "Received",
     "ServerNamespace",
     "build_probe",
@@ -145,6 +146,47 @@ class ServerNamespace:
     @property
     def exists(self) -> bool:
         return netns_exists(self.name)
+
+
+class HostServerNamespace(ServerNamespace):
+    """A network namespace a test makes, linked by a veth to the host's namespace: the host
+    holds ``network[1]`` and routes ``network`` to it, the namespace ``network[2]`` (what a
+    sandbox of ``network="internet"`` reaches through the node's uplink). ``close()`` removes
+    the namespace; the veth and the host's route go with it."""
+
+    def __init__(self, home: Path, tmp: Path, network: str) -> None:
+        super().__init__(home, tmp)
+        self.veth = f"tsh{secrets.token_hex(5)}"
+        net = ipaddress.ip_network(network)
+        self.prefixlen = net.prefixlen
+        self.gateway, self.address = str(net[1]), str(net[2])
+
+    def __enter__(self) -> HostServerNamespace:
+        add_netns(self.name)
+        try:
+            ip_batch(
+                None,
+                [
+                    f"link add {self.veth} type veth peer name eth0 netns {self.name}",
+                    f"addr add {self.gateway}/{self.prefixlen} dev {self.veth}",
+                    f"link set {self.veth} up",
+                ],
+                "linking a test namespace to the host's",
+            )
+            ip_batch(
+                self.name,
+                [
+                    f"addr add {self.address}/{self.prefixlen} dev eth0",
+                    "link set eth0 up",
+                    f"route add default via {self.gateway}",
+                ],
+                "a test namespace's eth0",
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.record.touch()
+        return self
 
 
 def start_server(argv: list[str], netns: str | None = None) -> subprocess.Popen[str]:

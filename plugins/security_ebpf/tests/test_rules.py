@@ -7,7 +7,7 @@ import ipaddress
 
 import pytest
 from dsec_security_ebpf import EgressPolicy, parse_rule, parse_settings
-from dsec_security_ebpf.rules import MAX_RULES, trie_entries
+from dsec_security_ebpf.rules import INTERNET_DENIED, MAX_RULES, internet_rules, trie_entries
 
 from dsec_core.errors import InvalidSpec
 
@@ -100,3 +100,22 @@ def test_trie_keys():
         "allow4": {next(k for k in keys["allow4"] if k[4] == 6)},
         "allow6": {next(k for k in keys["allow6"] if k[0] == 40)},
     }
+
+
+def test_internet_rules_cover_every_address_but_the_denied_ranges():
+    rules = internet_rules()
+    nets = {r.network for r in rules}
+    assert len(nets) == 51 and len(rules) == 102  # each network for tcp and udp, any port
+    assert {(r.protocol, r.port) for r in rules} == {("tcp", 0), ("udp", 0)}
+    total = sum(n.num_addresses for n in nets) + sum(d.num_addresses for d in INTERNET_DENIED)
+    assert total == 1 << 32  # together they are the whole IPv4 space, without overlap
+
+    def allowed(addr):
+        return any(ipaddress.ip_address(addr) in n for n in nets)
+
+    for addr in ("8.8.8.8", "1.1.1.1", "198.51.100.2", "203.0.113.9", "172.32.0.1", "100.63.0.1"):
+        assert allowed(addr), addr
+    for addr in ("10.1.2.3", "172.16.0.1", "192.168.1.1", "100.64.0.1", "169.254.169.254",
+                 "127.0.0.1", "0.0.0.0", "224.0.0.1", "255.255.255.255"):  # fmt: skip
+        assert not allowed(addr), addr
+    assert trie_entries(rules, {})["allow4"] and not trie_entries(rules, {})["allow6"]
