@@ -113,7 +113,7 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
                 mp.setenv("E2B_SANDBOX_URL", api.url)
                 mp.delenv("E2B_API_KEY", raising=False)
                 plane = Plane(api.url, iam, node, files, image)
-                plane.nodes, plane.iam_url = nodes, iam_url
+                plane.nodes, plane.iam_url, plane.environment = nodes, iam_url, environment
                 yield plane
         finally:
             api.stop()
@@ -264,6 +264,32 @@ def test_another_apiserver_on_the_same_iam_store_sees_the_templates(plane):
             assert sb.files.read("/shared.txt") == "shared\n"
         finally:
             sb.kill()
+    finally:
+        other.stop()
+        other.log.unlink(missing_ok=True)
+
+
+def test_the_build_network_is_the_operators_setting(plane):
+    """By default a build has no network (no interface but loopback); with
+    ``DSEC_E2B_BUILD_NETWORK=internet`` its sandbox has the node's NAT network."""
+    closed = Template().from_image(IMAGE).run_cmd("test ! -e /sys/class/net/eth0")
+    Template.build(closed, "tpl-net-none", api_key=plane.builder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSEC_E2B_FILES", str(plane.files))
+        mp.setenv("DSEC_E2B_BUILD_NETWORK", "internet")
+        mp.setenv("DSEC_E2B_IMAGES", f"{IMAGE}={plane.environment}")
+        other = start_apiserver(plane.nodes, plane.iam_url)
+    try:
+        open_ = Template().from_image(IMAGE).run_cmd("cat /sys/class/net/eth0/operstate")
+        seen: list[str] = []
+        Template.build(
+            open_,
+            "tpl-net-internet",
+            api_key=plane.builder,
+            api_url=other.url,
+            on_build_logs=lambda e: seen.append(e.message),
+        )
+        assert "up" in seen
     finally:
         other.stop()
         other.log.unlink(missing_ok=True)
