@@ -56,8 +56,11 @@ REASON_OUTPUT = 4000
 MAX_LINE = 4 << 10
 #: Seconds between a running build's heartbeats in its record.
 HEARTBEAT = 15.0
+#: The build sandbox's ttl, renewed at each heartbeat: a build whose apiserver is gone (killed,
+#: so nothing ran its clean-up) leaves no sandbox behind for longer than this.
+BUILD_TTL = 300.0
 #: The build sandbox's limits when the template asks for none.
-BUILD_SANDBOX = {"cpu": 2.0, "memory": "2G", "disk": "10G", "ttl": 3 * 3600.0}
+BUILD_SANDBOX = {"cpu": 2.0, "memory": "2G", "disk": "10G", "ttl": BUILD_TTL}
 _STEP_TYPES = ("RUN", "COPY", "ENV", "WORKDIR", "USER")
 _COPY_TAR = "/tmp/.dsec-e2b-copy.tar"
 
@@ -362,6 +365,9 @@ class TemplateBuild:
             await asyncio.sleep(HEARTBEAT)
             with contextlib.suppress(Exception):
                 await blog.save()
+            if self.sandbox_id is not None:
+                with contextlib.suppress(Exception):
+                    await self.client.set_ttl(self.sandbox_id, BUILD_TTL)
 
     # --- FROM ----------------------------------------------------------------------------
     async def _base(self, blog: BuildLog) -> State:
