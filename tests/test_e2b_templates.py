@@ -32,6 +32,7 @@ from e2b import (
 from e2b.api.client.api.templates import (
     delete_templates_template_id,
     get_templates,
+    get_templates_template_id,
     get_v2_templates,
 )
 from e2b.api.client_sync import get_api_client
@@ -311,6 +312,8 @@ def test_list_and_delete(plane):
     other = plane.iam.create_key("tpl-other", "builder")[1]
     assert get_templates.sync(client=get_api_client(ConnectionConfig(api_key=other))) == []
     assert not Template.alias_exists("tpl-listed", api_key=other)
+    one = get_templates_template_id.sync(info.template_id, client=api)
+    assert [str(b.build_id) for b in one.builds] == [info.build_id]
     sb = Sandbox.create(info.template_id, api_key=plane.member)  # by id, too
     try:
         assert sb.files.read("/listed.txt") == "listed\n"
