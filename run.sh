@@ -181,10 +181,32 @@ setup_harbor() {
     touch "$hvenv/.dsec-stamps/pip-$sum"
 }
 
+# verl's code reward (verl/utils/reward_score/sandbox_fusion: requests and the standard library)
+# is what tests/test_fusion.py runs against /run_code, loaded by path. verl's own dependencies
+# (torch, ray, vllm: gigabytes) are not needed for it, so verl goes in without them, and into a
+# directory of its own (.venv/verl) rather than site-packages: its wheel also ships a top-level
+# `tests` package, which would shadow this repository's `tests` (from tests.conftest import ...).
+VERL_VERSION=0.9.1
+setup_verl() {
+    [ -f "$stamp_dir/verl-dir-$VERL_VERSION" ] && return
+    log "installing verl $VERL_VERSION without its dependencies into .venv/verl (its reward module only)"
+    "$venv/bin/pip" uninstall -y -q verl >/dev/null 2>&1 || true  # an earlier setup's, if any
+    rm -rf "$venv/verl"
+    if ! "$venv/bin/pip" install -q --no-deps --target "$venv/verl" "verl==$VERL_VERSION" \
+            >"$stamp_dir/verl.log" 2>&1; then
+        cat "$stamp_dir/verl.log" >&2
+        echo "run.sh: pip install --no-deps verl failed" >&2
+        exit 1
+    fi
+    rm -f "$stamp_dir"/verl-*
+    touch "$stamp_dir/verl-dir-$VERL_VERSION"
+}
+
 setup() {
     need_root
     setup_apt
     setup_python
+    setup_verl
     setup_wheelhouse
     setup_harbor
 }

@@ -52,6 +52,7 @@ __all__ = [
     "MemorySnapshot",
     "NodeLoad",
     "PolicyState",
+    "ProcessInfo",
     "ResolvedImage",
     "SandboxInfo",
     "SandboxSpec",
@@ -757,6 +758,29 @@ class ExecOutput(_Record):
     @property
     def text(self) -> str:
         return self.data.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class ProcessInfo(_Record):
+    """A command started with ``process_start``: it runs on while clients attach to its output
+    (``process_output``) and go, takes input, resizes and signals, until it ends, is killed,
+    or its sandbox dies. ``pid`` is its process id inside the sandbox; ``rows`` and ``cols``
+    its terminal's size (None: no terminal, pipes); ``stdin`` whether it takes input;
+    ``exit_code`` once it ended (then ``running`` is false; 128+N after signal N)."""
+
+    pid: int
+    command: str
+    sandbox_id: str = ""
+    running: bool = True
+    stdin: bool = False
+    rows: int | None = None
+    cols: int | None = None
+    started: float = 0.0
+    exit_code: int | None = None
+
+    @property
+    def pty(self) -> bool:
+        return self.rows is not None
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ CORE_OPS = {"list": "list_sandboxes"}
 def test_the_server_serves_exactly_the_table(tmp_path):
     app = make_app(Node(NodeConfig(home=tmp_path)))
     served = {(m, r.path) for r in app.routes for m in r.methods if m != "HEAD"}
-    assert served == {(r.method, r.path) for r in ROUTES.values()}
+    # and SandboxFusion's /run_code (dsec_core.fusion), in its own shapes outside the table
+    assert served == {(r.method, r.path) for r in ROUTES.values()} | {("POST", "/run_code")}
     assert set(HANDLERS) == set(ROUTES)
 
 

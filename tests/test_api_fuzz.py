@@ -186,6 +186,11 @@ def _base_body(t: Target, name: str) -> Any:
         # a day: the lease must not lapse (pausing the target) while the run goes on
         "lease": {"sandboxes": [t.sid], "ttl": 86400.0, "holder": "fuzz"},
         "write_file": b"data",
+        "process_start": {"cmd": ["true"], "timeout": 2.0, "stdin": True, "rows": 24, "cols": 80},
+        "process_output": {"from_start": True},
+        "process_input": {"stdin": "aW4=", "eof": True},
+        "process_resize": {"rows": 24, "cols": 80},
+        "process_signal": {"signal": "TERM"},
         # the target is a container: valid input is FeatureUnavailable (409), mistyped a 422
         "input": {"events": [{"type": "click", "x": 1, "y": 2, "button": "left"}]},
     }.get(name)
@@ -212,6 +217,7 @@ def _params(t: Target, name: str) -> dict[str, str]:
         "lease": "no-such-lease",
         "trajectory": "fuzzed-trajectory",
         "snapshot": "no-such-snapshot",
+        "pid": "1",  # the sandbox's agent: no process the node holds
     }
     if name == "kill":  # never the run's target
         params["sid"] = "no-such-sandbox"

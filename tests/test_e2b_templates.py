@@ -32,6 +32,7 @@ from e2b import (
 from e2b.api.client.api.templates import (
     delete_templates_template_id,
     get_templates,
+    get_templates_template_id,
     get_v2_templates,
 )
 from e2b.api.client_sync import get_api_client
@@ -113,7 +114,7 @@ def plane(tmp_path_factory) -> Iterator[Plane]:
                 mp.setenv("E2B_SANDBOX_URL", api.url)
                 mp.delenv("E2B_API_KEY", raising=False)
                 plane = Plane(api.url, iam, node, files, image)
-                plane.nodes, plane.iam_url = nodes, iam_url
+                plane.nodes, plane.iam_url, plane.environment = nodes, iam_url, environment
                 yield plane
         finally:
             api.stop()
@@ -269,6 +270,32 @@ def test_another_apiserver_on_the_same_iam_store_sees_the_templates(plane):
         other.log.unlink(missing_ok=True)
 
 
+def test_the_build_network_is_the_operators_setting(plane):
+    """By default a build has no network (no interface but loopback); with
+    ``DSEC_E2B_BUILD_NETWORK=internet`` its sandbox has the node's NAT network."""
+    closed = Template().from_image(IMAGE).run_cmd("test ! -e /sys/class/net/eth0")
+    Template.build(closed, "tpl-net-none", api_key=plane.builder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSEC_E2B_FILES", str(plane.files))
+        mp.setenv("DSEC_E2B_BUILD_NETWORK", "internet")
+        mp.setenv("DSEC_E2B_IMAGES", f"{IMAGE}={plane.environment}")
+        other = start_apiserver(plane.nodes, plane.iam_url)
+    try:
+        open_ = Template().from_image(IMAGE).run_cmd("cat /sys/class/net/eth0/operstate")
+        seen: list[str] = []
+        Template.build(
+            open_,
+            "tpl-net-internet",
+            api_key=plane.builder,
+            api_url=other.url,
+            on_build_logs=lambda e: seen.append(e.message),
+        )
+        assert "up" in seen
+    finally:
+        other.stop()
+        other.log.unlink(missing_ok=True)
+
+
 def test_list_and_delete(plane):
     template = Template().from_image(IMAGE).run_cmd("echo listed > /listed.txt")
     info = Template.build(template, "tpl-listed", api_key=plane.builder)
@@ -285,6 +312,8 @@ def test_list_and_delete(plane):
     other = plane.iam.create_key("tpl-other", "builder")[1]
     assert get_templates.sync(client=get_api_client(ConnectionConfig(api_key=other))) == []
     assert not Template.alias_exists("tpl-listed", api_key=other)
+    one = get_templates_template_id.sync(info.template_id, client=api)
+    assert [str(b.build_id) for b in one.builds] == [info.build_id]
     sb = Sandbox.create(info.template_id, api_key=plane.member)  # by id, too
     try:
         assert sb.files.read("/listed.txt") == "listed\n"

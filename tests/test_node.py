@@ -30,6 +30,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_node_starts_empty(dsec_node):
+    """This module checks that the whole shared node is clean after each failure path; a module
+    that ran before it on this worker may have left sandboxes running there on purpose (FnCall
+    pool members idle until their timeout, a test's sandbox with a long ttl): they are not
+    leaks, but they are not this module's either. Kill what the node lists first, and say what
+    it was (a CI run once failed five checks here on one such container)."""
+    with dsec_node.client() as client:
+        for info in client.list():
+            print(f"test_node: killing {info.id} left running on the shared node: {info.labels}")
+            client.kill(info.id)
+
+
 def _assert_clean(home: Path, sandbox_id: str | None = None) -> None:
     left = leftovers(home)
     if sandbox_id is None:

@@ -38,7 +38,15 @@ from ..errors import (
 )
 from ..records import ExecResult, FileEntry
 
-__all__ = ["CHUNK", "MAX_FRAME", "MAX_OUTPUT", "RECV_PIECE", "REPLY_HEADER", "AgentClient"]
+__all__ = [
+    "CHUNK",
+    "MAX_FRAME",
+    "MAX_OUTPUT",
+    "RECV_PIECE",
+    "REPLY_HEADER",
+    "AgentClient",
+    "AgentProcess",
+]
 
 MAX_FRAME = 16 << 20  # the agent refuses headers and bodies above this
 CHUNK = 8 << 20  # file transfers are split into pieces of this size
@@ -469,6 +477,58 @@ class AgentClient:
         finally:
             sock.close()
 
+    async def exec_interactive(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        pty: tuple[int, int] | None = None,
+        max_output: int = 1 << 20,
+        background: bool = False,
+    ) -> AgentProcess:
+        """Start a command that takes input, resizes and signals while it runs (the agent's
+        ``interactive=1``): its stdin a pipe that stays open (``stdin``; else /dev/null), or a
+        new pseudo-terminal of ``pty`` = (rows, cols) as its controlling tty on fds 0-2. The
+        ``AgentProcess`` holds the connection: closing it kills the command. ``max_output``
+        bounds each piece of output, not the total."""
+        fields, command = self._exec_fields(
+            cmd, timeout, cwd, env, b"" if stdin else None, max_output, background, False
+        )
+        fields.append(("interactive", 1))
+        if pty is not None:
+            rows, cols = pty
+            fields += [("pty", 1), ("rows", int(rows)), ("cols", int(cols))]
+        loop = asyncio.get_running_loop()
+        sock, fields = await self._send(loop, fields, b"")
+        try:
+            try:
+                reply, _ = await asyncio.wait_for(
+                    self._read_reply(loop, sock, fields, (REPLY_HEADER, 0)), _TIMEOUT_SLACK
+                )
+            except TimeoutError:
+                raise SandboxError(
+                    f"{self._where()}: the agent did not start the command within "
+                    f"{_TIMEOUT_SLACK:.0f}s",
+                    sandbox_id=self.sandbox_id,
+                ) from None
+            except (OSError, EOFError) as e:
+                raise self._gone(getattr(e, "strerror", None) or e) from e
+            if "error" in reply:
+                raise self._error(reply)
+            try:
+                pid = _num(reply, "pid")
+            except _Malformed as e:
+                raise self._forged(f"a malformed start of an interactive command: {e}") from None
+            if "started" not in reply or pid <= 0:
+                raise self._forged("an interactive command's start without its pid")
+        except BaseException:
+            sock.close()
+            raise
+        return AgentProcess(self, sock, fields, command, self._output_cap(max_output), pid)
+
     async def session_open(
         self,
         *,
@@ -620,3 +680,88 @@ class AgentClient:
     async def remove(self, path: str | os.PathLike[str], recursive: bool = False) -> None:
         """Remove a file, symlink or empty directory; ``recursive`` removes a tree."""
         await self._call([("op", "remove"), ("path", os.fspath(path)), ("recursive", recursive)])
+
+
+class AgentProcess:
+    """A command ``AgentClient.exec_interactive`` started, and its connection to the agent:
+    ``events()`` reads its output as it comes (``("stdout" | "stderr", bytes)``) and then
+    its ``ExecResult`` (stdout and stderr empty); ``send``, ``close_stdin``, ``resize`` and
+    ``signal`` go to the agent while it runs. ``close()`` ends the connection, which kills
+    the command if it still runs."""
+
+    def __init__(
+        self,
+        client: AgentClient,
+        sock: socket.socket,
+        fields: Sequence[tuple[str, Any]],
+        command: str,
+        cap: int,
+        pid: int,
+    ) -> None:
+        self.client, self.command, self.pid = client, command, pid
+        self._sock, self._fields, self._cap = sock, fields, cap
+        self._lock = asyncio.Lock()  # frames go out whole, one at a time
+        self.closed = False
+
+    async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecResult]:
+        c, loop = self.client, asyncio.get_running_loop()
+        while True:
+            try:
+                reply, body = await c._read_reply(
+                    loop, self._sock, self._fields, (REPLY_HEADER, 2 * self._cap)
+                )
+            except (OSError, EOFError) as e:
+                raise c._gone(getattr(e, "strerror", None) or e) from e
+            if "error" in reply:
+                raise c._error(reply)
+            if "chunk" in reply:
+                which = _one(reply, "chunk")
+                if which not in (b"out", b"err") or len(body) > self._cap:
+                    raise c._forged(f"an output chunk beyond the {self._cap} byte cap")
+                yield ("stdout" if which == b"out" else "stderr", body)
+                continue
+            result = c._result(reply, body, self.command, self._cap)
+            if result.stdout:
+                yield ("stdout", result.stdout)
+            if result.stderr:
+                yield ("stderr", result.stderr)
+            yield dataclasses.replace(result, stdout=b"", stderr=b"")
+            return
+
+    async def _frame(self, fields: Sequence[tuple[str, Any]], body: bytes = b"") -> None:
+        if self.closed:
+            raise SandboxError(
+                f"{self.client._where()}: command {self.pid} is over",
+                sandbox_id=self.client.sandbox_id,
+            )
+        fields = [*fields, ("body_len", len(body))] if body else list(fields)
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            try:
+                await loop.sock_sendall(self._sock, _encode(fields) + body)
+            except OSError as e:
+                raise self.client._gone(e.strerror or e) from e
+
+    async def send(self, data: bytes) -> None:
+        """Input for the command's stdin (or terminal), in pieces of at most ``CHUNK``."""
+        view = memoryview(data)
+        for at in range(0, len(view), CHUNK):
+            await self._frame([("in", 1)], bytes(view[at : at + CHUNK]))
+
+    async def close_stdin(self) -> None:
+        """End of input: stdin is closed once what was sent is written (a terminal gets its
+        EOF character instead)."""
+        await self._frame([("eof", 1)])
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """A new size for the command's terminal (its process group gets SIGWINCH)."""
+        await self._frame([("rows", int(rows)), ("cols", int(cols))])
+
+    async def signal(self, signal: int) -> None:
+        """Send ``signal`` (a number) to the command."""
+        await self._frame([("signal", int(signal))])
+
+    def close(self) -> None:
+        """Close the connection: the agent kills the command if it still runs."""
+        self.closed = True
+        self._sock.close()

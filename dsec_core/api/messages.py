@@ -30,6 +30,7 @@ from ..records import (
     MemorySnapshot,
     NodeLoad,
     PolicyState,
+    ProcessInfo,
     ResolvedImage,
     SandboxInfo,
     SandboxSpec,
@@ -87,6 +88,13 @@ __all__ = [
     "PrefetchRequest",
     "PrefetchResult",
     "PrefetchedLayer",
+    "ProcessInfo",
+    "ProcessInputRequest",
+    "ProcessList",
+    "ProcessOutputRequest",
+    "ProcessResizeRequest",
+    "ProcessSignalRequest",
+    "ProcessStartRequest",
     "ProjectUsage",
     "QosSupport",
     "ReadQuery",
@@ -457,6 +465,82 @@ class SessionOpenRequest(Message):
 
     def __post_init__(self) -> None:
         _plain_env(self)
+
+
+#: A terminal's largest side, in rows or columns (the kernel's ``winsize`` holds 16 bits).
+_TERMINAL_SIDE = _limits(minimum=1, maximum=65535)
+
+
+@dataclass(frozen=True)
+class ProcessStartRequest(Message):
+    """Start a command that runs on between clients: a string through ``/bin/sh -c``, an
+    array as argv. ``stdin`` keeps its standard input open for ``process_input``; ``rows``
+    and ``cols`` (both, or neither) run it on a new pseudo-terminal of that size as its
+    controlling tty (stdin, stdout and stderr; its output is all "stdout"). ``timeout`` kills
+    its process tree; when it exits, what it left running is killed unless ``background``.
+    Output is kept (the last ``BACKLOG`` bytes) for clients that attach later."""
+
+    cmd: str | tuple[str, ...] = field(metadata=_limits(minLength=1, minItems=1))
+    timeout: float | None = field(default=None, metadata=_TIMEOUT)
+    cwd: str | None = None
+    env: Mapping[str, str] | None = None
+    stdin: bool = False
+    rows: int | None = field(default=None, metadata=_TERMINAL_SIDE)
+    cols: int | None = field(default=None, metadata=_TERMINAL_SIDE)
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        cmd = self.cmd
+        if isinstance(cmd, AbcSequence) and not isinstance(cmd, (str, bytes, tuple)):
+            object.__setattr__(self, "cmd", tuple(cmd))
+        _plain_env(self)
+        if not self.cmd:
+            raise InvalidSpec("process_start needs cmd: a non-empty string or list", field="cmd")
+        if (self.rows is None) != (self.cols is None):
+            raise InvalidSpec("a terminal needs both rows and cols", field="rows")
+
+
+@dataclass(frozen=True)
+class ProcessList(Message):
+    """The sandbox's processes started with ``process_start`` (those that ended a moment
+    ago too, ``running`` false)."""
+
+    processes: tuple[ProcessInfo, ...]
+
+
+@dataclass(frozen=True)
+class ProcessOutputRequest(Message):
+    """Attach to a process's output: from the first byte still kept (``from_start``) or from
+    now on."""
+
+    from_start: bool = True
+
+
+@dataclass(frozen=True)
+class ProcessInputRequest(Message):
+    """Input for a process's stdin or terminal (base64), and/or the end of its input (``eof``:
+    stdin closes once what came before is written; a terminal gets its EOF character)."""
+
+    stdin: bytes = b""
+    eof: bool = False
+
+    def __post_init__(self) -> None:
+        _text_to_bytes(self, "stdin")
+
+
+@dataclass(frozen=True)
+class ProcessResizeRequest(Message):
+    """A process's terminal's new size."""
+
+    rows: int = field(metadata=_TERMINAL_SIDE)
+    cols: int = field(metadata=_TERMINAL_SIDE)
+
+
+@dataclass(frozen=True)
+class ProcessSignalRequest(Message):
+    """A signal for a process: a name (``KILL``, ``SIGTERM``, ``INT``, ...) or its number."""
+
+    signal: str | int = "KILL"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ options both run with (``server_options``: the bounded HTTP protocol of ``.proto
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import functools
 import importlib.util
@@ -29,6 +31,7 @@ if _HTTPTOOLS:
 
 __all__ = [
     "HttpLimits",
+    "basic_password",
     "body_pieces",
     "check_declared",
     "error_response",
@@ -228,22 +231,39 @@ def _has(module: str) -> bool:
         return False
 
 
+def basic_password(value: bytes) -> str | None:
+    """The password of an ``Authorization: Basic`` header's value (any user name), None if
+    the value is not Basic auth: clients that take only a URL (SandboxFusion's, verl's) send
+    a key as ``http://dsec:KEY@host/``."""
+    scheme, _, rest = value.decode("latin-1").partition(" ")
+    if scheme.lower() != "basic" or not rest.strip():
+        return None
+    try:
+        pair = base64.b64decode(rest.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    _user, colon, password = pair.partition(":")
+    return password if colon and password else None
+
+
 def request_key(headers: Any) -> str | None:
     """The API key a request head carries (ASGI ``(name, value)`` byte pairs): the
     ``Authorization: Bearer`` value, else ``X-API-Key``, else ``X-Access-Token`` (E2B's envd
-    paths); None if none does. The one rule: the key the apiserver checks is the key every
-    route then acts as."""
-    bearer = api_key = access = None
+    paths), else HTTP Basic auth's password (``basic_password``); None if none does. The one
+    rule: the key the apiserver checks is the key every route then acts as."""
+    bearer = api_key = access = basic = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, rest = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and rest.strip():
                 bearer = rest.strip()
+            elif scheme.lower() == "basic":
+                basic = basic_password(value)
         elif name == b"x-api-key":
             api_key = value.decode("latin-1")
         elif name == b"x-access-token":
             access = value.decode("latin-1")
-    return bearer or api_key or access or None
+    return bearer or api_key or access or basic or None
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

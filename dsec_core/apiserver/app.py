@@ -123,6 +123,7 @@ from .reach import (
     scoped,
     strip_tag,
 )
+from .run_code import run_code_route
 from .waiting import PlacementQueue
 
 __all__ = ["OVERFLOW_LABEL", "Authority", "Gateway", "Metrics", "make_app"]
@@ -1301,6 +1302,7 @@ def make_app(
     ``refusal`` answers refused requests of ``extra_routes`` in their own shape."""
 
     routes = [StarletteRoute(r.path, _endpoint(gw, r), methods=[r.method]) for r in ROUTES.values()]
+    routes.append(run_code_route(gw))  # SandboxFusion's POST /run_code (dsec_core.fusion)
     app = Starlette(
         routes=[*routes, *iam_routes(gw.iam), *extra_routes],
         lifespan=lifespan,

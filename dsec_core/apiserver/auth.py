@@ -1,9 +1,9 @@
 """Authenticate first: an ASGI middleware that checks every HTTP request's API key before any
 route runs, so nothing of a request whose key IAM does not know is read, parsed or spooled.
 
-The key is ``dsec_core.api.serving.request_key``'s (``Authorization: Bearer``, else
-``X-API-Key``, else ``X-Access-Token``), from the request head only, and the routes act as
-that same key. A refused request is answered at once, in the
+The key is ``dsec_core.api.serving.request_key``'s (``Authorization: Bearer`` or HTTP Basic
+auth's password, else ``X-API-Key``, else ``X-Access-Token``), from the request head only, and
+the routes act as that same key. A refused request is answered at once, in the
 shape its route family's clients expect (``refusal``; the node API's ``{"error": ...}`` by
 default), with ``Connection: close``: the body it may be sending is never read, and the
 connection is not kept for another request behind an unread body. The principal a key

@@ -24,6 +24,11 @@ a store, as the apiserver gives its IAM store), else they are dsec environments:
 ``timeout`` is the sandbox's ttl, ``metadata`` its labels ``e2b.meta.<key>``, ``envs`` its
 environment.
 
+Commands are the node's interactive processes (``process_start``): ``stdin=True`` with
+``send_stdin``/``stream_input``/``close_stdin``, PTYs (``sandbox.pty``: a pseudo-terminal of
+the sandbox's own, resized by ``resize``) and ``commands.connect`` (output from then on) work
+as under envd.
+
 ``allow_internet_access=True`` is dsec's ``network="internet"``: out through the node's NAT,
 with private ranges, cloud metadata and the node's own addresses refused (false or absent:
 loopback only, dsec's default). Metadata filters match keys and values exactly, whatever they
@@ -32,20 +37,19 @@ directories, as envd does. ``files.watch_dir`` (recursive too; sync polling and 
 stream) runs the sandbox's agent binary as an inotify watcher (``watch.py``); its events are
 envd's, without ``include_entry`` (the SDK refuses it for envd 0.6.1).
 
-Not supported, each with the error the SDK raises for it: PTY (``sandbox.pty``),
-``commands.connect`` and stdin (``send_stdin``, ``stdin=True``): ``SandboxException``
-"Code.UNIMPLEMENTED: ..."; file metadata: the SDK's own
+Not supported, each with the error the SDK raises for it: file metadata: the SDK's own
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
 ``network``, ``mcp``, ``volume_mounts`` and ``lifecycle`` (auto pause/resume) on create:
-``SandboxException`` with status 400; snapshots, forks, metrics, volumes and secrets: no
-route, so the SDK's error for a 404
+``SandboxException`` with status 400; snapshots,
+forks, metrics, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
-``commands.list`` shows each command's argv as it runs now, without its ``envs``. A command
-lives as long as its stream: when the SDK lets go of it (``disconnect()``, a dropped
-background handle, the program ending) dsec kills it, where envd would let it run on; what it
-started in the background (``cmd &``) does run on. Output past 16 MiB per stream is dropped
-(the result's ``error`` says so). ``download_url``/``upload_url`` signatures are not checked
-(a request needs the ``X-Access-Token`` header).
+``commands.list`` shows each command's argv as it runs now, without its ``envs``; process
+tags are not kept (a tag selector is not found). A command runs on when the SDK lets go of its
+stream (``disconnect()``, a dropped handle, the program ending), as under envd, until it ends,
+its ``timeout`` kills it, ``kill`` does, or the sandbox dies (or the node daemon stops, which
+holds it); what it started in the background (``cmd &``) runs on too.
+``download_url``/``upload_url`` signatures are not checked (a request needs the
+``X-Access-Token`` header).
 """
 
 from __future__ import annotations

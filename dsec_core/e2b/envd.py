@@ -23,24 +23,34 @@ from .connect import (
     unary_error,
 )
 from .filesystem import FILESYSTEM_UNARY, absolute, read_file, write_files
-from .process import keepalive_interval, list_processes, send_signal, start_events
+from .process import (
+    close_stdin,
+    connect_events,
+    keepalive_interval,
+    list_processes,
+    send_input,
+    send_signal,
+    start_events,
+    stream_input,
+    update,
+)
 from .watch import Watchers, watch_dir_events
 
 __all__ = ["envd_refusal", "envd_routes"]
 
-_PROCESS_UNARY = {"SendSignal": send_signal, "List": list_processes}
+_PROCESS_UNARY = {
+    "SendSignal": send_signal,
+    "List": list_processes,
+    "SendInput": send_input,
+    "CloseStdin": close_stdin,
+    "Update": update,
+}
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
 #: ``SandboxException: Code.UNIMPLEMENTED: ...``).
-_UNSUPPORTED = {
-    ("process.Process", "Connect"): "reconnecting to a running command is not supported",
-    ("process.Process", "Update"): "PTY is not supported",
-    ("process.Process", "SendInput"): "stdin is not supported",
-    ("process.Process", "StreamInput"): "stdin is not supported",
-    ("process.Process", "CloseStdin"): "stdin is not supported",
-}
+_UNSUPPORTED: dict[tuple[str, str], str] = {}
 _SERVICES = ("process.Process", "filesystem.Filesystem")
 _STREAMS = {("process.Process", "Start"), ("process.Process", "Connect")}
-_STREAMS |= {("filesystem.Filesystem", "WatchDir")}
+_STREAMS |= {("filesystem.Filesystem", "WatchDir"), ("process.Process", "StreamInput")}
 
 
 def _http_error(e: DsecError | RpcError, sid: str = "") -> JSONResponse:
@@ -95,6 +105,10 @@ def envd_routes(connect: Connect) -> list[Route]:
         try:
             sid = sandbox_of(request)
             key = envd_key(request)
+            if name == ("process.Process", "StreamInput"):  # a client stream: read as it comes
+                return Response(
+                    await stream_input(connect, key, sid, request), media_type=STREAM_CONTENT_TYPE
+                )
             message = await read_message(request, stream=stream)
             timeout = timeout_seconds(request)
         except (DsecError, RpcError) as e:
@@ -111,6 +125,17 @@ def envd_routes(connect: Connect) -> list[Route]:
                     sid,
                     message,
                     timeout,
+                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
+                ),
+                media_type=STREAM_CONTENT_TYPE,
+            )
+        if name == ("process.Process", "Connect"):
+            return StreamingResponse(
+                connect_events(
+                    connect,
+                    key,
+                    sid,
+                    message,
                     keepalive_interval(request.headers.get("keepalive-ping-interval")),
                 ),
                 media_type=STREAM_CONTENT_TYPE,

@@ -1,63 +1,69 @@
-"""envd's ``process.Process`` Connect service over dsec's streaming exec: ``Start`` streams a
-start event (the pid), stdout and stderr as they come, and an end event (the exit code);
-``SendSignal`` kills by pid.
+"""envd's ``process.Process`` Connect service over dsec's interactive processes
+(``process_start``): ``Start`` starts one and streams a start event (the pid), its output as
+it comes and an end event (the exit code); ``Connect`` streams the same from now on for a
+running one; ``SendInput``, ``StreamInput``, ``CloseStdin``, ``Update`` (a PTY's size) and
+``SendSignal`` reach it by pid; ``List`` shows what runs.
 
-The SDK runs every command as ``/bin/bash -l -c <cmd>``; a sandbox without bash runs it with
-``/bin/sh -c``. The pid the SDK needs (to kill a background command) is the process's own pid
-inside the sandbox: a two-line shell prologue prints it on stderr (as a line this service
-takes out of the stream) and ``exec``s the command, so that pid is the command's.
+The node holds each command, not the stream: a command runs on when its client lets go
+(``disconnect()``, a dropped handle), as under envd, until it ends, its timeout (the
+``Start`` call's) kills it, ``kill`` does, or the sandbox dies; ``commands.connect`` attaches
+to it again. A PTY is a pseudo-terminal of the sandbox's own (``tty`` names ``/dev/pts/N``).
+
+The SDK runs every command as ``/bin/bash -l -c <cmd>`` (a PTY as ``/bin/bash -i -l``); a
+sandbox without bash runs it with ``/bin/sh``. A short shell prologue marks the command for
+``List`` and ``exec``s it, so the pid the node reports is the command's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
-import re
+import json
+import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import anyio
+from starlette.requests import Request
 
-from ..api.messages import MAX_OUTPUT
-from ..errors import DsecError
+from ..errors import DsecError, NotFound
 from ..records import ExecResult
 from .callers import Connect, caller_client
-from .connect import RpcError, end_stream, envelope, rpc_error
+from .connect import MAX_REQUEST, RpcError, end_stream, envelope, rpc_error
 
 __all__ = [
     "PROLOGUE",
+    "close_stdin",
     "command_argv",
+    "connect_events",
     "keepalive_interval",
     "list_processes",
+    "send_input",
     "send_signal",
     "start_events",
+    "stream_input",
+    "update",
 ]
 
-#: Prints the shell's pid (the command's, after ``exec``) as a marked line on stderr, marks the
-#: command with it (``DSEC_E2B_PID``, which ``List`` looks for: equal to a process's own pid
-#: only in the command itself, not in what it starts), falls back to /bin/sh when the
-#: environment has no bash, then becomes the command.
+#: Marks the command with its pid (``DSEC_E2B_PID``, which ``List`` looks for: equal to a
+#: process's own pid only in the command itself, not in what it starts), falls back to
+#: /bin/sh when the environment has no bash, then becomes the command.
 PROLOGUE = (
-    "printf '\\036e2b-pid %s\\n' \"$$\" >&2\n"
     'export DSEC_E2B_PID="$$"\n'
     'if [ "$1" = /bin/bash ] && [ ! -x /bin/bash ]; then shift; '
-    '[ "$1" = -l ] && shift; set -- /bin/sh "$@"; fi\n'
+    'if [ "$1" = -l ]; then shift; elif [ "$2" = -l ]; then a=$1; shift 2; set -- "$a" "$@"; fi; '
+    'set -- /bin/sh "$@"; fi\n'
     'exec "$@"'
 )
-_MARK = re.compile(rb"\x1ee2b-pid (\d+)\n")
 _SIGNALS = {"SIGNAL_SIGKILL": "KILL", "SIGNAL_SIGTERM": "TERM", 9: "KILL", 15: "TERM"}
+#: The largest PTY side envd's clients send (the kernel keeps 16 bits).
+_MAX_SIDE = 65535
 
 
 def command_argv(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str], str | None]:
-    """The argv (behind the prologue), env and cwd of a ``StartRequest``; what dsec cannot do
-    (a PTY, stdin to send later) is refused as ``unimplemented``."""
-    if message.get("pty"):
-        raise RpcError("unimplemented", "PTY is not supported by dsec's E2B API")
-    if message.get("stdin") is True:
-        raise RpcError(
-            "unimplemented", "stdin=True is not supported: dsec's exec takes no input later"
-        )
+    """The argv (behind the prologue), env and cwd of a ``StartRequest``."""
     config = message.get("process") or {}
     cmd, args = config.get("cmd"), config.get("args") or []
     envs, cwd = config.get("envs") or {}, config.get("cwd")
@@ -72,6 +78,29 @@ def command_argv(message: Mapping[str, Any]) -> tuple[list[str], dict[str, str],
     if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/")):
         raise RpcError("invalid_argument", f"process.cwd must be an absolute path, got {cwd!r}")
     return ["/bin/sh", "-c", PROLOGUE, "e2b", cmd, *args], dict(envs), cwd
+
+
+def _pty_size(pty: Any) -> tuple[int, int] | None:
+    """(rows, cols) of a ``PTY`` message (None: no PTY); envd's default is 24x80."""
+    if pty is None:
+        return None
+    size = pty.get("size") if isinstance(pty, dict) else None
+    size = size if isinstance(size, dict) else {}
+    rows, cols = size.get("rows") or 24, size.get("cols") or 80
+    if not all(isinstance(v, int) and 0 < v <= _MAX_SIDE for v in (rows, cols)):
+        raise RpcError("invalid_argument", f"bad PTY size {size!r}")
+    return rows, cols
+
+
+def _pid_of(message: Mapping[str, Any]) -> int:
+    """The pid a ``ProcessSelector`` names; a tag, or nothing, is ``not_found``."""
+    selector = message.get("process") or {}
+    pid = selector.get("pid") if isinstance(selector, dict) else None
+    if isinstance(pid, str) and pid.isdigit():
+        pid = int(pid)
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise RpcError("not_found", f"no process {selector!r}: only pids are known here")
+    return pid
 
 
 def _kill_argv(signal: str, pid: int) -> list[str]:
@@ -91,51 +120,7 @@ def _end(result: ExecResult) -> bytes:
     code = result.exit_code
     status = f"exit status {code}" if code >= 0 else f"signal: {-code}"
     end: dict[str, Any] = {"exitCode": code, "exited": code >= 0, "status": status}
-    if result.truncated:
-        end["error"] = f"output past {MAX_OUTPUT} bytes per stream was dropped"
     return _event({"end": end})
-
-
-async def _exec_stream(client: Any, sid: str, argv: list[str], **kw: Any) -> Any:
-    """dsec's streaming exec: ``ExecOutput(stream, data)`` items, then the ``ExecResult``."""
-    stream = getattr(client, "exec_stream", None)
-    if stream is None:
-        raise RpcError("unimplemented", "this dsec node has no streaming exec")
-    return await stream(sid, argv, **kw)
-
-
-class _Output:
-    """Holds output back until the prologue's pid line came, then passes it through."""
-
-    def __init__(self) -> None:
-        self.pid: int | None = None
-        self.err = b""
-        self.held: list[bytes] = []
-
-    def feed(self, stream: str, data: bytes) -> list[bytes]:
-        if self.pid is not None:
-            return [_data(stream, data)] if data else []
-        if stream == "stdout":
-            self.held.append(_data(stream, data))
-            return []
-        self.err += data
-        m = _MARK.search(self.err)
-        if m is None:  # the line is the shell's first output; no line in 4 KiB: it never comes
-            return self._started(0, self.err) if len(self.err) > 4096 else []
-        rest = self.err[: m.start()] + self.err[m.end() :]
-        return self._started(int(m.group(1)), rest)
-
-    def _started(self, pid: int, rest: bytes) -> list[bytes]:
-        self.pid = pid
-        out = [_event({"start": {"pid": pid}}), *self.held]
-        if rest:
-            out.append(_data("stderr", rest))
-        self.held, self.err = [], b""
-        return out
-
-    def finish(self) -> list[bytes]:
-        """The command ended before its pid line came (the shell failed): start it at pid 0."""
-        return [] if self.pid is not None else self._started(0, self.err)
 
 
 _KEEPALIVE = object()
@@ -199,56 +184,28 @@ async def start_events(
     keepalive: float | None = None,
 ) -> AsyncIterator[bytes]:
     """The ``Start`` response stream, envelope by envelope, with a keepalive event every
-    ``keepalive`` seconds of quiet. A command cut off by the client going away is killed in
-    the sandbox (the stream is its only handle)."""
+    ``keepalive`` seconds of quiet. The command runs on if the client goes away (the node
+    holds it) until it ends or ``timeout`` kills it."""
     try:
         argv, env, cwd = command_argv(message)
+        size = _pty_size(message.get("pty"))
+        stdin = message.get("stdin") is True
         async with caller_client(connect, key) as client:
-            out, result = _Output(), None
-            # background: what the command leaves running lives on, as under envd
-            # (`cmd &`); the output cap is the largest dsec's exec allows
-            items = await _exec_stream(
-                client,
+            # background: what the command leaves running lives on, as under envd (`cmd &`)
+            info = await client.process_start(
                 sid,
                 argv,
                 timeout=timeout,
                 env=env,
                 cwd=cwd,
+                stdin=stdin,
+                rows=size[0] if size else None,
+                cols=size[1] if size else None,
                 background=True,
-                max_output=MAX_OUTPUT,
             )
-            ticking = _with_keepalives(items, keepalive)
-            try:
-                async for item in ticking:
-                    if item is _KEEPALIVE:
-                        if out.pid is not None:
-                            yield _event({"keepalive": {}})
-                        continue
-                    if isinstance(item, ExecResult):
-                        result = item
-                        break
-                    for piece in out.feed(item.stream, item.data):
-                        yield piece
-            finally:
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await ticking.aclose()
-                if result is None:
-                    # the client went away: leaving dsec's stream kills the command; a kill by
-                    # pid as well, should the node not have seen the stream close yet
-                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                        await items.aclose()
-                        if out.pid:
-                            await client.exec(sid, _kill_argv("KILL", out.pid), timeout=10)
-            for piece in out.finish():
+            yield _event({"start": {"pid": info.pid}})
+            async for piece in _output_events(client, sid, info.pid, size, True, keepalive):
                 yield piece
-            if result is None:
-                raise RpcError("internal", "the command's stream ended without its result")
-            if result.timed_out:
-                raise RpcError(
-                    "deadline_exceeded",
-                    f"the command ran past its timeout ({timeout}s) and was killed",
-                )
-            yield _end(result)
         yield end_stream()
     except RpcError as e:
         yield end_stream(e)
@@ -256,18 +213,161 @@ async def start_events(
         yield end_stream(rpc_error(e, sid))
 
 
+async def connect_events(
+    connect: Connect, key: str, sid: str, message: Mapping[str, Any], keepalive: float | None
+) -> AsyncIterator[bytes]:
+    """The ``Connect`` response stream: a running command's start event, its output from now
+    on, and its end; a pid the node does not hold is ``not_found``."""
+    try:
+        pid = _pid_of(message)
+        async with caller_client(connect, key) as client:
+            try:
+                info = await client.process(sid, pid)
+            except NotFound:
+                raise RpcError("not_found", f"process with pid {pid} not found") from None
+            if not info.running:
+                raise RpcError("not_found", f"process with pid {pid} has ended")
+            size = (info.rows, info.cols) if info.rows is not None else None
+            yield _event({"start": {"pid": pid}})
+            async for piece in _output_events(client, sid, pid, size, False, keepalive):
+                yield piece
+        yield end_stream()
+    except RpcError as e:
+        yield end_stream(e)
+    except DsecError as e:
+        yield end_stream(rpc_error(e, sid))
+
+
+async def _output_events(
+    client: Any,
+    sid: str,
+    pid: int,
+    size: tuple[int, int] | None,
+    from_start: bool,
+    keepalive: float | None,
+) -> AsyncIterator[bytes]:
+    """A process's data events (a PTY's under ``pty``), keepalives, and its end event; a
+    command killed at its timeout is ``deadline_exceeded``. Leaving early leaves it running."""
+    items = await client.process_output(sid, pid, from_start=from_start)
+    ticking = _with_keepalives(items, keepalive)
+    result = None
+    try:
+        async for item in ticking:
+            if item is _KEEPALIVE:
+                yield _event({"keepalive": {}})
+            elif isinstance(item, ExecResult):
+                result = item
+                break
+            elif item.data:
+                yield _data("pty" if size is not None else item.stream, item.data)
+    finally:
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await ticking.aclose()
+            await items.aclose()
+    if result is None:
+        raise RpcError("internal", "the command's stream ended without its result")
+    if result.timed_out:
+        raise RpcError("deadline_exceeded", "the command ran past its timeout and was killed")
+    yield _end(result)
+
+
+async def _to_process(call: Any) -> dict[str, Any]:
+    """Run a call on a process; one the node does not hold (or that ended) is ``not_found``."""
+    try:
+        await call
+    except NotFound as e:
+        raise RpcError("not_found", e.message) from None
+    return {}
+
+
+def _input_bytes(message: Mapping[str, Any]) -> bytes:
+    given = message.get("input") or {}
+    value = given.get("stdin", given.get("pty", "")) if isinstance(given, dict) else None
+    if not isinstance(value, str):
+        raise RpcError("invalid_argument", "input must hold stdin or pty bytes")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise RpcError("invalid_argument", "input bytes must be base64") from None
+
+
+async def send_input(client: Any, sid: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """``SendInput``: bytes for a command's stdin or PTY."""
+    pid = _pid_of(message)
+    return await _to_process(client.process_input(sid, pid, _input_bytes(message)))
+
+
+async def close_stdin(client: Any, sid: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """``CloseStdin``: the command's stdin is closed once what was sent is written."""
+    return await _to_process(client.process_input(sid, _pid_of(message), eof=True))
+
+
+async def update(client: Any, sid: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """``Update``: a PTY's new size."""
+    pid, size = _pid_of(message), _pty_size(message.get("pty"))
+    if size is None:
+        return {}
+    return await _to_process(client.process_resize(sid, pid, *size))
+
+
+async def stream_input(connect: Connect, key: str, sid: str, request: Request) -> bytes:
+    """``StreamInput`` (a client stream): a start message naming the process, then data
+    messages, each sent on as it arrives; the answer is one empty message (enveloped), or
+    the error in the end-of-stream envelope."""
+    try:
+        async with caller_client(connect, key) as client:
+            pid, buf, total = None, b"", 0
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > 64 * MAX_REQUEST:
+                    raise RpcError("resource_exhausted", "the input stream is too large")
+                buf += chunk
+                while len(buf) >= 5:
+                    flags, n = struct.unpack(">BI", buf[:5])
+                    if n > MAX_REQUEST:
+                        raise RpcError("resource_exhausted", "an input message is too large")
+                    if len(buf) < 5 + n:
+                        break
+                    raw, buf = buf[5 : 5 + n], buf[5 + n :]
+                    if flags & 0x01:
+                        raise RpcError("unimplemented", "compressed messages are not supported")
+                    pid = await _stream_message(client, sid, pid, raw)
+        return envelope({}) + end_stream()
+    except RpcError as e:
+        return end_stream(e)
+    except DsecError as e:
+        return end_stream(rpc_error(e, sid))
+
+
+async def _stream_message(client: Any, sid: str, pid: int | None, raw: bytes) -> int | None:
+    try:
+        message = json.loads(raw or b"{}")
+    except ValueError:
+        raise RpcError("invalid_argument", "an input message is not JSON") from None
+    if not isinstance(message, dict):
+        raise RpcError("invalid_argument", "an input message must be a JSON object")
+    if "start" in message:
+        return _pid_of(message["start"] or {})
+    if "data" in message:
+        if pid is None:
+            raise RpcError("failed_precondition", "input came before the start message")
+        await _to_process(client.process_input(sid, pid, _input_bytes(message["data"] or {})))
+    return pid
+
+
 async def send_signal(client: Any, sid: str, message: Mapping[str, Any]) -> dict[str, Any]:
-    """``SendSignal``: SIGKILL or SIGTERM to a pid in the sandbox; no such process is
-    ``not_found`` (the SDK's ``kill`` then answers False)."""
-    selector = message.get("process") or {}
-    pid = selector.get("pid")
-    if isinstance(pid, str) and pid.isdigit():
-        pid = int(pid)
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        raise RpcError("not_found", f"no process {selector!r}: only pids are known here")
+    """``SendSignal``: SIGKILL or SIGTERM to a pid in the sandbox (the node's own handle of a
+    command it holds, else the shell's ``kill``); no such process is ``not_found`` (the
+    SDK's ``kill`` then answers False)."""
+    pid = _pid_of(message)
     signal = _SIGNALS.get(message.get("signal", "SIGNAL_SIGKILL"))
     if signal is None:
         raise RpcError("invalid_argument", f"signal {message.get('signal')!r} is not supported")
+    try:
+        await client.process_signal(sid, pid, signal)
+        return {}
+    except NotFound:
+        pass  # not one the node holds (or ended): any process of the sandbox by its pid
     r = await client.exec(sid, _kill_argv(signal, pid), timeout=10)
     if r.exit_code != 0:
         raise RpcError("not_found", f"process {pid} not found")

@@ -39,6 +39,7 @@ from .templates import (
     ImageTable,
     TemplateRecord,
     TemplateStore,
+    check_hash,
 )
 
 __all__ = ["BuildFailed", "BuildRequest", "TemplateBuild", "copy_plan", "log_entry"]
@@ -55,8 +56,11 @@ REASON_OUTPUT = 4000
 MAX_LINE = 4 << 10
 #: Seconds between a running build's heartbeats in its record.
 HEARTBEAT = 15.0
+#: The build sandbox's ttl, renewed at each heartbeat: a build whose apiserver is gone (killed,
+#: so nothing ran its clean-up) leaves no sandbox behind for longer than this.
+BUILD_TTL = 300.0
 #: The build sandbox's limits when the template asks for none.
-BUILD_SANDBOX = {"cpu": 2.0, "memory": "2G", "disk": "10G", "ttl": 3 * 3600.0}
+BUILD_SANDBOX = {"cpu": 2.0, "memory": "2G", "disk": "10G", "ttl": BUILD_TTL}
 _STEP_TYPES = ("RUN", "COPY", "ENV", "WORKDIR", "USER")
 _COPY_TAR = "/tmp/.dsec-e2b-copy.tar"
 
@@ -122,8 +126,17 @@ class BuildRequest:
             if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
                 raise InvalidSpec(f"steps[{i}].args must be strings", field="steps")
             fh = s.get("filesHash")
-            if s["type"] == "COPY" and (not isinstance(fh, str) or len(args) < 2):
-                raise InvalidSpec(f"steps[{i}]: COPY needs src, dest and filesHash", field="steps")
+            if s["type"] == "COPY":
+                if not isinstance(fh, str) or len(args) < 2:
+                    raise InvalidSpec(
+                        f"steps[{i}]: COPY needs src, dest and filesHash", field="steps"
+                    )
+                check_hash(fh)
+            elif not args or not args[0] or (s["type"] == "ENV" and len(args) % 2):
+                raise InvalidSpec(
+                    f"steps[{i}]: {s['type']} needs its arguments (ENV: names and values)",
+                    field="steps",
+                )
             steps.append(Step(s["type"], tuple(args), fh, bool(s.get("force"))))
         return cls(
             from_image=text("fromImage"),
@@ -259,17 +272,20 @@ def _bytes(data: bytes) -> Any:
 
 
 def _user_script(name: str) -> str:
-    """Create account ``name`` (home ``/home/<name>``) if the image lacks it, as E2B's base
-    image has ``user``: with the image's own tools, else by hand."""
+    """Create account ``name`` (home ``/home/<name>``, bash where the image has it) if the
+    image lacks it, as E2B's base image has ``user``: with the image's own tools (``useradd``,
+    else busybox's ``adduser``), else by hand in ``/etc/passwd`` and ``/etc/group``."""
     u = shlex.quote(name)
-    home = shlex.quote(f"/home/{name}")
+    h = shlex.quote(f"/home/{name}")
     return (
-        f"if ! grep -q '^'{u}':' /etc/passwd 2>/dev/null; then "
-        f"if command -v useradd >/dev/null 2>&1; then useradd -m -d {home} -s /bin/sh {u}; "
-        f"elif command -v adduser >/dev/null 2>&1; then adduser -D -h {home} {u}; "
-        f"else echo {u}':x:1000:1000::'{home}':/bin/sh' >> /etc/passwd && "
-        f"echo {u}':x:1000:' >> /etc/group; fi; fi; "
-        f"mkdir -p {home} && (chown {u} {home} 2>/dev/null || true)"
+        f"grep -q '^'{u}':' /etc/passwd 2>/dev/null || {{ "
+        "s=/bin/sh; [ -x /bin/bash ] && s=/bin/bash; "
+        f'useradd -m -d {h} -s "$s" {u} 2>/dev/null || '
+        f'useradd -m -d {h} -s "$s" -g {u} {u} 2>/dev/null || '
+        f'adduser -D -h {h} -s "$s" {u} 2>/dev/null || '
+        f"{{ echo {u}':x:1000:1000::'{h}\":$s\" >> /etc/passwd && "
+        f"echo {u}':x:1000:' >> /etc/group; }}; }} && "
+        f"mkdir -p {h} && (chown {u} {h} 2>/dev/null || true)"
     )
 
 
@@ -362,6 +378,9 @@ class TemplateBuild:
             await asyncio.sleep(HEARTBEAT)
             with contextlib.suppress(Exception):
                 await blog.save()
+            if self.sandbox_id is not None:
+                with contextlib.suppress(Exception):
+                    await self.client.set_ttl(self.sandbox_id, BUILD_TTL)
 
     # --- FROM ----------------------------------------------------------------------------
     async def _base(self, blog: BuildLog) -> State:

@@ -403,7 +403,20 @@ def template_routes(
 
     async def get(request: Request, client: Any, key: str, who: Who) -> Response:
         rec = await owned(who, request.path_params["tid"])
-        return JSONResponse({**_listed(rec), "builds": [], "nextToken": None})
+        build = await store.build(rec.template_id, rec.build_id)
+        builds = []
+        if build is not None:
+            builds.append(
+                {
+                    "buildID": build.build_id,
+                    "status": build.status,
+                    "createdAt": _iso(rec.updated),
+                    "updatedAt": _iso(build.updated),
+                    "cpuCount": rec.cpu_count or 1,
+                    "memoryMB": rec.memory_mb or 512,
+                }
+            )
+        return JSONResponse({**_listed(rec), "builds": builds})
 
     async def delete(request: Request, client: Any, key: str, who: Who) -> Response:
         check_builder(who.role, "delete templates")

@@ -57,6 +57,7 @@ MAX_LOG_ENTRIES = 2000
 MAX_LOG_BYTES = 512 << 10
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ID_RE = re.compile(r"^[0-9a-f]{20}$")  # a template id (``secrets.token_hex(10)``)
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _HASH_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -316,15 +317,14 @@ class TemplateStore:
         """The template ``name`` (an alias, ``alias:tag``, or an id) that a key of ``role``
         in ``project`` reaches: its own project's alias first, then an id it reaches."""
         principal = _Caller(role, project)
-        for alias in (name, name.rpartition(":")[0] if ":" in name else None):
-            if not alias:
-                continue
+        base = name.partition(":")[0]
+        for alias in dict.fromkeys((name, base)):  # "name:tag" names template "name"
             d = await self._run(self.store.get, _akey(project, alias))
             if d is not None:
                 rec = await self.template(d["template"])
                 if rec is not None:
                     return rec
-        rec = await self.template(name) if re.match(r"^[a-z0-9]{8,40}$", name) else None
+        rec = await self.template(base) if _ID_RE.match(base) else None
         if rec is not None and can_reach(principal, rec.project):  # type: ignore[arg-type]
             return rec
         return None

@@ -54,7 +54,7 @@ from ..records import (
 from .host import CommandHost
 from .pools import Checkout, Pools
 
-__all__ = ["KEEP_OUTPUT", "judge", "outputs_match", "verdict_of"]
+__all__ = ["KEEP_OUTPUT", "judge", "memory_window", "outputs_match", "verdict_of"]
 
 #: How much of a case's stdout and stderr its result keeps.
 KEEP_OUTPUT = 4096
@@ -231,7 +231,7 @@ async def _run_cases(
             continue
         cap = min(MAX_CASE_OUTPUT, 2 * len(case.output) + (64 << 10))
         try:
-            async with _window(host, m.sid, limit) as use:
+            async with memory_window(host, m.sid, limit) as use:
                 r = await host.exec(
                     m.sid,
                     argv,
@@ -275,7 +275,11 @@ async def _run_cases(
 
 
 @contextlib.asynccontextmanager
-async def _window(host: CommandHost, sid: str, extra: int) -> AsyncIterator[MemoryWindowUse | None]:
+async def memory_window(
+    host: CommandHost, sid: str, extra: int
+) -> AsyncIterator[MemoryWindowUse | None]:
+    """Sandbox ``sid``'s memory held, for the body, to what it uses plus ``extra`` bytes
+    (where its backend has ``Feature.MEMORY_WINDOW``; None is yielded elsewhere)."""
     sb = host.sandbox(sid)
     if Feature.MEMORY_WINDOW not in sb.backend.features:
         yield None

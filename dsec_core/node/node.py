@@ -32,6 +32,7 @@ from ..catalog.store import CatalogStore
 from ..config import NodeConfig
 from ..errors import AdmissionRejected, DsecError, InvalidSpec, SandboxNotRunning
 from ..fairqueue import project_of
+from ..fusion import CodeRun, CodeRunResult
 from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
@@ -55,6 +56,7 @@ from ..sources.base import LayerSource
 from . import admission
 from .admission import Admission, Admitted
 from .agents import Agents
+from .coderun import run_code
 from .create_queue import CreateQueue, Ticket
 from .devices import DevicePool
 from .disks import WritableDisks
@@ -72,6 +74,7 @@ from .pause import Pauses
 from .persistence import StateFiles, write_state
 from .policies import PolicyPlan, PolicyPlanner, enforcer
 from .pools import Pools
+from .processes import Processes
 from .rootfs import RootFilesystems
 from .sandbox import Sandbox, state_counts
 from .screen import Screens
@@ -119,6 +122,7 @@ class Node:
         self.lifecycle = Lifecycle(self, sweep=self.rootfs.sweep)
         self.states = StateFiles(self, self.planner)
         self.agents = Agents(self)
+        self.processes = Processes(self.agents)
         self.screens = Screens(self)
         self.pauses = Pauses(self)
         self.layer_snapshots = LayerSnapshots(self)
@@ -181,6 +185,7 @@ class Node:
         self.lifecycle.stop()
         self.leases.close()
         await self.drive.close()
+        await self.processes.close()  # their agent connections: the commands end
         await self.pools.close()
         if kill_all:
             await asyncio.gather(
@@ -484,6 +489,7 @@ class Node:
         if sb.packing is not None:  # its thread thaws the sandbox; kill after that
             await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self.lifecycle.unwatch(sb)
+        await self.processes.drop(sid)
         if reason == "died":  # what it died of, while what the backend left still tells
             self.record_event(self.lifecycle.death_of(sb))
         log.info("killing sandbox %s (%s)", sid, reason)
@@ -575,6 +581,11 @@ class Node:
         """Judge one submission in a warm member of its pool (``judge.judge``)."""
         return await judge(self, self.pools, spec)
 
+    async def run_code(self, spec: CodeRun) -> CodeRunResult:
+        """Run one SandboxFusion ``/run_code`` request in a warm member of its pool
+        (``coderun.run_code``)."""
+        return await run_code(self, self.pools, spec)
+
     # --- inside the sandbox ---------------------------------------------------------------
     # the service's own methods, their parameters and docstrings written once, in Agents
     exec = _Delegated("agents", Agents.exec)
@@ -584,6 +595,15 @@ class Node:
         self, sid: str, cwd: str | None = None, env: dict[str, str] | None = None
     ) -> str:
         return await self.agents.session_open(sid, cwd, env)
+
+    # interactive processes, held by the node between clients (``processes.Processes``)
+    process_start = _Delegated("processes", Processes.start)
+    processes_of = _Delegated("processes", Processes.list)
+    process_get = _Delegated("processes", Processes.get)
+    process_output = _Delegated("processes", Processes.output)
+    process_input = _Delegated("processes", Processes.send)
+    process_resize = _Delegated("processes", Processes.resize)
+    process_signal = _Delegated("processes", Processes.signal)
 
     async def session_exec(
         self,

@@ -51,6 +51,7 @@ from ..api.messages import (
     PoolStatus,
     PrefetchedLayer,
     PrefetchResult,
+    ProcessList,
     ProjectUsage,
     QosSupport,
     Removed,
@@ -64,6 +65,7 @@ from ..api.messages import (
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import (
+    basic_password,
     body_pieces,
     check_declared,
     error_response,
@@ -78,6 +80,7 @@ from ..errors import (
     InvalidSpec,
     NotFound,
 )
+from ..fusion import CodeRun, answer, for_pool, fusion_endpoint
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
 from ..observe import ObservedRequests, exec_outcome
@@ -232,6 +235,76 @@ async def _exec_stream(node: Node, c: Call) -> AsyncIterator[bytes]:
             await stream.aclose()  # type: ignore[attr-defined]
 
     return lines()
+
+
+def _pid(c: Call) -> int:
+    text = c.path["pid"]
+    if not text.isdigit() or not 0 < int(text) < 1 << 31:
+        raise NotFound(f"no process {text!r}: a pid is a positive number")
+    return int(text)
+
+
+@_handles("process_start")
+async def _process_start(node: Node, c: Call) -> Any:
+    b = c.body
+    return await node.process_start(
+        c.sid,
+        b.cmd,
+        timeout=b.timeout,
+        cwd=b.cwd,
+        env=b.env,
+        stdin=b.stdin,
+        rows=b.rows,
+        cols=b.cols,
+        background=b.background,
+    )
+
+
+@_handles("processes")
+async def _processes(node: Node, c: Call) -> ProcessList:
+    return ProcessList(processes=tuple(node.processes_of(c.sid)))
+
+
+@_handles("process")
+async def _process(node: Node, c: Call) -> Any:
+    return node.process_get(c.sid, _pid(c))
+
+
+@_handles("process_output")
+async def _process_output(node: Node, c: Call) -> AsyncIterator[bytes]:
+    """As ``exec_stream``'s lines: output as it comes, then the result or the error."""
+    stream = node.process_output(c.sid, _pid(c), c.body.from_start)
+    encode_result = ROUTES["exec"].encode_response
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for item in stream:
+                if isinstance(item, ExecResult):
+                    yield b'{"result":' + encode_result(item) + b"}\n"
+                else:
+                    name, data = item
+                    yield dump_json({name: base64.b64encode(data).decode()}) + b"\n"
+        except DsecError as e:
+            yield dump_json({"error": e.to_wire()}) + b"\n"
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    return lines()
+
+
+@_handles("process_input")
+async def _process_input(node: Node, c: Call) -> Any:
+    return await node.process_input(c.sid, _pid(c), c.body.stdin, c.body.eof)
+
+
+@_handles("process_resize")
+async def _process_resize(node: Node, c: Call) -> Any:
+    return await node.process_resize(c.sid, _pid(c), c.body.rows, c.body.cols)
+
+
+@_handles("process_signal")
+async def _process_signal(node: Node, c: Call) -> Any:
+    return await node.process_signal(c.sid, _pid(c), c.body.signal)
 
 
 @_handles("openapi")
@@ -652,6 +725,9 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
         StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
         for r in ROUTES.values()
     ]
+    # SandboxFusion's /run_code (dsec_core.fusion): not a route of the table, its shapes are
+    # SandboxFusion's
+    routes.append(StarletteRoute("/run_code", _fusion_run(node), methods=["POST"]))
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -666,10 +742,24 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
     return app
 
 
+def _fusion_run(node: Node) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /run_code`` over the node's FnCall pools. An apiserver that places a request
+    here names the caller's project in the query (``?project=P&start=0|1``, as it does in an
+    FnCall's body); a direct caller uses the node's shared pools."""
+
+    async def run(request: Request, raw: bytes, spec: CodeRun) -> bytes:
+        q = request.query_params
+        spec = for_pool(spec, q.get("project") or None, q.get("start", "1") != "0")
+        return answer(await node.run_code(spec))
+
+    return fusion_endpoint(run)
+
+
 def require_token(app: ASGIApp, token: str) -> ASGIApp:
     """``app`` behind a bearer token: any HTTP request without ``Authorization: Bearer
-    <token>`` gets a 401 ``AuthenticationFailed``. Compared as SHA-256 digests in constant time,
-    so neither the token nor its length leaks through timing."""
+    <token>`` (or HTTP Basic auth with the token as its password, any user name: what a URL
+    ``http://dsec:TOKEN@host/`` sends) gets a 401 ``AuthenticationFailed``. Compared as SHA-256
+    digests in constant time, so neither the token nor its length leaks through timing."""
     if not token:
         raise InvalidSpec("a TCP listener needs a non-empty API token")
     expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
@@ -677,6 +767,9 @@ def require_token(app: ASGIApp, token: str) -> ASGIApp:
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            password = basic_password(given) if given is not None else None
+            if password is not None:
+                given = b"Bearer " + password.encode("latin-1", "replace")
             if given is None or not hmac.compare_digest(hashlib.sha256(given).digest(), expected):
                 why = "no bearer token" if given is None else "a wrong bearer token"
                 err = AuthenticationFailed(

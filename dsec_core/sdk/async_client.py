@@ -211,6 +211,13 @@ class AsyncClient(Connected):
     # --- inside a sandbox -----------------------------------------------------------------
     exec = awaiting(core.exec)
     exec_stream = streaming_async(core.exec_stream)
+    process_start = awaiting(core.process_start)
+    processes = awaiting(core.processes)
+    process = awaiting(core.process)
+    process_output = streaming_async(core.process_output)
+    process_input = awaiting(core.process_input)
+    process_resize = awaiting(core.process_resize)
+    process_signal = awaiting(core.process_signal)
     session_open = awaiting(core.session_open, into=async_session_handle)
     sessions = awaiting(core.sessions)
     session_exec = awaiting(core.session_exec)

@@ -206,6 +206,13 @@ class Client(Connected):
     # --- inside a sandbox -----------------------------------------------------------------
     exec = blocking(core.exec)
     exec_stream = streaming(core.exec_stream)
+    process_start = blocking(core.process_start)
+    processes = blocking(core.processes)
+    process = blocking(core.process)
+    process_output = streaming(core.process_output)
+    process_input = blocking(core.process_input)
+    process_resize = blocking(core.process_resize)
+    process_signal = blocking(core.process_signal)
     session_open = blocking(core.session_open, into=session_handle)
     sessions = blocking(core.sessions)
     session_exec = blocking(core.session_exec)

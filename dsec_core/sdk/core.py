@@ -55,6 +55,11 @@ from ..api.messages import (
     PauseQuery,
     PolicySettings,
     PrefetchRequest,
+    ProcessInputRequest,
+    ProcessOutputRequest,
+    ProcessResizeRequest,
+    ProcessSignalRequest,
+    ProcessStartRequest,
     ReadQuery,
     ReleaseQuery,
     RemoveQuery,
@@ -90,6 +95,7 @@ from ..records import (
     LeaseInfo,
     MemorySnapshot,
     PolicyState,
+    ProcessInfo,
     ResolvedImage,
     SandboxInfo,
     SandboxSpec,
@@ -861,6 +867,91 @@ def exec_stream(
     target, content = route.target({"sid": sandbox_id}), route.encode_body(body)
     assert content is not None
     return Stream(route, target, content)
+
+
+# --- interactive processes -------------------------------------------------------------------
+
+
+def process_start(
+    sandbox_id: str,
+    cmd: str | Sequence[str],
+    *,
+    timeout: float | None = None,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdin: bool = False,
+    rows: int | None = None,
+    cols: int | None = None,
+    background: bool = False,
+) -> Op[ProcessInfo]:
+    """Start ``cmd`` (a string through ``/bin/sh -c``, a list as argv) as a process that
+    runs on between clients: ``stdin`` keeps its input open for ``process_input``; ``rows``
+    and ``cols`` run it on a terminal of that size (``tty`` names it, ``stty size`` shows
+    the size; its output is all "stdout"). Read its output with ``process_output`` (from
+    the start, or from now; any number of readers, at any time), resize with
+    ``process_resize``, signal with ``process_signal``. It runs until it ends, ``timeout``
+    (None: none) runs out, a signal kills it, or the sandbox dies; what it leaves running is
+    killed when it exits, unless ``background``."""
+    body = ProcessStartRequest(
+        cmd,  # type: ignore[arg-type]  # ProcessStartRequest takes any sequence
+        timeout,
+        cwd,
+        env,
+        stdin,
+        rows,
+        cols,
+        background,
+    )
+    return (yield call("process_start", body, sid=sandbox_id))
+
+
+def processes(sandbox_id: str) -> Op[list[ProcessInfo]]:
+    """The sandbox's processes started with ``process_start``: those running, and those that
+    ended in the last half minute (``running`` false, with their ``exit_code``)."""
+    return list((yield call("processes", sid=sandbox_id)).processes)
+
+
+def process(sandbox_id: str, pid: int) -> Op[ProcessInfo]:
+    """One process started with ``process_start`` (``NotFound`` once it is forgotten)."""
+    return (yield call("process", sid=sandbox_id, pid=_pid(pid)))
+
+
+def _pid(pid: Any) -> str:
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise InvalidSpec(f"pid must be a positive integer, got {pid!r}", field="pid")
+    return str(pid)
+
+
+def process_output(sandbox_id: str, pid: int, *, from_start: bool = True) -> Stream:
+    """A process's output as it comes: ``ExecOutput`` pieces, then its ``ExecResult`` (its
+    stdout and stderr empty). ``from_start``: beginning with what the node kept of it (its
+    last MiB), else from now on. Leaving the loop early leaves the process running."""
+    route = ROUTES["process_output"]
+    target = route.target({"sid": sandbox_id, "pid": _pid(pid)})
+    content = route.encode_body(ProcessOutputRequest(from_start))
+    assert content is not None
+    return Stream(route, target, content)
+
+
+def process_input(
+    sandbox_id: str, pid: int, stdin: bytes | str = b"", *, eof: bool = False
+) -> Op[ProcessInfo]:
+    """Send ``stdin`` to a process's stdin (or terminal); ``eof`` then ends its input (stdin
+    closes; a terminal gets its EOF character, ^D)."""
+    body = ProcessInputRequest(stdin, eof)  # type: ignore[arg-type]  # str is encoded
+    return (yield call("process_input", body, sid=sandbox_id, pid=_pid(pid)))
+
+
+def process_resize(sandbox_id: str, pid: int, rows: int, cols: int) -> Op[ProcessInfo]:
+    """Resize a process's terminal (its programs get SIGWINCH)."""
+    body = ProcessResizeRequest(rows, cols)
+    return (yield call("process_resize", body, sid=sandbox_id, pid=_pid(pid)))
+
+
+def process_signal(sandbox_id: str, pid: int, signal: str | int = "KILL") -> Op[ProcessInfo]:
+    """Send ``signal`` (a name such as "TERM" or "INT", or a number) to a process."""
+    body = ProcessSignalRequest(signal)
+    return (yield call("process_signal", body, sid=sandbox_id, pid=_pid(pid)))
 
 
 class ExecLines:

@@ -23,8 +23,10 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 static const char *const DEFAULT_ENV[] = {
@@ -208,6 +210,10 @@ struct exec_run {
     int stream;               /* send output as it comes (chunk frames), not in the result */
     int conn;
     int broken;               /* a chunk could not be sent: the client is gone */
+    int interactive;          /* input, resizes and signals come later, in frames */
+    int pty;                  /* the master of the command's terminal (so.fd), -1 if none */
+    int in_eof;               /* interactive: close stdin once what is queued is written */
+    struct buf inq;           /* interactive: input not yet written (x->in points into it) */
 };
 
 /* Positions in one round's pollfd array; -1 if that fd is not polled this round. */
@@ -264,15 +270,58 @@ static void exec_child(char **argv, char **envp, int in_fd, int out_fd, int err_
     _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
 }
 
+/* interactive with pty=1: the command's terminal, a pseudo-terminal of the sandbox's own
+ * devpts with the asked size; its master in *master, its other end returned (-1 once the
+ * error is sent). */
+static int exec_open_pty(int conn, long long rows, long long cols, int *master)
+{
+    char name[64];
+    *master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (*master < 0 || grantpt(*master) < 0 || unlockpt(*master) < 0 ||
+        ptsname_r(*master, name, sizeof name) != 0) {
+        send_error(conn, "internal", "/dev/ptmx", errno, "no pseudo-terminal: %s",
+                   strerror(errno));
+        return -1;
+    }
+    int tty = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (tty < 0) {
+        send_error(conn, "internal", name, errno, "%s: %s", name, strerror(errno));
+        return -1;
+    }
+    struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+    ioctl(*master, TIOCSWINSZ, &ws);
+    return tty;
+}
+
+/* The pty child: its own session with the terminal as its controlling tty on fds 0-2. */
+__attribute__((noreturn))
+static void exec_child_pty(char **argv, char **envp, int tty)
+{
+    setsid();
+    ioctl(tty, TIOCSCTTY, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    reset_child_signals();
+    prefer_for_oom_kill();
+    int fds[3] = {tty, tty, tty};
+    if (place_fds(fds, 3) < 0)
+        _exit(126);
+    environ = envp;
+    execvp(argv[0], argv);
+    int e = errno;
+    dprintf(2, "dsec-agent: %s: %s\n", argv[0], strerror(e));
+    _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
+}
+
 /* In the handler after the fork: drop the child's pipe ends, make ours non-blocking. */
 static void exec_run_init(struct exec_run *x, pid_t pid, const int outp[2], const int errp[2],
-                          const int inp[2], const char *in, const struct run_opts *o)
+                          const int inp[2], const char *in, const struct run_opts *o,
+                          int keep_in)
 {
     close(outp[1]);
     close(errp[1]);
     close(inp[0]);
     *x = (struct exec_run){.pid = pid, .in_w = inp[1], .in = in, .in_len = (size_t)o->body_len};
-    if (x->in_w >= 0 && o->body_len == 0) {
+    if (x->in_w >= 0 && o->body_len == 0 && !keep_in) {
         close(x->in_w);
         x->in_w = -1;
     }
@@ -284,6 +333,7 @@ static void exec_run_init(struct exec_run *x, pid_t pid, const int outp[2], cons
     set_nonblock(x->se.fd, 1);
     x->deadline = o->timeout_ms > 0 ? now_ms() + o->timeout_ms : -1;
     x->grace_end = -1;
+    x->pty = -1;
 }
 
 /* The command's group, then whatever escaped it (setsid, double fork) under this handler. */
@@ -340,11 +390,15 @@ static int exec_pollfds(const struct exec_run *x, int conn, struct pollfd *p,
     ix->out = ix->err = ix->in = -1;
     if (x->so.fd >= 0) { ix->out = np; p[np++] = (struct pollfd){.fd = x->so.fd, .events = POLLIN}; }
     if (x->se.fd >= 0) { ix->err = np; p[np++] = (struct pollfd){.fd = x->se.fd, .events = POLLIN}; }
-    if (x->in_w >= 0) { ix->in = np; p[np++] = (struct pollfd){.fd = x->in_w, .events = POLLOUT}; }
+    if (x->in_w >= 0 && x->in_off < x->in_len) {
+        ix->in = np;
+        p[np++] = (struct pollfd){.fd = x->in_w, .events = POLLOUT};
+    }
     ix->sig = np;
     p[np++] = (struct pollfd){.fd = x->exited ? -1 : g_sig_fd, .events = POLLIN};
     ix->conn = np;
-    p[np++] = (struct pollfd){.fd = conn, .events = POLLRDHUP};
+    p[np++] = (struct pollfd){.fd = conn, .events = x->interactive ? POLLIN | POLLRDHUP
+                                                                    : POLLRDHUP};
     return np;
 }
 
@@ -361,7 +415,8 @@ static void exec_flush_one(struct exec_run *x, struct stream *s, const char *whi
         if (resp_send(x->conn, &h, s->b.p, s->b.len, NULL, 0) < 0)
             x->broken = 1;
     }
-    s->cap -= s->b.len;
+    if (!x->interactive) /* a long-lived command's output has no total bound */
+        s->cap -= s->b.len;
     s->b.len = 0;
 }
 
@@ -387,10 +442,76 @@ static void exec_feed_stdin(struct exec_run *x)
     ssize_t n = write(x->in_w, x->in + x->in_off, x->in_len - x->in_off);
     if (n > 0)
         x->in_off += n;
-    if ((n < 0 && errno != EAGAIN && errno != EINTR) || x->in_off == x->in_len) {
+    int failed = n < 0 && errno != EAGAIN && errno != EINTR;
+    if (x->interactive && !failed && x->in_off == x->in_len) {
+        x->inq.len = x->in_off = x->in_len = 0; /* all written: more may come */
+        if (!x->in_eof)
+            return;
+    }
+    if (failed || x->in_off == x->in_len) {
         close(x->in_w);
         x->in_w = -1;
     }
+}
+
+/* Interactive: one frame from the client (wire.c: in with a body, eof, rows and cols,
+ * signal). -1 if the connection broke or the frame is malformed: the command is cancelled. */
+static int exec_read_frame(struct exec_run *x, int conn)
+{
+    unsigned char lb[4];
+    if (read_exact(conn, lb, 4) < 0)
+        return -1;
+    uint32_t n = get_u32(lb);
+    if (n > 65536)
+        return -1;
+    unsigned char *raw = xrealloc(NULL, n ? n : 1);
+    const char *why = NULL;
+    struct req *f = read_exact(conn, raw, n) < 0 ? NULL : req_parse(raw, n, &why);
+    free(raw);
+    if (!f)
+        return -1;
+    int bad = 0;
+    long long blen = req_num(f, "body_len", 0, &bad);
+    long long sig = req_num(f, "signal", 0, &bad);
+    long long rows = req_num(f, "rows", 0, &bad), cols = req_num(f, "cols", 0, &bad);
+    long long eof = req_num(f, "eof", 0, &bad);
+    req_free(f);
+    if (bad || blen < 0 || blen > MAX_FRAME)
+        return -1;
+    /* input the command cannot take now (no stdin, closed, or over MAX_FRAME queued) is
+     * dropped, as a write to a closed pipe would be */
+    int keep = x->in_w >= 0 && !x->in_eof && x->inq.len + (size_t)blen <= MAX_FRAME;
+    if (keep && blen) {
+        buf_reserve(&x->inq, (size_t)blen);
+        if (read_exact(conn, x->inq.p + x->inq.len, (size_t)blen) < 0)
+            return -1;
+        x->inq.len += (size_t)blen;
+    }
+    for (long long left = keep ? 0 : blen; left > 0;) {
+        size_t k = left < (long long)sizeof g_scratch ? (size_t)left : sizeof g_scratch;
+        if (read_exact(conn, g_scratch, k) < 0)
+            return -1;
+        left -= (long long)k;
+    }
+    if (eof && x->in_w >= 0 && !x->in_eof) {
+        if (x->pty >= 0) /* a terminal's end of input is its EOF character, not a close */
+            buf_add(&x->inq, "\x04", 1);
+        else
+            x->in_eof = 1;
+    }
+    x->in = x->inq.p;
+    x->in_len = x->inq.len;
+    if (x->in_eof && x->in_w >= 0 && x->in_off == x->in_len) {
+        close(x->in_w);
+        x->in_w = -1;
+    }
+    if (rows > 0 && cols > 0 && rows < 65536 && cols < 65536 && x->pty >= 0) {
+        struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+        ioctl(x->pty, TIOCSWINSZ, &ws); /* the kernel sends the terminal's group SIGWINCH */
+    }
+    if (sig > 0 && sig < 65 && !x->exited)
+        kill(x->pid, (int)sig);
+    return 0;
 }
 
 /* SIGCHLD: reap everything that exited (orphans come to us too), note when it was ours. */
@@ -431,7 +552,12 @@ static void exec_wait(int conn, struct exec_run *x)
                 exec_time_out(x);
             break; /* after an exit, grace over: leftovers hold the pipes open, let them */
         }
-        if (child_gone(p[ix.conn].revents)) {
+        if (x->interactive && (p[ix.conn].revents & POLLIN)) {
+            if (exec_read_frame(x, conn) < 0) {
+                exec_kill_all(x->pid);
+                _exit(0);
+            }
+        } else if (child_gone(p[ix.conn].revents)) {
             /* the client went away (cancelled): nobody wants the result, stop the work */
             exec_kill_all(x->pid);
             _exit(0);
@@ -452,6 +578,25 @@ static void exec_wait(int conn, struct exec_run *x)
     }
 }
 
+/* interactive=1, after the fork: input queues (from the request's body on; stdin stays open
+ * for more) and the client learns the pid. */
+static void exec_interactive_start(struct exec_run *x, const char *in, long long body_len)
+{
+    x->interactive = 1;
+    if (body_len > 0)
+        buf_add(&x->inq, in, (size_t)body_len);
+    x->in = x->inq.p;
+    x->in_len = x->inq.len;
+    struct buf h = {0};
+    resp_begin(&h);
+    resp_str(&h, "started", "1");
+    resp_num(&h, "pid", x->pid);
+    if (resp_send(x->conn, &h, NULL, 0, NULL, 0) < 0) {
+        exec_kill_all(x->pid);
+        _exit(0);
+    }
+}
+
 void op_exec(int conn, struct req *r)
 {
     struct run_opts o;
@@ -459,6 +604,11 @@ void op_exec(int conn, struct req *r)
     long long background = req_num(r, "background", 0, &bad);
     long long exclusive = req_num(r, "exclusive", 0, &bad);
     long long stream = req_num(r, "stream", 0, &bad);
+    long long interactive = req_num(r, "interactive", 0, &bad);
+    long long pty = req_num(r, "pty", 0, &bad);
+    long long rows = req_num(r, "rows", 24, &bad), cols = req_num(r, "cols", 80, &bad);
+    if (pty && (!interactive || rows < 1 || cols < 1 || rows > 65535 || cols > 65535))
+        bad = 1;
     int argc = req_count(r, "arg");
     const char *cwd = req_get(r, "cwd");
     if (!cwd || !*cwd)
@@ -481,8 +631,9 @@ void op_exec(int conn, struct req *r)
     }
     if (exclusive && exec_clear_sandbox(conn) < 0)
         return;
-    int outp[2], errp[2], inp[2];
-    if (exec_pipes(conn, o.has_stdin, outp, errp, inp) < 0)
+    int outp[2], errp[2], inp[2], master = -1, tty = -1;
+    if (pty ? (tty = exec_open_pty(conn, rows, cols, &master)) < 0
+            : exec_pipes(conn, o.has_stdin || interactive, outp, errp, inp) < 0)
         return;
 
     long long t0 = now_us();
@@ -491,12 +642,27 @@ void op_exec(int conn, struct req *r)
         send_error(conn, "internal", NULL, errno, "fork: %s", strerror(errno));
         return;
     }
-    if (pid == 0)
+    if (pid == 0) {
+        if (pty)
+            exec_child_pty(argv, envp, tty);
         exec_child(argv, envp, inp[0], outp[1], errp[1]);
+    }
     struct exec_run x;
-    exec_run_init(&x, pid, outp, errp, inp, in, &o);
-    x.stream = stream != 0;
+    int keep_in = interactive && (pty || o.has_stdin);
+    if (pty) {
+        close(tty);
+        /* output from the master; input to a second descriptor of it (closed apart) */
+        int out[2] = {master, -1}, none[2] = {-1, -1};
+        int to[2] = {-1, fcntl(master, F_DUPFD_CLOEXEC, 0)};
+        exec_run_init(&x, pid, out, none, to, in, &o, keep_in);
+        x.pty = master;
+    } else {
+        exec_run_init(&x, pid, outp, errp, inp, in, &o, keep_in);
+    }
+    x.stream = stream != 0 || interactive;
     x.conn = conn;
+    if (interactive)
+        exec_interactive_start(&x, in, o.body_len);
     exec_wait(conn, &x);
     exec_flush(&x); /* what a timeout drained */
     if (!x.t_end)

@@ -20,6 +20,15 @@
  *            stream=1 sends the output as it comes, before the result: frames with
  *            chunk=out|err and the bytes as the body; the result then has stdout_len=0 and
  *            no body (max_output still bounds each stream's total).
+ *            interactive=1 (implies stream=1) keeps the connection two-way while the command
+ *            runs: the agent first sends started=1 pid=<pid>, then chunks (max_output bounds
+ *            each chunk, not the total) and the result; the client may send frames of fields
+ *            at any time: a body (body_len) is input for stdin (stdin=1 keeps it open; else
+ *            input is dropped), eof=1 closes stdin once the input before it is written,
+ *            rows+cols resize the terminal, signal=N sends signal N to the command. pty=1
+ *            (with rows, cols; default 24x80) runs the command on a new pseudo-terminal of
+ *            the sandbox as its controlling tty (fds 0-2): its output is chunk=out, and eof=1
+ *            is the terminal's EOF character.
  *   op=session_open  cwd, env..., shell       -> session, pid (of the shell)
  *   op=session_exec  session, cmd, timeout_ms, max_output, stdin, body=stdin
  *                                             -> as exec, plus session_closed=1 if the shell died
