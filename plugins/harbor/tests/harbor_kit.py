@@ -78,9 +78,10 @@ def harbor_bin() -> Path:
 
 def harbor_env(**extra: str) -> dict[str, str]:
     """The environment a Harbor process gets: the caller's without any DSEC_/E2B_ settings of
-    its own (each test sets exactly what it means to test), telemetry off."""
+    its own (each test sets exactly what it means to test), and nothing that leaves the
+    machine: Harbor's telemetry off, LiteLLM's model price map read from its package."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSEC_", "E2B_"))}
-    env.update(HARBOR_TELEMETRY="0", NO_COLOR="1", **extra)
+    env.update(HARBOR_TELEMETRY="0", LITELLM_LOCAL_MODEL_COST_MAP="True", NO_COLOR="1", **extra)
     return env
 
 
