@@ -142,11 +142,11 @@ async def _run(
         )
 
 
-def _copies(step: Copy, context: Path) -> list[tuple[Path, str]]:
+def _copies(step: Copy, context: Path, dest_is_dir: bool = False) -> list[tuple[Path, str]]:
     """(local file or directory, remote path) pairs of one COPY, with Docker's rules: a
     directory's contents go into ``dest``; a file goes to ``dest`` itself unless ``dest``
-    ends in ``/`` or several sources are copied."""
-    into_dir = step.dest.endswith("/") or len(step.sources) > 1
+    ends in ``/``, is a directory already (``dest_is_dir``) or several sources are copied."""
+    into_dir = step.dest.endswith("/") or len(step.sources) > 1 or dest_is_dir
     out: list[tuple[Path, str]] = []
     root = context.resolve()
     for pattern in step.sources:
@@ -210,7 +210,8 @@ async def put_files(sb: AsyncSandbox, pairs: list[tuple[Path, str]], timeout: fl
 
 
 async def _copy(sb: AsyncSandbox, step: Copy, context: Path, timeout: float) -> str:
-    pairs = _copies(step, context)
+    is_dir = await sb.exec(["test", "-d", step.dest], timeout=timeout)
+    pairs = _copies(step, context, dest_is_dir=is_dir.exit_code == 0)
     how = await put_files(sb, pairs, timeout)
     if step.chown:
         targets = sorted({remote for _, remote in pairs})

@@ -126,6 +126,36 @@ async def test_a_failing_run_step_fails_the_build_with_its_output_and_leaves_not
         assert await find_layer(c, "harbor-fails", RECIPE_VERSION) is None
 
 
+@needs_root
+@pytest.mark.asyncio
+async def test_copy_follows_dockers_rules_and_the_layer_restores(python_node, tmp_path: Path):
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "tree" / "sub").mkdir(parents=True)
+    (tmp_path / "tree" / "sub" / "b.txt").write_text("b\n")
+    (tmp_path / "Dockerfile").write_text(
+        "FROM python:3.11-slim-bookworm\n"
+        "WORKDIR /srv\n"
+        "COPY a.txt /srv\n"  # an existing directory: into it
+        "COPY a.txt renamed.txt\n"  # a file path, relative to WORKDIR
+        "COPY tree /opt/tree\n"  # a directory: its contents
+        "RUN test -f /srv/a.txt && test -f /srv/renamed.txt && test -f /opt/tree/sub/b.txt\n"
+    )
+    recipe = parse(tmp_path / "Dockerfile")
+    async with AsyncClient(f"unix://{python_node.config.socket_path}", autostart=False) as c:
+        ref = await build_layer(
+            c, recipe, tmp_path, name="harbor-copies", base=Base(environment="python"),
+            timeout=60,
+        )  # fmt: skip
+        assert await find_layer(c, "harbor-copies", RECIPE_VERSION) == ref
+        (sb,) = await c.restore(ref, 1, workdir=recipe.workdir)
+        try:
+            r = await sb.exec("cat a.txt renamed.txt /opt/tree/sub/b.txt")
+            assert r.stdout == b"a\na\nb\n", r
+        finally:
+            await sb.kill()
+        assert await c.list() == []
+
+
 HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
 
 
