@@ -232,11 +232,12 @@ class DsecEnvironment(BaseEnvironment):
             timeout=float(timeout_sec) if timeout_sec else None,
             background=False,
         )
-        code = 124 if r.timed_out else r.exit_code
+        if r.timed_out:  # as Harbor's docker environment says it (its reference provider)
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
         return ExecResult(
             stdout=r.stdout.decode(errors="replace"),
             stderr=r.stderr.decode(errors="replace"),
-            return_code=code,
+            return_code=r.exit_code,
         )
 
     async def _has_bash(self) -> bool:
