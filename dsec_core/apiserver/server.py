@@ -119,14 +119,15 @@ def build(
     if not config.e2b:
         return gw, make_app(gw, lifespan=lifespan)
     return gw, make_app(
-        gw, lifespan=lifespan, extra_routes=_e2b_routes(config), refusal=e2b_refusal
+        gw, lifespan=lifespan, extra_routes=_e2b_routes(config, iam), refusal=e2b_refusal
     )
 
 
-def _e2b_routes(config: ApiserverConfig) -> list[Any]:
+def _e2b_routes(config: ApiserverConfig, iam: Any = None) -> list[Any]:
     """The E2B-compatible API on the same listener. Its calls come back to this apiserver
     with the caller's key (over loopback: the self-connection is not verified, it never
-    leaves the machine), so they are authorised and placed as any other."""
+    leaves the machine), so they are authorised and placed as any other. Built templates
+    are kept in IAM's store, where every apiserver sharing it sees them."""
     a = config.address()
     host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
     url = f"{a.scheme}://{host}:{a.port}"
@@ -134,7 +135,7 @@ def _e2b_routes(config: ApiserverConfig) -> list[Any]:
     def connect(key: str) -> AsyncClient:
         return AsyncClient(url, api_key=key, verify=False, autostart=False)
 
-    return list(e2b_routes(connect))
+    return list(e2b_routes(connect, store=getattr(iam, "store", None)))
 
 
 def log_json() -> None:

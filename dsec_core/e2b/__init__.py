@@ -16,10 +16,13 @@ A request without a key is the SDK's ``AuthenticationException`` (401); what ``c
 the node raises maps to E2B's answers (404 unknown, 429 admission or quota, 400 bad input,
 409 paused, 5xx the rest).
 
-Templates are dsec environments: ``DSEC_E2B_TEMPLATES="base=python,web=node20"`` maps names,
-``base`` (E2B's default) is ``python`` unless mapped otherwise, and any other name is taken as
-an environment's own name. ``timeout`` is the sandbox's ttl, ``metadata`` its labels
-``e2b.meta.<key>``, ``envs`` its environment.
+Templates are built through E2B's template API (``Template.build``: ``template_routes``, with
+the build in ``template_build`` and the records in ``templates``; served when the app is given
+a store, as the apiserver gives its IAM store), else they are dsec environments:
+``DSEC_E2B_TEMPLATES="base=python,web=node20"`` maps names, ``base`` (E2B's default) is
+``python`` unless mapped otherwise, and any other name is taken as an environment's own name.
+``timeout`` is the sandbox's ttl, ``metadata`` its labels ``e2b.meta.<key>``, ``envs`` its
+environment.
 
 Commands are the node's interactive processes (``process_start``): ``stdin=True`` with
 ``send_stdin``/``stream_input``/``close_stdin``, PTYs (``sandbox.pty``: a pseudo-terminal of
@@ -38,7 +41,7 @@ Not supported, each with the error the SDK raises for it: file metadata: the SDK
 ``TemplateException`` (envd 0.6.1 is announced); gzip uploads: ``InvalidArgumentException``;
 ``network``, ``mcp``, ``volume_mounts`` and ``lifecycle`` (auto pause/resume) on create:
 ``SandboxException`` with status 400; snapshots,
-forks, metrics, template builds, volumes and secrets: no route, so the SDK's error for a 404
+forks, metrics, volumes and secrets: no route, so the SDK's error for a 404
 or 405. Commands run as root whatever ``user`` says; relative paths start at ``/root``;
 ``commands.list`` shows each command's argv as it runs now, without its ``envs``; process
 tags are not kept (a tag selector is not found). A command runs on when the SDK lets go of its
@@ -50,6 +53,9 @@ holds it); what it started in the background (``cmd &``) runs on too.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -65,6 +71,8 @@ from .lifecycle import (
     lifecycle_refusal,
     lifecycle_routes,
 )
+from .template_routes import BuiltTemplates, template_refusal, template_routes
+from .templates import FileStore, TemplateStore
 
 __all__ = [
     "DEFAULT_TEMPLATES",
@@ -78,20 +86,32 @@ __all__ = [
 ]
 
 
-def e2b_routes(connect: Connect, templates: Templates | None = None) -> list[BaseRoute]:
+def e2b_routes(
+    connect: Connect,
+    templates: Templates | None = None,
+    store: Any = None,
+    files: FileStore | None = None,
+) -> list[BaseRoute]:
     """The E2B API's routes, for another app's route table (the apiserver serves them beside
     its own ``/v1`` ones on one listener): ``connect`` turns each request's API key into a dsec
     client; ``templates`` (default: ``DSEC_E2B_TEMPLATES`` over ``DEFAULT_TEMPLATES``) maps
-    template names to environments."""
+    template names to environments. With ``store`` (an ``IamStore``: the apiserver's IAM
+    store) the template API is served too, its uploads kept in ``files`` (default:
+    ``DSEC_E2B_FILES``), and sandboxes are created from built templates first."""
     templates = templates if templates is not None else Templates.from_env()
-    return [*lifecycle_routes(connect, templates), *envd_routes(connect)]
+    extra: list[BaseRoute] = []
+    if store is not None:
+        tstore = TemplateStore(store)
+        templates = replace(templates, built=BuiltTemplates(tstore))
+        extra = list(template_routes(connect, tstore, files or FileStore(), templates))
+    return [*lifecycle_routes(connect, templates), *extra, *envd_routes(connect)]
 
 
 def e2b_refusal(path: str, e: DsecError) -> Response | None:
     """The E2B API's answer to a request refused before any route ran (no key, or one IAM
     does not know: the apiserver checks keys before reading anything), in the shape the SDK
     expects on ``path``; None for a path that is not the E2B API's."""
-    return lifecycle_refusal(path, e) or envd_refusal(path, e)
+    return lifecycle_refusal(path, e) or template_refusal(path, e) or envd_refusal(path, e)
 
 
 def make_app(connect: Connect, templates: Templates | None = None) -> Starlette:

@@ -63,6 +63,8 @@ class Templates:
     itself (the node then answers ``UnknownEnvironment``, a 404, if it has no such one)."""
 
     mapping: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_TEMPLATES))
+    #: Built templates (``template_routes.BuiltTemplates``), consulted first; None: none.
+    built: Any = None
 
     @classmethod
     def parse(cls, text: str | None) -> Templates:
@@ -334,13 +336,23 @@ def lifecycle_routes(connect: Connect, templates: Templates) -> list[Route]:
         template = _check_create(body)
         labels = {META_PREFIX + k: v for k, v in _strings(body, "metadata").items()}
         labels[LABEL_TEMPLATE] = template
+        # a built template (its layers, env, workdir, start and ready commands) comes first
+        built = templates.built and await templates.built.find(client, key, template)
+        made = built.spec() if built else {"environment": templates.environment(template)}
+        env = {**(built.env if built else {}), **_strings(body, "envVars")}
         sb = await client.create(
-            environment=templates.environment(template),
+            **made,
             ttl=_timeout(body, DEFAULT_TIMEOUT),
-            env=_strings(body, "envVars"),
+            env=env,
             labels=labels,
             **_network(body),
         )
+        if built:
+            try:
+                await built.started(client, sb.info.id, env)
+            except BaseException:
+                await client.kill(sb.info.id)
+                raise
         return JSONResponse(created_sandbox(sb.info, key), status_code=201)
 
     async def get(request: Request, client: Any, key: str) -> Response:
