@@ -7,13 +7,17 @@ that leave the server serving, and nothing is left behind."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,6 +84,23 @@ def nothing_left_behind(site: Site) -> Iterator[None]:
         for sid in left:  # so that one test's failure is not every next one's
             c.kill(sid)
     assert left == []
+    assert _servers() == []
+
+
+def _servers() -> list[int]:
+    """This process's children that are ``dsec mcp`` servers still running."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        state = stat.rpartition(")")[2].split()[0]
+        if ppid == os.getpid() and state != "Z" and cmd[1:4] == [b"-m", b"dsec_core.cli", b"mcp"]:
+            found.append(int(entry.name))
+    return found
 
 
 def _server_env(extra: dict[str, str]) -> dict[str, str]:
@@ -99,8 +120,9 @@ async def over_stdio(env: dict[str, str], *args: str) -> AsyncIterator[ClientSes
 
 
 @asynccontextmanager
-async def over_http(env: dict[str, str], *args: str) -> AsyncIterator[ClientSession]:
-    """An MCP client session with ``dsec mcp --http ARGS`` on a loopback port it chose."""
+async def over_http(env: dict[str, str], *args: str) -> AsyncIterator[tuple[ClientSession, str]]:
+    """An MCP client session with ``dsec mcp --http ARGS`` on a loopback port it chose, and
+    the server's URL."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsec_core.cli", "mcp", "--http", *args],
         env=_server_env(env),
@@ -114,15 +136,34 @@ async def over_http(env: dict[str, str], *args: str) -> AsyncIterator[ClientSess
         line = proc.stderr.readline()
         assert "http://127.0.0.1:" in line, line + proc.stderr.read()
         url = line[line.index("http://") :].strip()
-        assert url.endswith("/mcp")
+        assert url.endswith("/mcp") and proc.pid in _servers()
         async with streamable_http_client(url) as (read, write), ClientSession(read, write) as s:
             await s.initialize()
-            yield s
+            yield s, url
     finally:
         stop_process(proc, 10)
         if proc.stderr:
             proc.stderr.close()
     assert proc.returncode is not None
+
+
+def _post(url: str, headers: dict[str, str]) -> int:
+    """The status of an MCP initialize POSTed to ``url`` with ``headers``."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}})
+    request = urllib.request.Request(
+        url,
+        data=body.encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            **headers,
+        },
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _error(result: Any) -> tuple[str, str]:
@@ -261,7 +302,11 @@ async def test_errors_are_typed_tool_errors_and_the_server_carries_on(site: Site
 
 async def test_over_http_through_an_apiserver_with_a_key(site: Site):
     env = {"DSEC_API_KEY": site.key}
-    async with over_http(env, "--address", site.api.url) as mcp:
+    async with over_http(env, "--address", site.api.url) as (mcp, url):
+        # a page elsewhere that a browser on this machine opens cannot reach it through DNS
+        # rebinding: a Host or Origin other than loopback's is refused
+        assert _post(url, {"Host": "evil.example"}) == 421
+        assert _post(url, {"Origin": "http://evil.example"}) == 403
         info = (
             await mcp.call_tool("create", {"layers": [site.layer], "memory": "64M", "cpu": 0.5})
         ).structured_content
