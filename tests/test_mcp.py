@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -253,6 +254,22 @@ async def test_create_exec_files_fork_kill_over_stdio_through_a_node(site: Site)
         listed = await call("list_sandboxes")
         assert {i["id"] for i in listed["sandboxes"]} == {sid, *kids}
         assert all(i["labels"][SCOPE_LABEL] == "default" for i in listed["sandboxes"])
+
+        # a call the client gives up on is cancelled, and its command killed in the sandbox
+        with pytest.raises(Exception) as gave_up:
+            await mcp.call_tool(
+                "exec", {"sandbox_id": sid, "command": "sleep 37"}, read_timeout_seconds=1
+            )
+        assert "timed out" in str(gave_up.value)
+        deadline = time.monotonic() + 10
+        while True:
+            shown = (await call("exec", sandbox_id=sid, command="ps -o args"))["stdout"]
+            assert "ps -o args" in shown  # ps works: it lists itself
+            if "sleep 37" not in shown:
+                break
+            assert time.monotonic() < deadline, "the cancelled command still runs"
+            await anyio.sleep(0.2)
+        print(f"killed {time.monotonic() - deadline + 10:.1f}s after the timeout")
 
         for s in (sid, *kids):
             assert await call("kill", sandbox_id=s) == {"killed": s}

@@ -208,15 +208,23 @@ class SandboxTools:
         stream = await self.client.exec_stream(
             sandbox_id, command, timeout=timeout, cwd=cwd, env=env, stdin=stdin
         )
-        async for item in stream:
-            if isinstance(item, ExecOutput):
-                out[item.stream].extend(item.data)
-                for piece in _pieces(item.data):
-                    seen += len(piece)
-                    text = piece.decode("utf-8", "replace")
-                    await ctx.report_progress(seen, message=f"{item.stream}: {text}")
-            else:
-                result = item
+        try:
+            async for item in stream:
+                if isinstance(item, ExecOutput):
+                    out[item.stream].extend(item.data)
+                    for piece in _pieces(item.data):
+                        seen += len(piece)
+                        text = piece.decode("utf-8", "replace")
+                        await ctx.report_progress(seen, message=f"{item.stream}: {text}")
+                else:
+                    result = item
+        finally:
+            # A call the client cancelled (or abandoned) ends here: closing the stream now,
+            # not when the generator is collected, has the node kill the command at once.
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                with anyio.CancelScope(shield=True):
+                    await close()
         if result is None:  # the SDK raises when a stream ends without one
             raise DsecError("the exec stream ended without a result", sandbox_id=sandbox_id)
         return {
