@@ -463,4 +463,7 @@ def serve(
             await client.close()
 
     os.environ.setdefault("NO_COLOR", "1")  # the mcp package's log lines on stderr: plain
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except KeyboardInterrupt:  # Ctrl-C in a terminal: the way to stop it, not a crash
+        pass
