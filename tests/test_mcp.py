@@ -376,3 +376,22 @@ def test_port_without_http_is_a_usage_error():
         timeout=60,
     )
     assert out.returncode == 2 and "--port goes with --http" in out.stderr
+
+
+def test_the_cli_loads_the_mcp_package_only_to_serve():
+    """``dsec --help`` lists ``mcp`` and ``dsec mcp --help`` explains it, neither importing the
+    mcp package (pydantic, starlette: a third of a second of every command)."""
+    probe = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from dsec_core.cli import cli\n"
+        "top = CliRunner().invoke(cli, ['--help']).output\n"
+        "own = CliRunner().invoke(cli, ['mcp', '--help']).output\n"
+        "print('  mcp ' in top, '--http' in own and '--api-key' in own)\n"
+        "print(sorted({m for m in sys.modules if m.split('.')[0] in ('mcp', 'pydantic')}))\n"
+        "print('dsec_core.cli.mcp_server' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == ["True True", "[]", "False"], out
