@@ -356,6 +356,22 @@ async def test_over_http_through_an_apiserver_with_a_key(site: Site):
         assert kind == "AuthenticationFailed"
 
 
+async def test_kill_on_exit_kills_what_the_server_made(site: Site):
+    with dsec.Client(site.url, token=site.token) as c:
+        other = c.create(layers=(site.layer,), memory="64M", cpu=0.5)
+    try:
+        async with over_stdio(site.node_env(), "--kill-on-exit") as mcp:
+            spec = {"layers": [site.layer], "memory": "64M", "cpu": 0.5}
+            made = [(await mcp.call_tool("create", spec)).structured_content["id"] for _ in "ab"]
+            assert not (await mcp.call_tool("kill", {"sandbox_id": made[0]})).is_error
+            assert sorted(site.sandboxes()) == sorted([other.id, made[1]])
+        # when its client closed its stdin, the server killed the one it made and left alive,
+        # and nothing it did not make
+        assert site.sandboxes() == [other.id]
+    finally:
+        other.kill()
+
+
 def test_without_the_mcp_package_it_says_what_to_install():
     code = (
         "import sys; sys.modules['mcp'] = None\n"  # as if not installed

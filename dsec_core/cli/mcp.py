@@ -27,7 +27,13 @@ __all__ = ["mcp"]
     help="The dsec.mcp label of the sandboxes it creates, which list_sandboxes shows by "
     "default; an empty string labels nothing and lists everything.",
 )
-def mcp(address, api_key, http, port, scope) -> None:
+@click.option(
+    "--kill-on-exit",
+    is_flag=True,
+    help="When the server stops, kill the sandboxes it created and did not kill (else they "
+    "live until their ttl).",
+)
+def mcp(address, api_key, http, port, scope, kill_on_exit) -> None:
     """Serve sandboxes as MCP tools: create, exec (output streamed as progress), read_file,
     write_file, list_files, list_sandboxes, fork, screenshot, input and kill. Over stdio by
     default (an MCP client starts it); with --http, at http://127.0.0.1:PORT/mcp."""
@@ -36,4 +42,4 @@ def mcp(address, api_key, http, port, scope) -> None:
     require_mcp("dsec mcp")
     from .mcp_server import serve  # the mcp package (dsec[mcp]): loaded when served
 
-    serve(address, api_key, http=http, port=port, scope=scope)
+    serve(address, api_key, http=http, port=port, scope=scope, kill_on_exit=kill_on_exit)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import functools
 import os
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, ParamSpec
@@ -31,7 +32,7 @@ from ..errors import DsecError, InvalidSpec
 from ..records import ExecOutput, ExecResult, SandboxInfo
 from ..sdk import AsyncClient
 
-__all__ = ["SCOPE_LABEL", "TOOL_NAMES", "build_server", "serve"]
+__all__ = ["SCOPE_LABEL", "TOOL_NAMES", "SandboxTools", "build_server", "serve"]
 
 #: The label each sandbox created through the server carries, its value the server's scope
 #: (``--scope``): ``list_sandboxes`` shows that scope's sandboxes unless asked for all.
@@ -107,7 +108,9 @@ def _mode(text: str) -> int:
     except ValueError:
         mode = -1
     if not 0 <= mode <= 0o7777:
-        raise InvalidSpec(f"mode must be octal permission bits such as 644, got {text!r}")
+        raise InvalidSpec(
+            f"mode must be octal permission bits such as 644, got {text!r}", field="mode"
+        )
     return mode
 
 
@@ -122,6 +125,23 @@ class SandboxTools:
     def __init__(self, client: AsyncClient, scope: str = "") -> None:
         self.client = client
         self.scope = scope
+        #: ids of the sandboxes made here and not killed here (``--kill-on-exit`` kills them)
+        self.made: set[str] = set()
+
+    async def kill_made(self) -> None:
+        """Kill every sandbox this server made and did not kill, all at once; one already
+        gone (its ttl, another client) is not an error."""
+
+        async def kill(sid: str) -> None:
+            try:
+                await self.client.kill(sid)
+            except DsecError:
+                pass
+            self.made.discard(sid)
+
+        async with anyio.create_task_group() as tg:
+            for sid in sorted(self.made):
+                tg.start_soon(kill, sid)
 
     def _labels(self, labels: dict[str, str] | None) -> dict[str, str]:
         out = dict(labels or {})
@@ -181,6 +201,7 @@ class SandboxTools:
             env=dict(env or {}),
             workdir=workdir,
         )
+        self.made.add(sb.id)
         return _info(sb.info)
 
     async def exec(
@@ -356,6 +377,7 @@ class SandboxTools:
             ttl=ttl,
             labels=self._labels(labels),
         )
+        self.made.update(c.id for c in copies)
         return {"snapshot": snapshot.ref, "sandboxes": [_info(c.info) for c in copies]}
 
     async def screenshot(self, sandbox_id: SandboxId) -> Image:
@@ -377,6 +399,7 @@ class SandboxTools:
     async def kill(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """Kill a sandbox: its processes and writable layer are gone."""
         await self.client.kill(sandbox_id)
+        self.made.discard(sandbox_id)
         return {"killed": sandbox_id}
 
 
@@ -395,9 +418,8 @@ ANNOTATIONS = {
 }
 
 
-def build_server(client: AsyncClient, scope: str = "") -> MCPServer:
-    """An MCP server whose tools (``TOOL_NAMES``) drive sandboxes through ``client``."""
-    tools = SandboxTools(client, scope)
+def build_server(tools: SandboxTools) -> MCPServer:
+    """An MCP server offering ``tools`` (``TOOL_NAMES``)."""
     server: MCPServer = MCPServer(
         name="dsec",
         instructions=(
@@ -415,14 +437,15 @@ def build_server(client: AsyncClient, scope: str = "") -> MCPServer:
 
 
 def _loopback_socket(port: int) -> socket.socket:
+    """A socket bound to 127.0.0.1:``port`` before uvicorn starts, so that port 0's free port
+    is known (and printed) without a race."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", port))
     except OSError as e:
         sock.close()
-        raise DsecError(f"cannot listen on 127.0.0.1:{port}: {e}", port=port) from None
-    sock.set_inheritable(True)
+        raise InvalidSpec(f"cannot listen on 127.0.0.1:{port}: {e}", field="port") from None
     return sock
 
 
@@ -438,6 +461,25 @@ async def _serve_http(server: MCPServer, port: int) -> None:
         sock.close()
 
 
+async def _serve_stdio(server: MCPServer, cleanup: Callable[[], Awaitable[None]]) -> None:
+    """Serve on stdio until stdin closes. SIGTERM (how MCP clients stop a server slow to leave
+    once its stdin is closed, and how service managers stop one) runs ``cleanup``, then ends
+    the process as SIGTERM does: the thread reading stdin cannot be cancelled."""
+
+    async def stop_on_sigterm() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                with anyio.CancelScope(shield=True):
+                    await cleanup()
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stop_on_sigterm)
+        await server.run_stdio_async()
+        tg.cancel_scope.cancel()
+
+
 def serve(
     address: str | None,
     api_key: str | None,
@@ -445,24 +487,32 @@ def serve(
     http: bool = False,
     port: int = 0,
     scope: str = "",
+    kill_on_exit: bool = False,
 ) -> None:
     """Serve the tools on stdio, or (``http``) streamable HTTP on 127.0.0.1:``port`` (0: a
     free one, printed on stderr) at ``/mcp``, until stdin closes or the process is
-    interrupted. Blocking."""
+    interrupted; then, with ``kill_on_exit``, kill the sandboxes it made. Blocking."""
 
     async def main() -> None:
         # made in the server's loop: the async transport belongs to it
         client = AsyncClient(address, api_key=api_key)
+        tools = SandboxTools(client, scope)
+
+        async def cleanup() -> None:
+            if kill_on_exit:
+                await tools.kill_made()
+            await client.close()
+
         try:
-            server = build_server(client, scope)
+            server = build_server(tools)
             if http:
                 await _serve_http(server, port)
             else:
-                await server.run_stdio_async()
+                await _serve_stdio(server, cleanup)
         finally:
-            await client.close()
+            with anyio.CancelScope(shield=True):
+                await cleanup()
 
-    os.environ.setdefault("NO_COLOR", "1")  # the mcp package's log lines on stderr: plain
     try:
         anyio.run(main)
     except KeyboardInterrupt:  # Ctrl-C in a terminal: the way to stop it, not a crash
