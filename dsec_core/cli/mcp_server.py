@@ -449,8 +449,13 @@ def _loopback_socket(port: int) -> socket.socket:
     return sock
 
 
-async def _serve_http(server: MCPServer, port: int) -> None:
+async def _serve_http(server: MCPServer, port: int) -> bool:
+    """Serve streamable HTTP on 127.0.0.1:``port`` until SIGINT or SIGTERM; whether SIGTERM
+    stopped it (uvicorn stops gracefully on it, then raises it again to the handler it found,
+    which here only notes it: the caller cleans up first, then ends as SIGTERM does)."""
     sock = _loopback_socket(port)
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
     try:
         app = server.streamable_http_app(host="127.0.0.1")
         config = uvicorn.Config(app, log_level="warning", lifespan="on")
@@ -458,7 +463,9 @@ async def _serve_http(server: MCPServer, port: int) -> None:
         click.echo(f"dsec MCP server: {url}", err=True)
         await uvicorn.Server(config).serve(sockets=[sock])
     finally:
+        signal.signal(signal.SIGTERM, previous)
         sock.close()
+    return bool(terminated)
 
 
 async def _serve_stdio(server: MCPServer, cleanup: Callable[[], Awaitable[None]]) -> None:
@@ -471,13 +478,17 @@ async def _serve_stdio(server: MCPServer, cleanup: Callable[[], Awaitable[None]]
             async for _ in signals:
                 with anyio.CancelScope(shield=True):
                     await cleanup()
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+                _end_as_sigterm()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(stop_on_sigterm)
         await server.run_stdio_async()
         tg.cancel_scope.cancel()
+
+
+def _end_as_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve(
@@ -493,7 +504,7 @@ def serve(
     free one, printed on stderr) at ``/mcp``, until stdin closes or the process is
     interrupted; then, with ``kill_on_exit``, kill the sandboxes it made. Blocking."""
 
-    async def main() -> None:
+    async def main() -> bool:
         # made in the server's loop: the async transport belongs to it
         client = AsyncClient(address, api_key=api_key)
         tools = SandboxTools(client, scope)
@@ -506,14 +517,16 @@ def serve(
         try:
             server = build_server(tools)
             if http:
-                await _serve_http(server, port)
-            else:
-                await _serve_stdio(server, cleanup)
+                return await _serve_http(server, port)
+            await _serve_stdio(server, cleanup)
+            return False
         finally:
             with anyio.CancelScope(shield=True):
                 await cleanup()
 
     try:
-        anyio.run(main)
+        terminated = anyio.run(main)
     except KeyboardInterrupt:  # Ctrl-C in a terminal: the way to stop it, not a crash
-        pass
+        return
+    if terminated:
+        _end_as_sigterm()
