@@ -347,7 +347,13 @@ async def test_over_http_through_an_apiserver_with_a_key(site: Site):
         (kid,) = forked.structured_content["sandboxes"]
         r = await mcp.call_tool("read_file", {"sandbox_id": kid["id"], "path": "/f"})
         assert r.structured_content["content"] == "x"
-        listed = await mcp.call_tool("list_sandboxes", {})
+        # a second client of the same server, at the same time: one scope, one key
+        async with (
+            streamable_http_client(url) as (read, write),
+            ClientSession(read, write) as second,
+        ):
+            await second.initialize()
+            listed = await second.call_tool("list_sandboxes", {})
         assert {i["id"] for i in listed.structured_content["sandboxes"]} == {sid, kid["id"]}
         assert not (await mcp.call_tool("kill", {"sandbox_id": sid})).is_error
     # SIGTERM stopped the server, which killed the fork it made first (--kill-on-exit)
