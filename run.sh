@@ -114,13 +114,14 @@ setup_python() {
     fi
 }
 
-# tests/test_slim_client.py installs the client alone (`pip install dsec[rl]`) into a fresh venv
-# without reaching an index: the client's dependencies wait here as wheels, pinned to the versions
-# .venv has. Filled again when the client's requirements change.
+# tests/test_slim_client.py installs the client alone (`pip install dsec[rl]`, and `dsec[mcp]`)
+# into fresh venvs without reaching an index: the client's dependencies wait here as wheels, pinned
+# to the versions .venv has. Filled again when the client's requirements change.
 setup_wheelhouse() {
     local house="$venv/wheelhouse" sum
     "$venv/bin/python" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(p["dependencies"] + p["optional-dependencies"]["rl"]))' >"$stamp_dir/client.txt"
+x = p["optional-dependencies"]
+print("\n".join(p["dependencies"] + x["rl"] + x["mcp"]))' >"$stamp_dir/client.txt"
     sum=$(sha256sum "$stamp_dir/client.txt" | cut -c1-16)
     [ -f "$stamp_dir/wheelhouse-$sum" ] && [ -d "$house" ] && return
     log "keeping the client's dependencies as wheels in .venv/wheelhouse"

@@ -18,6 +18,7 @@ __all__ = [
     "CommandFailed",
     "DsecError",
     "ExecTimeout",
+    "ExtraMissing",
     "FeatureUnavailable",
     "GuestImageError",
     "GuestPanic",
@@ -449,6 +450,12 @@ class NodeSideMissing(DsecError):
     Carries ``command`` (what needed it), ``missing`` (the node extra's distributions not
     installed) and ``install`` (the command that adds them). Not a ``NodeUnavailable``: no
     node went away, and no retry or infrastructure mask will help."""
+
+
+class ExtraMissing(DsecError):
+    """What was asked needs an optional extra of dsec this install lacks (``dsec mcp`` needs
+    ``pip install 'dsec[mcp]'``). Carries ``command``, ``extra``, ``missing`` (its
+    distributions not installed) and ``install`` (the command that adds them)."""
 
 
 class NodeLost(NodeUnavailable):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 
-from .errors import NodeSideMissing
+from .errors import ExtraMissing, NodeSideMissing
 
-__all__ = ["INSTALL_NODE", "NODE_MODULES", "missing", "require_node"]
+__all__ = ["INSTALL_MCP", "INSTALL_NODE", "NODE_MODULES", "missing", "require_mcp", "require_node"]
 
 #: What a client-only install runs to get the node side.
 INSTALL_NODE = "pip install 'dsec[node]'"
+#: What an install runs to get ``dsec mcp``'s MCP server (the ``mcp`` extra: the official SDK).
+INSTALL_MCP = "pip install 'dsec[mcp]'"
 
 #: Each distribution of pyproject.toml's ``node`` extra and the module it is imported as
 #: (tests/test_slim_client.py keeps the two in step). Looked up with ``find_spec``, well under a
@@ -63,4 +65,18 @@ def require_node(command: str) -> None:
             command=command,
             missing=list(absent),
             install=INSTALL_NODE,
+        )
+
+
+def require_mcp(command: str) -> None:
+    """Raise ``ExtraMissing`` naming ``command`` (``dsec mcp``) if the ``mcp`` package, which
+    the ``mcp`` extra installs, is not importable here."""
+    if not _importable("mcp"):
+        raise ExtraMissing(
+            f"{command} needs the mcp package, which this install does not have: "
+            f"{INSTALL_MCP} adds it",
+            command=command,
+            extra="mcp",
+            missing=["mcp"],
+            install=INSTALL_MCP,
         )

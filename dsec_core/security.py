@@ -214,6 +214,7 @@ def loosenings(
     *,
     runtime: str | None = None,
     live: bool = False,
+    open_networks: frozenset[str] = frozenset(),
 ) -> list[str]:
     """What a sandbox's ``policies``, ``network`` mode and OCI ``runtime`` (or, ``live``, a
     change of one running sandbox's policy settings) would loosen against the node's default,
@@ -224,14 +225,16 @@ def loosenings(
     Loosening: a network mode other than ``"none"`` (loopback only is the default); turning a
     ``default`` policy off or letting it be skipped (``enabled: false``, ``best_effort``);
     settings a policy's ``loosens`` gives a reason for; live, any change of a policy's settings
-    (they replace the old ones: an allowlist may widen, a file rule go)."""
+    (they replace the old ones: an allowlist may widen, a file rule go). ``open_networks``:
+    network modes the operator lets any key ask for (``DSEC_OPEN_NETWORKS``), which then do
+    not count."""
     out = []
     if runtime is not None and runtime not in CONFINING_RUNTIMES:
         out.append(
             f"runtime {runtime!r} may be weaker than the node's default (a key that may only "
             f"tighten may name {', '.join(sorted(CONFINING_RUNTIMES))})"
         )
-    if network != "none":
+    if network != "none" and network not in open_networks:
         out.append(f"network {network!r} opens the sandbox's network (the default is 'none')")
     for name, raw in policies.items():
         cls = known.get(name)

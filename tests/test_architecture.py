@@ -45,6 +45,8 @@ LAZY_IMPORTS = {
     "venv imports dsec_harbor without it, Harbor loads DsecEnvironment on first use",
     "dsec_core.plugins": "the CLI's `dsec plugins` and plugins' commands only: pluggy and the "
     "plugin floors are the node side's (dsec[node]), which a client-only install lacks",
+    "dsec_core.cli.mcp_server": "`dsec mcp` only: the mcp package is an extra (dsec[mcp]), "
+    "checked for first so that its absence is a message, not an ImportError",
 }
 
 

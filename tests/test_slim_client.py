@@ -19,11 +19,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from packaging.requirements import Requirement
 
 from dsec_core.catalog.model import load_catalog
 from dsec_core.catalog.store import CatalogStore
-from dsec_core.extras import INSTALL_NODE, NODE_MODULES
+from dsec_core.extras import INSTALL_MCP, INSTALL_NODE, NODE_MODULES
 from dsec_core.iam import Iam
 from dsec_core.layers.store import LayerStore
 from dsec_core.testing import KitNode
@@ -60,8 +62,8 @@ def node_extra() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def slim(tmp_path_factory) -> Path:
-    """A fresh venv holding dsec's wheel with the ``rl`` extra and nothing else."""
+def client_wheel(tmp_path_factory) -> Path:
+    """dsec's wheel, built here from a copy of the repository, offline."""
     if not (WHEELHOUSE.is_dir() and any(WHEELHOUSE.glob("*.whl"))):
         pytest.fail(
             f"no wheels in {WHEELHOUSE}: run `bash run.sh setup`, which keeps the client's "
@@ -85,15 +87,26 @@ def slim(tmp_path_factory) -> Path:
         capture_output=True,
     )
     (wheel,) = wheels.glob("dsec-*.whl")
-    env = tmp_path_factory.mktemp("slim") / "venv"
+    return wheel
+
+
+def client_venv(tmp_path_factory, wheel: Path, extra: str) -> Path:
+    """A fresh venv holding ``wheel`` with ``extra`` and nothing else."""
+    env = tmp_path_factory.mktemp(f"slim-{extra}") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
-    out = pip(env, "install", "-q", "--find-links", WHEELHOUSE, f"{wheel}[rl]")
+    out = pip(env, "install", "-q", "--find-links", WHEELHOUSE, f"{wheel}[{extra}]")
     if out.returncode != 0:
         pytest.fail(
             f"installing the client from {WHEELHOUSE} failed (run `bash run.sh setup` if a "
             f"wheel is missing there):\n{out.stdout}\n{out.stderr}"
         )
     return env
+
+
+@pytest.fixture(scope="module")
+def slim(tmp_path_factory, client_wheel: Path) -> Path:
+    """A fresh venv holding dsec's wheel with the ``rl`` extra and nothing else."""
+    return client_venv(tmp_path_factory, client_wheel, "rl")
 
 
 def pip(env: Path, *args: object) -> subprocess.CompletedProcess:
@@ -342,3 +355,45 @@ def test_the_slim_cli_manages_iam_through_an_apiserver(slim, tmp_path):
         api.stop()
         api.log.unlink(missing_ok=True)
         iam.close()
+
+
+def test_dsec_mcp_in_the_client_alone_says_what_to_install(slim, tmp_path):
+    out = run(slim, "dsec", "mcp", DSEC_HOME=os.fspath(tmp_path / "home"), cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert INSTALL_MCP in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "home").exists()  # nothing was started
+
+
+async def test_the_client_with_the_mcp_extra_serves_mcp(
+    tmp_path_factory, client_wheel: Path, dsec_node: KitNode
+):
+    """``pip install 'dsec[mcp]'`` is a client: the mcp package and what it brings, none of the
+    node side's own distributions, and ``dsec mcp`` serves a node's sandboxes from there."""
+    env = client_venv(tmp_path_factory, client_wheel, "mcp")
+    listed = pip(env, "list", "--format", "json")
+    installed = {_normalized(p["name"]) for p in json.loads(listed.stdout)}
+    assert {"dsec", "mcp"} <= installed
+    # starlette, uvicorn and python-multipart come with mcp; the rest is the node side's alone
+    node_only = {"pluggy", "python-on-whales", "zstandard", "qemu-qmp", "uvloop", "httptools",
+                 "prometheus-client"}  # fmt: skip
+    assert installed & node_only == set()
+    params = StdioServerParameters(
+        command=os.fspath(env / "bin" / "dsec"),
+        args=["mcp"],
+        env={"DSEC_ADDRESS": os.fspath(dsec_node.config.socket_path), "PYTHONNOUSERSITE": "1"},
+        cwd=env.parent,
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as mcp:
+        await mcp.initialize()
+        assert "exec" in {t.name for t in (await mcp.list_tools()).tools}
+        made = await mcp.call_tool("create", {"layers": [dsec_node.layer.ref], "memory": "64M"})
+        assert not made.is_error, made
+        sid = made.structured_content["id"]
+        try:
+            r = await mcp.call_tool("exec", {"sandbox_id": sid, "command": "echo slim mcp"})
+            assert r.structured_content["stdout"] == "slim mcp\n"
+        finally:
+            killed = await mcp.call_tool("kill", {"sandbox_id": sid})
+        assert not killed.is_error
+    with dsec_node.client() as client:
+        assert sid not in [i.id for i in client.list()]

@@ -42,7 +42,7 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 from urllib.parse import quote
 
@@ -180,6 +180,21 @@ class Metrics(Protocol):
     def forwarded(self, route: str, seconds: float) -> None: ...
 
 
+def open_networks_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str]:
+    """``DSEC_OPEN_NETWORKS``: comma-separated network modes that keys which may only tighten
+    the node's policies (member and agent keys) may still ask for, such as ``internet`` (NAT
+    through the node, private ranges and the node's own addresses refused). Empty by default:
+    every mode but ``none`` takes an admin or builder key."""
+    text = (os.environ if environ is None else environ).get("DSEC_OPEN_NETWORKS", "")
+    modes = frozenset(m.strip() for m in text.split(",") if m.strip())
+    if "allowlist" in modes:
+        raise InvalidSpec(
+            "DSEC_OPEN_NETWORKS cannot hold 'allowlist': its rules are what a key would loosen",
+            field="DSEC_OPEN_NETWORKS",
+        )
+    return modes
+
+
 @dataclass
 class Gateway:
     """The apiserver's state: its nodes, its IAM, its settings. Nothing here outlives a
@@ -189,6 +204,9 @@ class Gateway:
     iam: Authority
     overflow_at: float = 0.8
     metrics: Metrics | None = None
+    #: Network modes every key may ask for, not only those that may loosen policies
+    #: (``DSEC_OPEN_NETWORKS``, e.g. "internet"; default: none).
+    open_networks: frozenset[str] = field(default_factory=open_networks_from_env)
 
     def __post_init__(self) -> None:
         self.reach = Reach(self.iam.can_reach, lambda: self.iam.projects())
@@ -328,7 +346,14 @@ class Gateway:
         these would (``dsec_core.security.loosenings``)."""
         if self.iam.can_loosen(principal):
             return
-        why = loosenings(policies, network, self.policy_classes(), runtime=runtime, live=live)
+        why = loosenings(
+            policies,
+            network,
+            self.policy_classes(),
+            runtime=runtime,
+            live=live,
+            open_networks=self.open_networks,
+        )
         if why:
             raise PermissionDenied(
                 f"a {principal.role} key may only tighten the node's default security "

@@ -133,6 +133,7 @@ LAZY_GROUPS = {
     "iam": ".iam:iam",
     "cluster": ".cluster:cluster",
     "rollout": ".rollout:rollout",
+    "mcp": ".mcp:mcp",
 }
 #: Those of them that are the node side's: they import what only ``dsec[node]`` installs.
 #: (``iam`` is not: over an apiserver's API it is a client, and its store is SQLite's or etcd's

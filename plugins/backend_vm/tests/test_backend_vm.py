@@ -8,6 +8,7 @@ every backend. Nothing is left behind: the kit's leftover checks, and no QEMU pr
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -284,6 +285,34 @@ def _dsec(node: KitNode, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+async def _mcp_screen_tools(node: KitNode, sid: str) -> None:
+    """``dsec mcp``'s screenshot (an MCP image) and input tools on a VM, through the official
+    ``mcp`` client (tests/test_mcp.py has the rest of the server; a VM of its own would double
+    that module's time)."""
+    from mcp.client.session import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "dsec_core.cli", "mcp"],
+        env={"DSEC_ADDRESS": f"unix://{node.config.socket_path}"},
+    )
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as mcp:
+        await mcp.initialize()
+        shot = await mcp.call_tool("screenshot", {"sandbox_id": sid})
+        assert not shot.is_error, shot
+        (image,) = shot.content
+        assert image.type == "image" and image.mime_type == "image/png"
+        assert base64.b64decode(image.data).startswith(b"\x89PNG")
+        events = [{"type": "move", "x": 10, "y": 10}, {"type": "key", "key": "a"}]
+        sent = await mcp.call_tool("input", {"sandbox_id": sid, "events": events})
+        assert sent.structured_content == {"sent": 2}
+        bad = await mcp.call_tool(
+            "input", {"sandbox_id": sid, "events": [{"type": "key", "key": "no such key"}]}
+        )
+        assert bad.is_error and bad.structured_content["type"] == "InvalidSpec"
+
+
 @pytest.mark.slow
 async def test_cli_and_qmp_helper(dsec_sandboxes, dsec_node, tmp_path):
     sb = dsec_sandboxes.create()
@@ -297,6 +326,7 @@ async def test_cli_and_qmp_helper(dsec_sandboxes, dsec_node, tmp_path):
     assert done.returncode != 0 and "X,Y" in done.stderr and "Traceback" not in done.stderr
     done = _dsec(dsec_node, "sandbox", "input", sb.id, "--key", "no such key")
     assert done.returncode == 1 and "Error: " in done.stderr and "Traceback" not in done.stderr
+    await _mcp_screen_tools(dsec_node, sb.id)
 
     # the QMP helper the backend uses: answers, QEMU's refusals and a missing QEMU are typed
     sock = dsec_node.config.run_dir / "sandboxes" / sb.id / QMP_SOCKET
