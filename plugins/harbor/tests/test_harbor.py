@@ -6,7 +6,6 @@ and ENV; Harbor runs from its own venv (Python >= 3.12) as a subprocess."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -156,9 +155,6 @@ async def test_copy_follows_dockers_rules_and_the_layer_restores(python_node, tm
         assert await c.list() == []
 
 
-HAS_TEMPLATES = importlib.util.find_spec("dsec_core.e2b.templates") is not None
-
-
 @needs_root
 def test_the_native_provider_works_through_an_apiserver_with_a_member_key(
     plane, harbor_task: Path, tmp_path: Path
@@ -174,14 +170,6 @@ def test_the_native_provider_works_through_an_apiserver_with_a_member_key(
 
 
 @needs_root
-@pytest.mark.xfail(
-    not HAS_TEMPLATES,
-    reason="Harbor's -e e2b builds each task's Dockerfile through E2B's template API "
-    "(AsyncTemplate.build, alias look-ups, build status), which this dsec does not serve yet "
-    "(branch i23-templates adds it)",
-    run=False,
-    strict=True,
-)
 def test_oracle_scores_1_and_nop_0_through_harbors_e2b_environment(
     plane, harbor_task: Path, tmp_path: Path
 ):
