@@ -1247,8 +1247,8 @@ async def _resolve_image(gw: Gateway, request: Request, principal: Any, rid: str
     may run on any of them); the first node's answer that has it is returned. Builds'
     business: a builder or admin key."""
     route = ROUTES["resolve_image"]
+    raw, _body_msg = await _body(request, route)  # a bad body is 422 whoever sends it
     _check_builder(principal, "resolve images into layers")
-    raw, _body_msg = await _body(request, route)
     entries = gw.nodes.healthy()
     if not entries:
         raise NodeUnavailable("no healthy node to resolve the image")
