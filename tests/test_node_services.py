@@ -432,6 +432,27 @@ async def test_the_watch_loop_polls_sandboxes_without_an_exit_descriptor(host, m
     assert host.killed == [(sb.rt.id, "died")] and swept
 
 
+async def test_the_watch_loop_leaves_a_sandbox_alone_while_its_exit_is_expected(host, monkeypatch):
+    """A VM's pause ends QEMU before it records the saved state: a poll of the watch loop in
+    between saw a dead sandbox and killed it (a CI run paused a microVM into "stopping").
+    Inside ``expect_exit`` the loop does not poll it; after, it does again."""
+    monkeypatch.setattr(lifecycle, "WATCH_PERIOD", 0.01)
+    life = Lifecycle(host)
+    sb = host.add()
+    life.start()
+    with life.expect_exit(sb):
+        host.fake.dead.add(sb.rt.id)  # its process is gone, its new state not yet recorded
+        await asyncio.sleep(0.1)  # ten rounds of the loop
+        assert host.killed == []
+    for _ in range(100):
+        if host.killed:
+            break
+        await asyncio.sleep(0.01)
+    life.stop()
+    await life.close()
+    assert host.killed == [(sb.rt.id, "died")]
+
+
 def test_what_a_sandbox_died_of_is_remembered_for_a_while(host, monkeypatch):
     monkeypatch.setattr(lifecycle, "MAX_DEATHS", 2)
     life = Lifecycle(host)

@@ -45,6 +45,8 @@ class Lifecycle:
         self.tasks: set[asyncio.Task] = set()
         #: sandbox id -> (kind, cause) of those that died on their own, the latest MAX_DEATHS
         self.deaths: dict[str, tuple[str, str]] = {}
+        #: ids of sandboxes inside ``expect_exit``: their processes may end (a VM's pause)
+        self.expecting: set[str] = set()
         self._watch: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -150,9 +152,11 @@ class Lifecycle:
         """Inside this block the sandbox's process may end (a VM's save or pause ends it):
         not a death. Its exit is watched again after, in whatever process it runs in now."""
         self.unwatch_exit(sb)
+        self.expecting.add(sb.rt.id)  # nor is it one to the watch loop's polls meanwhile
         try:
             yield
         finally:
+            self.expecting.discard(sb.rt.id)
             self.watch_exit(sb)
 
     def death_of(self, sb: Sandbox) -> InfraEvent:
@@ -193,6 +197,8 @@ class Lifecycle:
                 for sid, sb in list(self.host.sandboxes.items()):
                     if sb.exit_fd is not None:
                         continue  # the loop hears of its end (watch_exit)
+                    if sid in self.expecting:
+                        continue  # a VM between its save and its new state (expect_exit)
                     if sb.status == "running" and not await sb.backend.alive(
                         sb.rt, sb.backend_state
                     ):
