@@ -22,6 +22,7 @@ import binascii
 import contextlib
 import json
 import struct
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
@@ -175,6 +176,11 @@ def keepalive_interval(value: str | None) -> float | None:
         return None
 
 
+#: A client that leaves a command's stream this close to the command's timeout (seconds) left
+#: because of it: the command is killed then rather than at the node's own deadline.
+DEADLINE_SLACK = 1.0
+
+
 async def start_events(
     connect: Connect,
     key: str,
@@ -186,6 +192,7 @@ async def start_events(
     """The ``Start`` response stream, envelope by envelope, with a keepalive event every
     ``keepalive`` seconds of quiet. The command runs on if the client goes away (the node
     holds it) until it ends or ``timeout`` kills it."""
+    began = time.monotonic()
     try:
         argv, env, cwd = command_argv(message)
         size = _pty_size(message.get("pty"))
@@ -204,8 +211,18 @@ async def start_events(
                 background=True,
             )
             yield _event({"start": {"pid": info.pid}})
-            async for piece in _output_events(client, sid, info.pid, size, True, keepalive):
-                yield piece
+            try:
+                async for piece in _output_events(client, sid, info.pid, size, True, keepalive):
+                    yield piece
+            except (GeneratorExit, asyncio.CancelledError):
+                # The client left. At its deadline that is the SDK giving up on the command's
+                # own timeout, which the node's timer (started a request later) is about to
+                # enforce: kill it now, so the caller never sees it running after its
+                # TimeoutException. Any earlier, the command runs on, as under envd.
+                if timeout is not None and time.monotonic() - began >= timeout - DEADLINE_SLACK:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await client.process_signal(sid, info.pid, "KILL")
+                raise
         yield end_stream()
     except RpcError as e:
         yield end_stream(e)
