@@ -474,6 +474,67 @@ class Gateway:
             project, self.usage_by_project(), Usage(count, count * cpu, count * memory)
         )
 
+    async def on_pool_node(
+        self,
+        project: str,
+        environment: str,
+        cpu: float,
+        memory: int,
+        request: Callable[[bool], tuple[str, bytes | None]],
+        timeout: float | None,
+        rid: str,
+    ) -> bytes:
+        """A call in a pool of ``project``'s (fncall, judge, run_code): on the node that ran
+        the project's last call of ``environment`` while placement lets it take one more
+        member (its pool is warm there), else where placement says. A pool member counts as
+        one sandbox of the project (``cpu``, ``memory``) for as long as it lives; when the
+        project's quotas have no room for one more, the call may only use a member one of its
+        pools has: it is tried on the node of the pool's last call first, then on each other,
+        and a pool with no member free anywhere is the project's ``QuotaExceeded``.
+        ``request(start)`` is the node's path and body, ``start`` saying whether the node may
+        start a member."""
+        full: QuotaExceeded | None = None
+        try:
+            self.check_quota(project, 1, cpu, memory)
+        except QuotaExceeded as e:
+            full = e
+        target, content = request(full is None)
+        home_key = (project, environment)
+        home = self.pool_homes.get(home_key)
+        if full is None:
+            spec = SandboxSpec(environment=environment)
+            try:
+                shares, _ = self.place(spec, 1, only=home)
+            except AdmissionRejected:
+                shares, _ = self.place(spec, 1)
+            names = list(shares)
+        else:  # no member may start: wherever the project's pool may have one
+            names = sorted((e.name for e in self.nodes.healthy()), key=lambda n: n != home)
+        for name in names:
+            hold = None if full else self.nodes.ledger.hold(project, name, 1, cpu, memory)
+            try:
+                answer = await self._request(
+                    self.nodes.nodes[name], "POST", target, content, timeout, request_id=rid
+                )
+            except AdmissionRejected as e:
+                if hold is not None:
+                    self.nodes.ledger.settle(hold, 0)
+                if full is not None and e.context.get("reason") == "pool-start":
+                    continue  # no member of the project's pool there: the next node
+                raise
+            except BaseException:
+                if hold is not None:
+                    self.nodes.ledger.settle(hold, 0)
+                raise
+            if hold is not None:  # it may have started a member: counted until the next probe
+                self.nodes.ledger.settle(hold, 1)
+            self.pool_homes[home_key] = name
+            if len(self.pool_homes) > _POOL_HOMES:
+                del self.pool_homes[next(iter(self.pool_homes))]
+            return answer
+        assert full is not None
+        raise full
+
     def place(
         self, spec: SandboxSpec, count: int, only: str | None = None
     ) -> tuple[dict[str, int], bool]:
@@ -1130,61 +1191,26 @@ _POOL_HOMES = 100_000
 
 
 def _placed_handler(route: Route) -> Handler:
-    """fncall, judge: in a pool of the caller's project, on the node that ran the project's
-    last call of the environment while placement lets it take one more member (its pool is
-    warm there), else where placement says. A pool member counts as one sandbox of the project
-    (its cpu and memory) for as long as it lives; when the project's quotas have no room for
-    one more, the call may only use a member one of its pools has (``start`` false): it is
-    tried on the node of the pool's last call first, then on each other, and a pool with no
-    member free anywhere is the project's ``QuotaExceeded``."""
+    """fncall, judge: in a pool of the caller's project (``Gateway.on_pool_node``)."""
 
     async def handle(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
         _, body = await _body(request, route)
         project = principal.project
-        cpu, memory = float(body.cpu), parse_size(body.memory, "memory") or 0
-        full: QuotaExceeded | None = None
-        try:
-            gw.check_quota(project, 1, cpu, memory)
-        except QuotaExceeded as e:
-            full = e
-        content = route.encode_body(replace(body, project=project, start=full is None))
-        home_key = (project, body.environment)
-        home = gw.pool_homes.get(home_key)
-        spec = SandboxSpec(environment=body.environment)
-        if full is None:
-            try:
-                shares, _ = gw.place(spec, 1, only=home)
-            except AdmissionRejected:
-                shares, _ = gw.place(spec, 1)
-            names = list(shares)
-        else:  # no member may start: wherever the project's pool may have one
-            names = [e.name for e in gw.nodes.healthy()]
-            names.sort(key=lambda n: n != home)
         timeout = None if route.timeout is None or route.exec_timeout else route.timeout + 30
-        for name in names:
-            hold = None if full else gw.nodes.ledger.hold(project, name, 1, cpu, memory)
-            try:
-                answer = await gw._request(
-                    gw.nodes.nodes[name], "POST", route.path, content, timeout, request_id=rid
-                )
-            except AdmissionRejected as e:
-                if hold is not None:
-                    gw.nodes.ledger.settle(hold, 0)
-                if full is not None and e.context.get("reason") == "pool-start":
-                    continue  # no member of the project's pool there: the next node
-                raise
-            except BaseException:
-                if hold is not None:
-                    gw.nodes.ledger.settle(hold, 0)
-                raise
-            if hold is not None:  # it may have started a member: counted until the next probe
-                gw.nodes.ledger.settle(hold, 1)
-            gw.pool_homes[home_key] = name
-            if len(gw.pool_homes) > _POOL_HOMES:
-                del gw.pool_homes[next(iter(gw.pool_homes))]
-            return Response(answer, route.status, media_type=JSON)
-        assert full is not None
-        raise full
+
+        def to_node(start: bool) -> tuple[str, bytes | None]:
+            return route.path, route.encode_body(replace(body, project=project, start=start))
+
+        answer = await gw.on_pool_node(
+            project,
+            body.environment,
+            float(body.cpu),
+            parse_size(body.memory, "memory") or 0,
+            to_node,
+            timeout,
+            rid,
+        )
+        return Response(answer, route.status, media_type=JSON)
 
     return handle
 
@@ -1220,25 +1246,35 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
     raw, body = await _body(request, route)
     for ref in body.refs:
         gw.check_layer(principal, ref)
+    answer = await _on_every_node(gw, route, raw, principal, rid, "warm the layers")
+    # which kind of source warmed each layer, not where the node keeps it
+    result = route.decode_response(answer)
+    rows = tuple(replace(r, source=r.source.partition(":")[0]) for r in result.layers)
+    content = route.encode_response(replace(result, layers=rows))
+    return Response(content, route.status, media_type=JSON)
+
+
+async def _on_every_node(
+    gw: Gateway, route: Route, raw: bytes, principal: Any, rid: str, what: str
+) -> bytes:
+    """POST ``raw`` to ``route`` on every healthy node at once (what each node must hold, not
+    a placement); the first node's answer that came, else the first node's error, scrubbed
+    for the caller."""
     entries = gw.nodes.healthy()
     if not entries:
-        raise NodeUnavailable("no healthy node to warm")
+        raise NodeUnavailable(f"no healthy node to {what}")
     answers = await asyncio.gather(
         *(gw._request(e, "POST", route.path, raw, None, rid) for e in entries),
         return_exceptions=True,
     )
     for answer in answers:
         if isinstance(answer, bytes):
-            # which kind of source warmed each layer, not where the node keeps it
-            result = route.decode_response(answer)
-            rows = tuple(replace(r, source=r.source.partition(":")[0]) for r in result.layers)
-            content = route.encode_response(replace(result, layers=rows))
-            return Response(content, route.status, media_type=JSON)
+            return answer
     first = answers[0]
     raise (
         gw.scrub(principal, first)
         if isinstance(first, DsecError)
-        else NodeUnavailable("no node could warm the layers")
+        else NodeUnavailable(f"no node could {what}")
     )
 
 
@@ -1249,22 +1285,8 @@ async def _resolve_image(gw: Gateway, request: Request, principal: Any, rid: str
     route = ROUTES["resolve_image"]
     raw, _body_msg = await _body(request, route)  # a bad body is 422 whoever sends it
     _check_builder(principal, "resolve images into layers")
-    entries = gw.nodes.healthy()
-    if not entries:
-        raise NodeUnavailable("no healthy node to resolve the image")
-    answers = await asyncio.gather(
-        *(gw._request(e, "POST", route.path, raw, None, rid) for e in entries),
-        return_exceptions=True,
-    )
-    for answer in answers:
-        if isinstance(answer, bytes):
-            return Response(answer, route.status, media_type=JSON)
-    first = answers[0]
-    raise (
-        gw.scrub(principal, first)
-        if isinstance(first, DsecError)
-        else NodeUnavailable("no node could resolve the image")
-    )
+    answer = await _on_every_node(gw, route, raw, principal, rid, "resolve the image")
+    return Response(answer, route.status, media_type=JSON)
 
 
 _SPECIAL: dict[str, Handler] = {
