@@ -48,6 +48,12 @@ _PROCESS_UNARY = {
 #: Calls envd has that dsec does not, each with why (the SDK raises them as
 #: ``SandboxException: Code.UNIMPLEMENTED: ...``).
 _UNSUPPORTED: dict[tuple[str, str], str] = {}
+#: Server streams that follow something already there (a running command, a directory):
+#: each ``(connect, key, sid, message, keepalive)`` -> its envelopes.
+_FOLLOWED = {
+    ("process.Process", "Connect"): connect_events,
+    ("filesystem.Filesystem", "WatchDir"): watch_dir_events,
+}
 _SERVICES = ("process.Process", "filesystem.Filesystem")
 _STREAMS = {("process.Process", "Start"), ("process.Process", "Connect")}
 _STREAMS |= {("filesystem.Filesystem", "WatchDir"), ("process.Process", "StreamInput")}
@@ -117,40 +123,13 @@ def envd_routes(connect: Connect) -> list[Route]:
         if name in _UNSUPPORTED:
             err = RpcError("unimplemented", f"{name[0]}/{name[1]}: {_UNSUPPORTED[name]} by dsec")
             return _stream_error(err) if stream else unary_error(err)
+        keepalive = keepalive_interval(request.headers.get("keepalive-ping-interval"))
         if name == ("process.Process", "Start"):
-            return StreamingResponse(
-                start_events(
-                    connect,
-                    key,
-                    sid,
-                    message,
-                    timeout,
-                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
-                ),
-                media_type=STREAM_CONTENT_TYPE,
-            )
-        if name == ("process.Process", "Connect"):
-            return StreamingResponse(
-                connect_events(
-                    connect,
-                    key,
-                    sid,
-                    message,
-                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
-                ),
-                media_type=STREAM_CONTENT_TYPE,
-            )
-        if name == ("filesystem.Filesystem", "WatchDir"):
-            return StreamingResponse(
-                watch_dir_events(
-                    connect,
-                    key,
-                    sid,
-                    message,
-                    keepalive_interval(request.headers.get("keepalive-ping-interval")),
-                ),
-                media_type=STREAM_CONTENT_TYPE,
-            )
+            events = start_events(connect, key, sid, message, timeout, keepalive)
+            return StreamingResponse(events, media_type=STREAM_CONTENT_TYPE)
+        if name in _FOLLOWED:
+            events = _FOLLOWED[name](connect, key, sid, message, keepalive)
+            return StreamingResponse(events, media_type=STREAM_CONTENT_TYPE)
         if name[0] == "filesystem.Filesystem" and name[1] in watcher_calls:
             try:
                 return JSONResponse(await watcher_calls[name[1]](key, sid, message))
