@@ -97,7 +97,7 @@ def test_demo_without_qemu_skips_the_microvm_task_saying_why(demo_home, tmp_path
         text=True,
         timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.stdout[-4000:], out.stderr[-3000:])
     skipped = [line for line in out.stdout.splitlines() if line.startswith("skipped task")]
     assert skipped == [
         f"skipped task fizzbuzz-vm on backend microvm: {QEMU} is not installed "

@@ -135,8 +135,7 @@ async def test_a_restarted_node_knows_which_sandboxes_are_paused(node):
             await again.exec(sid, "true")
         at = counter(again, sid)
         await again.resume(sid)
-        await asyncio.sleep(0.2)
-        assert counter(again, sid) > at
+        await async_until(lambda: counter(again, sid) > at, what="the loop counting on")
     finally:
         await again.close(kill_all=True)
     node.sandboxes.clear()  # the fixture's close has nothing left to do

@@ -10,6 +10,11 @@ re-adopts it (pid file ``<run_dir>/lxcfs.pid``). A bind mount holds on to the FU
 was made from, so if lxcfs dies, every live sandbox's files fail with ENOTCONN: the node then
 starts a new one and mounts its files again in each such sandbox's mount namespace
 (``remount_into``). It is stopped and unmounted when the node closes with no sandbox left.
+
+One process holds one ``Lxcfs`` per node (``Lxcfs.shared``): the container backend and the
+backends built on it (FnCall) serve sandboxes of the same node, and two objects would each start
+an lxcfs at the same mount point, the second killing and unmounting the first's under a create
+that was binding its files.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dsec_core.errors import BackendUnavailable, DsecError
 from dsec_core.linux.cgroups import place_process, remove_cgroups
@@ -130,7 +136,22 @@ class Lxcfs:
     """The node's lxcfs daemon, mounted at ``<run_dir>/lxcfs``, and the sandboxes it serves:
     ``add`` each live one's init (pid, start time), ``discard`` it when it stops."""
 
+    #: this process's instance per mount point, while a backend holds it
+    _shared: ClassVar[weakref.WeakValueDictionary[Path, Lxcfs]] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def shared(cls, home: Path, run_dir: Path) -> Lxcfs:
+        """This process's one ``Lxcfs`` for the node at ``home``, one more user of it: each
+        user's ``close`` counts down, and the last one's acts."""
+        key = (run_dir / "lxcfs").absolute()
+        instance = cls._shared.get(key)
+        if instance is None:
+            instance = cls._shared[key] = cls(home, run_dir)
+        instance._users += 1
+        return instance
+
     def __init__(self, home: Path, run_dir: Path) -> None:
+        self._users = 0
         self.mountpoint = run_dir / "lxcfs"
         self.pid_file = run_dir / "lxcfs.pid"
         self.log_path = home / "lxcfs.log"
@@ -338,6 +359,11 @@ class Lxcfs:
     async def close(self, *, stop: bool) -> None:
         """Stop watching; with ``stop``, also stop lxcfs and unmount it (no sandbox needs
         it any more). Without, it keeps serving the sandboxes for the next daemon."""
+        self._users = max(0, self._users - 1)
+        if self._users:  # another backend of the node still uses it
+            return
+        if self._shared.get(self.mountpoint.absolute()) is self:
+            del self._shared[self.mountpoint.absolute()]
         if self._revive is not None:
             self._revive.cancel()
             with contextlib.suppress(BaseException):

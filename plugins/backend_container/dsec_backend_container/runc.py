@@ -364,7 +364,7 @@ class ContainerBackend(Backend):
             os.chmod(d, 0o700)  # runc's init reaches its fifo through /proc, not here
         # Always there, to re-adopt and finally stop one a daemon with other settings started;
         # new sandboxes get its files only with DSEC_LXCFS on.
-        self.lxcfs = Lxcfs(config.home, config.run_dir)
+        self.lxcfs = Lxcfs.shared(config.home, config.run_dir)
         self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.

@@ -11,6 +11,7 @@ They are called by their paths: the kit's busybox shell runs its own applet for 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -23,8 +24,10 @@ from pathlib import Path
 import pytest
 from dsec_backend_container.cpus import CpuPinning, host_cpus, parse_cpus
 from dsec_backend_container.lxcfs import LXCFS_FILES
+from dsec_backend_container.runc import ContainerBackend
 
 import dsec
+from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import hierarchies
@@ -301,6 +304,28 @@ def test_lxcfs_starts_on_first_need_and_leaves_nothing(tmp_path):
     assert _lxcfs_cgroups(node) == []
     with open("/proc/self/mountinfo") as f:
         assert os.fspath(home) not in f.read()
+
+
+async def test_the_backends_of_one_node_share_one_lxcfs(tmp_path):
+    """The container backend and one built on it (FnCall) serve the same node: when both first
+    need lxcfs at once, one starts and neither kills the other's under a create (a CI run's
+    create found /proc/swaps missing while the second unmounted the first's)."""
+    config = NodeConfig(home=tmp_path / "home")
+    config.run_dir.mkdir(parents=True)
+    backends = [ContainerBackend(config), ContainerBackend(config)]
+    try:
+        assert backends[0].lxcfs is backends[1].lxcfs
+        mounts = await asyncio.gather(*(b.lxcfs.ensure() for b in backends))
+        pids = _lxcfs_processes(config.home)
+        assert len(pids) == 1 and all((m / "proc" / "swaps").is_file() for m in mounts)
+        await backends.pop().close()  # the other still serves sandboxes: lxcfs stays
+        assert _lxcfs_processes(config.home) == pids and (mounts[0] / "proc" / "swaps").is_file()
+    finally:
+        for backend in backends:
+            await backend.close()
+    assert _lxcfs_processes(config.home) == [] and _gone(pids[0])
+    with open("/proc/self/mountinfo") as f:
+        assert os.fspath(config.home) not in f.read()
 
 
 def test_killed_lxcfs_is_replaced_and_live_sandboxes_get_it_back():
