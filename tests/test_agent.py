@@ -178,6 +178,39 @@ def test_ensure_agent_reports_compiler_errors(tmp_path, monkeypatch):
         ensure_agent(tmp_path / "bin2", source_dir=src)
 
 
+def test_a_second_home_copies_the_agent_from_the_build_cache(tmp_path, monkeypatch):
+    """What one node home compiled, the next copies from the machine's build cache: a fresh
+    node does not spend seconds in gcc (the suite opens dozens). A gcc that logs each run
+    counts the compiles."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.c").write_text("int main(void) { return 0; }\n")
+    tools, log = tmp_path / "tools", tmp_path / "gcc.log"
+    tools.mkdir()
+    real = shutil.which("gcc")
+    assert real is not None
+    (tools / "gcc").write_text(f'#!/bin/sh\necho run >> {log}\nexec {real} "$@"\n')
+    (tools / "gcc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setenv("DSEC_BUILD_CACHE", os.fspath(tmp_path / "cache"))
+    first = ensure_agent(tmp_path / "one", source_dir=src)
+    second = ensure_agent(tmp_path / "two", source_dir=src)
+    assert log.read_text().count("run") == 1
+    assert second.name == first.name and second.read_bytes() == first.read_bytes()
+    assert subprocess.run([second]).returncode == 0
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1 and cached[0].name.endswith(first.name)
+    # a changed compiler (an upgrade changes its size or mtime) is a new build
+    os.utime(tools / "gcc", ns=(0, 0))
+    ensure_agent(tmp_path / "three", source_dir=src)
+    assert log.read_text().count("run") == 2
+    # off: every home compiles its own
+    monkeypatch.setenv("DSEC_BUILD_CACHE", "off")
+    ensure_agent(tmp_path / "four", source_dir=src)
+    assert log.read_text().count("run") == 3 and len(list((tmp_path / "cache").iterdir())) == 2
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
 def test_agent_sources_cover_every_file():
     names = [p.name for p in agent_mod.agent_sources()]
     assert names == sorted(names) and "agent.h" in names and "main.c" in names

@@ -195,7 +195,7 @@ def test_start_stream_wire_format_with_keepalives(served, sandboxes):
     end-of-stream envelope (flags 0x02) last."""
     sb = Sandbox.create()
     sandboxes.append(sb)
-    request = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "sleep 2.5; echo x"]}}
+    request = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "sleep 3.5; echo x"]}}
     data = json.dumps(request).encode()
     r = httpx.post(
         f"{served.url}/process.Process/Start",

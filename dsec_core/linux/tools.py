@@ -1,13 +1,16 @@
 """External programs: the one table of every program dsec, its plugins, benches and tests run
 (``programs.txt``: program -> Debian package, which run.sh installs), running one with typed
-failures (``run_tool``), and compiling a static C helper (``compile_static``)."""
+failures (``run_tool``), and compiling a static C helper (``compile_static``) through the
+machine's build cache (``cached_build``), so a new node home copies what another already built
+rather than compiling it again."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -17,6 +20,9 @@ from ..errors import DsecError, ToolError
 __all__ = [
     "PROGRAMS_FILE",
     "Program",
+    "build_cache_dir",
+    "build_key",
+    "cached_build",
     "compile_static",
     "debian_package",
     "install_hint",
@@ -144,14 +150,90 @@ def compile_static(
             f"building {what} needs gcc and static glibc (apt-get install gcc libc6-dev)",
             tool="gcc",
         )
+    flags = list(flags)
+
+    def build(out: Path) -> None:
+        run_tool([compiler, "-static", *flags, "-o", out, *sources], f"building {what}")
+        os.chmod(out, 0o755)
+
+    key = build_key(["gcc -static", *flags], map(Path, sources), programs=[Path(compiler)])
+    return cached_build(Path(target), key, build)
+
+
+def build_cache_dir() -> Path | None:
+    """``DSEC_BUILD_CACHE``: the machine's cache of what dsec compiles (the sandbox agent, guest
+    programs, BPF objects), shared by every node home; ``off`` for none. Default
+    ``/var/cache/dsec/builds`` for root, ``$XDG_CACHE_HOME/dsec/builds`` otherwise."""
+    value = os.environ.get("DSEC_BUILD_CACHE", "")
+    if value == "off":
+        return None
+    if value:
+        return Path(value)
+    if os.geteuid() == 0:
+        return Path("/var/cache/dsec/builds")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsec" / "builds"
+
+
+def build_key(words: Iterable[str], files: Iterable[Path], *, programs: Iterable[Path] = ()) -> str:
+    """A build's ``cached_build`` key: a digest over ``words`` (the command's fixed parts), each
+    input file's name, size and bytes, and each program (the compiler) by its resolved path,
+    size and mtime, which an upgrade changes."""
+    h = hashlib.sha256()
+    for word in words:
+        h.update(b"w" + len(word).to_bytes(8, "little") + word.encode())
+    for program in programs:
+        real = os.path.realpath(program)
+        st = os.stat(real)
+        h.update(f"p{real}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for path in files:
+        data = path.read_bytes()
+        h.update(b"f" + path.name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:24]
+
+
+def _place(source: Path, target: Path, tmp: Path) -> None:
+    """``source``'s bytes at ``target``, through ``tmp`` and a rename (a hard link where both are
+    on one filesystem, else a copy), so a reader never sees half a file."""
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copy2(source, tmp)
+    os.rename(tmp, target)
+
+
+def cached_build(target: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(path)`` (which writes its output at ``path``) unless the
+    build cache holds the output of the same ``key`` (a digest of everything the output depends
+    on), which is then linked or copied into place. Both go through temporary names renamed
+    into place, so concurrent callers never see half a file. Without a usable cache, ``build``
+    writes beside ``target``."""
     target = Path(target)
+    if target.exists():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    command = [compiler, "-static", *flags, "-o", os.fspath(tmp), *map(os.fspath, sources)]
+    cache = build_cache_dir()
+    cached = cache / f"{key}-{target.name}" if cache is not None else None
     try:
-        run_tool(command, f"building {what}")
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
+        if cached is not None and not cached.exists():
+            try:
+                cached.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            except OSError:
+                cached = None
+            if cached is not None and not os.access(cached.parent, os.W_OK):
+                cached = None
+        if cached is not None and not cached.exists():
+            fresh = cached.with_name(f".{cached.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+            try:
+                build(fresh)
+                os.rename(fresh, cached)
+            finally:
+                fresh.unlink(missing_ok=True)
+        if cached is not None:
+            _place(cached, target, tmp)
+        else:
+            build(tmp)
+            os.rename(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target

@@ -25,18 +25,19 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from dsec_core.errors import BackendUnavailable, DsecError
 from dsec_core.linux.cgroups import place_process, remove_cgroups
 from dsec_core.linux.mounts import unmount
-from dsec_core.linux.processes import terminate_pidfd, wait_pidfd
+from dsec_core.linux.processes import wait_pidfd
 
 __all__ = ["LXCFS_FILES", "Lxcfs", "find_lxcfs", "lxcfs_enabled", "lxcfs_mounts", "remount_into"]
 
@@ -302,7 +303,7 @@ class Lxcfs:
         file and cgroups."""
         pid = self._recorded_pid()
         if pid is not None and self._ours(pid):
-            _kill(pid, child=False)
+            _kill(pid, child=False, mounted=self._device)
         if self._device() is not None:
             unmount(self.mountpoint, lazy=True)  # a dead FUSE mount cannot be unmounted busy
         with contextlib.suppress(FileNotFoundError):
@@ -378,7 +379,7 @@ class Lxcfs:
         """Stop lxcfs (ours or a previous daemon's) and remove its mount, files and cgroups."""
         self._unwatch()
         if self.pid is not None and self._pidfd >= 0:
-            _terminate(self.pid, self._pidfd, child=self._child)
+            _terminate(self.pid, self._pidfd, child=self._child, mounted=self._device)
         self._forget()
         self._clear_stale()
         with contextlib.suppress(OSError):
@@ -394,21 +395,31 @@ class Lxcfs:
         self.pid, self._pidfd, self._child, self.device = None, -1, False, None
 
 
-def _terminate(pid: int, pidfd: int, *, child: bool) -> None:
-    """SIGTERM (lxcfs unmounts itself), then SIGKILL if it is not gone within STOP_TIMEOUT."""
-    terminate_pidfd(pidfd, STOP_TIMEOUT)
+def _terminate(pid: int, pidfd: int, *, child: bool, mounted: Callable[[], object]) -> None:
+    """SIGTERM, then SIGKILL once lxcfs's mount is gone (or STOP_TIMEOUT passed). On SIGTERM
+    lxcfs ends its FUSE loop and unmounts at once, then joins its loadavg thread, which sleeps
+    up to 5 s between samples: with nothing of it serving any more, the kill spares every
+    node's close that wait."""
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while not wait_pidfd(pidfd, 0.005) and mounted() and time.monotonic() < deadline:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    wait_pidfd(pidfd, STOP_TIMEOUT)
     if child:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
 
 
-def _kill(pid: int, *, child: bool) -> None:
+def _kill(pid: int, *, child: bool, mounted: Callable[[], object]) -> None:
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         return
     try:
-        _terminate(pid, pidfd, child=child)
+        _terminate(pid, pidfd, child=child, mounted=mounted)
     finally:
         os.close(pidfd)
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from dsec_core.errors import PolicyUnavailable, ToolError, UnknownSandbox
+from dsec_core.linux.tools import build_key, cached_build
 
 from .rules import MAX_RULES
 
@@ -167,7 +168,8 @@ def source_digest(source: Path = SOURCE) -> str:
 
 
 def ensure_object(cache_dir: Path, source: Path = SOURCE) -> Path:
-    """``cache_dir/dsec-egress-<digest>.bpf.o``, compiled with clang first if missing; built
+    """``cache_dir/dsec-egress-<digest>.bpf.o``, compiled with clang first if missing (or
+    copied from the machine's build cache, ``cached_build``, where another node home built it),
     under a temporary name and renamed, so concurrent daemons never load half a file."""
     target = Path(cache_dir) / f"dsec-egress-{source_digest(source)}.bpf.o"
     if target.exists():
@@ -180,12 +182,9 @@ def ensure_object(cache_dir: Path, source: Path = SOURCE) -> Path:
             policy="egress",
             tool="clang",
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     arch = os.uname().machine
     multiarch = {"x86_64": "x86_64-linux-gnu", "aarch64": "aarch64-linux-gnu"}.get(arch, arch)
-    command = [
-        clang,
+    flags = [
         "-O2",
         "-g",  # BTF: libbpf reads the maps' definitions from it
         "-Wall",
@@ -194,12 +193,10 @@ def ensure_object(cache_dir: Path, source: Path = SOURCE) -> Path:
         "bpf",
         "-I",
         f"/usr/include/{multiarch}",
-        "-c",
-        os.fspath(source),
-        "-o",
-        os.fspath(tmp),
     ]
-    try:
+
+    def build(out: Path) -> None:
+        command = [clang, *flags, "-c", os.fspath(source), "-o", os.fspath(out)]
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             raise ToolError(
@@ -209,9 +206,9 @@ def ensure_object(cache_dir: Path, source: Path = SOURCE) -> Path:
                 stdout=proc.stdout,
                 stderr=proc.stderr,
             )
-        os.rename(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    key = build_key(["clang", *flags], [Path(source)], programs=[Path(clang)])
+    cached_build(target, key, build)
     return target
 
 
