@@ -666,6 +666,7 @@ class AsyncHTTPTransport:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         #: every connection made, idle or in use (``abort`` closes them all)
         self._open: weakref.WeakSet[asyncio.StreamWriter] = weakref.WeakSet()
+        self._aborts = 0  # a connection opened across an ``abort`` is closed at once
         self.retry = retry
 
     async def request(
@@ -711,6 +712,7 @@ class AsyncHTTPTransport:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         a = self.address
+        aborts = self._aborts
         try:
             if not a.tcp:
                 conn = await asyncio.open_unix_connection(a.path, limit=_READ)
@@ -726,6 +728,9 @@ class AsyncHTTPTransport:
             raise
         except OSError as e:
             raise _failed(a, e) from e
+        if aborts != self._aborts:
+            conn[1].close()
+            raise TransportError(f"{a}: connection given up while it was being opened")
         self._open.add(conn[1])
         return conn
 
@@ -830,6 +835,7 @@ class AsyncHTTPTransport:
         once with a ``TransportError`` (the node is known to be gone, and an answer that
         would never come is not waited for)."""
         self._idle = []
+        self._aborts += 1
         for writer in list(self._open):
             writer.close()
 
