@@ -1,22 +1,26 @@
 """The simulated fleet (``dsec_core.testing.fleet``) serves the real node API to a real
 apiserver process: creates, lists and kills go through it, a node's typed refusal comes back
 as that error, and a node that goes silent is noticed, with a create that was waiting on it
-answered ``NodeLost`` rather than left hanging."""
+answered ``NodeLost`` rather than left hanging. And what placement keeps up to date between
+creates (the ledger's sums, the nodes that fit) follows what changed."""
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 import dsec
+from dsec_core.apiserver.nodes import Ledger, NodeAddress, NodeSet, WatchSettings
 from dsec_core.errors import AdmissionRejected, FeatureUnavailable, NodeLost
 from dsec_core.iam import Iam
-from dsec_core.records import PROJECT_LABEL
+from dsec_core.records import PROJECT_LABEL, SandboxSpec
 from dsec_core.testing.apiserver import ApiserverProcess, running_apiserver
-from dsec_core.testing.fleet import Behaviour, FleetProcess, running_fleet
+from dsec_core.testing.fleet import Behaviour, FleetProcess, SimulatedFleet, running_fleet
 
 PROBE = ["--probe-interval", "0.2", "--probe-timeout", "0.3", "--probe-misses", "2"]
 SPEC = dsec.SandboxSpec(layers=("busybox@1",), memory="64M", cpu=0.5)
@@ -120,3 +124,69 @@ def _placeable(api: ApiserverProcess, key: str) -> int:
 
 def _creating(nodes: FleetProcess, name: str) -> bool:
     return bool(nodes.stats()["creating"].get(name))
+
+
+def test_the_ledgers_sums_follow_its_holds():
+    """The ledger keeps its sums by node and by project as holds come and go: after any
+    sequence of holds, settles and probes they equal the sums of the holds it keeps."""
+    rng = random.Random(7)
+    clock = [0.0]
+    ledger = Ledger(clock=lambda: clock[0])
+    holds = []
+    for _ in range(2000):
+        clock[0] += 0.01
+        r = rng.random()
+        if r < 0.4 or not holds:
+            node = rng.choice(["a", "b", "c", None])
+            holds.append(ledger.hold(rng.choice(["p", "q"]), node, rng.randint(1, 3), 0.5, 64))
+        elif r < 0.8:
+            h = holds.pop(rng.randrange(len(holds)))
+            made = rng.randint(0, h.count)
+            ledger.settle(h, made, node=h.node or "a", created=clock[0])
+            ledger.settle(h, made)  # twice is once
+        else:
+            ledger.probed(rng.choice("abc"), clock[0] - 0.05, clock[0] - 0.05)
+        kept = [h for filed in ledger._holds.values() for h in filed]
+        by_node: dict[str, list[float]] = {}
+        by_project: dict[str, list[float]] = {}
+        for h in kept:
+            for table, key in ((by_project, h.project), (by_node, h.node)):
+                if key is not None:
+                    s = table.setdefault(key, [0, 0.0, 0])
+                    s[0], s[1], s[2] = s[0] + h.count, s[1] + h.cpu, s[2] + h.memory
+        for want, got in ((by_node, ledger.by_node()), (by_project, ledger.by_project())):
+            want = {k: v for k, v in want.items() if v[0]}
+            assert set(got) == set(want)
+            for k, (n, cpu, memory) in got.items():
+                assert n == want[k][0] and memory == want[k][2]
+                assert cpu == pytest.approx(want[k][1])
+
+
+async def test_placement_sees_what_changed_on_the_nodes():
+    """``NodeSet.eligible`` (what a create is placed among) follows probes, health and holds:
+    a node that filled up, went away or came back is seen so at the next create."""
+    fleet = SimulatedFleet(["a", "b", "c"], Behaviour(capacity=2))
+    await fleet.start()
+    nodes = NodeSet(
+        [NodeAddress(a.name, a.url, a.token) for a in fleet.addresses()],
+        settings=WatchSettings(interval=0.1, timeout=0.2, misses=1),
+    )
+    spec = SandboxSpec(layers=("x@1",))
+    try:
+        await nodes.refresh()
+        assert sorted(n.node for n in nodes.eligible(spec)) == ["a", "b", "c"]
+        hold = nodes.ledger.hold("p", "a", 2, 1.0, 64 << 20)  # a is full while it is held
+        assert sorted(n.node for n in nodes.eligible(spec)) == ["b", "c"]
+        assert sorted(n.node for n in nodes.eligible(replace(spec, cpu=2))) == ["b", "c"]
+        nodes.ledger.settle(hold, 0)
+        assert sorted(n.node for n in nodes.eligible(spec)) == ["a", "b", "c"]
+        fleet.configure(["b"], capacity=0)
+        await fleet.fail(["c"], "crash")
+        await nodes.refresh()
+        assert [n.node for n in nodes.eligible(spec)] == ["a"]
+        await fleet.fail(["c"], "up")
+        await nodes.refresh()
+        assert sorted(n.node for n in nodes.eligible(spec)) == ["a", "c"]
+    finally:
+        await nodes.stop()
+        await fleet.stop()

@@ -451,11 +451,13 @@ class NodeSet:
                 entry.healthy = False
                 self.health += 1
                 self._touch(entry.name)
-                # requests in flight to it will get no answer: they fail now (NodeLost),
-                # not at their own timeouts (a create's is minutes)
-                entry.transport.abort()
                 entry.lost_at = time.time()
                 log.warning("node %s lost after %d missed probes: %s", entry.name, entry.misses, e)
+            if not entry.healthy:
+                # requests in flight to it will get no answer: they fail now (NodeLost), not
+                # at their own timeouts (a create's is minutes); at each missed probe, for
+                # one placed just before the node was given up may only connect after that
+                entry.transport.abort()
             if self._on_probe:
                 self._on_probe(entry, time.perf_counter() - t0, False)
             return
