@@ -3,29 +3,34 @@
 nodes (``dsec_core.testing.fleet``: one process serving 160 node identities over the real
 node API, each on its own loopback port, holding no sandboxes).
 
-1. Probe cost: one apiserver watching the 160 nodes with no traffic for a few seconds; its
-   CPU per probe (and the fleet's per probe answered), and a probe answer's size.
-2. Creates through 1, 2 and 4 apiserver processes (the same nodes): C concurrent clients
-   creating (sandboxes are kept: each is a record on its node) for a window; creates/s,
-   latency p50/p99, each apiserver's CPU seconds (creates per apiserver CPU-second: what one
-   process does on a core of its own) and its ``Server-Timing`` (its own work per create).
-   The 1-apiserver run goes on to 20,000 creates (or a time bound in --quick): placement
-   quality is the max/mean of the nodes' sandbox counts after them, placed by the
-   apiserver's own best-of-k (``dsec_core.placement``) over its probes and its ledger.
-3. Placement policies compared: random, least-loaded and best-of-k, each over probes that are
-   up to one interval old, with and without the ledger of the apiserver's own placements, for
-   1 and 4 apiservers; simulated in this process over the same load model (20,000 creates
-   arriving at the measured rate onto 160 nodes probed every second) because the apiserver
-   offers one policy.
-4. Node loss under load: while clients create through one apiserver, 10 nodes fail (5 crash:
+Four apiservers are started at once over the same nodes, with the watcher's defaults (a
+probe each second, 1 s to answer, two misses).
+
+1. Probe cost: no traffic for a few seconds; one apiserver's CPU per probe, the fleet's per
+   probe answered, and a probe answer's size.
+2. Creates through 1, 2 and then 4 of the apiservers: 64 concurrent clients creating for a
+   window (sandboxes are kept: each is a record on its node); creates/s, latency p50/p99,
+   the apiservers' CPU seconds and their ``Server-Timing`` (own work per create), and the
+   fleet's and the clients' CPU per create. ``creates_per_s_per_apiserver`` is one
+   apiserver's creates per CPU-second of its own: what one process does on a core of its
+   own, which the wall-clock rate on a shared 2-core machine is not. The 4-apiserver phase
+   goes on until the nodes hold 20,000 sandboxes (or for a time bound): placement quality is
+   then the max/mean of the nodes' sandbox counts, placed by the apiservers' own best-of-k
+   (``dsec_core.placement``) over their probes and ledgers.
+3. Node loss under load: while clients create through one apiserver, 10 nodes fail (5 crash:
    connections reset and refused, 5 go silent: connections accepted, nothing answered). The
    time until the apiserver has marked all 10 unhealthy, and what became of every create
-   sent meanwhile: made, a typed error, or lost (no answer within the client's timeout).
+   sent meanwhile: made, a typed error, or lost (no answer within 10 s).
+4. Placement policies compared: random, least-loaded and best-of-k, each over probes up to
+   one interval old, with and without the ledger of the apiserver's own placements, for 1
+   and 4 apiservers; simulated in this process over the same load model (20,000 creates
+   arriving at the measured rate onto 160 nodes probed every second), because the apiserver
+   offers one policy.
 
     python bench/fleet.py [--quick]
 
---quick: shorter windows and a 30 s bound on the 20,000 creates; under a minute. Every process
-is stopped by its pid at the end. The last line printed is one JSON object.
+--quick: shorter windows and a 15 s bound on the way to 20,000 creates; under a minute. Every
+process is stopped by its pid at the end. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
