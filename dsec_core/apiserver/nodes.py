@@ -319,13 +319,13 @@ class NodeSet:
         self._discover = discover
         self._on_probe = on_probe
         self.nodes: dict[str, NodeEntry] = {}
-        #: when each node last changed (a probe, its health, what is held on it), by
-        #: ``_seq``: placement looks again at those nodes only (``eligible``)
-        self._changes: list[str] = []  # node names, as they changed
+        #: the nodes that changed (a probe, its health, what is held on it), in order:
+        #: placement looks again at those only (``eligible``)
+        self._changes: list[str] = []
         self._epoch = 0  # bumped when ``_changes`` starts over: every view looks at all nodes
         self._views: dict[tuple[Any, ...], _Eligible] = {}
-        #: bumped when a node turns healthy or unhealthy (what is summed over the healthy
-        #: nodes is as old as this and ``round``)
+        #: bumped when a node turns healthy or unhealthy or is registered (what is summed
+        #: over the healthy nodes is as old as this and ``round``)
         self.health = 0
         self.ledger = Ledger(on_change=self._touch)
         self._task: asyncio.Task[None] | None = None
@@ -344,6 +344,7 @@ class NodeSet:
         if old is not None:
             log.info("node %s moved from %s to %s", address.name, old.address.url, address.url)
         self.nodes[address.name] = NodeEntry(address)
+        self.health += 1  # a moved node is unhealthy until its first probe at the new address
         self._touch(address.name)
 
     def _touch(self, name: str) -> None:
