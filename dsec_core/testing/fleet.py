@@ -642,7 +642,10 @@ def running_fleet(
     """``count`` simulated nodes named ``prefix000``... served by one child process, each on
     its own loopback port; stopped by its pid on exit."""
     b = behaviour or Behaviour()
-    argv = [sys.executable, "-m", "dsec_core.testing.fleet", "--count", str(count)]
+    # not ``-m dsec_core.testing.fleet``: the package imports this module before runpy would
+    # run it again as __main__
+    run = "import sys; from dsec_core.testing.fleet import main; main(sys.argv[1:])"
+    argv = [sys.executable, "-c", run, "--count", str(count)]
     argv += ["--prefix", prefix, "--behaviour", json.dumps(asdict(b))]
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
