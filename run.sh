@@ -6,7 +6,7 @@
 #   sudo bash run.sh test     # the checks below, then the test suite
 #   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors, the docs
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py, queue.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, build.py and layers.py, each --quick
+#   sudo bash run.sh bench    # bench/create.py, queue.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, fleet.py, build.py and layers.py, each --quick
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -274,6 +274,7 @@ case "$cmd" in
         "$venv/bin/python" bench/judge.py --quick
         "$venv/bin/python" bench/vm.py --quick
         "$venv/bin/python" bench/cluster.py --quick
+        "$venv/bin/python" bench/fleet.py --quick
         "$venv/bin/python" bench/build.py --quick
         exec "$venv/bin/python" bench/layers.py --quick
         ;;

@@ -68,17 +68,19 @@ def best_of_k(
     ``nodes`` is empty."""
     if not nodes:
         return None
-    sample = list(nodes) if len(nodes) <= k else (rng or random).sample(list(nodes), k)
-    least = min(n.load for n in sample)
-    close = [n for n in sample if n.load <= least + LOAD_GRAIN]
+    sample = list(nodes) if len(nodes) <= k else (rng or random).sample(nodes, k)
+    loads = [(n.load, n) for n in sample]  # each node's load once: a create places by it
+    least = min(load for load, _ in loads)
+    close = [(load, n) for load, n in loads if load <= least + LOAD_GRAIN]
 
-    def order(n: NodeLoad) -> tuple[float, float, str]:
+    def order(pair: tuple[float, NodeLoad]) -> tuple[float, float, str]:
+        load, n = pair
         count = float(n.sandboxes)
-        if request is not None and n.load < WARM_LOAD and holds(n, request):
+        if request is not None and load < WARM_LOAD and holds(n, request):
             count -= WARM_SANDBOXES
-        return (count / max(n.max_sandboxes, 1), n.load, n.node)
+        return (count / max(n.max_sandboxes, 1), load, n.node)
 
-    return min(close, key=order)
+    return min(close, key=order)[1]
 
 
 def holds(node: NodeLoad, request: SandboxSpec) -> bool:

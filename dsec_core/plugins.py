@@ -26,7 +26,9 @@ import functools
 import importlib.metadata
 import importlib.util
 import inspect
+import itertools
 import logging
+import operator
 import os
 import re
 import sys
@@ -625,7 +627,13 @@ def place(request: SandboxSpec, nodes: Sequence[NodeLoad]) -> NodeLoad | None:
     if not nodes:
         return None
     chosen = get_plugin_manager().hook.dsec_place(request=request, nodes=list(nodes))
-    if chosen is not None and not any(chosen is n or chosen == n for n in nodes):
+    # one of them by identity first (C speed; an equal copy is as good): at 160 nodes,
+    # comparing records field by field was a tenth of an apiserver's create
+    if (
+        chosen is not None
+        and not any(map(operator.is_, nodes, itertools.repeat(chosen)))
+        and chosen not in nodes
+    ):
         raise DsecError(f"a placement plugin chose {chosen!r}, which is not an eligible node")
     return chosen
 

@@ -28,6 +28,7 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -663,6 +664,9 @@ class AsyncHTTPTransport:
         self._head = request_head(self.address, token)
         self._ssl = ssl_context(verify) if self.address.scheme == "https" else None
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        #: every connection made, idle or in use (``abort`` closes them all)
+        self._open: weakref.WeakSet[asyncio.StreamWriter] = weakref.WeakSet()
+        self._aborts = 0  # a connection opened across an ``abort`` is closed at once
         self.retry = retry
 
     async def request(
@@ -708,20 +712,27 @@ class AsyncHTTPTransport:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         a = self.address
+        aborts = self._aborts
         try:
             if not a.tcp:
-                return await asyncio.open_unix_connection(a.path, limit=_READ)
-            return await asyncio.open_connection(
-                a.host,
-                a.port,
-                ssl=self._ssl,
-                limit=_READ,
-                server_hostname=a.host if self._ssl is not None else None,
-            )
+                conn = await asyncio.open_unix_connection(a.path, limit=_READ)
+            else:
+                conn = await asyncio.open_connection(
+                    a.host,
+                    a.port,
+                    ssl=self._ssl,
+                    limit=_READ,
+                    server_hostname=a.host if self._ssl is not None else None,
+                )
         except TimeoutError:
             raise
         except OSError as e:
             raise _failed(a, e) from e
+        if aborts != self._aborts:
+            conn[1].close()
+            raise TransportError(f"{a}: connection given up while it was being opened")
+        self._open.add(conn[1])
+        return conn
 
     async def _exchange(
         self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], data: bytes
@@ -817,6 +828,15 @@ class AsyncHTTPTransport:
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         for _, writer in idle:
+            writer.close()
+
+    def abort(self) -> None:
+        """Close every connection, those in use too: each request waiting on one fails at
+        once with a ``TransportError`` (the node is known to be gone, and an answer that
+        would never come is not waited for)."""
+        self._idle = []
+        self._aborts += 1
+        for writer in list(self._open):
             writer.close()
 
 

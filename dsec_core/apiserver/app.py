@@ -212,7 +212,7 @@ class Gateway:
         self.reach = Reach(self.iam.can_reach, lambda: self.iam.projects())
         self._owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
         self._usage: dict[str, tuple[int, float, int]] = {}
-        self._usage_version: tuple[int, tuple[str, ...]] | None = None
+        self._usage_version: tuple[int, int, int] | None = None
         self._policy_classes: Mapping[str, Any] | None = None
         #: (project, environment) -> the node that ran the project's last fncall or judge
         #: call of it: its pool is warm there
@@ -442,6 +442,11 @@ class Gateway:
 
     def _unreachable(self, entry: NodeEntry, e: Exception) -> DsecError:
         log.warning("node %s (%s) did not answer: %s", entry.name, entry.address.url, e)
+        if not entry.healthy:  # the watcher gave it up (and cut what was in flight)
+            return NodeLost(
+                f"node {entry.name} did not answer: it stopped answering its probes",
+                node=entry.name,
+            )
         return NodeUnavailable(f"node {entry.name} did not answer", node=entry.name)
 
     # --- quotas and placement -------------------------------------------------------------
@@ -449,11 +454,10 @@ class Gateway:
         """Every project's live sandboxes over the healthy nodes (last probe plus what the
         ledger holds), for quotas. The probes' sums are made once per watcher round, not per
         request: at 160 nodes and many projects that is the costly part."""
-        healthy = self.nodes.healthy()
-        version = (self.nodes.round, tuple(e.name for e in healthy))
+        version = (self.nodes.round, self.nodes.health, len(self.nodes.nodes))
         if self._usage_version != version:
             totals: dict[str, tuple[int, float, int]] = {}
-            for entry in healthy:
+            for entry in self.nodes.healthy():
                 assert entry.probe is not None
                 for p, u in entry.probe.projects.items():
                     n, c, m = totals.get(p, (0, 0.0, 0))
@@ -541,6 +545,14 @@ class Gateway:
         """How many of ``count`` sandboxes go to each node (by name), and whether they
         overflowed; ``AdmissionRejected`` with each node's reason if some cannot be placed.
         ``only``: the one node they may go to (the node of the sandboxes they drive)."""
+        if count == 1 and only is None and spec.labels.get(OVERFLOW_LABEL, "").lower() != "true":
+            # the common create: the home pool's nodes that fit, kept up to date by the
+            # watcher and the ledger (``NodeSet.eligible``); none, or the hook placing none,
+            # goes the whole way below, which says why for each node
+            eligible = self.nodes.eligible(spec)
+            chosen = plugins.place(spec, eligible) if eligible else None
+            if chosen is not None:
+                return {chosen.node: 1}, False
         healthy = [e for e in self.nodes.healthy() if only is None or e.name == only]
         home = [e for e in healthy if e.pool != "overflow"]
         burst = [e for e in healthy if e.pool == "overflow"]
@@ -578,7 +590,9 @@ class Gateway:
             for pool in pools:
                 eligible = []
                 for entry in pool:
-                    refusal = loads[entry.name].refusal(spec) if entry.name in loads else None
+                    refusal = (
+                        entry.refusal(loads[entry.name], spec) if entry.name in loads else None
+                    )
                     if entry.name not in loads:
                         reasons[entry.name] = "no probe yet"
                     elif refusal is not None:

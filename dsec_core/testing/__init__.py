@@ -12,6 +12,9 @@ or ``pytest_plugins = ["dsec_core.testing"]`` in the rootdir's conftest.py. Then
 - ``local_ray_cluster``, ``cluster_daemons`` and fixtures ``dsec_ray_cluster``,
   ``dsec_cluster``: a 3-node Ray cluster on loopback and dsec node daemons on it (needs Ray:
   ``pip install 'dsec[cluster]'``; the fixtures skip without it).
+- ``running_fleet``, ``SimulatedFleet``, ``Behaviour``: many simulated node identities served
+  by one process over the real node API (no sandboxes behind them), to run an apiserver
+  against 160 nodes on one machine (``fleet``).
 - ``private_dockerd`` and fixture ``dsec_dockerd``: a dockerd of a test's or benchmark's own
   (socket, data root, no networking), stopped and removed at the end.
 - fixtures ``dsec_node``, ``dsec_client``, ``dsec_backend_name``, ``dsec_sandboxes``: a real
@@ -44,6 +47,7 @@ from .fixtures import (
     node_home,
     running_kit_node,
 )
+from .fleet import Behaviour, FleetProcess, SimulatedFleet, running_fleet
 from .policies import SecurityPolicyConformance
 from .procs import free_port, stop_process
 from .ray import (
@@ -63,6 +67,8 @@ from .waits import async_until, until
 __all__ = [
     "KIT_DEVICE_KIND",
     "BackendConformance",
+    "Behaviour",
+    "FleetProcess",
     "KitCluster",
     "KitNode",
     "LayerSourceConformance",
@@ -71,6 +77,7 @@ __all__ = [
     "RayNodeProcess",
     "SandboxRecorder",
     "SecurityPolicyConformance",
+    "SimulatedFleet",
     "async_until",
     "build_busybox_layer",
     "cgroup_hierarchies",
@@ -94,6 +101,7 @@ __all__ = [
     "private_dockerd",
     "ray_importable",
     "ray_loopback_lock",
+    "running_fleet",
     "running_kit_node",
     "stop_process",
     "until",

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 
@@ -27,7 +28,18 @@ from ..errors import NodeUnavailable
 from .fixtures import KitNode, running_kit_node
 from .procs import free_port, stop_process
 
-__all__ = ["ApiserverProcess", "NamedNode", "named_nodes", "running_apiserver"]
+__all__ = ["ApiserverProcess", "NamedNode", "NodeArgument", "named_nodes", "running_apiserver"]
+
+
+class NodeArgument(Protocol):
+    """A node an apiserver is started over: ``arg()`` is its ``--node NAME=URL``, ``token``
+    its bearer token (a ``NamedNode``, or a simulated node's address:
+    ``dsec_core.testing.fleet``)."""
+
+    @property
+    def token(self) -> str: ...
+
+    def arg(self) -> str: ...
 
 
 @dataclass
@@ -87,7 +99,7 @@ class ApiserverProcess:
 
 
 def start_apiserver(
-    nodes: Sequence[NamedNode],
+    nodes: Sequence[NodeArgument],
     iam: str,
     *,
     port: int | None = None,
@@ -144,7 +156,7 @@ def start_apiserver(
 
 @contextlib.contextmanager
 def running_apiserver(
-    nodes: Sequence[NamedNode], iam: str, **kw: object
+    nodes: Sequence[NodeArgument], iam: str, **kw: object
 ) -> Iterator[ApiserverProcess]:
     api = start_apiserver(nodes, iam, **kw)  # type: ignore[arg-type]
     try:
