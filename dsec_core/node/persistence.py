@@ -52,6 +52,7 @@ def state_doc(sb: Sandbox) -> dict[str, Any]:
         "preempted": sb.preempted,
         "events": [e.to_dict() for e in sb.events],
         "oom_kills": sb.oom_kills,
+        "warm": sb.warm,
         "layers": [layer.to_dict() for layer in sb.layers],
         "backend_state": sb.backend_state,
         "idmap": [sb.rt.idmap.host_base, sb.rt.idmap.size, sb.rt.idmap.group],
@@ -173,6 +174,7 @@ class StateFiles:
             policies=self.planner.recorded(sid, doc.get("policy_plan"), spec, backend),
             events=[InfraEvent.from_dict(e) for e in doc.get("events") or ()],
             oom_kills=int(doc.get("oom_kills") or 0),
+            warm=bool(doc.get("warm")),
             preempted=bool(doc.get("preempted")),
             # the freezer is the truth: a pause or resume may have been cut short by a crash
             paused=Feature.PAUSE in backend.features

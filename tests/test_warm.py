@@ -1,0 +1,190 @@
+"""Warm claims on a real node daemon: a create that matches a warm member claims it (its env,
+labels, project and ttl applied, its id its own), one that does not, or finds none ready,
+starts cold; members refill in the background, are never listed, counted or reused, survive
+nothing of a claim, and a restarted daemon keeps both claimed sandboxes and members straight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from dsec_core.api.messages import WarmTarget
+from dsec_core.backend import cgroup_path
+from dsec_core.catalog.model import Catalog, Environment, WarmEntry, parse_catalog
+from dsec_core.catalog.store import CatalogStore
+from dsec_core.errors import CatalogInvalid, InvalidSpec, UnknownSandbox
+from dsec_core.records import PROJECT_LABEL, SandboxSpec
+from dsec_core.testing import cgroup_hierarchies, running_kit_node
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+SHAPE = {"cpu": 0.5, "memory": "128M", "pids": 128, "disk": "64M"}
+
+
+def wait_ready(client, n: int, timeout: float = 30.0) -> dict:
+    """The pool's status once ``n`` members are ready (one pool configured)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pools = client.warm().pools
+        if pools and sum(p.ready for p in pools) >= n:
+            return pools[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"warm pools never had {n} ready: {pools}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def node():
+    with running_kit_node("dsec-warm-") as node:
+        node.environment("warmenv")
+        yield node
+
+
+@pytest.fixture
+def client(node):
+    with node.client() as c:
+        yield c
+        c.set_warm([], auto=False)
+        deadline = time.monotonic() + 15
+        while c.warm().pools and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for info in c.list():
+            c.kill(info.id)
+
+
+def spec(**kw) -> SandboxSpec:
+    return SandboxSpec(environment="warmenv", **{**SHAPE, **kw})
+
+
+def test_a_matching_create_claims_a_member_and_gets_its_own_env_labels_and_ttl(node, client):
+    client.set_warm([(spec(), 2)])
+    pool = wait_ready(client, 2)
+    assert (pool.target, pool.sources) == (2, ("api",))
+    assert client.list() == [], "warm members are never listed"
+    assert client.node_info()["sandboxes"] == 0
+
+    t = time.time()
+    sb = client.create(
+        spec(env={"TASK": "t-1"}, labels={PROJECT_LABEL: "team-a", "run": "7"}, ttl=120)
+    )
+    pool = client.warm().pools[0]
+    assert pool.claimed == 1 and pool.missed == 0
+    info = client.get(sb.id).info
+    assert info.labels == {PROJECT_LABEL: "team-a", "run": "7"}
+    assert info.environment == "warmenv" and info.state == "running"
+    assert t - 1 <= info.created <= time.time() and 118 < info.expires - time.time() <= 120
+    assert client.probe().projects["team-a"].sandboxes == 1  # its project's, as cold
+    r = sb.exec("echo $TASK; hostname")
+    assert r.stdout.decode().split() == ["t-1", f"dsec-{sb.id[:12]}"]
+    # its record, state file and cgroups are all named by the id the create returned
+    state = json.loads((node.config.runtime_dir / sb.id / "state.json").read_text())
+    assert state["id"] == sb.id and state["warm"] is False
+    assert state["spec"]["env"] == {"TASK": "t-1"} and state["spec"]["ttl"] == 120
+    assert any((h / cgroup_path(sb.id)).exists() for h in cgroup_hierarchies())
+    # the claimed one is refilled, in the background
+    wait_ready(client, 2)
+    sb.kill()
+    with pytest.raises(UnknownSandbox):
+        client.get(sb.id)
+
+
+def test_a_create_of_another_shape_or_with_none_ready_starts_cold(client):
+    client.set_warm([(spec(), 1)])
+    wait_ready(client, 1)
+    other = client.create(spec(cpu=1.0))  # another shape: cold, the pool untouched
+    assert client.warm().pools[0].claimed == 0
+    first = client.create(spec())
+    second = client.create(spec())  # the one member is taken: this one goes cold
+    pool = client.warm().pools[0]
+    assert (pool.claimed, pool.missed) == (1, 1)
+    assert len({other.id, first.id, second.id}) == 3
+    for sb in (other, first, second):
+        assert sb.exec("echo ok").stdout == b"ok\n"
+
+
+def test_a_claimed_sandbox_is_never_a_member_again(client):
+    client.set_warm([(spec(), 1)])
+    wait_ready(client, 1)
+    sb = client.create(spec())
+    sb.write_file("/root/secret", b"of the first tenant")
+    sb.exec("sleep 600 >/dev/null 2>&1 &", background=True).check()
+    claimed_id = sb.id
+    sb.kill()
+    wait_ready(client, 1)
+    again = client.create(spec())
+    assert again.id != claimed_id
+    assert again.exec("ls /root; ps -o args | grep -c '[s]leep 600'").stdout == b"0\n"
+
+
+def test_targets_are_checked_and_kept_for_the_next_daemon(node, client):
+    with pytest.raises(InvalidSpec):
+        client.set_warm([WarmTarget(spec(devices=("kit-null:1",)), 1)])
+    status = client.set_warm([(spec(), 1)], auto=True, budget="1G", window=30)
+    assert (status.auto, status.budget, status.window) == (True, 1 << 30, 30.0)
+    saved = json.loads((node.config.home / "warm.json").read_text())
+    assert saved["auto"] is True and saved["targets"][0]["count"] == 1
+    wait_ready(client, 1)
+
+
+def test_a_restarted_daemon_keeps_claimed_sandboxes_and_takes_members_back(node, client):
+    client.set_warm([(spec(), 2)])
+    wait_ready(client, 2)
+    sb = client.create(spec(env={"A": "1"}, labels={"k": "v"}))
+    wait_ready(client, 2)
+    node.restart()
+    with node.client() as again:
+        assert [i.id for i in again.list()] == [sb.id]
+        info = again.get(sb.id).info
+        assert info.labels == {"k": "v"}
+        assert again.get(sb.id).exec("echo $A").stdout == b"1\n"
+        pool = wait_ready(again, 2)  # the members the stopped daemon killed are started again
+        assert pool.target == 2
+        claimed = again.create(spec())
+        assert claimed.id != sb.id and again.warm().pools[0].claimed == 1
+
+
+def test_automatic_mode_learns_from_recent_creates_within_its_budget(client):
+    client.set_warm([], auto=True, budget="256M", window=60)
+    made = [client.create(spec(env={"N": str(i)})) for i in range(3)]
+    # three creates of a 128M shape in the window, a budget for two of them
+    deadline = time.monotonic() + 30
+    while True:
+        pools = client.warm().pools
+        if pools and pools[0].ready == 2:
+            break
+        assert time.monotonic() < deadline, pools
+        time.sleep(0.05)
+    assert pools[0].sources == ("auto",) and pools[0].target == 2
+    sb = client.create(spec(env={"N": "x"}))
+    assert client.warm().pools[0].claimed == pools[0].claimed + 1
+    assert sb.exec("echo $N").stdout == b"x\n"
+    for m in made:
+        m.kill()
+
+
+def test_a_catalogs_warm_entries_are_kept_warm(node, client):
+    store = CatalogStore(node.config.catalog_dir)
+    env = Environment(name="warmcat", base=node.layer.ref)
+    entry = WarmEntry(environment="warmcat", count=1, **SHAPE)
+    store.save(Catalog(name="warmcat", environments=(env,), warm=(entry,)))
+    try:
+        pool = wait_ready(client, 1)
+        assert pool.sources == ("catalog",)
+        sb = client.create(SandboxSpec(environment="warmcat/warmcat", **SHAPE))
+        assert client.warm().pools[0].claimed == 1
+        sb.kill()
+    finally:
+        store.remove("warmcat")
+
+
+def test_a_catalogs_warm_entry_is_checked():
+    doc = {"name": "c", "warm": [{"environment": "e", "count": 1, "memory": "lots"}]}
+    with pytest.raises(CatalogInvalid, match=r"\$\.warm\[0\]"):
+        parse_catalog(doc, check_layers=False)
+    doc = {"name": "c", "warm": [{"environment": "e", "count": 2, "cpu": 2}]}
+    entry = parse_catalog(doc, check_layers=False).warm[0]
+    assert entry.spec("c").environment == "c/e" and entry.to_document() == doc["warm"][0]
