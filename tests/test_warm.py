@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -188,3 +190,26 @@ def test_a_catalogs_warm_entry_is_checked():
     doc = {"name": "c", "warm": [{"environment": "e", "count": 2, "cpu": 2}]}
     entry = parse_catalog(doc, check_layers=False).warm[0]
     assert entry.spec("c").environment == "c/e" and entry.to_document() == doc["warm"][0]
+
+
+def test_the_cli_sets_targets_and_node_status_shows_the_pools(node, client):
+    def dsec(*args: str) -> str:
+        env = dict(os.environ, DSEC_HOME=os.fspath(node.home))
+        out = subprocess.run(
+            [sys.executable, "-m", "dsec_core.cli", *args], env=env, capture_output=True
+        )
+        assert out.returncode == 0, out.stderr.decode()
+        return out.stdout.decode()
+
+    shape = ["--cpu", "0.5", "--memory", "128M", "--pids", "128", "--disk", "64M"]
+    dsec("node", "warm", "set", "warmenv", "1", *shape)
+    wait_ready(client, 1)
+    status = dsec("node", "status")
+    assert "warm pool kit-base@1/container/0.5cpu/128M#" in status
+    assert "(api): 1 ready of 1" in status
+    sb = client.create(spec())  # the CLI's target is the create's shape
+    assert client.warm().pools[0].claimed == 1
+    sb.kill()
+    dsec("node", "warm", "set", "warmenv", "0", *shape)
+    assert client.warm().targets == ()
+    assert "auto: on, budget 512 MiB" in dsec("node", "warm", "auto", "on", "--budget", "512M")

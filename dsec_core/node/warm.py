@@ -190,8 +190,7 @@ class _Settings:
         try:
             return cls(
                 auto=env.get("DSEC_WARM_AUTO", "0").lower() in ("1", "true", "yes", "on"),
-                budget=parse_size(env.get("DSEC_WARM_BUDGET") or d.budget, "DSEC_WARM_BUDGET")
-                or 0,
+                budget=parse_size(env.get("DSEC_WARM_BUDGET") or d.budget, "DSEC_WARM_BUDGET") or 0,
                 window=float(env.get("DSEC_WARM_WINDOW", d.window)),
             )
         except ValueError as e:
@@ -530,4 +529,3 @@ class WarmPools:
             return
         self.members[info.id] = pool.shape
         pool.ready.append(info.id)
-
