@@ -861,19 +861,19 @@ def node_warm(ctx, as_json) -> None:
 
 
 def _shape_options(f: Any) -> Any:
-    for decl, kw in reversed(
-        [
-            ("--backend", {"default": None}),
-            ("--cpu", {"type": float, "default": 1.0, "show_default": True}),
-            ("--memory", {"default": "512M", "show_default": True}),
-            ("--pids", {"type": int, "default": 512, "show_default": True}),
-            ("--disk", {"default": "10G", "show_default": True}),
-            ("--network", {"default": "none", "show_default": True}),
-            ("--qos", {"type": click.Choice(QOS_CLASSES), "default": "ls"}),
-            ("--runtime", {"default": None}),
-            ("--layer", {"multiple": True, "help": "a layer on top (name@version)"}),
-        ]
-    ):
+    """The options of a warm target's shape (a create's defaults), on command ``f``."""
+    options: list[tuple[str, dict[str, Any]]] = [
+        ("--backend", {"default": None}),
+        ("--cpu", {"type": float, "default": 1.0, "show_default": True}),
+        ("--memory", {"default": "512M", "show_default": True}),
+        ("--pids", {"type": int, "default": 512, "show_default": True}),
+        ("--disk", {"default": "10G", "show_default": True}),
+        ("--network", {"default": "none", "show_default": True}),
+        ("--qos", {"type": click.Choice(QOS_CLASSES), "default": "ls"}),
+        ("--runtime", {"default": None}),
+        ("--layer", {"multiple": True, "help": "a layer on top (name@version)"}),
+    ]
+    for decl, kw in reversed(options):
         f = click.option(decl, **kw)(f)
     return f
 

@@ -731,8 +731,7 @@ class BackendConformance:
         assert claimed.info.limits == cold.info.limits
         for command in self.LOOK_ALIKE:
             seen = [
-                sb.exec(command).stdout.decode().replace(sb.id[:12], "ID")
-                for sb in (cold, claimed)
+                sb.exec(command).stdout.decode().replace(sb.id[:12], "ID") for sb in (cold, claimed)
             ]
             assert seen[0] == seen[1], f"{command!r} differs: cold {seen[0]!r}, warm {seen[1]!r}"
         listed = {i.id for i in dsec_client.list()}
