@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from dsec_core.backend import cgroup_path
 from dsec_core.catalog.model import Catalog, Environment, WarmEntry, parse_catalog
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import CatalogInvalid, InvalidSpec, UnknownSandbox
+from dsec_core.localnode import daemon_pid
 from dsec_core.records import PROJECT_LABEL, SandboxSpec
 from dsec_core.testing import cgroup_hierarchies, running_kit_node
 
@@ -56,6 +58,15 @@ def client(node):
             time.sleep(0.05)
         for info in c.list():
             c.kill(info.id)
+
+
+def members(node) -> list[str]:
+    """The ids of the node's warm members, from their state files (the API never names them)."""
+    return [
+        p.parent.name
+        for p in node.config.runtime_dir.glob("*/state.json")
+        if json.loads(p.read_text()).get("warm")
+    ]
 
 
 def spec(**kw) -> SandboxSpec:
@@ -213,3 +224,42 @@ def test_the_cli_sets_targets_and_node_status_shows_the_pools(node, client):
     dsec("node", "warm", "set", "warmenv", "0", *shape)
     assert client.warm().targets == ()
     assert "auto: on, budget 512 MiB" in dsec("node", "warm", "auto", "on", "--budget", "512M")
+
+
+def test_members_give_their_room_to_creates_and_are_killed_first(monkeypatch):
+    """On a node of 3 sandboxes with 3 warm members, 3 creates of another shape all start
+    (members are not counted) and the members go to keep the node within its capacity."""
+    monkeypatch.setenv("DSEC_MAX_SANDBOXES", "3")
+    with running_kit_node("dsec-warm-room-") as node, node.client() as client:
+        node.environment("warmenv")
+        client.set_warm([(spec(), 3)])
+        wait_ready(client, 3)
+        made = [client.create(spec(cpu=1.0)) for _ in range(3)]
+        deadline = time.monotonic() + 15
+        while (status := client.warm()).evicted < 3:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert sum(p.ready + p.starting for p in status.pools) == 0
+        time.sleep(0.5)  # no refill while the node, members counted, is full
+        assert sum(p.ready + p.starting for p in client.warm().pools) == 0
+        assert {i.id for i in client.list()} == {sb.id for sb in made}
+        made[0].kill()
+        wait_ready(client, 1)  # room again: refilled up to what the node holds
+        client.set_warm([])
+
+
+def test_a_crashed_daemons_members_are_taken_back(node, client):
+    client.set_warm([(spec(), 1)])
+    wait_ready(client, 1)
+    (member,) = members(node)
+    pid = daemon_pid(node.config)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while daemon_pid(node.config) == pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    node.ensure_running()
+    with node.client() as again:
+        wait_ready(again, 1)
+        sb = again.create(spec(env={"B": "2"}))
+        assert sb.id == member, "the member the crashed daemon left was not claimed"
+        assert sb.exec("echo $B").stdout == b"2\n"
