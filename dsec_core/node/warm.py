@@ -74,6 +74,9 @@ REFILL_QUIET = 0.05
 REFILL_AT_ONCE = 2
 #: The most recent creates the automatic mode remembers.
 RECENT = 4096
+#: Seconds a pool waits after a member failed to start, doubling up to ``RETRY_MAX``.
+RETRY = 0.5
+RETRY_MAX = 30.0
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,8 @@ class WarmPool:
     claimed: int = 0
     missed: int = 0
     targets: dict[str, int] = field(default_factory=dict)  # source -> count
+    retry_at: float = 0.0  # after a failed start, no other before this (monotonic)
+    backoff: float = 0.0
 
     @property
     def target(self) -> int:
@@ -223,6 +228,7 @@ class WarmPools:
         self._refilling = 0
         self._loop: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
+        self._later: asyncio.TimerHandle | None = None
         self._closed = False
 
     # --- life -----------------------------------------------------------------------------
@@ -257,6 +263,8 @@ class WarmPools:
     async def close(self) -> None:
         """Stop the loop and kill every member: a member holds nothing anyone needs."""
         self._closed = True
+        if self._later is not None:
+            self._later.cancel()
         if self._loop is not None:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -286,7 +294,7 @@ class WarmPools:
             return None
         if not pool.ready or self.host.waiting_creates():
             pool.missed += 1
-            self.kick()
+            self._soon()
             return None
         try:
             admit(resolved, with_created(self.host.load(), self.host.pending_creates()))
@@ -295,7 +303,7 @@ class WarmPools:
         sid = self._take(pool)
         if sid is None:
             pool.missed += 1
-            self.kick()
+            self._soon()
             return None
         sb = self.host.sandboxes[sid]
         self.members.pop(sid, None)
@@ -305,7 +313,7 @@ class WarmPools:
         pool.claimed += 1
         self._last_claim = now
         await self.host.set_ttl(sid, resolved.ttl)  # also writes its state, now unmarked
-        self.kick()
+        self._soon()
         return sb.info()
 
     def _take(self, pool: WarmPool) -> str | None:
@@ -439,11 +447,19 @@ class WarmPools:
             self._kick.clear()
             try:
                 self._retarget()
+                self._prune()
                 self._evict()
                 self._trim()
                 self._refill()
             except Exception:  # the loop must not die; log and go on
                 log.exception("warm pools")
+
+    def _prune(self) -> None:
+        """Forget ready members that are gone (died on their own: the node killed them)."""
+        for pool in self.pools.values():
+            for sid in [s for s in pool.ready if s not in self.host.sandboxes]:
+                pool.ready.remove(sid)
+                self.members.pop(sid, None)
 
     def _ready(self) -> list[tuple[WarmPool, str]]:
         """Every ready member, the pool with most ready first (oldest member first)."""
@@ -494,15 +510,28 @@ class WarmPools:
         if self._closed or self.host.waiting_creates():
             return
         if time.monotonic() - self._last_claim < REFILL_QUIET:
-            self.kick()  # look again once the burst is over
+            self._soon()  # look again once the burst is over (not before: no spin)
             return
+        now = time.monotonic()
         for pool in sorted(self.pools.values(), key=lambda p: p.size - p.target):
+            if pool.retry_at > now:
+                continue
             while pool.size < pool.target and self._refilling < REFILL_AT_ONCE:
                 if not self.host.start_slots_spare() or not self._room_for(pool):
                     return
                 pool.starting += 1
                 self._refilling += 1
                 self.host.spawn(self._start(pool))
+
+    def _soon(self) -> None:
+        """Look at the pools once ``REFILL_QUIET`` seconds from now (a burst of claims makes
+        one look after it, not one each)."""
+        if self._later is None and not self._closed:
+            self._later = asyncio.get_running_loop().call_later(REFILL_QUIET, self._look_again)
+
+    def _look_again(self) -> None:
+        self._later = None
+        self.kick()
 
     def _room_for(self, pool: WarmPool) -> bool:
         load = self.host.load(warm=True)
@@ -519,6 +548,8 @@ class WarmPools:
             info = await self.host.start_warm(pool.spec)
         except DsecError as e:
             log.info("warm pool %s: cannot start a member: %s", pool.shape.name, e)
+            pool.backoff = min(RETRY_MAX, 2 * pool.backoff or RETRY)
+            pool.retry_at = time.monotonic() + pool.backoff
             return
         finally:
             pool.starting -= 1
@@ -527,5 +558,6 @@ class WarmPools:
         if self._closed or self.pools.get(pool.shape) is not pool:
             self.host.spawn(self._kill(info.id, "its pool is gone"))
             return
+        pool.backoff = 0.0
         self.members[info.id] = pool.shape
         pool.ready.append(info.id)
