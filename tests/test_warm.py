@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from fake_host import FakeCatalogs
 
 from dsec_core.api.messages import WarmTarget
 from dsec_core.backend import cgroup_path
@@ -21,6 +22,8 @@ from dsec_core.catalog.model import Catalog, Environment, WarmEntry, parse_catal
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import CatalogInvalid, InvalidSpec, UnknownSandbox
 from dsec_core.localnode import daemon_pid
+from dsec_core.node.sandbox import POOL_LABEL
+from dsec_core.node.warm import shape_of
 from dsec_core.records import PROJECT_LABEL, SandboxSpec
 from dsec_core.testing import cgroup_hierarchies, running_kit_node
 
@@ -263,3 +266,29 @@ def test_a_crashed_daemons_members_are_taken_back(node, client):
         sb = again.create(spec(env={"B": "2"}))
         assert sb.id == member, "the member the crashed daemon left was not claimed"
         assert sb.exec("echo $B").stdout == b"2\n"
+
+
+def test_what_a_create_may_differ_in_and_what_it_may_not(tmp_path):
+    """Shapes on records alone (``fake_host``): env, labels, ttl and the like are applied at
+    claim; what decides what runs must be equal, and some specs never claim."""
+    catalogs = FakeCatalogs()
+    base = SandboxSpec(layers=("base@1",), backend="fake", memory="128M")
+    shape = shape_of(base, catalogs)[1]
+    same = dict(env={"A": "1"}, labels={"k": "v"}, ttl=5, start_timeout=9, trajectory="t")
+    assert shape_of(SandboxSpec(**{**base.to_dict(), **same}), catalogs)[1] == shape
+    for differs in (
+        {"cpu": 2.0},
+        {"memory": "256M"},
+        {"pids": 64},
+        {"disk": "1G"},
+        {"network": "internet"},
+        {"policies": {"landlock": {}}},
+        {"qos": "be"},
+        {"runtime": "runsc"},
+        {"workdir": "/root"},
+        {"layers": ("top@1", "base@1")},
+        {"backend": "other"},
+    ):
+        assert shape_of(SandboxSpec(**{**base.to_dict(), **differs}), catalogs)[1] != shape
+    for never in ({"devices": ("gpu:1",)}, {"drives": ("sb1",)}, {"labels": {POOL_LABEL: "p"}}):
+        assert shape_of(SandboxSpec(**{**base.to_dict(), **never}), catalogs) is None
