@@ -6,6 +6,7 @@ nothing of a claim, and a restarted daemon keeps both claimed sandboxes and memb
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,16 +17,17 @@ import time
 import pytest
 from fake_host import FakeCatalogs
 
-from dsec_core.api.messages import WarmTarget
+from dsec_core.api.messages import WarmSettings, WarmTarget
 from dsec_core.backend import cgroup_path
 from dsec_core.catalog.model import Catalog, Environment, WarmEntry, parse_catalog
 from dsec_core.catalog.store import CatalogStore
 from dsec_core.errors import CatalogInvalid, InvalidSpec, UnknownSandbox
 from dsec_core.localnode import daemon_pid
+from dsec_core.node.node import Node
 from dsec_core.node.sandbox import POOL_LABEL
 from dsec_core.node.warm import shape_of
 from dsec_core.records import PROJECT_LABEL, SandboxSpec
-from dsec_core.testing import cgroup_hierarchies, running_kit_node
+from dsec_core.testing import cgroup_hierarchies, node_home, running_kit_node
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -292,3 +294,21 @@ def test_what_a_create_may_differ_in_and_what_it_may_not(tmp_path):
         assert shape_of(SandboxSpec(**{**base.to_dict(), **differs}), catalogs)[1] != shape
     for never in ({"devices": ("gpu:1",)}, {"drives": ("sb1",)}, {"labels": {POOL_LABEL: "p"}}):
         assert shape_of(SandboxSpec(**{**base.to_dict(), **never}), catalogs) is None
+
+
+def test_a_closing_node_leaves_no_member_behind():
+    """Members being started when the node closes are killed, not left running."""
+
+    async def run(config) -> None:
+        node = Node(config)
+        await node.open()
+        member = SandboxSpec(layers=("kit-base@1",), **SHAPE)
+        node.set_warm(WarmSettings(targets=(WarmTarget(member, 4),)))
+        deadline = time.monotonic() + 30
+        while not any(p.ready for p in node.warm_status().pools):  # one ready, more starting
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await node.close()
+
+    with node_home("dsec-warm-close-") as config:  # fails on anything left behind
+        asyncio.run(run(config))

@@ -556,7 +556,9 @@ class WarmPools:
             self._refilling -= 1
             self.kick()
         if self._closed or self.pools.get(pool.shape) is not pool:
-            self.host.spawn(self._kill(info.id, "its pool is gone"))
+            # killed here, in this task: a closing node waits for it (a kill spawned now
+            # would start after the node stopped waiting, and the member would outlive it)
+            await self._kill(info.id, "its pool is gone")
             return
         pool.backoff = 0.0
         self.members[info.id] = pool.shape
