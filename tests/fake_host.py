@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from dsec_core.backend import Backend, Feature, SandboxRuntime
 from dsec_core.catalog.model import Environment
 from dsec_core.config import NodeConfig
 from dsec_core.errors import DsecError, SandboxError, UnknownEnvironment, UnknownSandbox
+from dsec_core.node.admission import node_load
 from dsec_core.node.sandbox import PolicyPlan, Sandbox
 from dsec_core.node.trajectory import TrajectoryLogs
 from dsec_core.records import (
@@ -27,6 +29,7 @@ from dsec_core.records import (
     IdMap,
     InfraEvent,
     LayerInfo,
+    NodeLoad,
     SandboxInfo,
     SandboxSpec,
     SandboxUsage,
@@ -272,6 +275,33 @@ class FakeHost:
 
     def save(self, sb: Sandbox) -> None:
         self.saves.append(sb.rt.id)
+
+    # --- WarmHost -------------------------------------------------------------------------
+    def load(self, warm: bool = False) -> NodeLoad:
+        live = [s for s in self.sandboxes.values() if warm or not s.warm]
+        return node_load(self.config, self.backends, live, {})
+
+    def waiting_creates(self) -> int:
+        return 0
+
+    def creates_waiting_for_room(self) -> int:
+        return 0
+
+    def pending_creates(self) -> tuple[SandboxSpec, ...]:
+        return ()
+
+    def start_slots_spare(self) -> bool:
+        return True
+
+    async def start_warm(self, spec: SandboxSpec) -> SandboxInfo:
+        self.created.append((spec, None))
+        return self.add(spec=spec, warm=True).info()
+
+    async def set_ttl(self, sid: str, ttl: float | None) -> SandboxInfo:
+        sb = self.sandbox(sid)
+        sb.expires = None if ttl is None else time.time() + ttl
+        self.save(sb)
+        return sb.info()
 
     # --- commands and files ---------------------------------------------------------------
     def answer(self, sid: str, cmd: Any, stdin: bytes | None) -> ExecResult:

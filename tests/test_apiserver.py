@@ -28,6 +28,7 @@ from dsec_core.errors import (
     InvalidSpec,
     NodeLost,
     NotFound,
+    PermissionDenied,
     QuotaExceeded,
     UnknownLease,
     UnknownSandbox,
@@ -565,3 +566,18 @@ def test_the_node_token_is_never_on_a_command_line(cluster, tmp_path):
     finally:
         api.stop()
         api.log.unlink(missing_ok=True)
+
+
+def test_warm_pools_are_the_operators_and_set_on_every_node(cluster):
+    spec = cluster.spec(memory="64M", disk="64M")
+    with cluster.client(cluster.key("acme/rl")) as c, pytest.raises(PermissionDenied):
+        c.set_warm([(spec, 1)])
+    with cluster.client(cluster.iam.create_key("/", "admin")[1]) as op:
+        try:
+            assert op.set_warm([(spec, 1)]).targets[0].count == 1
+            for n in cluster.nodes:
+                with n.node.client() as direct:
+                    assert [t.count for t in direct.warm().targets] == [1]
+            assert [t.count for t in op.warm().targets] == [1]
+        finally:
+            op.set_warm([])

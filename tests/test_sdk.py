@@ -31,7 +31,7 @@ from dsec_core.api.iam import IAM_ROUTES
 from dsec_core.api.routes import RAW, ROUTES
 from dsec_core.api.transport import Response
 from dsec_core.errors import DsecError, NotFound, UnknownLease, UnknownSandbox
-from dsec_core.records import LeaseInfo, SandboxInfo
+from dsec_core.records import LeaseInfo, SandboxInfo, SandboxSpec
 from dsec_core.sdk import core
 
 REPO = Path(__file__).resolve().parent.parent
@@ -304,6 +304,11 @@ def test_a_tolerated_error_is_the_calls_answer():
 SAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "node_info": ((), {}),
     "probe": ((), {}),
+    "warm": ((), {}),
+    "set_warm": (
+        ([(SandboxSpec(layers=("base@1",)), 2)],),
+        {"auto": True, "budget": "1G", "window": 30.0},
+    ),
     "create": ((), {"layers": ("base@1",), "memory": "256M"}),
     "list": ((), {}),
     "get": (("sb-1",), {}),

@@ -115,6 +115,10 @@ __all__ = [
     "SessionOpened",
     "Trajectory",
     "TtlRequest",
+    "WarmPoolStatus",
+    "WarmSettings",
+    "WarmStatus",
+    "WarmTarget",
     "WriteQuery",
     "Written",
 ]
@@ -204,6 +208,61 @@ class NodeStatus(Message):
     qos: QosSupport | None = None  # None from a node older than the CPU classes
     pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (project, environment, size)
     devices: tuple[DeviceStatus, ...] = ()  # the inventory (DSEC_DEVICES) and its holders
+    warm: WarmStatus | None = None  # the warm pools of stateful sandboxes (None: an older node)
+
+
+@dataclass(frozen=True)
+class WarmTarget(Message):
+    """Keep ``count`` warm sandboxes of a shape: the fields of ``spec`` that decide what runs
+    (environment and layers, backend, cpu, memory, pids, disk, network, policies, qos,
+    runtime, workdir); its env, labels and ttl are a create's own and are ignored here."""
+
+    spec: SandboxSpec
+    count: int = field(default=1, metadata=_limits(minimum=0, maximum=100000))
+
+
+@dataclass(frozen=True)
+class WarmSettings(Message):
+    """What the node keeps warm, set through the API (``PUT /v1/warm``): ``targets`` replace
+    those set before (the catalogs' ``warm:`` entries stay); ``auto`` learns targets from the
+    creates of the last ``window`` seconds, their members' memory limits within ``budget``
+    bytes (None: leave as it is)."""
+
+    targets: tuple[WarmTarget, ...] = ()
+    auto: bool | None = None
+    budget: int | None = field(default=None, metadata=_limits(minimum=0))
+    window: float | None = field(default=None, metadata=_limits(exclusiveMinimum=0, maximum=86400))
+
+
+@dataclass(frozen=True)
+class WarmPoolStatus(Message):
+    """One shape kept warm: its name, where its target comes from (``catalog``, ``api``,
+    ``auto``), the target, the members ready to claim and starting, the creates that claimed
+    one and those that found none ready (``missed``: they went cold), and the memory its
+    members' limits reserve."""
+
+    name: str
+    sources: tuple[str, ...]
+    target: int
+    ready: int
+    starting: int
+    claimed: int
+    missed: int
+    memory: int
+
+
+@dataclass(frozen=True)
+class WarmStatus(Message):
+    """The node's warm pools, and its automatic mode: on or off, its memory budget (bytes of
+    members' memory limits) and window (seconds of recent creates it learns from); ``evicted``:
+    members killed to make room (pressure, waiting creates, a smaller target)."""
+
+    pools: tuple[WarmPoolStatus, ...] = ()
+    targets: tuple[WarmTarget, ...] = ()
+    auto: bool = False
+    budget: int = 0
+    window: float = 0.0
+    evicted: int = 0
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ from .messages import (
     SessionOpenRequest,
     Trajectory,
     TtlRequest,
+    WarmSettings,
+    WarmStatus,
     WriteQuery,
     Written,
 )
@@ -396,6 +398,23 @@ ROUTES: dict[str, Route] = {
             "layers and warm environments, and its live sandboxes by project",
             NodeProbe,
             timeout=10.0,
+        ),
+        Route(
+            "warm",
+            "GET",
+            "/v1/warm",
+            "The node's warm pools: what it keeps started for creates to claim",
+            WarmStatus,
+        ),
+        Route(
+            "set_warm",
+            "PUT",
+            "/v1/warm",
+            "Set the warm targets (replacing those set before) and the automatic mode",
+            WarmStatus,
+            body=WarmSettings,
+            idempotent=True,
+            max_body=MAX_SPEC_BODY,
         ),
         Route(
             "create",

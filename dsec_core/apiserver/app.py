@@ -1268,8 +1268,32 @@ async def _prefetch(gw: Gateway, request: Request, principal: Any, rid: str) -> 
     return Response(content, route.status, media_type=JSON)
 
 
+async def _warm(gw: Gateway, request: Request, principal: Any, rid: str) -> Response:
+    """The nodes' warm pools (``dsec_core.node.warm``) are the operator's (an admin key of the
+    root project): a read answers with the first healthy node's pools, a change goes to every
+    healthy node at once (the first node's answer is returned)."""
+    route = ROUTES["set_warm" if request.method == "PUT" else "warm"]
+    if principal.project != ROOT or principal.role != "admin":
+        raise PermissionDenied(
+            "the nodes' warm pools are the operator's: they need an admin key of the root "
+            "project (/)",
+            role=principal.role,
+        )
+    raw = (await _body(request, route))[0] if route.body is not None else b""
+    answer = await _on_every_node(
+        gw, route, raw, principal, rid, "keep sandboxes warm", method=route.method
+    )
+    return Response(answer, route.status, media_type=JSON)
+
+
 async def _on_every_node(
-    gw: Gateway, route: Route, raw: bytes, principal: Any, rid: str, what: str
+    gw: Gateway,
+    route: Route,
+    raw: bytes,
+    principal: Any,
+    rid: str,
+    what: str,
+    method: str = "POST",
 ) -> bytes:
     """POST ``raw`` to ``route`` on every healthy node at once (what each node must hold, not
     a placement); the first node's answer that came, else the first node's error, scrubbed
@@ -1278,7 +1302,7 @@ async def _on_every_node(
     if not entries:
         raise NodeUnavailable(f"no healthy node to {what}")
     answers = await asyncio.gather(
-        *(gw._request(e, "POST", route.path, raw, None, rid) for e in entries),
+        *(gw._request(e, method, route.path, raw or None, None, rid) for e in entries),
         return_exceptions=True,
     )
     for answer in answers:
@@ -1313,6 +1337,8 @@ _SPECIAL: dict[str, Handler] = {
     "layers": _layers,
     "prefetch": _prefetch,
     "resolve_image": _resolve_image,
+    "warm": _warm,
+    "set_warm": _warm,
     "lease": _lease,
     "set_policy": _set_policy,
     "trajectory": _trajectory,

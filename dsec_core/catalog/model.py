@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..layers.recipes import LayerRecipe
 from ..layers.store import LayerStore
-from ..records import DEFAULT_BACKEND, JudgeSpec, LayerRef
+from ..records import DEFAULT_BACKEND, JudgeSpec, LayerRef, SandboxSpec
 
 __all__ = [
     "REWARDS",
@@ -39,6 +39,7 @@ __all__ = [
     "Environment",
     "Task",
     "TaskJudge",
+    "WarmEntry",
     "catalog_schema",
     "check_environment_layers",
     "default_catalog_file",
@@ -250,6 +251,58 @@ class Task:
 
 
 @dataclass(frozen=True)
+class WarmEntry:
+    """``count`` sandboxes of ``environment`` that each node with the catalog keeps warm
+    (``dsec_core.node.warm``), of the shape the other fields give (a create's defaults for
+    those not given): a create of the same environment and shape claims one."""
+
+    environment: str
+    count: int
+    backend: str | None = None
+    cpu: float = 1.0
+    memory: int | str = "512M"
+    pids: int = 512
+    disk: int | str = "10G"
+    network: str = "none"
+    qos: str = "ls"
+    runtime: str | None = None
+
+    def spec(self, catalog: str = "") -> SandboxSpec:
+        """The shape as a spec; its environment qualified with ``catalog`` when bare."""
+        env = self.environment
+        if catalog and "/" not in env:
+            env = f"{catalog}/{env}"
+        return SandboxSpec(
+            environment=env,
+            backend=self.backend,
+            cpu=self.cpu,
+            memory=self.memory,
+            pids=self.pids,
+            disk=self.disk,
+            network=self.network,
+            qos=self.qos,
+            runtime=self.runtime,
+            ttl=None,
+        )
+
+    def to_document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"environment": self.environment, "count": self.count}
+        for name, default in (
+            ("backend", None),
+            ("cpu", 1.0),
+            ("memory", "512M"),
+            ("pids", 512),
+            ("disk", "10G"),
+            ("network", "none"),
+            ("qos", "ls"),
+            ("runtime", None),
+        ):
+            if getattr(self, name) != default:
+                doc[name] = getattr(self, name)
+        return doc
+
+
+@dataclass(frozen=True)
 class CatalogImport:
     """Another catalog a catalog uses: one registered on the node (``catalog``), a catalog
     file (``path``, relative to the importing file) or one published to a layer source
@@ -322,9 +375,10 @@ class Catalog:
     root: str = "."
     imports: tuple[CatalogImport, ...] = ()
     imported: tuple[Catalog, ...] = field(default=(), compare=False, repr=False)
+    warm: tuple[WarmEntry, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("layers", "environments", "tasks", "imports", "imported"):
+        for name in ("layers", "environments", "tasks", "imports", "imported", "warm"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def visible_environments(self) -> list[Environment]:
@@ -371,6 +425,8 @@ class Catalog:
         doc["layers"] = [_recipe_document(r) for r in self.layers]
         doc["environments"] = [e.to_document() for e in self.environments]
         doc["tasks"] = [t.to_document() for t in self.tasks]
+        if self.warm:
+            doc["warm"] = [w.to_document() for w in self.warm]
         return doc
 
 
@@ -629,6 +685,7 @@ def parse_catalog(
         for t in doc.get("tasks", [])
     ]
     _unique(tasks, "tasks", where)
+    warm = [_warm_entry(doc, i, where) for i in range(len(doc.get("warm", [])))]
     env_names = [e.name for e in environments]
     others = Catalog(name=name, imported=tuple(imported)).visible_environments()
     for i, task in enumerate(tasks):
@@ -649,7 +706,19 @@ def parse_catalog(
         root=str(root),
         imports=tuple(imports),
         imported=tuple(imported),
+        warm=tuple(warm),
     )
+
+
+def _warm_entry(doc: Mapping[str, Any], i: int, where: str) -> WarmEntry:
+    """``$.warm[i]``, checked as a create's spec would be (sizes, CPU class)."""
+    entry = WarmEntry(**doc["warm"][i])
+    try:
+        entry.spec()
+    except InvalidSpec as err:
+        key = err.context.get("field", "")
+        raise _invalid(where, ["warm", i, *([key] if key else [])], str(err)) from err
+    return entry
 
 
 def _check_task_environment(

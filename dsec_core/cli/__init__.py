@@ -820,8 +820,97 @@ def node_status(as_json) -> None:
             )
         for dev in info.get("devices") or ():
             click.echo(_device_line(dev))
+        for line in _warm_lines(info.get("warm") or {}):
+            click.echo(line)
     if info is None:
         sys.exit(3)
+
+
+def _warm_lines(warm: dict[str, Any]) -> list[str]:
+    """``warm pool kit-base@1/container/1cpu/512M#3fa2c1 (api): 8 ready of 8, ...`` per pool,
+    then the automatic mode's line when it is on."""
+    lines = [
+        f"warm pool {p['name']} ({', '.join(p['sources']) or 'draining'}): {p['ready']} ready "
+        f"of {p['target']}, {p['starting']} starting, {p['claimed']} claimed, {p['missed']} "
+        f"missed, {p['memory'] >> 20} MiB"
+        for p in warm.get("pools") or ()
+    ]
+    if warm.get("auto"):
+        lines.append(
+            f"warm auto: on, budget {warm['budget'] >> 20} MiB over creates of the last "
+            f"{warm['window']:g}s; {warm.get('evicted', 0)} members evicted"
+        )
+    return lines
+
+
+@node.group("warm", invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def node_warm(ctx, as_json) -> None:
+    """Show (or set, with a subcommand) the sandboxes the node keeps warm for creates of the
+    same shape to claim."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with Client() as client:
+        status = client.warm()
+    if as_json:
+        _dump(status.to_dict())
+        return
+    lines = _warm_lines(status.to_dict())
+    click.echo("\n".join(lines) if lines else "no warm pools")
+
+
+def _shape_options(f: Any) -> Any:
+    """The options of a warm target's shape (a create's defaults), on command ``f``."""
+    options: list[tuple[str, dict[str, Any]]] = [
+        ("--backend", {"default": None}),
+        ("--cpu", {"type": float, "default": 1.0, "show_default": True}),
+        ("--memory", {"default": "512M", "show_default": True}),
+        ("--pids", {"type": int, "default": 512, "show_default": True}),
+        ("--disk", {"default": "10G", "show_default": True}),
+        ("--network", {"default": "none", "show_default": True}),
+        ("--qos", {"type": click.Choice(QOS_CLASSES), "default": "ls"}),
+        ("--runtime", {"default": None}),
+        ("--layer", {"multiple": True, "help": "a layer on top (name@version)"}),
+    ]
+    for decl, kw in reversed(options):
+        f = click.option(decl, **kw)(f)
+    return f
+
+
+@node_warm.command("set")
+@click.argument("environment")
+@click.argument("count", type=click.IntRange(0))
+@_shape_options
+def node_warm_set(environment, count, layer, **shape) -> None:
+    """Keep COUNT sandboxes of ENVIRONMENT (and the shape the options give, a create's
+    defaults otherwise) warm; 0 removes that target. Other targets set before stay."""
+    spec = SandboxSpec(environment=environment, layers=layer, ttl=None, **shape)
+    with Client() as client:
+        kept = [t for t in client.warm().targets if t.spec != spec]
+        status = client.set_warm(kept + ([(spec, count)] if count else []))
+    click.echo("\n".join(_warm_lines(status.to_dict())) or "no warm pools")
+
+
+@node_warm.command("clear")
+def node_warm_clear() -> None:
+    """Remove every target set through the API (a catalog's warm entries stay)."""
+    with Client() as client:
+        status = client.set_warm([])
+    click.echo("\n".join(_warm_lines(status.to_dict())) or "no warm pools")
+
+
+@node_warm.command("auto")
+@click.argument("state", type=click.Choice(["on", "off"]))
+@click.option("--budget", default=None, help="members' memory limits at most, e.g. 4G")
+@click.option("--window", type=float, default=None, help="seconds of recent creates to learn from")
+def node_warm_auto(state, budget, window) -> None:
+    """Switch the automatic mode: keep as many members of each shape as creates of it came in
+    the last WINDOW seconds, the most asked-for first, within BUDGET."""
+    with Client() as client:
+        kept = client.warm().targets
+        status = client.set_warm(kept, auto=state == "on", budget=budget, window=window)
+    click.echo("\n".join(_warm_lines(status.to_dict())) or "no warm pools")
 
 
 def _device_line(dev: dict[str, Any]) -> str:

@@ -99,14 +99,13 @@ class Admission:
         if raised:
             log.info("raised the daemon's open-file limit from %d to %d", *raised)
 
-    def load(self) -> NodeLoad:
-        """This node as placement sees it: capacity and what live sandboxes reserve."""
-        return node_load(
-            self.host.config,
-            self.registry.backends,
-            self.host.sandboxes.values(),
-            self.devices.usage(),
-        )
+    def load(self, warm: bool = False) -> NodeLoad:
+        """This node as placement sees it: capacity and what live sandboxes reserve (warm
+        members left out, as room they give back at need, unless ``warm``)."""
+        sandboxes: Iterable[Sandbox] = self.host.sandboxes.values()
+        if not warm:
+            sandboxes = (s for s in sandboxes if not s.warm)
+        return node_load(self.host.config, self.registry.backends, sandboxes, self.devices.usage())
 
     def new_sandbox_id(self) -> str:
         """A fresh sandbox id: 12 hex digits, then ``-<node name>`` on a named node (an

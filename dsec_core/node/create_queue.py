@@ -116,6 +116,10 @@ class CreateQueue:
         """Creates waiting, by project."""
         return self.waiting.depth()
 
+    def pending(self) -> tuple[SandboxSpec, ...]:
+        """The specs of creates let go but not yet admitted (``fits`` counts them)."""
+        return tuple(self._pending.values())
+
     async def enter(self, spec: SandboxSpec, project: str, batch: str, wait: float) -> Ticket:
         """Wait for the turn of a create of ``spec``: a start slot, room, and no one ahead in
         fair order; ``AdmissionRejected`` at once if admission refuses and ``wait`` is 0, or

@@ -13,7 +13,8 @@ small fake host, no daemon). Each protocol says which service it serves:
   (``judge.judge``), ``DriveHost`` (``drive.DriveServer``), ``LeaseHost`` (``leases.Leases``),
   ``LifecycleHost`` (``lifecycle.Lifecycle``), ``PauseHost`` (``pause.Pauses``), ``PoolHost``
   (``pools.Pools``), ``SnapshotHost`` (``layer_snapshots.LayerSnapshots``,
-  ``memory.MemorySnapshots``) and ``StateHost`` (``persistence.StateFiles``).
+  ``memory.MemorySnapshots``), ``StateHost`` (``persistence.StateFiles``) and ``WarmHost``
+  (``warm.WarmPools``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..records import (
     FileEntry,
     IdMap,
     InfraEvent,
+    NodeLoad,
     SandboxInfo,
     SandboxSpec,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "SandboxHost",
     "SnapshotHost",
     "StateHost",
+    "WarmHost",
     "create_all",
 ]
 
@@ -184,6 +187,40 @@ class PoolHost(CommandHost, CatalogHost, Protocol):
     async def create(self, spec: SandboxSpec, saved: Path | None = None) -> SandboxInfo: ...
 
     async def reset(self, sid: str) -> None: ...
+
+
+class WarmHost(SandboxHost, CatalogHost, Protocol):
+    """What warm pools see: sandboxes, the node's load and create queue as far as room goes,
+    members to start, and the TTL a claim sets."""
+
+    def load(self, warm: bool = False) -> NodeLoad:
+        """The node's load; warm members counted only with ``warm``."""
+        ...
+
+    def waiting_creates(self) -> int:
+        """Creates waiting in the create queue (for room or a start slot)."""
+        ...
+
+    def creates_waiting_for_room(self) -> int:
+        """Creates waiting in the create queue while start slots are free: for room."""
+        ...
+
+    def pending_creates(self) -> Sequence[SandboxSpec]:
+        """Specs of creates let go by the queue and not yet admitted."""
+        ...
+
+    def start_slots_spare(self) -> bool:
+        """Whether a background start may take a start slot (fewer than half are taken)."""
+        ...
+
+    async def start_warm(self, spec: SandboxSpec) -> SandboxInfo:
+        """Admit and start a warm member of ``spec`` (marked, hidden) outside the queue's
+        fair order; ``AdmissionRejected`` if creates wait or no start slot is free."""
+        ...
+
+    async def set_ttl(self, sid: str, ttl: float | None) -> SandboxInfo:
+        """Give sandbox ``sid`` ``ttl`` seconds from now (None: until killed); saves it."""
+        ...
 
 
 class DriveHost(CommandHost, AgentHost, Protocol):

@@ -27,6 +27,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from .. import plugins
 from ..agent import ensure_agent
+from ..api.messages import WarmSettings, WarmStatus
 from ..backend import Backend, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
@@ -79,6 +80,7 @@ from .rootfs import RootFilesystems
 from .sandbox import Sandbox, state_counts
 from .screen import Screens
 from .trajectory import TrajectoryLogs
+from .warm import WarmPools
 
 __all__ = ["Node", "PolicyPlan", "Sandbox"]
 
@@ -129,6 +131,7 @@ class Node:
         self.images = Images(self)
         self.memory = MemorySnapshots(self)
         self.pools = Pools(self)
+        self.warm_pools = WarmPools(self)
         self.leases = Leases(self)
         self.trajectories = TrajectoryLogs(cfg.home / "trajectories")
         self.drive = DriveServer(self, cfg.run_dir / "drive")
@@ -167,6 +170,7 @@ class Node:
         await self.rootfs.open(self.registry, self.layer_sources)
         await self._adopt()
         await self.pools.drop_left()
+        self.warm_pools.open()
         await self.drive.start()
         self.lifecycle.start()
 
@@ -187,6 +191,7 @@ class Node:
         await self.drive.close()
         await self.processes.close()  # their agent connections: the commands end
         await self.pools.close()
+        await self.warm_pools.close()
         if kill_all:
             await asyncio.gather(
                 *(self.kill(sid) for sid in list(self.sandboxes)), return_exceptions=True
@@ -230,9 +235,10 @@ class Node:
         write_state(sb)
 
     # --- what placement sees --------------------------------------------------------------
-    def load(self) -> NodeLoad:
-        """This node as placement sees it: capacity and what live sandboxes reserve."""
-        return self.admission.load()
+    def load(self, warm: bool = False) -> NodeLoad:
+        """This node as placement sees it: capacity and what live sandboxes reserve (warm
+        members too with ``warm``; ``Admission.load``)."""
+        return self.admission.load(warm)
 
     def warm(self) -> tuple[list[str], list[str]]:
         """The layers and environments a create here finds mounted (``admission.warm``)."""
@@ -252,8 +258,15 @@ class Node:
         It waits its turn in the create queue (``create_queue``) for a start slot, and up to
         ``wait`` seconds for room if admission cannot take it now, under its project and
         ``batch``. Cancelled while it waits, it leaves the queue; cancelled once it starts, it
-        runs to its end in the background and the sandbox it made is killed."""
+        runs to its end in the background and the sandbox it made is killed.
+
+        First, a create that matches a warm member claims it (``WarmPools.claim``)."""
         t0 = time.perf_counter()
+        if saved is None:
+            claimed = await self.warm_pools.claim(spec)
+            if claimed is not None:
+                self.metrics.observe_create(claimed.backend, True, time.perf_counter() - t0)
+                return claimed
         try:
             ticket = await self.queue.enter(spec, project_of(spec.labels), batch, wait)
             t0 = time.perf_counter()  # the create's own time, not its wait in the queue
@@ -316,13 +329,17 @@ class Node:
         """Live sandboxes by the create queue's project (``fairqueue.project_of``)."""
         out: dict[str, int] = {}
         for sb in self.sandboxes.values():
-            if sb.live:
+            if sb.live and not sb.warm:
                 project = project_of(sb.rt.spec.labels)
                 out[project] = out.get(project, 0) + 1
         return out
 
     async def _admit_and_create(
-        self, spec: SandboxSpec, saved: Path | None, ticket: Ticket | None = None
+        self,
+        spec: SandboxSpec,
+        saved: Path | None,
+        ticket: Ticket | None = None,
+        warm: bool = False,
     ) -> SandboxInfo:
         t0 = time.perf_counter()
         try:
@@ -332,7 +349,7 @@ class Node:
                 if ticket is not None:
                     ticket.admitted()
             try:
-                return await self._create(a, t0, saved)
+                return await self._create(a, t0, saved, warm)
             except BaseException:  # nothing of the sandbox is left (_create undid it all)
                 self.admission.release(a.sid, a.idmap)
                 raise
@@ -340,7 +357,9 @@ class Node:
             if ticket is not None:
                 ticket.done()
 
-    async def _create(self, a: Admitted, t0: float, saved: Path | None) -> SandboxInfo:
+    async def _create(
+        self, a: Admitted, t0: float, saved: Path | None, warm: bool = False
+    ) -> SandboxInfo:
         sid, spec, backend = a.sid, a.spec, a.backend
         sources = self.rootfs.resolve(a.layers)
         rt = replace(self.runtime(sid, spec, backend, a.idmap), devices=a.devices, kernel=a.kernel)
@@ -354,6 +373,7 @@ class Node:
             created=now,
             expires=now + spec.ttl if spec.ttl else None,
             policies=a.plan,
+            warm=warm,
         )
         self.sandboxes[sid] = sb  # counted by admission from here on
         taken: list[str] = []
@@ -437,7 +457,9 @@ class Node:
     ) -> list[SandboxInfo]:
         """Every sandbox, oldest first; or those labelled with ``project`` (and, ``subtree``,
         with a project below it)."""
-        sandboxes = sorted(self.sandboxes.values(), key=lambda s: s.created)
+        sandboxes = sorted(
+            (s for s in self.sandboxes.values() if not s.warm), key=lambda s: s.created
+        )
         if project is not None:
             sandboxes = [s for s in sandboxes if s.in_project(project, subtree)]
         return [sb.info() for sb in sandboxes]
@@ -570,6 +592,36 @@ class Node:
         if sb.status != "running":
             raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
         await sb.backend.reset(sb.rt, sb.backend_state)
+
+    # --- warm pools (``warm.WarmPools``) ---------------------------------------------------
+    def warm_status(self) -> WarmStatus:
+        """The warm pools: targets, members ready and starting, claims and misses."""
+        return self.warm_pools.status()
+
+    def set_warm(self, settings: WarmSettings) -> WarmStatus:
+        """Set the API's warm targets and the automatic mode (``WarmPools.configure``)."""
+        return self.warm_pools.configure(settings)
+
+    async def start_warm(self, spec: SandboxSpec) -> SandboxInfo:
+        """Admit and start a warm member of ``spec`` with a start slot of the queue, only
+        while no create waits there (``AdmissionRejected`` otherwise)."""
+        if self.queue.waiting or not self.start_slots_spare():
+            raise AdmissionRejected("creates are waiting: no warm member now", reason="turn")
+        ticket = await self.queue.enter(spec, "", "dsec.warm", 0.0)
+        return await self._admit_and_create(spec, None, ticket, warm=True)
+
+    def waiting_creates(self) -> int:
+        return len(self.queue.waiting)
+
+    def creates_waiting_for_room(self) -> int:
+        q = self.queue
+        return len(q.waiting) if q.starting < q.max_starting else 0
+
+    def pending_creates(self) -> tuple[SandboxSpec, ...]:
+        return self.queue.pending()
+
+    def start_slots_spare(self) -> bool:
+        return 2 * self.queue.starting < self.queue.max_starting
 
     # --- FnCall pools ---------------------------------------------------------------------
     async def fncall(self, environment: str, cmd: Any = None, **kw: Any) -> FnCallResult:

@@ -73,11 +73,17 @@ class Sandbox:
     packing: asyncio.Future | None = None  # a pack_diff in flight: kill waits for it
     events: list[InfraEvent] = field(default_factory=list)  # infrastructure failures it met
     oom_kills: int = 0  # the OOM kills its backend reported when last asked
+    #: a warm member no create has claimed yet (``warm``): hidden from lists, admission,
+    #: placement and projects; a claim makes it a sandbox of its own for good
+    warm: bool = False
 
     @property
     def state(self) -> str:
-        """What ``info().state`` says: the status, or "paused" for a paused running one."""
-        return "paused" if self.paused and self.status == "running" else self.status
+        """What ``info().state`` says: the status, or "paused" for a paused running one
+        ("warm" for an unclaimed warm member, in the node's metrics)."""
+        if self.status == "running" and (self.paused or self.warm):
+            return "warm" if self.warm else "paused"
+        return self.status
 
     @property
     def live(self) -> bool:

@@ -129,7 +129,7 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
         version=__version__,
         pid=os.getpid(),
         home=os.fspath(cfg.home),
-        sandboxes=len(node.sandboxes),
+        sandboxes=sum(not sb.warm for sb in node.sandboxes.values()),
         capacity=NodeCapacity(
             cpu=cfg.cpu_capacity, memory=cfg.memory_capacity, sandboxes=cfg.max_sandboxes
         ),
@@ -153,6 +153,7 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
             )
             for d, held in node.devices.holdings()
         ),
+        warm=node.warm_status(),
     )
 
 
@@ -391,6 +392,16 @@ async def _restore(node: Node, c: Call) -> SandboxList:
 async def _list(node: Node, c: Call) -> SandboxList:
     project = c.query.project or None
     return SandboxList(sandboxes=tuple(node.list_sandboxes(project, c.query.subtree)))
+
+
+@_handles("warm")
+async def _warm(node: Node, c: Call) -> Any:
+    return node.warm_status()
+
+
+@_handles("set_warm")
+async def _set_warm(node: Node, c: Call) -> Any:
+    return node.set_warm(c.body)
 
 
 @_handles("get")

@@ -116,6 +116,8 @@ class AsyncClient(Connected):
     # --- the node and its sandboxes -------------------------------------------------------
     node_info = awaiting(core.node_info)
     probe = awaiting(core.probe)
+    warm = awaiting(core.warm)
+    set_warm = awaiting(core.set_warm)
     create = awaiting(core.create, into=AsyncSandbox)
     create_many = awaiting(core.create_many, into=async_sandbox_handles)
     get = awaiting(core.get, into=AsyncSandbox)

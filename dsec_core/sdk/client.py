@@ -111,6 +111,8 @@ class Client(Connected):
     # --- the node and its sandboxes -------------------------------------------------------
     node_info = blocking(core.node_info)
     probe = blocking(core.probe)
+    warm = blocking(core.warm)
+    set_warm = blocking(core.set_warm)
     create = blocking(core.create, into=Sandbox)
     create_many = blocking(core.create_many, into=sandbox_handles)
     get = blocking(core.get, into=Sandbox)

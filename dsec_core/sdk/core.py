@@ -68,6 +68,9 @@ from ..api.messages import (
     SessionExecRequest,
     SessionOpenRequest,
     TtlRequest,
+    WarmSettings,
+    WarmStatus,
+    WarmTarget,
     WriteQuery,
 )
 from ..api.routes import JSON, ROUTES, Route, dump_json
@@ -102,6 +105,7 @@ from ..records import (
     SandboxUsage,
     TrajectoryEntry,
     check_trajectory_name,
+    parse_size,
 )
 from ..screen_input import InputEvent, input_dicts
 
@@ -339,6 +343,29 @@ def node_info() -> Op[dict[str, Any]]:
 def probe() -> Op[NodeProbe]:
     """What the control plane's watcher sees of the node (``NodeProbe``)."""
     return (yield call("probe"))
+
+
+def warm() -> Op[WarmStatus]:
+    """The node's warm pools: the shapes it keeps started for creates to claim, their
+    targets (from catalogs, the API, the automatic mode), members ready, claims and misses."""
+    return (yield call("warm"))
+
+
+def set_warm(
+    targets: Sequence[WarmTarget | tuple[SandboxSpec, int]] = (),
+    *,
+    auto: bool | None = None,
+    budget: int | str | None = None,
+    window: float | None = None,
+) -> Op[WarmStatus]:
+    """Keep ``targets`` warm (``WarmTarget`` or ``(spec, count)``; they replace those set
+    before, a catalog's ``warm:`` entries stay), and switch the automatic mode (``auto``,
+    with a ``budget`` of members' memory limits such as "4G", over creates of the last
+    ``window`` seconds); None leaves a setting as it is."""
+    made = tuple(t if isinstance(t, WarmTarget) else WarmTarget(t[0], t[1]) for t in targets)
+    size = None if budget is None else parse_size(budget, "budget")
+    body = WarmSettings(targets=made, auto=auto, budget=size, window=window)
+    return (yield call("set_warm", body))
 
 
 def create(

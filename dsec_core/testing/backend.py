@@ -7,7 +7,8 @@
 
 The checks run against a real node daemon (fixtures in ``dsec_core.testing.fixtures``): the
 declared contract, exec semantics, timeouts, output caps, sessions, files, isolation, limits,
-TTL, cleanup, a sandbox dying on its own, and re-adoption after a daemon restart. A check that
+TTL, cleanup, a sandbox dying on its own, re-adoption after a daemon restart, and that a
+create claiming a warm member gets a sandbox indistinguishable from a cold one. A check that
 needs a ``Feature`` the backend does not claim is reported as a skip naming the feature; checks
 that look into the host's /proc or the host side of the writable layer need
 ``Feature.SHARED_KERNEL``.
@@ -693,6 +694,49 @@ class BackendConformance:
         a.exec("echo mine > /etc/motd-a; rm -f /bin/true").check()
         assert b.exec("cat /etc/motd-a").exit_code != 0
         assert b.exec("/bin/true").exit_code == 0
+
+    # --- warm claims ----------------------------------------------------------------------
+    #: What the kit compares between a cold sandbox and a claimed one: the environment
+    #: commands get, the processes running, the files of the root and the work areas, the
+    #: limits as the sandbox sees them, and the hostname (each sandbox's id in it as ``ID``).
+    LOOK_ALIKE = (
+        "env | sort",
+        # read by the shell itself, then sorted: no process of the pipeline races the glob
+        'x=$(for p in /proc/[0-9]*; do read -r c < $p/comm && echo "$c"; done); echo "$x" | sort',
+        "find / -xdev 2>/dev/null | sort",
+        "ls -la /tmp /root 2>/dev/null | awk '{print $1, $3, $4, $NF}'",
+        "ulimit -a",
+        "cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/pids.max /sys/fs/cgroup/cpu.max "
+        "2>/dev/null; true",
+        "hostname",
+    )
+
+    def test_a_warm_claim_is_like_a_cold_create(self, dsec_sandboxes, dsec_client):
+        """A create that claims a warm member gets a sandbox indistinguishable from a cold one
+        of the same spec: files, processes, env, limits (``dsec_core.node.warm``)."""
+        env = {"FROM_SPEC": "spec", "LANG": "C"}
+        cold = dsec_sandboxes.create(env=env)
+        shape = dsec_sandboxes.spec()
+        dsec_client.set_warm([(shape, 1)])
+        try:
+            deadline = time.monotonic() + 60
+            while not any(p.ready for p in dsec_client.warm().pools):
+                assert time.monotonic() < deadline, dsec_client.warm()
+                time.sleep(0.05)
+            claimed = dsec_sandboxes.create(env=env, labels={"kit": "warm"})
+            assert [p.claimed for p in dsec_client.warm().pools] == [1], "it did not claim"
+        finally:
+            dsec_client.set_warm([])
+        assert claimed.id not in {cold.id} and claimed.info.labels == {"kit": "warm"}
+        assert claimed.info.limits == cold.info.limits
+        for command in self.LOOK_ALIKE:
+            seen = [
+                sb.exec(command).stdout.decode().replace(sb.id[:12], "ID") for sb in (cold, claimed)
+            ]
+            assert seen[0] == seen[1], f"{command!r} differs: cold {seen[0]!r}, warm {seen[1]!r}"
+        listed = {i.id for i in dsec_client.list()}
+        assert {cold.id, claimed.id} <= listed
+        assert not listed - set(dsec_sandboxes.created), "a warm member was listed"
 
     # --- helpers --------------------------------------------------------------------------
     @staticmethod
