@@ -14,7 +14,7 @@ to be noticed.
    directly), through the apiserver less directly; and, as before, the median of the pairs'
    differences (``*_paired_*``: end to end, but with the spread of the node's create times
    in it). Then the p50 of each stage of the apiserver's answers (auth, admit, place, node =
-   upstream + hop, relay; its own work; docs/operators/apiserver.md), and the client's hop
+   upstream + hop, relay; its own work; docs/operators/observability.md), and the client's hop
    (its time less the apiserver's ``total``).
 3. Throughput: C concurrent clients creating and killing sandboxes for T seconds through one
    apiserver, then split over two (same nodes): creates/s and the ratio. The load generator
@@ -150,7 +150,9 @@ def overhead_figures(runs: dict[str, list[Timed]]) -> dict[str, float]:
                 f"apiserver_{what}_p50_ms": round(_p50([ms for ms, _ in api]), 3),
                 f"{name}_p50_ms": round(beyond_node - direct_beyond, 3),
                 f"{name}_paired_p50_ms": round(paired, 3),
-                f"{what}_client_hop_ms": round(_p50([ms - st["total"] for ms, st in api]), 3),
+                f"{what}_client_hop_ms": round(
+                    _p50([ms - st["total"] for ms, st in api if "total" in st]), 3
+                ),
             }
         )
         for stage in STAGES:

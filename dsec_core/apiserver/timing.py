@@ -2,7 +2,7 @@
 
 Each request's ``Stages`` ride in the ASGI scope (``TIMING``) from the key check on; each
 stage is closed by a ``mark`` with its name, and lasts from the mark before it. The stages,
-in ms (``docs/operators/apiserver.md`` says what each holds):
+in ms (``docs/operators/observability.md`` says what each holds):
 
 - ``auth``: the API key checked (IAM, cached);
 - ``admit``: the route found, the body read and decoded, what it names checked against the
