@@ -40,7 +40,8 @@ class _HeadHeld:
     is one send and wakes its reader once (uvicorn writes the head at once, and the reader
     woke for it alone, then again for the body). A head whose body does not follow in the
     same turn of the loop (a streamed answer still waiting for its first piece) goes out
-    alone at the end of that turn."""
+    alone at the end of that turn. Every answer but one to HEAD ends with a write of its body
+    (empty or not), so nothing the server writes after an answer can pass its head."""
 
     __slots__ = ("_held", "_loop", "_transport", "_used")
 
@@ -155,7 +156,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._head_timer = None
         super().on_headers_complete()
         cycle = self.cycle
-        if cycle is not None and cycle.transport is self.transport:
+        # (an answer to HEAD has no body to wait for: its head goes as it is)
+        if (
+            cycle is not None
+            and cycle.transport is self.transport
+            and self.scope["method"] != "HEAD"
+        ):
             cycle.transport = _HeadHeld(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
