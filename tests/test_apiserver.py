@@ -42,6 +42,8 @@ from dsec_core.testing.procs import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
+JSON_TYPE = "application/json"
+
 
 class Cluster:
     def __init__(self, nodes, iam: Iam, iam_url: str, api) -> None:
@@ -112,6 +114,54 @@ def test_exec_output_streams_through_while_the_command_runs(cluster):
         assert first.data == b"first\n" and time.monotonic() - t0 < 1.5
         rest = list(stream)
         assert rest[-1].exit_code == 0 and time.monotonic() - t0 >= 2
+
+
+def _timing(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+def test_answers_say_where_their_time_went(cluster):
+    """Server-Timing: a create's and an exec's stages through the apiserver, the node's own
+    time (its ``total``) as ``upstream`` and the rest of the wait for it as ``hop``; a small
+    answer is passed on whole (a Content-Length, not chunks), and the node's answer to the
+    same exec directly gives its ``total`` too."""
+    t = HTTPTransport(cluster.api.url, token=cluster.key("acme/timing"))
+    try:
+        spec = json.dumps({"spec": cluster.spec().to_dict()}).encode()
+        r = t.request("POST", "/v1/sandboxes", body=spec, content_type="application/json")
+        assert r.status_code == 201, r.text
+        st = _timing(r.headers["server-timing"])
+        assert {"auth", "admit", "place", "node", "upstream", "hop", "relay", "apiserver"} <= set(
+            st
+        )
+        assert st["node"] == pytest.approx(st["upstream"] + st["hop"], abs=0.01)
+        own = st["auth"] + st["admit"] + st["place"] + st["relay"]
+        assert st["apiserver"] == pytest.approx(own, abs=0.01)
+        assert st["total"] >= st["node"] + st["apiserver"] - 0.01
+        sid = r.json()["sandboxes"][0]["id"]
+        run = json.dumps({"cmd": ["true"]}).encode()
+        r = t.request("POST", f"/v1/sandboxes/{sid}/exec", body=run, content_type=JSON_TYPE)
+        assert r.status_code == 200 and r.json()["exit_code"] == 0
+        assert "transfer-encoding" not in r.headers and r.headers["content-length"].isdigit()
+        st = _timing(r.headers["server-timing"])
+        assert {"auth", "admit", "node", "upstream", "hop", "relay"} <= set(st)
+        assert "place" not in st
+        node = next(n for n in cluster.nodes if sid.endswith("-" + n.name))
+        direct = HTTPTransport(node.url, token=node.token)
+        try:
+            d = direct.request(
+                "POST", f"/v1/sandboxes/{sid}/exec", body=run, content_type=JSON_TYPE
+            )
+            assert set(_timing(d.headers["server-timing"])) == {"total"}
+        finally:
+            direct.close()
+        assert t.request("DELETE", f"/v1/sandboxes/{sid}").status_code == 200
+    finally:
+        t.close()
 
 
 def test_async_sdk_and_batches_spread_over_the_home_pool(cluster):

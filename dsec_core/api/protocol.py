@@ -34,6 +34,47 @@ log = logging.getLogger("dsec.api")
 LINGER = 2.0
 
 
+class _HeadHeld:
+    """The connection's transport as one answer is written through it: the head is held
+    until the body's first piece, which goes with it in one write, so a whole small answer
+    is one send and wakes its reader once (uvicorn writes the head at once, and the reader
+    woke for it alone, then again for the body). A head whose body does not follow in the
+    same turn of the loop (a streamed answer still waiting for its first piece) goes out
+    alone at the end of that turn. Every answer but one to HEAD ends with a write of its body
+    (empty or not), so nothing the server writes after an answer can pass its head."""
+
+    __slots__ = ("_held", "_loop", "_transport", "_used")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self._used = False
+
+    def write(self, data: bytes) -> None:
+        if not self._used:  # the first write of the answer: its head (or a 100 Continue)
+            self._used = True
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        self._transport.write(data)
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class BoundedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with request heads and bodies bounded as its class
     attributes say (``bounded_protocol`` makes a subclass with the server's own)."""
@@ -114,6 +155,14 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        cycle = self.cycle
+        # (an answer to HEAD has no body to wait for: its head goes as it is)
+        if (
+            cycle is not None
+            and cycle.transport is self.transport
+            and self.scope["method"] != "HEAD"
+        ):
+            cycle.transport = _HeadHeld(self.transport, self.loop)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -806,10 +806,13 @@ class AsyncHTTPTransport:
         done = None
         with _closed_on_failure(writer.close, self.address, parser, timeout):
             async with asyncio.timeout(timeout):
-                writer.write(head)
                 if isinstance(body, (bytes, bytearray, memoryview)):
-                    writer.write(bytes(body))
-                elif body is not None:
+                    # with its head in one write: the node wakes once for the request, not
+                    # for its head and again for its body
+                    writer.write(head + bytes(body))
+                else:
+                    writer.write(head)
+                if body is not None and not isinstance(body, (bytes, bytearray, memoryview)):
                     async for piece in body:
                         if piece:
                             writer.write(chunk(piece) if length is None else piece)

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..api.serving import error_response, request_key
 from ..errors import DsecError
+from .timing import TIMING, Stages
 
 __all__ = ["PRINCIPAL", "Authenticated"]
 
@@ -50,6 +51,7 @@ class Authenticated:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        stages = Stages()
         try:
             principal = self.authenticate(request_key(scope["headers"]))
         except DsecError as e:
@@ -58,4 +60,6 @@ class Authenticated:
             await response(scope, receive, send)
             return
         scope[PRINCIPAL] = principal
+        stages.mark("auth")
+        scope[TIMING] = stages
         await self.app(scope, receive, send)
