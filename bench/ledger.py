@@ -139,6 +139,9 @@ def bench_name(script: str | os.PathLike[str]) -> str:
 
 
 def bench_script(name: str) -> Path:
+    """The script of a bench named as a path (``bench/create.py``) or by name (``create``)."""
+    if name.endswith(".py") and Path(name).is_file():
+        return Path(name).resolve()
     path = BENCH_DIR / f"{bench_name(name)}.py"
     if not path.is_file():
         raise SystemExit(f"no bench {name!r}: {path} does not exist")
