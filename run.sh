@@ -268,8 +268,9 @@ case "$cmd" in
         setup
         # Each bench's last line (its figures) goes into bench/results/ledger.jsonl with the
         # commit and the machine (bench/ledger.py); bench/compare.py sets them against the run
-        # before. A bench that fails is recorded as failed and the others still run; the exit
-        # code says whether any failed. The arguments go to create.py, as they always did.
+        # before, and the README's figures come from the ledger. A bench that fails is recorded
+        # as failed and the others still run; the exit code says whether any failed. The
+        # arguments go to create.py, as they always did.
         failed=()
         record() { "$venv/bin/python" bench/ledger.py run "$@" || failed+=("$1"); }
         record bench/create.py --quick "$@"
@@ -282,7 +283,9 @@ case "$cmd" in
         record bench/cluster.py --quick
         record bench/build.py --quick
         record bench/layers.py --quick
+        # this run against the one before, and the README's figures rewritten from the ledger
         "$venv/bin/python" bench/compare.py || true
+        "$venv/bin/python" bench/compare.py --readme
         if [ ${#failed[@]} -gt 0 ]; then
             echo "run.sh: ${#failed[@]} bench(es) failed, recorded as such: ${failed[*]}" >&2
             exit 1

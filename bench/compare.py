@@ -100,7 +100,7 @@ DIRECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
         ("fncall_p50_ms", LOWER), ("fncall_p99_ms", LOWER), ("fncall_per_s_c8", HIGHER),
         ("ratio_vs_docker_exec_c8", HIGHER), ("ratio_vs_fresh_c8", HIGHER),
         ("judge_fncall_p50_ms", LOWER), ("judge_fncall_per_s_c8", HIGHER),
-        ("judge_ratio_vs_docker_exec_c8", HIGHER), ("docker_exec_per_s_c8", BASELINE),
+        ("judge_ratio_vs_docker_exec_c8", HIGHER), ("docker_exec_*", BASELINE),
         ("fresh_sandbox_per_s_c8", BASELINE), ("judge_docker_exec_per_s_c8", BASELINE),
     ),
     "judge": (
@@ -123,6 +123,7 @@ DIRECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "build": (
         ("docker_*", BASELINE), ("builder_vs_docker_*", LOWER), ("builder_*", LOWER),
+        ("variants", INFO),
     ),
     "layers": (
         ("workspace_erofs_bytes", LOWER), ("erofs_build_seconds_once", LOWER),
