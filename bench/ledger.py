@@ -198,7 +198,9 @@ def append(entry: Entry, ledger: Path = LEDGER) -> None:
 
 
 def read(ledger: Path = LEDGER) -> list[Entry]:
-    """Every entry, oldest first; a line of a newer schema or one that does not parse (a merge
+    """Every entry, oldest first by its time (a merge of two branches' ledgers, which git
+    does by keeping both sides' lines, need not be in order; entries of one time keep their
+    order in the file). A line of a newer schema is skipped; one that does not parse (a merge
     gone wrong) is skipped with a word on stderr rather than hiding the rest."""
     if not ledger.exists():
         return []
@@ -212,7 +214,7 @@ def read(ledger: Path = LEDGER) -> list[Entry]:
             out.append(Entry.from_json(line))
         except (ValueError, TypeError, KeyError) as e:
             print(f"ledger: {ledger}:{n} skipped ({type(e).__name__}: {e})", file=sys.stderr)
-    return out
+    return sorted(out, key=lambda e: e.time)
 
 
 def _tee(src: IO[str], sinks: Sequence[IO[str]], keep: list[str]) -> None:

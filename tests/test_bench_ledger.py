@@ -73,6 +73,16 @@ def test_a_line_that_does_not_parse_is_skipped_not_fatal(tmp_path, capsys):
     assert "ledger.jsonl:2 skipped" in capsys.readouterr().err
 
 
+def test_a_merged_ledger_reads_in_order_of_time(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger.append(entry(bench="b", time="2026-12-02T06:00:00Z"), path)
+    ledger.append(entry(bench="a", time="2026-12-01T06:00:00Z"), path)
+    ledger.append(entry(bench="c", time="2026-12-02T06:00:00Z"), path)
+    assert [e.bench for e in ledger.read(path)] == ["a", "b", "c"]
+    attributes = (REPO / ".gitattributes").read_text()
+    assert "bench/results/ledger.jsonl merge=union" in attributes
+
+
 def test_machines_differ_by_fingerprint():
     assert MACHINE.fingerprint == dataclasses.replace(MACHINE).fingerprint
     assert MACHINE.fingerprint != OTHER.fingerprint
@@ -333,6 +343,16 @@ def test_the_readme_block_is_made_from_the_ledger():
         entry(bench="fork", figures={"steps": 5, "fork_s": 0.31, "replay_s": 36.6}),
     ]
     block = compare.readme_block(entries)
+    cal = ledger.calibration(
+        [
+            entry(bench="fncall", figures={"fncall_p50_ms": v, "docker_exec_p50_ms": 110.0})
+            for v in (3.0, 3.5, 9.0)
+        ],
+        "fncall-1",
+    )
+    with_cal = compare.readme_block([*entries, cal])
+    assert "| 3.5 ms | `docker exec`: 110 ms |" in with_cal
+    assert "`bench/fncall.py --quick` (median of 3 runs)" in with_cal
     assert "| create → first exec → kill, p50 | 24 ms | `docker run`: 194 ms |" in block
     assert "| sandboxes created per second, concurrency 8 | 70.1 /s |" in block
     assert "forking 8 sandboxes at step 5 against replaying 5 steps | 0.31 s | 36.6 s |" in block
