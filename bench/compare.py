@@ -55,7 +55,9 @@ from rich.table import Table
 LOWER, HIGHER, BASELINE, INFO = "lower", "higher", "baseline", "info"
 DIRECTION_NAMES = (LOWER, HIGHER, BASELINE, INFO)
 
-#: Flag a figure that moved the wrong way by more than K times its noise (why 2: the docstring).
+#: Flag a figure that moved the wrong way by more than K times its noise (why 2: the docstring);
+#: a fall counts as the rise of the inverse (``moved``), so that a halved throughput is flagged
+#: as surely as a doubled latency.
 K = 2.0
 #: A bench's noise where it has no calibration on this machine in this mode: an assumption, not a
 #: measurement, and a generous one (a figure must move 50% to be flagged), since a flag that
@@ -217,6 +219,15 @@ def relative_change(last: float, previous: float) -> float:
     return (last - previous) / abs(previous)
 
 
+def moved(change: float) -> float:
+    """How far a figure moved, as a factor less one, the same up or down: a latency that
+    doubled and a throughput that halved both moved 1.0 (a relative fall can never pass 100%,
+    so a fall is read as the rise of the inverse, and a throughput's fall can be flagged)."""
+    if change >= 0:
+        return change
+    return math.inf if change <= -1 else 1 / (1 + change) - 1
+
+
 def verdict(way: str | None, change: float | None, noise: float, k: float = K) -> str:
     """``better``, ``worse`` (beyond k x noise, the wrong way), ``within noise``, or what a
     figure never judged is: ``no direction``, ``baseline`` or ``info``."""
@@ -226,7 +237,7 @@ def verdict(way: str | None, change: float | None, noise: float, k: float = K) -
         return "no direction"
     if way in (BASELINE, INFO):
         return way
-    if abs(change) <= k * max(noise, NOISE_FLOOR):
+    if moved(change) <= k * max(noise, NOISE_FLOOR):
         return "within noise"
     worse = change > 0 if way == LOWER else change < 0
     return "worse" if worse else "better"

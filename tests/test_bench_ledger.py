@@ -211,10 +211,20 @@ def test_every_declared_direction_is_a_known_one():
         ("baseline", 5.0, 0.1, "baseline"),
         (None, 5.0, 0.1, "no direction"),
         ("lower", math.inf, 0.1, "worse"),
+        # a fall is read as the rise of the inverse: halving is moving 1.0, like doubling
+        ("higher", -0.5, 0.6, "within noise"),  # 1.0 <= 2 x 0.6
+        ("higher", -0.6, 0.6, "worse"),  # 1.5 > 1.2, though 60% < 120%
+        ("lower", -0.6, 0.6, "better"),
+        ("higher", -1.0, 5.0, "worse"),  # to zero
     ],
 )
 def test_verdicts(way, change, noise, expected):
     assert compare.verdict(way, change, noise) == expected
+
+
+def test_a_move_is_the_same_size_up_or_down():
+    assert compare.moved(1.0) == compare.moved(-0.5) == 1.0
+    assert compare.moved(0.0) == 0.0 and compare.moved(-1.0) == math.inf
 
 
 def test_only_a_move_the_wrong_way_beyond_the_noise_is_flagged():
