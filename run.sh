@@ -6,7 +6,7 @@
 #   sudo bash run.sh test     # the checks below, then the test suite
 #   sudo bash run.sh check    # only the checks: ruff (lint, format), mypy, the import floors, the docs
 #   sudo bash run.sh setup    # only the set-up
-#   sudo bash run.sh bench    # bench/create.py, queue.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, fleet.py, build.py and layers.py, each --quick
+#   sudo bash run.sh bench    # bench/create.py, queue.py, seccomp.py, disk.py, fncall.py, judge.py, vm.py, cluster.py, fleet.py, build.py and layers.py, each --quick, recorded in bench/results/ledger.jsonl
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -266,17 +266,31 @@ case "$cmd" in
         ;;
     bench)
         setup
-        "$venv/bin/python" bench/create.py --quick "$@"
-        "$venv/bin/python" bench/queue.py --quick
-        "$venv/bin/python" bench/seccomp.py --quick
-        "$venv/bin/python" bench/disk.py --quick
-        "$venv/bin/python" bench/fncall.py --quick
-        "$venv/bin/python" bench/judge.py --quick
-        "$venv/bin/python" bench/vm.py --quick
-        "$venv/bin/python" bench/cluster.py --quick
-        "$venv/bin/python" bench/fleet.py --quick
-        "$venv/bin/python" bench/build.py --quick
-        exec "$venv/bin/python" bench/layers.py --quick
+        # Each bench's last line (its figures) goes into bench/results/ledger.jsonl with the
+        # commit and the machine (bench/ledger.py); bench/compare.py sets them against the run
+        # before, and the README's figures come from the ledger. A bench that fails is recorded
+        # as failed and the others still run; the exit code says whether any failed. The
+        # arguments go to create.py, as they always did.
+        failed=()
+        record() { "$venv/bin/python" bench/ledger.py run "$@" || failed+=("$1"); }
+        record bench/create.py --quick "$@"
+        record bench/queue.py --quick
+        record bench/seccomp.py --quick
+        record bench/disk.py --quick
+        record bench/fncall.py --quick
+        record bench/judge.py --quick
+        record bench/vm.py --quick
+        record bench/cluster.py --quick
+        record bench/fleet.py --quick
+        record bench/build.py --quick
+        record bench/layers.py --quick
+        # this run against the one before, and the README's figures rewritten from the ledger
+        "$venv/bin/python" bench/compare.py || true
+        "$venv/bin/python" bench/compare.py --readme
+        if [ ${#failed[@]} -gt 0 ]; then
+            echo "run.sh: ${#failed[@]} bench(es) failed, recorded as such: ${failed[*]}" >&2
+            exit 1
+        fi
         ;;
     *)
         echo "usage: run.sh [setup|demo|test|check|bench] [args...]" >&2

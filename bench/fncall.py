@@ -218,6 +218,7 @@ def main() -> None:
         "fncall_p99_ms": ms(pct(fn1, 99)),
         "fncall_per_s_c8": round(fn8, 1),
         "docker_exec_per_s_c8": round(dk8, 1),
+        "docker_exec_p50_ms": ms(statistics.median(res["docker exec true c1"][0])),
         "fresh_sandbox_per_s_c8": round(fr8, 1),
         "ratio_vs_docker_exec_c8": round(fn8 / dk8, 2),
         "ratio_vs_fresh_c8": round(fn8 / fr8, 2),
