@@ -79,7 +79,10 @@ DIRECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
         ("dsec_exec_p50_ms", LOWER), ("dsec_exec_p99_ms", LOWER),
         # warm claims (issue 24): named there, declared here ahead of the bench printing them
         ("warm_p50_ms", LOWER), ("warm_p99_ms", LOWER), ("warm_per_s_c8", HIGHER),
-        ("docker_*", BASELINE), ("rounds", INFO),
+        ("warm_first_exec_p50_ms", LOWER), ("warm_c8_p50_ms", LOWER),
+        ("warm_claim_rate", HIGHER), ("warm_vs_docker_c8", HIGHER),
+        ("cold_create_p50_ms", LOWER), ("docker_*", BASELINE), ("rounds", INFO),
+        ("image", INFO), ("quick", INFO),
     ),
     "queue": (
         ("completed_fraction", HIGHER), ("min_share", HIGHER), ("max_share", LOWER),
@@ -152,9 +155,22 @@ DIRECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
         ("resume_*", LOWER), ("replay_s", BASELINE), ("setup_s", BASELINE), ("steps", INFO),
         ("step_iters", INFO), ("same_state_sandboxes", INFO),
     ),
-    "fleet": (  # issue 24's simulated fleet, declared ahead of the bench
+    "fleet": (
         ("creates_per_s_per_apiserver", HIGHER), ("lost_creates", LOWER),
-        ("best_of_k_max_over_mean", LOWER),
+        ("best_of_k_max_over_mean", LOWER), ("best_of_k_max", LOWER),
+        ("creates_per_s_*", HIGHER), ("create_p50_ms*", LOWER), ("create_p99_ms*", LOWER),
+        ("apiserver_own_p50_ms*", LOWER), ("creates_per_apiserver_cpu_s*", HIGHER),
+        ("scaling_*_vs_1", HIGHER), ("fleet_cpu_per_*", INFO), ("clients_cpu_per_*", INFO),
+        ("apiserver_cores_used*", INFO), ("errors*", LOWER), ("loss_detect_*", LOWER),
+        ("loss_creates_typed_errors", INFO), ("loss_creates_made", INFO),
+        ("loss_creates_per_s", HIGHER), ("lost_creates_why", INFO), ("lost_nodes", INFO),
+        ("apiserver_cpu_per_probe_us", LOWER), ("fleet_cpu_per_probe_us", INFO),
+        ("probe_bytes", LOWER), ("probes_per_s", INFO), ("apiserver_idle_cpu_percent", LOWER),
+        ("simulated_random", BASELINE), ("simulated_least_loaded_stale", BASELINE),
+        ("simulated_best_of_k_ledger", LOWER), ("simulated_max_over_mean.*", INFO),
+        ("placement_creates", INFO), ("setup_*", INFO), ("nodes", INFO), ("clients", INFO),
+        ("create_latency_ms", INFO), ("cores", INFO), ("loadavg_at_start", INFO),
+        ("quick", INFO),
     ),
     "api_memory": (("*.rss_*", LOWER), ("*.seconds", LOWER), ("*.bytes", INFO)),
     "egress": (
