@@ -145,6 +145,16 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def _work_of(task) -> str:
+    """What a sandbox of ``task`` runs: its command, or for a judge task (which has none) what
+    the judge runs in its member: ``compile`` once, then ``run`` on each case's input."""
+    if task.command or task.judge is None:
+        return task.command
+    j = task.judge
+    run = f'for c in {j.cases}/*.in; do {j.run} < "$c" > /dev/null; done; true'
+    return f"{j.compile} && {run}" if j.compile else run
+
+
 async def _run_batch(node, catalog, rounds: int) -> tuple[float, float]:
     """Create one sandbox per task per round, all at once; run every task. Returns (seconds
     until all are ready, seconds until all tasks finished)."""
@@ -159,7 +169,10 @@ async def _run_batch(node, catalog, rounds: int) -> tuple[float, float]:
     )
     ready = time.perf_counter() - started
     results = await asyncio.gather(
-        *(node.exec(i.id, t.command, timeout=t.timeout) for i, t in zip(infos, specs, strict=True))
+        *(
+            node.exec(i.id, _work_of(t), timeout=t.timeout)
+            for i, t in zip(infos, specs, strict=True)
+        )
     )
     done = time.perf_counter() - started
     bad = [(t.name, r.exit_code) for t, r in zip(specs, results, strict=True) if r.timed_out]

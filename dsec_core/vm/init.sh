@@ -8,6 +8,8 @@
 #   dsec.layers=N     layers, top first: layer i is virtio-blk serial dsec-l<i>, or the
 #                     virtio-pmem device at PCI slot 0x10+i (dsec.pmem=1)
 #   dsec.pmem=1       layers come over virtio-pmem and are mounted with dax=always
+#   dsec.blobs=I,J    layers I and J are on demand: disk dsec-l<i> holds the metadata image
+#                     and disk dsec-l<i>b its data blob (mounted with device=)
 #   dsec.hostname=H   the guest's hostname
 # The writable disk is virtio-blk serial dsec-rw, ext4 made by the host. Every failure
 # prints "dsec-init: <what>" on the console and powers off: the host reads the console.
@@ -24,11 +26,12 @@ while read -r m; do
     $bb insmod "/lib/modules/$m.ko" || fail "insmod $m"
 done < /lib/modules/order
 
-layers=0 pmem=0 host=dsec
+layers=0 pmem=0 host=dsec blobs=""
 for arg in $($bb cat /proc/cmdline); do
     case "$arg" in
     dsec.layers=*) layers=${arg#dsec.layers=} ;;
     dsec.pmem=*) pmem=${arg#dsec.pmem=} ;;
+    dsec.blobs=*) blobs=",${arg#dsec.blobs=}," ;;
     dsec.hostname=*) host=${arg#dsec.hostname=} ;;
     esac
 done
@@ -65,7 +68,13 @@ while [ $i -lt "$layers" ]; do
     [ -n "$dev" ] || fail "no device for layer $i"
     $bb mkdir -p "/run/l$i"
     opts=ro
-    [ "$pmem" = 1 ] && opts=ro,dax=always
+    case "$dev" in /dev/pmem*) opts=ro,dax=always ;; esac
+    case "$blobs" in
+    *",$i,"*)
+        blob=$(wait_device "l${i}b")
+        [ -n "$blob" ] || fail "no data blob device for layer $i"
+        opts="$opts,device=$blob" ;;
+    esac
     $bb mount -t erofs -o "$opts" "$dev" "/run/l$i" || fail "mount layer $i ($dev)"
     lowers="$lowers${lowers:+:}/run/l$i"
     i=$((i + 1))

@@ -120,6 +120,9 @@ class Disk:
     path: Path
     serial: str
     readonly: bool = True
+    #: QEMU's cache mode: "none" (O_DIRECT: the guest caches what it reads) or "writeback"
+    #: (the host's page cache, shared by every guest reading the file: an on-demand blob)
+    cache: str = "none"
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ class Pmem:
 
     path: Path
     size: int
+    #: the PCI slot past ``PMEM_SLOT`` (the guest's layer index); None: its place in the list
+    slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,7 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         ro = ",readonly=on" if d.readonly else ""
         argv += [
             "-drive",
-            f"file={d.path},if=none,format=raw,id=d{i},cache=none,aio=threads{ro}",
+            f"file={d.path},if=none,format=raw,id=d{i},cache={d.cache},aio=threads{ro}",
             "-device",
             f"virtio-blk-{dev},drive=d{i},serial={d.serial}",
         ]
@@ -230,7 +235,8 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
             "-object",
             f"memory-backend-file,id=pm{i},mem-path={p.path},size={p.size},share=off,readonly=on",
             "-device",
-            f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,addr={PMEM_SLOT + i:#x}",
+            f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,"
+            f"addr={PMEM_SLOT + (i if p.slot is None else p.slot):#x}",
         ]
     if cfg.incoming is not None:
         argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]

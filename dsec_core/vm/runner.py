@@ -13,7 +13,10 @@ directories.
 Subclasses set ``machine`` (and ``display``, ``vnc_display``); ``layers_over`` says how the
 layers reach the guest: ``"pmem"`` (virtio-pmem, mounted with DAX: guests share the host's
 page cache of each layer; needs a q35 machine here, see ``qemu``) or ``"blk"`` (read-only
-virtio-blk, each guest caching what it reads).
+virtio-blk, each guest caching what it reads). A layer the node loads on demand comes either
+way as two read-only virtio-blk disks, its metadata image and its data blob (the node's FUSE
+file, through the host's page cache), mounted as one multi-device EROFS: a guest fetches only
+the chunks it reads, as a container does, rather than having the whole layer unpacked first.
 """
 
 from __future__ import annotations
@@ -191,24 +194,30 @@ class QemuBackend(Backend):
     def vm_config(self, rt: SandboxRuntime, agent_fd: int) -> qemu.VmConfig:
         """The VM of sandbox ``rt``: its layers, disk, size and channels."""
         _, vmlinux, initrd = self.boot_files(rt.agent_binary, rt.kernel)
-        pmem = self.layers_over == "pmem"
         disks: list[qemu.Disk] = []
         pmems: list[qemu.Pmem] = []
+        blobs: list[str] = []
         for i, layer in enumerate(rt.images):
-            if pmem:
+            if layer.device is not None:
+                # on demand: the metadata image and its data blob (the node's FUSE file) as
+                # two disks, mounted in the guest as one multi-device EROFS, so a guest reads
+                # (and the node fetches) only the chunks it touches, through the host's page
+                # cache that every guest and container of the node shares
+                disks.append(qemu.Disk(layer.image, f"dsec-l{i}"))
+                disks.append(qemu.Disk(layer.device, f"dsec-l{i}b", cache="writeback"))
+                blobs.append(str(i))
+            elif self.layers_over == "pmem":
                 image = pmem_image(self.cache / "pmem", layer)
-                pmems.append(qemu.Pmem(image, image.stat().st_size))
+                pmems.append(qemu.Pmem(image, image.stat().st_size, slot=i))
             else:
-                # an on-demand layer's blob is not a device the guest can name: unpack it
-                image = (
-                    layer.image if layer.device is None else pmem_image(self.cache / "pmem", layer)
-                )
-                disks.append(qemu.Disk(image, f"dsec-l{i}"))
+                disks.append(qemu.Disk(layer.image, f"dsec-l{i}"))
         assert rt.disk is not None
         disks.append(qemu.Disk(rt.disk, "dsec-rw", readonly=False))
+        pmem = bool(pmems)
         cmdline = (
             f"{CMDLINE} dsec.layers={len(rt.images)} dsec.pmem={int(pmem)} "
-            f"dsec.hostname=dsec-{rt.id[:12]}"
+            + (f"dsec.blobs={','.join(blobs)} " if blobs else "")
+            + f"dsec.hostname=dsec-{rt.id[:12]}"
         )
         if self.accel == "tcg":
             cmdline += f" tsc_early_khz={qemu.host_tsc_khz()}"
