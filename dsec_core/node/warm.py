@@ -441,9 +441,15 @@ class WarmPools:
 
     async def _run(self) -> None:
         self._retarget()
-        while True:
+        while not self._closed:
+            # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that lands as the
+            # event is set (a member's start kicks as the node closes), and the loop ran on
+            # while close waited for it (a CI run hung there for 300 s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), TICK)
+                async with asyncio.timeout(TICK):
+                    await self._kick.wait()
+            if self._closed:
+                return
             self._kick.clear()
             try:
                 self._retarget()

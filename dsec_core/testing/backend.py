@@ -48,6 +48,7 @@ from ..localnode import daemon_pid
 from ..plugins import registry
 from ..records import JudgeCase, SandboxUsage
 from .fixtures import KIT_DEVICE_KIND, cgroup_hierarchies, leftovers
+from .waits import until
 
 __all__ = ["BackendConformance"]
 
@@ -471,7 +472,8 @@ class BackendConformance:
         sb = dsec_sandboxes.create()
         marker = _marker()
         sb.exec(f"sleep {marker} > /dev/null 2>&1 &", background=True).check()
-        assert _host_pids_with(f"sleep {marker}")
+        # a background command's shell forks the sleep after the exec answers
+        until(lambda: _host_pids_with(f"sleep {marker}"), what="the sleep running on the host")
         sb.kill()
         assert _host_pids_with(f"sleep {marker}") == []
 
