@@ -45,7 +45,7 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
         text=True,
         timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, (out.stdout[-4000:], out.stderr[-3000:])
     assert "dsec demo rollouts" in out.stdout
     results = json.loads(out.stdout[out.stdout.index("[\n") :])
     catalog = load_catalog(default_catalog_file())

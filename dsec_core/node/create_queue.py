@@ -146,6 +146,10 @@ class CreateQueue:
             else:
                 await t.future
         except TimeoutError:
+            if t.future.done() and not t.future.cancelled() and t.future.exception():
+                # the ticker refused it as its deadline passed, just before the timer fired:
+                # its refusal (which knows where it stood) is the answer
+                raise t.future.exception() from None  # type: ignore[misc]
             if not t.granted:
                 raise self._too_late(t) from None
         except BaseException:  # cancelled: out of the queue, and any slot it got back
