@@ -960,8 +960,14 @@ def demo_cmd(catalog_file, tasks, as_json) -> None:
     results = run_demo(catalog_file, console=console, tasks=tasks)
     if as_json:
         _dump(results)
-    if any(not r["ok"] for r in results):
-        raise DsecError("some rollouts did not give the reward their task expects")
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        which = "; ".join(
+            f"{r.get('task')} on {r.get('backend')}: {r.get('status')}, {r.get('outcome')}, "
+            f"reward {r.get('reward')} (expected {r.get('expect')})"
+            for r in failed
+        )
+        raise DsecError(f"some rollouts did not give the reward their task expects ({which})")
 
 
 def _add_plugin_commands() -> None:
