@@ -461,25 +461,34 @@ class ApiserverMetrics:
             registry=r,
         )
         self.queue = QueueMetrics("dsec_apiserver", r)
+        #: (family, labels) -> its child: ``labels()`` validates and locks on each call, a
+        #: dict lookup does not (every create reaches three of them)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def _child(self, family: Any, *labels: str) -> Any:
+        child = self._children.get((family, labels))
+        if child is None:
+            child = self._children[(family, labels)] = family.labels(*labels)
+        return child
 
     def observe_request(self, method: str, route: str, code: int, seconds: float) -> None:
         self._requests.inc(method, route, code)
 
     def create_done(self, seconds: float, ok: bool) -> None:
         """A create request took ``seconds`` and succeeded (``ok``) or failed."""
-        self.create_seconds.labels("ok" if ok else "error").observe(seconds)
+        self._child(self.create_seconds, "ok" if ok else "error").observe(seconds)
 
     def placed(self, node: str, pool: str, overflow: bool = False, count: int = 1) -> None:
         """Placement put ``count`` sandboxes on ``node`` of ``pool``; with ``overflow`` (the
         request went past its home pool) those in the overflow pool count as overflow too."""
-        self.placement_decisions.labels(node, pool).inc(count)
+        self._child(self.placement_decisions, node, pool).inc(count)
         if overflow and pool == OVERFLOW_POOL:
             self.overflow.inc(count)
 
     def forwarded(self, route: str, seconds: float) -> None:
         """A request of ``route`` (its name in the route table) was forwarded to a node and
         its answer's head came back after ``seconds``."""
-        self.forward_seconds.labels(route).observe(seconds)
+        self._child(self.forward_seconds, route).observe(seconds)
 
     def probed(self, node: str | ProbedNode, seconds: float, ok: bool) -> None:
         """The watcher probed ``node`` (a name, or the watcher's entry for it, whose
@@ -489,13 +498,14 @@ class ApiserverMetrics:
             name, healthy = node, ok
         else:
             name, healthy = node.name, node.healthy
-        self.node_probe_seconds.labels(name).observe(seconds)
-        self.node_healthy.labels(name).set(1 if healthy else 0)
+        self._child(self.node_probe_seconds, name).observe(seconds)
+        self._child(self.node_healthy, name).set(1 if healthy else 0)
 
     def forget_node(self, node: str) -> None:
         """Drop a node's series (it left the cluster), so they do not linger at their last
         values."""
         for family in (self.node_healthy, self.node_probe_seconds):
+            self._children.pop((family, (node,)), None)
             try:
                 family.remove(node)
             except KeyError:

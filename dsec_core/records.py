@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -553,14 +554,29 @@ class SandboxSpec(_Record):
             _check_type(f"drives[{i}]", sid, str, "a sandbox id")
         _check_type("trajectory", self.trajectory, (str, type(None)), "a trajectory name")
 
-    @property
+    @functools.cached_property
     def limits(self) -> Limits:
+        # made once (at construction, which checks them) and kept: the spec is frozen
         return Limits(
             cpu=float(self.cpu),
             memory=parse_size(self.memory, "memory") or 0,
             pids=int(self.pids),
             disk=parse_size(self.disk, "disk") or 0,
         )
+
+    def relabelled(self, labels: Mapping[str, str], trajectory: str | None) -> SandboxSpec:
+        """This spec with ``labels`` and ``trajectory`` in place of its own, those two checked
+        as a new spec's are and the rest kept as this one's checks left it: what
+        ``dataclasses.replace`` gives, without checking every field again (the apiserver
+        does this to every create it admits)."""
+        _check_strings("labels", labels)
+        _check_labels(labels)
+        if trajectory is not None:
+            check_trajectory_name(trajectory)
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        out.__dict__.update(labels=dict(labels), trajectory=trajectory)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()

@@ -204,6 +204,16 @@ _SCALAR_DECODERS: dict[Any, Decode] = {
 }
 
 
+#: The JSON types (as ``json.loads`` makes them) each scalar decoder may take.
+_TAKES: dict[Any, tuple[type, ...]] = {
+    str: (str,),
+    int: (int,),
+    float: (float, int),
+    bool: (bool,),
+    bytes: (str,),
+}
+
+
 def _constrained(decode: Decode, schema: Mapping[str, Any]) -> Decode:
     """Wrap ``decode`` so it enforces the JSON Schema constraints a field's metadata names."""
     low, high = schema.get("minimum"), schema.get("maximum")
@@ -293,9 +303,25 @@ def _union_decoder(options: tuple[Any, ...], strict: bool) -> Decode:
 
         return decode_optional
 
+    # Options of scalar types only (``memory: int | str``): a value goes first to the first
+    # option that takes its JSON type, which is the option that would have taken it (those
+    # before it cannot), without a mismatch raised and caught for each of those (what a
+    # spec's "512M" cost). Any other value, or one that option refuses, tries them in order.
+    first: dict[type, Decode] = {}
+    if all(o in _TAKES for o in options if o is not type(None)):
+        for o, d in zip((o for o in options if o is not type(None)), decoders, strict=True):
+            for kind in _TAKES[o]:
+                first.setdefault(kind, d)
+
     def decode(v: Any) -> Any:
         if v is None and nullable:
             return None
+        d = first.get(type(v))
+        if d is not None:
+            try:
+                return d(v)
+            except _Mismatch:
+                pass
         for d in decoders:
             try:
                 return d(v)

@@ -888,6 +888,9 @@ class AsyncStreamedResponse:
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
+        if self._done is not None:  # all of it came with the head: nothing to wait for
+            piece = self._parser.drain()
+            return piece + self._done.content if piece else self._done.content
         return b"".join([piece async for piece in self])
 
     async def aclose(self) -> None:

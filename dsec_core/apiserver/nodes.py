@@ -164,6 +164,17 @@ class Ledger:
         if not self._filed(hold):
             return  # settled already (and gone)
         node = node or hold.node
+        if (
+            0 < made == hold.count
+            and node == hold.node
+            and cpu is None
+            and memory is None
+            and (created is None or created >= self._probed.get(node or "", 0.0))
+        ):
+            # all it held was made where it was held (the common create): the sums stand as
+            # they are, and nothing changed for placement
+            hold.created, hold.done_at = created, self._clock()
+            return
         self._file(hold, -1)
         if made <= 0 or (created is not None and created < self._probed.get(node or "", 0.0)):
             return

@@ -176,6 +176,9 @@ def serve(config: ApiserverConfig, iam: Any = None) -> None:
     stderr."""
     address = config.address()
     log_json()
+    # its JSON lines never show a record's thread or process: not looked up for each record
+    # (the access log makes one a request)
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     _, app = build(config, iam)
     tls: dict[str, Any] = {}
     if address.scheme == "https":
