@@ -190,3 +190,30 @@ async def test_placement_sees_what_changed_on_the_nodes():
     finally:
         await nodes.stop()
         await fleet.stop()
+
+
+def test_one_body_sent_by_two_projects_makes_each_its_own_sandbox(tmp_path):
+    """An apiserver keeps the create bodies it decoded lately, and what each became for the
+    nodes, by their bytes: the same bytes from another project still make that project's
+    sandbox, labelled with that project and no other, and each project lists only its own."""
+    iam_url = f"sqlite://{tmp_path / 'iam.db'}"
+    with Iam.open(iam_url) as iam:
+        keys = {}
+        for project in ("a", "b"):
+            iam.create_project(project)
+            keys[project] = iam.create_key(project, "member")[1]
+    spec = replace(SPEC, labels={"run": "1"})
+    with (
+        running_fleet(2, behaviour=Behaviour(capacity=8)) as nodes,
+        running_apiserver(nodes.nodes, iam_url, args=PROBE) as api,
+    ):
+        _wait(lambda: _healthy(api, keys["a"]) == 2)
+        made: dict[str, list[str]] = {"a": [], "b": []}
+        for project in ("a", "b", "a", "b"):
+            with dsec.Client(api.url, api_key=keys[project]) as c:
+                made[project].append(c.create(spec).id)
+        for project, ids in made.items():
+            with dsec.Client(api.url, api_key=keys[project]) as c:
+                listed = {i.id: i.labels for i in c.list()}
+            assert sorted(listed) == sorted(ids)
+            assert all(labels == {"run": "1", PROJECT_LABEL: project} for labels in listed.values())
