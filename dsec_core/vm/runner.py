@@ -311,14 +311,16 @@ class QemuBackend(Backend):
         """What makes two sandboxes' fresh boots the same: the boot files, the layers and
         how they attach, vCPUs, RAM, the disk's size and the machine. Every part is named by
         its content, never by a node's paths (the boot files' names are digests; a layer is
-        its digest, and on demand also its metadata image's and data blob's), so the key,
+        its digest, and on demand also its metadata image's), so the key,
         and the template saved under it, holds for every node home of the machine."""
         cfg = self.vm_config(rt, -1)
         pmems = iter(cfg.pmems)
 
         def layer_key(layer: LayerImage) -> list[Any]:
             if layer.device is not None:
-                return [layer.digest, layer.image.name, layer.device.name]
+                # its metadata image names the data the guest reads (the blob's logical
+                # bytes): the order a source stores them in (a read profile's) is no part
+                return [layer.digest, "lazy", layer.image.name]
             if not cfg.pmems:
                 return [layer.digest, "blk"]
             # an unpacked copy made on this machine: made again, it is another file

@@ -195,25 +195,28 @@ def test_later_vms_start_from_a_saved_boot_with_their_own_randomness(dsec_sandbo
     assert len(seen) == 3, "two VMs from one saved state drew the same random bytes"
 
 
-def test_a_fresh_node_home_starts_from_the_boot_another_home_saved(dsec_sandboxes, dsec_node):
+def test_a_fresh_node_home_starts_from_the_boot_another_home_saved(monkeypatch):
     """The VM cache is the machine's (``vm_cache_dir``), its templates keyed by content, not by
     a node's paths: a VM of the same shape in a fresh node home starts from the boot another
     home saved, and the fresh home fetches, unpacks and saves nothing of its own for it."""
-    dsec_sandboxes.create(memory="336M")  # boots once on this machine, or starts from that
-    image = LayerStore(dsec_node.config.layer_dir).image_path(dsec_node.layer)
-    with running_kit_node() as fresh:
-        copy = fresh.home / "same-base.erofs"
-        shutil.copyfile(image, copy)
-        info = LayerStore(fresh.config.layer_dir).add(
-            copy, name="same-base", version="1", kind="base"
-        )
-        assert info.digest == dsec_node.layer.digest
-        spec = {"backend": "microvm", "cpu": 1.0, "memory": "336M", "pids": 256, "ttl": 600}
-        with fresh.client() as client, client.create(layers=(info.ref,), **spec) as sb:
+    monkeypatch.setenv("DSEC_VM_LAYERS", "blk")  # each guest reads the layer files of its home
+    spec = {"backend": "microvm", "cpu": 1.0, "memory": "336M", "pids": 256, "ttl": 600}
+    with running_kit_node() as first:
+        with first.client() as client, client.create(layers=(first.layer.ref,), **spec) as sb:
             assert sb.exec("echo up").stdout == b"up\n"
-            state = json.loads((fresh.config.runtime_dir / sb.id / "state.json").read_text())
-        assert state["backend_state"].get("template"), "the fresh home booted its VM"
-        assert not (fresh.home / "vm").exists()
+        image = LayerStore(first.config.layer_dir).image_path(first.layer)
+        with running_kit_node() as fresh:
+            copy = fresh.home / "same-base.erofs"
+            shutil.copyfile(image, copy)  # the same layer, in the fresh home's own store
+            info = LayerStore(fresh.config.layer_dir).add(
+                copy, name="same-base", version="1", kind="base"
+            )
+            assert info.digest == first.layer.digest
+            with fresh.client() as client, client.create(layers=(info.ref,), **spec) as sb:
+                assert sb.exec("echo up").stdout == b"up\n"
+                state = json.loads((fresh.config.runtime_dir / sb.id / "state.json").read_text())
+            assert state["backend_state"].get("template"), "the fresh home booted its VM"
+            assert not (fresh.home / "vm").exists()
 
 
 def test_the_vm_cache_is_the_machines_unless_said(monkeypatch):
