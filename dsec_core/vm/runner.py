@@ -193,6 +193,8 @@ class QemuBackend(Backend):
         package, version = split_kernel(kernel) if kernel else (self.kernel, self.kernel_version)
         key = (package, version, os.fspath(agent))
         if key not in self._boot:
+            # the machine's, and its templates hold guests' memory: root's alone
+            self.cache.mkdir(mode=0o700, parents=True, exist_ok=True)
             guest = ensure_kernel(self.cache / "kernels", package, version)
             initrd = build_initramfs(
                 self.cache / "initramfs",
