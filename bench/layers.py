@@ -9,7 +9,14 @@ DSec: on demand was 1.71x faster with 57% fewer writes. The layers are published
 profiles (``dsec catalog profile``: one sequential run of each task, so data blobs are stored in
 first-read order); on demand is also run against the same layers published without profiles
 (``ondemand_fetch_fraction_unprofiled``), to show what the profile buys. Each mode runs
-``--repeat`` batches (3; 1 with --quick) on fresh nodes; figures are medians.
+``--repeat`` batches (3; 1 with --quick) on fresh nodes; figures are medians. A fresh node
+has a fresh home, but the machine's caches are the machine's, as on any host that ran dsec
+before: the build cache (``DSEC_BUILD_CACHE``) and the VM cache (``DSEC_VM_CACHE``: the guest
+kernel, initramfs and start templates, keyed by content), so the microVM task starts from the
+template an earlier batch or the profile run saved rather than fetching a kernel and booting.
+On a machine that never ran it, the first eager batch boots that VM once (the on-demand
+shape's template comes from the profile run), so only the unlimited run's ratio is off then;
+the limited run comes after it.
 
 (b) A workspace unpacked from tar.gz into each sandbox's writable layer vs the same workspace
 mounted as a shared EROFS layer: time until a task can read it, and bytes written to disk

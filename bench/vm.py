@@ -54,6 +54,7 @@ from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import CGROUP_ROOT
 from dsec_core.testing import KitNode, running_kit_node
+from dsec_core.vm.runner import vm_cache_dir
 
 TARGETS = {  # figure: (limit, "le" for at most)
     "pmem_vs_blk_host_mem_ratio": 0.7,
@@ -136,15 +137,15 @@ def create(client: dsec.Client, spec: dict) -> dsec.Sandbox:
 
 
 def private_vm_cache(scratch: Path) -> Path:
-    """A VM cache under ``scratch`` sharing the slow-to-make boot files of ``DSEC_VM_CACHE``
-    (when set) but with pmem images and templates of its own, removed with ``scratch``."""
+    """A VM cache under ``scratch`` sharing the slow-to-make boot files of the machine's
+    (``DSEC_VM_CACHE``, ``vm_cache_dir``) but with pmem images and templates of its own (so
+    cold boots are measured), removed with ``scratch``."""
     cache = scratch / "vm-cache"
     cache.mkdir()
-    shared = os.environ.get("DSEC_VM_CACHE")
-    if shared:
-        for part in ("kernels", "initramfs", "vmlinux"):
-            (Path(shared) / part).mkdir(parents=True, exist_ok=True)
-            (cache / part).symlink_to(Path(shared) / part)
+    shared = vm_cache_dir()
+    for part in ("kernels", "initramfs", "vmlinux"):
+        (shared / part).mkdir(parents=True, exist_ok=True)
+        (cache / part).symlink_to(shared / part)
     return cache
 
 

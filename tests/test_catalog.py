@@ -949,8 +949,9 @@ def dsec_backend_name() -> str:
 def _pinned_kernel(node) -> tuple[str, str, str]:
     """(package, version, release) of the kernel VM environments here pin."""
     from dsec_core.vm.guest import ensure_kernel
+    from dsec_core.vm.runner import vm_cache_dir
 
-    cache = Path(os.environ.get("DSEC_VM_CACHE") or node.home / "vm") / "kernels"
+    cache = vm_cache_dir() / "kernels"
     kernel = ensure_kernel(cache, KERNEL_PACKAGE)
     return kernel.package, kernel.version, kernel.release
 

@@ -4,6 +4,7 @@ boots that kernel under QEMU (TCG) and finds a virtio disk."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec_core.errors import GuestImageError, InvalidSpec
+from dsec_core.vm import guest
 from dsec_core.vm.cpio import CpioEntry, write_newc
 from dsec_core.vm.guest import (
     GuestKernel,
@@ -123,6 +125,34 @@ def test_cached_kernel_needs_no_apt(kernel, tmp_path, monkeypatch):
     assert ensure_kernel(KERNEL_CACHE) == kernel  # no candidate known: the one cached
     with pytest.raises(GuestImageError, match="apt-get is not installed"):
         ensure_kernel(KERNEL_CACHE, version="0.0-not-cached")
+
+
+def test_apts_candidate_is_asked_once_while_apt_stays_as_it_was(tmp_path, monkeypatch):
+    """A fresh node's first VM does not wait for ``apt-cache policy`` (a second or more on a
+    loaded machine): the candidate version is remembered in the kernel cache until apt's
+    lists, configuration or installed packages change."""
+    cache = tmp_path / "kernels"
+    entry = cache / "linux-image-x_1.0"
+    entry.mkdir(parents=True)
+    manifest = {"package": "linux-image-x", "version": "1.0", "release": "1.0-x"}
+    (entry / "kernel.json").write_text(json.dumps(manifest))
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    monkeypatch.setattr(guest, "APT_STATE", (lists,))
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
+    bin_dir.mkdir()
+    (bin_dir / "apt-cache").write_text(
+        f'#!/bin/sh\necho "$@" >> {asked}\n'
+        "printf 'linux-image-x:\\n  Installed: (none)\\n  Candidate: 1.0\\n'\n"
+    )
+    (bin_dir / "apt-cache").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for _ in range(3):
+        assert ensure_kernel(cache, "linux-image-x").version == "1.0"
+    assert asked.read_text().splitlines() == ["policy linux-image-x"]
+    (lists / "new_Packages").write_text("")  # apt-get update brought a new list
+    assert ensure_kernel(cache, "linux-image-x").version == "1.0"
+    assert len(asked.read_text().splitlines()) == 2
 
 
 @needs_apt

@@ -87,7 +87,7 @@ def ensure_kernel(
         if version is not None and version != found:
             raise InvalidSpec(f"{local} is {package} {found}, not version {version}")
         version = found
-    wanted = version or _candidate_version(package)
+    wanted = version or _remembered_candidate(cache_dir, package)
     if wanted and (kernel := _cached(cache_dir, package, wanted)):
         return kernel
     with _locked(cache_dir / ".lock"):
@@ -157,6 +157,65 @@ def _locked(path: Path) -> Iterator[None]:
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> str:
     """Run a packaging program; its failure becomes ``GuestImageError`` with its output."""
     return run_tool(argv, what, cwd=cwd, error=GuestImageError).stdout
+
+
+#: What apt's candidate version of a package depends on: its lists (``apt-get update`` renames
+#: new ones into the directory), its configuration (sources, pinning) and what is installed.
+APT_STATE = (
+    Path("/var/lib/apt/lists"),
+    Path("/etc/apt/sources.list"),
+    Path("/etc/apt/sources.list.d"),
+    Path("/etc/apt/preferences"),
+    Path("/etc/apt/preferences.d"),
+    Path("/etc/apt/apt.conf.d"),
+    Path("/var/lib/dpkg/status"),
+)
+_CANDIDATES = "candidates.json"
+
+
+def _apt_stamp() -> list[list[object]]:
+    """Each of ``APT_STATE``'s modification time and size (absent: none): what changes
+    whenever apt's answer may."""
+    stamp: list[list[object]] = []
+    for path in APT_STATE:
+        try:
+            st = path.stat()
+        except OSError:
+            stamp.append([os.fspath(path)])
+            continue
+        stamp.append([os.fspath(path), st.st_mtime_ns, st.st_size])
+    return stamp
+
+
+def _remembered_candidate(cache_dir: Path, package: str) -> str | None:
+    """``_candidate_version(package)``, remembered in ``cache_dir`` for as long as apt's lists,
+    configuration and installed packages stay as they were: ``apt-cache policy`` takes a
+    second or more on a loaded machine, and every fresh node asked it again before its first
+    VM."""
+    memo = cache_dir / _CANDIDATES
+    stamp = _apt_stamp()
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    entry = known.get(package)
+    if isinstance(entry, dict) and entry.get("apt") == stamp and entry.get("version"):
+        return str(entry["version"])
+    version = _candidate_version(package)
+    if version is None:
+        return None
+    known[package] = {"apt": stamp, "version": version}
+    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{_CANDIDATES}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.rename(tmp, memo)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return version
 
 
 def _candidate_version(package: str) -> str | None:

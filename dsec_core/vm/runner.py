@@ -41,6 +41,7 @@ from ..backend import (
     AgentChannel,
     Backend,
     Feature,
+    LayerImage,
     RootfsForm,
     SandboxRuntime,
     cgroup_path,
@@ -72,7 +73,7 @@ from .images import pmem_image
 from .qmp import QMP_SOCKET, Qmp
 from .vmlinux import ensure_vmlinux
 
-__all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend"]
+__all__ = ["GUEST_MODULES", "INIT_SCRIPT", "QemuBackend", "vm_cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,21 @@ TEMPLATE_STATE, TEMPLATE_DISK, TEMPLATE_READY = "vm.state", "disk.raw", "ready"
 PING_PATIENCE = 10.0
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
+
+
+def vm_cache_dir() -> Path:
+    """``DSEC_VM_CACHE``: where VM backends keep what a guest boots (kernels, initramfs,
+    unpacked kernels), layers unpacked for virtio-pmem and start templates. All of it is named
+    by its content (a template by the content of its kernel, initramfs and layers), so it is
+    the machine's, shared by every node home: a fresh node neither fetches a kernel nor boots
+    a VM that another node of the machine already booted. Default ``/var/cache/dsec/vm`` for
+    root, ``$XDG_CACHE_HOME/dsec/vm`` otherwise."""
+    value = os.environ.get("DSEC_VM_CACHE", "")
+    if value:
+        return Path(value)
+    if os.geteuid() == 0:
+        return Path("/var/cache/dsec/vm")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsec" / "vm"
 
 
 def _rss(pid: int) -> int | None:
@@ -149,7 +165,7 @@ class QemuBackend(Backend):
         super().__init__(config)
         self.qemu = qemu.find_qemu()
         self.accel = qemu.accelerator()
-        self.cache = Path(os.environ.get("DSEC_VM_CACHE") or config.home / "vm")
+        self.cache = vm_cache_dir()
         self.kernel = os.environ.get("DSEC_VM_KERNEL") or self.kernel_package
         self.kernel_version = os.environ.get("DSEC_VM_KERNEL_VERSION") or None
         self.layers_over = os.environ.get("DSEC_VM_LAYERS", "pmem")
@@ -177,6 +193,8 @@ class QemuBackend(Backend):
         package, version = split_kernel(kernel) if kernel else (self.kernel, self.kernel_version)
         key = (package, version, os.fspath(agent))
         if key not in self._boot:
+            # the machine's, and its templates hold guests' memory: root's alone
+            self.cache.mkdir(mode=0o700, parents=True, exist_ok=True)
             guest = ensure_kernel(self.cache / "kernels", package, version)
             initrd = build_initramfs(
                 self.cache / "initramfs",
@@ -293,19 +311,34 @@ class QemuBackend(Backend):
     # --- fast start: a fresh boot saved once, loaded by every later VM of its shape ----------
     def template_key(self, rt: SandboxRuntime) -> str:
         """What makes two sandboxes' fresh boots the same: the boot files, the layers and
-        how they attach, vCPUs, RAM, the disk's size and the machine."""
+        how they attach, vCPUs, RAM, the disk's size and the machine. Every part is named by
+        its content, never by a node's paths (the boot files' names are digests; a layer is
+        its digest, and on demand also its metadata image's), so the key,
+        and the template saved under it, holds for every node home of the machine."""
         cfg = self.vm_config(rt, -1)
+        pmems = iter(cfg.pmems)
+
+        def layer_key(layer: LayerImage) -> list[Any]:
+            if layer.device is not None:
+                # its metadata image names the data the guest reads (the blob's logical
+                # bytes): the order a source stores them in (a read profile's) is no part
+                return [layer.digest, "lazy", layer.image.name]
+            if not cfg.pmems:
+                return [layer.digest, "blk"]
+            # an unpacked copy made on this machine: made again, it is another file
+            st = next(pmems).path.stat()
+            return [layer.digest, "pmem", st.st_size, st.st_mtime_ns]
+
         shape = {
-            "kernel": os.fspath(cfg.kernel),
-            "initrd": os.fspath(cfg.initrd),
+            "kernel": cfg.kernel.name,
+            "initrd": cfg.initrd.name,
             "cmdline": cfg.cmdline.rsplit(" dsec.hostname=", 1)[0],
             "vcpus": cfg.vcpus,
             "memory": cfg.memory_mib,
             "machine": cfg.machine,
             "accel": cfg.accel,
             "display": cfg.display,
-            "layers": [os.fspath(d.path) for d in cfg.disks if d.readonly]
-            + [os.fspath(p.path) for p in cfg.pmems],
+            "layers": [layer_key(layer) for layer in rt.images],
             "disk": rt.disk_size,
             "qemu": self.qemu,
         }

@@ -5,6 +5,7 @@ ending in a typed error with nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,8 +25,10 @@ from dsec_core.errors import (
     StartTimeout,
     UnknownSnapshot,
 )
+from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import CGROUP_ROOT
 from dsec_core.testing import leftovers, running_kit_node, until
+from dsec_core.vm.runner import vm_cache_dir
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"),
@@ -181,7 +184,7 @@ def test_pause_saves_the_vm_to_a_file_and_ends_qemu(vm, dsec_client, dsec_node):
 def test_later_vms_start_from_a_saved_boot_with_their_own_randomness(dsec_sandboxes, dsec_node):
     """The first VM of a shape is saved once booted; the next start from that state (no
     boot), each with its own hostname and its CRNG reseeded with the node's fresh bytes."""
-    cache = Path(os.environ.get("DSEC_VM_CACHE") or dsec_node.config.home / "vm") / "templates"
+    cache = vm_cache_dir() / "templates"
     first = dsec_sandboxes.create(memory="320M")
     assert any((d / "ready").exists() for d in cache.iterdir()), "no template was saved"
     clones = [dsec_sandboxes.create(memory="320M") for _ in range(2)]
@@ -190,6 +193,37 @@ def test_later_vms_start_from_a_saved_boot_with_their_own_randomness(dsec_sandbo
         assert sb.exec("hostname").stdout == f"dsec-{sb.id[:12]}\n".encode()
         seen.add(sb.exec("head -c 16 /dev/urandom | od -An -x").stdout)
     assert len(seen) == 3, "two VMs from one saved state drew the same random bytes"
+
+
+def test_a_fresh_node_home_starts_from_the_boot_another_home_saved(monkeypatch):
+    """The VM cache is the machine's (``vm_cache_dir``), its templates keyed by content, not by
+    a node's paths: a VM of the same shape in a fresh node home starts from the boot another
+    home saved, and the fresh home fetches, unpacks and saves nothing of its own for it."""
+    monkeypatch.setenv("DSEC_VM_LAYERS", "blk")  # each guest reads the layer files of its home
+    spec = {"backend": "microvm", "cpu": 1.0, "memory": "336M", "pids": 256, "ttl": 600}
+    with running_kit_node() as first:
+        with first.client() as client, client.create(layers=(first.layer.ref,), **spec) as sb:
+            assert sb.exec("echo up").stdout == b"up\n"
+        image = LayerStore(first.config.layer_dir).image_path(first.layer)
+        with running_kit_node() as fresh:
+            copy = fresh.home / "same-base.erofs"
+            shutil.copyfile(image, copy)  # the same layer, in the fresh home's own store
+            info = LayerStore(fresh.config.layer_dir).add(
+                copy, name="same-base", version="1", kind="base"
+            )
+            assert info.digest == first.layer.digest
+            with fresh.client() as client, client.create(layers=(info.ref,), **spec) as sb:
+                assert sb.exec("echo up").stdout == b"up\n"
+                state = json.loads((fresh.config.runtime_dir / sb.id / "state.json").read_text())
+            assert state["backend_state"].get("template"), "the fresh home booted its VM"
+            assert not (fresh.home / "vm").exists()
+
+
+def test_the_vm_cache_is_the_machines_unless_said(monkeypatch):
+    monkeypatch.delenv("DSEC_VM_CACHE", raising=False)
+    assert vm_cache_dir() == Path("/var/cache/dsec/vm")  # root's, as the build cache
+    monkeypatch.setenv("DSEC_VM_CACHE", "/srv/vm")
+    assert vm_cache_dir() == Path("/srv/vm")
 
 
 def test_a_sandboxs_kernel_wins_over_the_backends_default(tmp_path, monkeypatch):
