@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import resource
@@ -64,6 +65,7 @@ from dsec_core.linux.cgroups import (
     reclaim_memory,
     thaw,
 )
+from dsec_core.linux.tools import compile_static
 from dsec_core.records import SandboxUsage
 
 from . import gvisor
@@ -118,6 +120,8 @@ AGENT_FDS = {"listener": 3, "policy": 4, "status": 5}
 # How long the agent may take to put its policy in force (a Landlock walk, a filter) and say so.
 POLICY_ANSWER_TIMEOUT = 10.0
 STATUS_MAX = 4096
+# Starts runc in a mount namespace without the other sandboxes' mounts (its comment says why).
+LAUNCHER_SOURCE = Path(__file__).with_name("launch.c")
 
 
 def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
@@ -137,6 +141,19 @@ def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
             missing=name,
         )
     return path
+
+
+def ensure_launcher(bin_dir: Path) -> Path:
+    """``bin_dir/dsec-runc-launch-<digest>`` (``launch.c``), compiled first if missing: runc
+    reads and copies the whole mount table on every start, so run in the node's namespace
+    a create grows with every live sandbox's mounts; under the launcher it sees one."""
+    digest = hashlib.sha256(LAUNCHER_SOURCE.read_bytes()).hexdigest()[:12]
+    target = bin_dir / f"dsec-runc-launch-{digest}"
+    if target.exists():
+        return target
+    return compile_static(
+        [LAUNCHER_SOURCE], target, "the runc launcher", missing=BackendUnavailable
+    )
 
 
 def agent_args(with_policy: bool) -> list[str]:
@@ -367,6 +384,7 @@ class ContainerBackend(Backend):
         self.lxcfs = Lxcfs.shared(config.home, config.run_dir)
         self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
+        self.launcher = ensure_launcher(config.bin_dir)
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
@@ -551,7 +569,21 @@ class ContainerBackend(Backend):
             state["qos"] = apply_qos(rt, pid)
 
     def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
+        """``runc run -d`` under the launcher, in a mount namespace that keeps the sandbox's
+        root filesystem and drops every other sandbox's mounts (the node binds both their
+        parents onto themselves: ``RootFilesystems.bind_parents``)."""
+        cfg = self.config
         return [
+            os.fspath(self.launcher),
+            "--log",
+            os.fspath(log),
+            "--keep",
+            os.fspath(rt.rootfs or ""),
+            "--hide",
+            os.fspath(cfg.runtime_dir),
+            "--hide",
+            os.fspath(cfg.sandbox_dir),
+            "--",
             self._runtime_path("runc"),
             "--root",
             os.fspath(self.state_root),
