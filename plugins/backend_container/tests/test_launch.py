@@ -1,0 +1,142 @@
+"""runc starts in a mount namespace of its own (``dsec-runc-launch``) that keeps the sandbox's
+root filesystem and none of the other sandboxes' mounts, and nothing it does there reaches the
+host; the node's sandbox mount parents are private binds of themselves, gone with the node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dsec_backend_container.runc import ensure_launcher
+
+from dsec_core.linux.mounts import bind_onto_itself, mount, mounted_under, unmount
+from dsec_core.testing import running_kit_node
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
+
+SHOW_MOUNTS = "import sys; sys.stdout.write(open('/proc/self/mountinfo').read())"
+
+
+def _mount_points(mountinfo: str) -> list[str]:
+    return [line.split()[4] for line in mountinfo.splitlines()]
+
+
+def _propagation(path: Path) -> str:
+    """The optional fields of ``path``'s mount in our mountinfo ("" for a private mount)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == os.fspath(path):
+            return " ".join(fields[6 : fields.index("-")])
+    raise AssertionError(f"{path} is not a mount point")
+
+
+def _launch(launcher: Path, parent: Path) -> list[str | Path]:
+    """The launcher's argv up to ``--``: keep ``parent/1/rootfs``, hide ``parent``."""
+    return [launcher, "--keep", parent / "1" / "rootfs", "--hide", parent, "--"]
+
+
+def _touch(marker: Path) -> list[str]:
+    return [sys.executable, "-c", f"open({os.fspath(marker)!r}, 'w')"]
+
+
+@pytest.fixture
+def parent(tmp_path: Path) -> Iterator[Path]:
+    """A private bind of a directory onto itself with three tmpfs "root filesystems" below
+    it (``<parent>/<n>/rootfs``), all unmounted after."""
+    root = tmp_path / "sandboxes"
+    root.mkdir()
+    assert bind_onto_itself(root)
+    try:
+        for n in range(3):
+            rootfs = root / str(n) / "rootfs"
+            rootfs.mkdir(parents=True)
+            mount("tmpfs", rootfs, "tmpfs", 0, "size=1m")
+            (rootfs / f"hello{n}").write_text("hi")
+            (root / str(n) / "config.json").write_text("{}")
+        yield root
+    finally:
+        for mp in mounted_under(root):
+            unmount(mp)
+
+
+def test_launcher_keeps_one_rootfs_and_sheds_the_rest(tmp_path: Path, parent: Path) -> None:
+    launcher = ensure_launcher(tmp_path)
+    before = _mount_points(Path("/proc/self/mountinfo").read_text())
+    out = subprocess.run(
+        [*_launch(launcher, parent), sys.executable, "-c", SHOW_MOUNTS],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    inside = [mp for mp in _mount_points(out) if mp.startswith(os.fspath(parent))]
+    assert inside == [os.fspath(parent / "1" / "rootfs")]  # the parent bind went, and 0 and 2
+    # nothing done in the launcher's namespace reached ours
+    assert _mount_points(Path("/proc/self/mountinfo").read_text()) == before
+    assert (parent / "0" / "rootfs" / "hello0").exists()
+
+
+def test_launcher_sees_the_files_under_what_it_hides(tmp_path: Path, parent: Path) -> None:
+    launcher = ensure_launcher(tmp_path)
+    script = (
+        "import os, sys; p = sys.argv[1]; "
+        "print(sorted(os.listdir(p + '/1')), os.listdir(p + '/1/rootfs'), "
+        "os.listdir(p + '/0/rootfs'))"
+    )
+    out = subprocess.run(
+        [*_launch(launcher, parent), sys.executable, "-c", script, os.fspath(parent)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # the bundle's files are there; the kept root filesystem is whole; the others are bare
+    assert out.strip() == "['config.json', 'rootfs'] ['hello1'] []"
+
+
+def test_launcher_failure_is_logged_and_runs_nothing(tmp_path: Path) -> None:
+    launcher = ensure_launcher(tmp_path)
+    log = tmp_path / "runc.log"
+    marker = tmp_path / "ran"
+    proc = subprocess.run(
+        [launcher, "--log", log, "--keep", tmp_path / "missing", "--", *_touch(marker)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 125
+    assert "cloning" in log.read_text() and os.fspath(tmp_path / "missing") in log.read_text()
+    assert not marker.exists()
+
+
+def test_bind_onto_itself_leaves_mounts_below_a_plain_directory(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    (d / "x").mkdir(parents=True)
+    mount("tmpfs", d / "x", "tmpfs", 0, "size=1m")
+    try:
+        assert not bind_onto_itself(d)  # binding over it would hide d/x from its unmount
+        assert mounted_under(d) == [d / "x"]
+    finally:
+        unmount(d / "x")
+
+
+def test_node_sandbox_mounts_sit_in_private_parents_and_leave_with_the_node() -> None:
+    with running_kit_node("dsec-launch-") as node, node.client() as c:
+        cfg = node.config
+        a = c.create(layers=(node.layer.ref,), backend="container")
+        b = c.create(layers=(node.layer.ref,), backend="container")
+        for parent in (cfg.sandbox_dir, cfg.runtime_dir):
+            assert parent in mounted_under(parent)
+            # private: a sandbox's mounts propagate to no other mount namespace
+            assert _propagation(parent) == ""
+        for sb in (a, b):
+            assert cfg.runtime_dir / sb.id / "rootfs" in mounted_under(cfg.runtime_dir)
+            assert cfg.sandbox_dir / sb.id in mounted_under(cfg.sandbox_dir)
+            assert sb.exec("echo ok").stdout == b"ok\n"
+        # b's namespace was copied from runc's: nothing of a's mounts is in it
+        pid = (cfg.runtime_dir / b.id / "init.pid").read_text().strip()
+        assert a.id not in Path(f"/proc/{pid}/mountinfo").read_text()
+        a.kill()
+        b.kill()
+    # running_kit_node failed the test had the node left a mount (its parents' binds too)
