@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import resource
@@ -65,11 +64,11 @@ from dsec_core.linux.cgroups import (
     reclaim_memory,
     thaw,
 )
-from dsec_core.linux.tools import compile_static
 from dsec_core.records import SandboxUsage
 
 from . import gvisor
 from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
+from .launch import LaunchNamespace, ensure_launcher
 from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
 from .qos import apply_qos, cpu_shares
 
@@ -120,8 +119,8 @@ AGENT_FDS = {"listener": 3, "policy": 4, "status": 5}
 # How long the agent may take to put its policy in force (a Landlock walk, a filter) and say so.
 POLICY_ANSWER_TIMEOUT = 10.0
 STATUS_MAX = 4096
-# Starts runc in a mount namespace without the other sandboxes' mounts (its comment says why).
-LAUNCHER_SOURCE = Path(__file__).with_name("launch.c")
+# Kept in runc's launch namespace with the mounts they are on, whatever else goes (launch.py).
+SYSTEM_DIRS = tuple(map(Path, ("/usr", "/lib", "/lib64", "/etc")))
 
 
 def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
@@ -141,19 +140,6 @@ def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
             missing=name,
         )
     return path
-
-
-def ensure_launcher(bin_dir: Path) -> Path:
-    """``bin_dir/dsec-runc-launch-<digest>`` (``launch.c``), compiled first if missing: runc
-    reads and copies the whole mount table on every start, so run in the node's namespace
-    a create grows with every live sandbox's mounts; under the launcher it sees one."""
-    digest = hashlib.sha256(LAUNCHER_SOURCE.read_bytes()).hexdigest()[:12]
-    target = bin_dir / f"dsec-runc-launch-{digest}"
-    if target.exists():
-        return target
-    return compile_static(
-        [LAUNCHER_SOURCE], target, "the runc launcher", missing=BackendUnavailable
-    )
 
 
 def agent_args(with_policy: bool) -> list[str]:
@@ -384,7 +370,9 @@ class ContainerBackend(Backend):
         self.lxcfs = Lxcfs.shared(config.home, config.run_dir)
         self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
+        # runc starts in a copy of a small namespace (launch.py), not of the node's
         self.launcher = ensure_launcher(config.bin_dir)
+        self.launch_ns = LaunchNamespace(self.launcher)
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
@@ -445,8 +433,9 @@ class ContainerBackend(Backend):
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"
         with _AgentFds(rt.agent_socket, document) as fds:
-            argv = self._run_argv(rt, log, pid_file, len(fds.inherited))
-            exit_code = await _spawn_and_wait(argv, fds.inherited)
+            ns = self._launch_ns(config, lxcfs)
+            argv = self._run_argv(rt, log, pid_file, len(fds.inherited), ns is not None)
+            exit_code = await _spawn_and_wait(argv, [*fds.inherited, *([] if ns is None else [ns])])
             fds.close_inherited()  # the agent holds them now; if it dies, connects fail at once
             if exit_code != 0:
                 await self._cleanup(rt, None)
@@ -568,13 +557,38 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(rt.enforce, "started", started)
             state["qos"] = apply_qos(rt, pid)
 
-    def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
+    def _launch_ns(self, config: Mapping[str, Any], lxcfs: Path | None) -> int | None:
+        """The launch namespace's descriptor if it shows everything ``config`` binds in as
+        the node's namespace does, else None (this start copies the node's namespace)."""
+        cfg = self.config
+        needed = [
+            cfg.run_dir,  # runc's state, bundles, the drive socket
+            cfg.bin_dir,  # the agent
+            Path(self._runtime_path("runc")),
+            *SYSTEM_DIRS,  # runc's libraries
+            *([lxcfs] if lxcfs else []),
+        ]
+        key = (lxcfs, self.lxcfs.device) if lxcfs else None
+        hide = [cfg.runtime_dir, cfg.sandbox_dir]
+        fd = self.launch_ns.fd(key, needed, hide)
+        sources = [
+            m["source"]
+            for m in config["mounts"]
+            if m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options", ()))
+        ]
+        return fd if fd is not None and self.launch_ns.covers(sources) else None
+
+    def _run_argv(
+        self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int, ns: bool = False
+    ) -> list[str]:
         """``runc run -d`` under the launcher, in a mount namespace that keeps the sandbox's
         root filesystem and drops every other sandbox's mounts (the node binds both their
-        parents onto themselves: ``RootFilesystems.bind_parents``)."""
+        parents onto themselves: ``RootFilesystems.bind_parents``); with ``ns``, a copy of
+        the launch namespace, whose descriptor follows the ``nfds`` the agent gets."""
         cfg = self.config
         return [
             os.fspath(self.launcher),
+            *(["--ns-fd", str(3 + nfds)] if ns else []),
             "--log",
             os.fspath(log),
             "--keep",
@@ -670,6 +684,7 @@ class ContainerBackend(Backend):
         gone); otherwise it keeps serving them and the next daemon re-adopts it."""
         left = any(any(d.iterdir()) for d in (self.state_root, self.gvisor_root) if d.is_dir())
         await self.lxcfs.close(stop=not left)
+        self.launch_ns.close()
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)

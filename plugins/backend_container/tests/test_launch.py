@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dsec_backend_container.runc import ensure_launcher
+from dsec_backend_container.launch import ensure_launcher
 
 from dsec_core.linux.mounts import bind_onto_itself, mount, mounted_under, unmount
+from dsec_core.localnode import daemon_pid
 from dsec_core.testing import running_kit_node
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
@@ -137,6 +138,37 @@ def test_node_sandbox_mounts_sit_in_private_parents_and_leave_with_the_node() ->
         # b's namespace was copied from runc's: nothing of a's mounts is in it
         pid = (cfg.runtime_dir / b.id / "init.pid").read_text().strip()
         assert a.id not in Path(f"/proc/{pid}/mountinfo").read_text()
+        # runc started in a copy of the node's launch namespace: held by the daemon, it has
+        # none of the sandboxes' mounts and nothing under other directories runc never needs
+        launch_ns = _launch_namespace_mounts(node.config)
+        assert launch_ns, "the daemon holds no launch namespace"
+        assert not [
+            mp for mp in launch_ns if mp.startswith((str(cfg.sandbox_dir), str(cfg.runtime_dir)))
+        ]
+        assert os.fspath(cfg.run_dir) in launch_ns
+        assert not [mp for mp in launch_ns if mp.startswith(os.fspath(cfg.layer_dir))]
         a.kill()
         b.kill()
     # running_kit_node failed the test had the node left a mount (its parents' binds too)
+
+
+def _launch_namespace_mounts(config) -> list[str]:
+    """The mount points of the mount namespace the node's daemon holds open (not its own)."""
+    pid = daemon_pid(config)
+    own = os.readlink(f"/proc/{pid}/ns/mnt")
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if link.startswith("mnt:[") and link != own:
+            script = (
+                "import ctypes, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                "assert ctypes.CDLL(None, use_errno=True).setns(fd, 0x20000) == 0; "
+                "sys.stdout.write(open('/proc/self/mountinfo').read())"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", script, f"/proc/{pid}/fd/{fd}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            return _mount_points(out)
+    return []
