@@ -683,8 +683,8 @@ class ContainerBackend(Backend):
         """lxcfs stops with the node when no container of it is left (their runc state is
         gone); otherwise it keeps serving them and the next daemon re-adopts it."""
         left = any(any(d.iterdir()) for d in (self.state_root, self.gvisor_root) if d.is_dir())
+        self.launch_ns.close()  # first: it holds a copy of lxcfs's mount
         await self.lxcfs.close(stop=not left)
-        self.launch_ns.close()
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
         await _remove_cgroups(rt.id)

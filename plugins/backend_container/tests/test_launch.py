@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dsec_backend_container.launch import ensure_launcher
+from dsec_backend_container.launch import detachable, ensure_launcher
 
 from dsec_core.linux.mounts import bind_onto_itself, mount, mounted_under, unmount
 from dsec_core.localnode import daemon_pid
@@ -109,6 +109,21 @@ def test_launcher_failure_is_logged_and_runs_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 125
     assert "cloning" in log.read_text() and os.fspath(tmp_path / "missing") in log.read_text()
     assert not marker.exists()
+
+
+def test_the_launch_namespace_keeps_what_runc_needs_and_nothing_else() -> None:
+    points = ["/", "/proc", "/sys/fs/cgroup/cpu", "/dev/pts", "/usr", "/usr/local", "/home"]
+    points += ["/var/lib/dsec/run", "/var/lib/dsec/run/lxcfs", "/var/lib/dsec/run/sandboxes"]
+    points += ["/var/lib/dsec/sandboxes", "/var/lib/dsec/sandboxes/a1", "/var/lib/docker/x"]
+    needed = [Path("/var/lib/dsec/run"), Path("/var/lib/dsec/run/lxcfs"), Path("/usr")]
+    assert detachable(points, needed) == [
+        "/usr/local",
+        "/home",
+        "/var/lib/dsec/run/sandboxes",
+        "/var/lib/dsec/sandboxes",
+        "/var/lib/dsec/sandboxes/a1",
+        "/var/lib/docker/x",
+    ]
 
 
 def test_bind_onto_itself_leaves_mounts_below_a_plain_directory(tmp_path: Path) -> None:
