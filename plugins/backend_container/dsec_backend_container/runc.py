@@ -12,7 +12,9 @@ says what changes). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
 then we remove the cgroups and runc's state ourselves. Its CPU class (``qos.py``) is applied to
-the init once the agent has answered, before ``start`` returns.
+the init once the agent has answered, before ``start`` returns. runc runs under
+``dsec-runc-launch`` in a copy of a small mount namespace without the other sandboxes' mounts
+(``launch.py``): its reads of the mount table and the namespace copies do not grow with them.
 """
 
 from __future__ import annotations
