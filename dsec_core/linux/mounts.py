@@ -24,6 +24,7 @@ __all__ = [
     "IdLines",
     "UserNamespaceHandle",
     "attach",
+    "bind_onto_itself",
     "clone_idmapped",
     "ensure_tmpfs",
     "mount",
@@ -65,6 +66,7 @@ MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_BIND = 0x1000
+MS_PRIVATE = 1 << 18
 
 
 class _MountAttr(ctypes.Structure):
@@ -302,6 +304,23 @@ def ensure_tmpfs(
     opts = f"mode={mode:o},size={size}{'' if gid is None else f',gid={gid}'}".encode()
     ret = _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", MS_NOSUID | MS_NODEV, opts)
     _check(ret, "tmpfs mount at", target)
+
+
+def bind_onto_itself(target: Path) -> bool:
+    """Make directory ``target`` a private mount (a bind of the directory onto itself, unless
+    something is mounted there already), so that whatever is mounted below it later is one
+    subtree a single detach drops (a mount namespace copied from this one can shed them all
+    at once), and nothing mounted there propagates to other mount namespaces, whatever the
+    host's propagation (systemd makes ``/`` shared). True if it is one now; False, changing
+    nothing, if ``target`` is no mount point but something below it is mounted (binding over
+    those would hide them from whoever unmounts them)."""
+    below = mounted_under(target)
+    if target not in below:
+        if below:
+            return False
+        mount(os.fspath(target), target, "none", MS_BIND)
+    mount("none", target, "none", MS_PRIVATE)
+    return True
 
 
 def mounted_under(prefix: Path) -> list[Path]:

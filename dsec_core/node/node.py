@@ -165,6 +165,7 @@ class Node:
         self.admission.open()
         cfg.ensure_dirs()
         self.states.open()
+        self.rootfs.bind_parents()
         self.agent_binary = ensure_agent(cfg.bin_dir)
         self.layer_sources = self.registry.node_sources(cfg)
         await self.rootfs.open(self.registry, self.layer_sources)
@@ -210,7 +211,10 @@ class Node:
             self.release_runtime()
 
     def release_runtime(self, lazy: bool = False) -> None:
-        """Unmount the runtime tmpfs if no sandbox needs it any more."""
+        """Unmount the runtime tmpfs (and the sandboxes' mount parents, ``bind_parents``) if no
+        sandbox needs it any more."""
+        if not self.sandboxes:
+            self.rootfs.release_parents()
         if not self.sandboxes and os.path.ismount(self.config.run_dir):
             unmount(self.config.run_dir, lazy=lazy)
 

@@ -10,6 +10,7 @@ concurrent creates that need it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from ..backend import Backend, LayerImage, RootfsForm, SandboxRuntime
 from ..config import NodeConfig
+from ..linux.mounts import bind_onto_itself, mounted_under, unmount
 from ..plugins import Registry
 from ..records import LayerInfo
 from ..sources.base import LayerSource
@@ -30,6 +32,8 @@ from .mounts import MountCache, OverlayStack
 from .sandbox import Sandbox
 
 __all__ = ["RootFilesystems", "sparse_disk"]
+
+log = logging.getLogger("dsec.node")
 
 T = TypeVar("T")
 
@@ -57,6 +61,29 @@ class RootFilesystems:
         if self.lazy_layers.keeper_socket.exists():  # a previous daemon served on-demand layers
             await asyncio.to_thread(self.lazy_layers.ensure_open)
         self.sources = sources
+
+    def parents(self) -> tuple[Path, Path]:
+        """The directories every sandbox's mounts go under: its writable disk's mount point
+        (``sandbox_dir``) and its root filesystem's (``runtime_dir``)."""
+        return self.config.sandbox_dir, self.config.runtime_dir
+
+    def bind_parents(self) -> None:
+        """Make each of ``parents`` a private bind mount of itself (``bind_onto_itself``):
+        the sandboxes' mounts then propagate to no other mount namespace, and a backend can
+        start a sandbox in a namespace that sheds all the others' mounts at once (the
+        container backend's ``dsec-runc-launch``: runc then reads a mount table of a few
+        dozen lines, not two per live sandbox). A directory that is no mount point but has
+        mounts below it (a daemon before this change mounted sandboxes there) is left as it
+        is."""
+        for d in self.parents():
+            if not bind_onto_itself(d):
+                log.info("%s has sandbox mounts but is no mount point: left as it is", d)
+
+    def release_parents(self) -> None:
+        """Undo ``bind_parents`` once no sandbox has a mount below them."""
+        for d in self.parents():
+            if mounted_under(d) == [d]:
+                unmount(d)
 
     def resolve(self, refs: Sequence[str]) -> list[tuple[LayerSource, LayerInfo]]:
         """(source, layer) for each ``name@version``, from the first source that has it."""

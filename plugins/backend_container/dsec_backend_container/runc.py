@@ -12,7 +12,9 @@ says what changes). Stopping does not go
 through ``runc kill``/``runc delete`` (two more Go process start-ups and a polling loop,
 ~100 ms): killing the namespace's init with a pidfd makes the kernel kill every process in it,
 then we remove the cgroups and runc's state ourselves. Its CPU class (``qos.py``) is applied to
-the init once the agent has answered, before ``start`` returns.
+the init once the agent has answered, before ``start`` returns. runc runs under
+``dsec-runc-launch`` in a copy of a small mount namespace without the other sandboxes' mounts
+(``launch.py``): its reads of the mount table and the namespace copies do not grow with them.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from dsec_core.records import SandboxUsage
 
 from . import gvisor
 from .cpus import CpuPinning, format_cpus, host_cpus, pinning_enabled
+from .launch import LaunchNamespace, ensure_launcher
 from .lxcfs import Lxcfs, find_lxcfs, lxcfs_enabled, lxcfs_mounts
 from .qos import apply_qos, cpu_shares
 
@@ -118,6 +121,8 @@ AGENT_FDS = {"listener": 3, "policy": 4, "status": 5}
 # How long the agent may take to put its policy in force (a Landlock walk, a filter) and say so.
 POLICY_ANSWER_TIMEOUT = 10.0
 STATUS_MAX = 4096
+# Kept in runc's launch namespace with the mounts they are on, whatever else goes (launch.py).
+SYSTEM_DIRS = tuple(map(Path, ("/usr", "/lib", "/lib64", "/etc")))
 
 
 def find_runtime(name: str = DEFAULT_RUNTIME) -> str:
@@ -367,6 +372,9 @@ class ContainerBackend(Backend):
         self.lxcfs = Lxcfs.shared(config.home, config.run_dir)
         self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
+        # runc starts in a copy of a small namespace (launch.py), not of the node's
+        self.launcher = ensure_launcher(config.bin_dir)
+        self.launch_ns = LaunchNamespace(self.launcher)
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
@@ -427,8 +435,9 @@ class ContainerBackend(Backend):
         log = bundle / "runc.log"
         pid_file = bundle / "init.pid"
         with _AgentFds(rt.agent_socket, document) as fds:
-            argv = self._run_argv(rt, log, pid_file, len(fds.inherited))
-            exit_code = await _spawn_and_wait(argv, fds.inherited)
+            ns = self._launch_ns(config, lxcfs)
+            argv = self._run_argv(rt, log, pid_file, len(fds.inherited), ns is not None)
+            exit_code = await _spawn_and_wait(argv, [*fds.inherited, *([] if ns is None else [ns])])
             fds.close_inherited()  # the agent holds them now; if it dies, connects fail at once
             if exit_code != 0:
                 await self._cleanup(rt, None)
@@ -550,8 +559,47 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(rt.enforce, "started", started)
             state["qos"] = apply_qos(rt, pid)
 
-    def _run_argv(self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int) -> list[str]:
+    def _launch_ns(self, config: Mapping[str, Any], lxcfs: Path | None) -> int | None:
+        """The launch namespace's descriptor if it shows everything ``config`` binds in as
+        the node's namespace does, else None (this start copies the node's namespace)."""
+        cfg = self.config
+        needed = [
+            cfg.run_dir,  # runc's state, bundles, the drive socket
+            cfg.bin_dir,  # the agent
+            Path(self._runtime_path("runc")),
+            *SYSTEM_DIRS,  # runc's libraries
+            *([lxcfs] if lxcfs else []),
+        ]
+        key = (lxcfs, self.lxcfs.device) if lxcfs else None
+        hide = [cfg.runtime_dir, cfg.sandbox_dir]
+        fd = self.launch_ns.fd(key, needed, hide)
+        sources = [
+            m["source"]
+            for m in config["mounts"]
+            if m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options", ()))
+        ]
+        return fd if fd is not None and self.launch_ns.covers(sources) else None
+
+    def _run_argv(
+        self, rt: SandboxRuntime, log: Path, pid_file: Path, nfds: int, ns: bool = False
+    ) -> list[str]:
+        """``runc run -d`` under the launcher, in a mount namespace that keeps the sandbox's
+        root filesystem and drops every other sandbox's mounts (the node binds both their
+        parents onto themselves: ``RootFilesystems.bind_parents``); with ``ns``, a copy of
+        the launch namespace, whose descriptor follows the ``nfds`` the agent gets."""
+        cfg = self.config
         return [
+            os.fspath(self.launcher),
+            *(["--ns-fd", str(3 + nfds)] if ns else []),
+            "--log",
+            os.fspath(log),
+            "--keep",
+            os.fspath(rt.rootfs or ""),
+            "--hide",
+            os.fspath(cfg.runtime_dir),
+            "--hide",
+            os.fspath(cfg.sandbox_dir),
+            "--",
             self._runtime_path("runc"),
             "--root",
             os.fspath(self.state_root),
@@ -637,6 +685,7 @@ class ContainerBackend(Backend):
         """lxcfs stops with the node when no container of it is left (their runc state is
         gone); otherwise it keeps serving them and the next daemon re-adopts it."""
         left = any(any(d.iterdir()) for d in (self.state_root, self.gvisor_root) if d.is_dir())
+        self.launch_ns.close()  # first: it holds a copy of lxcfs's mount
         await self.lxcfs.close(stop=not left)
 
     async def _cleanup(self, rt: SandboxRuntime, state: Mapping[str, Any] | None) -> None:
