@@ -293,11 +293,37 @@ def test_a_start_removes_writable_layers_of_gone_sandboxes(private_node):
     with open(disks.image("deadbeef0002"), "wb") as f:
         f.truncate(16 << 20)
     (cfg.sandbox_dir / "deadbeef0003").mkdir()
+    # a crash while images of killed sandboxes were still being deleted in the background
+    disks.freeing.mkdir(exist_ok=True)
+    (disks.freeing / "deadbeef0004.img").write_bytes(b"x" * 4096)
     ensure_daemon(cfg)
     with private_node.client() as c:
         assert c.list() == []
     assert list(cfg.sandbox_dir.iterdir()) == [] and disks.images() == []
+    assert list(disks.freeing.iterdir()) == []
     assert loop_backing_files(cfg.home) == {}
+
+
+@root_only
+def test_a_removed_image_is_out_of_sight_at_once_and_deleted_in_the_background(disks, tmp_path):
+    """A kill does not wait for the host to free (and discard) what a sandbox wrote: its image
+    leaves the disk directory at once, and is gone from the host once the disks drain."""
+    targets = [tmp_path / f"sb{i}" for i in range(3)]
+    for i, target in enumerate(targets):
+        disks.mount(f"abc12300000{i}", 16 << 20, target)
+        (target / "written").write_bytes(os.urandom(1 << 20))
+    for i, target in enumerate(targets):
+        disks.remove(f"abc12300000{i}", target)
+        assert not disks.image(f"abc12300000{i}").exists() and not target.exists()
+    assert disks.images() == []
+    disks.drain()
+    assert list(disks.freeing.iterdir()) == []
+    assert loop_backing_files(disks.dir) == {}
+    # the freer starts again after a drain
+    disks.mount("abc123000009", 16 << 20, targets[0])
+    disks.remove("abc123000009", targets[0])
+    disks.drain()
+    assert list(disks.freeing.iterdir()) == [] and disks.images() == []
 
 
 # --- XFS writable layers ------------------------------------------------------------------------

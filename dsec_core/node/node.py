@@ -166,10 +166,15 @@ class Node:
         cfg.ensure_dirs()
         self.states.open()
         self.rootfs.bind_parents()
-        self.agent_binary = ensure_agent(cfg.bin_dir)
-        self.layer_sources = self.registry.node_sources(cfg)
-        await self.rootfs.open(self.registry, self.layer_sources)
-        await self._adopt()
+        try:
+            self.agent_binary = ensure_agent(cfg.bin_dir)
+            self.layer_sources = self.registry.node_sources(cfg)
+            await self.rootfs.open(self.registry, self.layer_sources)
+            await self._adopt()
+        except BaseException:  # a node refused (a bad layer source...) leaves no mount
+            if not self.sandboxes:
+                self.rootfs.release_parents()
+            raise
         await self.pools.drop_left()
         self.warm_pools.open()
         await self.drive.start()

@@ -106,6 +106,7 @@ class RootFilesystems:
             self.mounts.close()
         if self.lazy_layers and not keep_lazy_layers:
             self.lazy_layers.close()  # after the layer mounts that read through it
+        self.disks.drain()
 
     def counts(self) -> dict[str, int]:
         """The layer mount cache's hits and misses since the node opened."""

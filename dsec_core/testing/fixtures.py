@@ -195,6 +195,8 @@ def leftovers(home: Path) -> dict[str, list[str]]:
     loops = [f"{dev}: {backing}" for dev, backing in loop_backing_files(home).items()]
     disk_dir = home / "disks"
     images = sorted(p.name for p in disk_dir.glob("*.img")) if disk_dir.is_dir() else []
+    if not daemon_pid(config):  # a running node may be deleting some in the background
+        images += sorted(f"freeing/{p.name}" for p in disk_dir.glob("freeing/*.img"))
     return {
         "mounts": mounts,
         "sandbox_dirs": dirs,

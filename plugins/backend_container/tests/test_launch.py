@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 SHOW_MOUNTS = "import sys; sys.stdout.write(open('/proc/self/mountinfo').read())"
 
 
-def _mount_points(mountinfo: str) -> list[str]:
-    return [line.split()[4] for line in mountinfo.splitlines()]
+def _mount_points(mountinfo: str, under: Path | None = None) -> list[str]:
+    points = [line.split()[4] for line in mountinfo.splitlines()]
+    return [p for p in points if under is None or p.startswith(os.fspath(under))]
 
 
 def _propagation(path: Path) -> str:
@@ -66,7 +67,8 @@ def parent(tmp_path: Path) -> Iterator[Path]:
 
 def test_launcher_keeps_one_rootfs_and_sheds_the_rest(tmp_path: Path, parent: Path) -> None:
     launcher = ensure_launcher(tmp_path)
-    before = _mount_points(Path("/proc/self/mountinfo").read_text())
+    # ours alone: tests running beside this one mount and unmount elsewhere meanwhile
+    before = _mount_points(Path("/proc/self/mountinfo").read_text(), under=tmp_path)
     out = subprocess.run(
         [*_launch(launcher, parent), sys.executable, "-c", SHOW_MOUNTS],
         capture_output=True,
@@ -76,7 +78,7 @@ def test_launcher_keeps_one_rootfs_and_sheds_the_rest(tmp_path: Path, parent: Pa
     inside = [mp for mp in _mount_points(out) if mp.startswith(os.fspath(parent))]
     assert inside == [os.fspath(parent / "1" / "rootfs")]  # the parent bind went, and 0 and 2
     # nothing done in the launcher's namespace reached ours
-    assert _mount_points(Path("/proc/self/mountinfo").read_text()) == before
+    assert _mount_points(Path("/proc/self/mountinfo").read_text(), under=tmp_path) == before
     assert (parent / "0" / "rootfs" / "hello0").exists()
 
 
