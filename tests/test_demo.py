@@ -45,7 +45,9 @@ def test_demo_runs_every_task_and_scores_them(demo_home):
         text=True,
         timeout=900,
     )
-    assert out.returncode == 0, (out.stdout[-4000:], out.stderr[-3000:])
+    if out.returncode != 0:  # whole, as captured output: an assert's message is cut short
+        print(out.stdout[-4000:], "\n--- stderr:\n", out.stderr[-6000:])
+    assert out.returncode == 0, "dsec demo failed: its output is under Captured stdout"
     assert "dsec demo rollouts" in out.stdout
     results = json.loads(out.stdout[out.stdout.index("[\n") :])
     catalog = load_catalog(default_catalog_file())
