@@ -30,6 +30,7 @@ __all__ = [
     "mount",
     "mount_erofs_file",
     "mount_overlay",
+    "mount_points",
     "mounted_under",
     "unmount",
 ]
@@ -323,13 +324,16 @@ def bind_onto_itself(target: Path) -> bool:
     return True
 
 
+def mount_points(mountinfo: str) -> list[str]:
+    """The mount points of a mountinfo file's text (``/proc/<pid>/mountinfo``), in its order,
+    their octal escapes (``\\040`` for a space) decoded."""
+    return [line.split()[4].encode().decode("unicode_escape") for line in mountinfo.splitlines()]
+
+
 def mounted_under(prefix: Path) -> list[Path]:
     """Mount points at or below ``prefix`` (from /proc/self/mountinfo), deepest first."""
     pre = os.fspath(prefix).rstrip("/")
-    found = []
     with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].encode().decode("unicode_escape")
-            if mp == pre or mp.startswith(pre + "/"):
-                found.append(Path(mp))
-    return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
+        points = mount_points(f.read())
+    found = {Path(mp) for mp in points if mp == pre or mp.startswith(pre + "/")}
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from dsec_core.errors import BackendUnavailable
+from dsec_core.linux.mounts import mount_points
 from dsec_core.linux.tools import compile_static
 
 __all__ = ["LAUNCHER_SOURCE", "LaunchNamespace", "detachable", "ensure_launcher"]
@@ -34,10 +35,6 @@ def ensure_launcher(bin_dir: Path) -> Path:
     return compile_static(
         [LAUNCHER_SOURCE], target, "the runc launcher", missing=BackendUnavailable
     )
-
-
-def _mount_points(mountinfo: str) -> list[str]:
-    return [line.split()[4].encode().decode("unicode_escape") for line in mountinfo.splitlines()]
 
 
 def _within(path: str, tree: str) -> bool:
@@ -101,7 +98,7 @@ class LaunchNamespace:
 
     def _make(self, needed: Sequence[Path], hide: Sequence[Path]) -> int:
         with open("/proc/self/mountinfo") as f:
-            points = _mount_points(f.read())
+            points = mount_points(f.read())
         detach = [*map(os.fspath, hide), *detachable(points, needed)]
         self._detached = frozenset(detach)
         argv = [os.fspath(self.launcher), "--hold"]

@@ -372,9 +372,11 @@ class ContainerBackend(Backend):
         self.lxcfs = Lxcfs.shared(config.home, config.run_dir)
         self.use_lxcfs = lxcfs_enabled()
         self.pinning = CpuPinning(host_cpus()) if pinning_enabled() else None
-        # runc starts in a copy of a small namespace (launch.py), not of the node's
+        # runc starts in a copy of a small namespace (launch.py), not of the node's, without
+        # the mounts of every sandbox: those are all below these (the node's mount parents)
         self.launcher = ensure_launcher(config.bin_dir)
         self.launch_ns = LaunchNamespace(self.launcher)
+        self.sandbox_parents = (config.runtime_dir, config.sandbox_dir)
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
@@ -571,8 +573,7 @@ class ContainerBackend(Backend):
             *([lxcfs] if lxcfs else []),
         ]
         key = (lxcfs, self.lxcfs.device) if lxcfs else None
-        hide = [cfg.runtime_dir, cfg.sandbox_dir]
-        fd = self.launch_ns.fd(key, needed, hide)
+        fd = self.launch_ns.fd(key, needed, self.sandbox_parents)
         sources = [
             m["source"]
             for m in config["mounts"]
@@ -587,7 +588,7 @@ class ContainerBackend(Backend):
         root filesystem and drops every other sandbox's mounts (the node binds both their
         parents onto themselves: ``RootFilesystems.bind_parents``); with ``ns``, a copy of
         the launch namespace, whose descriptor follows the ``nfds`` the agent gets."""
-        cfg = self.config
+        hidden = [arg for d in self.sandbox_parents for arg in ("--hide", os.fspath(d))]
         return [
             os.fspath(self.launcher),
             *(["--ns-fd", str(3 + nfds)] if ns else []),
@@ -595,10 +596,7 @@ class ContainerBackend(Backend):
             os.fspath(log),
             "--keep",
             os.fspath(rt.rootfs or ""),
-            "--hide",
-            os.fspath(cfg.runtime_dir),
-            "--hide",
-            os.fspath(cfg.sandbox_dir),
+            *hidden,
             "--",
             self._runtime_path("runc"),
             "--root",

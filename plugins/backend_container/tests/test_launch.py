@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from dsec_backend_container.launch import detachable, ensure_launcher
 
-from dsec_core.linux.mounts import bind_onto_itself, mount, mounted_under, unmount
+from dsec_core.linux.mounts import bind_onto_itself, mount, mount_points, mounted_under, unmount
 from dsec_core.localnode import daemon_pid
 from dsec_core.testing import running_kit_node
 
@@ -23,8 +23,7 @@ SHOW_MOUNTS = "import sys; sys.stdout.write(open('/proc/self/mountinfo').read())
 
 
 def _mount_points(mountinfo: str, under: Path | None = None) -> list[str]:
-    points = [line.split()[4] for line in mountinfo.splitlines()]
-    return [p for p in points if under is None or p.startswith(os.fspath(under))]
+    return [p for p in mount_points(mountinfo) if under is None or p.startswith(os.fspath(under))]
 
 
 def _propagation(path: Path) -> str:
