@@ -145,8 +145,8 @@ class NodeConfig:
     device_share_cap: int = 4
     device_share_caps: Mapping[str, int] = field(default_factory=dict)
     # The OCI runtime of sandboxes whose spec names none (``SandboxSpec.runtime``): None is
-    # the backend's own default (runc for the container backend); "runsc" runs them under
-    # gVisor (``DSEC_RUNTIME``).
+    # the backend's own default (crun, else runc, for the container backend); "runsc" runs
+    # them under gVisor (``DSEC_RUNTIME``).
     runtime: str | None = None
     # The node's name in a cluster (``DSEC_NODE_NAME``, ``[a-z0-9]{1,16}``). A named node makes
     # sandbox ids ``<12 hex>-<name>``, so a stateless apiserver routes an id to its node by the

@@ -462,7 +462,7 @@ class SandboxSpec(_Record):
     #: restarted in a new sandbox of the same trajectory fast-forwards through what was logged.
     trajectory: str | None = None
     #: The OCI runtime the backend runs it under: None is the node's default
-    #: (``NodeConfig.runtime``); the container backend knows "runc" and "runsc" (gVisor). A
+    #: (``NodeConfig.runtime``); the container backend knows "crun", "runc" and "runsc" (gVisor). A
     #: runtime the backend does not know (or any, for a backend without runtimes) is refused.
     runtime: str | None = None
 
@@ -706,7 +706,7 @@ class SandboxInfo(_Record):
     qos: str = "ls"  # the CPU class (SandboxSpec.qos)
     #: The devices it holds, by host path (``SandboxSpec.devices``; inside at the same path).
     devices: tuple[str, ...] = ()
-    #: The OCI runtime it runs under ("runc", "runsc"), if its backend has runtimes.
+    #: The OCI runtime it runs under ("crun", "runc", "runsc"), if its backend has runtimes.
     runtime: str | None = None
     #: Where to watch its display over VNC (``host:port`` on the node's loopback), if its
     #: backend has a screen and the node serves it (``DSEC_VM_VNC``).

@@ -15,7 +15,9 @@ import pytest
 from dsec_core.errors import AdmissionRejected, InvalidSpec
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.linux.mounts import UserNamespaceHandle
 from dsec_core.linux.tools import compile_static
+from dsec_core.node import idpool
 from dsec_core.node.idpool import MAX_HOST_ID, UidPool
 from dsec_core.node.node import Node
 from dsec_core.records import IdMap, SandboxSpec
@@ -188,3 +190,37 @@ def test_500_sandboxes_each_with_a_session_keyring(dsec_sandboxes, dsec_node, ke
     assert hog.exec("keys add").stdout.strip() == b"EDQUOT"
     assert other.exec("keys add").stdout.strip() == b"ok"
     assert dsec_sandboxes.create(**spec).exec("keys add").stdout.strip() == b"ok"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writing a user namespace's maps needs root")
+def test_a_ranges_user_namespace_is_made_once_and_kept_for_its_next_sandbox(monkeypatch):
+    made: list[UserNamespaceHandle] = []
+
+    def counted(*maps):
+        made.append(UserNamespaceHandle(*maps))
+        return made[-1]
+
+    monkeypatch.setattr(idpool, "UserNamespaceHandle", counted)
+    monkeypatch.setattr(idpool, "KEPT_NAMESPACES", 2)
+    pool = UidPool(base=1_000_000_000, size=65536, count=3, group=1_000_000_000)
+    try:
+        a = pool.allocate()
+        pool.warm()  # the next range's, off the create path
+        assert len(made) == 1
+        ns_a = pool.namespace(a)  # none made ahead for a: made now, and kept
+        assert len(made) == 2 and ns_a.fd >= 0
+        assert (ns_a.uid_map, ns_a.gid_map) == (a.uid_lines(), a.gid_lines())
+        pool.release(a)
+        b = pool.allocate()
+        assert pool.namespace(b) is made[0]  # the warmed one: no new process
+        c = pool.allocate()
+        ns_c = pool.namespace(c)
+        assert len(made) == 3
+        # beyond KEPT_NAMESPACES the least recently used is closed (a's)
+        assert ns_a.fd == -1 and made[0].fd >= 0 and ns_c.fd >= 0
+        pool.release(b)
+        again = pool.allocate()  # a's range, freed longest ago
+        assert again == a and pool.namespace(again).fd >= 0 and len(made) == 4
+    finally:
+        pool.close()
+    assert all(ns.fd == -1 for ns in made)

@@ -12,15 +12,17 @@ freed longest ago, so kernel objects a dead sandbox's uid still owns (keys wait 
 garbage collector) have the longest time to go before the uid serves again.
 
 A sandbox's layer clones are idmapped through a user namespace with its range's maps
-(``clone_idmapped``); the clones keep it alive, so the node closes its handle right after. Making
-one costs about 2 ms, so the pool makes the next range's ahead of need, off the create path
-(``warm``).
+(``clone_idmapped``). Making one costs about 2 ms of a helper process (``unshare``), so the pool
+makes the next range's ahead of need, off the create path (``warm``), and keeps each range's
+namespace for the next sandbox of that range (up to ``KEPT_NAMESPACES``): nothing runs in it,
+it only maps ids, and a range's maps never change, so the next sandbox's clones are mapped
+exactly as a new namespace would map them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from ..errors import AdmissionRejected, InvalidSpec
@@ -31,6 +33,9 @@ __all__ = ["MAX_HOST_ID", "UidPool"]
 
 #: The largest host id a range may reach ((uid_t)-1 is "no id").
 MAX_HOST_ID = (1 << 32) - 2
+#: Ranges whose user namespace the pool keeps open (a descriptor each), least recently used
+#: closed first.
+KEPT_NAMESPACES = 4096
 
 
 class UidPool:
@@ -54,7 +59,8 @@ class UidPool:
         self._next = 0  # ranges below this were handed out at least once
         self._freed: deque[int] = deque()  # oldest first
         self._used: set[int] = set()
-        self._warm: dict[int, UserNamespaceHandle] = {}  # made ahead by warm()
+        # each range's namespace, made ahead by warm() or by a first use; oldest use first
+        self._warm: OrderedDict[int, UserNamespaceHandle] = OrderedDict()
         self._lock = threading.Lock()
 
     def _idmap(self, k: int) -> IdMap:
@@ -112,17 +118,39 @@ class UidPool:
             return self.count - len(self._used)
 
     def namespace(self, idmap: IdMap) -> UserNamespaceHandle:
-        """A user namespace with ``idmap``'s maps, for the caller to close once it has idmapped
-        the sandbox's layer clones (they keep the namespace alive): the one ``warm`` made if
-        there is one, else a new one."""
+        """A user namespace with ``idmap``'s maps, the pool's (the caller must not close it):
+        the one kept for its range, else a new one, kept if the range is the pool's. Blocking
+        (call it off the event loop)."""
         k = self._index(idmap)
+        lines = (idmap.uid_lines(), idmap.gid_lines())
         with self._lock:
-            ns = self._warm.pop(k, None) if k is not None else None
-        if ns is not None and (ns.uid_map, ns.gid_map) == (idmap.uid_lines(), idmap.gid_lines()):
-            return ns
-        if ns is not None:
-            ns.close()
-        return UserNamespaceHandle(idmap.uid_lines(), idmap.gid_lines())
+            ns = self._warm.get(k) if k is not None else None
+            if k is not None and ns is not None and (ns.uid_map, ns.gid_map) == lines:
+                self._warm.move_to_end(k)
+                return ns
+        ns = UserNamespaceHandle(*lines)
+        return ns if k is None else self._keep(k, ns)
+
+    def _keep(self, k: int, ns: UserNamespaceHandle) -> UserNamespaceHandle:
+        """Keep ``ns`` for range ``k``, unless one with the same maps is kept already (made
+        meanwhile by another thread, and maybe in use): then ``ns`` is closed and that one
+        returned."""
+        closing = []
+        with self._lock:
+            old = self._warm.get(k)
+            if old is not None and (old.uid_map, old.gid_map) == (ns.uid_map, ns.gid_map):
+                closing.append(ns)
+                ns = old
+            else:
+                if old is not None:  # another pool's maps for k (never in use here)
+                    closing.append(old)
+                self._warm[k] = ns
+            self._warm.move_to_end(k)
+            while len(self._warm) > KEPT_NAMESPACES:  # the least recently used
+                closing.append(self._warm.popitem(last=False)[1])
+        for handle in closing:  # a sandbox's clones keep theirs alive
+            handle.close()
+        return ns
 
     def upcoming(self) -> IdMap | None:
         """The range ``allocate`` would hand out next, if any is free."""
@@ -141,14 +169,11 @@ class UidPool:
         with self._lock:
             if k is None or k in self._warm:
                 return
-        ns = UserNamespaceHandle(idmap.uid_lines(), idmap.gid_lines())
-        with self._lock:
-            kept = self._warm.setdefault(k, ns)
-        if kept is not ns:
-            ns.close()
+        self._keep(k, UserNamespaceHandle(idmap.uid_lines(), idmap.gid_lines()))
 
     def close(self) -> None:
         with self._lock:
-            namespaces, self._warm = list(self._warm.values()), {}
+            namespaces = list(self._warm.values())
+            self._warm.clear()
         for ns in namespaces:
             ns.close()

@@ -10,6 +10,7 @@ concurrent creates that need it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -135,9 +136,6 @@ class RootFilesystems:
             return replace(rt, images=images, disk=disk, disk_size=size)
         if not self.disks.ready(size):  # mkfs once per size, off the event loop
             await self.once(("disk-template", str(size)), self.disks.template, size)
-        # Inline, as the mounts are (a few ms): in a thread, a cancelled create could undo
-        # itself before the thread had mounted what it then leaves behind.
-        self.disks.mount(rt.id, size, rt.data_dir)
         assert self.mounts is not None
         mounts = []
         for (_, info), (image, device) in zip(sources, files, strict=True):
@@ -145,14 +143,21 @@ class RootFilesystems:
             taken.append(info.digest)
             self._mounted_refs[info.digest] = info.ref
         rootfs = rt.dir / "rootfs"
-        userns = self.uids.namespace(rt.idmap)
-        try:
-            OverlayStack(rt.data_dir, rootfs).mount(
-                mounts, owner=(rt.idmap.host_base, rt.idmap.root_gid), userns=userns
-            )
-        finally:
-            userns.close()  # the overlay's layer clones hold the namespace
+        await to_the_end(self._mount_rootfs, rt, size, mounts, rootfs)
         return replace(rt, rootfs=rootfs)
+
+    def _mount_rootfs(
+        self, rt: SandboxRuntime, size: int, mounts: list[Path], rootfs: Path
+    ) -> None:
+        """Blocking, so called in a thread (the disk's copy, its loop device and the mounts
+        take a few ms, and the event loop would serve nothing meanwhile): the writable disk,
+        then the overlay of ``mounts`` on it, idmapped to the sandbox's range."""
+        self.disks.mount(rt.id, size, rt.data_dir)
+        OverlayStack(rt.data_dir, rootfs).mount(
+            mounts,
+            owner=(rt.idmap.host_base, rt.idmap.root_gid),
+            userns=self.uids.namespace(rt.idmap),
+        )
 
     async def layer_files(self, source: LayerSource, info: LayerInfo) -> tuple[Path, Path | None]:
         """What to mount for a layer: (image, None) for a whole image, or (metadata image,
@@ -208,17 +213,22 @@ class RootFilesystems:
     async def undo(self, taken: list[str], rt: SandboxRuntime) -> None:
         """Take apart what ``prepare`` made of ``rt`` (``taken``: the layer mounts it took),
         however far it got."""
-        try:
-            OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount()  # no-op if never mounted
+        try:  # no-op if never mounted
+            await to_the_end(OverlayStack(rt.data_dir, rt.dir / "rootfs").unmount)
         finally:
             assert self.mounts is not None
             for digest in taken:
                 self.mounts.release(digest)
-            await asyncio.to_thread(self.remove_dirs, rt)
+            await to_the_end(self.remove_dirs, rt)
 
     async def remove(self, sb: Sandbox) -> tuple[float, float]:
         """Unmount a stopped sandbox's overlay, release its layers, delete its directories;
         the seconds the overlay and then the disk and directories took."""
+        return await to_the_end(self._remove, sb)
+
+    def _remove(self, sb: Sandbox) -> tuple[float, float]:
+        """Blocking (a thread): ``remove``'s work; the layers are released in the thread too
+        (``MountCache`` is thread-safe), once nothing mounts them."""
         t0 = time.perf_counter()
         if sb.rt.rootfs is not None:
             OverlayStack(sb.rt.data_dir, sb.rt.rootfs).unmount()
@@ -226,7 +236,7 @@ class RootFilesystems:
             for info in sb.layers:
                 self.mounts.release(info.digest)
         t_unmount = time.perf_counter()
-        await asyncio.to_thread(self.remove_dirs, sb.rt)
+        self.remove_dirs(sb.rt)
         return t_unmount - t0, time.perf_counter() - t_unmount
 
     def remove_dirs(self, rt: SandboxRuntime) -> None:
@@ -249,6 +259,22 @@ class RootFilesystems:
         self.disks.sweep(kept)
         assert self.mounts is not None  # open() made it
         self.mounts.adopt(in_use)
+
+
+async def to_the_end(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread, awaited to its end even when the caller is cancelled
+    meanwhile (the cancellation is raised after): an undo that follows a cancelled create
+    must find everything the thread mounted, not race it."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({fut})
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller hears
+        raise
 
 
 def sparse_disk(data_dir: Path, size: int) -> Path:

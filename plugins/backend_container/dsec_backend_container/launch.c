@@ -2,8 +2,9 @@
  * dsec-runc-launch: run runc in a mount namespace of its own that holds one sandbox's root
  * filesystem and none of the node's other sandboxes' mounts.
  *
- *     dsec-runc-launch [--log FILE] [--ns-fd N] --keep ROOTFS [--hide DIR]... -- RUNC ARGS...
- *     dsec-runc-launch --hold [--hide DIR]...
+ *     dsec-runc-launch [--log FILE] [--ns-fd N] [--exec-fd M] [--mask FILE]... --keep ROOTFS
+ *                      [--hide DIR]... -- RUNC ARGS...
+ *     dsec-runc-launch --hold [--mask FILE]... [--hide DIR]...
  *
  * Why: runc reads /proc/self/mountinfo several times per start (the rootfs' parent mount,
  * the cgroup v1 mounts), the kernel formats every line of it each time, and the container's
@@ -26,6 +27,16 @@
  * start as --ns-fd N: the ROOTFS mount is cloned in the node's namespace first, then the
  * launcher enters N and unshares a copy of that small namespace.
  *
+ * --exec-fd M: run the program open at M (execveat, AT_EMPTY_PATH), not RUNC's path; RUNC is
+ * then only its argv[0]. The node hands a sealed memfd copy of runc here (launch.py,
+ * SealedBinary): runc's init finds /proc/self/exe already a sealed memfd and skips the copy
+ * of its own 9 MB binary and the second exec it makes on every start (CVE-2019-5736's guard).
+ *
+ * --mask FILE: bind /dev/null over FILE in the new namespace (not when entering N, whose
+ * namespace was masked by its --hold). crun refuses this host's hybrid cgroups while the
+ * cgroup v2 hierarchy lists a controller (hugetlb is bound there, unused), reading
+ * /sys/fs/cgroup/unified/cgroup.controllers; the node masks that file for crun alone.
+ *
  * A DIR that is not a mount point (or no longer exists) is left alone (a node that could not bind it still works,
  * only slower). Any other failure exits 125 before runc runs, with the reason on stderr and
  * appended to FILE (runc's log, where the node reads why a start failed).
@@ -46,6 +57,9 @@
 #endif
 #ifndef SYS_move_mount
 #define SYS_move_mount 429
+#endif
+#ifndef SYS_execveat
+#define SYS_execveat 322
 #endif
 #ifndef OPEN_TREE_CLONE
 #define OPEN_TREE_CLONE 1
@@ -80,8 +94,9 @@ int main(int argc, char **argv)
 {
     const char *keep = NULL;
     const char **hide = calloc((size_t)argc, sizeof *hide);
-    int nhide = 0, i = 1, hold = 0, ns_fd = -1;
-    if (hide == NULL)
+    const char **mask = calloc((size_t)argc, sizeof *mask);
+    int nmask = 0, nhide = 0, i = 1, hold = 0, ns_fd = -1, exec_fd = -1;
+    if (hide == NULL || mask == NULL)
         return fail("allocating", "arguments");
     for (; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
@@ -96,21 +111,25 @@ int main(int argc, char **argv)
             break;
         if (strcmp(argv[i], "--ns-fd") == 0) {
             ns_fd = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--exec-fd") == 0) {
+            exec_fd = atoi(argv[++i]);
         } else if (strcmp(argv[i], "--log") == 0) {
             log_path = argv[++i];
         } else if (strcmp(argv[i], "--keep") == 0) {
             keep = argv[++i];
         } else if (strcmp(argv[i], "--hide") == 0) {
             hide[nhide++] = argv[++i];
+        } else if (strcmp(argv[i], "--mask") == 0) {
+            mask[nmask++] = argv[++i];
         } else {
             fprintf(stderr, "dsec-runc-launch: bad argument %s\n", argv[i]);
             return 125;
         }
     }
     if (!hold && (keep == NULL || i >= argc)) {
-        fprintf(stderr, "usage: dsec-runc-launch [--log FILE] [--ns-fd N] --keep ROOTFS "
-                        "[--hide DIR]... -- ARGV...\n"
-                        "       dsec-runc-launch --hold [--hide DIR]...\n");
+        fprintf(stderr, "usage: dsec-runc-launch [--log FILE] [--ns-fd N] [--exec-fd M] [--mask FILE]... "
+                        "--keep ROOTFS [--hide DIR]... -- ARGV...\n"
+                        "       dsec-runc-launch --hold [--mask FILE]... [--hide DIR]...\n");
         return 125;
     }
     int tree = -1;
@@ -133,6 +152,10 @@ int main(int argc, char **argv)
         if (umount2(hide[h], MNT_DETACH) != 0 && errno != EINVAL && errno != ENOENT)
             return fail("detaching", hide[h]);
     }
+    for (int m = 0; ns_fd < 0 && m < nmask; m++) {
+        if (mount("/dev/null", mask[m], NULL, MS_BIND, NULL) != 0 && errno != ENOENT)
+            return fail("masking", mask[m]);
+    }
     if (hold) {
         char c;
         if (write(1, "ready\n", 6) != 6)
@@ -144,6 +167,13 @@ int main(int argc, char **argv)
     if (syscall(SYS_move_mount, tree, "", AT_FDCWD, keep, MOVE_MOUNT_F_EMPTY_PATH) != 0)
         return fail("attaching", keep);
     close(tree);
+    if (exec_fd >= 0) {
+        /* closed by the exec (an ELF program needs no path to itself): runc never sees it */
+        if (fcntl(exec_fd, F_SETFD, FD_CLOEXEC) != 0)
+            return fail("marking close-on-exec", "the program's descriptor");
+        syscall(SYS_execveat, exec_fd, "", &argv[i], environ, AT_EMPTY_PATH);
+        return fail("executing (from its descriptor)", argv[i]);
+    }
     execv(argv[i], &argv[i]);
     return fail("executing", argv[i]);
 }

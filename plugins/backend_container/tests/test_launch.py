@@ -4,14 +4,16 @@ host; the node's sandbox mount parents are private binds of themselves, gone wit
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dsec_backend_container.launch import detachable, ensure_launcher
+from dsec_backend_container.launch import RUNC_SEALS, SealedBinary, detachable, ensure_launcher
 
 from dsec_core.linux.mounts import bind_onto_itself, mount, mount_points, mounted_under, unmount
 from dsec_core.localnode import daemon_pid
@@ -188,3 +190,82 @@ def _launch_namespace_mounts(config) -> list[str]:
             ).stdout
             return _mount_points(out)
     return []
+
+
+def _sealed_program(tmp_path: Path, source: str = "/bin/sh") -> Path:
+    prog = tmp_path / "prog"
+    shutil.copy(source, prog)
+    return prog
+
+
+def test_a_sealed_copy_has_runcs_seals_refuses_writes_and_follows_its_file(tmp_path: Path):
+    prog = _sealed_program(tmp_path)
+    sealed = SealedBinary(prog)
+    fd = sealed.fd()
+    assert fd is not None
+    # exactly the seals runc's init trusts, and the file's bytes
+    assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == RUNC_SEALS
+    assert os.pread(fd, prog.stat().st_size + 1, 0) == prog.read_bytes()
+    # no write gets in: not through the descriptor, nor through a new open of it
+    with pytest.raises(PermissionError):
+        os.pwrite(fd, b"\0", 0)
+    with open(f"/proc/self/fd/{fd}", "r+b", buffering=0) as f, pytest.raises(PermissionError):
+        f.write(b"\0")
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    assert sealed.fd() == fd  # one copy serves every start
+    # an upgrade (a new file in its place): a new copy of the new bytes, the old one closed
+    new = tmp_path / "prog.new"
+    shutil.copy("/bin/true", new)
+    os.rename(new, prog)
+    fd2 = sealed.fd()
+    assert fd2 is not None and os.pread(fd2, prog.stat().st_size + 1, 0) == prog.read_bytes()
+    sealed.close()
+    with pytest.raises(OSError):
+        os.fstat(fd2)
+    assert SealedBinary(tmp_path / "missing").fd() is None  # logged; runc runs from its path
+
+
+def test_launcher_runs_the_sealed_copy_and_hands_it_no_descriptor(tmp_path: Path, parent: Path):
+    launcher = ensure_launcher(tmp_path)
+    sealed = SealedBinary(_sealed_program(tmp_path))
+    fd = sealed.fd()
+    assert fd is not None
+    try:
+        inherited = os.dup(fd)  # inheritable, at a number the launcher is told
+        show = "readlink /proc/$$/exe; ls /proc/$$/fd"
+        out = subprocess.run(
+            [
+                launcher,
+                "--exec-fd",
+                str(inherited),
+                *_launch(launcher, parent)[1:],
+                "/path/not/run",
+                "-c",
+                show,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            pass_fds=(inherited,),
+        ).stdout.splitlines()
+    finally:
+        os.close(inherited)
+        sealed.close()
+    assert out[0].startswith("/memfd:runc_cloned:/proc/self/exe")  # the copy ran, not the path
+    assert str(inherited) not in out[1:]  # closed by the exec
+
+
+def test_launcher_masks_files_in_its_namespace_alone(tmp_path: Path, parent: Path):
+    launcher = ensure_launcher(tmp_path)
+    secret = tmp_path / "controllers"
+    secret.write_text("hugetlb\n")
+    out = subprocess.run(
+        [launcher, "--mask", secret, *_launch(launcher, parent)[1:], "/bin/cat", secret],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == ""  # /dev/null over it, inside
+    assert secret.read_text() == "hugetlb\n"  # outside, unchanged
+    assert os.fspath(secret) not in mount_points(Path("/proc/self/mountinfo").read_text())

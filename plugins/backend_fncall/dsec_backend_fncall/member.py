@@ -102,10 +102,10 @@ class FnCallBackend(ContainerBackend):
 
     name = "fncall"
     features = ContainerBackend.features | {Feature.RESET}
-    # No runtimes: members run under runc whatever the node's default (DSEC_RUNTIME): a reset
-    # joins the member's namespaces from the host, which a gVisor member does not have (its
-    # processes live in the Sentry), and runsc cannot remount the read-only root in a user
-    # namespace here.
+    # No runtimes: members run under the standard runtime (crun, else runc) whatever the node's
+    # default (DSEC_RUNTIME): a reset joins the member's namespaces from the host, which a
+    # gVisor member does not have (its processes live in the Sentry), and runsc cannot remount
+    # the read-only root in a user namespace here.
     runtimes = frozenset[str]()
 
     def __init__(self, config: NodeConfig) -> None:
