@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import resource
@@ -176,14 +177,27 @@ def cgroup_readonly_paths(runtime: str) -> list[str]:
     crun (1.8, cgroup v1) binds it again recursively to make it read-only, and the hierarchies
     under it come out writable (their files are the host's, so writes failed on permissions
     only); each is made read-only after it. A path that is not there is skipped."""
-    paths = ["/sys/fs/cgroup"]
-    if runtime == "crun":
-        paths += [
-            f"/sys/fs/cgroup/{h.name}"
-            for h in _HIERARCHIES
-            if h.name != "unified" and os.path.ismount(h)  # v1's: cgroup v2 has none
-        ]
-    return paths
+    return ["/sys/fs/cgroup", *(_v1_hierarchies() if runtime == "crun" else ())]
+
+
+@functools.cache
+def _v1_hierarchies() -> tuple[str, ...]:
+    """The sandbox-side paths of the host's cgroup v1 hierarchies (none on a v2 host)."""
+    return tuple(
+        f"/sys/fs/cgroup/{h.name}"
+        for h in _HIERARCHIES
+        if h.name != "unified" and os.path.ismount(h)
+    )
+
+
+@functools.cache
+def crun_masks() -> tuple[Path, ...]:
+    """What crun's launches see masked: ``HYBRID_CONTROLLERS`` on a hybrid host whose v2
+    hierarchy lists controllers, else nothing."""
+    try:
+        return (HYBRID_CONTROLLERS,) if HYBRID_CONTROLLERS.read_text().strip() else ()
+    except OSError:
+        return ()
 
 
 def oci_config(
@@ -391,7 +405,7 @@ class ContainerBackend(Backend):
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
-        # a subclass without runtimes (FnCall) runs runc whatever the node's default
+        # a subclass without runtimes (FnCall) runs the standard one whatever the node's default
         self.default_runtime = (config.runtime if self.runtimes else None) or standard_runtime()
         self._paths: dict[str, str] = {}
         self._runtime_path(self.default_runtime)
@@ -413,6 +427,13 @@ class ContainerBackend(Backend):
         # runc and crun run from sealed copies of themselves (launch.py: SealedBinary)
         self.sealed: dict[str, SealedBinary] = {}
         self.sandbox_parents = (config.runtime_dir, config.sandbox_dir)
+        # what the launch namespace keeps, but lxcfs's mount (which may change)
+        self.launch_needs = [
+            config.run_dir,  # the runtimes' state, bundles, the drive socket
+            config.bin_dir,  # the agent
+            *(Path(p) for p in map(shutil.which, ("runc", "crun")) if p),
+            *SYSTEM_DIRS,  # their libraries
+        ]
         # Sandboxes this instance knows: started here, or re-adopted through ``alive``.
         self._known: set[str] = set()
 
@@ -477,9 +498,9 @@ class ContainerBackend(Backend):
         pid_file = bundle / "init.pid"
         with _AgentFds(rt.agent_socket, document) as fds:
             ns = self._launch_ns(config, lxcfs)
-            sealed = self.sealed.setdefault(
-                runtime, SealedBinary(Path(self._runtime_path(runtime)))
-            ).fd()
+            if runtime not in self.sealed:
+                self.sealed[runtime] = SealedBinary(Path(self._runtime_path(runtime)))
+            sealed = self.sealed[runtime].fd()
             extra = [fd for fd in (ns, sealed) if fd is not None]
             argv = self._run_argv(
                 rt, runtime, log, pid_file, len(fds.inherited), ns is not None, sealed is not None
@@ -609,33 +630,15 @@ class ContainerBackend(Backend):
     def _launch_ns(self, config: Mapping[str, Any], lxcfs: Path | None) -> int | None:
         """The launch namespace's descriptor if it shows everything ``config`` binds in as
         the node's namespace does, else None (this start copies the node's namespace)."""
-        cfg = self.config
-        needed = [
-            cfg.run_dir,  # runc's state, bundles, the drive socket
-            cfg.bin_dir,  # the agent
-            *(Path(self._runtime_path(r)) for r in ("runc", "crun") if shutil.which(r)),
-            *SYSTEM_DIRS,  # runc's libraries
-            *([lxcfs] if lxcfs else []),
-        ]
+        needed = [*self.launch_needs, *([lxcfs] if lxcfs else [])]
         key = (lxcfs, self.lxcfs.device) if lxcfs else None
-        fd = self.launch_ns.fd(key, needed, self.sandbox_parents, self._masks("crun"))
+        fd = self.launch_ns.fd(key, needed, self.sandbox_parents, crun_masks())
         sources = [
             m["source"]
             for m in config["mounts"]
             if m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options", ()))
         ]
         return fd if fd is not None and self.launch_ns.covers(sources) else None
-
-    @staticmethod
-    def _masks(runtime: str) -> list[Path]:
-        """What ``runtime``'s launches see masked (``HYBRID_CONTROLLERS`` for crun on a hybrid
-        host whose v2 hierarchy lists controllers)."""
-        if runtime != "crun":
-            return []
-        try:
-            return [HYBRID_CONTROLLERS] if HYBRID_CONTROLLERS.read_text().strip() else []
-        except OSError:
-            return []
 
     def _run_argv(
         self,
@@ -654,7 +657,8 @@ class ContainerBackend(Backend):
         ``sealed``, runc run from its sealed copy, whose descriptor comes next. crun runs the
         same way (``runtime``)."""
         hidden = [arg for d in self.sandbox_parents for arg in ("--hide", os.fspath(d))]
-        masked = [arg for f in self._masks(runtime) for arg in ("--mask", os.fspath(f))]
+        masks = crun_masks() if runtime == "crun" else ()
+        masked = [arg for f in masks for arg in ("--mask", os.fspath(f))]
         return [
             os.fspath(self.launcher),
             *(["--ns-fd", str(3 + nfds)] if ns else []),
