@@ -12,7 +12,9 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.node import disks as disks_module
 from dsec_core.node.disks import WritableDisks
 from dsec_core.records import DEFAULT_DISK, SandboxSpec
-from dsec_core.testing import leftovers, running_kit_node
+from dsec_core.testing import leftovers, running_kit_node, until
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -41,7 +43,9 @@ def disks(tmp_path) -> WritableDisks:
 
 def _nothing_left(disks: WritableDisks, target: Path) -> None:
     assert not os.path.ismount(target) and not target.exists()
-    assert loop_backing_files(disks.dir) == {}
+    # the kernel detaches an autoclear loop device in a work item after its last close
+    # (the unmount), not in the unmount itself: soon, not at once
+    until(lambda: loop_backing_files(disks.dir) == {}, 5, "the loop device detached")
     assert disks.images() == []
 
 
@@ -185,6 +189,33 @@ def test_leftovers_report_loop_devices_and_images(tmp_path):
     image.unlink()
     left = leftovers(home)
     assert left["loop_devices"] == [] and left["disk_images"] == []  # autoclear on close
+
+
+@root_only
+def test_leftovers_take_a_live_sandboxs_starting_init_for_its_own_and_report_it_after(tmp_path):
+    """crun's fork of a sandbox's init keeps crun's command line (the home's paths, then the
+    sandbox id) until it runs the agent, which may be just after the create returned: not a
+    leftover while the sandbox's directory is there; reported once it is gone."""
+    home = tmp_path / "home"
+    sdir = home / "run" / "sandboxes" / "0123456789ab"
+    sdir.mkdir(parents=True)
+    argv = [sys.executable, "-c", "import sys; sys.stdin.read()", "--root", f"{home}/run/runc"]
+    init = subprocess.Popen(
+        [*argv, "run", "-d", "--bundle", os.fspath(sdir), sdir.name], stdin=subprocess.PIPE
+    )
+    other = subprocess.Popen([*argv, "sleep"], stdin=subprocess.PIPE)  # no run: always reported
+    try:
+        for p in (init, other):  # Popen returns while the exec may not yet show the new argv
+            while os.fsencode(home) not in Path(f"/proc/{p.pid}/cmdline").read_bytes():
+                time.sleep(0.001)
+        assert [p.split(":")[0] for p in leftovers(home)["processes"]] == [str(other.pid)]
+        sdir.rmdir()
+        left = leftovers(home)["processes"]
+        assert sorted(p.split(":")[0] for p in left) == sorted([str(init.pid), str(other.pid)])
+    finally:
+        for p in (init, other):
+            p.kill()
+            p.wait()
 
 
 # --- the node's directories -------------------------------------------------------------------

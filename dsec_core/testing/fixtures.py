@@ -23,7 +23,7 @@ import stat
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,11 +150,22 @@ def node_home(prefix: str = "dsec-node-", **settings: Any) -> Iterator[NodeConfi
         assert not any(left.values()), left
 
 
+def _starting_init(cmdline: bytes, live: Sequence[str]) -> bool:
+    """Whether ``cmdline`` is an OCI runtime's ``run`` of one of the ``live`` sandboxes."""
+    args = [a for a in cmdline.split(b"\0") if a]
+    return b"run" in args and args[-1].decode(errors="replace") in live
+
+
 def leftovers(home: Path) -> dict[str, list[str]]:
     """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', and its daemon's
     once no daemon runs), sandbox dirs, processes (but, while its daemon runs, the daemon and
     the helpers whose pid files are in ``run/``, such as the container backend's lxcfs), loop
-    devices bound to files under ``home``, and sandboxes' disk images."""
+    devices bound to files under ``home``, and sandboxes' disk images.
+
+    A live sandbox's init before it runs the agent is not a leftover: a create returns once
+    the runtime has started it, and until its exec it carries the runtime's command line
+    (crun's names the home; runc's init did not). A runtime's ``run`` of a sandbox whose
+    directory is still here is taken for that; once the directory is gone, it is reported."""
     prefix = os.fspath(home)
     mounts = []
     with open("/proc/self/mountinfo") as f:
@@ -190,6 +201,8 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         except OSError:
             continue
         if prefix.encode() in cmd and b"dsec_core.node.daemon" not in cmd:
+            if _starting_init(cmd, dirs):
+                continue
             shown = cmd.replace(b"\0", b" ").decode(errors="replace")
             procs.append(f"{pid}: {shown}")
     loops = [f"{dev}: {backing}" for dev, backing in loop_backing_files(home).items()]
