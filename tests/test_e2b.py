@@ -570,8 +570,14 @@ async def test_async_watch_dir_streams_events_until_stopped_or_killed(served):
             on_exit=exits.append,
             recursive=True,
         )
-        await sb.commands.run("mkdir /work/w/s && echo hi > /work/w/s/x && rm /work/w/s/x")
+        # two commands: inotify says nothing of what a new directory held before its watch,
+        # and the watcher watches it once it hears of it (before it tells)
+        await sb.commands.run("mkdir /work/w/s")
         deadline = time.monotonic() + 10
+        while ("create", "s") not in got:
+            assert time.monotonic() < deadline, got
+            await asyncio.sleep(0.01)
+        await sb.commands.run("echo hi > /work/w/s/x && rm /work/w/s/x")
         while ("remove", "s/x") not in got:
             assert time.monotonic() < deadline, got
             await asyncio.sleep(0.05)

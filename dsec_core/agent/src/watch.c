@@ -106,14 +106,16 @@ static int handle(int fd, const char *root, const struct inotify_event *ev)
         return 0;
     if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF | IN_IGNORED))
         return !*dir; /* the root's own end ends the watch; a subdirectory's, nothing */
-    const char *type = event_type(ev->mask);
-    if (type && ev->len)
-        put_line(type, dir, ev->name);
+    /* a new directory is watched before its CREATE is told: whoever sees that line may
+     * act in it and be sure to hear of it (what came before the watch is lost: inotify) */
     if (g_recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO))) {
         char sub[PATH_MAX];
         snprintf(sub, sizeof sub, "%s%s%s", dir, *dir ? "/" : "", ev->name);
         add_tree(fd, root, sub);
     }
+    const char *type = event_type(ev->mask);
+    if (type && ev->len)
+        put_line(type, dir, ev->name);
     return 0;
 }
 
