@@ -55,6 +55,7 @@ __all__ = [
     "SandboxPathError",
     "SandboxPaused",
     "SessionClosed",
+    "SnapshotInUse",
     "SourceUnavailable",
     "StartTimeout",
     "ToolError",
@@ -499,6 +500,14 @@ class ProjectExists(DsecError):
 
 class KeyExists(DsecError):
     """The project (``project``) already has an API key of that name (``name``)."""
+
+    http_status = 409
+
+
+class SnapshotInUse(DsecError):
+    """A memory snapshot is still the memory of running sandboxes started from it
+    (``sandboxes`` names them): each maps its saved RAM, sharing its pages. Kill them (or
+    let them end) first."""
 
     http_status = 409
 

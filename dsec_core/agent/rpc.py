@@ -657,13 +657,18 @@ class AgentClient:
         )
         return sorted((self._entry(v) for v in reply.get("entry", [])), key=lambda e: e.name)
 
-    async def wake(self, seed: bytes, hostname: str | None = None) -> None:
+    async def wake(
+        self, seed: bytes, hostname: str | None = None, time_ns: int | None = None
+    ) -> None:
         """For a VM guest started from a saved state: mix ``seed`` (1-256 bytes) into the
-        kernel's random pool and reseed its CRNG, and set ``hostname`` (a container's root
-        may do neither)."""
+        kernel's random pool and reseed its CRNG, set ``hostname``, and set the clock to
+        ``time_ns`` (nanoseconds since the epoch: the guest wakes with the clock of the
+        instant it was saved). A container's root may do none of these."""
         fields: list[tuple[str, Any]] = [("op", "wake"), ("seed", seed.hex())]
         if hostname is not None:
             fields.append(("hostname", hostname))
+        if time_ns is not None:
+            fields.append(("time", str(int(time_ns))))
         await self._call(fields)
 
     async def stat(self, path: str | os.PathLike[str]) -> FileEntry:

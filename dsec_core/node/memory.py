@@ -19,6 +19,7 @@ from ..errors import (
     InvalidSpec,
     SandboxNotRunning,
     SandboxPaused,
+    SnapshotInUse,
     UnknownSnapshot,
 )
 from ..linux.files import write_atomic
@@ -101,7 +102,26 @@ class MemorySnapshots:
         d = self.directory(name)
         return MemorySnapshot.from_dict(json.loads((d / "meta.json").read_text()))
 
+    def users(self, name: str) -> list[str]:
+        """The sandboxes whose memory is snapshot ``name``'s saved RAM (started from it,
+        mapping it still): the backend's state names the file (``memory_from``)."""
+        d = self.directory(name)
+        return sorted(
+            sid
+            for sid, sb in self.host.sandboxes.items()
+            if str(sb.backend_state.get("memory_from") or "").startswith(f"{d}/")
+        )
+
     def remove(self, name: str) -> None:
+        """Remove snapshot ``name``; ``SnapshotInUse`` while sandboxes map its memory."""
+        users = self.users(name)
+        if users:
+            raise SnapshotInUse(
+                f"memory snapshot {name!r} is the memory of {len(users)} running "
+                f"sandbox(es) ({', '.join(users[:5])}); kill them first",
+                name=name,
+                sandboxes=users,
+            )
         shutil.rmtree(self.directory(name))
 
     def restore_spec(self, snap: MemorySnapshot, spec: SandboxSpec | None) -> SandboxSpec:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import BackendUnavailable
 from ..renamed import renamed_getattr, warn_renamed
+from .migstream import RAM_BLOCKS
 
 __all__ = [
     "PMEM_ALIGN",
@@ -43,6 +44,7 @@ __all__ = [
     "host_tsc_khz",
     "kill",
     "kvm_usable",
+    "option",
     "qemu_argv",
     "quoted",
     "spawn",
@@ -154,6 +156,9 @@ class VmConfig:
     display: bool = False  # a virtio-gpu display and a virtio tablet (q35 only)
     vnc: int | None = None  # a VNC display number, on 127.0.0.1 only
     incoming: Path | None = None  # start from this saved state (QMP migrate to a file)
+    #: the guest's RAM as this file, mapped privately (``migstream``): a saved VM's memory,
+    #: shared with every other QEMU mapping it until the guest writes a page
+    ram: Path | None = None
     name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
     extra: tuple[str, ...] = field(default=())
 
@@ -177,6 +182,8 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         machine = "microvm,acpi=on,pit=off,pic=off,rtc=off"
     else:
         machine = f"{cfg.machine},smbus=off,sata=off,usb=off,vmport=off"
+    if cfg.ram is not None:  # the machine's own RAM block, named as the stream names it
+        machine += f",memory-backend={RAM_BLOCKS['microvm' if not pci else 'q35']}"
     accel = cfg.accel if cfg.accel != "tcg" else f"tcg,tb-size={TCG_CACHE_MIB}"
     memory = f"{cfg.memory_mib}M"
     if cfg.pmems:
@@ -216,6 +223,12 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         "-device",
         "virtserialport,chardev=agent,name=dsec.agent",
     ]
+    if cfg.ram is not None:
+        argv += [
+            "-object",
+            f"memory-backend-file,id={RAM_BLOCKS['microvm' if not pci else 'q35']},"
+            f"mem-path={option(cfg.ram)},size={cfg.memory_mib}M,share=off",
+        ]
     if QBOOT.exists():  # virtio-gpu needs no VGA BIOS: qboot serves displays too
         argv += ["-bios", os.fspath(QBOOT)]
     if not cfg.display:
@@ -226,14 +239,14 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         ro = ",readonly=on" if d.readonly else ""
         argv += [
             "-drive",
-            f"file={d.path},if=none,format=raw,id=d{i},cache={d.cache},aio=threads{ro}",
+            f"file={option(d.path)},if=none,format=raw,id=d{i},cache={d.cache},aio=threads{ro}",
             "-device",
             f"virtio-blk-{dev},drive=d{i},serial={d.serial}",
         ]
     for i, p in enumerate(cfg.pmems):
         argv += [
             "-object",
-            f"memory-backend-file,id=pm{i},mem-path={p.path},size={p.size},share=off,readonly=on",
+            f"memory-backend-file,id=pm{i},mem-path={option(p.path)},size={p.size},share=off,readonly=on",
             "-device",
             f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,"
             f"addr={PMEM_SLOT + (i if p.slot is None else p.slot):#x}",
@@ -255,6 +268,11 @@ def _display_args(cfg: VmConfig) -> list[str]:
     if cfg.vnc is None:
         return [*argv, "-display", "none"]
     return [*argv, "-display", "none", "-vnc", f"127.0.0.1:{int(cfg.vnc)}"]
+
+
+def option(path: Path) -> str:
+    """``path`` inside a QEMU option list (a comma doubled, as QEMU reads it)."""
+    return os.fspath(path).replace(",", ",,")
 
 
 def quoted(path: Path) -> str:

@@ -70,6 +70,7 @@ from ..records import SandboxUsage
 from . import qemu
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
+from .migstream import RAM_BLOCKS, SplitStats, StreamFormatError, split_stream
 from .qmp import QMP_SOCKET, Qmp
 from .vmlinux import ensure_vmlinux
 
@@ -100,12 +101,22 @@ CMDLINE = (
 QEMU_OVERHEAD = 256 << 20
 #: Seconds a guest may take to boot when the spec sets no start_timeout (TCG is slow).
 BOOT_TIMEOUT = 120.0
-#: Where a paused VM's memory and device state go, in its data directory (on disk).
-SAVED_STATE = "vm.state"
+#: Where a paused VM's device state and its RAM go, in its data directory (on disk).
+SAVED_STATE, SAVED_RAM = "vm.state", "vm.ram"
 #: Seconds a VM's state may take to save or load (QEMU streams it through ``cat``).
 MIGRATE_TIMEOUT = 120.0
-#: A start template's files (``<cache>/templates/<key>/``).
-TEMPLATE_STATE, TEMPLATE_DISK, TEMPLATE_READY = "vm.state", "disk.raw", "ready"
+#: A start template's files (``<cache>/templates/<key>/``), and a memory snapshot's.
+TEMPLATE_STATE, TEMPLATE_RAM, TEMPLATE_DISK, TEMPLATE_READY = (
+    "vm.state",
+    "vm.ram",
+    "disk.raw",
+    "ready",
+)
+#: How a template is saved (its RAM apart since 2): part of its key, so a node saves its
+#: templates again rather than loading the older form.
+TEMPLATE_FORMAT = 2
+#: The FIFO a save streams through, in the sandbox's runtime directory.
+SAVE_FIFO = "save.fifo"
 #: Seconds one connection waits for the booting guest's agent before another is tried.
 PING_PATIENCE = 10.0
 #: Lines of the guest's console kept in an error.
@@ -341,6 +352,7 @@ class QemuBackend(Backend):
             "layers": [layer_key(layer) for layer in rt.images],
             "disk": rt.disk_size,
             "qemu": self.qemu,
+            "saved": TEMPLATE_FORMAT,
         }
         blob = json.dumps(shape, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:24]
@@ -352,9 +364,9 @@ class QemuBackend(Backend):
             await self.save(rt, state, to)
 
     async def save(self, rt: SandboxRuntime, state: Mapping[str, Any], to: Path) -> None:
-        """The guest stopped, its memory and devices streamed to ``to/vm.state`` and its disk
-        copied (holes kept) while nothing writes to it, then let go on; ``FileExistsError`` if
-        ``to`` exists."""
+        """The guest stopped, its RAM saved to ``to/vm.ram`` and its devices to
+        ``to/vm.state`` (``_save_state``) and its disk copied (holes kept) while nothing
+        writes to it, then let go on; ``FileExistsError`` if ``to`` exists."""
         assert rt.disk is not None
         if to.exists():
             raise FileExistsError(to)
@@ -364,9 +376,7 @@ class QemuBackend(Backend):
             async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
                 await q.execute("stop")
                 try:
-                    target = qemu.quoted(work / TEMPLATE_STATE)
-                    await q.execute("migrate", {"uri": f"exec:cat > {target}"})
-                    await self._migrated(q, rt, "save")
+                    await self._save_state(q, rt, state, work / TEMPLATE_STATE, work / TEMPLATE_RAM)
                     await asyncio.to_thread(copy_sparse, rt.disk, work / TEMPLATE_DISK)
                 finally:
                     await q.execute("cont")
@@ -398,26 +408,39 @@ class QemuBackend(Backend):
             copy_sparse(template / TEMPLATE_DISK, disk)
 
         await asyncio.to_thread(prepare)
-        await self._launch(rt, state, incoming=template / TEMPLATE_STATE)
+        ram = template / TEMPLATE_RAM
+        await self._launch(
+            rt, state, incoming=template / TEMPLATE_STATE, ram=ram if ram.exists() else None
+        )
         async with await self._monitor(rt, state) as q:
             await self._migrated(q, rt, "load")
             await q.execute("cont")
         await self._wait_ready(rt, state)
-        await AgentClient(rt.agent_socket, rt.id).wake(os.urandom(64), f"dsec-{rt.id[:12]}")
+        await AgentClient(rt.agent_socket, rt.id).wake(
+            os.urandom(64), f"dsec-{rt.id[:12]}", time.time_ns()
+        )
         state["template"] = template.name
 
     async def _launch(
-        self, rt: SandboxRuntime, state: dict[str, Any], incoming: Path | None = None
+        self,
+        rt: SandboxRuntime,
+        state: dict[str, Any],
+        incoming: Path | None = None,
+        ram: Path | None = None,
     ) -> None:
-        """QEMU (from ``incoming``, a saved state, if given) and its forwarder, confined."""
+        """QEMU (from ``incoming``, a saved state, if given, its RAM the file ``ram`` mapped
+        privately if given) and its forwarder, confined."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         (rt.dir / QMP_SOCKET).unlink(missing_ok=True)  # a previous QEMU's (a resume)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
             if incoming is not None:
-                cfg = dataclasses.replace(cfg, incoming=incoming)
-            state.update(machine=cfg.machine, accel=cfg.accel)
+                cfg = dataclasses.replace(cfg, incoming=incoming, ram=ram)
+            # what a save needs to know of this QEMU: its RAM block's name (the machine's),
+            # how many layers it maps (their pages are not saved), the file its RAM maps
+            state.update(machine=cfg.machine, accel=cfg.accel, pmems=len(cfg.pmems))
+            state["memory_from"] = os.fspath(ram) if incoming is not None and ram else None
             if cfg.vnc is not None:
                 state["vnc"] = f"127.0.0.1:{5900 + cfg.vnc}"
             rt.agent_socket.unlink(missing_ok=True)
@@ -528,6 +551,7 @@ class QemuBackend(Backend):
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         await self._end_processes(state)
         self._saved(rt).unlink(missing_ok=True)
+        (rt.data_dir / SAVED_RAM).unlink(missing_ok=True)
         for _ in range(100):
             if not remove_cgroups(cgroup_path(rt.id)):
                 break
@@ -544,39 +568,47 @@ class QemuBackend(Backend):
     async def pause(
         self, rt: SandboxRuntime, state: Mapping[str, Any], reclaim: bool = False
     ) -> None:
-        """Stop the guest, stream its memory and device state to ``<data dir>/vm.state``
-        (QMP ``migrate``), and end QEMU and its forwarder: a paused VM holds no host memory
-        but its page cache's share of the layers. Connections open at the time end. The
-        state dict records the file (``saved``); ``reclaim`` changes nothing more."""
-        saved = self._saved(rt)
+        """Stop the guest, save its RAM to ``<data dir>/vm.ram`` and its devices to
+        ``vm.state`` (``_save_state``), and end QEMU and its forwarder: a paused VM holds no
+        host memory but its page cache's share of the layers. Connections open at the time
+        end. The state dict records the file (``saved``); ``reclaim`` changes nothing
+        more."""
+        saved, ram = self._saved(rt), rt.data_dir / SAVED_RAM
         if state.get("saved"):
             return
         saved.unlink(missing_ok=True)
+        ram.unlink(missing_ok=True)
         async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
             await q.execute("stop")
             try:
-                await q.execute("migrate", {"uri": f"exec:cat > {qemu.quoted(saved)}"})
-                await self._migrated(q, rt, "save")
+                await self._save_state(q, rt, state, saved, ram)
             except BaseException:
                 saved.unlink(missing_ok=True)
+                ram.unlink(missing_ok=True)
                 await q.execute("cont")
                 raise
         writable = dict(state)  # the node's dict: updated in place below
         await self._end_processes(writable)
         assert isinstance(state, dict)
-        state.update(pid=None, start_time=None, forwarder=None, forwarder_start=None)
+        # its RAM is all in its own file now: it maps a snapshot's no longer
+        state.update(
+            pid=None, start_time=None, forwarder=None, forwarder_start=None, memory_from=None
+        )
         state["saved"] = os.fspath(saved)
 
     async def resume(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
-        """A new QEMU loads the saved state (``-incoming``) with the same disks, and the guest
-        goes on from the instant it was saved; the file is removed."""
+        """A new QEMU loads the saved state (``-incoming``) with the same disks, its RAM the
+        saved file mapped privately (read as the guest touches it), and the guest goes on
+        from the instant it was saved; the files are removed (QEMU's mapping keeps the RAM
+        file's data until it exits)."""
         if not state.get("saved"):
             return
         assert isinstance(state, dict)
         saved = Path(state["saved"])
+        ram = rt.data_dir / SAVED_RAM
         fresh: dict[str, Any] = {}
         try:
-            await self._launch(rt, fresh, incoming=saved)
+            await self._launch(rt, fresh, incoming=saved, ram=ram if ram.exists() else None)
             async with await self._monitor(rt, fresh) as q:
                 await self._migrated(q, rt, "load")
                 await q.execute("cont")
@@ -586,6 +618,8 @@ class QemuBackend(Backend):
         state.update(fresh)
         state.pop("saved", None)
         saved.unlink(missing_ok=True)
+        ram.unlink(missing_ok=True)
+        state["memory_from"] = None
 
     async def _monitor(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> Qmp:
         """A connected monitor of a QEMU just started (it makes its socket as it starts)."""
@@ -606,6 +640,67 @@ class QemuBackend(Backend):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.01)
+
+    async def _save_state(
+        self, q: Qmp, rt: SandboxRuntime, state: Mapping[str, Any], to: Path, ram: Path
+    ) -> None:
+        """The stopped guest's RAM into the new file ``ram`` and the rest of its state into
+        ``to`` (``migstream``), so that whatever loads it maps the RAM instead of copying it.
+        A stream that does not split (a QEMU whose format this does not parse) is saved
+        whole into ``to``, with no ``ram``: loading it copies the RAM, as before."""
+        block = RAM_BLOCKS.get(str(state.get("machine")))
+        if block is not None:
+            try:
+                stats = await self._save_split(q, rt, state, to, ram, block)
+                log.debug("sandbox %s: saved %s", rt.id, stats)
+                return
+            except StreamFormatError as e:
+                log.warning("sandbox %s: its state did not split (%s); saving it whole", rt.id, e)
+                to.unlink(missing_ok=True)
+                ram.unlink(missing_ok=True)
+        await q.execute("migrate", {"uri": f"exec:cat > {qemu.quoted(to)}"})
+        await self._migrated(q, rt, "save")
+
+    async def _save_split(
+        self,
+        q: Qmp,
+        rt: SandboxRuntime,
+        state: Mapping[str, Any],
+        to: Path,
+        ram: Path,
+        block: str,
+    ) -> SplitStats:
+        """QEMU migrates into a FIFO in the runtime directory (``exec:cat > FIFO``) that a
+        thread reads and splits as it comes. The thread ends when the writer closes (``cat``
+        ends with the migration, however it ends); a split that fails closes its end, and the
+        migration fails with it."""
+        drop = [f"pm{i}" for i in range(int(state.get("pmems") or 0))]  # the layers' files
+        fifo = rt.dir / SAVE_FIFO
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo, 0o600)
+
+        def split() -> SplitStats:
+            fd = os.open(fifo, os.O_RDONLY | os.O_CLOEXEC)  # until cat opens it
+            with open(fd, "rb", buffering=1 << 20) as source, open(to, "xb") as out:
+                return split_stream(source, out, ram, block, drop)
+
+        task = asyncio.ensure_future(asyncio.to_thread(split))
+        try:
+            await q.execute("migrate", {"uri": f"exec:cat > {qemu.quoted(fifo)}"})
+            await self._migrated(q, rt, "save")
+            return await task
+        except BaseException:
+            with contextlib.suppress(OSError):  # a reader still waiting for cat: let it go
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(task), 10.0)
+            if task.done() and not task.cancelled():
+                error = task.exception()
+                if isinstance(error, StreamFormatError):
+                    raise error from None
+            raise
+        finally:
+            fifo.unlink(missing_ok=True)
 
     async def _migrated(self, q: Qmp, rt: SandboxRuntime, what: str) -> None:
         """Until the save (``query-migrate``) or load (``query-status``) is done."""

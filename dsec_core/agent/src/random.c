@@ -3,7 +3,8 @@
  * runs in it. It wakes with the CRNG state of every other VM started from that state, and would
  * hand out the same "random" numbers until the kernel reseeds on its own: the node's fresh bytes
  * (seed) are mixed into the pool and the CRNG reseeded at once. It also wakes with the hostname
- * the state was saved under: hostname, if given, replaces it.
+ * the state was saved under: hostname, if given, replaces it; and with the clock of the instant
+ * the state was saved: time (nanoseconds since the epoch, the host's now), if given, sets it.
  * Needs CAP_SYS_ADMIN over the kernel (a VM guest's root has it; a container's does not).
  */
 #include "agent.h"
@@ -12,7 +13,9 @@
 #include <fcntl.h>
 #include <linux/random.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/ioctl.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAX_SEED 256
@@ -59,6 +62,23 @@ void op_wake(int conn, struct req *r)
         return;
     }
     close(fd);
+    const char *now = req_get(r, "time");
+    if (now) {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long ns = strtoull(now, &end, 10);
+        if (errno || end == now || *end) {
+            send_error(conn, "bad_request", NULL, 0, "wake: time is not nanoseconds");
+            return;
+        }
+        struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ULL),
+                              .tv_nsec = (long)(ns % 1000000000ULL)};
+        if (clock_settime(CLOCK_REALTIME, &ts) < 0) {
+            send_error(conn, "internal", NULL, errno, "wake: clock_settime: %s",
+                       strerror(errno));
+            return;
+        }
+    }
     const char *host = req_get(r, "hostname");
     if (host && sethostname(host, strlen(host)) < 0) {
         send_error(conn, "internal", NULL, errno, "wake: sethostname: %s", strerror(errno));

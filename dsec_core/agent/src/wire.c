@@ -39,7 +39,8 @@
  *   op=write  path, mode, offset, truncate, parents, body=data -> written
  *   op=list   path                            -> entry...      op=stat path -> entry
  *   op=remove path, recursive                 -> (ok)
- *   op=wake seed (hex, 1-256 bytes), hostname -> (ok); CRNG reseeded, hostname set (random.c)
+ *   op=wake seed (hex, 1-256 bytes), hostname, time (ns) -> (ok); CRNG reseeded, hostname and
+ *     clock set (random.c)
  * entry = "<t> <size> <mode> <mtime_s> <mtime_ns> <name>", t in f d l o (file dir symlink other),
  *         mode = permission bits (st_mode & 07777) in decimal; name runs to the end of the value.
  * Errors: error=<kind> message=<text> [path=] [errno=] [name= session=...]; kinds: path,

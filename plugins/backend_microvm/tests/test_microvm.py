@@ -22,6 +22,7 @@ from dsec_core.errors import (
     DsecError,
     NotFound,
     SandboxDied,
+    SnapshotInUse,
     StartTimeout,
     UnknownSnapshot,
 )
@@ -300,3 +301,61 @@ def test_restore_n_from_a_memory_snapshot_goes_on_from_its_instant(vm, dsec_clie
         dsec_client.restore(snap.name, 1)
     with pytest.raises(BackendUnavailable):
         dsec_client.snapshot_memory(dsec_client.create(layers=["kit-base@1"]).id)
+
+
+def _smaps(pid: int) -> dict[str, int]:
+    """``/proc/<pid>/smaps_rollup`` in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, value = line.partition(":")
+        out[key] = int(value.split()[0]) << 10
+    return out
+
+
+def test_forks_map_the_snapshots_memory_and_share_what_they_do_not_write(
+    vm, dsec_client, dsec_node
+):
+    """Four forks of one memory snapshot map its saved RAM privately: a write in one is its
+    own (the others, and the snapshot, unchanged), the pages they only read are one copy in
+    the host's page cache (their private memory together well under four parents'), each
+    wakes with the host's clock, and the snapshot cannot be removed while they map it, across
+    a daemon restart too."""
+    # 48 MiB of the guest's RAM that is not zero: a tmpfs file of random bytes
+    vm.exec(
+        "mkdir -p /mnt/ram && mount -t tmpfs -o size=64m tmpfs /mnt/ram && "
+        "dd if=/dev/urandom of=/mnt/ram/blob bs=1048576 count=48 2>/dev/null"
+    ).check()
+    digest = vm.exec("md5sum < /mnt/ram/blob").stdout
+    parent = _smaps(_qemu_pids(vm.id)[0])
+    snap = vm.snapshot_memory(name=f"cow-{vm.id}")
+    saved = dsec_node.config.home / "memory-snapshots" / snap.name
+    assert (saved / "vm.ram").stat().st_blocks * 512 >= 48 << 20  # the RAM is a file
+    assert (saved / "vm.state").stat().st_size < 8 << 20  # and not in the stream
+    time.sleep(4)  # the snapshot's clock falls behind the host's
+    forks = dsec_client.restore(snap.name, 4)
+    try:
+        forks[0].exec("echo changed > /mnt/ram/blob").check()
+        for f in forks[1:]:
+            assert f.exec("md5sum < /mnt/ram/blob").stdout == digest
+        assert forks[0].exec("cat /mnt/ram/blob").stdout == b"changed\n"
+        assert vm.exec("md5sum < /mnt/ram/blob").stdout == digest
+        for f in forks:
+            guest = int(f.exec("date +%s").stdout)
+            assert abs(guest - time.time()) < 2.5, "the fork kept the snapshot's clock"
+        private = [_smaps(_qemu_pids(f.id)[0]) for f in forks]
+        mine = [p["Private_Clean"] + p["Private_Dirty"] for p in private]
+        shared = [p["Shared_Clean"] + p["Shared_Dirty"] for p in private]
+        # the blob was read in three forks: its pages are the snapshot file's, mapped by each
+        assert all(s >= 40 << 20 for s in shared[1:]), shared
+        assert sum(mine) < 2 * parent["Rss"], (mine, parent["Rss"])
+        dsec_node.restart()  # the forks run on, adopted, and still hold the snapshot
+        with dsec_node.client() as c:
+            with pytest.raises(SnapshotInUse) as e:
+                c.remove_memory_snapshot(snap.name)
+            assert sorted(e.value.context["sandboxes"]) == sorted(f.id for f in forks)
+            assert c.exec(forks[2].id, "md5sum < /mnt/ram/blob").stdout == digest
+    finally:
+        for f in forks:
+            f.kill()
+    dsec_client.remove_memory_snapshot(snap.name)
+    assert not saved.exists()
