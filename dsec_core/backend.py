@@ -223,6 +223,12 @@ class Feature(enum.StrEnum):
     #: sandbox of the same spec from such a directory, going on from that instant with its
     #: own copy of the disk: the node's memory snapshots and their restore (VM forks).
     MEMORY_SNAPSHOT = "memory-snapshot"
+    #: ``pack_diff`` packs the sandbox's writable layer into a snapshot layer: the overlay
+    #: upper on the host (``SandboxRuntime.rootfs``), or, for a sandbox whose writable layer
+    #: is a disk (``SandboxRuntime.disk``: the ``upper`` directory of the ext4 on it), that
+    #: disk while ``freeze_disk`` holds the guest's filesystem still. A ``COMPOSED`` backend
+    #: has it whether it claims it or not (the node packs the upper it composed itself).
+    PACK_DIFF = "pack-diff"
     #: The sandbox has a display: ``screenshot`` returns it as a PNG image and ``input`` sends
     #: it key presses, pointer moves and clicks (``dsec_core.screen_input``). Without it the node
     #: refuses both.
@@ -543,6 +549,20 @@ class Backend(abc.ABC):
             f"backend {self.name!r} cannot save a sandbox's memory "
             "(it does not claim Feature.MEMORY_SNAPSHOT)",
             backend=self.name,
+        )
+
+    async def freeze_disk(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], on: bool, seconds: float
+    ) -> None:
+        """With ``Feature.PACK_DIFF`` and a disk (``rt.disk``): freeze (``on``) the filesystem
+        on the sandbox's disk from inside (its data written out, its writes held, for at most
+        ``seconds`` should nobody thaw it), or thaw it, so the node reads a consistent
+        disk."""
+        raise FeatureUnavailable(
+            f"backend {self.name!r} cannot freeze a sandbox's disk "
+            "(it does not claim Feature.PACK_DIFF with a disk)",
+            backend=self.name,
+            feature=Feature.PACK_DIFF.value,
         )
 
     async def start_from(self, rt: SandboxRuntime, saved: Path) -> dict[str, Any]:

@@ -671,6 +671,18 @@ class AgentClient:
             fields.append(("time", str(int(time_ns))))
         await self._call(fields)
 
+    async def freeze(self, on: bool, path: str | None = None, seconds: int = 60) -> bool:
+        """For a VM guest: freeze (``on``) the filesystem at ``path`` (default the writable
+        disk, bound at ``/.dsec/rw``: its data written out, its writes held) for at most
+        ``seconds``, or thaw it. Returns whether it was frozen before a thaw (True after a
+        freeze). A container's root may not."""
+        fields: list[tuple[str, Any]] = [("op", "freeze"), ("on", int(on))]
+        fields.append(("seconds", int(seconds)))
+        if path is not None:
+            fields.append(("path", path))
+        reply, _ = await self._call(fields)
+        return _one(reply, "frozen") == b"1"
+
     async def stat(self, path: str | os.PathLike[str]) -> FileEntry:
         """lstat of one path (a symlink is reported as a symlink)."""
         reply, _ = await self._call([("op", "stat"), ("path", os.fspath(path))])

@@ -25,6 +25,7 @@ __all__ = ["LoopDevice", "attach_loop", "loop_backing_files"]
 LOOP_CONTROL = "/dev/loop-control"
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
+LO_FLAGS_READ_ONLY = 1
 LO_FLAGS_AUTOCLEAR = 4
 LO_FLAGS_DIRECT_IO = 16
 # struct loop_config: fd, block_size, struct loop_info64 (232 bytes), 8 reserved u64.
@@ -53,18 +54,19 @@ class LoopDevice:
         self.close()
 
 
-def _config(backing_fd: int, direct_io: bool) -> bytes:
+def _config(backing_fd: int, direct_io: bool, read_only: bool = False) -> bytes:
     flags = LO_FLAGS_AUTOCLEAR | (LO_FLAGS_DIRECT_IO if direct_io else 0)
+    flags |= LO_FLAGS_READ_ONLY if read_only else 0
     info = _LOOP_INFO64.pack(0, 0, 0, 0, 0, 0, 0, 0, flags, b"", b"", b"", 0, 0)
     # Direct I/O needs the device's blocks to be the backing filesystem's: 4 KiB everywhere
     # we run. Zero keeps the kernel's default (512) for buffered devices.
     return struct.pack("=II", backing_fd, 4096 if direct_io else 0) + info + bytes(64)
 
 
-def attach_loop(image: Path, *, direct_io: bool = True) -> LoopDevice:
-    """Bind ``image`` (read-write) to a free loop device with autoclear; ``MountError`` if
-    there is no loop support or no device could be had. Falls back to buffered I/O where the
-    backing filesystem cannot do direct I/O."""
+def attach_loop(image: Path, *, direct_io: bool = True, read_only: bool = False) -> LoopDevice:
+    """Bind ``image`` (read-write, or ``read_only``: the device refuses writes) to a free loop
+    device with autoclear; ``MountError`` if there is no loop support or no device could be
+    had. Falls back to buffered I/O where the backing filesystem cannot do direct I/O."""
     try:
         ctl = os.open(LOOP_CONTROL, os.O_RDWR | os.O_CLOEXEC)
     except OSError as e:
@@ -74,7 +76,7 @@ def attach_loop(image: Path, *, direct_io: bool = True) -> LoopDevice:
             target=os.fspath(image),
         ) from e
     try:
-        backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+        backing = os.open(image, (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC)
     except OSError as e:
         os.close(ctl)
         raise MountError(
@@ -86,11 +88,11 @@ def attach_loop(image: Path, *, direct_io: bool = True) -> LoopDevice:
             path, dev = _free_device(ctl, image)
             try:
                 try:
-                    fcntl.ioctl(dev, LOOP_CONFIGURE, _config(backing, direct_io))
+                    fcntl.ioctl(dev, LOOP_CONFIGURE, _config(backing, direct_io, read_only))
                 except OSError as e:
                     if e.errno != errno.EINVAL or not direct_io:
                         raise
-                    fcntl.ioctl(dev, LOOP_CONFIGURE, _config(backing, False))
+                    fcntl.ioctl(dev, LOOP_CONFIGURE, _config(backing, False, read_only))
             except OSError as e:
                 os.close(dev)
                 busy += 1

@@ -1,7 +1,8 @@
 """Snapshots that are layers: pack_diff packs a running sandbox's writable layer into a
 ``snapshot`` layer over the sandbox's layers, and restore makes sandboxes that start from one.
 
-The packing itself (freeze, idmapped view, mkfs.erofs, secret scan) is ``snapshots.pack_upper``;
+The packing itself (freeze, idmapped view, mkfs.erofs, secret scan) is ``snapshots.pack_upper``
+(a VM's: ``snapshots.pack_disk`` of its disk, while the guest holds its filesystem frozen);
 this service checks what may be packed, keeps a pack in flight on the sandbox (a kill or a
 pause waits for it), pushes a snapshot and the parents a source lacks, and checks a snapshot's
 parents before a restore stacks it over them.
@@ -14,13 +15,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from ..backend import cgroup_path
+from ..backend import Feature, cgroup_path
 from ..errors import (
     BackendUnavailable,
     DsecError,
     InvalidSpec,
     MissingParentLayers,
     SandboxNotRunning,
+    SandboxPaused,
     UnknownSource,
 )
 from ..layers.store import LayerStore
@@ -28,7 +30,16 @@ from ..records import LayerInfo, LayerRef, SandboxInfo, SandboxSpec
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .host import SnapshotHost, create_all
-from .snapshots import PACK_MARKER, exclude_paths, pack_upper, scrub_env, secret_needles
+from .sandbox import Sandbox
+from .snapshots import (
+    PACK_MARKER,
+    PACK_TIMEOUT,
+    exclude_paths,
+    pack_disk,
+    pack_upper,
+    scrub_env,
+    secret_needles,
+)
 
 __all__ = ["LayerSnapshots"]
 
@@ -69,11 +80,19 @@ class LayerSnapshots:
                 f"sandbox {sid} is {sb.status}: only a running sandbox can be packed",
                 sandbox_id=sid,
             )
-        if sb.rt.rootfs is None:
+        # the node packs the overlay upper it composed; a disk, only with the guest's help
+        on_disk = sb.rt.rootfs is None
+        if on_disk and (Feature.PACK_DIFF not in sb.backend.features or sb.rt.disk is None):
             raise BackendUnavailable(
-                f"backend {sb.backend.name!r} keeps its writable layer in a disk image; "
-                "pack_diff packs overlay upper layers only",
+                f"backend {sb.backend.name!r} cannot pack a sandbox's writable layer "
+                "(it does not claim Feature.PACK_DIFF)",
                 backend=sb.backend.name,
+            )
+        if on_disk and sb.paused:  # a stopped guest's unwritten data is in its memory
+            raise SandboxPaused(
+                f"sandbox {sid} is a paused VM: resume it, and its disk is packed with "
+                "everything the guest wrote",
+                sandbox_id=sid,
             )
         if sb.packing is not None:
             raise InvalidSpec(f"sandbox {sid} is being packed already", sandbox_id=sid)
@@ -83,25 +102,32 @@ class LayerSnapshots:
         target = None if source is None else self.source(source)
         parents = list(sb.layers)
         t0 = time.perf_counter()
-        sb.packing = asyncio.ensure_future(
-            asyncio.to_thread(
-                pack_upper,
-                sb.rt.data_dir / "upper",
-                sb.rt.idmap,
-                cgroup_path(sid),
-                LayerStore(self.host.config.layer_dir),
-                name=name or f"snapshot-{sid}",
-                version=version,
-                parents=parents,
-                exclude=paths,
-                source=f"pack_diff of sandbox {sid}",
-                env=[f"{k}={v}" for k, v in sorted(env.items())],
-                workdir=sb.rt.spec.workdir,
-                marker=sb.rt.dir / PACK_MARKER,
-                paused=sb.paused,
-                needles=needles,
-            )
+        what = dict(
+            name=name or f"snapshot-{sid}",
+            version=version,
+            parents=parents,
+            exclude=paths,
+            source=f"pack_diff of sandbox {sid}",
+            env=[f"{k}={v}" for k, v in sorted(env.items())],
+            workdir=sb.rt.spec.workdir,
+            needles=needles,
         )
+        store = LayerStore(self.host.config.layer_dir)
+        if on_disk:
+            sb.packing = asyncio.ensure_future(self._pack_disk(sb, store, what))
+        else:
+            sb.packing = asyncio.ensure_future(
+                asyncio.to_thread(
+                    pack_upper,
+                    sb.rt.data_dir / "upper",
+                    sb.rt.idmap,
+                    cgroup_path(sid),
+                    store,
+                    marker=sb.rt.dir / PACK_MARKER,
+                    paused=sb.paused,
+                    **what,  # type: ignore[arg-type]
+                )
+            )
         sb.packing.add_done_callback(lambda _f: setattr(sb, "packing", None))
         info, frozen = await asyncio.shield(sb.packing)
         log.info(
@@ -115,6 +141,23 @@ class LayerSnapshots:
         if target is not None:
             await asyncio.to_thread(self.push_layers, target, [*reversed(parents), info])
         return info
+
+    @staticmethod
+    async def _pack_disk(
+        sb: Sandbox, store: LayerStore, what: Mapping[str, object]
+    ) -> tuple[LayerInfo, float]:
+        """A VM's pack: the guest freezes the filesystem on its disk (its data written out,
+        its writes held; it thaws by itself after ``PACK_TIMEOUT`` should this daemon die
+        meanwhile), the node packs the disk's upper, the guest thaws. Returns the layer and
+        how long the guest's writes were held."""
+        assert sb.rt.disk is not None
+        t0 = time.perf_counter()
+        await sb.backend.freeze_disk(sb.rt, sb.backend_state, True, PACK_TIMEOUT + 30)
+        try:
+            info, _ = await asyncio.to_thread(pack_disk, sb.rt.disk, store, **what)
+        finally:
+            await sb.backend.freeze_disk(sb.rt, sb.backend_state, False, PACK_TIMEOUT + 30)
+        return info, time.perf_counter() - t0
 
     def source(self, url: str) -> LayerSource:
         """The node's layer source at ``url``; ``UnknownSource`` naming them if none is."""

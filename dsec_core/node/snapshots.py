@@ -27,16 +27,22 @@ import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidSpec, LeakFound, NodeUnavailable
 from ..layers.store import LayerStore
 from ..linux.cgroups import freeze, thaw
 from ..linux.erofs import mkfs_erofs
 from ..linux.files import remove_tree
+from ..linux.loop import attach_loop
 from ..linux.mounts import (
+    MS_NODEV,
+    MS_NOSUID,
+    MS_RDONLY,
     UserNamespaceHandle,
     attach,
     clone_idmapped,
+    mount,
     mount_erofs_file,
     mounted_under,
     unmount,
@@ -56,6 +62,7 @@ __all__ = [
     "SNAPSHOT_COMPRESSION",
     "exclude_paths",
     "expand_globs",
+    "pack_disk",
     "pack_upper",
     "recover_packs",
     "scan_image",
@@ -385,8 +392,8 @@ def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def pack_upper(
     upper: Path,
-    idmap: IdMap,
-    cgroup: str,
+    idmap: IdMap | None,
+    cgroup: str | None,
     store: LayerStore,
     *,
     name: str,
@@ -403,30 +410,38 @@ def pack_upper(
     """Freeze ``cgroup``, pack ``upper`` (a writable layer of ``idmap``'s sandbox) into a
     ``snapshot`` layer of ``store`` over ``parents`` (recording the sandbox's ``env`` and
     ``workdir``), thaw; returns the layer and how long the
-    sandbox stayed frozen (seconds). Blocking: call it in a thread. Nothing is left mounted.
+    sandbox stayed frozen (seconds). ``idmap`` None: ``upper``'s owners are the sandbox's
+    own already (a VM's disk); ``cgroup`` None: the caller holds ``upper`` still (a VM's
+    frozen filesystem, ``pack_disk``). Blocking: call it in a thread. Nothing is left mounted.
     ``exclude`` may hold globs (``expand_globs``, resolved while frozen). ``marker`` exists
     while the sandbox may be frozen, so a daemon that died meanwhile is followed by one that
     thaws it (``recover_packs``). A ``paused`` sandbox is frozen already and stays so.
     ``needles`` (``secret_needles``): the image is scanned for them once the sandbox is
     thawed, and a hit raises ``LeakFound`` with no layer added to ``store``."""
     with store.scratch("pack-") as tmp:
-        view = tmp / "upper"
-        view.mkdir()
         image = tmp / "layer.erofs"
-        userns = UserNamespaceHandle(idmap.unshift_uid_lines(), idmap.unshift_gid_lines())
-        try:
-            fd = clone_idmapped(upper, userns)
-        finally:
-            userns.close()  # the clone keeps it
-        try:
-            attach(fd, view)
-        finally:
-            os.close(fd)
+        view = upper
+        if idmap is not None:
+            view = tmp / "upper"
+            view.mkdir()
+            userns = UserNamespaceHandle(idmap.unshift_uid_lines(), idmap.unshift_gid_lines())
+            try:
+                fd = clone_idmapped(upper, userns)
+            finally:
+                userns.close()  # the clone keeps it
+            try:
+                attach(fd, view)
+            finally:
+                os.close(fd)
+        paused = paused or cgroup is None
         try:
             t0 = time.perf_counter()
             if marker is not None and not paused:
+                assert cgroup is not None
                 marker.write_text(cgroup)
-            _set_frozen(cgroup, True)
+            if not paused:
+                assert cgroup is not None
+                _set_frozen(cgroup, True)
             try:
                 mkfs_erofs(
                     view,
@@ -439,12 +454,14 @@ def pack_upper(
             finally:
                 frozen = time.perf_counter() - t0
                 if not paused:
+                    assert cgroup is not None
                     _set_frozen(cgroup, False)
                 if marker is not None:
                     marker.unlink(missing_ok=True)
         finally:
-            with contextlib.suppress(Exception):  # remove_tree detaches what is left anyway
-                unmount(view)
+            if view != upper:
+                with contextlib.suppress(Exception):  # remove_tree detaches what is left
+                    unmount(view)
         if needles:
             scan_image(image, tmp / "scan", needles, env)
         info = store.add(
@@ -459,6 +476,29 @@ def pack_upper(
             workdir=workdir,
         )
         return info, frozen
+
+
+def pack_disk(disk: Path, store: LayerStore, **kw: Any) -> tuple[LayerInfo, float]:
+    """``pack_upper`` of the writable layer inside a VM's disk (the ext4 the host made, the
+    guest's overlay upper at ``/upper``), which the caller holds still (the guest's filesystem
+    frozen: its data written out and its journal clean). The disk is attached read-only and
+    mounted without replaying its journal (``noload``), read-only, in a scratch directory
+    ``recover_packs`` clears after a daemon that died here; nothing is left mounted."""
+    with store.scratch("pack-") as tmp:
+        point = tmp / "disk"
+        point.mkdir()
+        loop = attach_loop(disk, read_only=True)
+        try:
+            mount(os.fspath(loop.path), point, "ext4", MS_RDONLY | MS_NOSUID | MS_NODEV, "noload")
+        finally:
+            loop.close()  # the mount holds the device now (autoclear once it goes)
+        try:
+            upper = point / "upper"
+            if not upper.is_dir():
+                raise NodeUnavailable(f"disk {disk} holds no /upper: not a dsec VM's disk")
+            return pack_upper(upper, None, None, store, **kw)
+        finally:
+            unmount(point)
 
 
 def recover_packs(store: LayerStore, markers: Iterable[Path]) -> None:

@@ -104,6 +104,10 @@ $bb mkdir -p /newroot/.dsec /newroot/proc /newroot/dev /newroot/sys /newroot/tmp
 $bb mount -t tmpfs -o mode=0755,size=16m dsec /newroot/.dsec
 $bb cp /dsec-agent /newroot/.dsec/agent
 $bb cp /bin/busybox /newroot/.dsec/busybox
+# The writable disk, read-only, where the agent finds it to freeze it (a VM's pack_diff).
+$bb mkdir -p /newroot/.dsec/rw
+$bb mount --bind /run/rw /newroot/.dsec/rw || fail "bind the writable disk"
+$bb mount -o remount,bind,ro /newroot/.dsec/rw || fail "bind the writable disk read-only"
 # The layers' mounts where the sandbox can see how they came (read-only, DAX or not).
 i=0
 while [ $i -lt "$layers" ]; do

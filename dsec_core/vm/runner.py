@@ -162,7 +162,13 @@ class QemuBackend(Backend):
     rootfs = RootfsForm.IMAGES
     agent_channel = AgentChannel.FORWARDED
     features: ClassVar[frozenset[Feature]] = frozenset(
-        {Feature.PID_NAMESPACE, Feature.NET_NAMESPACE, Feature.PAUSE, Feature.MEMORY_SNAPSHOT}
+        {
+            Feature.PID_NAMESPACE,
+            Feature.NET_NAMESPACE,
+            Feature.PAUSE,
+            Feature.MEMORY_SNAPSHOT,
+            Feature.PACK_DIFF,
+        }
     )
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
@@ -527,6 +533,13 @@ class QemuBackend(Backend):
             sandbox_id=rt.id,
             console=console,
         )
+
+    async def freeze_disk(
+        self, rt: SandboxRuntime, state: Mapping[str, Any], on: bool, seconds: float
+    ) -> None:
+        """The agent freezes (or thaws) the guest's writable disk (``/.dsec/rw``, bound there
+        by ``init.sh``), thawing it by itself after ``seconds``."""
+        await AgentClient(rt.agent_socket, rt.id).freeze(on, seconds=math.ceil(seconds))
 
     # --- liveness ------------------------------------------------------------------------
     @staticmethod

@@ -100,6 +100,10 @@ int forward_main(int argc, char **argv);
 
 void op_wake(int conn, struct req *r);
 
+/* ---------------------------------------------------------------- freeze.c */
+
+void op_freeze(int conn, struct req *r);
+
 /* ---------------------------------------------------------------- proctree.c */
 
 int descendants(pid_t root, pid_t **out);

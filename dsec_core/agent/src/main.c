@@ -215,6 +215,8 @@ static void dispatch(int fd, unsigned char *hdr, uint32_t hlen)
         op_sessions(fd);
     } else if (!strcmp(op, "wake")) {
         op_wake(fd, r);
+    } else if (!strcmp(op, "freeze")) {
+        op_freeze(fd, r);
     } else if (!strcmp(op, "session_open")) {
         op_session_open(fd, r);
     } else if (!strcmp(op, "session_close")) {

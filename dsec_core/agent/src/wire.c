@@ -41,6 +41,8 @@
  *   op=remove path, recursive                 -> (ok)
  *   op=wake seed (hex, 1-256 bytes), hostname, time (ns) -> (ok); CRNG reseeded, hostname and
  *     clock set (random.c)
+ *   op=freeze on (0|1), path, seconds -> (ok, frozen); a filesystem frozen, thawed after
+ *     seconds unless thawed first (freeze.c)
  * entry = "<t> <size> <mode> <mtime_s> <mtime_ns> <name>", t in f d l o (file dir symlink other),
  *         mode = permission bits (st_mode & 07777) in decimal; name runs to the end of the value.
  * Errors: error=<kind> message=<text> [path=] [errno=] [name= session=...]; kinds: path,

@@ -396,6 +396,7 @@ class ContainerBackend(Backend):
             Feature.DEVICES,
             Feature.PAUSE,
             Feature.DRIVE,
+            Feature.PACK_DIFF,
         }
     )
     rootfs = RootfsForm.COMPOSED

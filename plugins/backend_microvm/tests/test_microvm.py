@@ -359,3 +359,35 @@ def test_forks_map_the_snapshots_memory_and_share_what_they_do_not_write(
             f.kill()
     dsec_client.remove_memory_snapshot(snap.name)
     assert not saved.exists()
+
+
+def test_a_frozen_disk_holds_writes_until_thawed_or_its_guard_thaws_it(vm, dsec_node):
+    """The agent's freeze (what a VM's pack_diff holds the guest's disk still with): a write
+    to the disk waits while it is frozen and lands once it is thawed, by the node or, if the
+    node never does, by the guard after its seconds; a second thaw says it was not frozen."""
+    import asyncio
+
+    from dsec_core.agent.rpc import AgentClient
+
+    agent = AgentClient(dsec_node.config.runtime_dir / vm.id / "agent.sock", vm.id)
+
+    def write_in_background(name: str) -> None:
+        vm.exec(f"(echo x > /root/{name}; sync) > /dev/null 2>&1 &", background=True).check()
+
+    assert asyncio.run(agent.freeze(True, seconds=60)) is True
+    write_in_background("held")
+    time.sleep(1.0)
+    assert vm.exec("test -e /root/held").exit_code != 0, "a write went through the freeze"
+    assert asyncio.run(agent.freeze(False)) is True
+    until(lambda: vm.exec("cat /root/held 2>/dev/null").stdout == b"x\n", what="the write")
+    assert asyncio.run(agent.freeze(False)) is False  # not frozen now
+
+    t0 = time.monotonic()
+    asyncio.run(agent.freeze(True, seconds=2))  # and nobody thaws it
+    write_in_background("guarded")
+    until(
+        lambda: vm.exec("cat /root/guarded 2>/dev/null").stdout == b"x\n",
+        timeout=20,
+        what="the guard's thaw",
+    )
+    assert time.monotonic() - t0 >= 1.5

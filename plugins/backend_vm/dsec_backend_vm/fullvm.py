@@ -43,7 +43,7 @@ class FullVmBackend(QemuBackend):
     display = True
     kernel_package = DISPLAY_KERNEL_PACKAGE
     extra_modules = DISPLAY_MODULES
-    features = frozenset({Feature.PID_NAMESPACE, Feature.NET_NAMESPACE, Feature.SCREEN})
+    features = QemuBackend.features | {Feature.SCREEN}
 
     def __init__(self, config: NodeConfig) -> None:
         super().__init__(config)
