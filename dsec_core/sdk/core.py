@@ -1076,8 +1076,9 @@ def group_fork(
     **kw: Any,
 ) -> Op[list[SandboxInfo]]:
     """``n`` new members that each start from member ``source``'s state now (packed with
-    ``pack_diff``, then ``restore``), each with its own writable layer; or from an
-    earlier ``snapshot`` instead. ``spec`` (or its fields) goes to ``Client.restore``.
+    ``pack_diff``, then ``restore``), each with its own writable layer, on ``source``'s
+    backend unless told otherwise; or from an earlier ``snapshot`` instead. ``spec`` (or
+    its fields) goes to ``Client.restore``.
     ``InvalidSpec`` if ``source`` is not a member of this group."""
     # The restore spec is labelled into the group and checked before anything is packed; the
     # layers it is given only make it valid, the node replaces them by the snapshot's.
@@ -1096,7 +1097,10 @@ def group_fork(
             field="source",
             sandbox_id=info.id,
         )
-    restore_spec = _in_group(spec, {"layers": info.layers, **kw}, name)
+    fields = {"layers": info.layers, **kw}
+    if spec is None and "backend" not in kw and info.backend:
+        fields["backend"] = info.backend  # a fork runs as its source does (a VM's are VMs)
+    restore_spec = _in_group(spec, fields, name)
     packed = yield from pack_diff(sid)
     return (yield from restore(packed, n, restore_spec))
 

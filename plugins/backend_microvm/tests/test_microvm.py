@@ -391,3 +391,18 @@ def test_a_frozen_disk_holds_writes_until_thawed_or_its_guard_thaws_it(vm, dsec_
         what="the guard's thaw",
     )
     assert time.monotonic() - t0 >= 1.5
+
+
+def test_a_group_forks_a_microvm_into_microvms(dsec_client, dsec_node):
+    """``group.fork`` of a VM member: pack_diff of its disk, restored as VMs of its backend
+    (not the node's default), each holding what the member wrote."""
+    group = dsec_client.group(f"vmfork-{os.getpid()}")
+    (member,) = group.create(layers=[dsec_node.layer.ref], backend="microvm", memory="384M")
+    try:
+        member.write_file("/root/state", b"step 3")
+        forks = group.fork(member, 2, memory="384M")
+        assert [f.info.backend for f in forks] == ["microvm", "microvm"]
+        assert [f.read_file("/root/state") for f in forks] == [b"step 3", b"step 3"]
+        assert forks[0].exec("uname -r").stdout != os.uname().release.encode() + b"\n"
+    finally:
+        group.kill()
