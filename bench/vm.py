@@ -8,6 +8,12 @@ host memory of idle microVMs with their layers over virtio-pmem (DAX) against vi
    template, reported apart as the cold boot; later ones load it) and the full VM backend
    ``vm`` when the node has it (its row says so when not); then ``true`` in a running sandbox of
    each, many rounds.
+   Then clones: a running 512M microVM holding 128 MiB of its own data, its memory snapshot,
+   and 8 clones of it (``restore(snapshot, 8)``): the time until all 8 have answered an exec
+   (``clone8_s``; target 1 s under TCG), and the memory they add, the sum of their QEMUs' PSS
+   once each has read its data, against the parent's PSS (``clone8_added_mem_vs_one``;
+   target 1.5x, not 8x): clones map the snapshot's RAM file privately and share what they
+   do not write.
 2. Boot every time: a node with ``DSEC_VM_SNAPSHOT_START=0``, create -> first exec p50.
 3. Memory: a ``toolkit`` layer of incompressible files (48 MB; 16 MB with --quick) built in
    the bench; for pmem and then blk (``DSEC_VM_LAYERS``, read by the daemon at its start, so a
@@ -33,6 +39,7 @@ no boot-every-time row; it says so. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -57,11 +64,14 @@ from dsec_core.testing import KitNode, running_kit_node
 from dsec_core.vm.runner import vm_cache_dir
 
 TARGETS = {  # figure: (limit, "le" for at most)
+    "clone8_s": 1.0,
+    "clone8_added_mem_vs_one": 1.5,
     "pmem_vs_blk_host_mem_ratio": 0.7,
     "gvisor_create_p50_ms": 300.0,
     "microvm_exec_p50_ms": 20.0,
 }
 VM_MEMORY = "256M"  # every microVM of the memory part, pmem and blk alike
+CLONE_MEMORY, CLONES, CLONE_FILL_MB = "512M", 8, 128  # the clone part: 8 of a 512M microVM
 FILE_BYTES = 512 << 10
 STOPS = (signal.SIGINT, signal.SIGTERM)
 
@@ -324,6 +334,58 @@ def idle_vms_memory(node: KitNode, layers: list[str], n: int, settle: float) -> 
     }
 
 
+def clones(node: KitNode) -> dict:
+    """A running 512M microVM holding 128 MiB of its own data (random bytes in a tmpfs), its
+    memory snapshot, then 8 clones of it: the time from the restore call until all 8 have
+    answered an exec, and the memory they add: the sum of their QEMUs' PSS (a page they share
+    counted once, split between them) against the parent QEMU's PSS."""
+    spec = dict(layers=[node.layer.ref], backend="microvm", memory=CLONE_MEMORY)
+    fill = (
+        "mkdir -p /mnt/ram && mount -t tmpfs -o size=200m tmpfs /mnt/ram && "
+        f"dd if=/dev/urandom of=/mnt/ram/blob bs=1048576 count={CLONE_FILL_MB} 2>/dev/null"
+    )
+    with node.client() as client:
+        parent = create(client, spec)
+        made: list[dsec.Sandbox] = []
+        snap = None
+        try:
+            parent.exec(["sh", "-c", fill]).check()
+            time.sleep(0.5)
+            one = pss(client.get(parent.id).info.pid)["Pss"]
+            t = time.perf_counter()
+            snap = client.snapshot_memory(parent.id, f"bench-clone-{parent.id}")
+            saved = time.perf_counter() - t
+            t0 = time.perf_counter()
+            with signals_held():
+                made = client.restore(snap.name, CLONES)
+            with cf.ThreadPoolExecutor(CLONES) as pool:
+                list(pool.map(lambda sb: sb.exec("true").check(), made))
+            took = time.perf_counter() - t0
+            # each clone reads its data once: the pages it shares with the others
+            with cf.ThreadPoolExecutor(CLONES) as pool:
+                list(pool.map(lambda sb: sb.exec("md5sum /mnt/ram/blob").check(), made))
+            time.sleep(0.5)
+            rollups = [pss(client.get(sb.id).info.pid) for sb in made]
+        finally:
+            for sb in [*made, parent]:
+                with contextlib.suppress(dsec.DsecError):
+                    sb.kill()
+            if snap is not None:
+                with contextlib.suppress(dsec.DsecError):
+                    client.remove_memory_snapshot(snap.name)
+    added = sum(r["Pss"] for r in rollups)
+    return {
+        "clone8_s": round(took, 3),
+        "clone8_amortised_ms": round(took / CLONES * 1e3, 1),
+        "snapshot_s": round(saved, 3),
+        "one_vm_pss_bytes": one,
+        "clone8_pss_bytes": added,
+        "clone8_added_mem_vs_one": round(added / one, 3) if one else None,
+        "clone8_anon_pss_bytes": sum(r["Pss_Anon"] for r in rollups),
+        "clone8_file_pss_bytes": sum(r["Pss_File"] for r in rollups),
+    }
+
+
 # --- the run ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -351,6 +413,8 @@ def main() -> None:
                 t = phase("node, layers", started)
                 lat = latency(node, layers, rounds, execs)
                 t = phase("latency", t)
+                clone = clones(node)
+                t = phase("clones", t)
                 mem["pmem"] = idle_vms_memory(node, layers, n_vms, settle)
                 t = phase("memory, pmem", t)
         with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="blk", DSEC_VM_SNAPSHOT_START="1"):
@@ -369,7 +433,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     took = time.perf_counter() - started
-    report(args.quick, lat, boot, mem, rounds, execs, n_vms, data_mb, took)
+    report(args.quick, lat, boot, mem, clone, rounds, execs, n_vms, data_mb, took)
     if args.plot:
         plot(args.quick, lat, mem, n_vms, data_mb)
 
@@ -399,6 +463,7 @@ def report(
     lat: dict[str, dict],
     boot: list[float],
     mem: dict[str, dict],
+    clone: dict,
     rounds: int,
     execs: int,
     n_vms: int,
@@ -444,11 +509,27 @@ def report(
         line = f"{fig['microvm_boot_create_p50_s']:>9} s   p50 of {len(boot)}, snapshot start off"
         print(f"  {'microVM boot each time':22} {line}")
 
+    mb = lambda v: f"{v / 1e6:.0f} MB"  # noqa: E731
+    print(
+        f"\n{CLONES} clones of a running {CLONE_MEMORY} microVM holding {CLONE_FILL_MB} MiB of "
+        "its own data (a memory snapshot, then restore n)\n"
+    )
+    print(f"  snapshot                              {clone['snapshot_s']:>8} s")
+    print(
+        f"  restore until all {CLONES} answer an exec       {clone['clone8_s']:>8} s "
+        f"({clone['clone8_amortised_ms']} ms each)"
+    )
+    print(
+        f"  memory: one VM's QEMU PSS / the {CLONES}'s   {mb(clone['one_vm_pss_bytes']):>8} / "
+        f"{mb(clone['clone8_pss_bytes'])} ({clone['clone8_added_mem_vs_one']}x; anon "
+        f"{mb(clone['clone8_anon_pss_bytes'])}, shared file {mb(clone['clone8_file_pss_bytes'])})"
+    )
+    fig.update(clone)
+
     def ratio(key: str) -> float | None:
         pm, bl = mem["pmem"][key], mem["blk"][key]
         return round(pm / bl, 3) if pm > 0 and bl > 0 else None
 
-    mb = lambda v: f"{v / 1e6:.0f} MB"  # noqa: E731
     print(
         f"\n{n_vms} idle microVMs of {VM_MEMORY} each having read all of a "
         f"{mb(data_mb << 20)} layer: host memory they added\n"

@@ -159,6 +159,9 @@ class VmConfig:
     #: the guest's RAM as this file, mapped privately (``migstream``): a saved VM's memory,
     #: shared with every other QEMU mapping it until the guest writes a page
     ram: Path | None = None
+    #: a virtio-balloon with free page reporting: memory the guest frees goes back to the
+    #: host, and the node can ask the guest for more (``balloon``)
+    balloon: bool = False
     name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
     extra: tuple[str, ...] = field(default=())
 
@@ -239,7 +242,9 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         ro = ",readonly=on" if d.readonly else ""
         argv += [
             "-drive",
-            f"file={option(d.path)},if=none,format=raw,id=d{i},cache={d.cache},aio=threads{ro}",
+            # discard=ignore: a guest's discard never punches the image (nopunch.c relies on it)
+            f"file={option(d.path)},if=none,format=raw,id=d{i},cache={d.cache},aio=threads,"
+            f"discard=ignore,detect-zeroes=off{ro}",
             "-device",
             f"virtio-blk-{dev},drive=d{i},serial={d.serial}",
         ]
@@ -251,6 +256,8 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
             f"virtio-pmem-pci,memdev=pm{i},id=pmem{i},bus=pcie.0,"
             f"addr={PMEM_SLOT + (i if p.slot is None else p.slot):#x}",
         ]
+    if cfg.balloon:
+        argv += ["-device", f"virtio-balloon-{dev},id=balloon0,free-page-reporting=on"]
     if cfg.incoming is not None:
         argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]
     return argv + list(cfg.extra)

@@ -87,6 +87,7 @@ GUEST_MODULES = (
     "virtio_blk",
     "virtio_pmem",
     "nd_pmem",
+    "virtio_balloon",  # free page reporting: what the guest frees goes back to the host
     "erofs",
     "overlay",
     "ext4",  # the writable disk's (built into the cloud kernel, a module in the generic one)
@@ -194,6 +195,8 @@ class QemuBackend(Backend):
         #: DSEC_VM_SNAPSHOT_START=0: every VM boots (else most start from a template)
         self.snapshot_start = os.environ.get("DSEC_VM_SNAPSHOT_START", "1") != "0"
         self._making: set[str] = set()  # template keys being saved now
+        #: DSEC_VM_BALLOON=0: no virtio-balloon (memory a guest frees stays with its QEMU)
+        self.balloon = os.environ.get("DSEC_VM_BALLOON", "1") != "0"
 
     @classmethod
     def check_available(cls) -> None:
@@ -270,6 +273,7 @@ class QemuBackend(Backend):
             disks=tuple(disks),
             pmems=tuple(pmems),
             display=self.display,
+            balloon=self.balloon,
             name=f"dsec-{rt.id}",
             vnc=self.vnc_display(rt),
         )
@@ -355,6 +359,7 @@ class QemuBackend(Backend):
             "machine": cfg.machine,
             "accel": cfg.accel,
             "display": cfg.display,
+            "balloon": cfg.balloon,
             "layers": [layer_key(layer) for layer in rt.images],
             "disk": rt.disk_size,
             "qemu": self.qemu,
@@ -452,7 +457,9 @@ class QemuBackend(Backend):
             rt.agent_socket.unlink(missing_ok=True)
             listener.bind(os.fspath(rt.agent_socket))
             listener.listen(1024)
-            argv = qemu.qemu_argv(cfg, self.qemu)
+            # hole punching a no-op (nopunch.c): a guest giving memory back must never punch
+            # the RAM file it shares with the other VMs started from the same save
+            argv = [os.fspath(rt.agent_binary), "no-punch", "--", *qemu.qemu_argv(cfg, self.qemu)]
             pid = qemu.spawn(argv, [theirs.fileno()], log=rt.dir / "qemu.log")
             state.update(pid=pid, start_time=start_time(pid))
             fwd = qemu.spawn(

@@ -95,6 +95,7 @@ int mux_pollfds(struct pollfd *p, int *wait_ms);
 int mux_handle(const struct pollfd *p, int n);
 void mux_close_fds_in_handler(void);
 int forward_main(int argc, char **argv);
+int nopunch_main(int argc, char **argv);
 
 /* ---------------------------------------------------------------- random.c */
 

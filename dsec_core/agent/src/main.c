@@ -338,6 +338,7 @@ static void usage(void)
         "usage: dsec-agent [--fd N | --listen PATH | --serial PATH] [--policy-fd N [--status-fd N]]\n"
         "       dsec-agent drive [SOCKET]   (drive.c: a loop's bridge to its workers)\n"
         "       dsec-agent forward --listen-fd N --serial-fd M   (mux.c: a VM's host side)\n"
+        "       dsec-agent no-punch -- QEMU ARGS...   (nopunch.c: a VM's QEMU, no hole punching)\n"
         "Serve exec, shell sessions and file operations on the listening unix socket at fd N\n"
         "(default 3), on one it binds at PATH (--listen), or on the streams of a VM's\n"
         "virtio-serial port at PATH (--serial). Runs as the sandbox's init; see the protocol\n"
@@ -516,6 +517,8 @@ int main(int argc, char **argv)
         return drive_bridge(argc > 2 ? argv[2] : NULL);
     if (argc >= 2 && !strcmp(argv[1], "forward")) /* a VM's host side, not the agent: mux.c */
         return forward_main(argc, argv);
+    if (argc >= 2 && !strcmp(argv[1], "no-punch")) /* a VM's QEMU, host side: nopunch.c */
+        return nopunch_main(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "watch")) /* a command in the sandbox: watch.c */
         return watch_main(argc, argv);
     struct agent_args a;
