@@ -229,6 +229,10 @@ class Feature(enum.StrEnum):
     #: disk while ``freeze_disk`` holds the guest's filesystem still. A ``COMPOSED`` backend
     #: has it whether it claims it or not (the node packs the upper it composed itself).
     PACK_DIFF = "pack-diff"
+    #: The sandbox gives memory back: what its guest frees returns to the host (a balloon's
+    #: free page reporting), and ``give_back`` asks it for memory it has not touched lately
+    #: (the node's reclaim, ``dsec_core.node.reclaim``).
+    BALLOON = "balloon"
     #: The sandbox has a display: ``screenshot`` returns it as a PNG image and ``input`` sends
     #: it key presses, pointer moves and clicks (``dsec_core.screen_input``). Without it the node
     #: refuses both.
@@ -549,6 +553,16 @@ class Backend(abc.ABC):
             f"backend {self.name!r} cannot save a sandbox's memory "
             "(it does not claim Feature.MEMORY_SNAPSHOT)",
             backend=self.name,
+        )
+
+    async def give_back(self, rt: SandboxRuntime, state: Mapping[str, Any], floor: int) -> int:
+        """With ``Feature.BALLOON``: have the sandbox give the host back the memory it has not
+        touched since the last call (never leaving it less than ``floor`` bytes); returns the
+        bytes its host processes hold fewer now (best effort; 0 when there is nothing cold)."""
+        raise FeatureUnavailable(
+            f"backend {self.name!r} cannot give memory back (it does not claim Feature.BALLOON)",
+            backend=self.name,
+            feature=Feature.BALLOON.value,
         )
 
     async def freeze_disk(

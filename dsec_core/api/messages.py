@@ -194,6 +194,24 @@ class DeviceStatus(Message):
 
 
 @dataclass(frozen=True)
+class ReclaimStatus(Message):
+    """The node's memory reclaim (``dsec_core.node.reclaim``): on or off, how often it passes
+    over the sandboxes that give memory back (VMs), what each always keeps (``floor``), how
+    it finds cold memory (``monitor``), whether DAMON of its own could run here and why not,
+    and what its passes gave back (bytes) so far."""
+
+    enabled: bool
+    interval: float
+    floor: str
+    monitor: str
+    damon: bool
+    damon_detail: str
+    passes: int = 0
+    given_back: int = 0
+    last_pass: float = 0.0  # Unix time; 0: none yet
+
+
+@dataclass(frozen=True)
 class NodeStatus(Message):
     """A node daemon: its version, pid, home, sandboxes, capacity, backends, layer sources and
     what its kernel offers the CPU classes."""
@@ -209,6 +227,7 @@ class NodeStatus(Message):
     pools: tuple[PoolStatus, ...] = ()  # the FnCall pools, one per (project, environment, size)
     devices: tuple[DeviceStatus, ...] = ()  # the inventory (DSEC_DEVICES) and its holders
     warm: WarmStatus | None = None  # the warm pools of stateful sandboxes (None: an older node)
+    reclaim: ReclaimStatus | None = None  # memory given back by VMs (None: an older node)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ from .persistence import StateFiles, write_state
 from .policies import PolicyPlan, PolicyPlanner, enforcer
 from .pools import Pools
 from .processes import Processes
+from .reclaim import MemoryReclaim
 from .rootfs import RootFilesystems
 from .sandbox import Sandbox, state_counts
 from .screen import Screens
@@ -132,6 +133,7 @@ class Node:
         self.memory = MemorySnapshots(self)
         self.pools = Pools(self)
         self.warm_pools = WarmPools(self)
+        self.reclaim = MemoryReclaim(self)
         self.leases = Leases(self)
         self.trajectories = TrajectoryLogs(cfg.home / "trajectories")
         self.drive = DriveServer(self, cfg.run_dir / "drive")
@@ -177,6 +179,7 @@ class Node:
             raise
         await self.pools.drop_left()
         self.warm_pools.open()
+        self.reclaim.open()
         await self.drive.start()
         self.lifecycle.start()
 
@@ -198,6 +201,7 @@ class Node:
         await self.processes.close()  # their agent connections: the commands end
         await self.pools.close()
         await self.warm_pools.close()
+        await self.reclaim.close()
         if kill_all:
             await asyncio.gather(
                 *(self.kill(sid) for sid in list(self.sandboxes)), return_exceptions=True

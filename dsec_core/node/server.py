@@ -154,6 +154,7 @@ async def _node_info(node: Node, c: Call) -> NodeStatus:
             for d, held in node.devices.holdings()
         ),
         warm=node.warm_status(),
+        reclaim=node.reclaim.status(),
     )
 
 

@@ -257,7 +257,12 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
             f"addr={PMEM_SLOT + (i if p.slot is None else p.slot):#x}",
         ]
     if cfg.balloon:
-        argv += ["-device", f"virtio-balloon-{dev},id=balloon0,free-page-reporting=on"]
+        # deflate-on-oom: a guest about to run out takes pages back from the balloon rather
+        # than kill a process (the node's give_back never starves it)
+        argv += [
+            "-device",
+            f"virtio-balloon-{dev},id=balloon0,free-page-reporting=on,deflate-on-oom=on",
+        ]
     if cfg.incoming is not None:
         argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]
     return argv + list(cfg.extra)

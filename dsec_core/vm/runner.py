@@ -68,6 +68,7 @@ from ..linux.processes import (
 )
 from ..records import SandboxUsage
 from . import qemu
+from .coldmem import ColdProbe
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
 from .migstream import RAM_BLOCKS, SplitStats, StreamFormatError, split_stream
@@ -113,13 +114,19 @@ TEMPLATE_STATE, TEMPLATE_RAM, TEMPLATE_DISK, TEMPLATE_READY = (
     "disk.raw",
     "ready",
 )
-#: How a template is saved (its RAM apart since 2): part of its key, so a node saves its
-#: templates again rather than loading the older form.
-TEMPLATE_FORMAT = 2
+#: How a template is saved (its RAM apart since 2; 3: the balloon deflates on OOM): part of
+#: its key, so a node saves its templates again rather than loading an older form.
+TEMPLATE_FORMAT = 3
 #: The FIFO a save streams through, in the sandbox's runtime directory.
 SAVE_FIFO = "save.fifo"
 #: Seconds one connection waits for the booting guest's agent before another is tried.
 PING_PATIENCE = 10.0
+#: Cold guest memory below this is left alone (a give_back is a balloon round trip).
+GIVE_BACK_MIN = 32 << 20
+#: A guest that used more than this share of a core since the last pass is not asked.
+GIVE_BACK_BUSY = 0.2
+#: Seconds a give_back waits for the guest to fill the balloon before it deflates it.
+GIVE_BACK_SECONDS = 5.0
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
 
@@ -169,6 +176,7 @@ class QemuBackend(Backend):
             Feature.PAUSE,
             Feature.MEMORY_SNAPSHOT,
             Feature.PACK_DIFF,
+            Feature.BALLOON,
         }
     )
     machine: ClassVar[str] = "microvm"
@@ -197,6 +205,7 @@ class QemuBackend(Backend):
         self._making: set[str] = set()  # template keys being saved now
         #: DSEC_VM_BALLOON=0: no virtio-balloon (memory a guest frees stays with its QEMU)
         self.balloon = os.environ.get("DSEC_VM_BALLOON", "1") != "0"
+        self.cold = ColdProbe()
 
     @classmethod
     def check_available(cls) -> None:
@@ -450,7 +459,9 @@ class QemuBackend(Backend):
                 cfg = dataclasses.replace(cfg, incoming=incoming, ram=ram)
             # what a save needs to know of this QEMU: its RAM block's name (the machine's),
             # how many layers it maps (their pages are not saved), the file its RAM maps
-            state.update(machine=cfg.machine, accel=cfg.accel, pmems=len(cfg.pmems))
+            state.update(
+                machine=cfg.machine, accel=cfg.accel, pmems=len(cfg.pmems), balloon=cfg.balloon
+            )
             state["memory_from"] = os.fspath(ram) if incoming is not None and ram else None
             if cfg.vnc is not None:
                 state["vnc"] = f"127.0.0.1:{5900 + cfg.vnc}"
@@ -541,6 +552,40 @@ class QemuBackend(Backend):
             console=console,
         )
 
+    async def give_back(self, rt: SandboxRuntime, state: Mapping[str, Any], floor: int) -> int:
+        """The guest's RAM pages QEMU holds that it has not touched since the last call
+        (``coldmem``) are taken back through the balloon: it is inflated until the guest is
+        left its resident memory less the cold part (never less than ``floor``), so the guest
+        frees its coldest page cache to fill it and QEMU discards what the balloon holds;
+        then deflated at once, the pages now free in the guest and unbacked on the host.
+        Returns how much QEMU's resident memory fell."""
+        pid = state.get("pid")
+        if not state.get("balloon") or not isinstance(pid, int) or not self._running(state):
+            return 0
+        ram = max(128, rt.limits.memory >> 20) << 20
+        sample = await asyncio.to_thread(self.cold.sample, pid, ram)
+        if sample is None or sample.cold < GIVE_BACK_MIN or sample.busy > GIVE_BACK_BUSY:
+            return 0  # nothing cold enough, or a guest at work now
+        keep = max(floor, sample.resident - sample.cold)
+        if keep >= ram:
+            return 0
+        before = _rss(pid) or 0
+        async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
+            try:
+                await q.execute("balloon", {"value": keep})
+                deadline = time.monotonic() + GIVE_BACK_SECONDS
+                last = None
+                while time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                    actual = (await q.execute("query-balloon")).get("actual", ram)
+                    if actual <= keep + (4 << 20) or actual == last:
+                        break  # there, or the guest gives no more (what it holds is in use)
+                    last = actual
+            finally:
+                await q.execute("balloon", {"value": ram})
+        await asyncio.to_thread(self.cold.sample, pid, ram)  # the balloon's touches are not use
+        return max(0, before - (_rss(pid) or 0))
+
     async def freeze_disk(
         self, rt: SandboxRuntime, state: Mapping[str, Any], on: bool, seconds: float
     ) -> None:
@@ -569,6 +614,8 @@ class QemuBackend(Backend):
 
     # --- stop ----------------------------------------------------------------------------
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        if isinstance(state.get("pid"), int):
+            self.cold.forget(state["pid"])
         await self._end_processes(state)
         self._saved(rt).unlink(missing_ok=True)
         (rt.data_dir / SAVED_RAM).unlink(missing_ok=True)
