@@ -67,11 +67,12 @@ TARGETS = {  # figure: (limit, "le" for at most)
     "clone8_s": 1.0,
     "clone8_added_mem_vs_one": 1.5,
     "pmem_vs_blk_host_mem_ratio": 0.7,
+    "balloon_damon_vs_off_host_mem_ratio": 0.8,
     "gvisor_create_p50_ms": 300.0,
     "microvm_exec_p50_ms": 20.0,
 }
 VM_MEMORY = "256M"  # every microVM of the memory part, pmem and blk alike
-CLONE_MEMORY, CLONES, CLONE_FILL_MB = "512M", 8, 128  # the clone part: 8 of a 512M microVM
+CLONES = 8  # the clone part: 8 clones of one running microVM
 FILE_BYTES = 512 << 10
 STOPS = (signal.SIGINT, signal.SIGTERM)
 
@@ -180,7 +181,9 @@ def create_rounds(
     return first, each
 
 
-def latency(node: KitNode, layers: list[str], rounds: int, execs: int) -> dict[str, dict]:
+def latency(
+    node: KitNode, layers: list[str], rounds: int, execs: int, full_vm: bool = True
+) -> dict[str, dict]:
     common = dict(layers=layers, memory=VM_MEMORY)
     kinds = {
         "container": dict(common, backend="container", runtime="runc"),
@@ -194,6 +197,9 @@ def latency(node: KitNode, layers: list[str], rounds: int, execs: int) -> dict[s
         for name, spec in kinds.items():
             if spec["backend"] not in have:
                 out[name] = {"skipped": f"backend {spec['backend']!r} is not registered"}
+                continue
+            if name == "vm" and not full_vm:
+                out[name] = {"skipped": "--quick (its cold boot alone takes 6 s)"}
                 continue
             # warm: the layer mounted, runsc in page cache; for a VM, the cold boot that
             # saves its shape's template, timed apart
@@ -334,15 +340,15 @@ def idle_vms_memory(node: KitNode, layers: list[str], n: int, settle: float) -> 
     }
 
 
-def clones(node: KitNode) -> dict:
-    """A running 512M microVM holding 128 MiB of its own data (random bytes in a tmpfs), its
-    memory snapshot, then 8 clones of it: the time from the restore call until all 8 have
-    answered an exec, and the memory they add: the sum of their QEMUs' PSS (a page they share
-    counted once, split between them) against the parent QEMU's PSS."""
-    spec = dict(layers=[node.layer.ref], backend="microvm", memory=CLONE_MEMORY)
+def clones(node: KitNode, layers: list[str], memory: str, fill_mb: int) -> dict:
+    """A running microVM of ``memory`` holding ``fill_mb`` MiB of its own data (random bytes in
+    a tmpfs), its memory snapshot, then 8 clones of it: the time from the restore call until
+    all 8 have answered an exec, and the memory they add: the sum of their QEMUs' PSS (a page
+    they share counted once, split between them) against the parent QEMU's PSS."""
+    spec = dict(layers=layers, backend="microvm", memory=memory)
     fill = (
         "mkdir -p /mnt/ram && mount -t tmpfs -o size=200m tmpfs /mnt/ram && "
-        f"dd if=/dev/urandom of=/mnt/ram/blob bs=1048576 count={CLONE_FILL_MB} 2>/dev/null"
+        f"dd if=/dev/urandom of=/mnt/ram/blob bs=1048576 count={fill_mb} 2>/dev/null"
     )
     with node.client() as client:
         parent = create(client, spec)
@@ -375,6 +381,8 @@ def clones(node: KitNode) -> dict:
                     client.remove_memory_snapshot(snap.name)
     added = sum(r["Pss"] for r in rollups)
     return {
+        "clone_memory": memory,
+        "clone_fill_mb": fill_mb,
         "clone8_s": round(took, 3),
         "clone8_amortised_ms": round(took / CLONES * 1e3, 1),
         "snapshot_s": round(saved, 3),
@@ -384,6 +392,32 @@ def clones(node: KitNode) -> dict:
         "clone8_anon_pss_bytes": sum(r["Pss_Anon"] for r in rollups),
         "clone8_file_pss_bytes": sum(r["Pss_File"] for r in rollups),
     }
+
+
+def given_back(node: KitNode, layers: list[str], n: int, wait: float) -> dict:
+    """``n`` microVMs (layers over virtio-blk: what a guest reads stays in its page cache)
+    each read all of the data layer and go idle for ``wait`` seconds; then what their memory
+    cgroups hold (anonymous and mapped file pages). Run on a node with the balloon and the
+    reclaim on, and on one with both off."""
+    spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
+    read = "cat $(find /opt/bench -type f) > /dev/null"
+    with node.client() as client:
+        create(client, spec).kill()  # the shape's template, before the measure
+        vms = []
+        try:
+            for _ in range(n):
+                vms.append(create(client, spec))
+            with cf.ThreadPoolExecutor(n) as pool:
+                list(pool.map(lambda sb: sb.exec(["sh", "-c", read]).check(), vms))
+            read_at = sum(cgroup_held(sb.id) for sb in vms)
+            time.sleep(wait)
+            held = sum(cgroup_held(sb.id) for sb in vms)
+            reclaim = client.node_info().get("reclaim") or {}
+        finally:
+            for sb in vms:
+                with contextlib.suppress(dsec.DsecError):
+                    sb.kill()
+    return {"read_bytes": read_at, "held_bytes": held, "given_back": reclaim.get("given_back", 0)}
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -396,8 +430,10 @@ def main() -> None:
         raise SystemExit("bench: needs root")
     if args.quick:
         rounds, execs, boots, n_vms, data_mb, settle = 3, 6, 0, 3, 16, 1.0
+        settle_reclaim = 4.0
     else:
-        rounds, execs, boots, n_vms, data_mb, settle = 20, 5, 5, 8, 48, 3.0
+        rounds, execs, boots, n_vms, data_mb, settle = 20, 5, 5, 8, 200, 3.0
+        settle_reclaim = 10.0
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
     scratch = Path(tempfile.mkdtemp(prefix="dsec-bench-vm-", dir="/var/tmp"))
@@ -407,21 +443,46 @@ def main() -> None:
         tree = data_tree(scratch, data_mb << 20)
         mem = {}
         # the latency node is the pmem variant's node too: one cold boot fewer
-        with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="pmem", DSEC_VM_SNAPSHOT_START="1"):
+        # the layer transports compared without the balloon (a guest's freed memory stays)
+        off = {"DSEC_VM_BALLOON": "0", "DSEC_VM_RECLAIM": "0"}
+        with environment(
+            DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="pmem", DSEC_VM_SNAPSHOT_START="1", **off
+        ):
             with bench_node("dsec-bench-vm-") as node:
                 layers = with_data_layer(node, tree)
                 t = phase("node, layers", started)
-                lat = latency(node, layers, rounds, execs)
+                lat = latency(node, layers, rounds, execs, full_vm=not args.quick)
                 t = phase("latency", t)
-                clone = clones(node)
+                # --quick: the latency rows' shape (its template is saved: no cold boot)
+                if args.quick:
+                    clone = clones(node, layers, VM_MEMORY, 32)
+                else:
+                    clone = clones(node, [node.layer.ref], "512M", 128)
                 t = phase("clones", t)
                 mem["pmem"] = idle_vms_memory(node, layers, n_vms, settle)
                 t = phase("memory, pmem", t)
-        with environment(DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="blk", DSEC_VM_SNAPSHOT_START="1"):
+        gave = {}
+        with environment(
+            DSEC_VM_CACHE=cache, DSEC_VM_LAYERS="blk", DSEC_VM_SNAPSHOT_START="1", **off
+        ):
             with bench_node("dsec-bench-vm-blk-") as node:
                 t = phase("node stopped; node started", t)
-                mem["blk"] = idle_vms_memory(node, with_data_layer(node, tree), n_vms, settle)
+                layers = with_data_layer(node, tree)
+                mem["blk"] = idle_vms_memory(node, layers, n_vms, settle)
                 t = phase("memory, blk", t)
+                gave["off"] = given_back(node, layers, n_vms, settle_reclaim)
+                t = phase("balloon and reclaim off", t)
+        with environment(
+            DSEC_VM_CACHE=cache,
+            DSEC_VM_LAYERS="blk",
+            DSEC_VM_BALLOON="1",
+            DSEC_VM_RECLAIM="1",
+            DSEC_VM_RECLAIM_INTERVAL="1",
+        ):
+            with bench_node("dsec-bench-vm-balloon-") as node:
+                layers = with_data_layer(node, tree)
+                gave["on"] = given_back(node, layers, n_vms, settle_reclaim)
+                t = phase("balloon and reclaim on", t)
         boot: list[float] = []
         if boots:
             with environment(DSEC_VM_CACHE=cache, DSEC_VM_SNAPSHOT_START="0"):
@@ -433,7 +494,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     took = time.perf_counter() - started
-    report(args.quick, lat, boot, mem, clone, rounds, execs, n_vms, data_mb, took)
+    report(args.quick, lat, boot, mem, clone, gave, rounds, execs, n_vms, data_mb, took)
     if args.plot:
         plot(args.quick, lat, mem, n_vms, data_mb)
 
@@ -464,6 +525,7 @@ def report(
     boot: list[float],
     mem: dict[str, dict],
     clone: dict,
+    gave: dict,
     rounds: int,
     execs: int,
     n_vms: int,
@@ -511,8 +573,8 @@ def report(
 
     mb = lambda v: f"{v / 1e6:.0f} MB"  # noqa: E731
     print(
-        f"\n{CLONES} clones of a running {CLONE_MEMORY} microVM holding {CLONE_FILL_MB} MiB of "
-        "its own data (a memory snapshot, then restore n)\n"
+        f"\n{CLONES} clones of a running {clone['clone_memory']} microVM holding "
+        f"{clone['clone_fill_mb']} MiB of its own data (a memory snapshot, then restore n)\n"
     )
     print(f"  snapshot                              {clone['snapshot_s']:>8} s")
     print(
@@ -561,6 +623,25 @@ def report(
     fig["pmem_vs_blk_system_used_ratio"] = ratio("host_used_bytes")
     fig["pmem_vs_blk_pss_ratio"] = ratio("qemu_pss_bytes")
     fig["other_qemus_during_memory"] = others
+    print(
+        f"\n{n_vms} microVMs of {VM_MEMORY} (layers over blk) that read all of the "
+        f"{mb(data_mb << 20)} layer, then idle: what their cgroups hold\n"
+    )
+    print(f"  {'':26} {'after the read':>15} {'idle, later':>12} {'given back':>11}")
+    for mode, r in gave.items():
+        label = "balloon and reclaim " + mode
+        print(
+            f"  {label:26} {mb(r['read_bytes']):>15} {mb(r['held_bytes']):>12} "
+            f"{mb(r['given_back']):>11}"
+        )
+    on, off = gave["on"]["held_bytes"], gave["off"]["held_bytes"]
+    fig["balloon_damon_vs_off_host_mem_ratio"] = round(on / off, 3) if off else None
+    fig["balloon_on_held_bytes"], fig["balloon_off_held_bytes"] = on, off
+    fig["balloon_given_back_bytes"] = gave["on"]["given_back"]
+    print(
+        f"  on / off                   {fig['balloon_damon_vs_off_host_mem_ratio']!s:>28}  "
+        "(cold memory found by referenced bits: DAMON's sysfs is held by the host's own)"
+    )
     fig["idle_vms"], fig["layer_mb"] = n_vms, data_mb
     fig["microvm_create_p50_s"] = fig.get("microvm_create_p50_s")
 

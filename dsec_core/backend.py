@@ -558,7 +558,7 @@ class Backend(abc.ABC):
     async def give_back(self, rt: SandboxRuntime, state: Mapping[str, Any], floor: int) -> int:
         """With ``Feature.BALLOON``: have the sandbox give the host back the memory it has not
         touched since the last call (never leaving it less than ``floor`` bytes); returns the
-        bytes its host processes hold fewer now (best effort; 0 when there is nothing cold)."""
+        bytes it gave (best effort; 0 when there is nothing cold)."""
         raise FeatureUnavailable(
             f"backend {self.name!r} cannot give memory back (it does not claim Feature.BALLOON)",
             backend=self.name,

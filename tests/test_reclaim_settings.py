@@ -33,7 +33,7 @@ def test_the_guest_ram_mapping_is_found_by_its_size():
 
 def test_settings_from_the_environment_and_the_floor():
     d = ReclaimSettings.from_env({})
-    assert d.enabled and d.interval == 30 and d.floor(512 << 20) == 128 << 20
+    assert d.enabled and d.interval == 30 and d.floor(512 << 20) == 64 << 20
     s = ReclaimSettings.from_env(
         {"DSEC_VM_RECLAIM": "0", "DSEC_VM_RECLAIM_INTERVAL": "5", "DSEC_VM_RECLAIM_FLOOR": "96M"}
     )

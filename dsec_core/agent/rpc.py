@@ -671,6 +671,13 @@ class AgentClient:
             fields.append(("time", str(int(time_ns))))
         await self._call(fields)
 
+    async def reclaim(self, nbytes: int) -> int:
+        """For a VM guest: reclaim ``nbytes`` of its coldest memory now (cgroup v2's
+        ``memory.reclaim``), less if the rest is in use; returns how much its free memory grew
+        (what free page reporting then gives the host back)."""
+        reply, _ = await self._call([("op", "reclaim"), ("bytes", int(nbytes))])
+        return _num(reply, "freed")
+
     async def freeze(self, on: bool, path: str | None = None, seconds: int = 60) -> bool:
         """For a VM guest: freeze (``on``) the filesystem at ``path`` (default the writable
         disk, bound at ``/.dsec/rw``: its data written out, its writes held) for at most

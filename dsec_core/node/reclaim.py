@@ -1,12 +1,14 @@
 """Memory given back: every ``DSEC_VM_RECLAIM_INTERVAL`` seconds the node asks each running
 sandbox whose backend claims ``Feature.BALLOON`` (the VM backends) for the memory it has not
-touched since the last pass (``Backend.give_back``: a VM's QEMU finds its guest's cold RAM and
-takes it back through the balloon), one sandbox at a time, never leaving one less than its
-floor, so a busy guest keeps what it uses and is not starved.
+touched since the last pass (``Backend.give_back``: a VM backend finds its guest's cold RAM and
+has the guest reclaim that much, which free page reporting hands to the host), one sandbox at
+a time, never leaving one less than its floor, so a busy guest keeps what it uses and is not
+starved.
 
 ``DSEC_VM_RECLAIM=0`` turns the passes off (a guest's freed memory still goes back through
 free page reporting, unless ``DSEC_VM_BALLOON=0``). ``DSEC_VM_RECLAIM_FLOOR``: what a sandbox
-always keeps, a fraction of its memory limit (``0.25``) or a size (``128M``).
+always keeps of what it holds, a size (``64M``, the default) or a fraction of its memory
+limit (``0.25``).
 ``ReclaimStatus`` is what ``dsec node status`` shows.
 """
 
@@ -36,13 +38,13 @@ log = logging.getLogger("dsec.node")
 class ReclaimSettings:
     enabled: bool = True
     interval: float = 30.0
-    floor_fraction: float = 0.25
-    floor_bytes: int = 0
+    floor_fraction: float = 0.0
+    floor_bytes: int = 64 << 20
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReclaimSettings:
         env = os.environ if environ is None else environ
-        floor = env.get("DSEC_VM_RECLAIM_FLOOR", "0.25")
+        floor = env.get("DSEC_VM_RECLAIM_FLOOR", "64M")
         try:
             interval = float(env.get("DSEC_VM_RECLAIM_INTERVAL", "30"))
             if not 0.5 <= interval <= 86400:

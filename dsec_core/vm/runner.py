@@ -125,8 +125,6 @@ PING_PATIENCE = 10.0
 GIVE_BACK_MIN = 32 << 20
 #: A guest that used more than this share of a core since the last pass is not asked.
 GIVE_BACK_BUSY = 0.2
-#: Seconds a give_back waits for the guest to fill the balloon before it deflates it.
-GIVE_BACK_SECONDS = 5.0
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
 
@@ -206,6 +204,7 @@ class QemuBackend(Backend):
         #: DSEC_VM_BALLOON=0: no virtio-balloon (memory a guest frees stays with its QEMU)
         self.balloon = os.environ.get("DSEC_VM_BALLOON", "1") != "0"
         self.cold = ColdProbe()
+        self._settled: dict[int, int] = {}  # pid -> its RAM resident after its last give_back
 
     @classmethod
     def check_available(cls) -> None:
@@ -554,11 +553,12 @@ class QemuBackend(Backend):
 
     async def give_back(self, rt: SandboxRuntime, state: Mapping[str, Any], floor: int) -> int:
         """The guest's RAM pages QEMU holds that it has not touched since the last call
-        (``coldmem``) are taken back through the balloon: it is inflated until the guest is
-        left its resident memory less the cold part (never less than ``floor``), so the guest
-        frees its coldest page cache to fill it and QEMU discards what the balloon holds;
-        then deflated at once, the pages now free in the guest and unbacked on the host.
-        Returns how much QEMU's resident memory fell."""
+        (``coldmem``) are reclaimed in the guest (the agent's proactive reclaim: cgroup v2's
+        ``memory.reclaim``, coldest first), at most down to ``floor``; what the guest frees
+        goes back to the host by the balloon's free page reporting within seconds. A guest at
+        work (over a fifth of a core since the last call) is left alone, and so is one that
+        has not grown since its last give_back (what it still holds it could not give).
+        Returns how much the guest freed."""
         pid = state.get("pid")
         if not state.get("balloon") or not isinstance(pid, int) or not self._running(state):
             return 0
@@ -566,25 +566,15 @@ class QemuBackend(Backend):
         sample = await asyncio.to_thread(self.cold.sample, pid, ram)
         if sample is None or sample.cold < GIVE_BACK_MIN or sample.busy > GIVE_BACK_BUSY:
             return 0  # nothing cold enough, or a guest at work now
-        keep = max(floor, sample.resident - sample.cold)
-        if keep >= ram:
+        settled = self._settled.get(pid)
+        if settled is not None and sample.resident < settled + GIVE_BACK_MIN:
+            return 0  # no more than it kept last time
+        ask = min(sample.cold, sample.resident - floor)
+        if ask < GIVE_BACK_MIN:
             return 0
-        before = _rss(pid) or 0
-        async with Qmp(rt.dir / QMP_SOCKET, rt.id) as q:
-            try:
-                await q.execute("balloon", {"value": keep})
-                deadline = time.monotonic() + GIVE_BACK_SECONDS
-                last = None
-                while time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-                    actual = (await q.execute("query-balloon")).get("actual", ram)
-                    if actual <= keep + (4 << 20) or actual == last:
-                        break  # there, or the guest gives no more (what it holds is in use)
-                    last = actual
-            finally:
-                await q.execute("balloon", {"value": ram})
-        await asyncio.to_thread(self.cold.sample, pid, ram)  # the balloon's touches are not use
-        return max(0, before - (_rss(pid) or 0))
+        freed = await AgentClient(rt.agent_socket, rt.id).reclaim(ask)
+        self._settled[pid] = max(0, sample.resident - freed)
+        return freed
 
     async def freeze_disk(
         self, rt: SandboxRuntime, state: Mapping[str, Any], on: bool, seconds: float
@@ -616,6 +606,7 @@ class QemuBackend(Backend):
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         if isinstance(state.get("pid"), int):
             self.cold.forget(state["pid"])
+            self._settled.pop(state["pid"], None)
         await self._end_processes(state)
         self._saved(rt).unlink(missing_ok=True)
         (rt.data_dir / SAVED_RAM).unlink(missing_ok=True)

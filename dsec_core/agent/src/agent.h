@@ -104,6 +104,7 @@ void op_wake(int conn, struct req *r);
 /* ---------------------------------------------------------------- freeze.c */
 
 void op_freeze(int conn, struct req *r);
+void op_reclaim(int conn, struct req *r);
 
 /* ---------------------------------------------------------------- proctree.c */
 

@@ -1,4 +1,7 @@
 /*
+ * What a VM guest does for the node's memory and disk work: op freeze (below) and op reclaim
+ * (further down).
+ *
  * op freeze: a VM guest's writable disk held still while the node reads it (pack_diff of a
  * VM). on=1 freezes the filesystem at path (FIFREEZE: its dirty data written, its journal
  * clean, every write to it waiting) and starts a guard that thaws it after seconds, so a node
@@ -13,10 +16,14 @@
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #define DEFAULT_PATH "/.dsec/rw"
@@ -96,5 +103,58 @@ void op_freeze(int conn, struct req *r)
     resp_begin(&h);
     resp_str(&h, "ok", "1");
     resp_str(&h, "frozen", thawed ? "1" : "0");
+    resp_send(conn, &h, NULL, 0, NULL, 0);
+}
+
+/*
+ * op reclaim: a VM guest's proactive reclaim (the node's give_back): bytes of its coldest
+ * memory reclaimed now through cgroup v2's memory.reclaim at the root (mounted at
+ * /.dsec/cgroup on first use), what the guest frees then going back to the host by free page
+ * reporting. Answers the bytes the guest's free memory grew by.
+ */
+#define CGROUP_AT "/.dsec/cgroup"
+
+void op_reclaim(int conn, struct req *r)
+{
+    int bad = 0;
+    long long bytes = req_num(r, "bytes", 0, &bad);
+    if (bad || bytes <= 0) {
+        send_error(conn, "bad_request", NULL, 0, "reclaim needs bytes > 0");
+        return;
+    }
+    char path[64];
+    snprintf(path, sizeof path, "%s/memory.reclaim", CGROUP_AT);
+    if (access(path, W_OK) != 0) {
+        mkdir(CGROUP_AT, 0700);
+        if (mount("cgroup2", CGROUP_AT, "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0 &&
+            errno != EBUSY) {
+            send_error(conn, "internal", NULL, errno, "reclaim: mount cgroup2: %s",
+                       strerror(errno));
+            return;
+        }
+    }
+    struct sysinfo before, after;
+    sysinfo(&before);
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        send_error(conn, "internal", NULL, errno, "reclaim: %s: %s", path, strerror(errno));
+        return;
+    }
+    char amount[32];
+    int n = snprintf(amount, sizeof amount, "%lld", bytes);
+    /* EAGAIN: the kernel reclaimed less than asked (what it has is in use): not an error */
+    if (write(fd, amount, (size_t)n) < 0 && errno != EAGAIN) {
+        int e = errno;
+        close(fd);
+        send_error(conn, "internal", NULL, e, "reclaim: write %s: %s", path, strerror(e));
+        return;
+    }
+    close(fd);
+    sysinfo(&after);
+    long long freed = ((long long)after.freeram - (long long)before.freeram) * after.mem_unit;
+    struct buf h = {0};
+    resp_begin(&h);
+    resp_str(&h, "ok", "1");
+    resp_num(&h, "freed", freed > 0 ? freed : 0);
     resp_send(conn, &h, NULL, 0, NULL, 0);
 }

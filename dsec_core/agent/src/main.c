@@ -217,6 +217,8 @@ static void dispatch(int fd, unsigned char *hdr, uint32_t hlen)
         op_wake(fd, r);
     } else if (!strcmp(op, "freeze")) {
         op_freeze(fd, r);
+    } else if (!strcmp(op, "reclaim")) {
+        op_reclaim(fd, r);
     } else if (!strcmp(op, "session_open")) {
         op_session_open(fd, r);
     } else if (!strcmp(op, "session_close")) {

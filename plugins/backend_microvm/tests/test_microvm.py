@@ -449,20 +449,21 @@ def test_cold_guest_memory_goes_back_and_a_busy_guest_keeps_its_own(monkeypatch)
         digest = idle.exec(write).check().stdout
         busy.exec(write).check()
         busy.exec(
-            "(while true; do cat /root/data > /dev/null; done) > /dev/null 2>&1 &",
+            # md5sum reads into its own buffer (cat to /dev/null splices and touches nothing)
+            "(while true; do md5sum /root/data; done) > /dev/null 2>&1 &",
             background=True,
         ).check()
         idle_pid, busy_pid = (_qemu_pids(sb.id)[0] for sb in (idle, busy))
         # both wrote the same; the idle one gives its cold page cache back, the busy one
         # keeps reading its data and keeps it resident
         until(
-            lambda: _ram_rss(idle_pid, 512 << 20) < _ram_rss(busy_pid, 512 << 20) - (64 << 20),
+            lambda: _ram_rss(idle_pid, 512 << 20) < _ram_rss(busy_pid, 512 << 20) - (48 << 20),
             timeout=30,
             what="the idle guest's cold page cache given back",
         )
         time.sleep(3)  # more passes: the busy guest's data stays
-        assert _ram_rss(idle_pid, 512 << 20) < _ram_rss(busy_pid, 512 << 20) - (64 << 20)
+        assert _ram_rss(idle_pid, 512 << 20) < _ram_rss(busy_pid, 512 << 20) - (48 << 20)
         assert idle.exec("md5sum /root/data").stdout == digest
         reclaim = client.node_info()["reclaim"]
         assert reclaim["enabled"] and reclaim["passes"] >= 2
-        assert reclaim["given_back"] >= 64 << 20
+        assert reclaim["given_back"] >= 48 << 20
