@@ -226,8 +226,9 @@ class Feature(enum.StrEnum):
     #: ``pack_diff`` packs the sandbox's writable layer into a snapshot layer: the overlay
     #: upper on the host (``SandboxRuntime.rootfs``), or, for a sandbox whose writable layer
     #: is a disk (``SandboxRuntime.disk``: the ``upper`` directory of the ext4 on it), that
-    #: disk while ``freeze_disk`` holds the guest's filesystem still. A ``COMPOSED`` backend
-    #: has it whether it claims it or not (the node packs the upper it composed itself).
+    #: disk while ``freeze_disk`` holds the guest's filesystem still. The node packs a
+    #: ``COMPOSED`` backend's upper (frozen through its cgroup) whether it claims this or not;
+    #: the conformance kit checks it for those that claim it.
     PACK_DIFF = "pack-diff"
     #: The sandbox gives memory back: what its guest frees returns to the host (a balloon's
     #: free page reporting), and ``give_back`` asks it for memory it has not touched lately

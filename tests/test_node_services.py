@@ -601,8 +601,9 @@ async def test_what_pack_diff_refuses_before_it_freezes_anything(host):
     snaps = LayerSnapshots(host)
     with pytest.raises(SandboxNotRunning):
         await snaps.pack_diff(host.add(status="creating").rt.id)
-    with pytest.raises(BackendUnavailable, match="disk image"):
-        await snaps.pack_diff(host.add().rt.id)  # no overlay: the fake's sandboxes have none
+    # no overlay (the fake's sandboxes have none), and no Feature.PACK_DIFF for its disk
+    with pytest.raises(BackendUnavailable, match=r"does not claim Feature\.PACK_DIFF"):
+        await snaps.pack_diff(host.add().rt.id)
     sb = host.add()
     sb.rt = replace(sb.rt, rootfs=sb.rt.dir / "rootfs")
     sb.packing = asyncio.get_running_loop().create_future()

@@ -686,13 +686,12 @@ class BackendConformance:
         assert sb.exec("test -e /root/mine").exit_code != 0
 
     def test_pack_diff_restores_on_this_backend(self, dsec_sandboxes, dsec_client):
-        """With ``Feature.PACK_DIFF`` (a ``COMPOSED`` backend has it anyway): a sandbox's
-        writable layer packed into a snapshot layer (a file written, a file of its layers
-        removed) and restored twice on the same backend: each restored sandbox holds the file
-        and lacks the removed one, with a writable layer of its own; the packed sandbox runs
-        on, and writes to it after the pack are its alone."""
-        if self.backend_class().rootfs != RootfsForm.COMPOSED:
-            self.need(Feature.PACK_DIFF)
+        """With ``Feature.PACK_DIFF``: a sandbox's writable layer packed into a snapshot layer
+        (a file written, a file of its layers removed) and restored twice on the same backend:
+        each restored sandbox holds the file and lacks the removed one, with a writable layer
+        of its own; the packed sandbox runs on, and writes to it after the pack are its
+        alone."""
+        self.need(Feature.PACK_DIFF)
         if not self.writable_root:
             pytest.skip(f"backend {self.backend_name!r} has a read-only root (writable_root)")
         sb = dsec_sandboxes.create()
@@ -710,6 +709,22 @@ class BackendConformance:
         assert [r.read_file("/root/work/mine") for r in restored] == [b"0", b"1"]
         assert sb.exec("cat /root/work/later").stdout == b"after\n"
         assert sb.exec("test -e /root/work/mine").exit_code != 0
+
+    def test_memory_a_sandbox_frees_goes_back_to_the_host(self, dsec_sandboxes):
+        """With ``Feature.BALLOON``: 64 MiB a sandbox fills (a tmpfs file) and then frees
+        leave its host memory (``usage().memory``) within seconds, not only its own view."""
+        self.need(Feature.BALLOON)
+        sb = dsec_sandboxes.create(memory="384M")
+        base = sb.usage().memory
+        sb.exec("dd if=/dev/urandom of=/dev/shm/fill bs=1048576 count=64 2>/dev/null").check()
+        high = sb.usage().memory
+        assert high is not None and base is not None and high > base + (48 << 20), (base, high)
+        sb.exec("rm /dev/shm/fill").check()
+        until(
+            lambda: (sb.usage().memory or high) < high - (40 << 20),
+            timeout=30,
+            what="the freed memory back on the host",
+        )
 
     def test_writes_are_private(self, dsec_sandboxes):
         a, b = dsec_sandboxes.create(), dsec_sandboxes.create()

@@ -108,11 +108,12 @@ SAVED_STATE, SAVED_RAM = "vm.state", "vm.ram"
 #: Seconds a VM's state may take to save or load (QEMU streams it through ``cat``).
 MIGRATE_TIMEOUT = 120.0
 #: A start template's files (``<cache>/templates/<key>/``), and a memory snapshot's.
-TEMPLATE_STATE, TEMPLATE_RAM, TEMPLATE_DISK, TEMPLATE_READY = (
+TEMPLATE_STATE, TEMPLATE_RAM, TEMPLATE_DISK, TEMPLATE_READY, TEMPLATE_DEVICES = (
     "vm.state",
     "vm.ram",
     "disk.raw",
     "ready",
+    "devices.json",
 )
 #: How a template is saved (its RAM apart since 2; 3: the balloon deflates on OOM): part of
 #: its key, so a node saves its templates again rather than loading an older form.
@@ -396,6 +397,8 @@ class QemuBackend(Backend):
                 await q.execute("stop")
                 try:
                     await self._save_state(q, rt, state, work / TEMPLATE_STATE, work / TEMPLATE_RAM)
+                    devices = {"balloon": bool(state.get("balloon"))}
+                    (work / TEMPLATE_DEVICES).write_text(json.dumps(devices))
                     await asyncio.to_thread(copy_sparse, rt.disk, work / TEMPLATE_DISK)
                 finally:
                     await q.execute("cont")
@@ -428,8 +431,16 @@ class QemuBackend(Backend):
 
         await asyncio.to_thread(prepare)
         ram = template / TEMPLATE_RAM
+        try:  # the saved VM's devices (a save before they were written down: today's)
+            devices = json.loads((template / TEMPLATE_DEVICES).read_text())
+        except (OSError, ValueError):
+            devices = {}
         await self._launch(
-            rt, state, incoming=template / TEMPLATE_STATE, ram=ram if ram.exists() else None
+            rt,
+            state,
+            incoming=template / TEMPLATE_STATE,
+            ram=ram if ram.exists() else None,
+            balloon=devices.get("balloon"),
         )
         async with await self._monitor(rt, state) as q:
             await self._migrated(q, rt, "load")
@@ -446,16 +457,25 @@ class QemuBackend(Backend):
         state: dict[str, Any],
         incoming: Path | None = None,
         ram: Path | None = None,
+        balloon: bool | None = None,
     ) -> None:
         """QEMU (from ``incoming``, a saved state, if given, its RAM the file ``ram`` mapped
-        privately if given) and its forwarder, confined."""
+        privately if given; ``balloon``: whether the saved VM had one, if known) and its
+        forwarder, confined."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         (rt.dir / QMP_SOCKET).unlink(missing_ok=True)  # a previous QEMU's (a resume)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
             if incoming is not None:
-                cfg = dataclasses.replace(cfg, incoming=incoming, ram=ram)
+                # the saved VM's devices, whatever this node's settings are now: a balloon it
+                # had must be there to load its state, one it had not must not
+                cfg = dataclasses.replace(
+                    cfg,
+                    incoming=incoming,
+                    ram=ram,
+                    balloon=cfg.balloon if balloon is None else balloon,
+                )
             # what a save needs to know of this QEMU: its RAM block's name (the machine's),
             # how many layers it maps (their pages are not saved), the file its RAM maps
             state.update(
@@ -666,7 +686,13 @@ class QemuBackend(Backend):
         ram = rt.data_dir / SAVED_RAM
         fresh: dict[str, Any] = {}
         try:
-            await self._launch(rt, fresh, incoming=saved, ram=ram if ram.exists() else None)
+            await self._launch(
+                rt,
+                fresh,
+                incoming=saved,
+                ram=ram if ram.exists() else None,
+                balloon=state.get("balloon"),
+            )
             async with await self._monitor(rt, fresh) as q:
                 await self._migrated(q, rt, "load")
                 await q.execute("cont")
