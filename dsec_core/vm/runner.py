@@ -577,7 +577,8 @@ class QemuBackend(Backend):
         ``memory.reclaim``, coldest first), at most down to ``floor``; what the guest frees
         goes back to the host by the balloon's free page reporting within seconds. A guest at
         work (over a fifth of a core since the last call) is left alone, and so is one that
-        has not grown since its last give_back (what it still holds it could not give).
+        could not give half of what it was asked last time and has not grown since (what it
+        holds is in use, or not its to give).
         Returns how much the guest freed."""
         pid = state.get("pid")
         if not state.get("balloon") or not isinstance(pid, int) or not self._running(state):
@@ -593,7 +594,10 @@ class QemuBackend(Backend):
         if ask < GIVE_BACK_MIN:
             return 0
         freed = await AgentClient(rt.agent_socket, rt.id).reclaim(ask)
-        self._settled[pid] = max(0, sample.resident - freed)
+        if freed < ask // 2:  # it could not give what looked cold: in use, or not its to give
+            self._settled[pid] = max(0, sample.resident - freed)
+        else:
+            self._settled.pop(pid, None)
         return freed
 
     async def freeze_disk(
