@@ -13,10 +13,11 @@ node could run it).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..linux.processes import proc_stat
 
 __all__ = ["ColdProbe", "RamSample", "damon_status", "ram_mapping"]
 
@@ -67,11 +68,8 @@ class ColdProbe:
 
 
 def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stat = proc_stat(pid)
+    return stat.cpu_seconds if stat is not None else 0.0
 
 
 def ram_mapping(smaps: str, size: int) -> tuple[int, int] | None:

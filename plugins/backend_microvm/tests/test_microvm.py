@@ -30,6 +30,7 @@ from dsec_core.errors import (
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import CGROUP_ROOT
 from dsec_core.testing import leftovers, running_kit_node, until
+from dsec_core.vm.coldmem import ram_mapping
 from dsec_core.vm.runner import vm_cache_dir
 
 pytestmark = [
@@ -423,15 +424,9 @@ def test_a_group_forks_a_microvm_into_microvms(dsec_client, dsec_node):
 
 def _ram_rss(pid: int, size: int) -> int:
     """The resident bytes of ``pid``'s mapping of ``size`` bytes (a guest's RAM)."""
-    inside = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split(None, 1)[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            start, _, end = head.partition("-")
-            inside = int(end, 16) - int(start, 16) == size
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError(f"no mapping of {size} bytes in QEMU {pid}")
+    found = ram_mapping(Path(f"/proc/{pid}/smaps").read_text(), size)
+    assert found is not None, f"no mapping of {size} bytes in QEMU {pid}"
+    return found[0]
 
 
 def test_cold_guest_memory_goes_back_and_a_busy_guest_keeps_its_own(monkeypatch):
