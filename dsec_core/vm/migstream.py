@@ -186,12 +186,7 @@ def split_stream(
                 if kind == START:
                     raise StreamFormatError(f"an iterative section {idstr!r} besides ram")
                 # the device sections: the rest of the stream, copied whole
-                state.write(out)
-                state.write(head)
-                stats.state_bytes = len(out) + len(head)
-                while chunk := source.read(_COPY):
-                    state.write(chunk)
-                    stats.state_bytes += len(chunk)
+                stats.state_bytes += _copy_rest(source, state, bytes(out) + head)
                 break
             if kind in (PART, END):
                 sid = r.be32()
@@ -206,12 +201,7 @@ def split_stream(
                     out.clear()
                 continue
             if kind == EOF:  # no device sections (not a VM QEMU saves)
-                out += bytes([kind])
-                state.write(out)
-                stats.state_bytes += len(out)
-                while chunk := source.read(_COPY):
-                    state.write(chunk)
-                    stats.state_bytes += len(chunk)
+                stats.state_bytes += _copy_rest(source, state, bytes(out) + bytes([kind]))
                 break
             raise StreamFormatError(f"a section of type {kind:#x}")
         if ram_file is None:
@@ -226,6 +216,16 @@ def split_stream(
         if ram_file is not None:
             ram_file.close()
     return stats
+
+
+def _copy_rest(source: BinaryIO, state: BinaryIO, first: bytes) -> int:
+    """``first``, then the rest of ``source``, written to ``state``; the bytes written."""
+    state.write(first)
+    n = len(first)
+    while chunk := source.read(_COPY):
+        state.write(chunk)
+        n += len(chunk)
+    return n
 
 
 def _ram_setup(r: _Reader, out: bytearray, want: bytes) -> int:
