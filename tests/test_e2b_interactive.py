@@ -243,6 +243,36 @@ def test_sdk_process_operations(dsec_node):
             sb.process_start("x", rows=0, cols=80)
 
 
+def test_output_written_before_the_first_reader_is_all_kept(dsec_node):
+    """A command that writes more than the 1 MiB backlog before its starter asks for the
+    output (a loaded node, a slow client) still gives that first reader all of it; the E2B
+    API's commands.run is this pattern (it lost 640 KiB of 3 MB once under CI's load)."""
+    env = dsec_node.environment("e2b-kit")
+    with dsec_node.client() as c, c.create(environment=env) as sb:
+        p = sb.process_start("head -c 3000000 /dev/zero | tr '\\0' a; echo end >&2")
+        _wait_for(lambda: not sb.process(p.pid).running, "the command to end unread")
+        items = list(sb.process_output(p.pid))
+        out = b"".join(i.data for i in items if isinstance(i, ExecOutput) and i.stream == "stdout")
+        assert out == b"a" * 3_000_000
+        assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 0
+        # once read from the start, a process keeps only the newest 1 MiB for later readers
+        q = sb.process_start("head -c 3000000 /dev/zero | tr '\\0' b; sleep 30")
+        first = sb.process_output(q.pid)
+        got = 0
+        while got < 3_000_000:
+            item = next(first)
+            assert isinstance(item, ExecOutput)
+            got += len(item.data)
+        first.close()
+        late = sb.process_output(q.pid)
+        kept = 0
+        sb.process_signal(q.pid, "KILL")
+        for item in late:
+            if isinstance(item, ExecOutput):
+                kept += len(item.data)
+        assert 0 < kept <= 1 << 20
+
+
 async def test_async_sdk_process_survives_readers(dsec_node):
     env = dsec_node.environment("e2b-kit")
     async with AsyncClient(os.fspath(dsec_node.config.socket_path), autostart=False) as c:

@@ -556,7 +556,8 @@ class ProcessStartRequest(Message):
     and ``cols`` (both, or neither) run it on a new pseudo-terminal of that size as its
     controlling tty (stdin, stdout and stderr; its output is all "stdout"). ``timeout`` kills
     its process tree; when it exits, what it left running is killed unless ``background``.
-    Output is kept (the last ``BACKLOG`` bytes) for clients that attach later."""
+    Output is kept for clients that attach later: all of it (up to 16 MiB) until one reads it
+    from the start, then the last 1 MiB."""
 
     cmd: str | tuple[str, ...] = field(metadata=_limits(minLength=1, minItems=1))
     timeout: float | None = field(default=None, metadata=_TIMEOUT)

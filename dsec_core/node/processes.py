@@ -3,9 +3,12 @@
 A process is one agent connection held by the node (``AgentClient.exec_interactive``): the
 agent kills the command when that connection closes, so the node holds it until the command
 ends, is signalled to death, or the sandbox dies; no client's stream is its lifeline. A pump
-task reads its output as it comes into a backlog (the last ``BACKLOG`` bytes) and hands each
-piece to every attached stream (``output``), so any number of clients watch it, attach late
-(from the backlog's start or from now) and go away without harm. Input, terminal resizes
+task reads its output as it comes into a backlog and hands each piece to every attached
+stream (``output``), so any number of clients watch it, attach late (from the backlog's start
+or from now) and go away without harm. Until a first stream attaches from the start, the
+backlog keeps the newest ``UNREAD`` bytes, so the client that starts a command and then asks
+for its output gets all of it however much the command wrote in between; from then on, the
+newest ``BACKLOG`` bytes. Input, terminal resizes
 and signals go to the agent on the same connection.
 
 A process that ended stays listed (``running`` false, its backlog and result kept) for
@@ -28,10 +31,12 @@ from ..errors import AdmissionRejected, DsecError, InvalidSpec, NotFound, Sandbo
 from ..records import ExecResult, ProcessInfo
 from .agents import Agents
 
-__all__ = ["BACKLOG", "LINGER", "MAX_PROCESSES", "Processes", "signal_number"]
+__all__ = ["BACKLOG", "LINGER", "MAX_PROCESSES", "UNREAD", "Processes", "signal_number"]
 
 #: How much of a process's output is kept for streams that attach later (the newest bytes).
 BACKLOG = 1 << 20
+#: How much is kept before anyone has read the output from its start (the newest bytes).
+UNREAD = 16 << 20
 #: How long an ended process stays listed with its backlog and result.
 LINGER = 30.0
 #: The most processes (running or lingering) one sandbox holds.
@@ -89,6 +94,7 @@ class _Process:
         self.started = time.time()
         self.backlog: deque[tuple[str, bytes]] = deque()
         self.kept = 0
+        self.read = False  # a stream has attached from the start: keep only BACKLOG
         self.end: ExecResult | DsecError | None = None
         self.streams: set[_Stream] = set()
         self.pump: asyncio.Task[None] | None = None
@@ -109,12 +115,16 @@ class _Process:
             exit_code=end.exit_code if isinstance(end, ExecResult) else None,
         )
 
+    def trim(self) -> None:
+        keep = BACKLOG if self.read else UNREAD
+        while self.kept > keep and len(self.backlog) > 1:
+            self.kept -= len(self.backlog.popleft()[1])
+
     def deliver(self, item: tuple[str, bytes] | ExecResult | DsecError) -> None:
         if isinstance(item, tuple):
             self.backlog.append(item)
             self.kept += len(item[1])
-            while self.kept > BACKLOG and len(self.backlog) > 1:
-                self.kept -= len(self.backlog.popleft()[1])
+            self.trim()
         else:
             self.end = item
         for stream in self.streams:
@@ -227,6 +237,8 @@ class Processes:
             for piece in p.backlog:
                 stream.put(piece)
             stream.behind = 0
+            p.read = True
+            p.trim()
         if p.end is not None:
             stream.put(p.end)
         else:
