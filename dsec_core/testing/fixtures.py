@@ -200,7 +200,7 @@ def leftovers(home: Path) -> dict[str, list[str]]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if prefix.encode() in cmd and b"dsec_core.node.daemon" not in cmd:
+        if _names(cmd, prefix.encode()) and b"dsec_core.node.daemon" not in cmd:
             if _starting_init(cmd, dirs):
                 continue
             shown = cmd.replace(b"\0", b" ").decode(errors="replace")
@@ -218,6 +218,15 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         "loop_devices": loops,
         "disk_images": images,
     }
+
+
+def _names(cmd: bytes, prefix: bytes) -> bool:
+    """Whether a command line names a path under ``prefix``, other than as a path another
+    node's runtime launcher hides (``--hide``/``--mask`` list every mount on the host, other
+    nodes' homes included)."""
+    args = cmd.split(b"\0")
+    hidden = {i + 1 for i, a in enumerate(args) if a in (b"--hide", b"--mask")}
+    return any(prefix in a for i, a in enumerate(args) if i not in hidden)
 
 
 def _helper_pids(run_dir: Path) -> set[str]:
