@@ -284,9 +284,14 @@ class StartedSandbox:
     """The subject of enforcement point ``"started"``: a sandbox whose init runs and in which
     no command has run yet."""
 
-    pid: int  # the init's host pid
-    netns: Path  # its network namespace: /proc/<pid>/ns/net
+    pid: int  # the init's host pid (a VM's: its emulator's)
+    netns: Path  # its network namespace: /proc/<pid>/ns/net, or the file holding it
     cgroup2: Path | None = None  # its cgroup v2 directory (cgroup BPF attaches here), if any
+    #: The sandbox's processes run in a guest kernel (a VM) behind a network card in
+    #: ``netns``: socket hooks on ``cgroup2`` see none of their traffic, which a policy must
+    #: check as packets. What a policy sets up on ``eth0`` there (its addresses and routes)
+    #: the backend moves into the guest afterwards: the guest's card takes ``eth0``'s place.
+    guest: bool = False
 
 
 #: What ``AgentPolicy.scope`` may name (the agent's ``landlock.scope`` values).

@@ -40,6 +40,7 @@ __all__ = [
     "open_memory_window",
     "place_process",
     "place_process_cpu",
+    "place_process_v2",
     "reclaim_memory",
     "release_self",
     "remove_cgroups",
@@ -437,12 +438,34 @@ def place_process_cpu(pid: int, relative: str, cpus: float, period: int = 100_00
     return cg
 
 
+def place_process_v2(pid: int, relative: str) -> Path | None:
+    """Move process ``pid`` into ``relative`` of the cgroup v2 hierarchy too, made if missing:
+    on a hybrid host, where ``place_process`` uses v1's memory and pids hierarchies, the
+    directory cgroup BPF attaches to and whose inode number is the cgroup's id. The directory,
+    or None without a v2 hierarchy. ``NodeUnavailable`` if the kernel refuses."""
+    root = cgroup2_root()
+    if root is None:
+        return None
+    cg = root / relative
+    try:
+        cg.mkdir(parents=True, exist_ok=True)
+        (cg / "cgroup.procs").write_text(str(pid))
+    except OSError as e:
+        raise NodeUnavailable(
+            f"cannot put process {pid} into cgroup {cg}: {e}", cgroup=relative
+        ) from e
+    return cg
+
+
 def remove_cgroups(relative: str) -> list[Path]:
     """Remove ``<hierarchy>/<relative>`` of the memory and pids hierarchies (and of the cpu
-    controller's, where ``place_process_cpu`` made one), and their parent once empty; returns
-    those that could not go (still holding processes)."""
-    cpu = cpu_hierarchy()
-    places = [*hierarchies(), *([cpu] if cpu is not None and cpu not in hierarchies() else [])]
+    controller's, where ``place_process_cpu`` made one, and of the v2 hierarchy, where
+    ``place_process_v2`` did), and their parent once empty; returns those that could not go
+    (still holding processes)."""
+    places = list(hierarchies())
+    for extra in (cpu_hierarchy(), cgroup2_root()):
+        if extra is not None and extra not in places:
+            places.append(extra)
     return [cg for cg in (h / relative for h in places) if not _remove_cgroup(cg)]
 
 

@@ -1,4 +1,5 @@
-"""Network namespaces: named ones (``/run/netns/NAME``, as ``ip netns`` makes them), a function
+"""Network namespaces: named ones (``/run/netns/NAME``, as ``ip netns`` makes them), ones held
+by a bind mount at a path of the caller's (``new_netns``, ``remove_netns``), a function
 called in a namespace given by name or path (``/proc/PID/ns/net``) without moving this
 process's threads, and, through iproute2, programs and batches of ``ip`` commands run in one
 (set-up done once, and tests' independent view of what is there)."""
@@ -6,8 +7,12 @@ process's threads, and, through iproute2, programs and batches of ``ip`` command
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import json
 import os
+import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +30,9 @@ __all__ = [
     "links",
     "netns_exists",
     "netns_path",
+    "new_netns",
     "open_netns",
+    "remove_netns",
     "run_in_netns",
 ]
 
@@ -38,6 +45,19 @@ T = TypeVar("T")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.setns.restype = ctypes.c_int
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+MS_BIND = 0x1000
+MNT_DETACH = 2
+SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
+IFF_UP = 0x1
 
 
 def netns_exists(name: str) -> bool:
@@ -60,6 +80,94 @@ def delete_netns(name: str) -> None:
     included), once no process is left in it. A namespace that is not there is no error."""
     if netns_exists(name):
         run_tool(["ip", "netns", "delete", name], f"removing network namespace {name}")
+
+
+def new_netns(path: Path, sysctls: dict[str, str] | None = None) -> Path:
+    """A new network namespace held by a bind mount at ``path`` (a file made for it), with
+    its loopback up and ``sysctls`` (``net/...`` paths under /proc/sys: its own) set before
+    any other device is made; ``path``. It lives until ``remove_netns`` and the last process
+    in it are gone. On failure nothing is left."""
+    path = Path(path)
+    path.touch(mode=0o600, exist_ok=False)
+
+    def make() -> None:
+        home = open_netns("/proc/thread-self/ns/net")
+        try:
+            if _libc.unshare(CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise NetlinkError(
+                    f"making a network namespace for {path}: {os.strerror(err)}",
+                    operation="unshare",
+                    errno=err,
+                    netns=os.fspath(path),
+                )
+            try:
+                for key, value in (sysctls or {}).items():
+                    with open(f"/proc/sys/{key}", "w") as f:
+                        f.write(value)
+                _loopback_up()
+                src = b"/proc/thread-self/ns/net"
+                if _libc.mount(src, os.fsencode(path), None, MS_BIND, None) != 0:
+                    err = ctypes.get_errno()
+                    raise NetlinkError(
+                        f"holding the network namespace at {path}: {os.strerror(err)}",
+                        operation="mount",
+                        errno=err,
+                        netns=os.fspath(path),
+                    )
+            finally:
+                _setns(home, Path("/proc/thread-self/ns/net"))
+        finally:
+            os.close(home)
+
+    try:
+        _in_thread(make)
+    except BaseException:
+        remove_netns(path)
+        raise
+    return path
+
+
+def remove_netns(path: Path) -> None:
+    """Let go of a namespace ``new_netns`` made: unmount and remove ``path``. The kernel frees
+    the namespace, and every device in it, once no process is left in it. A path that is not
+    there is no error."""
+    path = Path(path)
+    if _libc.umount2(os.fsencode(path), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted, or not there
+            raise NetlinkError(
+                f"releasing the network namespace at {path}: {os.strerror(err)}",
+                operation="umount",
+                errno=err,
+                netns=os.fspath(path),
+            )
+    path.unlink(missing_ok=True)
+
+
+def _loopback_up() -> None:
+    """Bring up ``lo`` of this thread's namespace."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        ifr = struct.pack("16sH14x", b"lo", 0)
+        (flags,) = struct.unpack_from("H", fcntl.ioctl(s, SIOCGIFFLAGS, ifr), 16)
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` in a short-lived thread of its own (which may change its namespaces)."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
 
 
 def netns_path(netns: str | os.PathLike[str]) -> Path:

@@ -34,7 +34,9 @@ from ..renamed import renamed_getattr, warn_renamed
 from .migstream import RAM_BLOCKS
 
 __all__ = [
+    "GUEST_MAC",
     "PMEM_ALIGN",
+    "TAP_FD",
     "Disk",
     "Pmem",
     "VmConfig",
@@ -63,6 +65,11 @@ TCG_CACHE_MIB = 64
 #: Where the layer devices sit on q35's root bus: layer i at slot PMEM_SLOT + i, so the guest
 #: tells them apart by PCI address.
 PMEM_SLOT = 0x10
+#: QEMU's fd of the TAP device (``VmConfig.tap_fd``), after the agent's chardev (fd 3).
+TAP_FD = 4
+#: Every guest's network card's address: each card is alone on its link (its sandbox's own
+#: network namespace), and a fork's card is its parent's.
+GUEST_MAC = "52:54:00:d5:ec:01"
 
 
 def kvm_usable() -> bool:
@@ -162,6 +169,8 @@ class VmConfig:
     #: a virtio-balloon with free page reporting: memory the guest frees goes back to the
     #: host, and the node can ask the guest for more (``balloon``)
     balloon: bool = False
+    #: a TAP device's descriptor (QEMU's fd 4): the guest's network card, a virtio-net one
+    tap_fd: int | None = None
     name: str = "dsec-vm"  # QEMU's -name: the process's name on the host
     extra: tuple[str, ...] = field(default=())
 
@@ -262,6 +271,13 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         argv += [
             "-device",
             f"virtio-balloon-{dev},id=balloon0,free-page-reporting=on,deflate-on-oom=on",
+        ]
+    if cfg.tap_fd is not None:
+        argv += [
+            "-netdev",
+            f"tap,id=net0,fd={TAP_FD}",
+            "-device",
+            f"virtio-net-{dev},netdev=net0,mac={GUEST_MAC}",
         ]
     if cfg.incoming is not None:
         argv += ["-incoming", f"exec:cat {quoted(cfg.incoming)}"]

@@ -44,6 +44,7 @@ from ..backend import (
     LayerImage,
     RootfsForm,
     SandboxRuntime,
+    StartedSandbox,
     cgroup_path,
     split_kernel,
 )
@@ -52,10 +53,17 @@ from ..errors import (
     BackendUnavailable,
     DsecError,
     GuestPanic,
+    InvalidSpec,
     SandboxError,
     StartTimeout,
 )
-from ..linux.cgroups import place_process, place_process_cpu, remove_cgroups
+from ..linux.cgroups import (
+    cgroup2_root,
+    place_process,
+    place_process_cpu,
+    place_process_v2,
+    remove_cgroups,
+)
 from ..linux.ext4 import mkfs_ext4
 from ..linux.files import copy_sparse
 from ..linux.processes import (
@@ -67,7 +75,7 @@ from ..linux.processes import (
     wait_readable,
 )
 from ..records import SandboxUsage
-from . import qemu
+from . import guestnet, qemu
 from .coldmem import ColdProbe
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
@@ -89,6 +97,7 @@ GUEST_MODULES = (
     "virtio_pmem",
     "nd_pmem",
     "virtio_balloon",  # free page reporting: what the guest frees goes back to the host
+    "virtio_net",  # the network card of a sandbox whose network mode is not "none"
     "erofs",
     "overlay",
     "ext4",  # the writable disk's (built into the cloud kernel, a module in the generic one)
@@ -178,6 +187,9 @@ class QemuBackend(Backend):
             Feature.BALLOON,
         }
     )
+    #: ``"started"``: a VM with a network card, its namespace set up before anything runs
+    #: (``StartedSandbox.guest``; ``guestnet``)
+    policy_targets: ClassVar[frozenset[str]] = frozenset({"started"})
     machine: ClassVar[str] = "microvm"
     display: ClassVar[bool] = False
     memory_overhead: ClassVar[int] = QEMU_OVERHEAD  # QEMU's cgroup holds RAM plus this
@@ -293,10 +305,16 @@ class QemuBackend(Backend):
         return None
 
     # --- start ---------------------------------------------------------------------------
+    @staticmethod
+    def wants_network(rt: SandboxRuntime) -> bool:
+        """Whether sandbox ``rt`` gets a network card (its mode is not ``"none"``)."""
+        return rt.spec.network != "none"
+
     async def start(self, rt: SandboxRuntime) -> dict[str, Any]:
         state: dict[str, Any] = {}
         try:
             await self._start(rt, state)
+            await self._connect(rt, state)
         except BaseException:
             await self.stop(rt, state)
             raise
@@ -338,6 +356,35 @@ class QemuBackend(Backend):
             finally:
                 self._making.discard(key)
 
+    async def _connect(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
+        """A VM with a network card, running and nothing run in it yet: the policies that
+        work through ``"started"`` set its namespace up (``StartedSandbox.guest``), then the
+        guest takes over what they put on ``eth0`` (``guestnet.hand_over``)."""
+        if not state.get("net"):
+            return
+        netns = guestnet.netns_file(rt.dir)
+        root = cgroup2_root()
+        cgroup2 = root / cgroup_path(rt.id) if root is not None else None
+        started = StartedSandbox(
+            pid=state["pid"],
+            netns=netns,
+            cgroup2=cgroup2 if cgroup2 is not None and cgroup2.is_dir() else None,
+            guest=True,
+        )
+        await asyncio.to_thread(rt.enforce, "started", started)
+        address = await asyncio.to_thread(guestnet.hand_over, netns)
+        if address is None:
+            return
+        result = await AgentClient(rt.agent_socket, rt.id).exec(
+            guestnet.guest_commands(address), timeout=60
+        )
+        if result.exit_code != 0:
+            raise SandboxError(
+                f"sandbox {rt.id}: the guest could not take its address {address.address} "
+                f"(exit {result.exit_code}): {result.stderr.decode(errors='replace')[-500:]}",
+                sandbox_id=rt.id,
+            )
+
     # --- fast start: a fresh boot saved once, loaded by every later VM of its shape ----------
     def template_key(self, rt: SandboxRuntime) -> str:
         """What makes two sandboxes' fresh boots the same: the boot files, the layers and
@@ -369,6 +416,7 @@ class QemuBackend(Backend):
             "accel": cfg.accel,
             "display": cfg.display,
             "balloon": cfg.balloon,
+            "net": self.wants_network(rt),
             "layers": [layer_key(layer) for layer in rt.images],
             "disk": rt.disk_size,
             "qemu": self.qemu,
@@ -397,7 +445,10 @@ class QemuBackend(Backend):
                 await q.execute("stop")
                 try:
                     await self._save_state(q, rt, state, work / TEMPLATE_STATE, work / TEMPLATE_RAM)
-                    devices = {"balloon": bool(state.get("balloon"))}
+                    devices = {
+                        "balloon": bool(state.get("balloon")),
+                        "net": bool(state.get("net")),
+                    }
                     (work / TEMPLATE_DEVICES).write_text(json.dumps(devices))
                     await asyncio.to_thread(copy_sparse, rt.disk, work / TEMPLATE_DISK)
                 finally:
@@ -414,6 +465,7 @@ class QemuBackend(Backend):
         state: dict[str, Any] = {}
         try:
             await self._start_from(rt, state, saved)
+            await self._connect(rt, state)
         except BaseException:
             await self.stop(rt, state)
             raise
@@ -435,12 +487,20 @@ class QemuBackend(Backend):
             devices = json.loads((template / TEMPLATE_DEVICES).read_text())
         except (OSError, ValueError):
             devices = {}
+        if self.wants_network(rt) and not devices.get("net"):
+            raise InvalidSpec(
+                f"sandbox {rt.id}: network={rt.spec.network!r}, but the VM saved in "
+                f"{template.name} has no network card (it ran with network='none')",
+                field="network",
+                sandbox_id=rt.id,
+            )
         await self._launch(
             rt,
             state,
             incoming=template / TEMPLATE_STATE,
             ram=ram if ram.exists() else None,
             balloon=devices.get("balloon"),
+            net=bool(devices.get("net")),
         )
         async with await self._monitor(rt, state) as q:
             await self._migrated(q, rt, "load")
@@ -458,15 +518,23 @@ class QemuBackend(Backend):
         incoming: Path | None = None,
         ram: Path | None = None,
         balloon: bool | None = None,
+        net: bool | None = None,
     ) -> None:
         """QEMU (from ``incoming``, a saved state, if given, its RAM the file ``ram`` mapped
-        privately if given; ``balloon``: whether the saved VM had one, if known) and its
-        forwarder, confined."""
+        privately if given; ``balloon``, ``net``: whether the saved VM had one, a network
+        card, if known) and its forwarder, confined. A card's TAP is in the sandbox's own
+        network namespace (``guestnet``), made now if it is not there."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         (rt.dir / QMP_SOCKET).unlink(missing_ok=True)  # a previous QEMU's (a resume)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tap: int | None = None
         try:
+            if self.wants_network(rt) if net is None else net:
+                netns = await asyncio.to_thread(guestnet.make_netns, rt.dir)
+                tap = await asyncio.to_thread(guestnet.open_card, netns)
+            state["net"] = tap is not None
             cfg = await asyncio.to_thread(self.vm_config, rt, theirs.fileno())
+            cfg = dataclasses.replace(cfg, tap_fd=tap)
             if incoming is not None:
                 # the saved VM's devices, whatever this node's settings are now: a balloon it
                 # had must be there to load its state, one it had not must not
@@ -490,7 +558,8 @@ class QemuBackend(Backend):
             # hole punching a no-op (nopunch.c): a guest giving memory back must never punch
             # the RAM file it shares with the other VMs started from the same save
             argv = [os.fspath(rt.agent_binary), "no-punch", "--", *qemu.qemu_argv(cfg, self.qemu)]
-            pid = qemu.spawn(argv, [theirs.fileno()], log=rt.dir / "qemu.log")
+            fds = [theirs.fileno(), *([tap] if tap is not None else [])]
+            pid = qemu.spawn(argv, fds, log=rt.dir / "qemu.log")
             state.update(pid=pid, start_time=start_time(pid))
             fwd = qemu.spawn(
                 [os.fspath(rt.agent_binary), "forward", "--listen-fd", "3", "--serial-fd", "4"],
@@ -501,6 +570,8 @@ class QemuBackend(Backend):
         finally:
             for s in (ours, theirs, listener):
                 s.close()
+            if tap is not None:
+                os.close(tap)  # QEMU holds it now (or never will: the TAP goes)
         self._confine(rt, state)
 
     def _confine(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
@@ -509,6 +580,8 @@ class QemuBackend(Backend):
         for key in ("pid", "forwarder"):
             place_process(state[key], cgroup_path(rt.id), memory)
             place_process_cpu(state[key], cgroup_path(rt.id), rt.limits.cpu)
+            if state.get("net"):  # a cgroup v2 of its own: what network policies key on
+                place_process_v2(state[key], cgroup_path(rt.id))
 
     async def _wait_ready(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         """Until the agent answers through the forwarder: the guest has booted. A QEMU that
@@ -632,6 +705,7 @@ class QemuBackend(Backend):
             self.cold.forget(state["pid"])
             self._settled.pop(state["pid"], None)
         await self._end_processes(state)
+        await asyncio.to_thread(guestnet.release_netns, rt.dir)
         self._saved(rt).unlink(missing_ok=True)
         (rt.data_dir / SAVED_RAM).unlink(missing_ok=True)
         for _ in range(100):
@@ -696,6 +770,7 @@ class QemuBackend(Backend):
                 incoming=saved,
                 ram=ram if ram.exists() else None,
                 balloon=state.get("balloon"),
+                net=bool(state.get("net")),
             )
             async with await self._monitor(rt, fresh) as q:
                 await self._migrated(q, rt, "load")

@@ -9,6 +9,12 @@ under ``/sys/fs/bpf/dsec/egress-<source digest>/``, which is what a live update 
 daemon opens; ``sandboxes`` there registers each sandbox's cgroup id under its sandbox id.
 Loading and verifying the programs takes about 1.5 ms of CPU, once; registering a sandbox and
 attaching to its cgroup takes a small fraction of that.
+
+A VM sandbox's traffic is its guest's, which no cgroup hook sees: ``Programs.attach_port``
+attaches ``guest_egress`` to the egress side of its veth (a tcx link, pinned as
+``port-<sandbox id>`` beside the maps so it outlives the daemon) and names the sandbox in
+``ports`` by that veth's index. The veth's removal detaches it; ``NodeMaps.unregister`` drops
+the entry and the pin.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "ensure_object",
     "libbpf",
     "maps_dir",
+    "port_pin",
     "registered",
 ]
 
@@ -50,7 +57,10 @@ SOURCE = Path(__file__).with_name("bpf") / "egress.bpf.c"
 BPF_ROOT = Path("/sys/fs/bpf")
 #: The slots of a sandbox's ``denied`` entry, in the C enum's order.
 COUNTERS = ("connect4", "connect6", "sendmsg4", "sendmsg6", "socket", "packet")
-MAPS = ("allow4", "allow6", "denied", "sandboxes")
+MAPS = ("allow4", "allow6", "denied", "sandboxes", "ports")
+#: The program for a VM's packets (tcx, on its veth), not for cgroups.
+PACKET_PROGRAM = "guest_egress"
+BPF_TCX_INGRESS = 46
 BPF_F_ALLOW_MULTI = 2
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -139,6 +149,8 @@ def libbpf() -> ctypes.CDLL:
         ("bpf_prog_attach", ci, [ci, ci, ci, cu]),
         ("bpf_prog_detach2", ci, [ci, ci, ci]),
         ("bpf_obj_get", ci, [cc]),
+        ("bpf_obj_pin", ci, [ci, cc]),
+        ("bpf_link_create", ci, [ci, ci, ci, vp]),
         ("bpf_map_update_elem", ci, [ci, vp, vp, ctypes.c_uint64]),
         ("bpf_map_delete_elem", ci, [ci, vp]),
         ("bpf_map_lookup_elem", ci, [ci, vp, vp]),
@@ -289,6 +301,8 @@ class Programs:
                 maps.register(sandbox_id, cgroup_id)
                 cg = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 for name, prog, kind in self._programs:
+                    if name == PACKET_PROGRAM:
+                        continue
                     rc = lib.bpf_prog_attach(prog, cg, kind, BPF_F_ALLOW_MULTI)
                     if rc:
                         raise _failed(f"attaching {name} to {cgroup}", rc)
@@ -301,6 +315,48 @@ class Programs:
             finally:
                 if cg >= 0:
                     os.close(cg)
+
+    def attach_port(self, sandbox_id: str, ifindex: int) -> None:
+        """Check the packets arriving on device ``ifindex`` of this thread's network
+        namespace (a VM sandbox's veth, its egress side) against the registered sandbox's
+        rules: the entry in ``ports``, then the program on the device's tcx ingress, its
+        link pinned (``port_pin``). On failure neither stays."""
+        lib = libbpf()
+        prog = next(fd for name, fd, _ in self._programs if name == PACKET_PROGRAM)
+        pin = port_pin(sandbox_id, self.pins)
+        with NodeMaps.open(self.pins) as maps:
+            cgroup_id = maps.cgroup_of(sandbox_id)
+            if cgroup_id is None:
+                raise UnknownSandbox(
+                    f"egress: sandbox {sandbox_id} is not registered", sandbox_id=sandbox_id
+                )
+            key, value = ctypes.c_uint32(ifindex), ctypes.c_uint64(cgroup_id)
+            rc = lib.bpf_map_update_elem(
+                maps.fds["ports"], ctypes.byref(key), ctypes.byref(value), BPF_ANY
+            )
+            if rc:
+                raise _failed(f"registering device {ifindex} of sandbox {sandbox_id}", rc)
+            link = -1
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    pin.unlink()  # a link of an earlier attempt
+                link = lib.bpf_link_create(prog, ifindex, BPF_TCX_INGRESS, None)
+                if link < 0:
+                    raise _failed(f"attaching {PACKET_PROGRAM} to device {ifindex}", link)
+                rc = lib.bpf_obj_pin(link, os.fsencode(pin))
+                if rc:
+                    raise _failed(f"pinning the link of device {ifindex} at {pin}", rc)
+            except BaseException:
+                maps._delete("ports", bytes(key))
+                raise
+            finally:
+                if link >= 0:
+                    os.close(link)  # the pin holds it (or, unpinned, it goes)
+
+
+def port_pin(sandbox_id: str, pins: Path | None = None) -> Path:
+    """Where the link of a VM sandbox's packet program is pinned."""
+    return (pins or maps_dir()) / f"port-{sandbox_id}"
 
 
 # --- the maps -----------------------------------------------------------------------------
@@ -315,8 +371,9 @@ class NodeMaps:
     """The node's pinned maps, open: ``allow4``/``allow6`` (every sandbox's rules),
     ``denied`` (refusals by cgroup id) and ``sandboxes`` (sandbox id -> cgroup id)."""
 
-    def __init__(self, fds: dict[str, int]) -> None:
+    def __init__(self, fds: dict[str, int], pins: Path) -> None:
         self.fds = fds
+        self.pins = pins
 
     @classmethod
     def open(cls, pins: Path | None = None) -> NodeMaps:
@@ -337,7 +394,7 @@ class NodeMaps:
             for fd in fds.values():
                 os.close(fd)
             raise
-        return cls(fds)
+        return cls(fds, pins)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -390,6 +447,14 @@ class NodeMaps:
             return
         sandbox = SandboxMaps(self, cgroup_id)
         sandbox.sync({"allow4": set(), "allow6": set()})
+        for key in self.keys("ports", 4):  # a VM's veth (its link goes with its pin)
+            value = ctypes.c_uint64(0)
+            fd = self.fds["ports"]
+            if libbpf().bpf_map_lookup_elem(fd, key, ctypes.byref(value)) == 0:
+                if value.value == cgroup_id:
+                    self._delete("ports", key)
+        with contextlib.suppress(FileNotFoundError):
+            port_pin(sandbox_id, self.pins).unlink()
         self._delete("denied", _CGROUP.pack(cgroup_id))
         self._delete("sandboxes", _sandbox_key(sandbox_id).raw)
 

@@ -342,6 +342,11 @@ class EgressNetwork:
                 raise
         return addr
 
+    def veth_index(self, sandbox_id: str) -> int:
+        """The index of the sandbox's veth in the egress namespace (``NetlinkError``)."""
+        with Netlink.open(self.path) as nl:
+            return nl.link_index(veth_name(sandbox_id))
+
     def _delete_link(self, veth: str) -> None:
         if self.exists():
             with Netlink.open(self.path) as nl:

@@ -29,6 +29,7 @@ from dsec_core.backend import Backend, SandboxRuntime, StartedSandbox
 from dsec_core.config import NodeConfig
 from dsec_core.errors import DsecError, InvalidSpec, PolicyUnavailable, UnknownSandbox
 from dsec_core.linux.cgroups import cgroup2_root
+from dsec_core.linux.netns import call_in_netns
 from dsec_core.security import SecurityPolicy
 
 from .bpf import (
@@ -130,8 +131,9 @@ class EgressPolicy(SecurityPolicy):
 
     @classmethod
     def enforceable_on(cls, backend: type[Backend]) -> bool:
-        # the OCI config for /etc/hosts and the running sandbox for its cgroup and netns: both
-        return cls.targets <= backend.policy_targets
+        # the running sandbox for its cgroup and netns; the OCI config, where there is one,
+        # for /etc/hosts and an early attach (a VM has none)
+        return "started" in backend.policy_targets
 
     def validate(self, settings: Mapping[str, Any]) -> None:
         try:
@@ -231,6 +233,10 @@ class EgressPolicy(SecurityPolicy):
                 self.network.ensure_uplink()
             if rt.spec.network in self.network_modes:
                 tracked.address = self.network.attach(rt.id, s.netns)
+                if s.guest:  # a VM: its guest's packets are checked on its veth
+                    index = self.network.veth_index(rt.id)
+                    programs = self.programs
+                    call_in_netns(self.network.path, lambda: programs.attach_port(rt.id, index))
             self._write_hosts(tracked)
         except BaseException:
             self._release(rt.id)

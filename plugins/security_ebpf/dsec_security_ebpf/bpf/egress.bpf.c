@@ -9,6 +9,11 @@
 //   cgroup_skb/egress   every IP packet a socket of the cgroup sends is checked again: a backstop
 //                       for whatever reaches the wire without a connect or sendmsg hook, and what
 //                       makes a rule removed live cut connections already open.
+// A VM's guest runs its own kernel, whose sockets no cgroup hook sees: its packets come out of
+// its TAP, across a bridge, and into the egress namespace through the sandbox's veth. There
+//   tc (tcx ingress)    guest_egress checks every frame the guest sends on the egress side of
+//                       that veth, against the same rules (the `ports` map names the sandbox
+//                       by the veth's index); ARP passes, anything else not allowed is dropped.
 // Each refusal is counted in the sandbox's `denied` entry (one slot per hook), which the node
 // shows per sandbox.
 //
@@ -24,6 +29,7 @@
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/if_ether.h>
+#include <linux/pkt_cls.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
@@ -100,6 +106,15 @@ struct {
     __type(key, char[32]);
     __type(value, __u64);
 } sandboxes SEC(".maps");
+
+// the egress side's index of a VM sandbox's veth (in the egress namespace) -> its cgroup id
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, MAX_SANDBOXES);
+    __uint(map_flags, BPF_F_NO_PREALLOC);
+    __type(key, __u32);
+    __type(value, __u64);
+} ports SEC(".maps");
 
 static __always_inline int deny(__u64 cg, __u32 slot)
 {
@@ -271,6 +286,54 @@ int egress_packet(struct __sk_buff *skb)
         return deny(cg, DENIED_PACKET);
     }
     return deny(cg, DENIED_PACKET);
+}
+
+static __always_inline int drop(__u64 cg)
+{
+    deny(cg, DENIED_PACKET);
+    return TC_ACT_SHOT;
+}
+
+SEC("tc")
+int guest_egress(struct __sk_buff *skb)
+{
+    __u32 ifindex = skb->ingress_ifindex;
+    __u64 *found = bpf_map_lookup_elem(&ports, &ifindex);
+    __u16 ports[2];
+
+    if (!found)
+        return TC_ACT_SHOT;  // a veth the node did not register: fail closed
+    __u64 cg = *found;
+
+    if (skb->protocol == bpf_htons(ETH_P_ARP))
+        return TC_ACT_OK;  // the guest finding its gateway
+    if (skb->protocol == bpf_htons(ETH_P_IP)) {
+        struct iphdr ip;
+
+        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)))
+            return drop(cg);
+        if (ip.frag_off & bpf_htons(0x1fff))  // later fragments carry no ports
+            return drop(cg);
+        if (bpf_skb_load_bytes(skb, ETH_HLEN + ip.ihl * 4, ports, sizeof(ports)))
+            return drop(cg);
+        if (allowed4(cg, ip.daddr, ports[1], ip.protocol))
+            return TC_ACT_OK;
+        return drop(cg);
+    }
+    if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+        struct ipv6hdr ip6;
+        __u32 a[4];
+
+        if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)))
+            return drop(cg);
+        __builtin_memcpy(a, &ip6.daddr, sizeof(a));
+        if (bpf_skb_load_bytes(skb, ETH_HLEN + sizeof(ip6), ports, sizeof(ports)))
+            return drop(cg);
+        if (allowed6(cg, a, ports[1], ip6.nexthdr))
+            return TC_ACT_OK;
+        return drop(cg);
+    }
+    return drop(cg);
 }
 
 char LICENSE[] SEC("license") = "GPL";

@@ -1,0 +1,110 @@
+"""The egress policy on a microVM, as on a container: the guest has a network card (a TAP in
+the sandbox's own namespace, bridged to its veth), takes the sandbox's address, reaches what
+its allowlist allows and nothing else (its packets are checked on the veth: the guest's own
+kernel makes its sockets, which no cgroup hook sees), follows live changes and a daemon
+restart, and leaves nothing behind: no veth, namespace, pinned link or map entry."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from dsec_security_ebpf import egress_namespace, veth_name
+from dsec_security_ebpf.bpf import NodeMaps, port_pin, registered
+
+from dsec_core.linux.netns import links
+from dsec_core.testing import leftovers, until
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed"
+)
+
+
+def _ports() -> dict[int, int]:
+    """The ``ports`` map: veth index -> cgroup id."""
+    with NodeMaps.open() as maps:
+        import ctypes
+
+        from dsec_security_ebpf.bpf import libbpf
+
+        out = {}
+        for key in maps.keys("ports", 4):
+            value = ctypes.c_uint64(0)
+            if libbpf().bpf_map_lookup_elem(maps.fds["ports"], key, ctypes.byref(value)) == 0:
+                out[int.from_bytes(key, "little")] = value.value
+        return out
+
+
+def _probe(sb, *args: str) -> str:
+    return sb.exec(["/bin/netprobe", *args], timeout=30).text.strip()
+
+
+def _stats(sb) -> dict:
+    (state,) = [p for p in sb.policies() if p.name == "egress"]
+    assert state.state == "enforced"
+    return dict(state.stats)
+
+
+def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
+    dsec_sandboxes, egress, servers, netprobe
+):
+    sb = dsec_sandboxes.create(
+        backend="microvm",
+        memory="256M",
+        network="allowlist",
+        policies={"egress": {"allow": [f"{servers.address}:8080/tcp"]}},
+    )
+    sb.write_file("/bin/netprobe", netprobe, mode=0o755)
+    stats = _stats(sb)
+    address = stats["address"]
+    assert address.startswith("10.231.")
+    shown = sb.exec("/.dsec/busybox ip -4 addr show eth0; /.dsec/busybox ip route").text
+    assert f"inet {address}/32" in shown and "default via 169.254.0.1" in shown
+
+    # allowed: arrives, masqueraded by the egress namespace
+    assert _probe(sb, "tcp", servers.address, "8080", "hello") == "ok"
+    # refused: the guest's SYN and datagram are dropped on the veth and counted
+    assert _probe(sb, "tcp", servers.address, "8081", "nope").startswith("connect: E")
+    assert _probe(sb, "udp", servers.address, "5353", "dropped") == "ok"  # left the guest
+    assert _probe(sb, "tcp", "169.254.0.1", "22", "gw").startswith("connect: E")
+    got = servers.received()
+    assert [(r.port, r.data) for r in got] == [(8080, "hello")]
+    assert got[0].peer == servers.gateway
+    stats = _stats(sb)
+    assert stats["denied_by"].keys() == {"packet"} and stats["denied"] >= 3
+
+    # a live change: 8081 opens, 8080 closes
+    sb.set_policy("egress", {"allow": [f"{servers.address}:8081/tcp"]})
+    assert _probe(sb, "tcp", servers.address, "8081", "after") == "ok"
+    assert _probe(sb, "tcp", servers.address, "8080", "closed").startswith("connect: E")
+
+    # a restarted daemon finds it enforced: the link and the maps are pinned
+    egress.node.restart()
+    with egress.node.client() as c:
+        sb = c.get(sb.id)
+        assert _probe(sb, "tcp", servers.address, "8080", "still").startswith("connect: E")
+        assert _probe(sb, "tcp", servers.address, "8081", "again") == "ok"
+        assert [(r.port, r.data) for r in servers.received()] == [
+            (8080, "hello"),
+            (8081, "after"),
+            (8081, "again"),
+        ]
+
+        ns = egress_namespace(egress.node.home)
+        index = None
+        for line in os.popen(f"ip -n {ns} -o link show {veth_name(sb.id)}"):
+            index = int(line.split(":", 1)[0])
+        assert index in _ports() and port_pin(sb.id).exists()
+        c.kill(sb.id)
+    assert not registered(sb.id)
+    assert index not in _ports() and not port_pin(sb.id).exists()
+    until(lambda: veth_name(sb.id) not in links(ns), timeout=5, every=0.1)
+    left = leftovers(egress.node.home)
+    assert left["mounts"] == [m for m in left["mounts"] if "/sandboxes/" not in m], left
+    assert left["cgroups"] == [] and left["processes"] == []
+
+
+def test_a_microvm_without_network_has_no_card(dsec_sandboxes, egress):
+    sb = dsec_sandboxes.create(backend="microvm", memory="256M")
+    assert sb.exec("ls /sys/class/net").text.split() == ["lo"]
