@@ -34,6 +34,10 @@ host memory of idle microVMs with their layers over virtio-pmem (DAX) against vi
    what their memory cgroups hold then, on against off (``balloon_damon_vs_off_host_mem_ratio``;
    target 0.8, DSec's -21.2%). Cold memory is found by referenced bits, not DAMON: this host's
    own kdamond holds DAMON's sysfs interface (``dsec node status`` says so).
+5. Density: on the node with balloon and reclaim on, N idle microVMs of 256M (8; 32 without
+   --quick) started from their template, each having run ``true``: the host memory one holds
+   (its cgroup, median; ``idle_microvm_host_bytes``) and how many such VMs 90% of this host's
+   memory holds (``idle_microvms_fit``; DSec reports 800 microVMs per node).
 
     python bench/vm.py [--quick]
 
@@ -83,6 +87,7 @@ TARGETS = {  # figure: (limit, "le" for at most)
     "microvm_exec_p50_ms": 20.0,
 }
 VM_MEMORY = "512M"  # every microVM of the memory parts, pmem and blk alike
+IDLE_MEMORY = "256M"  # each microVM of the density part
 CLONES = 8  # the clone part: 8 clones of one running microVM
 FILE_BYTES = 512 << 10
 STOPS = (signal.SIGINT, signal.SIGTERM)
@@ -439,6 +444,39 @@ def given_back(node: KitNode, layers: list[str], n: int, wait: float, copies: in
     return {"read_bytes": read_at, "held_bytes": held, "given_back": reclaim.get("given_back", 0)}
 
 
+def idle_density(node: KitNode, layers: list[str], n: int, wait: float) -> dict:
+    """``n`` idle microVMs of ``IDLE_MEMORY`` each (started from their template, one
+    ``true`` run in each, then left alone for ``wait`` seconds on a node with the balloon and
+    reclaim on): the host memory one holds (its cgroup: QEMU's anonymous and mapped file
+    pages; and its QEMU's PSS), and how many of them this host's memory holds at that size."""
+    spec = dict(layers=layers, backend="microvm", memory=IDLE_MEMORY)
+    with node.client() as client:
+        create(client, spec).kill()  # the shape's template, before the measure
+        vms = []
+        try:
+            for _ in range(n):
+                sb = create(client, spec)
+                vms.append(sb)
+                sb.exec("true").check()
+            time.sleep(wait)
+            held = [cgroup_held(sb.id) for sb in vms]
+            pids = [client.get(sb.id).info.pid for sb in vms]
+            pss_sum = sum(pss(p)["Pss"] for p in pids if p)
+        finally:
+            for sb in vms:
+                with contextlib.suppress(dsec.DsecError):
+                    sb.kill()
+    per_vm = statistics.median(held)
+    total = meminfo()["MemTotal"]
+    return {
+        "idle_microvm_host_bytes": int(per_vm),
+        "idle_microvm_pss_bytes": pss_sum // n,
+        # the node keeps a tenth of the host for itself, the page cache and the page tables
+        "idle_microvms_fit": int(total * 0.9 // per_vm) if per_vm else None,
+        "idle_microvms_run": n,
+    }
+
+
 # --- the run ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -448,10 +486,10 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench: needs root")
     if args.quick:
-        rounds, execs, boots, n_vms, data_mb, settle = 3, 6, 0, 3, 16, 1.0
+        rounds, execs, boots, n_vms, data_mb, settle, n_idle = 3, 6, 0, 3, 16, 1.0, 8
         settle_reclaim, copies = 5.0, 5  # 16 MB read and 80 MB written by each VM
     else:
-        rounds, execs, boots, n_vms, data_mb, settle = 20, 5, 5, 8, 200, 3.0
+        rounds, execs, boots, n_vms, data_mb, settle, n_idle = 20, 5, 5, 8, 200, 3.0, 32
         settle_reclaim, copies = 10.0, 0  # 200 MB read by each VM
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
@@ -498,6 +536,8 @@ def main() -> None:
                 layers = with_data_layer(node, tree)
                 gave["on"] = given_back(node, layers, n_vms, settle_reclaim, copies)
                 t = phase("balloon and reclaim on", t)
+                density = idle_density(node, layers, n_idle, settle_reclaim)
+                t = phase("idle density", t)
         boot: list[float] = []
         if boots:
             with environment(DSEC_VM_CACHE=cache, DSEC_VM_SNAPSHOT_START="0"):
@@ -509,7 +549,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     took = time.perf_counter() - started
-    report(args.quick, lat, boot, mem, clone, gave, rounds, execs, n_vms, data_mb, took)
+    report(args.quick, lat, boot, mem, clone, gave, density, rounds, execs, n_vms, data_mb, took)
     if args.plot:
         plot(args.quick, lat, mem, n_vms, data_mb)
 
@@ -541,6 +581,7 @@ def report(
     mem: dict[str, dict],
     clone: dict,
     gave: dict,
+    density: dict,
     rounds: int,
     execs: int,
     n_vms: int,
@@ -656,6 +697,13 @@ def report(
     print(
         f"  on / off                   {fig['balloon_damon_vs_off_host_mem_ratio']!s:>28}  "
         "(cold memory found by referenced bits: DAMON's sysfs is held by the host's own)"
+    )
+    fig.update(density)
+    print(
+        f"\n{density['idle_microvms_run']} idle microVMs of {IDLE_MEMORY} (balloon and reclaim "
+        f"on): {mb(density['idle_microvm_host_bytes'])} of host memory each (cgroup, median), "
+        f"{mb(density['idle_microvm_pss_bytes'])} QEMU PSS each; this host's memory holds "
+        f"about {density['idle_microvms_fit']} of them (90% of MemTotal / one's)"
     )
     fig["idle_vms"], fig["layer_mb"] = n_vms, data_mb
     fig["microvm_create_p50_s"] = fig.get("microvm_create_p50_s")

@@ -12,7 +12,9 @@ import shutil
 import pytest
 from dsec_security_ebpf import egress_namespace, veth_name
 from dsec_security_ebpf.bpf import NodeMaps, port_pin, registered
+from dsec_security_ebpf.testing import egress_kit_node, stale_registrations
 
+from dsec_core.errors import ToolError
 from dsec_core.linux.netns import links
 from dsec_core.testing import leftovers, until
 
@@ -108,3 +110,56 @@ def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
 def test_a_microvm_without_network_has_no_card(dsec_sandboxes, egress):
     sb = dsec_sandboxes.create(backend="microvm", memory="256M")
     assert sb.exec("ls /sys/class/net").text.split() == ["lo"]
+
+
+def test_forks_of_a_microvm_get_addresses_of_their_own(dsec_sandboxes, egress, servers, netprobe):
+    """A memory snapshot's forks wake with the parent's card and address: each is given its
+    own, and its own veth and rules, before anything runs in it."""
+    c = dsec_sandboxes.client
+    sb = dsec_sandboxes.create(
+        backend="microvm",
+        memory="256M",
+        network="allowlist",
+        policies={"egress": {"allow": [f"{servers.address}:8080/tcp"]}},
+    )
+    sb.write_file("/bin/netprobe", netprobe, mode=0o755)
+    snap = sb.snapshot_memory(name=f"net-{sb.id}")
+    forks = c.restore(snap.name, 2)
+    try:
+        addresses = {_stats(s)["address"] for s in (sb, *forks)}
+        assert len(addresses) == 3
+        for f in forks:
+            mine = _stats(f)["address"]
+            shown = f.exec("/.dsec/busybox ip -4 addr show eth0").text
+            assert f"inet {mine}/32" in shown and shown.count("inet ") == 1
+            assert _probe(f, "tcp", servers.address, "8080", f.id) == "ok"
+        assert _probe(sb, "tcp", servers.address, "8080", sb.id) == "ok"
+        assert sorted(r.data for r in servers.received()) == sorted([sb.id, *(f.id for f in forks)])
+    finally:
+        for f in forks:
+            c.kill(f.id)
+        c.remove_memory_snapshot(snap.name)
+
+
+def test_a_microvm_whose_network_cannot_be_made_leaves_nothing(tmp_path):
+    """The egress subnet has room for two sandboxes, which containers take: the microVM's
+    veth cannot be made after its QEMU runs with its card in its namespace; the create fails
+    and nothing of it stays (no QEMU, namespace mount, cgroup, registration or directory)."""
+    with egress_kit_node(tmp_path, env={"DSEC_EGRESS_SUBNET": "10.233.0.0/30"}) as egress:
+        with egress.node.client() as c:
+            spec = dict(
+                layers=(egress.node.layer.ref,),
+                network="allowlist",
+                policies={"egress": {"allow": ["10.77.9.9:80/tcp"]}},
+            )
+            made = [c.create(backend="container", **spec) for _ in range(2)]
+            before = leftovers(egress.node.home)
+            with NodeMaps.open() as maps:
+                registered_before = set(maps.sandboxes())
+            with pytest.raises(ToolError, match="no free address"):
+                c.create(backend="microvm", memory="256M", **spec)
+            assert sorted(s.id for s in c.list()) == sorted(s.id for s in made)
+            assert stale_registrations(registered_before) == set()
+            until(lambda: leftovers(egress.node.home) == before, timeout=10, every=0.2)
+            for s in made:
+                c.kill(s.id)
