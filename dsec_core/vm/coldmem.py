@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..linux.processes import proc_stat
+from ..linux.processes import cpu_demand_seconds
 
 __all__ = ["ColdProbe", "RamSample", "damon_status", "ram_mapping"]
 
@@ -27,7 +27,9 @@ DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 @dataclass(frozen=True)
 class RamSample:
     """One sample of a guest's RAM: resident bytes, those not referenced since the last
-    sample, and the share of a core QEMU used since then (how busy the guest is)."""
+    sample, and the share of a core QEMU wanted since then (how busy the guest is: what its
+    threads ran plus what they waited runnable, so a busy guest on a loaded host counts as
+    busy though it got less)."""
 
     resident: int
     cold: int
@@ -39,7 +41,7 @@ class ColdProbe:
     with and reports nothing cold."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, CPU seconds)
+        self._seen: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, CPU seconds wanted)
 
     def sample(self, pid: int, size: int) -> RamSample | None:
         """``pid``'s guest RAM (the mapping of exactly ``size`` bytes) now, or None if the
@@ -68,8 +70,7 @@ class ColdProbe:
 
 
 def _cpu_seconds(pid: int) -> float:
-    stat = proc_stat(pid)
-    return stat.cpu_seconds if stat is not None else 0.0
+    return cpu_demand_seconds(pid) or 0.0
 
 
 def ram_mapping(smaps: str, size: int) -> tuple[int, int] | None:

@@ -133,7 +133,7 @@ SAVE_FIFO = "save.fifo"
 PING_PATIENCE = 10.0
 #: Cold guest memory below this is left alone (a give_back is a balloon round trip).
 GIVE_BACK_MIN = 32 << 20
-#: A guest that used more than this share of a core since the last pass is not asked.
+#: A guest that wanted more than this share of a core since the last pass is not asked.
 GIVE_BACK_BUSY = 0.2
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60

@@ -2,7 +2,7 @@
 the sandbox's own namespace, bridged to its veth), takes the sandbox's address, reaches what
 its allowlist allows and nothing else (its packets are checked on the veth: the guest's own
 kernel makes its sockets, which no cgroup hook sees), follows live changes and a daemon
-restart, and leaves nothing behind: no veth, namespace, pinned link or map entry."""
+restart and a pause, and leaves nothing behind: no veth, namespace, pinned link or map entry."""
 
 from __future__ import annotations
 
@@ -81,6 +81,11 @@ def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
     assert _probe(sb, "tcp", servers.address, "8081", "after") == "ok"
     assert _probe(sb, "tcp", servers.address, "8080", "closed").startswith("connect: E")
 
+    # paused, its QEMU is gone and its card with it; resumed, a new card joins the bridge
+    sb.pause()
+    sb.resume()
+    assert _probe(sb, "tcp", servers.address, "8081", "resumed") == "ok"
+
     # a restarted daemon finds it enforced: the link and the maps are pinned
     egress.node.restart()
     with egress.node.client() as c:
@@ -90,6 +95,7 @@ def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
         assert [(r.port, r.data) for r in servers.received()] == [
             (8080, "hello"),
             (8081, "after"),
+            (8081, "resumed"),
             (8081, "again"),
         ]
 
