@@ -23,8 +23,9 @@ def dsec_node(egress):
 
 
 @pytest.fixture
-def dsec_backend_name():
-    return "container"
+def dsec_backend_name(request):
+    """A kit class's ``backend_name``; elsewhere the container backend."""
+    return getattr(request.instance, "backend_name", None) or "container"
 
 
 @pytest.fixture(scope="session")

@@ -34,3 +34,11 @@ class TestEgressKit(SecurityPolicyConformance):
         ns = egress_namespace(node.home)
         veths = sorted(n for n in links(ns) if n != "lo") if netns_exists(ns) else []
         return {"stale_registrations": stale, "veths": veths}
+
+
+class TestEgressKitOnMicroVms(TestEgressKit):
+    """The same kit with the sandboxes as microVMs: the guest's card takes the veth's place
+    and its packets are checked there (``test_vm_egress.py`` has the traffic)."""
+
+    backend_name = "microvm"
+    sandbox_spec = {"memory": "256M"}
