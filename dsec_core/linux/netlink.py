@@ -227,13 +227,14 @@ class Netlink:
         return NetlinkError(text, operation=what, errno=code, netns=self.netns)
 
     # --- links ----------------------------------------------------------------------------
-    def add_veth(self, name: str, peer: str, peer_netns_fd: int) -> None:
-        """Make a veth pair: ``name`` here, ``peer`` in the namespace of ``peer_netns_fd``;
-        both down. The peer never exists anywhere else."""
+    def add_veth(self, name: str, peer: str, peer_netns_fd: int, index: int | None = None) -> None:
+        """Make a veth pair: ``name`` here (with the device index ``index`` if given:
+        EBUSY if a device here has it), ``peer`` in the namespace of ``peer_netns_fd``; both
+        down. The peer never exists anywhere else."""
         peer_msg = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
         peer_msg += attr(IFLA_IFNAME, _name(peer)) + attr(IFLA_NET_NS_FD, _u32(peer_netns_fd))
         info = attr(IFLA_INFO_KIND, b"veth") + attr(IFLA_INFO_DATA, attr(VETH_INFO_PEER, peer_msg))
-        body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+        body = IFINFOMSG.pack(socket.AF_UNSPEC, 0, index or 0, 0, 0)
         body += attr(IFLA_IFNAME, _name(name)) + attr(IFLA_LINKINFO, info)
         self.request(RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body, f"creating veth {name}")
 

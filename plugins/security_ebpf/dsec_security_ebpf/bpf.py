@@ -13,7 +13,9 @@ attaching to its cgroup takes a small fraction of that.
 A VM sandbox's traffic is its guest's, which no cgroup hook sees: ``Programs.attach_port``
 attaches ``guest_egress`` to the egress side of its veth (a tcx link, pinned as
 ``port-<sandbox id>`` beside the maps so it outlives the daemon) and names the sandbox in
-``ports`` by that veth's index. The veth's removal detaches it; ``NodeMaps.unregister`` drops
+``ports`` by that veth's index, which the policy makes from the sandbox's cgroup id
+(``port_index``): the maps are the host's and every node has its own egress namespace, where
+indexes would otherwise repeat. The veth's removal detaches it; ``NodeMaps.unregister`` drops
 the entry and the pin.
 """
 
@@ -49,6 +51,7 @@ __all__ = [
     "ensure_object",
     "libbpf",
     "maps_dir",
+    "port_index",
     "port_pin",
     "registered",
 ]
@@ -61,6 +64,8 @@ MAPS = ("allow4", "allow6", "denied", "sandboxes", "ports")
 #: The program for a VM's packets (tcx, on its veth), not for cgroups.
 PACKET_PROGRAM = "guest_egress"
 BPF_TCX_INGRESS = 46
+#: VM veths' indexes start here (a namespace numbers its own devices from 1 up)
+PORT_INDEX_BASE = 1 << 24
 BPF_F_ALLOW_MULTI = 2
 BPF_ANY = 0
 BPF_NOEXIST = 1
@@ -332,7 +337,7 @@ class Programs:
                 )
             key, value = ctypes.c_uint32(ifindex), ctypes.c_uint64(cgroup_id)
             rc = lib.bpf_map_update_elem(
-                maps.fds["ports"], ctypes.byref(key), ctypes.byref(value), BPF_ANY
+                maps.fds["ports"], ctypes.byref(key), ctypes.byref(value), BPF_NOEXIST
             )
             if rc:
                 raise _failed(f"registering device {ifindex} of sandbox {sandbox_id}", rc)
@@ -352,6 +357,14 @@ class Programs:
             finally:
                 if link >= 0:
                     os.close(link)  # the pin holds it (or, unpinned, it goes)
+
+
+def port_index(cgroup_id: int) -> int:
+    """The index a VM sandbox's veth takes in its egress namespace (its egress side), made
+    from the sandbox's cgroup id: unique on the host while the sandbox lives, as the
+    ``ports`` map (the host's, shared by every node and its egress namespace) needs, and above
+    the indexes a namespace gives on its own (``PORT_INDEX_BASE``)."""
+    return PORT_INDEX_BASE + cgroup_id % ((1 << 31) - 1 - PORT_INDEX_BASE)
 
 
 def port_pin(sandbox_id: str, pins: Path | None = None) -> Path:
@@ -447,16 +460,23 @@ class NodeMaps:
             return
         sandbox = SandboxMaps(self, cgroup_id)
         sandbox.sync({"allow4": set(), "allow6": set()})
-        for key in self.keys("ports", 4):  # a VM's veth (its link goes with its pin)
-            value = ctypes.c_uint64(0)
-            fd = self.fds["ports"]
-            if libbpf().bpf_map_lookup_elem(fd, key, ctypes.byref(value)) == 0:
-                if value.value == cgroup_id:
-                    self._delete("ports", key)
+        for index, cg in self.ports().items():  # a VM's veth (its link goes with its pin)
+            if cg == cgroup_id:
+                self._delete("ports", struct.pack("=I", index))
         with contextlib.suppress(FileNotFoundError):
             port_pin(sandbox_id, self.pins).unlink()
         self._delete("denied", _CGROUP.pack(cgroup_id))
         self._delete("sandboxes", _sandbox_key(sandbox_id).raw)
+
+    def ports(self) -> dict[int, int]:
+        """Every VM sandbox's veth checked by ``guest_egress``: its index -> the sandbox's
+        cgroup id."""
+        out = {}
+        for key in self.keys("ports", 4):
+            value = ctypes.c_uint64(0)
+            if libbpf().bpf_map_lookup_elem(self.fds["ports"], key, ctypes.byref(value)) == 0:
+                out[struct.unpack("=I", key)[0]] = value.value
+        return out
 
     def sandbox(self, sandbox_id: str) -> SandboxMaps:
         """One registered sandbox's view of the maps (``UnknownSandbox`` if it is not)."""

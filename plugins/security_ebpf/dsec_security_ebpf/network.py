@@ -300,9 +300,13 @@ class EgressNetwork:
             # a detached sandbox's address is free once its veth (and route) is gone
             self._changed.wait()
 
-    def attach(self, sandbox_id: str, netns: str | os.PathLike[str]) -> str:
+    def attach(
+        self, sandbox_id: str, netns: str | os.PathLike[str], index: int | None = None
+    ) -> str:
         """Give the sandbox whose network namespace is ``netns`` (``/proc/<pid>/ns/net``) a
-        veth into the egress namespace; its address. On failure nothing is left.
+        veth into the egress namespace; its address. ``index``: the index the veth's egress
+        side takes there (a VM's: ``bpf.port_index``), else the next free one. On failure
+        nothing is left.
 
         All through netlink from this process (``dsec_core.linux.netlink``, on a socket in the
         egress namespace kept between attaches): no program runs per sandbox. The sandbox's
@@ -320,7 +324,7 @@ class EgressNetwork:
                 nl = self._nl
                 fd = open_netns(netns)
                 try:
-                    nl.add_veth(veth, SANDBOX_DEVICE, fd)
+                    nl.add_veth(veth, SANDBOX_DEVICE, fd, index=index)
                 finally:
                     os.close(fd)
                 made = True
@@ -341,11 +345,6 @@ class EgressNetwork:
                         log.exception("sandbox %s: removing its half-made veth", sandbox_id)
                 raise
         return addr
-
-    def veth_index(self, sandbox_id: str) -> int:
-        """The index of the sandbox's veth in the egress namespace (``NetlinkError``)."""
-        with Netlink.open(self.path) as nl:
-            return nl.link_index(veth_name(sandbox_id))
 
     def _delete_link(self, veth: str) -> None:
         if self.exists():

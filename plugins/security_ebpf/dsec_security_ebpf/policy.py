@@ -41,6 +41,7 @@ from .bpf import (
     ensure_object,
     libbpf,
     maps_dir,
+    port_index,
 )
 from .network import EgressNetwork
 from .resolve import Resolver
@@ -232,9 +233,14 @@ class EgressPolicy(SecurityPolicy):
             if rt.spec.network == "internet":
                 self.network.ensure_uplink()
             if rt.spec.network in self.network_modes:
-                tracked.address = self.network.attach(rt.id, s.netns)
-                if s.guest:  # a VM: its guest's packets are checked on its veth
-                    index = self.network.veth_index(rt.id)
+                # a VM: its guest's packets are checked on its veth, whose index names it
+                index = None
+                if s.guest:
+                    with NodeMaps.open(self.programs.pins) as maps:
+                        cgroup_id = maps.cgroup_of(rt.id)
+                    index = port_index(cgroup_id) if cgroup_id is not None else None
+                tracked.address = self.network.attach(rt.id, s.netns, index=index)
+                if index is not None:
                     programs = self.programs
                     call_in_netns(self.network.path, lambda: programs.attach_port(rt.id, index))
             self._write_hosts(tracked)

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 from dsec_security_ebpf import egress_namespace, veth_name
-from dsec_security_ebpf.bpf import NodeMaps, port_pin, registered
+from dsec_security_ebpf.bpf import NodeMaps, port_index, port_pin, registered
 from dsec_security_ebpf.testing import egress_kit_node, stale_registrations
 
 from dsec_core.errors import ToolError
@@ -24,18 +24,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _ports() -> dict[int, int]:
-    """The ``ports`` map: veth index -> cgroup id."""
+    """The ``ports`` map's entries (every node's): veth index -> cgroup id."""
     with NodeMaps.open() as maps:
-        import ctypes
-
-        from dsec_security_ebpf.bpf import libbpf
-
-        out = {}
-        for key in maps.keys("ports", 4):
-            value = ctypes.c_uint64(0)
-            if libbpf().bpf_map_lookup_elem(maps.fds["ports"], key, ctypes.byref(value)) == 0:
-                out[int.from_bytes(key, "little")] = value.value
-        return out
+        return maps.ports()
 
 
 def _probe(sb, *args: str) -> str:
@@ -103,7 +94,11 @@ def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
         index = None
         for line in os.popen(f"ip -n {ns} -o link show {veth_name(sb.id)}"):
             index = int(line.split(":", 1)[0])
-        assert index in _ports() and port_pin(sb.id).exists()
+        # the veth's index is made from the sandbox's cgroup id: unique on the host
+        with NodeMaps.open() as maps:
+            cgroup_id = maps.cgroup_of(sb.id)
+        assert cgroup_id is not None and index == port_index(cgroup_id)
+        assert _ports()[index] == cgroup_id and port_pin(sb.id).exists()
         c.kill(sb.id)
     assert not registered(sb.id)
     assert index not in _ports() and not port_pin(sb.id).exists()
