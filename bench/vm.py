@@ -5,7 +5,8 @@ host memory of idle microVMs with their layers over virtio-pmem (DAX) against vi
 1. Latency, one node (layers over pmem, fast start on), the kit's busybox layer ``kit-base@1``:
    create -> first ``true`` p50/p90 for the container backend under runc (the baseline) and
    gVisor (runsc), the microVM (fast start: the run's first VM boots and is saved as its shape's
-   template, reported apart as the cold boot; later ones load it) and the full VM backend
+   template, reported apart as the cold boot; later ones load it), the microVM with a network
+   card under the egress policy (``network="allowlist"``), and the full VM backend
    ``vm`` when the node has it (its row says so when not); then ``true`` in a running sandbox of
    each, many rounds.
    Then clones: a running 512M microVM of the latency rows' shape (started from its template,
@@ -34,10 +35,12 @@ host memory of idle microVMs with their layers over virtio-pmem (DAX) against vi
    what their memory cgroups hold then, on against off (``balloon_damon_vs_off_host_mem_ratio``;
    target 0.8, DSec's -21.2%). Cold memory is found by referenced bits, not DAMON: this host's
    own kdamond holds DAMON's sysfs interface (``dsec node status`` says so).
-5. Density: on the node with balloon and reclaim on, N idle microVMs of 256M (8; 32 without
+5. Density: on the node with balloon and reclaim on, N idle microVMs of 512M (8; 32 without
    --quick) started from their template, each having run ``true``: the host memory one holds
-   (its cgroup, median; ``idle_microvm_host_bytes``) and how many such VMs 90% of this host's
-   memory holds (``idle_microvms_fit``; DSec reports 800 microVMs per node).
+   (its cgroup, median; ``idle_microvm_host_bytes``), the CPU one burns idle
+   (``idle_microvm_cpu_share``), and how many such VMs this host holds by each (90% of its
+   memory; half its cores): ``idle_microvms_fit`` is the smaller (DSec reports 800 microVMs
+   per node).
 
     python bench/vm.py [--quick]
 
@@ -75,6 +78,7 @@ from dsec_core.backend import cgroup_path
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
 from dsec_core.linux.cgroups import CGROUP_ROOT
+from dsec_core.linux.processes import proc_stat
 from dsec_core.testing import KitNode, running_kit_node
 from dsec_core.vm.runner import vm_cache_dir
 
@@ -87,7 +91,6 @@ TARGETS = {  # figure: (limit, "le" for at most)
     "microvm_exec_p50_ms": 20.0,
 }
 VM_MEMORY = "512M"  # every microVM of the memory parts, pmem and blk alike
-IDLE_MEMORY = "256M"  # each microVM of the density part
 CLONES = 8  # the clone part: 8 clones of one running microVM
 FILE_BYTES = 512 << 10
 STOPS = (signal.SIGINT, signal.SIGTERM)
@@ -205,6 +208,14 @@ def latency(
         "container": dict(common, backend="container", runtime="runc"),
         "gvisor": dict(common, backend="container", runtime="runsc"),
         "microvm": dict(common, backend="microvm"),
+        # a network card, a namespace, a veth and the egress policy (one TEST-NET-1 rule):
+        # what a VM's network adds to its create
+        "microvm_net": dict(
+            common,
+            backend="microvm",
+            network="allowlist",
+            policies={"egress": {"allow": ["192.0.2.10/32:443/tcp"]}},
+        ),
         "vm": dict(common, backend="vm"),
     }
     out: dict[str, dict] = {}
@@ -445,36 +456,56 @@ def given_back(node: KitNode, layers: list[str], n: int, wait: float, copies: in
 
 
 def idle_density(node: KitNode, layers: list[str], n: int, wait: float) -> dict:
-    """``n`` idle microVMs of ``IDLE_MEMORY`` each (started from their template, one
-    ``true`` run in each, then left alone for ``wait`` seconds on a node with the balloon and
-    reclaim on): the host memory one holds (its cgroup: QEMU's anonymous and mapped file
-    pages; and its QEMU's PSS), and how many of them this host's memory holds at that size."""
-    spec = dict(layers=layers, backend="microvm", memory=IDLE_MEMORY)
+    """``n`` idle microVMs of ``VM_MEMORY`` each (started from their template, one ``true``
+    run in each, then left alone for ``wait`` seconds on a node with the balloon and reclaim
+    on): the host memory one holds (its cgroup: QEMU's anonymous and mapped file pages; and
+    its QEMU's PSS), the CPU one burns idle (QEMU's CPU time over the wait: the guest's timer
+    ticks, under TCG), and how many of them this host holds by each: the smaller is the
+    figure."""
+    # the shape of given_back's VMs on the same node: its template is there already
+    spec = dict(layers=layers, backend="microvm", memory=VM_MEMORY)
     with node.client() as client:
-        create(client, spec).kill()  # the shape's template, before the measure
         vms = []
         try:
             for _ in range(n):
                 sb = create(client, spec)
                 vms.append(sb)
                 sb.exec("true").check()
-            time.sleep(wait)
-            held = [cgroup_held(sb.id) for sb in vms]
             pids = [client.get(sb.id).info.pid for sb in vms]
+            time.sleep(min(wait, 2.0))  # the last ones' start settles
+            began, cpu0 = time.monotonic(), [cpu_seconds(p) for p in pids]
+            time.sleep(wait)
+            took = time.monotonic() - began
+            cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+            held = [cgroup_held(sb.id) for sb in vms]
             pss_sum = sum(pss(p)["Pss"] for p in pids if p)
         finally:
             for sb in vms:
                 with contextlib.suppress(dsec.DsecError):
                     sb.kill()
     per_vm = statistics.median(held)
+    share = statistics.median(cpu) / took
     total = meminfo()["MemTotal"]
+    # the node keeps a tenth of the host for itself, the page cache and the page tables, and
+    # half of its CPUs for the work of the VMs that are not idle
+    by_memory = int(total * 0.9 // per_vm) if per_vm else None
+    by_cpu = int((os.cpu_count() or 1) * 0.5 / share) if share > 0 else None
+    fits = [f for f in (by_memory, by_cpu) if f is not None]
     return {
         "idle_microvm_host_bytes": int(per_vm),
         "idle_microvm_pss_bytes": pss_sum // n,
-        # the node keeps a tenth of the host for itself, the page cache and the page tables
-        "idle_microvms_fit": int(total * 0.9 // per_vm) if per_vm else None,
+        "idle_microvm_cpu_share": round(share, 4),
+        "idle_microvms_fit_by_memory": by_memory,
+        "idle_microvms_fit_by_cpu": by_cpu,
+        "idle_microvms_fit": min(fits) if fits else None,
         "idle_microvms_run": n,
     }
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """``pid``'s CPU time so far (0 if it is gone)."""
+    stat = proc_stat(pid) if pid else None
+    return stat.cpu_seconds if stat is not None else 0.0
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -591,6 +622,7 @@ def report(
     fig: dict[str, object] = {"quick": quick}
     names = {"container": "container (runc)", "gvisor": "gVisor (runsc)"}
     names |= {"microvm": "microVM (fast start)", "vm": "full VM"}
+    names["microvm_net"] = "microVM, allowlist net"
     mode = "--quick: fewer rounds, fewer and smaller VMs, no boot-every-time row"
     print(
         f"\n{mode if quick else 'full run'}"
@@ -614,7 +646,7 @@ def report(
         fig[f"{name}_create_p50_ms"] = ms(p50)
         fig[f"{name}_create_p90_ms"] = ms(p90)
         fig[f"{name}_exec_p50_ms"] = ms(ex)
-        if name in ("microvm", "vm"):
+        if name in ("microvm", "microvm_net", "vm"):
             fig[f"{name}_cold_boot_s"] = round(r["warm"], 2)
             fig[f"{name}_create_p50_s"] = round(p50, 3)
     if "microvm_cold_boot_s" in fig:
@@ -700,10 +732,13 @@ def report(
     )
     fig.update(density)
     print(
-        f"\n{density['idle_microvms_run']} idle microVMs of {IDLE_MEMORY} (balloon and reclaim "
-        f"on): {mb(density['idle_microvm_host_bytes'])} of host memory each (cgroup, median), "
-        f"{mb(density['idle_microvm_pss_bytes'])} QEMU PSS each; this host's memory holds "
-        f"about {density['idle_microvms_fit']} of them (90% of MemTotal / one's)"
+        f"\n{density['idle_microvms_run']} idle microVMs of {VM_MEMORY} (balloon and reclaim "
+        f"on), each:\n  host memory {mb(density['idle_microvm_host_bytes'])} (its cgroup, "
+        f"median; QEMU PSS {mb(density['idle_microvm_pss_bytes'])}), CPU "
+        f"{density['idle_microvm_cpu_share']} of a core\n  this host holds about "
+        f"{density['idle_microvms_fit_by_memory']} by memory (90% of MemTotal), "
+        f"{density['idle_microvms_fit_by_cpu']} by CPU (half its cores): "
+        f"{density['idle_microvms_fit']}"
     )
     fig["idle_vms"], fig["layer_mb"] = n_vms, data_mb
     fig["microvm_create_p50_s"] = fig.get("microvm_create_p50_s")
