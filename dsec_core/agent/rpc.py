@@ -678,6 +678,18 @@ class AgentClient:
         reply, _ = await self._call([("op", "reclaim"), ("bytes", int(nbytes))])
         return _num(reply, "freed")
 
+    async def ifup(
+        self, address: str, prefixlen: int = 32, gateway: str | None = None, device: str = "eth0"
+    ) -> None:
+        """For a VM guest: give its network card ``device`` the IPv4 ``address``/``prefixlen``
+        (replacing the one it had), bring it up, and route to ``gateway`` and through it by
+        default; IPv6 goes off. A container's root may not."""
+        fields: list[tuple[str, Any]] = [("op", "ifup"), ("dev", device)]
+        fields += [("address", address), ("prefix", int(prefixlen))]
+        if gateway is not None:
+            fields.append(("gateway", gateway))
+        await self._call(fields)
+
     async def freeze(self, on: bool, path: str | None = None, seconds: int = 60) -> bool:
         """For a VM guest: freeze (``on``) the filesystem at ``path`` (default the writable
         disk, bound at ``/.dsec/rw``: its data written out, its writes held) for at most

@@ -7,8 +7,8 @@ enforces the mode (``egress``) sets the namespace up as it does a container's: `
 end of a veth into the node's egress namespace, with the sandbox's address and a default route.
 ``hand_over`` then moves that configuration into the guest: it takes the address and the
 gateway off ``eth0`` and puts ``eth0`` and ``tap0`` on a bridge, so the guest's card is where
-``eth0`` was, and ``guest_commands`` is what the guest runs (through its agent, with the
-initramfs's busybox) to take the address and routes. QEMU itself stays in the host's
+``eth0`` was, and the guest's agent gives its card the address and routes
+(``AgentClient.ifup``). QEMU itself stays in the host's
 namespace: it holds the TAP's descriptor and needs no device of its own.
 
 A paused VM's QEMU is gone, and its TAP with it; the namespace, the bridge and ``eth0`` stay,
@@ -29,10 +29,10 @@ from ..linux.tap import open_tap
 
 __all__ = [
     "BRIDGE",
+    "GUEST_DEVICE",
     "NETNS_FILE",
     "TAP",
     "GuestAddress",
-    "guest_commands",
     "hand_over",
     "make_netns",
     "open_card",
@@ -47,8 +47,6 @@ GUEST_DEVICE = "eth0"  # the guest's first (only) card
 #: In the namespace: no IPv6 on any device made there (a bridge or TAP would send router
 #: solicitations out of the sandbox's veth otherwise).
 SYSCTLS = {"net/ipv6/conf/default/disable_ipv6": "1", "net/ipv6/conf/all/disable_ipv6": "1"}
-#: The guest's busybox (``init.sh`` copies it there).
-BUSYBOX = "/.dsec/busybox"
 
 
 @dataclass(frozen=True)
@@ -128,26 +126,3 @@ def hand_over(netns: Path) -> GuestAddress | None:
         return None
     first = addresses[0]
     return GuestAddress(first.address, first.prefixlen, gateway)
-
-
-def guest_commands(address: GuestAddress) -> list[str]:
-    """The guest's command (argv) that gives its card ``address``: IPv6 off, the address,
-    and a route to the gateway and the default route through it. Any address it had (a
-    fork's parent's) goes first."""
-    bb = BUSYBOX
-    dev = GUEST_DEVICE
-    lines = [
-        # a kernel without IPv6 has no such files
-        "{ echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; } 2>/dev/null || true",
-        f"{{ echo 1 > /proc/sys/net/ipv6/conf/{dev}/disable_ipv6; }} 2>/dev/null || true",
-        f"{bb} ip link set lo up",
-        f"{bb} ip addr flush dev {dev}",
-        f"{bb} ip link set {dev} up",
-        f"{bb} ip addr add {address.address}/{address.prefixlen} dev {dev}",
-    ]
-    if address.gateway:
-        lines += [
-            f"{bb} ip route add {address.gateway} dev {dev}",
-            f"{bb} ip route add default via {address.gateway} dev {dev}",
-        ]
-    return [bb, "sh", "-ec", "\n".join(lines)]

@@ -375,15 +375,16 @@ class QemuBackend(Backend):
         address = await asyncio.to_thread(guestnet.hand_over, netns)
         if address is None:
             return
-        result = await AgentClient(rt.agent_socket, rt.id).exec(
-            guestnet.guest_commands(address), timeout=60
-        )
-        if result.exit_code != 0:
-            raise SandboxError(
-                f"sandbox {rt.id}: the guest could not take its address {address.address} "
-                f"(exit {result.exit_code}): {result.stderr.decode(errors='replace')[-500:]}",
-                sandbox_id=rt.id,
+        try:
+            await AgentClient(rt.agent_socket, rt.id).ifup(
+                address.address, address.prefixlen, address.gateway, guestnet.GUEST_DEVICE
             )
+        except DsecError as e:
+            raise SandboxError(
+                f"sandbox {rt.id}: the guest could not take its address {address.address}: "
+                f"{e.message}",
+                sandbox_id=rt.id,
+            ) from e
 
     # --- fast start: a fresh boot saved once, loaded by every later VM of its shape ----------
     def template_key(self, rt: SandboxRuntime) -> str:

@@ -105,6 +105,7 @@ void op_wake(int conn, struct req *r);
 
 void op_freeze(int conn, struct req *r);
 void op_reclaim(int conn, struct req *r);
+void op_ifup(int conn, struct req *r);
 
 /* ---------------------------------------------------------------- proctree.c */
 

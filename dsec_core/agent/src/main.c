@@ -219,6 +219,8 @@ static void dispatch(int fd, unsigned char *hdr, uint32_t hlen)
         op_freeze(fd, r);
     } else if (!strcmp(op, "reclaim")) {
         op_reclaim(fd, r);
+    } else if (!strcmp(op, "ifup")) {
+        op_ifup(fd, r);
     } else if (!strcmp(op, "session_open")) {
         op_session_open(fd, r);
     } else if (!strcmp(op, "session_close")) {

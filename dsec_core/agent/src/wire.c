@@ -44,6 +44,7 @@
  *   op=freeze on (0|1), path, seconds -> (ok, frozen); a filesystem frozen, thawed after
  *     seconds unless thawed first (freeze.c)
  *   op=reclaim bytes -> (ok, freed); a VM guest's proactive reclaim (freeze.c)
+ *   op=ifup dev, address, prefix, gateway -> (ok); a VM guest's card configured (netconf.c)
  * entry = "<t> <size> <mode> <mtime_s> <mtime_ns> <name>", t in f d l o (file dir symlink other),
  *         mode = permission bits (st_mode & 07777) in decimal; name runs to the end of the value.
  * Errors: error=<kind> message=<text> [path=] [errno=] [name= session=...]; kinds: path,
