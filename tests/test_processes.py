@@ -17,7 +17,6 @@ import pytest
 
 from dsec_core.errors import BackendUnavailable, ToolError
 from dsec_core.linux.processes import (
-    cpu_demand_seconds,
     free_port,
     kill_and_wait,
     open_pidfd,
@@ -72,32 +71,6 @@ def test_stat_of_a_running_a_zombie_and_a_gone_process():
         proc.wait()
     assert proc_stat(proc.pid) is None and start_time(proc.pid, zombie=True) is None
     assert not still_running(None, started) and not still_running("1", started)
-
-
-def test_cpu_demand_counts_what_a_process_waited_for_a_cpu():
-    """Two spinners on one CPU each get about half of it, and each wanted all of it: demand
-    (ran plus waited runnable) is about the wall time, well over the CPU time it got."""
-    spin = [sys.executable, "-c", "while True: pass"]
-    cpu = sorted(os.sched_getaffinity(0))[0]
-    procs = [subprocess.Popen(spin) for _ in range(2)]
-    try:
-        for p in procs:
-            os.sched_setaffinity(p.pid, {cpu})
-        first = [cpu_demand_seconds(p.pid) for p in procs]
-        ran = [proc_stat(p.pid).cpu_seconds for p in procs]  # type: ignore[union-attr]
-        began = time.monotonic()
-        time.sleep(1.5)
-        wall = time.monotonic() - began
-        for p, d0, r0 in zip(procs, first, ran, strict=True):
-            demand = cpu_demand_seconds(p.pid) - d0  # type: ignore[operator]
-            got = proc_stat(p.pid).cpu_seconds - r0  # type: ignore[union-attr]
-            assert demand >= 0.8 * wall, (demand, wall)
-            assert demand >= got + 0.3 * wall, (demand, got)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert cpu_demand_seconds(procs[0].pid) is None
 
 
 def test_our_own_start_time_is_before_a_childs():

@@ -7,7 +7,7 @@ import pytest
 
 from dsec_core.errors import InvalidSpec
 from dsec_core.node.reclaim import ReclaimSettings
-from dsec_core.vm.coldmem import ram_mapping
+from dsec_core.vm.coldmem import GuestLoad, guest_cpu, ram_mapping
 
 SMAPS = """\
 55deb4167000-55deb4510000 rw-p 00de3000 fe:00 2170917    /usr/bin/qemu-system-x86_64
@@ -43,3 +43,25 @@ def test_settings_from_the_environment_and_the_floor():
     for bad in ({"DSEC_VM_RECLAIM_INTERVAL": "0"}, {"DSEC_VM_RECLAIM_FLOOR": "lots"}):
         with pytest.raises(InvalidSpec):
             ReclaimSettings.from_env(bad)
+
+
+STAT = b"""cpu  %d 0 %d %d %d 0 7 0 0 0
+cpu0 1 0 1 1 0 0 0 0 0 0
+cpu1 1 0 1 1 0 0 0 0 0 0
+intr 12345
+ctxt 678
+"""
+
+
+def test_a_guests_load_is_its_own_busy_ticks_in_cores():
+    """Busy is everything but idle and iowait, over all of the guest's CPUs, in cores."""
+    assert guest_cpu(STAT % (100, 50, 800, 43)) == (157, 1000, 2)
+    load = GuestLoad()
+    assert load.cores(7, STAT % (100, 50, 800, 43)) is None  # nothing to compare with yet
+    # 200 more ticks over 2 CPUs, 100 of them busy: half the guest, one core
+    assert load.cores(7, STAT % (180, 70, 900, 43)) == pytest.approx(1.0)
+    assert load.cores(7, STAT % (182, 70, 1096, 45)) == pytest.approx(0.02)
+    load.forget(7)
+    assert load.cores(7, STAT % (190, 70, 1200, 45)) is None
+    with pytest.raises(ValueError):
+        guest_cpu(b"MemTotal: 1 kB\n")

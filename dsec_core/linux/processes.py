@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "ProcStat",
-    "cpu_demand_seconds",
     "free_port",
     "kill_and_wait",
     "open_pidfd",
@@ -72,25 +71,6 @@ def proc_stat(pid: int) -> ProcStat | None:
         stime=int(fields[12]),
         start_time=int(fields[19]),
     )
-
-
-def cpu_demand_seconds(pid: int) -> float | None:
-    """The CPU time ``pid``'s threads have wanted so far, in seconds: what they ran plus what
-    they waited runnable for a CPU (``/proc/PID/task/*/schedstat``). On a loaded host a busy
-    process gets less than it wants, and this still counts all of it. None if it is gone."""
-    total = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ran, waited, _ = f.read().split()
-        except (OSError, ValueError):
-            continue  # a thread that ended meanwhile
-        total += int(ran) + int(waited)
-    return total / 1e9
 
 
 def start_time(pid: int, *, zombie: bool = False) -> int | None:

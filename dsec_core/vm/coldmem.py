@@ -8,32 +8,32 @@ bits (``/proc/<pid>/clear_refs``) for the next one. Under TCG the guest's access
 and set the bits; under KVM a guest's accesses go through the second-level page tables, which
 this does not read (DAMON's physical-address mode does; ``damon_status`` says whether this
 node could run it).
+
+How busy a guest is comes from the guest itself (``GuestLoad``: its ``/proc/stat``, read through
+its agent): a guest kernel counts the time it had work as busy whether or not the host gave
+its vCPU a core meanwhile, so a busy guest on a loaded host reads as busy and an idle one as
+idle. The host's own figures cannot tell them apart there: a busy guest gets a small share
+of a core, and an idle one that wakes ten times a second waits runnable for each wake-up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..linux.processes import cpu_demand_seconds
-
-__all__ = ["ColdProbe", "RamSample", "damon_status", "ram_mapping"]
+__all__ = ["ColdProbe", "GuestLoad", "RamSample", "damon_status", "guest_cpu", "ram_mapping"]
 
 DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
 
 @dataclass(frozen=True)
 class RamSample:
-    """One sample of a guest's RAM: resident bytes, those not referenced since the last
-    sample, and the share of a core QEMU wanted since then (how busy the guest is: what its
-    threads ran plus what they waited runnable, so a busy guest on a loaded host counts as
-    busy though it got less)."""
+    """One sample of a guest's RAM: resident bytes, and those not referenced since the last
+    sample."""
 
     resident: int
     cold: int
-    busy: float = 0.0
 
 
 class ColdProbe:
@@ -41,7 +41,7 @@ class ColdProbe:
     with and reports nothing cold."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, CPU seconds wanted)
+        self._seen: set[int] = set()  # pids sampled before
 
     def sample(self, pid: int, size: int) -> RamSample | None:
         """``pid``'s guest RAM (the mapping of exactly ``size`` bytes) now, or None if the
@@ -49,28 +49,60 @@ class ColdProbe:
         try:
             text = Path(f"/proc/{pid}/smaps").read_text()
         except OSError:
-            self._seen.pop(pid, None)
+            self._seen.discard(pid)
             return None
         found = ram_mapping(text, size)
         if found is None:
             return None
         rss, referenced = found
-        now, cpu = time.monotonic(), _cpu_seconds(pid)
-        last = self._seen.get(pid)
+        seen = pid in self._seen
         with contextlib.suppress(OSError):
             Path(f"/proc/{pid}/clear_refs").write_text("1\n")
-            self._seen[pid] = (now, cpu)
-        if last is None:
+            self._seen.add(pid)
+        if not seen:
             return RamSample(resident=rss, cold=0)
-        busy = (cpu - last[1]) / max(now - last[0], 1e-3)
-        return RamSample(resident=rss, cold=max(0, rss - referenced), busy=busy)
+        return RamSample(resident=rss, cold=max(0, rss - referenced))
 
     def forget(self, pid: int) -> None:
-        self._seen.pop(pid, None)
+        self._seen.discard(pid)
 
 
-def _cpu_seconds(pid: int) -> float:
-    return cpu_demand_seconds(pid) or 0.0
+def guest_cpu(stat: bytes) -> tuple[int, int, int]:
+    """From a guest's ``/proc/stat``: (busy, all) clock ticks of its CPUs together since it
+    booted (busy: all but idle and iowait), and how many CPUs it has. ``ValueError`` if it
+    is not that file."""
+    busy = total = cpus = 0
+    found = False
+    for line in stat.decode(errors="replace").splitlines():
+        name, _, rest = line.partition(" ")
+        if name == "cpu":
+            ticks = [int(v) for v in rest.split()]
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+            total, busy, found = sum(ticks[:8]), sum(ticks[:8]) - idle, True
+        elif name.startswith("cpu") and name[3:].isdigit():
+            cpus += 1
+    if not found or cpus == 0:
+        raise ValueError("no cpu lines: not a /proc/stat")
+    return busy, total, cpus
+
+
+class GuestLoad:
+    """How busy each guest was between two of its ``/proc/stat`` (``guest_cpu``): cores'
+    worth of work since the last one; None for the first."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, int]] = {}  # pid -> (busy, all) ticks
+
+    def cores(self, pid: int, stat: bytes) -> float | None:
+        busy, total, cpus = guest_cpu(stat)
+        last = self._last.get(pid)
+        self._last[pid] = (busy, total)
+        if last is None or total <= last[1]:
+            return None
+        return cpus * (busy - last[0]) / (total - last[1])
+
+    def forget(self, pid: int) -> None:
+        self._last.pop(pid, None)
 
 
 def ram_mapping(smaps: str, size: int) -> tuple[int, int] | None:

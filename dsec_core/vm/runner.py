@@ -76,7 +76,7 @@ from ..linux.processes import (
 )
 from ..records import SandboxUsage
 from . import guestnet, qemu
-from .coldmem import ColdProbe
+from .coldmem import ColdProbe, GuestLoad
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
 from .migstream import RAM_BLOCKS, SplitStats, StreamFormatError, split_stream
@@ -133,7 +133,8 @@ SAVE_FIFO = "save.fifo"
 PING_PATIENCE = 10.0
 #: Cold guest memory below this is left alone (a give_back is a balloon round trip).
 GIVE_BACK_MIN = 32 << 20
-#: A guest that wanted more than this share of a core since the last pass is not asked.
+#: A guest that worked more than this share of a core since the last pass is not asked (by
+#: its own /proc/stat: the host's figures mislead on a loaded host, ``coldmem``).
 GIVE_BACK_BUSY = 0.2
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
@@ -217,6 +218,7 @@ class QemuBackend(Backend):
         #: DSEC_VM_BALLOON=0: no virtio-balloon (memory a guest frees stays with its QEMU)
         self.balloon = os.environ.get("DSEC_VM_BALLOON", "1") != "0"
         self.cold = ColdProbe()
+        self.load = GuestLoad()
         self._settled: dict[int, int] = {}  # pid -> its RAM resident after its last give_back
 
     @classmethod
@@ -650,16 +652,23 @@ class QemuBackend(Backend):
         (``coldmem``) are reclaimed in the guest (the agent's proactive reclaim: cgroup v2's
         ``memory.reclaim``, coldest first), at most down to ``floor``; what the guest frees
         goes back to the host by the balloon's free page reporting within seconds. A guest at
-        work (over a fifth of a core since the last call) is left alone, and so is one that
+        work (over a fifth of a core since the last call, by its own ``/proc/stat``) is left
+        alone, and so is one that
         could not give half of what it was asked last time and has not grown since (what it
         holds is in use, or not its to give).
         Returns how much the guest freed."""
         pid = state.get("pid")
         if not state.get("balloon") or not isinstance(pid, int) or not self._running(state):
             return 0
+        agent = AgentClient(rt.agent_socket, rt.id)
+        try:  # the guest's own accounting: how busy it was since the last pass
+            busy = self.load.cores(pid, await agent.read_file("/proc/stat", length=1 << 16))
+        except (DsecError, ValueError) as e:
+            log.debug("sandbox %s: no /proc/stat from the guest: %s", rt.id, e)
+            return 0
         ram = max(128, rt.limits.memory >> 20) << 20
         sample = await asyncio.to_thread(self.cold.sample, pid, ram)
-        if sample is None or sample.cold < GIVE_BACK_MIN or sample.busy > GIVE_BACK_BUSY:
+        if sample is None or busy is None or sample.cold < GIVE_BACK_MIN or busy > GIVE_BACK_BUSY:
             return 0  # nothing cold enough, or a guest at work now
         settled = self._settled.get(pid)
         if settled is not None and sample.resident < settled + GIVE_BACK_MIN:
@@ -667,7 +676,7 @@ class QemuBackend(Backend):
         ask = min(sample.cold, sample.resident - floor)
         if ask < GIVE_BACK_MIN:
             return 0
-        freed = await AgentClient(rt.agent_socket, rt.id).reclaim(ask)
+        freed = await agent.reclaim(ask)
         if freed < ask // 2:  # it could not give what looked cold: in use, or not its to give
             self._settled[pid] = max(0, sample.resident - freed)
         else:
@@ -704,6 +713,7 @@ class QemuBackend(Backend):
     async def stop(self, rt: SandboxRuntime, state: Mapping[str, Any]) -> None:
         if isinstance(state.get("pid"), int):
             self.cold.forget(state["pid"])
+            self.load.forget(state["pid"])
             self._settled.pop(state["pid"], None)
         await self._end_processes(state)
         await asyncio.to_thread(guestnet.release_netns, rt.dir)
