@@ -38,6 +38,7 @@ __all__ = [
 
 NETNS_DIR = Path("/run/netns")
 CLONE_NEWNET = 0x40000000
+THREAD_NETNS = "/proc/thread-self/ns/net"  # the calling thread's namespace
 
 T = TypeVar("T")
 
@@ -90,38 +91,20 @@ def new_netns(path: Path, sysctls: dict[str, str] | None = None) -> Path:
     path = Path(path)
     path.touch(mode=0o600, exist_ok=False)
 
-    def make() -> None:
-        home = open_netns("/proc/thread-self/ns/net")
-        try:
-            if _libc.unshare(CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise NetlinkError(
-                    f"making a network namespace for {path}: {os.strerror(err)}",
-                    operation="unshare",
-                    errno=err,
-                    netns=os.fspath(path),
-                )
-            try:
-                for key, value in (sysctls or {}).items():
-                    with open(f"/proc/sys/{key}", "w") as f:
-                        f.write(value)
-                _loopback_up()
-                src = b"/proc/thread-self/ns/net"
-                if _libc.mount(src, os.fsencode(path), None, MS_BIND, None) != 0:
-                    err = ctypes.get_errno()
-                    raise NetlinkError(
-                        f"holding the network namespace at {path}: {os.strerror(err)}",
-                        operation="mount",
-                        errno=err,
-                        netns=os.fspath(path),
-                    )
-            finally:
-                _setns(home, Path("/proc/thread-self/ns/net"))
-        finally:
-            os.close(home)
+    def enter() -> None:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            raise _errno_error(f"making a network namespace for {path}", "unshare", path)
+
+    def set_up() -> None:
+        for key, value in (sysctls or {}).items():
+            with open(f"/proc/sys/{key}", "w") as f:
+                f.write(value)
+        _loopback_up()
+        if _libc.mount(THREAD_NETNS.encode(), os.fsencode(path), None, MS_BIND, None) != 0:
+            raise _errno_error(f"holding the network namespace at {path}", "mount", path)
 
     try:
-        _in_thread(make)
+        _in_own_thread(enter, set_up)
     except BaseException:
         remove_netns(path)
         raise
@@ -134,14 +117,9 @@ def remove_netns(path: Path) -> None:
     there is no error."""
     path = Path(path)
     if _libc.umount2(os.fsencode(path), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted, or not there
-            raise NetlinkError(
-                f"releasing the network namespace at {path}: {os.strerror(err)}",
-                operation="umount",
-                errno=err,
-                netns=os.fspath(path),
-            )
+        error = _errno_error(f"releasing the network namespace at {path}", "umount", path)
+        if error.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted, or not there
+            raise error
     path.unlink(missing_ok=True)
 
 
@@ -151,23 +129,6 @@ def _loopback_up() -> None:
         ifr = struct.pack("16sH14x", b"lo", 0)
         (flags,) = struct.unpack_from("H", fcntl.ioctl(s, SIOCGIFFLAGS, ifr), 16)
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
-
-
-def _in_thread(fn: Callable[[], None]) -> None:
-    """Run ``fn`` in a short-lived thread of its own (which may change its namespaces)."""
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
 
 
 def netns_path(netns: str | os.PathLike[str]) -> Path:
@@ -204,32 +165,39 @@ def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
     and a /proc/sys/net file it opens is that namespace's."""
     path = netns_path(netns)
     fd = open_netns(path)
+    try:
+        return _in_own_thread(lambda: _setns(fd, path), fn)
+    finally:
+        os.close(fd)
+
+
+def _in_own_thread(enter: Callable[[], None], fn: Callable[[], T]) -> T:
+    """``enter()`` (into another network namespace, or a new one), then ``fn()``, in a
+    short-lived thread of their own that goes back to the namespace it started in (its
+    creator's) before it ends; ``fn``'s result, or what either raised."""
     result: list[T] = []
     error: list[BaseException] = []
 
     def run() -> None:
         try:
-            home = open_netns("/proc/thread-self/ns/net")  # a new thread starts in its creator's
+            home = open_netns(THREAD_NETNS)  # a new thread starts in its creator's
         except BaseException as e:
             error.append(e)
             return
         try:
-            _setns(fd, path)
+            enter()
             try:
                 result.append(fn())
             finally:
-                _setns(home, Path("/proc/thread-self/ns/net"))
+                _setns(home, Path(THREAD_NETNS))
         except BaseException as e:
             error.append(e)
         finally:
             os.close(home)
 
-    try:
-        thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
-        thread.start()
-        thread.join()
-    finally:
-        os.close(fd)
+    thread = threading.Thread(target=run, name="dsec-netns", daemon=True)
+    thread.start()
+    thread.join()
     if error:
         raise error[0]
     return result[0]
@@ -237,13 +205,15 @@ def call_in_netns(netns: str | os.PathLike[str], fn: Callable[[], T]) -> T:
 
 def _setns(fd: int, path: Path) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise NetlinkError(
-            f"entering network namespace {path}: {os.strerror(err)}",
-            operation="setns",
-            errno=err,
-            netns=os.fspath(path),
-        )
+        raise _errno_error(f"entering network namespace {path}", "setns", path)
+
+
+def _errno_error(what: str, operation: str, path: Path) -> NetlinkError:
+    """The error of a libc call that just failed (its errno) on namespace ``path``."""
+    err = ctypes.get_errno()
+    return NetlinkError(
+        f"{what}: {os.strerror(err)}", operation=operation, errno=err, netns=os.fspath(path)
+    )
 
 
 def _enter(netns: str | os.PathLike[str] | None) -> list[str]:

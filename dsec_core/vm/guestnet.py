@@ -99,9 +99,13 @@ def hand_over(netns: Path) -> GuestAddress | None:
     then connected to nothing) or it has no address."""
     with Netlink.open(netns) as nl:
         links = {link.name: link.index for link in nl.links()}
-        eth = links.get(SANDBOX_DEVICE)
+        eth, tap = links.get(SANDBOX_DEVICE), links.get(TAP)
         if eth is None:
             return None
+        if tap is None:  # checked before anything changes
+            raise NetlinkError(
+                f"no {TAP} in {netns}: the VM has no network card", operation="hand_over"
+            )
         addresses = [a for a in nl.addresses() if a.index == eth]
         gateway = next(
             (r.gateway for r in nl.routes() if r.oif == eth and r.prefixlen == 0 and r.gateway),
@@ -113,11 +117,6 @@ def hand_over(netns: Path) -> GuestAddress | None:
         if bridge is None:
             nl.add_link(BRIDGE, "bridge")
             bridge = nl.link_index(BRIDGE)
-        tap = links.get(TAP)
-        if tap is None:
-            raise NetlinkError(
-                f"no {TAP} in {netns}: the VM has no network card", operation="hand_over"
-            )
         for port in (eth, tap):
             nl.set_master(port, bridge)
             nl.set_up(port)

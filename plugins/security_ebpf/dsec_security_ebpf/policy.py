@@ -234,11 +234,10 @@ class EgressPolicy(SecurityPolicy):
                 self.network.ensure_uplink()
             if rt.spec.network in self.network_modes:
                 # a VM: its guest's packets are checked on its veth, whose index names it
+                # (made from its cgroup id: the cgroup v2 directory's inode, as attached above)
                 index = None
-                if s.guest:
-                    with NodeMaps.open(self.programs.pins) as maps:
-                        cgroup_id = maps.cgroup_of(rt.id)
-                    index = port_index(cgroup_id) if cgroup_id is not None else None
+                if s.guest and s.cgroup2 is not None:
+                    index = port_index(os.stat(s.cgroup2).st_ino)
                 tracked.address = self.network.attach(rt.id, s.netns, index=index)
                 if index is not None:
                     programs = self.programs

@@ -29,6 +29,18 @@ def _ports() -> dict[int, int]:
         return maps.ports()
 
 
+def _allowing_8080(dsec_sandboxes, servers, netprobe):
+    """A microVM allowed TCP 8080 of the test's server namespace, with the probe in it."""
+    sb = dsec_sandboxes.create(
+        backend="microvm",
+        memory="256M",
+        network="allowlist",
+        policies={"egress": {"allow": [f"{servers.address}:8080/tcp"]}},
+    )
+    sb.write_file("/bin/netprobe", netprobe, mode=0o755)
+    return sb
+
+
 def _probe(sb, *args: str) -> str:
     return sb.exec(["/bin/netprobe", *args], timeout=30).text.strip()
 
@@ -42,13 +54,7 @@ def _stats(sb) -> dict:
 def test_a_microvm_reaches_what_its_allowlist_allows_and_nothing_else(
     dsec_sandboxes, egress, servers, netprobe
 ):
-    sb = dsec_sandboxes.create(
-        backend="microvm",
-        memory="256M",
-        network="allowlist",
-        policies={"egress": {"allow": [f"{servers.address}:8080/tcp"]}},
-    )
-    sb.write_file("/bin/netprobe", netprobe, mode=0o755)
+    sb = _allowing_8080(dsec_sandboxes, servers, netprobe)
     stats = _stats(sb)
     address = stats["address"]
     assert address.startswith("10.231.")
@@ -117,13 +123,7 @@ def test_forks_of_a_microvm_get_addresses_of_their_own(dsec_sandboxes, egress, s
     """A memory snapshot's forks wake with the parent's card and address: each is given its
     own, and its own veth and rules, before anything runs in it."""
     c = dsec_sandboxes.client
-    sb = dsec_sandboxes.create(
-        backend="microvm",
-        memory="256M",
-        network="allowlist",
-        policies={"egress": {"allow": [f"{servers.address}:8080/tcp"]}},
-    )
-    sb.write_file("/bin/netprobe", netprobe, mode=0o755)
+    sb = _allowing_8080(dsec_sandboxes, servers, netprobe)
     snap = sb.snapshot_memory(name=f"net-{sb.id}")
     forks = c.restore(snap.name, 2)
     try:
