@@ -108,6 +108,55 @@ class LocalRayCluster:
         """The live processes of the Ray node at ``ip``: its ``ray start`` and all below."""
         return set(_process_tree([self.node(ip).pid]))
 
+    def lose_node(self, ip: str) -> list[int]:
+        """A machine lost: SIGKILL every process of the (worker) Ray node at ``ip``, its
+        ``ray start`` and all below it (raylet, workers, what they started: a dsec daemon
+        and its sandboxes' helpers). The pids killed."""
+        node = self.node(ip)
+        if node.pid == self.procs[0].pid:
+            raise ValueError("the head cannot be lost: the cluster goes with it")
+        tree = _process_tree([node.pid])
+        self._seen.update(tree)
+        for pid, start in tree.items():
+            _signal(pid, start, signal.SIGKILL)
+        proc = next(p for p in self.procs if p.pid == node.pid)
+        proc.wait()
+        return sorted(tree)
+
+    def restart_node(self, ip: str, *, timeout: float = 60.0) -> RayNodeProcess:
+        """Start the Ray node at ``ip`` again (after ``lose_node``): a new ``ray start`` that
+        joins the head, with a temp dir of its own; the node it becomes, once Ray sees it."""
+        old = self.node(ip)
+        k = self.nodes.index(old)
+        temp = old.temp_dir.with_name(f"{old.temp_dir.name}r{len(self.procs)}")
+        args = _ray_start_args(ip, temp, 1, old.overflow) + [f"--address={self.address}"]
+        with open(self.root / f"node{k}-{len(self.procs)}.log", "wb") as log:
+            proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+            )
+        self.procs.append(proc)
+        ray = connect(self.address)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [
+                n["NodeID"]
+                for n in ray.nodes()
+                if n.get("Alive") and n["NodeManagerAddress"] == ip and n["NodeID"] != old.node_id
+            ]
+            if found:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise NodeUnavailable(f"the Ray node at {ip} did not come back:\n" + _logs(self))
+            time.sleep(0.2)
+        new = RayNodeProcess(ip, found[0], proc.pid, old.overflow, temp)
+        self.nodes[k] = new
+        return new
+
     def stop(self, grace: float = 10.0) -> None:
         """Disconnect this process, SIGTERM every ``ray start`` (they stop their nodes),
         SIGKILL whatever of the cluster is left after ``grace`` seconds, and remove the temp
@@ -383,11 +432,13 @@ def cluster_daemons(
     ray_cluster: LocalRayCluster,
     *,
     layer_sources: tuple[str, ...] = (),
+    more_sources: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
 ) -> Iterator[KitCluster]:
     """``dsec cluster up`` on ``ray_cluster`` with node homes in a fresh directory under
     ``kit_home_parent()``, uid ranges from 2**31, and (unless ``layer_sources`` is given) a
-    shared store holding ``kit-base@1`` as every node's layer source. At exit ``down`` kills
+    shared store holding ``kit-base@1`` as every node's layer source, ``more_sources`` after
+    it. At exit ``down`` kills
     every sandbox and stops every daemon, and anything a node left behind (mounts, cgroups,
     processes, a daemon pid still alive) fails the caller once all is removed."""
     parent = kit_home_parent()
@@ -402,7 +453,7 @@ def cluster_daemons(
             home_root=os.fspath(root / "nodes"),
             uid_base=TEST_UID_BASE,
             uid_ranges=TEST_UID_RANGES,
-            layer_sources=layer_sources or (f"local:{store.root}",),
+            layer_sources=layer_sources or (f"local:{store.root}", *more_sources),
             env=env or {},
         )
         (root / "nodes").mkdir(mode=0o711)
