@@ -654,7 +654,8 @@ PROBE = ["--probe-interval", "0.5", "--probe-timeout", "1", "--probe-misses", "3
 class Injector:
     """Faults on a seeded schedule, each logged with its time and what it found."""
 
-    def __init__(self, p: Platform, seed: int, log: Path) -> None:
+    def __init__(self, p: Platform, seed: int, log: Path, only: str = "") -> None:
+        self.kinds = tuple(k for k in FAULTS if not only or k in only.split(","))
         self.p = p
         self.rng = random.Random(seed)
         self.log = log
@@ -662,11 +663,11 @@ class Injector:
         self.led = Ledger(log.with_name("injector.jsonl"), "injector")
 
     def schedule(self, start: float, end: float) -> list[tuple[float, str]]:
-        kinds = list(FAULTS)
+        kinds = list(self.kinds)
         self.rng.shuffle(kinds)
         n = max(len(kinds), int((end - start) / 9.0))
         while len(kinds) < n:
-            kinds.append(self.rng.choice(FAULTS))
+            kinds.append(self.rng.choice(self.kinds))
         gap = (end - start) / n
         return [(start + i * gap, k) for i, k in enumerate(kinds)]
 
@@ -703,8 +704,8 @@ class Injector:
     def daemon_kill(self) -> str:
         from dsec_core.cluster import status
 
-        name = self._node()
         pids = {s.endpoint.name: s.pid for s in status(self.p.ray.address) if s.pid}
+        name = self.rng.choice(sorted(pids))
         pid = pids[name]
         os.kill(pid, signal.SIGKILL)
         _gone(pid)
@@ -860,12 +861,17 @@ class Injector:
         filler = self.p.homes / "soak-filler"
         fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            with contextlib.suppress(OSError):
-                os.posix_fallocate(fd, 0, max(free - (1 << 20), 1))
-            # and the last blocks, a page at a time
-            with contextlib.suppress(OSError):
+            size = free
+            while size > 1 << 20:  # what fallocate takes: the free blocks less metadata's
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    break
+                except OSError:
+                    size = size * 15 // 16
+            with contextlib.suppress(OSError):  # and the last blocks
+                os.lseek(fd, 0, os.SEEK_END)
                 while True:
-                    os.write(fd, b"\0" * 65536)
+                    os.write(fd, b"\0" * (1 << 20))
             hold = self.rng.uniform(3.0, 8.0)
             time.sleep(hold)
         finally:
@@ -950,9 +956,9 @@ def homes_fs(root: Path, size: str) -> Iterator[Path]:
         image.unlink(missing_ok=True)
 
 
-def data_layers(staging: Any, base: str, n: int) -> dict[str, tuple[str, str]]:
-    """``n`` versions of a data layer (``/data/blob``, DATA_MB of random bytes): name, digest
-    of the blob."""
+def data_layers(staging: Any, name: str, n: int) -> dict[str, str]:
+    """``n`` versions of data layer ``name`` (``/data/blob``, DATA_MB of random bytes): ref
+    -> digest of the blob."""
     from dsec_core.layers.build import build_layer
 
     out = {}
@@ -961,7 +967,7 @@ def data_layers(staging: Any, base: str, n: int) -> dict[str, tuple[str, str]]:
             blob = os.urandom(DATA_MB << 20)
             (Path(tmp) / "data").mkdir()
             (Path(tmp) / "data" / "blob").write_bytes(blob)
-            info = build_layer(tmp, name="soak-data", version=str(v), kind="toolkit", store=staging)
+            info = build_layer(tmp, name=name, version=str(v), kind="toolkit", store=staging)
         out[info.ref] = hashlib.sha256(blob).hexdigest()
     return out
 
@@ -1108,24 +1114,19 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         s3 = stack.enter_context(running_s3_server(("soak",)))
         reg = stack.enter_context(local_registry())
         staging = LayerStore(work / "staging")
-        from dsec_core.testing import build_busybox_layer
-
-        base = build_busybox_layer(staging)
         n_fresh = 2 + (0 if args.quick else int(minutes / 3))
         s3_url = s3.url("soak", "layers")
         oci_url = f"oci://{reg.address}/soak?insecure=1"
         os.environ.update(s3.env())
         layers = {}
         for url, which in ((s3_url, "s3"), (oci_url, "oci")):
-            made = data_layers(staging, base.ref, 1 + n_fresh)
+            made = data_layers(staging, f"soak-{which}", 1 + n_fresh)
             src = open_source(url)
             for ref in made:
                 push_layer(ref, src, staging)
             refs = list(made.items())
             layers[which] = refs[0]
             layers[f"{which}-fresh"] = refs[1:]
-            staging = LayerStore(work / f"staging-{which}")  # the next versions are new
-            base = build_busybox_layer(staging)
         ray = stack.enter_context(local_ray_cluster(3, overflow=0))
         kit_cm = cluster_daemons(ray, more_sources=(s3_url, oci_url), env=s3.env())
         kit = kit_cm.__enter__()
@@ -1187,7 +1188,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                     },
                 )
             stop = threading.Event()
-            inj = Injector(p, args.seed, work / "faults.jsonl")
+            inj = Injector(p, args.seed, work / "faults.jsonl", args.faults)
             t = threading.Thread(target=inj.run, args=(t_base, t_end - 10, stop), daemon=True)
             if not args.no_faults:
                 t.start()
@@ -1221,6 +1222,8 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             fig = report(p, faults, t_start, t_base, t_end, leaked, orphans)
             fig["drain_s"] = round(t_over - t_end, 1)
         finally:
+            if p is not None and args.keep:
+                keep_logs(p, Path(args.keep))
             if p is not None:
                 for proc in p.trainers.values():
                     if proc.poll() is None:
@@ -1252,6 +1255,24 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     return fig
 
 
+def keep_logs(p: Platform, keep: Path) -> None:
+    """The ledgers, the fault log, the trainers', apiservers' and node daemons' logs, kept
+    in ``keep`` (replaced) for a look after the run."""
+    shutil.rmtree(keep, ignore_errors=True)
+    keep.mkdir(parents=True)
+    shutil.copytree(p.workdir, keep / "ledgers")
+    with contextlib.suppress(OSError):
+        shutil.copy(p.workdir.parent / "faults.jsonl", keep)
+    for k, api in enumerate([*p.retired_apis, p.api]):
+        if api is not None:
+            with contextlib.suppress(OSError):
+                shutil.copy(api.log, keep / f"apiserver-{k}.log")
+    for home in sorted(Path(p.kit.plan.home_root).iterdir()):
+        for name in ("dsecd.log", "dsecd.log.1", "dsecd.stderr"):
+            with contextlib.suppress(OSError):
+                shutil.copy(home / name, keep / f"{home.name}-{name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 minutes of load")
@@ -1262,6 +1283,12 @@ def main() -> None:
     ap.add_argument("--disk", default="6G", help="size of the node homes' file system")
     ap.add_argument("--no-faults", action="store_true", help="the load alone")
     ap.add_argument("--no-vm", action="store_true", help="no microVM rollouts")
+    ap.add_argument(
+        "--keep",
+        default="/tmp/dsec-soak-last",
+        help="where the ledgers and logs are kept ('' for nowhere)",
+    )
+    ap.add_argument("--faults", default="", help="only these kinds (comma-separated)")
     ap.add_argument("--trainer", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trainer:

@@ -16,6 +16,7 @@ __all__ = [
     "BackendUnavailable",
     "CatalogInvalid",
     "CommandFailed",
+    "DiskFull",
     "DsecError",
     "ExecTimeout",
     "ExtraMissing",
@@ -265,6 +266,14 @@ class SourceUnavailable(DsecError):
     """A layer source cannot be reached, or refuses our credentials; ``source`` names it."""
 
     http_status = 503
+
+
+class DiskFull(DsecError):
+    """The node's disk (its home: layer stores, sandboxes' writable layers, logs) has no room
+    for what was asked; ``path`` names where, if known. An infrastructure failure: the
+    request can be sent again once room is made, or to another node."""
+
+    http_status = 507
 
 
 class ToolError(DsecError):

@@ -78,7 +78,14 @@ DEVICE_MODES = ("exclusive", "shared")
 #: trainer can mask them rather than score them: "preempted" (its trainer's lease lapsed and the
 #: node paused it), "out_of_memory" (the kernel's OOM killer struck in it), "start_timeout" (it
 #: took longer to start than its ``start_timeout``), "node_lost" (its node stopped answering).
-INFRA_KINDS = ("preempted", "out_of_memory", "start_timeout", "node_lost", "crashed")
+INFRA_KINDS = (
+    "preempted",
+    "out_of_memory",
+    "start_timeout",
+    "node_lost",
+    "crashed",
+    "disk_full",
+)
 #: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
 MAX_PIDS = 1 << 22
 #: A sandbox's writable layer: its size unless the spec says otherwise, and the bounds. Below

@@ -257,6 +257,7 @@ def test_infra_event_classifies_errors_not_the_task_s_own():
         "start_timeout",
         "node_lost",
         "crashed",
+        "disk_full",
     }
 
 

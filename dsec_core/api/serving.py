@@ -30,6 +30,7 @@ if _HTTPTOOLS:
     from .protocol import bounded_protocol
 
 __all__ = [
+    "AnsweredErrors",
     "HttpLimits",
     "basic_password",
     "body_pieces",
@@ -229,6 +230,36 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
         media_type=JSON,
         headers=exc.headers,
     )
+
+
+class AnsweredErrors:
+    """Keeps a connection open after an internal error was answered.
+
+    Starlette's ``ServerErrorMiddleware`` answers an exception no handler expected (with the
+    app's ``Exception`` handler: a 500 in the API's shape, logged there) and then raises it
+    again for the server to log; uvicorn then closes the connection. A client that kept it
+    alive sent its next request on it, and that request, which had nothing wrong with it,
+    broke with ``Connection reset by peer`` (a create the chaos soak sent after another's
+    ENOSPC). An exception raised after the answer was sent is swallowed here; one raised
+    before any answer goes on up."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        answered = False
+
+        async def watch(message: Any) -> None:
+            nonlocal answered
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                answered = True
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if not answered:
+                raise
 
 
 def server_options() -> dict[str, Any]:

@@ -14,6 +14,7 @@ TCP listeners with a bearer token; the root-only unix socket needs none.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import hmac
 import logging
@@ -65,6 +66,7 @@ from ..api.messages import (
 from ..api.openapi import openapi_document
 from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import (
+    AnsweredErrors,
     basic_password,
     body_pieces,
     check_declared,
@@ -76,6 +78,7 @@ from ..api.serving import (
 from ..errors import (
     AdmissionRejected,
     AuthenticationFailed,
+    DiskFull,
     DsecError,
     InvalidSpec,
     NotFound,
@@ -715,6 +718,16 @@ def _endpoint(
     return endpoint
 
 
+def internal_error(exc: BaseException) -> DsecError:
+    """What an exception no handler expected is on the wire: ``DiskFull`` for a write the
+    node's disk had no room for (ENOSPC, EDQUOT: any of its writes, wherever it came from),
+    else a plain ``DsecError`` naming it (a bug)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return DiskFull(f"the node's disk is full{where}: {exc.strerror}", path=exc.filename)
+    return DsecError(f"internal error in the node daemon: {type(exc).__name__}: {exc}")
+
+
 def make_app(node: Node, lifespan: Any = None) -> Starlette:
     """The ASGI app of every route in the table, over ``node``."""
     if set(HANDLERS) != set(ROUTES):
@@ -730,8 +743,8 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
             request.url.path,
             "".join(traceback.format_exception(exc)),
         )
-        err = DsecError(f"internal error in the node daemon: {type(exc).__name__}: {exc}")
-        return Response(dump_json({"error": err.to_wire()}), 500, media_type=JSON)
+        err = internal_error(exc)
+        return Response(dump_json({"error": err.to_wire()}), err.http_status, media_type=JSON)
 
     routes = [
         StarletteRoute(r.path, _endpoint(r, HANDLERS[r.name], node), methods=[r.method])
@@ -750,7 +763,9 @@ def make_app(node: Node, lifespan: Any = None) -> Starlette:
     # table: it answers Prometheus' text, and sits behind the token like the rest). Outermost,
     # around Starlette's own error middleware, so an internal error's 500 carries the request
     # id and so does the line on_other_error logs.
-    app.middleware_stack = ObservedRequests(app.build_middleware_stack(), metrics=node.metrics)
+    app.middleware_stack = ObservedRequests(
+        AnsweredErrors(app.build_middleware_stack()), metrics=node.metrics
+    )
     return app
 
 

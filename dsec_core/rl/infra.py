@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import time
 
-from ..errors import DsecError, NodeUnavailable, SandboxDied, SandboxPaused, StartTimeout
+from ..errors import (
+    DiskFull,
+    DsecError,
+    NodeUnavailable,
+    SandboxDied,
+    SandboxPaused,
+    StartTimeout,
+)
 from ..records import ExecResult, InfraEvent
 from .errors import InfraFailure
 
@@ -18,6 +25,7 @@ INFRA_ERRORS: dict[type[DsecError], str] = {
     StartTimeout: "start_timeout",
     SandboxPaused: "preempted",
     SandboxDied: "crashed",
+    DiskFull: "disk_full",
 }
 
 
