@@ -129,7 +129,7 @@ class LocalRayCluster:
         old = self.node(ip)
         k = self.nodes.index(old)
         temp = old.temp_dir.with_name(f"{old.temp_dir.name}r{len(self.procs)}")
-        args = _ray_start_args(ip, temp, 1, old.overflow) + [f"--address={self.address}"]
+        args = [*_ray_start_args(ip, temp, 1, old.overflow), f"--address={self.address}"]
         with open(self.root / f"node{k}-{len(self.procs)}.log", "wb") as log:
             proc = subprocess.Popen(
                 args,
