@@ -485,9 +485,18 @@ class Registry:
     def node_sources(self, config: NodeConfig) -> list[LayerSource]:
         """A node's layer sources in the order they are asked (``config.layer_sources``),
         once ``check_node_config`` accepted the configuration (the node asks this as it
-        opens, so a node whose configuration names a plugin that failed does not start)."""
+        opens, so a node whose configuration names a plugin that failed does not start).
+
+        The node's own store (``local``) is asked last if the list leaves it out: what the
+        node packs (``pack_diff`` without a ``source``) goes there, and a restore on the
+        node must find it (the chaos soak's nodes, with a shared store and S3 and OCI as
+        their sources, answered every restore of their own snapshots ``UnknownSnapshot``)."""
         self.check_node_config(config)
-        return [self.open_source(url, config) for url in config.layer_sources]
+        sources = [self.open_source(url, config) for url in config.layer_sources]
+        own = Path(config.layer_dir).resolve()
+        if not any(_store_root(s) == own for s in sources):
+            sources.append(self.open_source("local", config))
+        return sources
 
 
 #: (hook, what it registers, base class, the attribute that names it, Registry field)
@@ -497,6 +506,13 @@ REGISTRATIONS: tuple[tuple[str, str, type, str, str], ...] = (
     ("dsec_register_security_policies", "security policy", SecurityPolicy, "name",
      "security_policies"),
 )  # fmt: skip
+
+
+def _store_root(source: LayerSource) -> Path | None:
+    """The directory of a local store source, None for any other kind."""
+    if isinstance(source, local_source.LocalLayerSource):
+        return source.store.root.resolve()
+    return None
 
 
 def _checked(what: str, base: type, attr: str, cls: Any) -> str:

@@ -308,6 +308,29 @@ async def test_a_snapshot_in_a_shared_source_restores_on_another_node(tmp_path):
             await node.close(kill_all=True)
 
 
+async def test_a_node_restores_what_it_packed_whatever_its_sources(tmp_path):
+    """Found by the chaos soak: nodes whose sources leave their own store out (a shared store,
+    S3, OCI) packed into their own store and could not find it again: every restore of a
+    snapshot they had just made was ``UnknownSnapshot``. The own store is asked last."""
+    from dsec_core.plugins import open_source
+    from dsec_core.sources.transfer import push_layer
+
+    shared = f"local:{tmp_path / 'shared'}"
+    with node_home("dsec-snap-", layer_sources=(shared,)) as config:
+        push_layer("kit-base@1", open_source(shared), LayerStore(config.layer_dir))
+        node = await _node(config)
+        try:
+            assert node.layer_sources[-1].url == f"local:{config.layer_dir}"
+            a = (await node.create(BASE)).id
+            await sh(node, a, "echo mine > /mine")
+            snap = await node.pack_diff(a)
+            forks = await node.restore(snap.ref, 2, spec=BASE)
+            for f in forks:
+                assert (await sh(node, f.id, "cat /mine")).strip() == "mine"
+        finally:
+            await node.close(kill_all=True)
+
+
 async def test_a_kill_during_a_pack_waits_for_it():
     with node_home("dsec-snap-") as config:
         node = await _node(config)
