@@ -45,7 +45,9 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
 def copy_sparse(src: Path, dst: Path, mode: int = 0o600) -> None:
     """Copy ``src`` to the new file ``dst`` extent by extent (``SEEK_DATA``/``SEEK_HOLE``,
     in-kernel ``copy_file_range``): its holes stay holes, nothing passes through our memory.
-    A failed copy leaves no ``dst``."""
+    Between two file systems the kernel may refuse ``copy_file_range`` (EXDEV; the soak's
+    node homes on a file system of their own met it saving a VM template): the extents are
+    then read and written. A failed copy leaves no ``dst``."""
     fd_in = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
         fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
@@ -66,7 +68,7 @@ def copy_sparse(src: Path, dst: Path, mode: int = 0o600) -> None:
             hole = os.lseek(fd_in, data, os.SEEK_HOLE)
             pos = data
             while pos < hole:
-                n = os.copy_file_range(fd_in, fd_out, hole - pos, pos, pos)
+                n = _copy_range(fd_in, fd_out, hole - pos, pos)
                 if n <= 0:
                     raise OSError(errno.EIO, f"copying {src}: short copy at {pos}")
                 pos += n
@@ -79,6 +81,25 @@ def copy_sparse(src: Path, dst: Path, mode: int = 0o600) -> None:
     finally:
         os.close(fd_in)
     os.close(fd_out)
+
+
+_COPY_CHUNK = 1 << 20
+_NO_COPY_RANGE = (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def _copy_range(fd_in: int, fd_out: int, count: int, pos: int) -> int:
+    """Copy up to ``count`` bytes at ``pos`` from ``fd_in`` to the same offset of ``fd_out``:
+    in the kernel where it can, else through a buffer. How many were copied."""
+    try:
+        return os.copy_file_range(fd_in, fd_out, count, pos, pos)
+    except OSError as e:
+        if e.errno not in _NO_COPY_RANGE:
+            raise
+    data = os.pread(fd_in, min(count, _COPY_CHUNK), pos)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd_out, memoryview(data)[done:], pos + done)
+    return done
 
 
 @dataclass(frozen=True)
