@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 __all__ = [
     "AdmissionRejected",
     "AgentProtocolError",
+    "AgentUnresponsive",
     "AuthenticationFailed",
     "BackendUnavailable",
     "CatalogInvalid",
@@ -405,6 +406,14 @@ class TrajectoryDiverged(SandboxError):
     and ``command``."""
 
     http_status = 409
+
+
+class AgentUnresponsive(SandboxError):
+    """A sandbox's agent did not answer within a command's timeout and the grace it has to
+    enforce it: its guest or container stopped running (a VM QEMU stopped, a frozen
+    sandbox). An infrastructure failure; carries ``sandbox_id``."""
+
+    http_status = 504
 
 
 class AgentProtocolError(SandboxError):

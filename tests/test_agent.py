@@ -30,6 +30,7 @@ from dsec_core.agent import ensure_agent
 from dsec_core.agent.rpc import AgentClient
 from dsec_core.errors import (
     AgentProtocolError,
+    AgentUnresponsive,
     BackendUnavailable,
     InvalidSpec,
     SandboxNotRunning,
@@ -535,6 +536,28 @@ async def test_default_fd_and_bad_fd(agent_bin, tmp_path):
         [str(agent_bin), "--fd", "0"], stdin=subprocess.DEVNULL, capture_output=True, timeout=5
     )
     assert bad.returncode == 2 and b"not a listening socket" in bad.stderr
+
+
+async def test_an_agent_that_never_answers_is_agent_unresponsive(tmp_path, monkeypatch):
+    """An agent that takes a request and never answers (its VM stopped, its sandbox frozen)
+    is ``AgentUnresponsive`` after the command's timeout and the grace, an infrastructure
+    failure a trainer masks, not a bare ``SandboxError``."""
+    from dsec_core.agent import rpc
+    from dsec_core.rl import infra_event
+
+    monkeypatch.setattr(rpc, "_TIMEOUT_SLACK", 0.3)
+    path = tmp_path / "mute.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(os.fspath(path))
+    server.listen(4)
+    try:
+        with pytest.raises(AgentUnresponsive) as e:
+            await AgentClient(path, sandbox_id="mute").exec(["true"], timeout=0.1)
+        assert e.value.sandbox_id == "mute" and e.value.http_status == 504
+        event = infra_event(e.value)
+        assert event is not None and event.kind == "crashed"
+    finally:
+        server.close()
 
 
 async def test_agent_gone_raises_sandbox_not_running(agent, tmp_path):

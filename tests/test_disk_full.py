@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -94,3 +95,18 @@ def test_a_full_disk_is_disk_full_and_the_node_goes_on(small_disk: Path):
         assert made.exec("echo ok").check().stdout == b"ok\n"
         made.kill()
         live.kill()  # and the kit finds nothing left behind when the node stops
+
+
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None, reason="QEMU is not installed")
+def test_a_full_disk_is_a_microvms_eio_not_a_stopped_vm(small_disk: Path):
+    """QEMU's default stopped the whole VM on ENOSPC, and with no one to resume it the
+    sandbox never answered again (the soak's microVM creates hung for minutes): the guest now
+    sees EIO for that write, as a container sees ENOSPC, and answers on."""
+    with running_kit_node("dsec-full-") as node, node.client() as c:
+        vm = c.create(layers=(node.layer.ref,), memory="256M", backend="microvm")
+        with filled(small_disk):
+            r = vm.exec("dd if=/dev/urandom of=/x bs=1M count=40 conv=fsync", timeout=60)
+            assert r.exit_code != 0 and b"Input/output error" in r.stderr
+            assert vm.exec("echo alive", timeout=30).stdout == b"alive\n"
+        assert vm.exec("echo alive", timeout=30).stdout == b"alive\n"
+        vm.kill()

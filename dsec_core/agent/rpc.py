@@ -29,6 +29,7 @@ from typing import Any
 
 from ..errors import (
     AgentProtocolError,
+    AgentUnresponsive,
     InvalidSpec,
     SandboxError,
     SandboxNotRunning,
@@ -183,7 +184,7 @@ class AgentClient:
             )
         except TimeoutError:
             # wait_for closed our connection, which tells the agent to kill the command
-            raise SandboxError(
+            raise AgentUnresponsive(
                 f"{self._where()}: the agent did not answer within {timeout + _TIMEOUT_SLACK:.0f}s",
                 sandbox_id=self.sandbox_id,
             ) from None
@@ -451,7 +452,7 @@ class AgentClient:
                     else:
                         reply, rbody = await asyncio.wait_for(read, deadline - loop.time())
                 except TimeoutError:
-                    raise SandboxError(
+                    raise AgentUnresponsive(
                         f"{self._where()}: the agent did not answer within "
                         f"{timeout + _TIMEOUT_SLACK:.0f}s",  # type: ignore[operator]
                         sandbox_id=self.sandbox_id,

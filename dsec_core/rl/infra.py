@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from ..errors import (
+    AgentUnresponsive,
     DiskFull,
     DsecError,
     NodeUnavailable,
@@ -25,6 +26,7 @@ INFRA_ERRORS: dict[type[DsecError], str] = {
     StartTimeout: "start_timeout",
     SandboxPaused: "preempted",
     SandboxDied: "crashed",
+    AgentUnresponsive: "crashed",
     DiskFull: "disk_full",
 }
 

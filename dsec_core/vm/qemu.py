@@ -251,9 +251,12 @@ def qemu_argv(cfg: VmConfig, qemu: str = QEMU) -> list[str]:
         ro = ",readonly=on" if d.readonly else ""
         argv += [
             "-drive",
-            # discard=ignore: a guest's discard never punches the image (nopunch.c relies on it)
+            # discard=ignore: a guest's discard never punches the image (nopunch.c relies on it).
+            # werror/rerror=report: a write the host's full disk refuses is the guest's EIO, as
+            # a container's ENOSPC is; QEMU's default (enospc) stopped the whole VM, and with
+            # no one to resume it the sandbox never answered again (the chaos soak's disk fill)
             f"file={option(d.path)},if=none,format=raw,id=d{i},cache={d.cache},aio=threads,"
-            f"discard=ignore,detect-zeroes=off{ro}",
+            f"discard=ignore,detect-zeroes=off,werror=report,rerror=report{ro}",
             "-device",
             f"virtio-blk-{dev},drive=d{i},serial={d.serial}",
         ]
