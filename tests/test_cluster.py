@@ -36,6 +36,7 @@ from dsec_core.testing import (
     KitCluster,
     LocalRayCluster,
     free_port,
+    leftovers,
     ray_importable,
     ray_loopback_lock,
 )
@@ -357,3 +358,40 @@ def test_a_daemon_that_cannot_start_is_a_typed_error_and_down_still_cleans(
     assert [r["pid"] for r in down(ray_cluster.address)] == [None, None, None]
     assert status(ray_cluster.address) == []
     kit.up()  # as the module found it, for the fixture's own checks at teardown
+
+
+@needs_cluster
+def test_a_lost_machine_comes_back_under_its_name_and_its_home_is_cleaned(
+    kit: KitCluster, ray_cluster: LocalRayCluster
+):
+    """Found by the chaos soak: a Ray node lost (every process of it SIGKILLed: raylet,
+    keeper, daemon, its sandboxes' helpers) and started again got a new name from ``up``,
+    so what the dead daemon left in its home (its sandboxes, mounts, cgroups, loop devices)
+    was never looked at again. It takes its old name back, and the new daemon adopts the
+    sandbox (here its processes outlived Ray's: they are not in its process tree)."""
+    with kit.client("n2") as c:
+        sb = c.create(layers=(kit.layer.ref,), memory="64M", ttl=300)
+        sb.exec("echo 1 > /tmp/state").check()
+    ip = next(n.ip for n in ray_cluster.nodes if n.node_id == kit.endpoint("n2").ray_node_id)
+    ray_cluster.lose_node(ip)
+    ray_cluster.restart_node(ip)
+    deadline = time.monotonic() + 90
+    while True:  # until Ray has noticed the old node is gone: a typed error meanwhile
+        try:
+            kit.up()
+            break
+        except NodeUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+    assert [e.name for e in kit.endpoints] == ["n1", "n2", "n3"]
+    with kit.client("n2") as c:
+        assert [i.id for i in c.list()] == [sb.id]
+        assert c.exec(sb.id, "cat /tmp/state").check().stdout == b"1\n"
+        made = c.create(layers=(kit.layer.ref,), memory="64M", ttl=300)
+        assert made.exec("echo ok").check().stdout == b"ok\n"
+        made.kill()
+        c.kill(sb.id)
+    home = Path(kit.plan.home_root) / "n2"
+    left = leftovers(home)
+    assert not [m for m in left["mounts"] if sb.id in m], left
+    assert not [g for g in left["cgroups"] if sb.id in g], left

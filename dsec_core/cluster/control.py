@@ -22,9 +22,11 @@ Ray actors on the cluster can read it, as they can run any code there anyway.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,7 @@ _actor_class: Any = None
 def _ray() -> ModuleType:
     try:
         import ray
+        import ray.experimental.internal_kv
     except ImportError as e:
         raise ClusterUnavailable(
             f"dsec cluster needs Ray, which is not installed here: {INSTALL_HINT}"
@@ -295,10 +298,13 @@ def up(address: str | None = None, plan: ClusterPlan | None = None) -> list[Node
     """Make sure every alive Ray node runs a dsec node daemon, and return their endpoints
     (sorted by name).
 
-    A Ray node without a keeper gets one (a detached actor pinned to it); a keeper whose
-    daemon died starts it again (same URL and token; it re-adopts its sandboxes). Keepers of
-    Ray nodes that are gone are left alone (``down`` removes them). All daemons start at
-    once; the first failure is raised after the rest were waited for."""
+    A Ray node without a keeper gets one (a detached actor pinned to it), under the name a
+    node at its address had before if that one is gone (a machine lost and back: its home,
+    and what its dead daemon left there, are its own again); a keeper whose daemon died
+    starts it again (same URL and token; it re-adopts its sandboxes). Keepers of Ray nodes
+    that are gone are left alone (``down`` removes them). All daemons start at once; the
+    first failure is raised (typed: a keeper that died is ``ClusterUnavailable``) after the
+    rest were waited for."""
     plan = plan or ClusterPlan()
     ray = connect(address)
     affinity = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy
@@ -313,14 +319,25 @@ def up(address: str | None = None, plan: ClusterPlan | None = None) -> list[Node
         host = host_of.get(s["endpoint"]["ray_node_id"])
         if host is not None:
             used.setdefault(host, []).append((s["uid_base"], s["uid_base"] + s["uid_count"]))
+    placed = _placed(ray)  # name -> where it last ran (ip) and its uid slot
     actor = _actor(ray)
     for node in nodes:
         if node["NodeID"] in by_node:
             continue
-        name = _next_name(taken_names)
-        taken_names.add(name)
+        ip = node["NodeManagerAddress"]
+        # a machine back after it was lost takes its old name, so its home (and whatever its
+        # dead daemon left there) is its own again
+        back = [n for n, p in placed.items() if p["ip"] == ip and n not in known]
         spans = used.setdefault(host_of[node["NodeID"]], [])
-        slot = plan.free_slot(spans)
+        if back:
+            name, slot = back[0], int(placed[back[0]]["slot"])
+            if name in handles:  # listed, but its node is gone: it never answers again
+                ray.kill(handles[name], no_restart=True)
+                _wait_name_free(ray, name)
+        else:
+            name = _next_name(taken_names | set(placed))
+            slot = plan.free_slot(spans)
+        taken_names.add(name)
         spans.append((plan.uid_slot_base(slot), plan.uid_slot_base(slot) + plan.uid_span))
         handles[name] = actor.options(
             name=ACTOR_PREFIX + name,
@@ -328,18 +345,58 @@ def up(address: str | None = None, plan: ClusterPlan | None = None) -> list[Node
             lifetime="detached",
             scheduling_strategy=affinity(node["NodeID"], soft=False),
         ).remote(plan.settings(name, node, slot))
+        _place(ray, name, ip, slot)
         by_node[node["NodeID"]] = name
     wanted = {by_node[n["NodeID"]]: handles[by_node[n["NodeID"]]] for n in nodes}
     refs = {name: h.start.remote() for name, h in wanted.items()}
-    results, first_error = {}, None
+    results, failed = {}, {}
     for name, ref in refs.items():
         try:
             results[name] = _get(ray, ref)
-        except Exception as e:  # every start is waited for before one failure is raised
-            first_error = first_error or e
-    if first_error is not None:
-        raise first_error
+        except DsecError as e:
+            failed[name] = e
+        except Exception as e:  # the actor died (its node went while it started): typed
+            failed[name] = ClusterUnavailable(
+                f"node {name}: its keeper died while starting the daemon ({type(e).__name__});"
+                " its Ray node is probably gone: run up again once Ray has noticed",
+                node=name,
+            )
+    if failed:  # every start was waited for; the first failure is raised
+        raise next(iter(failed.values()))
     return [NodeEndpoint.from_dict(results[n]) for n in sorted(results, key=_name_key)]
+
+
+#: Ray's key-value store (in its GCS) keeps where each node name last ran: ``up`` gives a
+#: machine that comes back its old name.
+_PLACED = "dsec-node-placed/"
+
+
+def _placed(ray: ModuleType) -> dict[str, dict[str, Any]]:
+    """name -> {"ip", "slot"} of every node ``up`` ever placed on this Ray cluster."""
+    kv = ray.experimental.internal_kv
+    out = {}
+    for key in kv._internal_kv_list(_PLACED, namespace=NAMESPACE):
+        raw = kv._internal_kv_get(key, namespace=NAMESPACE)
+        if raw:
+            out[key.decode()[len(_PLACED) :]] = json.loads(raw)
+    return out
+
+
+def _place(ray: ModuleType, name: str, ip: str, slot: int) -> None:
+    kv = ray.experimental.internal_kv
+    record = json.dumps({"ip": ip, "slot": slot})
+    kv._internal_kv_put(_PLACED + name, record, overwrite=True, namespace=NAMESPACE)
+
+
+def _wait_name_free(ray: ModuleType, name: str, timeout: float = 10.0) -> None:
+    """Until a killed keeper's actor name may be taken again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(ACTOR_PREFIX + name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
 
 
 def _next_name(taken: Iterable[str]) -> str:
