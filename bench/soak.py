@@ -81,6 +81,7 @@ from dsec_core.errors import (  # noqa: E402
     UnknownSandbox,
 )
 from dsec_core.rl.infra import infra_event  # noqa: E402
+from dsec_core.testing.procs import pids_matching  # noqa: E402
 
 #: The kinds of fault the injector knows, in the order of their first round (then shuffled).
 FAULTS = (
@@ -438,11 +439,13 @@ class Trainer:
             self.led.write(ev="done", name=r.name, kind=kind)
         except GiveUp as e:
             self.led.write(ev="given_up", name=r.name, kind=kind, why=e.why, masked=e.masked)
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5))  # as a trainer backs off
         except DsecError as e:
             infra = infra_event(e)
             self.led.write(
                 ev="given_up", name=r.name, kind=kind, why=type(e).__name__, masked=bool(infra)
             )
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5))
         except Exception as e:  # a bug of the trainer or the SDK
             self.led.write(
                 ev="crash",
@@ -521,16 +524,6 @@ def _cmdline(pid: int) -> list[str]:
     except OSError:
         return []
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _pids_matching(*needles: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            line = " ".join(_cmdline(int(entry)))
-            if line and all(n in line for n in needles):
-                out.append(int(entry))
-    return out
 
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
@@ -651,6 +644,23 @@ class Platform:
 PROBE = ["--probe-interval", "0.5", "--probe-timeout", "1", "--probe-misses", "3"]
 
 
+def up_until_it_works(kit: Any, timeout: float = 120.0) -> int:
+    """``dsec cluster up`` until every Ray node runs a daemon (a node Ray has not yet
+    noticed is gone makes it fail, typed, meanwhile), as an operator's loop would; how many
+    times it ran."""
+    deadline = time.monotonic() + timeout
+    n = 0
+    while True:
+        n += 1
+        try:
+            kit.up()
+            return n
+        except NodeUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2.0)
+
+
 class Injector:
     """Faults on a seeded schedule, each logged with its time and what it found."""
 
@@ -660,7 +670,7 @@ class Injector:
         self.rng = random.Random(seed)
         self.log = log
         self.done: list[dict[str, Any]] = []
-        self.led = Ledger(log.with_name("injector.jsonl"), "injector")
+        self.led = Ledger(p.workdir / "injector.jsonl", "injector")
 
     def schedule(self, start: float, end: float) -> list[tuple[float, str]]:
         kinds = list(self.kinds)
@@ -710,7 +720,7 @@ class Injector:
         os.kill(pid, signal.SIGKILL)
         _gone(pid)
         time.sleep(self.rng.uniform(1.0, 4.0))
-        self.p.kit.up()
+        up_until_it_works(self.p.kit)
         return f"{name}: daemon {pid} killed, up again as {self.p.kit.daemon_pids.get(name)}"
 
     def apiserver_kill(self) -> str:
@@ -723,7 +733,7 @@ class Injector:
         return f"pid {old.proc.pid} killed; pid {self.p.api.proc.pid} serves {took:.2f}s later"
 
     def lxcfs_kill(self) -> str:
-        found = _pids_matching("lxcfs", os.fspath(self.p.kit.home_root))
+        found = pids_matching("lxcfs", os.fspath(self.p.kit.home_root))
         if not found:
             return "no lxcfs running"
         pid = self.rng.choice(found)
@@ -731,10 +741,10 @@ class Injector:
         return f"lxcfs {pid} killed ({len(found)} ran)"
 
     def fuse_keeper_kill(self) -> str:
-        found = _pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(self.p.kit.home_root))
+        found = pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(self.p.kit.home_root))
         if not found:
             self._lazy_sandbox("s3")
-            found = _pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(self.p.kit.home_root))
+            found = pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(self.p.kit.home_root))
         if not found:
             return "no FUSE keeper running"
         pid = self.rng.choice(found)
@@ -761,7 +771,7 @@ class Injector:
 
     def qemu_kill(self) -> str:
         home = os.fspath(self.p.kit.home_root)
-        found = _pids_matching("qemu-system", home)
+        found = pids_matching("qemu-system", home)
         made = None
         if not found:
             with self.p.client() as c:
@@ -779,7 +789,7 @@ class Injector:
                 except DsecError as e:
                     self.led.end(rid, "create", t0, error=e)
                     return f"no VM to kill: {type(e).__name__}"
-            found = _pids_matching("qemu-system", home)
+            found = pids_matching("qemu-system", home)
         if not found:
             return "no QEMU running"
         pid = self.rng.choice(found)
@@ -1208,7 +1218,7 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                     proc.wait()
                     leaked.append(f"trainer {key_} did not finish in time")
             t_over = time.time()
-            kit.up()  # every node back before the count
+            up_until_it_works(kit)  # every node back before the count
             with p.client() as c:
                 deadline = time.monotonic() + 60
                 while c.node_info()["home"] != "apiserver:3/3 nodes":
@@ -1252,7 +1262,35 @@ def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     if fig:
         fig["leaked"] = len(leaked)
         fig["_leaked"] = leaked[:20]
+    if leaked:
+        scrub(leaked)
     return fig
+
+
+def scrub(leaked: list[str]) -> None:
+    """Remove what the soak found left behind (reported already): the processes in leaked
+    cgroups, the cgroups, mounts and loop devices, so the machine is as it was."""
+    import re
+
+    text = "\n".join(leaked)
+    cgroups = sorted(set(re.findall(r"/sys/fs/cgroup/[^'\s,\]]+", text)))
+    for cg in cgroups:
+        with contextlib.suppress(OSError):
+            for pid in Path(cg, "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+    for pid in re.findall(r"'(\d+): ", text):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+    time.sleep(1.0)
+    mounts = sorted(set(re.findall(r"'(/var/tmp/dsec-soak-[^']+)'", text)), key=len, reverse=True)
+    for m in mounts:
+        subprocess.run(["umount", "-l", m], capture_output=True)
+    for dev in set(re.findall(r"(/dev/loop\d+): ", text)):
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
+    for cg in sorted(cgroups, key=len, reverse=True):
+        with contextlib.suppress(OSError):
+            os.rmdir(cg)
 
 
 def keep_logs(p: Platform, keep: Path) -> None:

@@ -19,6 +19,7 @@ __all__ = [
     "free_port",
     "kill_and_wait",
     "open_pidfd",
+    "pids_matching",
     "proc_stat",
     "start_time",
     "still_running",
@@ -215,3 +216,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def pids_matching(*needles: str) -> list[int]:
+    """The pids of the processes whose command line (its arguments joined by spaces) holds
+    every one of ``needles``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        line = " ".join(a.decode(errors="replace") for a in raw.split(b"\0") if a)
+        if line and all(n in line for n in needles):
+            out.append(int(entry))
+    return out

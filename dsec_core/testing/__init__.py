@@ -49,7 +49,7 @@ from .fixtures import (
 )
 from .fleet import Behaviour, FleetProcess, SimulatedFleet, running_fleet
 from .policies import SecurityPolicyConformance
-from .procs import free_port, stop_process
+from .procs import free_port, pids_matching, stop_process
 from .ray import (
     KitCluster,
     LocalRayCluster,
@@ -98,6 +98,7 @@ __all__ = [
     "make_busybox_rootfs",
     "make_standin_device",
     "node_home",
+    "pids_matching",
     "private_dockerd",
     "ray_importable",
     "ray_loopback_lock",

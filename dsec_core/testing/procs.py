@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from ..linux.processes import free_port, stop_process
+from ..linux.processes import free_port, pids_matching, stop_process
 
-__all__ = ["free_port", "stop_process"]
+__all__ = ["free_port", "pids_matching", "stop_process"]
