@@ -936,7 +936,7 @@ class Injector:
         time.sleep(self.rng.uniform(1.0, 3.0))
         t0 = time.monotonic()
         self.p.ray.restart_node(ip)
-        self.p.kit.up()
+        up_until_it_works(self.p.kit)
         return (
             f"Ray node {ip}: {len(killed)} processes killed; back in {time.monotonic() - t0:.1f}s"
         )

@@ -175,9 +175,11 @@ def test_daemon_restart_readopts(private_node, how):
     with private_node.client() as c:
         keep = c.create(layers=(private_node.layer.ref,), memory="64M")
         short = c.create(layers=(private_node.layer.ref,), memory="64M", ttl=2)
+        doomed = c.create(layers=(private_node.layer.ref,), memory="64M")
         keep.write_file("/root/state", b"before restart")
         keep.exec("sleep 3000 > /dev/null 2>&1 &", background=True).check()
         init_pid = keep.info.pid
+        doomed_pid = doomed.info.pid
     old = daemon_pid(cfg)
     if how == "stop":
         stop_daemon(cfg)
@@ -187,11 +189,19 @@ def test_daemon_restart_readopts(private_node, how):
         while _alive(old) and time.monotonic() < deadline:
             time.sleep(0.02)
     assert _alive(init_pid), "sandbox died with its daemon"
+    os.kill(doomed_pid, signal.SIGKILL)  # one dies while no daemon watches
     time.sleep(2.5)  # the short one's ttl passes while no daemon runs
     ensure_daemon(cfg)
     with private_node.client() as c:
         ids = {i.id for i in c.list()}
-        assert keep.id in ids and short.id not in ids
+        assert keep.id in ids and short.id not in ids and doomed.id not in ids
+        # the restarted daemon still knows that one died, and does not confuse it with a
+        # sandbox whose time ran out
+        with pytest.raises(dsec.SandboxDied, match="died on its own"):
+            c.exec(doomed.id, "true")
+        with pytest.raises(dsec.UnknownSandbox) as gone:
+            c.exec(short.id, "true")
+        assert not isinstance(gone.value, dsec.SandboxDied)
         again = c.get(keep.id)
         assert again.read_file("/root/state") == b"before restart"
         assert b"sleep 3000" in again.exec("ps").stdout

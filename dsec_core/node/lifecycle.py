@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 from ..errors import (
@@ -37,17 +39,40 @@ WATCH_PERIOD = 1.0
 
 class Lifecycle:
     """TTLs, exit watches and background tasks of ``host``'s sandboxes. ``sweep`` runs on
-    every round of the watch loop (the node sweeps idle layer mounts)."""
+    every round of the watch loop (the node sweeps idle layer mounts). With ``deaths_file``
+    (on the node's runtime tmpfs) the causes of death outlive the daemon: a restarted one
+    still answers ``SandboxDied`` for a sandbox that died before or while it was away."""
 
-    def __init__(self, host: LifecycleHost, sweep: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        host: LifecycleHost,
+        sweep: Callable[[], None] = lambda: None,
+        deaths_file: Path | None = None,
+    ) -> None:
         self.host = host
         self.sweep = sweep
+        self.deaths_file = deaths_file
         self.tasks: set[asyncio.Task] = set()
         #: sandbox id -> (kind, cause) of those that died on their own, the latest MAX_DEATHS
         self.deaths: dict[str, tuple[str, str]] = {}
         #: ids of sandboxes inside ``expect_exit``: their processes may end (a VM's pause)
         self.expecting: set[str] = set()
         self._watch: asyncio.Task | None = None
+
+    def open(self) -> None:
+        """Read back the causes of death a previous daemon wrote (``Node.open``, before it
+        adopts what that daemon left)."""
+        if self.deaths_file is None:
+            return
+        try:
+            doc = json.loads(self.deaths_file.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:  # a courtesy, as the causes are
+            log.warning("causes of death in %s unreadable: %s", self.deaths_file, e)
+            return
+        for sid, (kind, cause) in doc.items():
+            self.deaths[str(sid)] = (str(kind), str(cause))
 
     def start(self) -> None:
         """Start the watch loop (``Node.open``)."""
@@ -172,7 +197,18 @@ class Lifecycle:
         self.deaths[sid] = (kind, cause)
         while len(self.deaths) > MAX_DEATHS:
             self.deaths.pop(next(iter(self.deaths)))
+        self._save_deaths()
         return InfraEvent("crashed", sid, time.time(), f"{kind}: {cause}")
+
+    def _save_deaths(self) -> None:
+        if self.deaths_file is None:
+            return
+        tmp = self.deaths_file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.deaths))
+            os.replace(tmp, self.deaths_file)
+        except OSError as e:  # a full runtime tmpfs: the daemon's memory still has them
+            log.warning("saving causes of death in %s: %s", self.deaths_file, e)
 
     def missing(self, sid: str) -> UnknownSandbox:
         """The error for sandbox ``sid``, which the node does not have: ``SandboxDied`` naming

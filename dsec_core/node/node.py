@@ -122,7 +122,9 @@ class Node:
         self.planner = PolicyPlanner(self.registry)
         self.admission = Admission(self, self.registry, self.planner, self.uids)
         self.rootfs = RootFilesystems(cfg, self.uids)
-        self.lifecycle = Lifecycle(self, sweep=self.rootfs.sweep)
+        self.lifecycle = Lifecycle(
+            self, sweep=self.rootfs.sweep, deaths_file=cfg.run_dir / "deaths.json"
+        )
         self.states = StateFiles(self, self.planner)
         self.agents = Agents(self)
         self.processes = Processes(self.agents)
@@ -167,6 +169,7 @@ class Node:
         self.admission.open()
         cfg.ensure_dirs()
         self.states.open()
+        self.lifecycle.open()
         self.rootfs.bind_parents()
         try:
             self.agent_binary = ensure_agent(cfg.bin_dir)
@@ -185,7 +188,7 @@ class Node:
 
     async def _adopt(self) -> None:
         """Take over the sandboxes a previous daemon left running, and what they hold."""
-        adopted = await self.states.recover()
+        adopted = await self.states.recover(died=self.lifecycle.death_of)
         self.sandboxes.update((sb.rt.id, sb) for sb in adopted)
         self.rootfs.adopt(adopted)
         self.admission.adopt(adopted)

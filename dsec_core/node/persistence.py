@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,11 @@ class StateFiles:
         cfg.runtime_dir.mkdir(exist_ok=True)
         cfg.on_sandbox_path(cfg.runtime_dir)
 
-    async def recover(self) -> list[Sandbox]:
+    async def recover(self, died: Callable[[Sandbox], object] = lambda sb: None) -> list[Sandbox]:
         """The sandboxes a previous daemon left running (unexpired), their policies told they
-        are adopted; every other one a state names is stopped and cleaned up."""
+        are adopted; every other one a state names is stopped and cleaned up. ``died`` is told
+        of each that was running, unexpired, and stopped on its own while no daemon watched
+        (a VM's QEMU killed with its daemon), before its backend's traces go."""
         cfg = self.host.config
         runtime = cfg.runtime_dir
         # first: a pack that died holds a view of a writable layer and may leave it frozen
@@ -126,12 +129,17 @@ class StateFiles:
                 scrub_dir(sdir)
                 continue
             alive = sb.status == "running" and await sb.backend.alive(sb.rt, sb.backend_state)
-            if alive and (sb.expires is None or sb.expires > time.time()):
+            unexpired = sb.expires is None or sb.expires > time.time()
+            if alive and unexpired:
                 adopted.append(sb)
                 for policy, settings in sb.policies.chosen:
                     policy.adopted(sb.rt, settings)
                 continue
-            log.info("sandbox %s is gone or expired; cleaning up", sb.rt.id)
+            if sb.status == "running" and unexpired:
+                log.warning("sandbox %s died while no daemon watched; cleaning up", sb.rt.id)
+                died(sb)
+            else:
+                log.info("sandbox %s is gone or expired; cleaning up", sb.rt.id)
             try:
                 await sb.backend.stop(sb.rt, sb.backend_state)
             except DsecError as e:
