@@ -197,3 +197,64 @@ def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
             for info in client.list():
                 client.kill(info.id)
         stop_daemon(config)
+
+
+def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, monkeypatch):
+    """The keeper is what holds the FUSE connection while no daemon runs: one killed from
+    outside is replaced, and a daemon killed after that still hands its successor a live
+    connection (before, the mount died with the daemon and every read under it failed)."""
+    import signal
+
+    from dsec_core.lazy.fuse_keeper import ask_keeper
+    from dsec_core.linux.processes import start_time
+    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
+    from dsec_core.sdk import Client
+    from dsec_core.testing import pids_matching, until
+
+    config, shared = setup
+    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
+    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
+    ensure_daemon(config)
+
+    def keepers() -> list[int]:
+        return pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(config.home))
+
+    def replaced(dead: int) -> bool:
+        """A new keeper answers on the socket (it has the fd, and told its daemon so)."""
+        if not keepers() or keepers() == [dead]:
+            return False
+        try:
+            return ask_keeper(os.fspath(config.run_dir / "lazy-keeper.sock"), b"?")[0] == b"?"
+        except OSError:
+            return False
+
+    try:
+        with Client(os.fspath(config.socket_path)) as client:
+            sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
+            first = sb.exec("md5sum /workspace/big0.bin").check().stdout
+            (keeper,) = keepers()
+            os.kill(keeper, signal.SIGKILL)
+            until(lambda: replaced(keeper), timeout=15, what="a new keeper")
+            old = daemon_pid(config)
+            assert old is not None
+            os.kill(old, signal.SIGKILL)
+            until(lambda: start_time(old) is None, timeout=10, what="the daemon's end")
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            again = client.get(sb.id)
+            assert again.exec("md5sum /workspace/big0.bin").check().stdout == first
+            # chunks nobody had fetched: served through the connection the new keeper held
+            expected = hashlib.md5((shared.parent / "ws" / "workspace" / "big3.bin").read_bytes())
+            out = again.exec("md5sum /workspace/big3.bin").check().stdout
+            assert out.split()[0].decode() == expected.hexdigest()
+            (survivor,) = keepers()  # the new daemon watches the keeper it took the fd from
+            os.kill(survivor, signal.SIGKILL)
+            until(lambda: replaced(survivor), timeout=15, what="a new keeper")
+            again.kill()
+    finally:
+        if daemon_pid(config) is None:
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            for info in client.list():
+                client.kill(info.id)
+        stop_daemon(config)

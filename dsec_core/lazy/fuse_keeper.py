@@ -20,13 +20,25 @@ import sys
 
 from ..linux.processes import wait_for_exit
 
-__all__ = ["ask_keeper", "dismiss_keeper", "main"]
+__all__ = ["ask_keeper", "dismiss_keeper", "main", "take_from_keeper"]
 
 
 def ask_keeper(path: str, request: bytes, timeout: float = 2.0) -> tuple[bytes, list[int]]:
     """Send ``request`` to the keeper at ``path``; its answer and any fds it sent."""
     msg, fds, _pid = _ask(path, request, timeout)
     return msg, fds
+
+
+def take_from_keeper(path: str, timeout: float = 2.0) -> tuple[int | None, int]:
+    """A copy of the fd the keeper at ``path`` holds (None if it sent none; close-on-exec, as
+    every fd of a daemon's), and the keeper's pid, for watching it."""
+    _msg, fds, pid = _ask(path, b"GIVE", timeout)
+    for extra in fds[1:]:
+        os.close(extra)
+    if not fds:
+        return None, pid
+    os.set_inheritable(fds[0], False)
+    return fds[0], pid
 
 
 def _ask(path: str, request: bytes, timeout: float) -> tuple[bytes, list[int], int]:
@@ -66,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.umask(old)
     srv.listen(16)
-    # tell the parent we are ready (it waits on our stdout)
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    sys.stdout.close()
+    # tell the parent we are ready (it waits on our stdout); a parent killed meanwhile is no
+    # reason to let the connection go: the next daemon asks on the socket
+    try:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        sys.stdout.close()
+    except OSError:  # BrokenPipeError
+        pass
     while True:
         conn, _ = srv.accept()
         with conn:

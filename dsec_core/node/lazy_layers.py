@@ -18,7 +18,9 @@ The FUSE connection outlives the daemon: a keeper process (``dsec_core.lazy.fuse
 holds a copy of its fd, and each blob's source and layer are recorded under ``run/lazy-blobs``.
 A restarted daemon takes the fd from the keeper, registers the recorded blobs again and starts
 serving; the kernel re-sends the requests the dead daemon had taken, so a reader in a sandbox
-waits through the restart instead of failing, and the chunk cache on disk is reused as is.
+waits through the restart instead of failing, and the chunk cache on disk is reused as is. The
+daemon watches its keeper (the one it started or the one it took the fd from) and starts
+another if it dies, so the next restart still finds the connection held.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from ..errors import DsecError, NodeUnavailable
 from ..lazy.blob import LazyBlob, prefetch
 from ..lazy.chunks import ChunkCache
 from ..lazy.fuse import FuseServer
-from ..lazy.fuse_keeper import ask_keeper, dismiss_keeper
+from ..lazy.fuse_keeper import dismiss_keeper, take_from_keeper
 from ..lazy.layout import AccessTrace, ReadProfile
 from ..lazy.split import LazyForm
+from ..linux.processes import start_time, still_running
 from ..plugins import Registry
 from ..records import LayerInfo
 from ..sources.base import LayerSource
@@ -48,6 +51,7 @@ __all__ = ["LazyLayers"]
 log = logging.getLogger("dsec.lazy_layers")
 
 WARM_PARALLEL = 4  # fetches in flight per layer while warming its hot chunks
+KEEPER_CHECK = 1.0  # seconds between two looks at whether the keeper still lives
 
 
 class LazyLayers:
@@ -67,6 +71,8 @@ class LazyLayers:
         self._warmers: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._keeper: subprocess.Popen | None = None
+        self._keeper_pid: tuple[int, int | None] | None = None  # (pid, start time) watched
+        self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
 
     # --- the FUSE connection ----------------------------------------------------------------
@@ -86,19 +92,21 @@ class LazyLayers:
         fd = server.mount(self.mountpoint)
         self.server = server
         self._start_keeper(fd)
+        self._watch_keeper()
 
     def _adopt(self) -> bool:
         """Take over the connection a previous daemon left with the keeper, if any."""
         if not self.keeper_socket.exists():
             return False
         try:
-            _, fds = ask_keeper(os.fspath(self.keeper_socket), b"GIVE")
+            fd, pid = take_from_keeper(os.fspath(self.keeper_socket))
         except OSError:
             self.keeper_socket.unlink(missing_ok=True)  # its keeper is gone with it
             return False
-        if not fds:
+        if fd is None:
             return False
-        server = FuseServer.from_fd(fds[0], self.mountpoint)
+        self._keeper_pid = (pid, start_time(pid))
+        server = FuseServer.from_fd(fd, self.mountpoint)
         for path in sorted(self.state_dir.glob("*.json")):
             doc = json.loads(path.read_text())
             try:
@@ -114,9 +122,44 @@ class LazyLayers:
         server.start()  # re-sends what the dead daemon had taken
         self.server = server
         log.info("adopted the on-demand filesystem with %d blobs", len(self.blobs))
+        self._watch_keeper()
         return True
 
+    def _watch_keeper(self) -> None:
+        self._watcher = threading.Thread(
+            target=self._keep_a_keeper, name="fuse-keeper-watch", daemon=True
+        )
+        self._watcher.start()
+
+    def _keep_a_keeper(self) -> None:
+        """While the filesystem is served: a keeper that died (killed from outside) is
+        replaced by a new one holding the same connection. Without one, the next daemon
+        restart would drop the connection, and every on-demand layer mount with it."""
+        while not self._stopping.wait(KEEPER_CHECK):
+            with self._lock:
+                if self.server is None or self.server.fd < 0:
+                    return
+                if self._keeper_alive():
+                    continue
+                log.warning("the on-demand filesystem's fd keeper died; starting another")
+                self.keeper_socket.unlink(missing_ok=True)
+                try:
+                    self._start_keeper(self.server.fd)
+                except (OSError, DsecError) as e:  # tried again next round
+                    log.error("starting a new fd keeper: %s", e)
+
+    def _keeper_alive(self) -> bool:
+        if self._keeper is not None:
+            if self._keeper.poll() is None:
+                return True
+            self._keeper = None  # reaped
+            return False
+        if self._keeper_pid is not None:
+            return still_running(*self._keeper_pid)
+        return False
+
     def _start_keeper(self, fd: int) -> None:
+        self._keeper_pid = None
         self._keeper = subprocess.Popen(
             [
                 sys.executable,
@@ -265,6 +308,9 @@ class LazyLayers:
         for warmer in self._warmers:
             warmer.join()  # at most one chunk fetch (fetch_timeout) away
         self._warmers.clear()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
         self._stopping.clear()
         with self._lock:
             if self.server is not None:
