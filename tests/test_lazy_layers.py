@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import dsec
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
@@ -251,6 +252,53 @@ def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, m
             os.kill(survivor, signal.SIGKILL)
             until(lambda: replaced(survivor), timeout=15, what="a new keeper")
             again.kill()
+    finally:
+        if daemon_pid(config) is None:
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            for info in client.list():
+                client.kill(info.id)
+        stop_daemon(config)
+
+
+def test_a_connection_nobody_held_is_detached_not_stacked_on(setup, monkeypatch):
+    """Keeper and daemon killed at once: nothing held the FUSE connection, so the next daemon
+    mounts a new one in its place (one mount there, not two), the sandbox that read through
+    the dead one is SandboxDied, and new sandboxes read the layers again."""
+    import signal
+
+    from dsec_core.linux.mounts import mounted_under
+    from dsec_core.linux.processes import start_time
+    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
+    from dsec_core.sdk import Client
+    from dsec_core.testing import pids_matching, until
+
+    config, shared = setup
+    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
+    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
+    ensure_daemon(config)
+    lazy = config.run_dir / "lazy"
+    try:
+        with Client(os.fspath(config.socket_path)) as client:
+            sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
+            sb.exec("md5sum /workspace/small.txt").check()
+            (keeper,) = pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(config.home))
+            old = daemon_pid(config)
+            assert old is not None
+            os.kill(keeper, signal.SIGKILL)
+            os.kill(old, signal.SIGKILL)
+            until(lambda: start_time(old) is None, timeout=10, what="the daemon's end")
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            # its layers cannot be read again: it died with the connection, and says so
+            with pytest.raises(dsec.SandboxDied, match="connection was lost"):
+                client.exec(sb.id, "true")
+            fresh = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
+            assert mounted_under(lazy) == [lazy]
+            expected = hashlib.md5((shared.parent / "ws" / "workspace" / "big4.bin").read_bytes())
+            out = fresh.exec("md5sum /workspace/big4.bin").check().stdout
+            assert out.split()[0].decode() == expected.hexdigest()
+            fresh.kill()
     finally:
         if daemon_pid(config) is None:
             ensure_daemon(config)

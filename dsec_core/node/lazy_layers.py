@@ -41,6 +41,7 @@ from ..lazy.fuse import FuseServer
 from ..lazy.fuse_keeper import dismiss_keeper, take_from_keeper
 from ..lazy.layout import AccessTrace, ReadProfile
 from ..lazy.split import LazyForm
+from ..linux.mounts import mounted_under, unmount
 from ..linux.processes import start_time, still_running
 from ..plugins import Registry
 from ..records import LayerInfo
@@ -74,6 +75,8 @@ class LazyLayers:
         self._keeper_pid: tuple[int, int | None] | None = None  # (pid, start time) watched
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: digests of the layers whose connection died with a keeper and a daemon (``_open``)
+        self.lost_layers: set[str] = set()
 
     # --- the FUSE connection ----------------------------------------------------------------
     def ensure_open(self) -> None:
@@ -88,6 +91,8 @@ class LazyLayers:
         self.state_dir.mkdir(exist_ok=True)
         if self._adopt():
             return
+        if self.mountpoint in mounted_under(self.mountpoint):
+            self._drop_dead_connection()
         server = FuseServer()
         fd = server.mount(self.mountpoint)
         self.server = server
@@ -124,6 +129,25 @@ class LazyLayers:
         log.info("adopted the on-demand filesystem with %d blobs", len(self.blobs))
         self._watch_keeper()
         return True
+
+    def _drop_dead_connection(self) -> None:
+        """A connection nobody holds any more (its keeper and its daemon both died): it is
+        detached, so the new one is not stacked on it, and the layers that read through it
+        are ``lost_layers`` (their mounts and the sandboxes on them cannot read again)."""
+        for path in sorted(self.state_dir.glob("*.json")):
+            try:
+                self.lost_layers.add(
+                    LayerInfo.from_dict(json.loads(path.read_text())["layer"]).digest
+                )
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("on-demand blob record %s unreadable: %s", path, e)
+            path.unlink(missing_ok=True)
+        log.warning(
+            "on-demand filesystem at %s had no keeper: detached, %d layers lost with it",
+            self.mountpoint,
+            len(self.lost_layers),
+        )
+        unmount(self.mountpoint, lazy=True)
 
     def _watch_keeper(self) -> None:
         self._watcher = threading.Thread(

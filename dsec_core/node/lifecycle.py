@@ -194,6 +194,11 @@ class Lifecycle:
             log.exception("sandbox %s: asking its backend why it died", sid)
             said = None
         kind, cause = said or ("crashed", "its init or runtime stopped")
+        return self.note_death(sid, kind, cause)
+
+    def note_death(self, sid: str, kind: str, cause: str) -> InfraEvent:
+        """Remember that ``sid`` died of ``cause`` (``kind``: "guest_panic" or "crashed"), for
+        ``missing``; the event to record."""
         self.deaths[sid] = (kind, cause)
         while len(self.deaths) > MAX_DEATHS:
             self.deaths.pop(next(iter(self.deaths)))

@@ -127,6 +127,18 @@ class MountCache:
                 else:
                     self._entries[digest] = _Entry(mp, in_use[digest], None)
 
+    def drop_idle(self, digests: set[str]) -> list[str]:
+        """Unmount now those of ``digests`` that no sandbox uses, lingering or not (their data
+        can no longer be read); those still in use, returned, are left."""
+        busy = []
+        with self._lock:
+            for digest in digests & self._entries.keys():
+                if self._entries[digest].refs:
+                    busy.append(digest)
+                else:
+                    self._drop(digest)
+        return busy
+
     def refcounts(self) -> dict[str, int]:
         with self._lock:
             return {d: e.refs for d, e in self._entries.items()}

@@ -194,6 +194,21 @@ class Node:
         self.admission.adopt(adopted)
         for sb in adopted:
             self.lifecycle.watch(sb)
+        lost = self.lazy_layers.lost_layers if self.lazy_layers else set()
+        for sb in adopted:
+            if lost & {info.digest for info in sb.layers}:
+                # its file system reads through a FUSE connection that died with its keeper
+                # and a daemon: it cannot read its layers again, so it is dead
+                self.record_event(
+                    self.lifecycle.note_death(
+                        sb.rt.id,
+                        "crashed",
+                        "its on-demand layers' connection was lost while no daemon ran",
+                    )
+                )
+                await self.kill(sb.rt.id, reason="layers lost")
+        if lost and self.mounts is not None:
+            self.mounts.drop_idle(lost)  # not to be found lingering by the next create
 
     async def close(self, kill_all: bool = False, release_runtime: bool = True) -> None:
         """Stop serving. Sandboxes keep running unless ``kill_all``; with none left and

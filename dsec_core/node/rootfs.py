@@ -59,8 +59,11 @@ class RootFilesystems:
         cfg = self.config
         self.mounts = MountCache(cfg.mount_dir, cfg.layer_linger)
         self.lazy_layers = LazyLayers(cfg, registry)
-        if self.lazy_layers.keeper_socket.exists():  # a previous daemon served on-demand layers
-            await asyncio.to_thread(self.lazy_layers.ensure_open)
+        lazy = self.lazy_layers
+        if lazy.keeper_socket.exists() or any(lazy.state_dir.glob("*.json")):
+            # a previous daemon served on-demand layers: take its connection over (or find
+            # it lost, and which layers with it) before anything is adopted
+            await asyncio.to_thread(lazy.ensure_open)
         self.sources = sources
 
     def parents(self) -> tuple[Path, Path]:
