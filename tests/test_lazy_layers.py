@@ -26,6 +26,25 @@ from dsec_core.testing import leftovers, make_busybox_rootfs
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
+def inheritable_fds(pid: int | None) -> dict[int, str]:
+    """``pid``'s fds beyond 0-2 that a child it spawns would inherit, with what they are."""
+    assert pid is not None
+    out = {}
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        fd = int(name)
+        try:
+            info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+            what = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        flags = int(
+            next(line for line in info.splitlines() if line.startswith("flags:")).split()[1], 8
+        )
+        if fd > 2 and not flags & os.O_CLOEXEC:
+            out[fd] = what
+    return out
+
+
 @pytest.fixture
 def setup(tmp_path):
     """A shared source holding a base layer and a 12 MiB workspace, and a node that has
@@ -184,6 +203,10 @@ def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
             # the keeper holds the connection: the layer mount is still there
             assert os.path.ismount(config.run_dir / "lazy")
             ensure_daemon(config)
+            # the daemon posix_spawns QEMU, runc and lxcfs, which closes no fd: every fd of
+            # it beyond 0-2 must be close-on-exec, the connection it took over too (a child
+            # holding a copy kept a dead daemon's connection open, and the mount hung)
+            assert inheritable_fds(daemon_pid(config)) == {}
         with Client(os.fspath(config.socket_path)) as client:
             again = client.get(sb.id)
             assert again.exec("md5sum /workspace/big0.bin").check().stdout == first
@@ -261,12 +284,17 @@ def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, m
         stop_daemon(config)
 
 
-def test_a_connection_nobody_held_is_detached_not_stacked_on(setup, monkeypatch):
-    """Keeper and daemon killed at once: nothing held the FUSE connection, so the next daemon
-    mounts a new one in its place (one mount there, not two), the sandbox that read through
-    the dead one is SandboxDied, and new sandboxes read the layers again."""
+@pytest.mark.parametrize("stray", [False, True], ids=["unheld", "held-by-a-stray"])
+def test_a_connection_nobody_serves_is_dropped_not_stacked_on(setup, monkeypatch, stray):
+    """Keeper and daemon killed at once: nobody serves the FUSE connection, so the next
+    daemon mounts a new one in its place (one mount there, not two), the sandbox that read
+    through the dead one is SandboxDied, and new sandboxes read the layers again. With a
+    stray process still holding the connection's fd (as QEMU or lxcfs did when an adopted fd
+    was inheritable), it stays alive unserved and any look at the mount would wait for good:
+    the daemon aborts it and starts all the same."""
     import signal
 
+    from dsec_core.lazy.fuse_keeper import take_from_keeper
     from dsec_core.linux.mounts import mounted_under
     from dsec_core.linux.processes import start_time
     from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
@@ -283,12 +311,17 @@ def test_a_connection_nobody_held_is_detached_not_stacked_on(setup, monkeypatch)
             sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
             sb.exec("md5sum /workspace/small.txt").check()
             (keeper,) = pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(config.home))
+            held, _ = take_from_keeper(os.fspath(config.run_dir / "lazy-keeper.sock"))
+            if not stray:
+                os.close(held)
             old = daemon_pid(config)
             assert old is not None
             os.kill(keeper, signal.SIGKILL)
             os.kill(old, signal.SIGKILL)
             until(lambda: start_time(old) is None, timeout=10, what="the daemon's end")
+            t0 = time.monotonic()
             ensure_daemon(config)
+            assert time.monotonic() - t0 < 20
         with Client(os.fspath(config.socket_path)) as client:
             # its layers cannot be read again: it died with the connection, and says so
             with pytest.raises(dsec.SandboxDied, match="connection was lost"):
@@ -300,6 +333,8 @@ def test_a_connection_nobody_held_is_detached_not_stacked_on(setup, monkeypatch)
             assert out.split()[0].decode() == expected.hexdigest()
             fresh.kill()
     finally:
+        if stray:
+            os.close(held)
         if daemon_pid(config) is None:
             ensure_daemon(config)
         with Client(os.fspath(config.socket_path)) as client:

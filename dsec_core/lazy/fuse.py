@@ -34,7 +34,7 @@ from pathlib import Path
 from ..errors import LayerCorrupt, MountError, SourceUnavailable
 from ..linux.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, mount, unmount
 
-__all__ = ["FuseServer", "recv_fuse_fd", "send_fuse_fd"]
+__all__ = ["FuseServer", "abort_connection", "recv_fuse_fd", "send_fuse_fd"]
 
 log = logging.getLogger(__name__)
 
@@ -460,6 +460,34 @@ _HANDLERS: dict[int, Callable] = {
 }
 
 
+def abort_connection(mountpoint: Path, scratch: Path) -> bool:
+    """Abort the FUSE connection mounted at ``mountpoint`` (through a private ``fusectl``
+    mount at ``scratch``, made and removed here): every request waiting on it, and every later
+    one, fails with ENOTCONN instead of waiting for a server that is gone while some stray
+    process still holds its fd. False if no FUSE file system is mounted there."""
+    target = os.fspath(mountpoint)
+    minor = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype = fields[fields.index("-") + 1]
+            point = fields[4].encode().decode("unicode_escape")
+            if point == target and fstype.split(".")[0] == "fuse":
+                minor = fields[2].split(":")[1]  # its connection's number in fusectl
+    if minor is None:
+        return False
+    scratch.mkdir(parents=True, exist_ok=True)
+    mount("fusectl", scratch, "fusectl", MS_NOSUID | MS_NODEV, "")
+    try:
+        (scratch / minor / "abort").write_text("1")
+    except FileNotFoundError:  # the connection is gone already
+        pass
+    finally:
+        unmount(scratch)
+        scratch.rmdir()
+    return True
+
+
 def send_fuse_fd(sock: socket.socket, server: FuseServer) -> None:
     """Hand ``server``'s live connection to a successor over a unix socket (SCM_RIGHTS).
 
@@ -478,5 +506,6 @@ def recv_fuse_fd(sock: socket.socket) -> tuple[int, Path | None]:
     msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
     if not fds:
         raise MountError("no FUSE fd received")
+    os.set_inheritable(fds[0], False)  # SCM_RIGHTS fds come inheritable: see take_from_keeper
     mountpoint = msg.decode()
     return fds[0], (Path(mountpoint) if mountpoint.strip("\0") else None)

@@ -30,8 +30,11 @@ def ask_keeper(path: str, request: bytes, timeout: float = 2.0) -> tuple[bytes, 
 
 
 def take_from_keeper(path: str, timeout: float = 2.0) -> tuple[int | None, int]:
-    """A copy of the fd the keeper at ``path`` holds (None if it sent none; close-on-exec, as
-    every fd of a daemon's), and the keeper's pid, for watching it."""
+    """A copy of the fd the keeper at ``path`` holds (None if it sent none), and the keeper's
+    pid, for watching it. The fd is made close-on-exec: an fd that comes through SCM_RIGHTS is
+    inheritable, and the daemon starts QEMU, runc and lxcfs with ``posix_spawn``, which closes
+    nothing; a long-lived child holding a copy kept a connection alive that nobody served after
+    the daemon died, and every look at the mount (the next daemon's first) hung for good."""
     _msg, fds, pid = _ask(path, b"GIVE", timeout)
     for extra in fds[1:]:
         os.close(extra)

@@ -37,7 +37,7 @@ from ..config import NodeConfig
 from ..errors import DsecError, NodeUnavailable
 from ..lazy.blob import LazyBlob, prefetch
 from ..lazy.chunks import ChunkCache
-from ..lazy.fuse import FuseServer
+from ..lazy.fuse import FuseServer, abort_connection
 from ..lazy.fuse_keeper import dismiss_keeper, take_from_keeper
 from ..lazy.layout import AccessTrace, ReadProfile
 from ..lazy.split import LazyForm
@@ -87,12 +87,12 @@ class LazyLayers:
         if self.server is not None:
             return
         self.cache = ChunkCache(self.config.cache_dir / "chunks", self.config.chunk_cache_bytes)
-        self.mountpoint.mkdir(parents=True, exist_ok=True)
-        self.state_dir.mkdir(exist_ok=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         if self._adopt():
             return
         if self.mountpoint in mounted_under(self.mountpoint):
-            self._drop_dead_connection()
+            self._drop_dead_connection()  # before anything looks at it: that could hang
+        self.mountpoint.mkdir(exist_ok=True)
         server = FuseServer()
         fd = server.mount(self.mountpoint)
         self.server = server
@@ -143,10 +143,15 @@ class LazyLayers:
                 log.warning("on-demand blob record %s unreadable: %s", path, e)
             path.unlink(missing_ok=True)
         log.warning(
-            "on-demand filesystem at %s had no keeper: detached, %d layers lost with it",
+            "on-demand filesystem at %s had no keeper: aborted and detached, %d layers lost "
+            "with it",
             self.mountpoint,
             len(self.lost_layers),
         )
+        # a stray process may still hold its fd (one a daemon spawned before its fds were
+        # close-on-exec): then the connection lives, nobody serves it, and every look at the
+        # mount waits for good; aborted, they all fail at once
+        abort_connection(self.mountpoint, self.config.run_dir / "fusectl")
         unmount(self.mountpoint, lazy=True)
 
     def _watch_keeper(self) -> None:
