@@ -11,6 +11,7 @@ from dsec_core.errors import *  # noqa: F403 - the error tree is part of the SDK
 from dsec_core.errors import __all__ as _errors
 from dsec_core.iam.model import KeyInfo, Project, ProjectRevocation, Quota
 from dsec_core.records import (
+    CREATE_KEY_LABEL,
     CaseResult,
     ExecResult,
     FileEntry,
@@ -62,5 +63,6 @@ __all__ = [
     "KeyInfo",
     "MintedKey",
     "ProjectRevocation",
+    "CREATE_KEY_LABEL",
     *_errors,
 ]

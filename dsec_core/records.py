@@ -22,11 +22,13 @@ __all__ = [
     "BUILD_LABEL",
     "BUILD_NOTES_DIR",
     "COMPARE_MODES",
+    "CREATE_KEY_LABEL",
     "DEFAULT_BACKEND",
     "DEFAULT_DISK",
     "DEVICE_MODES",
     "INFRA_KINDS",
     "LAYER_KINDS",
+    "MAX_CREATE_KEY",
     "MAX_LABELS",
     "MAX_LABEL_BYTES",
     "POOL_LABEL",
@@ -759,6 +761,37 @@ class PolicyState(_Record):
 #: The label that names a sandbox's project (set by the apiserver from the caller's key; a
 #: client cannot choose it there).
 PROJECT_LABEL = "dsec.project"
+#: The label under which a node keeps a sandbox's create key (the ``idempotency-key`` header
+#: of its create): a create whose key a live sandbox of the same project already has (or a
+#: create under way) is answered with that sandbox instead of making another. The SDK sends a
+#: fresh key with each create, so a create it sends again after the connection broke (or a
+#: trainer sends again after ``NodeUnavailable``, with the same ``key``) makes one sandbox, not
+#: two. Member ``i`` of one ``create_many`` gets ``<key>.<i>``. Kept in the sandbox's state
+#: (a restarted daemon still knows it), never shown in its labels (``user_labels``).
+CREATE_KEY_LABEL = "dsec.create-key"
+#: The longest create key.
+MAX_CREATE_KEY = 128
+
+
+def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """``labels`` as a sandbox shows them: without its create key (the node's to keep; a
+    sandbox restored from this one's snapshot must not inherit it)."""
+    if CREATE_KEY_LABEL not in labels:
+        return dict(labels)
+    return {k: v for k, v in labels.items() if k != CREATE_KEY_LABEL}
+
+
+def check_create_key(key: str) -> str:
+    """``key`` if it can be a create key (1-128 printable ASCII characters, no space), else
+    ``InvalidSpec``."""
+    if not 0 < len(key) <= MAX_CREATE_KEY or not all(33 <= ord(c) < 127 for c in key):
+        raise InvalidSpec(
+            f"a create key is 1-{MAX_CREATE_KEY} printable ASCII characters without spaces",
+            field="key",
+        )
+    return key
+
+
 #: The label of a node's pool (``NodeLoad.labels``): ``overflow`` for the burst pool.
 POOL_LABEL = "dsec.pool"
 #: The label of a build session's sandbox (its value: the build's name). Only admin and

@@ -5,6 +5,8 @@ connections on purpose."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -202,3 +204,120 @@ async def test_the_async_transport_tells_them_apart_too(method, idempotent):
     finally:
         await t.aclose()
         server.close()
+
+
+def _read_message(conn: socket.socket) -> bytes:
+    """One HTTP message (a head and its content-length body) read from ``conn``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+class LosesFirstAnswer:
+    """A loopback proxy to a node's unix socket that hands the first request on, reads the
+    node's answer and drops the connection without passing it on (the answer lost on the
+    way, as when a node or a network breaks just then); later connections go through."""
+
+    def __init__(self, socket_path: os.PathLike[str]) -> None:
+        self.upstream = os.fspath(socket_path)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.lost: list[bytes] = []
+        self.sent: list[bytes] = []  # the head lines of the request it lost the answer of
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.socket(socket.AF_UNIX)
+            up.connect(self.upstream)
+            if not self.lost:
+                with conn, up:
+                    request = _read_message(conn)
+                    self.sent = request.partition(b"\r\n\r\n")[0].split(b"\r\n")
+                    up.sendall(request)
+                    self.lost.append(_read_message(up))
+                continue
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                dst.sendall(chunk)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def lost_keys(proxy: LosesFirstAnswer) -> list[str]:
+    """The create keys of what the proxy saw sent."""
+    return [
+        line.split(b":", 1)[1].strip().decode()
+        for line in proxy.sent
+        if line.lower().startswith(b"idempotency-key:")
+    ]
+
+
+def test_a_create_whose_answer_was_lost_is_sent_again_and_made_once(node):
+    """The SDK sends a create again when its answer never came (the node may have made it):
+    the create key it carries makes the node answer with the sandbox it made, not a second."""
+    proxy = LosesFirstAnswer(node.config.socket_path)
+    try:
+        with dsec.Client(proxy.address, retry=10.0) as client:
+            sb = client.create(layers=(node.layer.ref,), memory="64M", labels={"t": "lost"})
+        assert len(proxy.lost) == 1 and b" 201 " in proxy.lost[0].split(b"\r\n")[0]
+        assert sb.id.encode() in proxy.lost[0]  # the answer that never came named it
+        with node.client() as c:
+            made = [i for i in c.list() if i.labels.get("t") == "lost"]
+            assert [i.id for i in made] == [sb.id]
+            assert dsec.CREATE_KEY_LABEL not in made[0].labels  # the node's, not shown
+            (key,) = [k for k in lost_keys(proxy) if k]
+            # the same key again, from anywhere: the same sandbox; once it is gone, a new one
+            assert c.create(layers=(node.layer.ref,), memory="64M", key=key).id == sb.id
+            c.kill(sb.id)
+            again = c.create(layers=(node.layer.ref,), memory="64M", key=key)
+            assert again.id != sb.id
+            again.kill()
+    finally:
+        proxy.close()
+
+
+async def test_creates_under_one_key_make_one_sandbox_and_members_one_each(node):
+    async with dsec.AsyncClient(os.fspath(node.config.socket_path)) as c:
+        spec = dsec.SandboxSpec(layers=(node.layer.ref,), memory="64M")
+        racing = await asyncio.gather(*(c.create(spec, key="race-1") for _ in range(4)))
+        assert len({sb.id for sb in racing}) == 1
+        many = await c.create_many(spec, n=3, key="batch-1")
+        assert len({sb.id for sb in many}) == 3
+        assert [sb.id for sb in await c.create_many(spec, n=3, key="batch-1")] == [
+            sb.id for sb in many
+        ]
+        with pytest.raises(dsec.InvalidSpec, match="create key"):
+            await c.create(spec, key="has a space")
+        for sb in (racing[0], *many):
+            await sb.kill()

@@ -244,6 +244,26 @@ def test_a_project_can_neither_see_nor_touch_another_projects_sandboxes(cluster)
     agent_sibling.close()
 
 
+def test_a_create_sent_again_is_made_once_on_the_node_it_went_to(cluster):
+    """A trainer sends a create again under its key (after NodeUnavailable, say): the
+    apiserver sends it where it went first and that node answers with what it made; the
+    same key from another project is that project's own create."""
+    with cluster.client(cluster.key("orgk/a")) as a, cluster.client(cluster.key("orgk/b")) as b:
+        first = a.create(cluster.spec(), key="rollout-17")
+        try:
+            again = [a.create(cluster.spec(), key="rollout-17").id for _ in range(6)]
+            assert set(again) == {first.id}
+            assert [i.id for i in a.list()] == [first.id]
+            assert dsec.CREATE_KEY_LABEL not in first.info.labels  # the node's own
+            theirs = b.create(cluster.spec(), key="rollout-17")
+            assert theirs.id != first.id and first.id not in {i.id for i in b.list()}
+            theirs.kill()
+            with pytest.raises(InvalidSpec, match="create key"):
+                a.create(cluster.spec(), key="x" * 200)
+        finally:
+            first.kill()
+
+
 def test_a_client_cannot_choose_its_project_label(cluster):
     with cluster.client(cluster.key("orgc/p")) as c:
         with c.create(cluster.spec(labels={PROJECT_LABEL: "orga/x"})) as sb:

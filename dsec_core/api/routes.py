@@ -89,6 +89,7 @@ from .messages import (
 from .shapes import decoder, encoder, query_decoder, query_encoder
 
 __all__ = [
+    "IDEMPOTENCY_KEY",
     "JSON",
     "MAX_BODY",
     "MAX_DEPTH",
@@ -105,6 +106,11 @@ __all__ = [
     "load_json",
 ]
 
+#: The header of a create that may be sent more than once (``CREATE_KEY_LABEL``): the node
+#: puts its value on the sandbox as that label and answers a create whose key a live sandbox
+#: of the project has with that sandbox. A header rather than the label in the body, so that a
+#: trainer's one spec stays one body (the apiserver and nodes keep bodies they decoded).
+IDEMPOTENCY_KEY = "idempotency-key"
 #: A body or answer of raw bytes (``application/octet-stream``).
 RAW = bytes
 JSON = "application/json"

@@ -227,6 +227,16 @@ def request_head(address: Address, token: str | None) -> bytes:
     return head.encode()
 
 
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """``headers`` as request header lines (``InvalidSpec`` for a line break in one)."""
+    out = []
+    for key, value in headers.items():
+        if any(c in key + value for c in "\r\n\0"):
+            raise InvalidSpec(f"header {key!r} must not contain line breaks")
+        out.append(f"{key}: {value}\r\n".encode("latin-1"))
+    return b"".join(out)
+
+
 def request_bytes(
     method: str, target: str, head: bytes, body: bytes | None, content_type: str | None
 ) -> bytes:
@@ -254,10 +264,8 @@ def stream_request_head(
     """The head of a request whose body follows separately: ``length`` bytes of it (0: none),
     or chunked when ``length`` is None (``chunk`` frames each piece)."""
     lines = [b"%s %s HTTP/1.1\r\n" % (method.encode(), target.encode()), head]
-    for key, value in (extra or {}).items():
-        if any(c in key + value for c in "\r\n\0"):
-            raise InvalidSpec(f"header {key!r} must not contain line breaks")
-        lines.append(f"{key}: {value}\r\n".encode("latin-1"))
+    if extra:
+        lines.append(header_lines(extra))
     if content_type:
         lines.append(b"content-type: %s\r\n" % content_type.encode())
     if length is None:
@@ -479,8 +487,10 @@ class HTTPTransport:
         content_type: str | None = None,
         timeout: float | None = None,
         idempotent: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
-        data = request_bytes(method, target, self._head, body, content_type)
+        head = self._head + header_lines(headers) if headers else self._head
+        data = request_bytes(method, target, head, body, content_type)
         backoff = _Retry(self.retry)
         while True:
             try:
@@ -678,8 +688,10 @@ class AsyncHTTPTransport:
         content_type: str | None = None,
         timeout: float | None = None,
         idempotent: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
-        data = request_bytes(method, target, self._head, body, content_type)
+        head = self._head + header_lines(headers) if headers else self._head
+        data = request_bytes(method, target, head, body, content_type)
         backoff = _Retry(self.retry)
         while True:
             try:

@@ -70,7 +70,7 @@ from ..api.messages import (
     Trajectory,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
+from ..api.routes import IDEMPOTENCY_KEY, JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import (
     body_pieces,
     check_declared,
@@ -106,6 +106,7 @@ from ..records import (
     NodeLoad,
     SandboxInfo,
     SandboxSpec,
+    check_create_key,
     parse_size,
 )
 from ..security import loosenings
@@ -143,6 +144,8 @@ _OWNER_CACHE = 200_000
 #: How many recent create bodies are kept decoded (``Gateway.decoded``), and the largest kept.
 _DECODED = 256
 _DECODED_BYTES = 8 << 10
+#: How many keyed creates' nodes an apiserver remembers (``Gateway.create_keys``).
+CREATE_KEYS = 65536
 #: The routes most requests take (matched first).
 _HOT_ROUTES = frozenset({"create", "get", "kill", "exec"})
 #: The request id header, set on every request forwarded to a node.
@@ -226,6 +229,9 @@ class Gateway:
         #: creates waiting for room on some node (``waiting``)
         self.waiting = PlacementQueue(getattr(self.metrics, "queue", None))
         self._decoded: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        #: (project, create key) -> the node a keyed create went to: one sent again goes there
+        #: too, not to a node that would make a second sandbox (``CREATE_KEYS`` of them)
+        self.create_keys: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         #: (create body, project, count) -> what the nodes are sent for it (no wait left)
         self._to_node: collections.OrderedDict[tuple[bytes, str, int], bytes] = (
             collections.OrderedDict()
@@ -452,16 +458,21 @@ class Gateway:
         timeout: float | None = 60.0,
         request_id: str | None = None,
         stages: Stages | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> bytes:
         """A small request to a node; its 2xx body, or the node's typed error raised.
-        ``stages``: the request's, given the node's own time (the longest, over several)."""
+        ``stages``: the request's, given the node's own time (the longest, over several);
+        ``headers``: more than the request id."""
+        sent = {REQUEST_ID: request_id} if request_id else None
+        if headers:
+            sent = {**(sent or {}), **headers}
         try:
             async with await entry.transport.stream(
                 method,
                 target,
                 body=body,
                 content_type=JSON if body is not None else None,
-                headers={REQUEST_ID: request_id} if request_id else None,
+                headers=sent,
                 timeout=timeout,
             ) as r:
                 content = await r.read()
@@ -878,7 +889,18 @@ async def _create(gw: Gateway, request: Request, principal: Any, rid: str) -> Re
     raw = await read_json_body(request, route.max_body)
     body = gw.decoded(route, raw)
     stages = stages_of(request.scope)
-    placed = _create_placed(gw, principal, rid, body, t0, time.monotonic(), stages, raw)
+    key = request.headers.get(IDEMPOTENCY_KEY, "")
+    placed = _create_placed(
+        gw,
+        principal,
+        rid,
+        body,
+        t0,
+        time.monotonic(),
+        stages,
+        raw,
+        check_create_key(key) if key else "",
+    )
     if body.wait > 0:  # a caller that gives up leaves the queue (and the node's)
         return await unless_disconnected(request, placed)
     return await placed
@@ -893,9 +915,23 @@ async def _create_placed(
     t_wait: float,
     stages: Stages,
     raw: bytes = b"",
+    create_key: str = "",
 ) -> Response:
+    """Place a create and send it to its nodes. ``create_key`` (``IDEMPOTENCY_KEY``): a
+    create sent again goes to the node it went to first, which answers with what it made."""
     route = ROUTES["create"]
     spec, near = await gw.admit(principal, body.spec)
+    keyed = (principal.project, create_key)
+    went = gw.create_keys.get(keyed) if create_key and near is None else None
+    if went is not None and went in gw.nodes.nodes:
+        # sent again: where it went first, or nowhere (another node would make a second)
+        if not gw.nodes.nodes[went].healthy:
+            raise NodeUnavailable(
+                f"node {went}, where this create (key {create_key}) went first, does not "
+                "answer: send it again later",
+                node=went,
+            )
+        near = went
     stages.mark("admit")
     build = BUILD_LABEL in spec.labels
     lim = spec.limits
@@ -917,6 +953,11 @@ async def _create_placed(
         place_and_hold, principal.project, batch, body.wait
     )
     stages.mark("place")
+    if create_key and len(shares) == 1:
+        gw.create_keys[keyed] = next(iter(shares))
+        gw.create_keys.move_to_end(keyed)
+        if len(gw.create_keys) > CREATE_KEYS:
+            gw.create_keys.popitem(last=False)
     left = max(0.0, body.wait - (time.monotonic() - t_wait)) if body.wait > 0 else 0.0
     for name in shares:
         if gw.metrics:
@@ -944,6 +985,7 @@ async def _create_placed(
                 (route.timeout or 300.0) + left,
                 request_id=rid,
                 stages=stages,
+                headers={IDEMPOTENCY_KEY: create_key} if create_key else None,
             )
         except DsecError as e:
             return e
@@ -952,6 +994,9 @@ async def _create_placed(
         if len(shares) == 1:  # the common create: awaited here, not as a task of its own
             ((name, k),) = shares.items()
             results = [await send(name, k)]
+            if create_key and isinstance(results[0], DsecError):
+                if not isinstance(results[0], NodeUnavailable):  # the node said no: settled
+                    gw.create_keys.pop(keyed, None)
         else:
             results = await asyncio.gather(*(send(n, k) for n, k in shares.items()))
     except BaseException:

@@ -26,7 +26,7 @@ from ..errors import (
     UnknownSource,
 )
 from ..layers.store import LayerStore
-from ..records import LayerInfo, LayerRef, SandboxInfo, SandboxSpec
+from ..records import LayerInfo, LayerRef, SandboxInfo, SandboxSpec, user_labels
 from ..sources.base import LayerSource
 from ..sources.chain import find_layer
 from .host import SnapshotHost, create_all
@@ -227,6 +227,7 @@ class LayerSnapshots:
             **{
                 **fields,
                 "environment": None,
+                "labels": user_labels(fields.get("labels") or {}),
                 "layers": (info.ref, *info.parents),
                 "env": {**saved_env, **fields.get("env", {})},
                 "workdir": workdir,

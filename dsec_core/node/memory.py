@@ -23,7 +23,7 @@ from ..errors import (
     UnknownSnapshot,
 )
 from ..linux.files import write_atomic
-from ..records import MemorySnapshot, SandboxInfo, SandboxSpec
+from ..records import MemorySnapshot, SandboxInfo, SandboxSpec, user_labels
 from .host import SnapshotHost, create_all
 
 __all__ = ["SNAPSHOT_NAME", "MemorySnapshots"]
@@ -130,6 +130,8 @@ class MemorySnapshots:
         fields = dict(snap.spec)
         if spec is not None:
             fields.update(ttl=spec.ttl, labels={**fields.get("labels", {}), **spec.labels})
+        # not the saved sandbox's create key: the n restored are n creates of their own
+        fields["labels"] = user_labels(fields.get("labels") or {})
         return SandboxSpec(**fields)
 
     async def restore(

@@ -37,6 +37,8 @@ from ..fusion import CodeRun, CodeRunResult
 from ..linux.mounts import unmount
 from ..observe import NodeMetrics
 from ..records import (
+    CREATE_KEY_LABEL,
+    PROJECT_LABEL,
     ExecResult,
     FileEntry,
     FnCallResult,
@@ -115,6 +117,8 @@ class Node:
         cfg = self.config
         self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
         self.sandboxes: dict[str, Sandbox] = {}
+        #: creates under way by (project, create key): a second one with the key awaits it
+        self._keyed_creates: dict[tuple[str, str], list[Any]] = {}  # [task, callers]
         self._backends: dict[str, Backend] = {}
         self.catalogs = CatalogStore(cfg.catalog_dir)
         self.agent_binary: Path | None = None
@@ -291,7 +295,52 @@ class Node:
         ``batch``. Cancelled while it waits, it leaves the queue; cancelled once it starts, it
         runs to its end in the background and the sandbox it made is killed.
 
-        First, a create that matches a warm member claims it (``WarmPools.claim``)."""
+        First, a create that matches a warm member claims it (``WarmPools.claim``). A spec
+        with a create key (``CREATE_KEY_LABEL``) that a live sandbox of its project already
+        has, or a create under way, is answered with that sandbox: creates sent again are
+        made once."""
+        key = spec.labels.get(CREATE_KEY_LABEL)
+        if key:
+            return await self._create_once(key, spec, saved, wait, batch)
+        return await self._queued_create(spec, saved, wait, batch)
+
+    async def _create_once(
+        self, key: str, spec: SandboxSpec, saved: Path | None, wait: float, batch: str
+    ) -> SandboxInfo:
+        """``create`` under create key ``key``: the sandbox it already made, or its own."""
+        project = spec.labels.get(PROJECT_LABEL, "")
+        mine = (project, key)
+        under_way = self._keyed_creates.get(mine)
+        if under_way is None:
+            for sb in self.sandboxes.values():
+                labels = sb.rt.spec.labels
+                if (
+                    labels.get(CREATE_KEY_LABEL) == key
+                    and labels.get(PROJECT_LABEL, "") == project
+                    and sb.status != "stopping"
+                ):
+                    log.info("create key %s: sandbox %s made it already", key, sb.rt.id)
+                    return sb.info()
+            task = asyncio.get_running_loop().create_task(
+                self._queued_create(spec, saved, wait, batch)
+            )
+            under_way = self._keyed_creates[mine] = [task, 0]
+            task.add_done_callback(lambda _t: self._keyed_creates.pop(mine, None))
+        task, _ = under_way
+        under_way[1] += 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # the last caller left: the create is cancelled as an unkeyed one is (what it
+            # made is killed); while another still waits, it goes on for that one
+            under_way[1] -= 1
+            if not under_way[1]:
+                task.cancel()
+            raise
+
+    async def _queued_create(
+        self, spec: SandboxSpec, saved: Path | None, wait: float, batch: str
+    ) -> SandboxInfo:
         t0 = time.perf_counter()
         if saved is None:
             claimed = await self.warm_pools.claim(spec)
@@ -334,8 +383,15 @@ class Node:
         """Create ``n`` sandboxes concurrently, one batch of the create queue (``batch``; a
         fresh one if empty); each slot holds its sandbox or its typed error."""
         batch = batch or f"batch-{secrets.token_hex(6)}"
+        key = spec.labels.get(CREATE_KEY_LABEL)
+        specs = [spec] * n
+        if key and n > 1:  # one key a member: each is made once, and they are n
+            specs = [
+                spec.relabelled({**spec.labels, CREATE_KEY_LABEL: f"{key}.{i}"}, spec.trajectory)
+                for i in range(n)
+            ]
         results = await asyncio.gather(
-            *(self.create(spec, saved, wait=wait, batch=batch) for _ in range(n)),
+            *(self.create(s, saved, wait=wait, batch=batch) for s in specs),
             return_exceptions=True,
         )
         out: list[SandboxInfo | DsecError] = []

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..agent.rpc import AgentClient
 from ..backend import Backend, SandboxRuntime
-from ..records import PROJECT_LABEL, InfraEvent, LayerInfo, SandboxInfo
+from ..records import PROJECT_LABEL, InfraEvent, LayerInfo, SandboxInfo, user_labels
 from ..security import SecurityPolicy
 
 __all__ = [
@@ -101,7 +101,7 @@ class Sandbox:
             layers=tuple(layer.ref for layer in self.layers),
             environment=spec.environment,
             limits=self.rt.limits.to_dict(),
-            labels=dict(spec.labels),
+            labels=user_labels(spec.labels),
             pid=self.backend_state.get("pid"),
             policies=self.policies.states(),
             qos=spec.qos,

@@ -64,7 +64,7 @@ from ..api.messages import (
     Written,
 )
 from ..api.openapi import openapi_document
-from ..api.routes import JSON, RAW, ROUTES, Route, dump_json
+from ..api.routes import IDEMPOTENCY_KEY, JSON, RAW, ROUTES, Route, dump_json
 from ..api.serving import (
     AnsweredErrors,
     basic_password,
@@ -87,7 +87,7 @@ from ..fusion import CodeRun, answer, for_pool, fusion_endpoint
 from ..linux import sched
 from ..linux.cgroups import cpu_idle
 from ..observe import ObservedRequests, exec_outcome
-from ..records import ExecResult, check_trajectory_name
+from ..records import CREATE_KEY_LABEL, ExecResult, check_create_key, check_trajectory_name
 from .node import Node
 
 __all__ = ["HANDLERS", "PIECE", "error_response", "make_app", "require_token"]
@@ -105,6 +105,8 @@ class Call:
     path: Mapping[str, str]
     query: Any
     body: Any
+    #: a create's key (``IDEMPOTENCY_KEY``), "" without one
+    key: str = ""
 
     @property
     def sid(self) -> str:
@@ -322,6 +324,10 @@ async def _create(node: Node, c: Call) -> CreateResult:
     b = c.body
     spec, count, wait = b.spec, b.count, b.wait
     cfg = node.config
+    if c.key:
+        spec = spec.relabelled(
+            {**spec.labels, CREATE_KEY_LABEL: check_create_key(c.key)}, spec.trajectory
+        )
     # Both refused before any work, not once per slot: each pending create costs memory.
     if count > cfg.max_batch:
         raise InvalidSpec(
@@ -702,7 +708,8 @@ def _endpoint(
                 body = body_pieces(request, route.max_body)
             else:
                 body = route.decode_body(await read_json_body(request, route.max_body))
-            call = handler(node, Call(request.path_params, query, body))
+            key = request.headers.get(IDEMPOTENCY_KEY, "") if route.name == "create" else ""
+            call = handler(node, Call(request.path_params, query, body, key))
             if (
                 route.name == "create" and getattr(body, "wait", 0) > 0
             ):  # a caller gone leaves the queue

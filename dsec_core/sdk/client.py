@@ -79,6 +79,7 @@ class Client(Connected):
                 content_type=route.body_type,
                 timeout=call.timeout,
                 idempotent=call.idempotent,
+                headers=call.headers,
             )
         except TransportError as e:
             return call.unreachable(e, self.address)

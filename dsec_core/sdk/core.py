@@ -24,6 +24,7 @@ import binascii
 import dataclasses
 import json
 import os
+import secrets
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,7 @@ from ..api.messages import (
     WarmTarget,
     WriteQuery,
 )
-from ..api.routes import JSON, ROUTES, Route, dump_json
+from ..api.routes import IDEMPOTENCY_KEY, JSON, ROUTES, Route, dump_json
 from ..api.transport import Response, TransportError, TransportTimeout
 from ..errors import (
     DsecError,
@@ -137,10 +138,15 @@ class Call:
     #: Errors that are this call's answer rather than its failure (a member gone meanwhile):
     #: the error is returned, not raised.
     tolerate: tuple[type[DsecError], ...] = ()
+    #: Safe to send again after the connection broke mid-request although its route is not
+    #: idempotent (a create carrying a create key).
+    retry_safe: bool = False
+    #: Headers of this request beyond those every request carries.
+    headers: Mapping[str, str] | None = None
 
     @property
     def idempotent(self) -> bool:
-        return bool(self.route.idempotent)
+        return bool(self.route.idempotent) or self.retry_safe
 
     def answer(self, r: Response) -> Any:
         """The typed answer of a response, or the typed error the node sent."""
@@ -369,7 +375,12 @@ def set_warm(
 
 
 def create(
-    spec: SandboxSpec | None = None, *, wait: float = 0.0, batch: str = "", **kw: Any
+    spec: SandboxSpec | None = None,
+    *,
+    wait: float = 0.0,
+    batch: str = "",
+    key: str | None = None,
+    **kw: Any,
 ) -> Op[SandboxInfo]:
     """Create a sandbox from ``spec`` (a ``SandboxSpec``) or its fields as keywords
     (``environment="judge-fizzbuzz"``), the keywords overriding the spec's; returns its
@@ -377,8 +388,13 @@ def create(
 
     ``wait``: seconds the create may wait in the node's fair create queue for room (served by
     project, then by ``batch``, not first come first served) before ``AdmissionRejected``
-    naming what was short; 0 (the default) is refused at once when there is no room."""
-    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), wait=wait, batch=batch))
+    naming what was short; 0 (the default) is refused at once when there is no room.
+
+    ``key``: the create key (a fresh one if None), which the sandbox carries as its
+    ``CREATE_KEY_LABEL``: a create sent again with it (by the SDK when the connection broke
+    before the answer; by a trainer after ``NodeUnavailable``) answers with the sandbox the
+    first made, if it did, instead of making another."""
+    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), wait=wait, batch=batch), key)
     return made.sandboxes[0]
 
 
@@ -388,21 +404,28 @@ def create_many(
     *,
     wait: float = 0.0,
     batch: str = "",
+    key: str | None = None,
     **kw: Any,
 ) -> Op[list[SandboxInfo]]:
     """Create ``n`` sandboxes concurrently; all or nothing (the created are killed on
     error, and the first error is raised). ``wait``: as for ``create``, for each of them; the
-    ``n`` are one batch of the fair queue (``batch`` names it, to share one over calls)."""
-    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), n, wait, batch))
+    ``n`` are one batch of the fair queue (``batch`` names it, to share one over calls).
+    ``key``: as for ``create``; member ``i`` carries ``<key>.<i>``."""
+    made = yield _create_call(CreateRequest(sandbox_spec(spec, kw), n, wait, batch), key)
     if made.errors:  # a failure to kill one of them is not raised: the first error says more
         yield Batch(tuple(call("kill", sid=i.id, tolerate=(DsecError,)) for i in made.sandboxes))
         raise error_from_wire(made.errors[0].to_dict())
     return list(made.sandboxes)
 
 
-def _create_call(request: CreateRequest) -> Call:
-    """The create's call, its answer awaited ``wait`` seconds longer than the route's."""
-    c = call("create", request)
+def _create_call(request: CreateRequest, key: str | None) -> Call:
+    """The create's call, under create key ``key`` (a fresh one if None), so sent again
+    after a broken connection; its answer awaited ``wait`` seconds longer than the route's."""
+    c = dataclasses.replace(
+        call("create", request),
+        retry_safe=True,
+        headers={IDEMPOTENCY_KEY: key or secrets.token_hex(12)},
+    )
     if c.timeout is None or not request.wait:
         return c
     return dataclasses.replace(c, timeout=c.timeout + request.wait)
