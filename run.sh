@@ -284,6 +284,7 @@ case "$cmd" in
         record bench/fleet.py --quick
         record bench/build.py --quick
         record bench/layers.py --quick
+        record bench/soak.py --quick
         # this run against the one before, and the README's figures rewritten from the ledger
         "$venv/bin/python" bench/compare.py || true
         "$venv/bin/python" bench/compare.py --readme

@@ -172,6 +172,17 @@ DIRECTIONS: dict[str, tuple[tuple[str, str], ...]] = {
         ("create_latency_ms", INFO), ("cores", INFO), ("loadavg_at_start", INFO),
         ("quick", INFO),
     ),
+    "soak": (
+        ("lost", LOWER), ("untyped", LOWER), ("leaked", LOWER), ("orphans", LOWER),
+        ("steps_twice", LOWER), ("steps_lost", LOWER), ("misattributed", LOWER),
+        ("interrupted", INFO), ("rollouts_given_up_unmasked", LOWER), ("fault_kinds", HIGHER),
+        ("creates_per_s_faults", HIGHER), ("creates_per_s_ratio", HIGHER),
+        ("exec_p50_ms_faults", LOWER), ("creates_per_s_no_faults", BASELINE),
+        ("exec_p50_ms_no_faults", BASELINE), ("drain_s", LOWER), ("faults", INFO),
+        ("requests", INFO), ("rollouts_*", INFO), ("steps_checked", INFO), ("minutes", INFO),
+        ("seed", INFO), ("quick", INFO), ("*_by_kind.*", INFO), ("masked_by_infra_kind.*", INFO),
+        ("given_up_why.*", INFO), ("wrong_answers.*", LOWER),
+    ),
     "api_memory": (("*.rss_*", LOWER), ("*.seconds", LOWER), ("*.bytes", INFO)),
     "egress": (
         ("create_p50_ms", BASELINE), ("connect_us", BASELINE), ("create_p50_ms_egress", LOWER),

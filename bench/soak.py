@@ -76,6 +76,7 @@ from dsec_core.errors import (  # noqa: E402
     LeaseHeld,
     NodeUnavailable,
     SandboxDied,
+    SandboxNotRunning,
     SandboxPaused,
     UnknownLease,
     UnknownSandbox,
@@ -222,13 +223,16 @@ class Trainer:
         return dsec.SandboxSpec(**base)
 
     async def create(self, r: Rollout, spec: dsec.SandboxSpec) -> str:
-        deadline = time.monotonic() + 60
+        """The rollout's sandbox, under a create key of its own: a create sent again after
+        ``NodeUnavailable`` (its node away, the answer lost) makes one sandbox, not two."""
+        deadline = time.monotonic() + STEP_RETRY_S
+        key = r.name
         while True:
             try:
-                sb = await self.req("create", lambda: self.client.create(spec, wait=20.0))
-            except AdmissionRejected:
+                sb = await self.req("create", lambda: self.client.create(spec, wait=20.0, key=key))
+            except (AdmissionRejected, NodeUnavailable) as e:
                 if time.monotonic() > deadline:
-                    raise GiveUp("admission") from None
+                    raise GiveUp(type(e).__name__, masked=isinstance(e, NodeUnavailable)) from e
                 await asyncio.sleep(1.0)
                 continue
             r.sid = sb.id
@@ -478,13 +482,34 @@ class Trainer:
     async def main(self) -> None:
         until = self.cfg["until"]
         async with self.client:
+            taken = self.predecessors()
+            if self.cfg.get("resume_from"):
+                await self.sweep({r.sid for r in taken})
             resumed = [
-                self.one("traj", r) if r.kind == "traj" and r.steps else self.kill(r)
-                for r in self.predecessors()
+                self.one("traj", r) if r.kind == "traj" and r.steps else self.kill(r) for r in taken
             ]
             workers = [self.worker(until) for _ in range(self.cfg["rollouts"])]
             await asyncio.gather(*resumed, *workers)
         self.led.write(ev="trainer_done")
+
+    async def sweep(self, known: set[str]) -> None:
+        """Kill the sandboxes of this trainer's label that a SIGKILLed predecessor made but
+        never heard of (forks whose restore it did not see answered), as a trainer taking
+        over does: they are found by label, not by the ledger."""
+        deadline = time.monotonic() + STEP_RETRY_S
+        while True:
+            try:
+                listed = await self.req("list", self.client.list)
+                break
+            except NodeUnavailable:
+                if time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(1.0)
+        for info in listed:
+            if info.labels.get("soak.trainer") == self.id and info.id not in known:
+                r = Rollout(info.labels.get("soak.rollout", "?"), "swept", sid=info.id)
+                self.led.write(ev="rollout", name=r.name, kind="swept", sid=r.sid, state="open")
+                await self.kill(r)
 
     def predecessors(self) -> list[Rollout]:
         """The rollouts a SIGKILLed predecessor left open: taken over and gone on with (its
@@ -890,26 +915,56 @@ class Injector:
         return f"{free >> 20} MiB filled for {hold:.1f}s"
 
     def sandbox_oom(self) -> str:
+        """A command that eats memory until the OOM killer takes it, in a trainer's running
+        container if one is still there when the exec lands, else in a sandbox of the
+        injector's own; the result must say ``oom_killed`` and the sandbox must answer
+        after."""
         with self.p.client() as c:
             live = [
-                s
+                s.id
                 for s in c.list()
                 if s.labels.get("soak.trainer", "").startswith("t")
                 and s.backend == "container"
                 and s.state == "running"
             ]
-            if not live:
-                return "no sandbox running"
-            sb = self.rng.choice(live)
-            rid = self.led.begin("exec", sb.id)
+            own = None
+            for sid in [self.rng.choice(live)] if live else []:
+                try:
+                    return self._oom(c, sid)
+                except (SandboxNotRunning, SandboxPaused, UnknownSandbox):
+                    pass  # its trainer killed or paused it meanwhile
+            rid = self.led.begin("create")
             t0 = time.monotonic()
             try:
-                res = c.exec(sb.id, "tail /dev/zero", timeout=60)
-                self.led.end(rid, "exec", t0, sid=sb.id)
-                return f"{sb.id}: oom_killed={res.oom_killed} exit {res.exit_code}"
+                own = c.create(
+                    layers=(self.p.kit.layer.ref,),
+                    memory="64M",
+                    ttl=120,
+                    labels={"soak.trainer": "injector"},
+                )
+                self.led.end(rid, "create", t0, sid=own.id)
+                return "own sandbox " + self._oom(c, own.id)
             except DsecError as e:
-                self.led.end(rid, "exec", t0, error=e, sid=sb.id)
-                return f"{sb.id}: {type(e).__name__}"
+                self.led.end(rid, "create", t0, error=e)
+                raise
+            finally:
+                if own is not None:
+                    with contextlib.suppress(DsecError):
+                        own.kill()
+
+    def _oom(self, c: Any, sid: str) -> str:
+        rid = self.led.begin("exec", sid)
+        t0 = time.monotonic()
+        try:
+            res = c.exec(sid, "tail /dev/zero", timeout=60)
+        except DsecError as e:
+            self.led.end(rid, "exec", t0, error=e, sid=sid)
+            raise
+        self.led.end(rid, "exec", t0, sid=sid)
+        if not res.oom_killed:
+            raise AssertionError(f"{sid}: tail /dev/zero exited {res.exit_code}, no OOM seen")
+        after = c.exec(sid, "echo alive").stdout.strip()
+        return f"{sid}: oom_killed, exit {res.exit_code}, then {after.decode()!r}"
 
     def trainer_kill(self) -> str:
         with self.p.lock:

@@ -87,6 +87,7 @@ INFRA_KINDS = (
     "node_lost",
     "crashed",
     "disk_full",
+    "source_unavailable",
 )
 #: The kernel's PID_MAX_LIMIT on 64-bit: a cgroup's pids.max refuses anything above it.
 MAX_PIDS = 1 << 22

@@ -37,6 +37,7 @@ from dsec_core.errors import (
     NodeUnavailable,
     SandboxDied,
     SandboxPaused,
+    SourceUnavailable,
     StartTimeout,
     UnknownSandbox,
 )
@@ -245,8 +246,9 @@ def test_infra_event_classifies_errors_not_the_task_s_own():
             StartTimeout("x"),
             SandboxPaused("x", sandbox_id="s"),
             SandboxDied("x", sandbox_id="s", kind="guest_panic", cause="..."),
+            SourceUnavailable("x", source="s3://bucket"),
         )
-    } == {"node_lost", "start_timeout", "preempted", "crashed"}
+    } == {"node_lost", "start_timeout", "preempted", "crashed", "source_unavailable"}
     assert infra_event(UnknownSandbox("x")) is None
     assert infra_event(dsec.ExecResult(1, b"", b"", 0.1)) is None
     oom = infra_event(dsec.ExecResult(137, b"", b"", 0.1, oom_killed=True), "s")
@@ -258,6 +260,7 @@ def test_infra_event_classifies_errors_not_the_task_s_own():
         "node_lost",
         "crashed",
         "disk_full",
+        "source_unavailable",
     }
 
 

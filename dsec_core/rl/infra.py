@@ -13,6 +13,7 @@ from ..errors import (
     NodeUnavailable,
     SandboxDied,
     SandboxPaused,
+    SourceUnavailable,
     StartTimeout,
 )
 from ..records import ExecResult, InfraEvent
@@ -28,6 +29,7 @@ INFRA_ERRORS: dict[type[DsecError], str] = {
     SandboxDied: "crashed",
     AgentUnresponsive: "crashed",
     DiskFull: "disk_full",
+    SourceUnavailable: "source_unavailable",
 }
 
 

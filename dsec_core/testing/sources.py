@@ -138,6 +138,18 @@ class LayerSourceConformance:
         local.push(dsec_layer, dsec_store.image_path(dsec_layer))
         assert find_layer([local, dsec_source], "kit-ws@1")[0] is local
 
+    def test_a_source_away_is_passed_over_for_one_that_has_the_layer(
+        self, dsec_store, dsec_layer, tmp_path
+    ):
+        """Found by the chaos soak: with this source down, a node could not restore the
+        snapshot it had just packed into its own store (asked after it)."""
+        gone = self.unreachable(tmp_path)
+        local = LocalLayerSource(str(tmp_path / "kit-local"))
+        with pytest.raises(SourceUnavailable):  # nobody else has it: it may be there
+            find_layer([gone, local], "kit-ws@1")
+        local.push(dsec_layer, dsec_store.image_path(dsec_layer))
+        assert find_layer([gone, local], "kit-ws@1")[0] is local
+
     def test_lazy_form_is_published_and_readable_by_chunk(
         self, dsec_source, dsec_store, dsec_layer
     ):
