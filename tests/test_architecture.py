@@ -29,6 +29,7 @@ LAZY_IMPORTS = {
     "boto3.exceptions": "as boto3",
     "boto3.s3.transfer": "as boto3",
     "ray": "optional (dsec[cluster]) and 2 s to import; only dsec_core.cluster's calls need it",
+    "ray.experimental.internal_kv": "as ray (where each node name ran, for `dsec cluster up`)",
     "dsec_core.node.daemon": "the CLI's `node start --foreground` only; uvicorn and the node "
     "would slow every other command's start-up",
     "dsec_core.demo": "`dsec demo` only; it loads the catalog builder, 0.2 s of every command",

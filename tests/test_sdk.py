@@ -152,8 +152,9 @@ NOT_PARAMETERS = {
     "exec_stream": {"trajectory", "step"},  # a streamed command is not logged
 }
 #: Parameters of an operation that are not fields of its messages, but the ids in the route's
-#: path (its first): a raw body, what the client does itself (renewing a lease).
-NOT_FIELDS = {"data", "renew"}
+#: path (its first): a raw body, what the client does itself (renewing a lease), a header (a
+#: create's key).
+NOT_FIELDS = {"data", "renew", "key"}
 #: A field an operation names otherwise.
 RENAMED = {("restore", "count"): "n"}
 NO_DEFAULT = inspect.Parameter.empty
