@@ -60,6 +60,7 @@ __all__ = [
     "SnapshotInUse",
     "SourceUnavailable",
     "StartTimeout",
+    "StepInterrupted",
     "ToolError",
     "TrajectoryDiverged",
     "UnknownBackend",
@@ -404,6 +405,15 @@ class TrajectoryDiverged(SandboxError):
     """A command logged at a step of a trajectory is replayed with another command: the loop
     that replays it is not the one that ran it. Carries ``trajectory``, ``step``, ``logged``
     and ``command``."""
+
+    http_status = 409
+
+
+class StepInterrupted(SandboxError):
+    """A step of a trajectory was started by a node daemon that stopped (or lost its sandbox's
+    agent) before the step's result was logged: whether, and how far, the command ran is
+    unknown, so it is neither run again nor made up. Carries ``trajectory`` and ``step``. An
+    infrastructure failure: the rollout is masked, not scored."""
 
     http_status = 409
 

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -419,3 +420,47 @@ async def test_a_lease_lapses_on_time_whatever_the_wall_clock_does(monkeypatch):
             assert node.sandboxes[sid].info().state == "paused"
         finally:
             await node.close(kill_all=True)
+
+
+def test_a_step_a_dead_daemon_was_running_is_never_run_again():
+    """Found by the chaos soak: a daemon killed while a trajectory step ran left no entry, so
+    the step sent again ran a second time (its line twice in the sandbox's file). The step is
+    marked before it runs: sent again, it is StepInterrupted (masked as node_lost), and the
+    command has run once."""
+    from dsec_core.localnode import daemon_pid, ensure_daemon
+    from dsec_core.rl import infra_event
+    from dsec_core.testing import until
+
+    with running_kit_node("dsec-step-") as node, node.client() as c:
+        sb = c.create(layers=(node.layer.ref,), memory="64M")
+        assert c.exec(sb.id, "echo 0 >> /ran", trajectory="walk", step=0).exit_code == 0
+        outcome: list[object] = []
+
+        def step_1() -> None:
+            try:
+                outcome.append(c.exec(sb.id, "echo 1 >> /ran; sleep 30", trajectory="walk", step=1))
+            except dsec.DsecError as e:
+                outcome.append(e)
+
+        runner = threading.Thread(target=step_1)
+        runner.start()
+        with node.client() as other:
+            until(lambda: other.exec(sb.id, "cat /ran").stdout == b"0\n1\n", timeout=10)
+        pid = daemon_pid(node.config)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        runner.join(timeout=30)
+        assert isinstance(outcome[0], dsec.NodeUnavailable), outcome
+        until(lambda: daemon_pid(node.config) is None, timeout=10)
+        ensure_daemon(node.config)
+        with node.client() as again:
+            for _ in range(2):  # and again: it stays interrupted
+                with pytest.raises(dsec.StepInterrupted) as e:
+                    again.exec(sb.id, "echo 1 >> /ran; sleep 30", trajectory="walk", step=1)
+                assert e.value.context["step"] == 1
+                assert infra_event(e.value).kind == "node_lost"
+            assert again.exec(sb.id, "cat /ran").stdout == b"0\n1\n"  # once
+            # the step before is still answered from the log
+            assert again.exec(sb.id, "echo 0 >> /ran", trajectory="walk", step=0).replayed
+            again.remove_trajectory("walk")
+            again.kill(sb.id)

@@ -9,7 +9,12 @@ fast-forwards through what it already did and goes on from there.
 One file per trajectory, ``<dir>/<name>.jsonl``: a JSON object per line (the entry, with the
 result's bytes in base64), each written with one ``write`` and ``fdatasync``-ed before the
 caller sees the result, so what a loop saw is in the log even if the node dies next. A line cut
-short by a crash is not an entry (and its command counts as not run).
+short by a crash is not an entry.
+
+A step is marked before its command starts (``<name>.running``, beside the log) and the mark
+goes once its result is logged. A mark a daemon left (it died while the step ran, or the
+sandbox's agent stopped answering) means the command may have run, wholly or in part: that
+step is ``StepInterrupted`` from then on, never run a second time.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from pathlib import Path
 
 from ..api.routes import dump_json
 from ..api.shapes import decoder, encoder
-from ..errors import InvalidSpec, TrajectoryDiverged
+from ..errors import (
+    InvalidSpec,
+    SandboxNotRunning,
+    SandboxPaused,
+    StepInterrupted,
+    TrajectoryDiverged,
+    UnknownSandbox,
+)
 from ..records import ExecResult, TrajectoryEntry, check_trajectory_name
 
 __all__ = ["CACHED", "TrajectoryLogs"]
@@ -33,6 +45,9 @@ __all__ = ["CACHED", "TrajectoryLogs"]
 #: How many trajectories' steps the node keeps in memory (the least recently used are read
 #: from their files again when next needed).
 CACHED = 256
+
+#: Errors of ``execute`` that say the command never started: the step's mark goes with them.
+NOT_STARTED = (InvalidSpec, SandboxNotRunning, SandboxPaused, UnknownSandbox, TrajectoryDiverged)
 
 _encode = encoder(TrajectoryEntry)
 _decode = decoder(TrajectoryEntry, strict=False)
@@ -119,11 +134,38 @@ class TrajectoryLogs:
                     f"trajectory {name} has {len(logged)} steps: step {step} would leave a gap",
                     field="step",
                 )
-            result = await execute()
+            mark = self.path(name).with_suffix(".running")
+            left = _read_mark(mark)
+            if left is not None and left.get("step") == step:
+                raise StepInterrupted(
+                    f"trajectory {name} step {step} ({left.get('command', '')!r}) was started "
+                    "by a node daemon that stopped, or lost its sandbox, before its result was "
+                    "logged: whether it ran is unknown, so it is not run again",
+                    trajectory=name,
+                    step=step,
+                    sandbox_id=left.get("sandbox_id", sandbox_id),
+                )
+            self._mark(mark, {"step": step, "command": command, "sandbox_id": sandbox_id})
+            try:
+                result = await execute()
+            except NOT_STARTED:
+                mark.unlink(missing_ok=True)
+                raise
             entry = TrajectoryEntry(step, sandbox_id, command, result, time.time())
             await asyncio.to_thread(self._append, self.path(name), entry)
             logged.append(entry)
+            mark.unlink(missing_ok=True)
             return result
+
+    def _mark(self, mark: Path, doc: dict[str, object]) -> None:
+        """Mark a step as started: one write, no sync (a daemon killed keeps what it wrote in
+        the page cache; a machine that crashes takes its sandboxes with it)."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, dump_json(doc))
+        finally:
+            os.close(fd)
 
     def _append(self, path: Path, entry: TrajectoryEntry) -> None:
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -141,11 +183,23 @@ class TrajectoryLogs:
         lock = self._locks.get(name)
         if lock is not None and not lock.locked():
             del self._locks[name]
+        self.path(name).with_suffix(".running").unlink(missing_ok=True)
         try:
             self.path(name).unlink()
         except FileNotFoundError:
             return False
         return True
+
+
+def _read_mark(mark: Path) -> dict | None:
+    """What a step's mark says, None without one (or one cut short: it never started)."""
+    try:
+        doc = json.loads(mark.read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def _replayed(result: ExecResult) -> ExecResult:

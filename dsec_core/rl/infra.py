@@ -15,6 +15,7 @@ from ..errors import (
     SandboxPaused,
     SourceUnavailable,
     StartTimeout,
+    StepInterrupted,
 )
 from ..records import ExecResult, InfraEvent
 from .errors import InfraFailure
@@ -30,6 +31,7 @@ INFRA_ERRORS: dict[type[DsecError], str] = {
     AgentUnresponsive: "crashed",
     DiskFull: "disk_full",
     SourceUnavailable: "source_unavailable",
+    StepInterrupted: "node_lost",
 }
 
 
