@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dsec_core.errors import BackendUnavailable, ToolError
+from dsec_core.errors import BackendUnavailable, DiskFull, ToolError
 from dsec_core.linux.processes import (
     free_port,
     kill_and_wait,
@@ -250,6 +250,17 @@ def test_compile_static_errors(tmp_path, monkeypatch):
         compile_static([src], tmp_path / "x", "x")
     with pytest.raises(BackendUnavailable, match="building x needs gcc"):
         compile_static([src], tmp_path / "x", "x", missing=BackendUnavailable)
+
+
+def test_a_tool_that_ran_out_of_disk_is_disk_full_not_a_tool_error():
+    """Found by the soak: mkfs.erofs packing onto a full disk was a ToolError (HTTP 500); a
+    program that says ENOSPC failed for want of room, the node's condition (507, masked)."""
+    with pytest.raises(DiskFull) as e:
+        run_tool(["dd", "if=/dev/zero", "of=/dev/full", "count=1"], "writing")  # ENOSPC
+    assert e.value.http_status == 507 and "No space left" in e.value.context["stderr"]
+    with pytest.raises(ToolError) as other:
+        run_tool(["sh", "-c", "echo nope >&2; exit 3"], "failing")
+    assert not isinstance(other.value, DiskFull)
 
 
 def test_run_tool_names_the_package_of_a_missing_program():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ..errors import DsecError, ToolError
+from ..errors import DiskFull, DsecError, ToolError
 
 __all__ = [
     "PROGRAMS_FILE",
@@ -86,6 +86,10 @@ def install_hint(program: str) -> str:
     return f"apt-get install {row.package}" if row.package else row.purpose
 
 
+#: What programs print for ENOSPC (strerror's text).
+NO_SPACE = "No space left on device"
+
+
 def run_tool(
     command: Sequence[object],
     what: str,
@@ -98,7 +102,8 @@ def run_tool(
 ) -> subprocess.CompletedProcess[str]:
     """Run an external program (``input`` on its stdin, else nothing); a non-zero exit raises
     ``error`` (a ``ToolError``, or a subclass the caller's domain names) with its output, a
-    missing program one that says which package has it."""
+    missing program one that says which package has it; ``DiskFull`` if it failed for want of
+    room on a disk (it said so)."""
     argv = [str(c) for c in command]
     try:
         proc = subprocess.run(
@@ -120,6 +125,14 @@ def run_tool(
             f"{what}: timed out after {timeout}s", command=argv, stderr=str(e.stderr or "")
         ) from e
     if proc.returncode != 0:
+        if NO_SPACE in proc.stderr or NO_SPACE in proc.stdout:
+            # the disk it wrote to is full: the node's condition, not the tool's failure
+            raise DiskFull(
+                f"{what} failed: no room left on the disk it wrote to",
+                command=argv,
+                exit_code=proc.returncode,
+                stderr=proc.stderr[-2000:],
+            )
         raise error(
             f"{what} failed",
             command=argv,
