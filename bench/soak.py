@@ -1075,7 +1075,8 @@ def report(
         e
         for e in ended.values()
         if not e["ok"]
-        and (not e["typed"] or (e["status"] == 500 and e["error"] in ("DsecError", "SandboxError")))
+        # an HTTP 500 is untyped whatever its class: the node did not say what went wrong
+        and (not e["typed"] or e["status"] == 500 or e["error"] in ("DsecError", "SandboxError"))
     ]
     infra = Counter(e["infra"] for e in ended.values() if not e["ok"] and e["infra"])
     bad = Counter(
