@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ import pytest
 import dsec
 from dsec_core.backend import cgroup_path
 from dsec_core.errors import SandboxNotRunning, SandboxPaused, UnknownSandbox
-from dsec_core.linux.cgroups import frozen
+from dsec_core.linux.cgroups import frozen, kill_members, place_process, remove_cgroups
 from dsec_core.node.node import Node
 from dsec_core.records import SandboxSpec
 from dsec_core.sdk import GROUP_LABEL
@@ -288,3 +290,23 @@ async def test_an_async_group_forks_a_member(dsec_node):
             assert len(await group.members()) == 3
         finally:
             assert await group.kill() == 3
+
+
+def test_kill_members_ends_what_a_cgroup_holds_so_it_can_be_removed():
+    """Found by the soak: a VM sandbox a daemon was creating when it died held a QEMU its state
+    did not name; stopping it found the cgroups busy and left them. The stop now kills what
+    is left in them."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    relative = cgroup_path(f"killmembers-{secrets.token_hex(4)}")
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        place_process(child.pid, relative, 0)
+        assert remove_cgroups(relative)  # busy: it holds the sleep
+        assert kill_members(relative) == [child.pid]
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        assert remove_cgroups(relative) == []
+    finally:
+        child.kill()
+        child.wait()
+        remove_cgroups(relative)

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "freeze",
     "frozen",
     "hierarchies",
+    "kill_members",
     "memory_cgroup_dir",
     "memory_limit",
     "oom_kills",
@@ -467,6 +469,29 @@ def remove_cgroups(relative: str) -> list[Path]:
         if extra is not None and extra not in places:
             places.append(extra)
     return [cg for cg in (h / relative for h in places) if not _remove_cgroup(cg)]
+
+
+def kill_members(relative: str) -> list[int]:
+    """SIGKILL every process in ``<hierarchy>/<relative>`` of the hierarchies
+    ``remove_cgroups`` removes from: those a record does not name (a VM's QEMU that a daemon
+    started and died before it noted its pid). The pids signalled; their exits are the
+    caller's to wait for (``remove_cgroups`` until it removes them all)."""
+    places = list(hierarchies())
+    for extra in (cpu_hierarchy(), cgroup2_root()):
+        if extra is not None and extra not in places:
+            places.append(extra)
+    killed: set[int] = set()
+    for cg in (h / relative for h in places):
+        try:
+            pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
+        except (FileNotFoundError, ValueError):
+            continue
+        for pid in pids:
+            if pid not in killed:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+    return sorted(killed)
 
 
 def _remove_cgroup(cg: Path) -> bool:
