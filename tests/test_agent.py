@@ -39,26 +39,19 @@ from dsec_core.errors import (
     ToolError,
     UnknownSession,
 )
-from dsec_core.linux.processes import proc_stat, stop_process
+from dsec_core.linux.processes import pids_matching, proc_stat, stop_process
 from dsec_core.testing import async_until
 
 
 # --- helpers -------------------------------------------------------------------------------
 def procs_with(token: str) -> list[int]:
-    """Pids of live processes whose command line contains ``token``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        stat = proc_stat(int(entry))
-        if token.encode() in cmdline and stat is not None and stat.state != "Z":
-            found.append(int(entry))
-    return found
+    """Pids of live processes (not zombies, not this one) whose command line contains
+    ``token``."""
+    return [
+        pid
+        for pid in pids_matching(token)
+        if pid != os.getpid() and (stat := proc_stat(pid)) is not None and stat.state != "Z"
+    ]
 
 
 def proc_table() -> dict[int, tuple[int, str]]:

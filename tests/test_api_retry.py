@@ -158,12 +158,7 @@ class BreaksFirstConnection:
             except OSError:
                 return
             with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
+                _read_message(conn)
                 self.requests += 1
                 if self.requests > 1:
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
@@ -298,6 +293,8 @@ def test_a_create_whose_answer_was_lost_is_sent_again_and_made_once(node):
             assert dsec.CREATE_KEY_LABEL not in made[0].labels  # the node's, not shown
             (key,) = [k for k in lost_keys(proxy) if k]
             # the same key again, from anywhere: the same sandbox; once it is gone, a new one
+            assert c.create(layers=(node.layer.ref,), memory="64M", key=key).id == sb.id
+            _away(node).join()  # a restarted daemon knows it from the sandbox's state
             assert c.create(layers=(node.layer.ref,), memory="64M", key=key).id == sb.id
             c.kill(sb.id)
             again = c.create(layers=(node.layer.ref,), memory="64M", key=key)

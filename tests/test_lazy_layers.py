@@ -3,12 +3,14 @@ fetches data chunks only when a sandbox reads them."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,33 @@ import dsec
 from dsec_core.config import NodeConfig
 from dsec_core.layers.build import build_layer
 from dsec_core.layers.store import LayerStore
+from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
 from dsec_core.node.node import Node
 from dsec_core.plugins import open_source
 from dsec_core.records import LayerRef, SandboxSpec
+from dsec_core.sdk import Client
 from dsec_core.sources.transfer import push_layer
 from dsec_core.testing import leftovers, make_busybox_rootfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+@contextlib.contextmanager
+def lazy_daemon(config: NodeConfig, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A daemon of ``config``'s node, its sources and home in the environment; at the end,
+    every sandbox killed and the daemon stopped, whatever the test did to it meanwhile."""
+    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
+    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
+    ensure_daemon(config)
+    try:
+        yield
+    finally:
+        if daemon_pid(config) is None:
+            ensure_daemon(config)
+        with Client(os.fspath(config.socket_path)) as client:
+            for info in client.list():
+                client.kill(info.id)
+        stop_daemon(config)
 
 
 def inheritable_fds(pid: int | None) -> dict[int, str]:
@@ -181,14 +203,8 @@ async def test_eager_mode_fetches_whole_images(setup):
 def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
     import signal
 
-    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
-    from dsec_core.sdk import Client
-
     config, shared = setup
-    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
-    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
-    ensure_daemon(config)
-    try:
+    with lazy_daemon(config, monkeypatch):
         with Client(os.fspath(config.socket_path)) as client:
             sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
             first = sb.exec("md5sum /workspace/big0.bin").check().stdout
@@ -214,13 +230,6 @@ def test_daemon_restart_keeps_ondemand_layers_readable(setup, monkeypatch):
             chunks_after = {p.name for p in (config.cache_dir / "chunks").rglob("*") if p.is_file()}
             assert chunks_before <= chunks_after  # the cache survived as it was
             again.kill()
-    finally:
-        if daemon_pid(config) is None:
-            ensure_daemon(config)
-        with Client(os.fspath(config.socket_path)) as client:
-            for info in client.list():
-                client.kill(info.id)
-        stop_daemon(config)
 
 
 def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, monkeypatch):
@@ -231,14 +240,9 @@ def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, m
 
     from dsec_core.lazy.fuse_keeper import ask_keeper
     from dsec_core.linux.processes import start_time
-    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
-    from dsec_core.sdk import Client
     from dsec_core.testing import pids_matching, until
 
     config, shared = setup
-    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
-    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
-    ensure_daemon(config)
 
     def keepers() -> list[int]:
         return pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(config.home))
@@ -252,7 +256,7 @@ def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, m
         except OSError:
             return False
 
-    try:
+    with lazy_daemon(config, monkeypatch):
         with Client(os.fspath(config.socket_path)) as client:
             sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
             first = sb.exec("md5sum /workspace/big0.bin").check().stdout
@@ -275,13 +279,6 @@ def test_a_killed_fuse_keeper_is_replaced_so_a_restart_keeps_the_layers(setup, m
             os.kill(survivor, signal.SIGKILL)
             until(lambda: replaced(survivor), timeout=15, what="a new keeper")
             again.kill()
-    finally:
-        if daemon_pid(config) is None:
-            ensure_daemon(config)
-        with Client(os.fspath(config.socket_path)) as client:
-            for info in client.list():
-                client.kill(info.id)
-        stop_daemon(config)
 
 
 @pytest.mark.parametrize("stray", [False, True], ids=["unheld", "held-by-a-stray"])
@@ -297,22 +294,19 @@ def test_a_connection_nobody_serves_is_dropped_not_stacked_on(setup, monkeypatch
     from dsec_core.lazy.fuse_keeper import take_from_keeper
     from dsec_core.linux.mounts import mounted_under
     from dsec_core.linux.processes import start_time
-    from dsec_core.localnode import daemon_pid, ensure_daemon, stop_daemon
-    from dsec_core.sdk import Client
     from dsec_core.testing import pids_matching, until
 
     config, shared = setup
-    monkeypatch.setenv("DSEC_LAYER_SOURCES", ",".join(config.layer_sources))
-    monkeypatch.setenv("DSEC_HOME", os.fspath(config.home))
-    ensure_daemon(config)
     lazy = config.run_dir / "lazy"
-    try:
+    with lazy_daemon(config, monkeypatch), contextlib.ExitStack() as held_fds:
         with Client(os.fspath(config.socket_path)) as client:
             sb = client.create(layers=("od-ws@1", "od-base@1"), memory="128M")
             sb.exec("md5sum /workspace/small.txt").check()
             (keeper,) = pids_matching("dsec_core.lazy.fuse_keeper", os.fspath(config.home))
             held, _ = take_from_keeper(os.fspath(config.run_dir / "lazy-keeper.sock"))
-            if not stray:
+            if stray:
+                held_fds.callback(os.close, held)  # held until the test is over
+            else:
                 os.close(held)
             old = daemon_pid(config)
             assert old is not None
@@ -332,9 +326,6 @@ def test_a_connection_nobody_serves_is_dropped_not_stacked_on(setup, monkeypatch
             out = fresh.exec("md5sum /workspace/big4.bin").check().stdout
             assert out.split()[0].decode() == expected.hexdigest()
             fresh.kill()
-    finally:
-        if stray:
-            os.close(held)
         if daemon_pid(config) is None:
             ensure_daemon(config)
         with Client(os.fspath(config.socket_path)) as client:

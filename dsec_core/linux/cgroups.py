@@ -464,11 +464,17 @@ def remove_cgroups(relative: str) -> list[Path]:
     controller's, where ``place_process_cpu`` made one, and of the v2 hierarchy, where
     ``place_process_v2`` did), and their parent once empty; returns those that could not go
     (still holding processes)."""
+    return [cg for cg in (h / relative for h in _sandbox_places()) if not _remove_cgroup(cg)]
+
+
+def _sandbox_places() -> list[Path]:
+    """The hierarchies a sandbox's cgroups may be in: the memory and pids ones, the cpu
+    controller's and the v2 one."""
     places = list(hierarchies())
     for extra in (cpu_hierarchy(), cgroup2_root()):
         if extra is not None and extra not in places:
             places.append(extra)
-    return [cg for cg in (h / relative for h in places) if not _remove_cgroup(cg)]
+    return places
 
 
 def kill_members(relative: str) -> list[int]:
@@ -476,12 +482,8 @@ def kill_members(relative: str) -> list[int]:
     ``remove_cgroups`` removes from: those a record does not name (a VM's QEMU that a daemon
     started and died before it noted its pid). The pids signalled; their exits are the
     caller's to wait for (``remove_cgroups`` until it removes them all)."""
-    places = list(hierarchies())
-    for extra in (cpu_hierarchy(), cgroup2_root()):
-        if extra is not None and extra not in places:
-            places.append(extra)
     killed: set[int] = set()
-    for cg in (h / relative for h in places):
+    for cg in (h / relative for h in _sandbox_places()):
         try:
             pids = [int(p) for p in (cg / "cgroup.procs").read_text().split()]
         except (FileNotFoundError, ValueError):

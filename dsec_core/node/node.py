@@ -119,6 +119,8 @@ class Node:
         self.sandboxes: dict[str, Sandbox] = {}
         #: creates under way by (project, create key): a second one with the key awaits it
         self._keyed_creates: dict[tuple[str, str], list[Any]] = {}  # [task, callers]
+        #: the live sandboxes that have a create key, by (project, key)
+        self._by_create_key: dict[tuple[str, str], str] = {}
         self._backends: dict[str, Backend] = {}
         self.catalogs = CatalogStore(cfg.catalog_dir)
         self.agent_binary: Path | None = None
@@ -194,6 +196,9 @@ class Node:
         """Take over the sandboxes a previous daemon left running, and what they hold."""
         adopted = await self.states.recover(died=self.lifecycle.death_of)
         self.sandboxes.update((sb.rt.id, sb) for sb in adopted)
+        for sb in adopted:
+            if keyed := _create_key_of(sb.rt.spec.labels):
+                self._by_create_key[keyed] = sb.rt.id
         self.rootfs.adopt(adopted)
         self.admission.adopt(adopted)
         for sb in adopted:
@@ -308,24 +313,24 @@ class Node:
         self, key: str, spec: SandboxSpec, saved: Path | None, wait: float, batch: str
     ) -> SandboxInfo:
         """``create`` under create key ``key``: the sandbox it already made, or its own."""
-        project = spec.labels.get(PROJECT_LABEL, "")
-        mine = (project, key)
+        mine = (spec.labels.get(PROJECT_LABEL, ""), key)
         under_way = self._keyed_creates.get(mine)
         if under_way is None:
-            for sb in self.sandboxes.values():
-                labels = sb.rt.spec.labels
-                if (
-                    labels.get(CREATE_KEY_LABEL) == key
-                    and labels.get(PROJECT_LABEL, "") == project
-                    and sb.status != "stopping"
-                ):
-                    log.info("create key %s: sandbox %s made it already", key, sb.rt.id)
-                    return sb.info()
+            made = self.sandboxes.get(self._by_create_key.get(mine, ""))
+            if made is not None and made.status != "stopping":
+                log.info("create key %s: sandbox %s made it already", key, made.rt.id)
+                return made.info()
             task = asyncio.get_running_loop().create_task(
                 self._queued_create(spec, saved, wait, batch)
             )
             under_way = self._keyed_creates[mine] = [task, 0]
-            task.add_done_callback(lambda _t: self._keyed_creates.pop(mine, None))
+
+            def done(t: asyncio.Task[SandboxInfo]) -> None:
+                self._keyed_creates.pop(mine, None)
+                if not t.cancelled() and t.exception() is None:
+                    self._by_create_key[mine] = t.result().id
+
+            task.add_done_callback(done)
         task, _ = under_way
         under_way[1] += 1
         try:
@@ -593,6 +598,8 @@ class Node:
             return
         sb.status = "stopping"
         self.leases.forget(sid)
+        if keyed := _create_key_of(sb.rt.spec.labels):
+            self._by_create_key.pop(keyed, None)
         if sb.rt.spec.drives and not sb.rt.spec.trajectory:  # its own log, named by its id
             self.trajectories.remove(sid)
         if sb.packing is not None:  # its thread thaws the sandbox; kill after that
@@ -797,3 +804,9 @@ class Node:
     async def input(self, sid: str, events: Sequence[Mapping[str, Any] | InputEvent]) -> int:
         """Send input events to the sandbox's display (``Screens.input``); how many were sent."""
         return await self.screens.input(sid, events)
+
+
+def _create_key_of(labels: Mapping[str, str]) -> tuple[str, str] | None:
+    """(project, create key) of a sandbox's labels, None without a key."""
+    key = labels.get(CREATE_KEY_LABEL)
+    return (labels.get(PROJECT_LABEL, ""), key) if key else None

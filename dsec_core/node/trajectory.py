@@ -195,9 +195,7 @@ def _read_mark(mark: Path) -> dict | None:
     """What a step's mark says, None without one (or one cut short: it never started)."""
     try:
         doc = json.loads(mark.read_bytes())
-    except FileNotFoundError:
-        return None
-    except ValueError:
+    except (FileNotFoundError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
 
