@@ -264,6 +264,33 @@ def test_a_create_sent_again_is_made_once_on_the_node_it_went_to(cluster):
             first.kill()
 
 
+def test_an_apiserver_that_took_over_sends_a_create_again_where_it_went(cluster):
+    """A keyed create went to a node through an apiserver that then died; sent again to the
+    apiserver that took over (which never saw the key), it goes to the node that made it, found
+    by asking the nodes, and not to another that would make a second sandbox. The node here is
+    the overflow one, where a fresh placement of the spec never goes."""
+    key, project = cluster.key("orgk/over"), "orgk/over"
+    spec = cluster.spec(labels={OVERFLOW_LABEL: "true"})
+    n3 = next(n for n in cluster.nodes if n.name == "n3")
+    with n3.node.client() as direct:  # what the apiserver that died sent
+        made = direct.create(
+            cluster.spec(labels={OVERFLOW_LABEL: "true", PROJECT_LABEL: project}), key="r-3"
+        ).id
+    try:
+        with running_apiserver(cluster.nodes, cluster.iam_url) as api, cluster.client(
+            key, api.url
+        ) as c:
+            assert {c.create(spec, key="r-3").id for _ in range(3)} == {made}
+            assert [i.id for i in c.list()] == [made]
+            with cluster.client(cluster.key("orgk/other"), api.url) as other:
+                with other.create(spec, key="r-3") as theirs:  # another project's own
+                    assert theirs.id != made
+                    assert [i.id for i in other.list()] == [theirs.id]
+    finally:
+        with cluster.client(key) as c:
+            c.kill(made)
+
+
 def test_a_client_cannot_choose_its_project_label(cluster):
     with cluster.client(cluster.key("orgc/p")) as c:
         with c.create(cluster.spec(labels={PROJECT_LABEL: "orga/x"})) as sb:

@@ -146,7 +146,8 @@ def test_a_sandbox_handle_is_its_clients_methods_with_the_id_filled_in():
 NOT_PARAMETERS = {
     "fncall": {"project", "start"},  # set by the apiserver for the caller's project
     "create": {"count"},  # create(spec, **fields); create_many(spec, n)
-    "list": {"project", "subtree"},  # the apiserver asks its nodes for a project's own
+    # the apiserver asks its nodes for a project's own, and where a create key's went
+    "list": {"project", "subtree", "create_key"},
     "read_file": {"offset", "length"},  # read in pieces by the SDK
     "write_file": {"offset", "truncate"},  # written in pieces by the SDK
     "exec_stream": {"trajectory", "step"},  # a streamed command is not logged

@@ -741,10 +741,13 @@ class ListQuery(Message):
     """``project``: only the sandboxes labelled with that project (``PROJECT_LABEL``), and
     with ``subtree`` those of the projects below it too; empty: every sandbox. The apiserver
     asks each node for the caller's own, so a list costs what the caller has, not what every
-    tenant has."""
+    tenant has. ``create_key``: only the sandbox a create under that key of ``project`` made
+    (``CREATE_KEY_LABEL``), waited for while it is being made: how an apiserver that took over
+    finds where a create sent again went."""
 
     project: str = ""
     subtree: bool = False
+    create_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,10 @@ _DECODED = 256
 _DECODED_BYTES = 8 << 10
 #: How many keyed creates' nodes an apiserver remembers (``Gateway.create_keys``).
 CREATE_KEYS = 65536
+#: For how long after it starts an apiserver asks its nodes where a keyed create it does not
+#: know went (``Gateway.went_before``): one sent again to it may have gone to a node through
+#: the apiserver it took over from. Longer than the SDK's and a trainer's resending.
+ASK_FOR_KEYS_S = 120.0
 #: The routes most requests take (matched first).
 _HOT_ROUTES = frozenset({"create", "get", "kill", "exec"})
 #: The request id header, set on every request forwarded to a node.
@@ -232,10 +236,27 @@ class Gateway:
         #: (project, create key) -> the node a keyed create went to: one sent again goes there
         #: too, not to a node that would make a second sandbox (``CREATE_KEYS`` of them)
         self.create_keys: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self.started = time.monotonic()
         #: (create body, project, count) -> what the nodes are sent for it (no wait left)
         self._to_node: collections.OrderedDict[tuple[bytes, str, int], bytes] = (
             collections.OrderedDict()
         )
+
+    async def went_before(self, project: str, key: str, rid: str) -> str | None:
+        """The node that made (or is making) a create under ``key`` of ``project`` sent
+        through the apiserver this one took over from: in its first ``ASK_FOR_KEYS_S``, the
+        healthy nodes are asked (a node away then is not waited for). None after that, or if
+        none has it."""
+        if time.monotonic() - self.started > ASK_FOR_KEYS_S:
+            return None
+        route = ROUTES["list"]
+        target = route.target({}, ListQuery(project=project, create_key=key))
+        answers = await _fan_out(self, route, target, rid, timeout=ROUTES["create"].timeout)
+        for entry, answer in answers:
+            if not isinstance(answer, DsecError) and answer.sandboxes:
+                log.info("create key %s: made on node %s before this apiserver", key, entry.name)
+                return entry.name
+        return None
 
     def decoded(self, route: Route, raw: bytes) -> Any:
         """``route``'s body ``raw`` decoded (``InvalidSpec`` for a bad one), from memory when
@@ -923,6 +944,8 @@ async def _create_placed(
     spec, near = await gw.admit(principal, body.spec)
     keyed = (principal.project, create_key)
     went = gw.create_keys.get(keyed) if create_key and near is None else None
+    if went is None and create_key and near is None:
+        went = await gw.went_before(principal.project, create_key, rid)
     if went is not None and went in gw.nodes.nodes:
         # sent again: where it went first, or nowhere (another node would make a second)
         if not gw.nodes.nodes[went].healthy:
@@ -1051,14 +1074,21 @@ def _scrubbed_body(gw: Gateway, principal: Any, e: ErrorBody) -> ErrorBody:
 
 
 async def _fan_out(
-    gw: Gateway, route: Route, target: str, rid: str, method: str | None = None
+    gw: Gateway,
+    route: Route,
+    target: str,
+    rid: str,
+    method: str | None = None,
+    timeout: float | None = 60.0,
 ) -> list[tuple[NodeEntry, Any | DsecError]]:
     entries = gw.nodes.healthy()
 
     async def ask(entry: NodeEntry) -> Any:
         try:
             return route.decode_response(
-                await gw._request(entry, method or route.method, target, request_id=rid)
+                await gw._request(
+                    entry, method or route.method, target, timeout=timeout, request_id=rid
+                )
             )
         except DsecError as e:
             return e

@@ -544,6 +544,16 @@ class Node:
     def get(self, sid: str) -> SandboxInfo:
         return self.sandbox(sid).info()
 
+    async def made_under_key(self, project: str, key: str) -> SandboxInfo | None:
+        """The live sandbox a create under create key ``key`` of ``project`` made (waited for
+        while one is being made), or None."""
+        mine = (project, key)
+        under_way = self._keyed_creates.get(mine)
+        if under_way is not None:  # its outcome is its own caller's to raise
+            await asyncio.wait({under_way[0]})
+        made = self.sandboxes.get(self._by_create_key.get(mine, ""))
+        return made.info() if made is not None and made.status != "stopping" else None
+
     def list_sandboxes(
         self, project: str | None = None, subtree: bool = False
     ) -> list[SandboxInfo]:

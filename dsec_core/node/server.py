@@ -401,6 +401,9 @@ async def _restore(node: Node, c: Call) -> SandboxList:
 @_handles("list")
 async def _list(node: Node, c: Call) -> SandboxList:
     project = c.query.project or None
+    if c.query.create_key:
+        made = await node.made_under_key(c.query.project, check_create_key(c.query.create_key))
+        return SandboxList(sandboxes=(made,) if made is not None else ())
     return SandboxList(sandboxes=tuple(node.list_sandboxes(project, c.query.subtree)))
 
 
