@@ -277,9 +277,10 @@ def test_an_apiserver_that_took_over_sends_a_create_again_where_it_went(cluster)
             cluster.spec(labels={OVERFLOW_LABEL: "true", PROJECT_LABEL: project}), key="r-3"
         ).id
     try:
-        with running_apiserver(cluster.nodes, cluster.iam_url) as api, cluster.client(
-            key, api.url
-        ) as c:
+        with (
+            running_apiserver(cluster.nodes, cluster.iam_url) as api,
+            cluster.client(key, api.url) as c,
+        ):
             assert {c.create(spec, key="r-3").id for _ in range(3)} == {made}
             assert [i.id for i in c.list()] == [made]
             with cluster.client(cluster.key("orgk/other"), api.url) as other:

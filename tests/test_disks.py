@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec_core.backend import cgroup_path
 from dsec_core.config import NodeConfig
 from dsec_core.errors import InvalidSpec, MountError, ToolError
 from dsec_core.linux import loop
@@ -29,7 +30,7 @@ from dsec_core.localnode import ensure_daemon, stop_daemon
 from dsec_core.node import disks as disks_module
 from dsec_core.node.disks import WritableDisks
 from dsec_core.records import DEFAULT_DISK, SandboxSpec
-from dsec_core.testing import leftovers, running_kit_node, until
+from dsec_core.testing import cgroup_hierarchies, leftovers, running_kit_node, until
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
@@ -270,6 +271,30 @@ def test_leftovers_pass_over_another_nodes_launcher_that_hides_this_home(tmp_pat
         for p in (hider, ours):
             p.kill()
             p.wait()
+
+
+@root_only
+def test_leftovers_report_the_cgroups_of_a_sandbox_the_log_says_is_gone(tmp_path):
+    """A stop that found a sandbox's cgroups busy removed its directory and left them (the
+    soak's second full run): they are found through the daemon's log, which names each
+    sandbox it kills or cleans up; a sandbox named for another reason is not this node's."""
+    home = tmp_path / "home"
+    home.mkdir()
+    gone, theirs = f"{os.urandom(6).hex()}-n2", f"{os.urandom(6).hex()}-n1"
+    NodeConfig(home=home).log_path.write_text(
+        f'{{"msg": "sandbox {gone} died while no daemon watched; cleaning up"}}\n'
+        f'{{"msg": "packed sandbox {theirs} as x"}}\n'
+    )
+    made = [h / cgroup_path(sid) for h in cgroup_hierarchies()[:1] for sid in (gone, theirs)]
+    try:
+        for cg in made:
+            cg.mkdir(parents=True)
+        assert leftovers(home)["cgroups"] == [os.fspath(made[0])]
+    finally:
+        for cg in made:
+            if cg.exists():
+                cg.rmdir()
+    assert leftovers(home)["cgroups"] == []
 
 
 # --- the node's directories -------------------------------------------------------------------

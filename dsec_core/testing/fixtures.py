@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -157,8 +158,9 @@ def _starting_init(cmdline: bytes, live: Sequence[str]) -> bool:
 
 
 def leftovers(home: Path) -> dict[str, list[str]]:
-    """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', and its daemon's
-    once no daemon runs), sandbox dirs, processes (but, while its daemon runs, the daemon and
+    """What a node under ``home`` left behind: mounts, cgroups (its sandboxes', those whose
+    directories are here and those its daemon's log names, and its daemon's once no daemon
+    runs), sandbox dirs, processes (but, while its daemon runs, the daemon and
     the helpers whose pid files are in ``run/``, such as the container backend's lxcfs), loop
     devices bound to files under ``home``, and sandboxes' disk images.
 
@@ -185,8 +187,11 @@ def leftovers(home: Path) -> dict[str, list[str]]:
     config = NodeConfig(home=home)
     # a running daemon's own cgroups are in use, not left behind
     daemon_cgroup = None if daemon_pid(config) else config.daemon_cgroup
+    # a sandbox's cgroups may outlive its directory (a stop that found them busy): those of
+    # the sandboxes the log names (killed, cleaned up) are this node's too; ids never recur
+    named = sorted(set(dirs) | _logged_sandboxes(config.log_path))
     for hier in cgroup_hierarchies():
-        for sid in dirs:
+        for sid in named:
             if (hier / cgroup_path(sid)).exists():
                 cgroups.append(os.fspath(hier / cgroup_path(sid)))
         if daemon_cgroup and (hier / daemon_cgroup).exists():
@@ -218,6 +223,23 @@ def leftovers(home: Path) -> dict[str, list[str]]:
         "loop_devices": loops,
         "disk_images": images,
     }
+
+
+#: The id of a sandbox a daemon's log line says it killed or cleaned up ("killing sandbox
+#: 0123456789ab-n2 (...)", "sandbox ... died on its own; cleaning up"), not one it names for
+#: another reason (a parent of a restore may be another node's).
+_LOGGED_SANDBOX = re.compile(
+    rb'(?:killing |gone |"msg": ")sandbox ([0-9a-f]{12}(?:-[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)?)'
+)
+
+
+def _logged_sandboxes(log_path: Path) -> set[str]:
+    """The ids of the sandboxes a daemon's log (with its rotated files) names."""
+    ids: set[str] = set()
+    for path in (log_path, *sorted(log_path.parent.glob(log_path.name + ".*"))):
+        with contextlib.suppress(OSError):
+            ids.update(m.decode() for m in _LOGGED_SANDBOX.findall(path.read_bytes()))
+    return ids
 
 
 def _names(cmd: bytes, prefix: bytes) -> bool:
