@@ -7,7 +7,7 @@ import pytest
 
 from dsec_core.errors import InvalidSpec
 from dsec_core.node.reclaim import ReclaimSettings
-from dsec_core.vm.coldmem import GuestLoad, guest_cpu, ram_mapping
+from dsec_core.vm.coldmem import GuestLoad, Settled, guest_cpu, ram_mapping
 
 SMAPS = """\
 55deb4167000-55deb4510000 rw-p 00de3000 fe:00 2170917    /usr/bin/qemu-system-x86_64
@@ -65,3 +65,24 @@ def test_a_guests_load_is_its_own_busy_ticks_in_cores():
     assert load.cores(7, STAT % (190, 70, 1200, 45)) is None
     with pytest.raises(ValueError):
         guest_cpu(b"MemTotal: 1 kB\n")
+
+
+def test_a_guest_that_gave_little_is_left_alone_a_few_passes_not_for_good():
+    """A guest that freed under half of what looked cold (its data was still being written
+    back, say) is left alone until it grows or for ``passes`` passes, then asked again; one
+    that gave what it was asked is asked every pass. Before, it was left alone for good: an
+    idle guest that wrote 96 MiB just before a pass on a loaded host never gave any back."""
+    mib = 1 << 20
+    settled = Settled(grown=32 * mib, passes=3)
+    assert not settled.holds(1, 200 * mib)
+    settled.gave(1, 200 * mib, asked=96 * mib, freed=10 * mib)
+    assert [settled.holds(1, 190 * mib) for _ in range(4)] == [True, True, True, False]
+    assert not settled.holds(1, 190 * mib)  # asked again, and every pass after
+    settled.gave(1, 190 * mib, asked=96 * mib, freed=0)
+    assert settled.holds(1, 200 * mib)
+    assert not settled.holds(1, 222 * mib)  # it grew: what it holds now may be cold
+    settled.gave(1, 222 * mib, asked=96 * mib, freed=90 * mib)
+    assert not settled.holds(1, 132 * mib)
+    settled.gave(2, 100 * mib, asked=64 * mib, freed=0)
+    settled.forget(2)
+    assert not settled.holds(2, 100 * mib)

@@ -22,7 +22,15 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ColdProbe", "GuestLoad", "RamSample", "damon_status", "guest_cpu", "ram_mapping"]
+__all__ = [
+    "ColdProbe",
+    "GuestLoad",
+    "RamSample",
+    "Settled",
+    "damon_status",
+    "guest_cpu",
+    "ram_mapping",
+]
 
 DAMON_ADMIN = Path("/sys/kernel/mm/damon/admin/kdamonds")
 
@@ -103,6 +111,40 @@ class GuestLoad:
 
     def forget(self, pid: int) -> None:
         self._last.pop(pid, None)
+
+
+class Settled:
+    """The guests that could not give half of what looked cold (what they hold is in use, or
+    not theirs to give): left alone until they grow by ``grown`` bytes, or for ``passes``
+    passes. Not for good: what was in use may be free later, and data a guest wrote is
+    reclaimable only once written back (a guest that wrote much just before a pass, on a
+    loaded host, gave nothing then and everything a minute later)."""
+
+    def __init__(self, grown: int, passes: int) -> None:
+        self.grown, self.passes = grown, passes
+        self._held: dict[int, tuple[int, int]] = {}  # pid -> (resident after, passes left)
+
+    def holds(self, pid: int, resident: int) -> bool:
+        """Whether to leave ``pid`` alone this pass (counted as one of its passes)."""
+        held = self._held.get(pid)
+        if held is None:
+            return False
+        settled, left = held
+        if resident >= settled + self.grown or left <= 0:
+            del self._held[pid]
+            return False
+        self._held[pid] = (settled, left - 1)
+        return True
+
+    def gave(self, pid: int, resident: int, asked: int, freed: int) -> None:
+        """What ``pid`` freed of the ``asked`` bytes, with ``resident`` before."""
+        if freed < asked // 2:
+            self._held[pid] = (max(0, resident - freed), self.passes)
+        else:
+            self._held.pop(pid, None)
+
+    def forget(self, pid: int) -> None:
+        self._held.pop(pid, None)
 
 
 def ram_mapping(smaps: str, size: int) -> tuple[int, int] | None:

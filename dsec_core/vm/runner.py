@@ -77,7 +77,7 @@ from ..linux.processes import (
 )
 from ..records import SandboxUsage
 from . import guestnet, qemu
-from .coldmem import ColdProbe, GuestLoad
+from .coldmem import ColdProbe, GuestLoad, Settled
 from .guest import DEFAULT_KERNEL_PACKAGE, GuestKernel, build_initramfs, ensure_kernel
 from .images import pmem_image
 from .migstream import RAM_BLOCKS, SplitStats, StreamFormatError, split_stream
@@ -137,6 +137,9 @@ GIVE_BACK_MIN = 32 << 20
 #: A guest that worked more than this share of a core since the last pass is not asked (by
 #: its own /proc/stat: the host's figures mislead on a loaded host, ``coldmem``).
 GIVE_BACK_BUSY = 0.2
+#: A guest that could not give half of what it was asked is left alone for this many passes
+#: unless it grows meanwhile (``coldmem.Settled``).
+GIVE_BACK_RETRY = 3
 #: Lines of the guest's console kept in an error.
 CONSOLE_TAIL = 60
 
@@ -220,7 +223,7 @@ class QemuBackend(Backend):
         self.balloon = os.environ.get("DSEC_VM_BALLOON", "1") != "0"
         self.cold = ColdProbe()
         self.load = GuestLoad()
-        self._settled: dict[int, int] = {}  # pid -> its RAM resident after its last give_back
+        self._settled = Settled(GIVE_BACK_MIN, GIVE_BACK_RETRY)
 
     @classmethod
     def check_available(cls) -> None:
@@ -654,10 +657,9 @@ class QemuBackend(Backend):
         ``memory.reclaim``, coldest first), at most down to ``floor``; what the guest frees
         goes back to the host by the balloon's free page reporting within seconds. A guest at
         work (over a fifth of a core since the last call, by its own ``/proc/stat``) is left
-        alone, and so is one that
-        could not give half of what it was asked last time and has not grown since (what it
-        holds is in use, or not its to give).
-        Returns how much the guest freed."""
+        alone, and so, for ``GIVE_BACK_RETRY`` passes, is one that could not give half of what
+        it was asked last time and has not grown since (``coldmem.Settled``). Returns how
+        much the guest freed."""
         pid = state.get("pid")
         if not state.get("balloon") or not isinstance(pid, int) or not self._running(state):
             return 0
@@ -671,17 +673,13 @@ class QemuBackend(Backend):
         sample = await asyncio.to_thread(self.cold.sample, pid, ram)
         if sample is None or busy is None or sample.cold < GIVE_BACK_MIN or busy > GIVE_BACK_BUSY:
             return 0  # nothing cold enough, or a guest at work now
-        settled = self._settled.get(pid)
-        if settled is not None and sample.resident < settled + GIVE_BACK_MIN:
-            return 0  # no more than it kept last time
+        if self._settled.holds(pid, sample.resident):
+            return 0  # no more than it kept last time, lately
         ask = min(sample.cold, sample.resident - floor)
         if ask < GIVE_BACK_MIN:
             return 0
         freed = await agent.reclaim(ask)
-        if freed < ask // 2:  # it could not give what looked cold: in use, or not its to give
-            self._settled[pid] = max(0, sample.resident - freed)
-        else:
-            self._settled.pop(pid, None)
+        self._settled.gave(pid, sample.resident, ask, freed)
         return freed
 
     async def freeze_disk(
@@ -715,7 +713,7 @@ class QemuBackend(Backend):
         if isinstance(state.get("pid"), int):
             self.cold.forget(state["pid"])
             self.load.forget(state["pid"])
-            self._settled.pop(state["pid"], None)
+            self._settled.forget(state["pid"])
         await self._end_processes(state)
         await asyncio.to_thread(guestnet.release_netns, rt.dir)
         self._saved(rt).unlink(missing_ok=True)
