@@ -453,6 +453,24 @@ async def test_the_watch_loop_leaves_a_sandbox_alone_while_its_exit_is_expected(
     assert host.killed == [(sb.rt.id, "died")]
 
 
+def test_a_request_to_a_sandbox_that_died_is_sandbox_died_while_the_node_cleans_up(host):
+    """Once the node finds a sandbox dead it is stopping until its clean-up ends: a request
+    meanwhile is SandboxDied with the cause, not SandboxNotRunning (the soak's QEMU kill got
+    SandboxNotRunning, which names no fault); one being killed on request stays
+    SandboxNotRunning."""
+    life, agents = Lifecycle(host), Agents(host)
+    died, killed = host.add(), host.add()
+    life.death_of(died)
+    for sb in (died, killed):
+        sb.status = "stopping"
+    with pytest.raises(SandboxDied, match="the OOM killer took its init") as e:
+        agents.agent(died.rt.id)
+    assert e.value.context["kind"] == "oom"
+    with pytest.raises(SandboxNotRunning) as e:
+        agents.agent(killed.rt.id)
+    assert not isinstance(e.value, SandboxDied)
+
+
 def test_what_a_sandbox_died_of_is_remembered_for_a_while(host, monkeypatch):
     monkeypatch.setattr(lifecycle, "MAX_DEATHS", 2)
     life = Lifecycle(host)

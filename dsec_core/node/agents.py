@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..agent.rpc import AgentClient
 from ..backend import Feature
-from ..errors import InvalidSpec, SandboxNotRunning, SandboxPaused
+from ..errors import InvalidSpec, SandboxPaused
 from ..records import ExecResult, InfraEvent
 from .host import AgentHost
 from .sandbox import Sandbox
@@ -31,7 +31,7 @@ class Agents:
         """The agent of running, unpaused sandbox ``sid``."""
         sb = self.host.sandbox(sid)
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         if sb.paused:  # its agent is frozen too: a request would wait until the resume
             raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if sb.agent is None:

@@ -18,14 +18,12 @@ from typing import Any
 
 from ..errors import (
     InvalidSpec,
-    SandboxDied,
-    SandboxNotRunning,
     StartTimeout,
     UnknownSandbox,
 )
 from ..records import InfraEvent
 from .host import LifecycleHost
-from .sandbox import Sandbox
+from .sandbox import Sandbox, died_error
 
 __all__ = ["MAX_DEATHS", "Lifecycle"]
 
@@ -126,7 +124,7 @@ class Lifecycle:
     def set_ttl(self, sb: Sandbox, ttl: float | None) -> None:
         """Give a running sandbox ``ttl`` more seconds from now (None: until killed)."""
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sb.rt.id} is {sb.status}", sandbox_id=sb.rt.id)
+            raise sb.not_running()
         if ttl is not None and not 0 < ttl < float("inf"):
             raise InvalidSpec(f"ttl must be a positive number of seconds, got {ttl}", field="ttl")
         self.disarm(sb)
@@ -194,6 +192,7 @@ class Lifecycle:
             log.exception("sandbox %s: asking its backend why it died", sid)
             said = None
         kind, cause = said or ("crashed", "its init or runtime stopped")
+        sb.died = (kind, cause)  # requests meanwhile are SandboxDied, not SandboxNotRunning
         return self.note_death(sid, kind, cause)
 
     def note_death(self, sid: str, kind: str, cause: str) -> InfraEvent:
@@ -219,13 +218,7 @@ class Lifecycle:
         """The error for sandbox ``sid``, which the node does not have: ``SandboxDied`` naming
         what it died of if it died on its own lately, else ``UnknownSandbox``."""
         if sid in self.deaths:
-            kind, cause = self.deaths[sid]
-            return SandboxDied(
-                f"sandbox {sid} died on its own ({kind}): {cause}",
-                sandbox_id=sid,
-                kind=kind,
-                cause=cause,
-            )
+            return died_error(sid, *self.deaths[sid])
         # the others are not listed: an id is all it takes to drive a sandbox
         return UnknownSandbox(f"no sandbox {sid!r} on this node", name=sid)
 

@@ -17,7 +17,6 @@ from ..backend import Feature
 from ..errors import (
     FeatureUnavailable,
     InvalidSpec,
-    SandboxNotRunning,
     SandboxPaused,
     SnapshotInUse,
     UnknownSnapshot,
@@ -67,7 +66,7 @@ class MemorySnapshots:
         backends); it runs on. ``restore(name, n)`` then starts n sandboxes from there."""
         sb = self.host.sandbox(sid)
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         if sb.paused:
             raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if Feature.MEMORY_SNAPSHOT not in sb.backend.features:

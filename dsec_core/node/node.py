@@ -31,7 +31,7 @@ from ..api.messages import WarmSettings, WarmStatus
 from ..backend import Backend, SandboxRuntime
 from ..catalog.store import CatalogStore
 from ..config import NodeConfig
-from ..errors import AdmissionRejected, DsecError, InvalidSpec, SandboxNotRunning
+from ..errors import AdmissionRejected, DsecError, InvalidSpec, SandboxDied, SandboxNotRunning
 from ..fairqueue import project_of
 from ..fusion import CodeRun, CodeRunResult
 from ..linux.mounts import unmount
@@ -88,6 +88,10 @@ from .warm import WarmPools
 __all__ = ["Node", "PolicyPlan", "Sandbox"]
 
 log = logging.getLogger("dsec.node")
+
+#: How long a request whose sandbox's agent did not answer waits for the node to see whether
+#: the sandbox died (``Node.unreachable``).
+DEATH_GRACE = 1.0
 
 
 P = ParamSpec("P")
@@ -600,12 +604,35 @@ class Node:
         write_state(sb)
         return state
 
+    async def unreachable(self, e: SandboxNotRunning) -> DsecError:
+        """What a request whose sandbox's agent did not answer (``e``) is answered:
+        ``SandboxDied`` if the sandbox died, else ``e``. The agent's connection closes just
+        before its process ends, so the node may see the death a moment after the request
+        does: up to ``DEATH_GRACE`` seconds are given for it."""
+        sid = e.context.get("sandbox_id")
+        if not isinstance(sid, str) or "socket" not in e.context:
+            return e  # not an agent that did not answer
+        deadline = time.monotonic() + DEATH_GRACE
+        while True:
+            sb = self.sandboxes.get(sid)
+            if sb is None:
+                gone = self.lifecycle.missing(sid)
+                return gone if isinstance(gone, SandboxDied) else e
+            if sb.died is not None:
+                return sb.not_running()
+            if sb.status != "running" or time.monotonic() > deadline:
+                return e
+            await asyncio.sleep(0.02)
+
     # --- kill -----------------------------------------------------------------------------
     async def kill(self, sid: str, reason: str = "request") -> None:
         sb = self.sandbox(sid)
         if sb.status == "stopping":
             await sb.stopped.wait()
             return
+        # what it died of, while what the backend left still tells, and before requests see it
+        # stopping (they are SandboxDied from now on)
+        death = self.lifecycle.death_of(sb) if reason == "died" else None
         sb.status = "stopping"
         self.leases.forget(sid)
         if keyed := _create_key_of(sb.rt.spec.labels):
@@ -616,8 +643,8 @@ class Node:
             await asyncio.gather(asyncio.shield(sb.packing), return_exceptions=True)
         self.lifecycle.unwatch(sb)
         await self.processes.drop(sid)
-        if reason == "died":  # what it died of, while what the backend left still tells
-            self.record_event(self.lifecycle.death_of(sb))
+        if death is not None:
+            self.record_event(death)
         log.info("killing sandbox %s (%s)", sid, reason)
         try:
             t0 = time.perf_counter()
@@ -694,7 +721,7 @@ class Node:
         """Return a running sandbox of a ``Feature.RESET`` backend to how it started."""
         sb = self.sandbox(sid)
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         await sb.backend.reset(sb.rt, sb.backend_state)
 
     # --- warm pools (``warm.WarmPools``) ---------------------------------------------------

@@ -14,7 +14,7 @@ import logging
 import time
 
 from ..backend import Feature
-from ..errors import BackendUnavailable, InvalidSpec, SandboxNotRunning
+from ..errors import BackendUnavailable, InvalidSpec
 from ..records import SandboxInfo
 from .host import PauseHost
 from .sandbox import POOL_LABEL, Sandbox
@@ -33,7 +33,7 @@ class Pauses:
     def _running(self, sid: str) -> Sandbox:
         sb = self.host.sandbox(sid)
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         return sb
 
     async def pause(self, sid: str, reclaim: bool = False, preempted: bool = False) -> SandboxInfo:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..backend import Backend, Feature
-from ..errors import DsecError, PolicyUnavailable, SandboxNotRunning
+from ..errors import DsecError, PolicyUnavailable
 from ..plugins import Registry
 from ..records import PolicyState, SandboxSpec
 from ..security import NODE_SETTINGS, SecurityPolicy
@@ -167,7 +167,7 @@ class PolicyPlanner:
         is updated; saving it is the caller's)."""
         sid = sb.rt.id
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         found = sb.policies.find(name)
         if found is None:
             raise PolicyUnavailable(

@@ -179,7 +179,7 @@ class Processes:
         )
         if sb.status != "running":  # it died or is being killed while we started
             proc.close()
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         p = _Process(sid, proc, stdin or size is not None, size)
         old = table.pop(proc.pid, None)
         if old is not None:  # an ended one whose pid came round again
@@ -198,8 +198,13 @@ class Processes:
         except Exception as e:
             p.deliver(DsecError(f"process {p.proc.pid}'s output broke: {e}"))
         finally:
-            if p.end is None:  # cancelled: the sandbox is going
-                p.end = SandboxNotRunning(f"sandbox {p.sid} is gone", sandbox_id=p.sid)
+            if p.end is None:  # cancelled: the sandbox is going (or died: SandboxDied)
+                sb = self.agents.host.sandboxes.get(p.sid)
+                p.end = (
+                    sb.not_running()
+                    if sb is not None and sb.died is not None
+                    else SandboxNotRunning(f"sandbox {p.sid} is gone", sandbox_id=p.sid)
+                )
                 for stream in p.streams:
                     stream.put(p.end)
             p.proc.close()

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..agent.rpc import AgentClient
 from ..backend import Backend, SandboxRuntime
+from ..errors import DsecError, SandboxDied, SandboxNotRunning
 from ..records import PROJECT_LABEL, InfraEvent, LayerInfo, SandboxInfo, user_labels
 from ..security import SecurityPolicy
 
@@ -19,6 +20,7 @@ __all__ = [
     "POOL_LABEL",
     "PolicyPlan",
     "Sandbox",
+    "died_error",
     "in_project",
     "state_counts",
 ]
@@ -76,6 +78,8 @@ class Sandbox:
     #: a warm member no create has claimed yet (``warm``): hidden from lists, admission,
     #: placement and projects; a claim makes it a sandbox of its own for good
     warm: bool = False
+    #: (kind, cause) once the node found it dead (``Lifecycle.death_of``), while it cleans up
+    died: tuple[str, str] | None = None
 
     @property
     def state(self) -> str:
@@ -110,6 +114,13 @@ class Sandbox:
             vnc=self.backend_state.get("vnc"),
         )
 
+    def not_running(self) -> DsecError:
+        """The error for a request that needs it running: ``SandboxDied`` naming its cause if
+        it died (the node is cleaning up after it), else ``SandboxNotRunning``."""
+        if self.died is not None:
+            return died_error(self.rt.id, *self.died)
+        return SandboxNotRunning(f"sandbox {self.rt.id} is {self.status}", sandbox_id=self.rt.id)
+
     def note(self, event: InfraEvent) -> None:
         """Keep an infrastructure failure that struck it (the latest ``MAX_EVENTS``)."""
         self.events.append(event)
@@ -119,6 +130,13 @@ class Sandbox:
         """Whether it is labelled with ``project`` (``PROJECT_LABEL``; or, ``subtree``, with a
         project below it)."""
         return in_project(self.rt.spec.labels.get(PROJECT_LABEL), project, subtree)
+
+
+def died_error(sid: str, kind: str, cause: str) -> SandboxDied:
+    """The error for sandbox ``sid``, which died on its own of ``cause`` (``kind``)."""
+    return SandboxDied(
+        f"sandbox {sid} died on its own ({kind}): {cause}", sandbox_id=sid, kind=kind, cause=cause
+    )
 
 
 def state_counts(sandboxes: Iterable[Sandbox]) -> dict[str, int]:

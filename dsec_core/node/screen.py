@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..backend import Feature
-from ..errors import FeatureUnavailable, SandboxNotRunning, SandboxPaused
+from ..errors import FeatureUnavailable, SandboxPaused
 from ..screen_input import InputEvent, parse_inputs
 from .host import SandboxHost
 from .sandbox import Sandbox
@@ -25,7 +25,7 @@ class Screens:
         """A running, unpaused sandbox whose backend has a screen."""
         sb = self.host.sandbox(sid)
         if sb.status != "running":
-            raise SandboxNotRunning(f"sandbox {sid} is {sb.status}", sandbox_id=sid)
+            raise sb.not_running()
         if sb.paused:
             raise SandboxPaused(f"sandbox {sid} is paused; resume it first", sandbox_id=sid)
         if Feature.SCREEN not in sb.backend.features:

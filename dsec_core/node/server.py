@@ -82,6 +82,7 @@ from ..errors import (
     DsecError,
     InvalidSpec,
     NotFound,
+    SandboxNotRunning,
 )
 from ..fusion import CodeRun, answer, for_pool, fusion_endpoint
 from ..linux import sched
@@ -719,6 +720,8 @@ def _endpoint(
                 answer = await unless_disconnected(request, call)
             else:
                 answer = await call
+        except SandboxNotRunning as e:  # SandboxDied if it died: the fault, named
+            return error_response(await node.unreachable(e))
         except DsecError as e:
             return error_response(e)
         if route.response is RAW and not isinstance(answer, bytes):
