@@ -388,14 +388,16 @@ def vm() -> Iterator[ClickpadVM]:
 async def _screen_until(
     client: QMPClient, colour: tuple[int, int, int]
 ) -> tuple[bytes, list[bytes]]:
-    """A screenshot once the button's centre shows ``colour`` (the guest's framebuffer reaches
-    the card a little after it is written)."""
-    x, y = (BUTTON[0] + BUTTON[2]) // 2, (BUTTON[1] + BUTTON[3]) // 2
+    """A screenshot once the button's corners and centre show ``colour`` (the guest's
+    framebuffer reaches the card a little after it is written, and on a loaded host a
+    screenshot can catch the button half drawn)."""
+    x0, y0, x1, y1 = BUTTON
+    points = [(x0, y0), (x1 - 1, y1 - 1), ((x0 + x1) // 2, (y0 + y1) // 2)]
     deadline = time.monotonic() + 20
     while True:
         png = await screendump_png(client)
         _, _, rows = decode_png(png)
-        if pixel(rows, x, y) == colour or time.monotonic() > deadline:
+        if all(pixel(rows, x, y) == colour for x, y in points) or time.monotonic() > deadline:
             return png, rows
         await asyncio.sleep(0.2)
 
