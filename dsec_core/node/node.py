@@ -122,7 +122,8 @@ class Node:
         self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
         self.sandboxes: dict[str, Sandbox] = {}
         #: creates under way by (project, create key): a second one with the key awaits it
-        self._keyed_creates: dict[tuple[str, str], list[Any]] = {}  # [task, callers]
+        #: (project, create key) -> the outcome of the create under way under it
+        self._keyed_creates: dict[tuple[str, str], asyncio.Future[SandboxInfo]] = {}
         #: the live sandboxes that have a create key, by (project, key)
         self._by_create_key: dict[tuple[str, str], str] = {}
         self._backends: dict[str, Backend] = {}
@@ -316,36 +317,38 @@ class Node:
     async def _create_once(
         self, key: str, spec: SandboxSpec, saved: Path | None, wait: float, batch: str
     ) -> SandboxInfo:
-        """``create`` under create key ``key``: the sandbox it already made, or its own."""
+        """``create`` under create key ``key``: the sandbox it already made, or its own. The
+        first request makes it itself (no task of its own: a keyed create costs what an
+        unkeyed one does); one sent again meanwhile waits for that one's outcome, and makes
+        its own if that one's caller left (its create called off, what it made killed)."""
         mine = (spec.labels.get(PROJECT_LABEL, ""), key)
-        under_way = self._keyed_creates.get(mine)
-        if under_way is None:
-            made = self.sandboxes.get(self._by_create_key.get(mine, ""))
-            if made is not None and made.status != "stopping":
-                log.info("create key %s: sandbox %s made it already", key, made.rt.id)
-                return made.info()
-            task = asyncio.get_running_loop().create_task(
-                self._queued_create(spec, saved, wait, batch)
-            )
-            under_way = self._keyed_creates[mine] = [task, 0]
-
-            def done(t: asyncio.Task[SandboxInfo]) -> None:
-                self._keyed_creates.pop(mine, None)
-                if not t.cancelled() and t.exception() is None:
-                    self._by_create_key[mine] = t.result().id
-
-            task.add_done_callback(done)
-        task, _ = under_way
-        under_way[1] += 1
+        while (under_way := self._keyed_creates.get(mine)) is not None:
+            try:
+                return await asyncio.shield(under_way)
+            except asyncio.CancelledError:
+                if not under_way.cancelled():
+                    raise  # this caller left
+        made = self.sandboxes.get(self._by_create_key.get(mine, ""))
+        if made is not None and made.status != "stopping":
+            log.info("create key %s: sandbox %s made it already", key, made.rt.id)
+            return made.info()
+        outcome: asyncio.Future[SandboxInfo] = asyncio.get_running_loop().create_future()
+        self._keyed_creates[mine] = outcome
         try:
-            return await asyncio.shield(task)
+            info = await self._queued_create(spec, saved, wait, batch)
         except asyncio.CancelledError:
-            # the last caller left: the create is cancelled as an unkeyed one is (what it
-            # made is killed); while another still waits, it goes on for that one
-            under_way[1] -= 1
-            if not under_way[1]:
-                task.cancel()
+            outcome.cancel()
             raise
+        except BaseException as e:
+            outcome.set_exception(e)
+            outcome.exception()  # those who wait raise it; nobody waiting is no warning
+            raise
+        else:
+            self._by_create_key[mine] = info.id
+            outcome.set_result(info)
+            return info
+        finally:
+            self._keyed_creates.pop(mine, None)
 
     async def _queued_create(
         self, spec: SandboxSpec, saved: Path | None, wait: float, batch: str
@@ -554,7 +557,7 @@ class Node:
         mine = (project, key)
         under_way = self._keyed_creates.get(mine)
         if under_way is not None:  # its outcome is its own caller's to raise
-            await asyncio.wait({under_way[0]})
+            await asyncio.wait({under_way})
         made = self.sandboxes.get(self._by_create_key.get(mine, ""))
         return made.info() if made is not None and made.status != "stopping" else None
 
