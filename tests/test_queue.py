@@ -330,6 +330,34 @@ def test_a_cancelled_caller_leaves_the_queue_and_nothing_is_made(client, node):
     assert "gone" not in projects and len(projects) == ROOM - 1
 
 
+def test_a_create_sent_again_makes_its_own_once_the_first_caller_leaves(client, node):
+    """Two creates under one key wait for room: the second waits for the first's outcome
+    rather than queueing a create of its own. The first's caller leaves (its create is called
+    off); the second then makes the sandbox itself, once."""
+    fillers = _full(client, node)
+
+    async def race() -> str:
+        sock = os.fspath(node.config.socket_path)
+        async with dsec.AsyncClient(sock) as a, dsec.AsyncClient(sock) as b:
+            spec = _spec(node, "again")
+            first = asyncio.ensure_future(a.create(spec, wait=30, key="k-1"))
+            deadline = time.monotonic() + 5
+            while await asyncio.to_thread(_depth, node, "again") != 1:
+                assert time.monotonic() < deadline, "the create never queued"
+                await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(b.create(spec, wait=30, key="k-1"))
+            await asyncio.sleep(0.3)
+            assert await asyncio.to_thread(_depth, node, "again") == 1  # one in the queue
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await asyncio.to_thread(client.kill, fillers[0])  # room for one
+            return (await asyncio.wait_for(second, 30)).id
+
+    made = asyncio.run(race())
+    assert [i.id for i in client.list() if i.labels.get("project") == "again"] == [made]
+
+
 # --- through an apiserver --------------------------------------------------------------------
 
 
