@@ -134,9 +134,9 @@ class UnknownSandbox(NotFound):
 
 class SandboxDied(UnknownSandbox):
     """The sandbox is gone: it stopped on its own (its init or VM killed from outside, a guest
-    kernel panic) and the node cleaned up after it. Carries ``sandbox_id``, ``cause`` (what
-    the backend saw: a VM's console's last words, say) and ``kind``: "guest_panic" or
-    "crashed". An infrastructure failure, not the task's doing."""
+    kernel panic), and the node cleans up (or has cleaned up) after it. Carries
+    ``sandbox_id``, ``cause`` (what the backend saw: a VM's console's last words, say) and
+    ``kind``: "guest_panic" or "crashed". An infrastructure failure, not the task's doing."""
 
 
 class UnknownSnapshot(NotFound):
