@@ -326,9 +326,3 @@ def test_a_connection_nobody_serves_is_dropped_not_stacked_on(setup, monkeypatch
             out = fresh.exec("md5sum /workspace/big4.bin").check().stdout
             assert out.split()[0].decode() == expected.hexdigest()
             fresh.kill()
-        if daemon_pid(config) is None:
-            ensure_daemon(config)
-        with Client(os.fspath(config.socket_path)) as client:
-            for info in client.list():
-                client.kill(info.id)
-        stop_daemon(config)

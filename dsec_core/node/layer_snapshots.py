@@ -75,9 +75,9 @@ class LayerSnapshots:
         layer sources to push the snapshot to, after those of its parents it lacks, so other
         nodes of that source can restore it."""
         sb = self.host.sandbox(sid)
-        if sb.status != "running" and sb.died is not None:
-            raise sb.not_running()
         if sb.status != "running":
+            if sb.died is not None:
+                raise sb.not_running()  # SandboxDied, with its cause
             raise SandboxNotRunning(
                 f"sandbox {sid} is {sb.status}: only a running sandbox can be packed",
                 sandbox_id=sid,

@@ -121,8 +121,8 @@ class Node:
         cfg = self.config
         self.uids = UidPool(cfg.uid_base, cfg.uid_size, cfg.uid_ranges, cfg.sandbox_gid)
         self.sandboxes: dict[str, Sandbox] = {}
-        #: creates under way by (project, create key): a second one with the key awaits it
-        #: (project, create key) -> the outcome of the create under way under it
+        #: (project, create key) -> the outcome of the create under way under it: a second
+        #: one with the key awaits it
         self._keyed_creates: dict[tuple[str, str], asyncio.Future[SandboxInfo]] = {}
         #: the live sandboxes that have a create key, by (project, key)
         self._by_create_key: dict[tuple[str, str], str] = {}
@@ -328,8 +328,8 @@ class Node:
             except asyncio.CancelledError:
                 if not under_way.cancelled():
                     raise  # this caller left
-        made = self.sandboxes.get(self._by_create_key.get(mine, ""))
-        if made is not None and made.status != "stopping":
+        made = self._made_under(mine)
+        if made is not None:
             log.info("create key %s: sandbox %s made it already", key, made.rt.id)
             return made.info()
         outcome: asyncio.Future[SandboxInfo] = asyncio.get_running_loop().create_future()
@@ -558,8 +558,13 @@ class Node:
         under_way = self._keyed_creates.get(mine)
         if under_way is not None:  # its outcome is its own caller's to raise
             await asyncio.wait({under_way})
+        made = self._made_under(mine)
+        return made.info() if made is not None else None
+
+    def _made_under(self, mine: tuple[str, str]) -> Sandbox | None:
+        """The live sandbox made under (project, create key) ``mine``, if there is one."""
         made = self.sandboxes.get(self._by_create_key.get(mine, ""))
-        return made.info() if made is not None and made.status != "stopping" else None
+        return made if made is not None and made.status != "stopping" else None
 
     def list_sandboxes(
         self, project: str | None = None, subtree: bool = False
